@@ -1,0 +1,3 @@
+from felix.cli import main
+
+raise SystemExit(main())

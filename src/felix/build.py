@@ -1,0 +1,225 @@
+"""Turn a validated ``Config`` into a ready simulation: data, population, traces, policies.
+
+The scenario's random streams (partition, traces, runtimes, model init) are derived from the
+seed independently of the strategy's stream, so every strategy of a comparison sees exactly the
+same clients, data and availability.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from felix.client.objectives import make_objective
+from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
+from felix.config import Config, ConfigError
+from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
+from felix.core.policies import Aggregator, EvalSelector, TrainSelector
+from felix.data.datasets import ArrayDataset, load_dataset
+from felix.data.partition import count_table_partition, dirichlet_partition
+from felix.metrics.recorder import Recorder
+from felix.models import make_model
+from felix.sim.engine import SimSettings, Simulation, make_devices
+from felix.sim.runtime import FELIX_HALFNORMAL_SCALE, halfnormal_runtimes, uniform_runtimes
+from felix.sim.traces import AvailabilityTrace, always_available, load_fedscale, load_mobiperf, slotted_churn
+
+# Stream ids under the run seed: scenario streams never depend on the strategy.
+_PARTITION, _TRACE, _RUNTIME, _MODEL, _STRATEGY = range(5)
+
+
+def _stream(seed: int, which: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([seed, which]))
+
+
+# ---------------------------------------------------------------------- policy registries
+def _random_selector(params: dict[str, Any], cfg: Config) -> TrainSelector:
+    from felix.selection.random import RandomSelector
+
+    if params:
+        raise ConfigError(f"selector 'random' takes no params, got {sorted(params)}")
+    return RandomSelector()
+
+
+def _fedavg(cfg: Config) -> Aggregator:
+    from felix.aggregation.fedavg import FedAvgAggregator
+
+    a = cfg.aggregator
+    return FedAvgAggregator(a.server_lr, a.normalize, a.clip_norm, **a.params)
+
+
+def _fedbuff(cfg: Config) -> Aggregator:
+    from felix.aggregation.fedavg import FedBuffAggregator
+
+    a = cfg.aggregator
+    return FedBuffAggregator(a.server_lr, a.normalize, a.clip_norm, **a.params)
+
+
+SELECTORS: dict[str, Callable[[dict[str, Any], Config], TrainSelector]] = {"random": _random_selector}
+EVAL_SELECTORS: dict[str, Callable[[dict[str, Any], Config], EvalSelector]] = {
+    "none": lambda params, cfg: EvalSelector()
+}
+AGGREGATORS: dict[str, Callable[[Config], Aggregator]] = {"fedavg": _fedavg, "fedbuff": _fedbuff}
+
+
+def _make(registry: dict[str, Callable[..., Any]], kind: str, name: str, *args: Any) -> Any:
+    if name not in registry:
+        raise ConfigError(f"{kind}.name: unknown {kind} {name!r}; choose one of {sorted(registry)}")
+    try:
+        return registry[name](*args)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{kind} {name!r}: {exc}") from None
+
+
+# ---------------------------------------------------------------------- scenario parts
+@functools.lru_cache(maxsize=4)
+def _dataset(name: str, root: str | None, download: bool, limit: int | None) -> tuple[ArrayDataset, ArrayDataset]:
+    return load_dataset(name, root, download, limit)
+
+
+def partition_indices(cfg: Config, labels: np.ndarray, num_classes: int) -> list[np.ndarray]:
+    p = cfg.partition
+    rng = _stream(cfg.seed, _PARTITION)
+    if p.kind == "dirichlet":
+        return dirichlet_partition(labels, p.num_clients, p.alpha, rng, p.min_samples)
+    if p.kind == "iid":
+        return [np.sort(s) for s in np.array_split(rng.permutation(len(labels)), p.num_clients)]
+    table = np.array(p.table, dtype=np.int64)
+    if table.shape[1] != num_classes:
+        raise ConfigError(f"partition.table has {table.shape[1]} classes, the dataset {num_classes}")
+    if table.shape[0] != p.num_clients:
+        raise ConfigError(f"partition.table has {table.shape[0]} rows but partition.num_clients is {p.num_clients}")
+    try:
+        return count_table_partition(labels, table, rng)
+    except ValueError as exc:
+        raise ConfigError(f"partition.table: {exc}") from None
+
+
+def build_trace(cfg: Config) -> AvailabilityTrace:
+    t = cfg.trace
+    n = cfg.partition.num_clients
+    if t.kind == "always":
+        return always_available(1)
+    if t.kind == "slotted":
+        return slotted_churn(n, t.unavailable_fraction, _stream(cfg.seed, _TRACE), t.slot_s, t.horizon_s)
+    if t.kind == "mobiperf":
+        return load_mobiperf(t.path, t.series)  # type: ignore[arg-type]
+    return load_fedscale(t.path)  # type: ignore[arg-type]
+
+
+def build_runtimes(cfg: Config) -> np.ndarray:
+    r = cfg.runtime
+    n = cfg.partition.num_clients
+    rng = _stream(cfg.seed, _RUNTIME)
+    if r.kind == "halfnormal":
+        return halfnormal_runtimes(n, rng, r.scale_s or FELIX_HALFNORMAL_SCALE, r.min_s)
+    if r.kind == "constant":
+        return np.full(n, r.constant_s)
+    return uniform_runtimes(n, rng, r.low_s, r.high_s)
+
+
+def make_evaluator(model: torch.nn.Module, test: ArrayDataset, device: str,
+                   batch_size: int = 1000) -> Callable[[np.ndarray], tuple[float, float]]:
+    model = model.to(device)
+    params = list(model.parameters())
+
+    @torch.no_grad()
+    def evaluate(weights: np.ndarray) -> tuple[float, float]:
+        vector_to_parameters(torch.from_numpy(np.array(weights, dtype=np.float32)).to(device), params)
+        model.eval()
+        correct, loss = 0, 0.0
+        for s in range(0, len(test), batch_size):
+            xb, yb = test.x[s:s + batch_size].to(device), test.y[s:s + batch_size].to(device)
+            logits = model(xb)
+            loss += float(F.cross_entropy(logits, yb, reduction="sum"))
+            correct += int((logits.argmax(1) == yb).sum())
+        return correct / len(test), loss / len(test)
+
+    return evaluate
+
+
+@dataclass
+class Population:
+    """The scenario side of a run, shared by the simulator and the deployment's server/clients."""
+
+    train: ArrayDataset
+    test: ArrayDataset
+    client_data: list[ClientData]
+    initial_weights: np.ndarray
+    model: torch.nn.Module
+
+
+def build_population(cfg: Config) -> Population:
+    d = cfg.dataset
+    train, test = _dataset(d.name, d.root, d.download, d.per_class_limit)
+    if d.test_limit is not None:
+        test = test.subset(np.arange(min(d.test_limit, len(test))))
+    parts = partition_indices(cfg, train.y.numpy(), train.num_classes)
+    datas = [ClientData(train.x[torch.as_tensor(ix)], train.y[torch.as_tensor(ix)]) for ix in parts]
+    seed = int(_stream(cfg.seed, _MODEL).integers(2**31))
+    try:
+        model = make_model(cfg.model, train.sample_shape, train.num_classes, seed=seed)
+    except ValueError as exc:
+        raise ConfigError(f"model: {exc}") from None
+    weights = parameters_to_vector(model.parameters()).detach().numpy().copy()
+    return Population(train, test, datas, weights, model)
+
+
+def build_trainer(cfg: Config, pop: Population) -> LocalTrainer:
+    c = cfg.client
+    try:
+        tcfg = TrainConfig(c.lr, c.batch_size, c.epochs, c.max_steps, c.momentum, c.weight_decay, c.drop_last, c.optimizer)
+        objective = make_objective(c.objective, **c.objective_params)
+    except ValueError as exc:
+        raise ConfigError(f"client: {exc}") from None
+    return LocalTrainer(copy.deepcopy(pop.model), objective, tcfg, pop.train.num_classes, cfg.run.device)
+
+
+def build_orchestrator(cfg: Config, weights: np.ndarray, trace: AvailabilityTrace | None) -> Orchestrator:
+    o = cfg.orchestrator
+    ocfg = OrchestratorConfig(
+        mode=o.mode, agg_goal=o.agg_goal, concurrency=o.concurrency, overcommit=o.overcommit,
+        deadline_s=o.deadline_s, cancel_stragglers=o.cancel_stragglers, task_timeout_s=o.task_timeout_s,
+        accept_late=o.accept_late, max_staleness=o.max_staleness, knowledge=Knowledge(o.knowledge),
+    )
+    selector = _make(SELECTORS, "selector", cfg.selector.name, dict(cfg.selector.params), cfg)
+    eval_selector = _make(EVAL_SELECTORS, "eval_selector", cfg.eval_selector.name, dict(cfg.eval_selector.params), cfg)
+    aggregator = _make(AGGREGATORS, "aggregator", cfg.aggregator.name, cfg)
+    if ocfg.knowledge is Knowledge.ORACLE and trace is None:
+        raise ConfigError("orchestrator.knowledge 'oracle' needs an availability trace")
+    oracle = trace if ocfg.knowledge is Knowledge.ORACLE else None
+    return Orchestrator(ocfg, weights, selector, aggregator, _stream(cfg.seed, _STRATEGY), eval_selector, oracle)
+
+
+@dataclass
+class Built:
+    cfg: Config
+    sim: Simulation
+    orch: Orchestrator
+    recorder: Recorder
+    trace: AvailabilityTrace
+    population: Population
+
+
+def build(cfg: Config) -> Built:
+    pop = build_population(cfg)
+    trace = build_trace(cfg)
+    runtimes = build_runtimes(cfg)
+    trainer = build_trainer(cfg, pop)
+    evaluate = make_evaluator(copy.deepcopy(pop.model), pop.test, cfg.run.device)
+    recorder = Recorder(evaluate, cfg.run.target_accuracy, cfg.run.target_window, cfg.run.eval_every)
+    orch = build_orchestrator(cfg, pop.initial_weights, trace)
+    devices = make_devices(pop.client_data, runtimes, trace.for_client)
+    r = cfg.run
+    settings = SimSettings(seed=cfg.seed, max_time_s=r.max_time_s, max_aggregations=r.max_aggregations,
+                           stop_at_target=r.stop_at_target, eval_fraction=cfg.runtime.eval_fraction)
+    sim = Simulation(orch, devices, trainer, recorder, settings)
+    return Built(cfg, sim, orch, recorder, trace, pop)

@@ -1,0 +1,60 @@
+"""The ``felix`` command."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from felix.config import ConfigError, parse_set
+from felix.data.datasets import DatasetError
+from felix.sim.traces import TraceError
+
+USER_ERRORS = (ConfigError, DatasetError, TraceError)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from felix.experiment import resolve_config, run_config
+
+    cfg = resolve_config(args.config, args.preset, parse_set(args.set), args.scenario)
+    out = Path(args.out or f"runs/{cfg.name}-{cfg.strategy}-s{cfg.seed}")
+    print(f"felix run: {cfg.name} / {cfg.strategy} (seed {cfg.seed}) -> {out}", file=sys.stderr)
+    res = run_config(cfg, out, progress=not args.quiet)
+    s = res.summary
+    ttt = "not reached" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.0f} s"
+    print(f"target {s['target_accuracy']:.2f}: {ttt}; final accuracy {s['final_accuracy']:.4f} after "
+          f"{s['aggregations']} aggregations, {s['virtual_time_s']:.0f} virtual s, {s['wall_time_s']:.1f} wall s, "
+          f"{(s['bytes_down'] + s['bytes_up']) / 1e6:.1f} MB ({s['stop_reason']})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="felix", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="log rejected messages and details")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="simulate one strategy on one scenario")
+    r.add_argument("config", nargs="?", help="YAML config (default: the embedded offline scenario)")
+    r.add_argument("--preset", help="strategy preset, e.g. fedavg, fedbuff")
+    r.add_argument("--scenario", help="named scenario to start from (default: 'default' when no config)")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    r.add_argument("--out", help="output folder (default runs/<name>-<strategy>-s<seed>)")
+    r.add_argument("-q", "--quiet", action="store_true", help="no live progress line")
+    r.set_defaults(func=_run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except USER_ERRORS as exc:
+        print(f"felix: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

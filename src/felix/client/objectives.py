@@ -1,0 +1,329 @@
+"""Client objectives: what a local step minimises. One object per client task, hooks at the points
+where published methods differ (the batch loss, the gradient before the step, state after it).
+
+New objectives register in ``OBJECTIVES``; every run config picks one by name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class TaskContext:
+    """What an objective may read or keep during one local task.
+
+    ``state`` persists on the client between its tasks (FedeRage's beta, SCAFFOLD's c_i);
+    ``aux_in`` is the server's reduced aux state that came with the task; ``aux_out`` goes back.
+    """
+
+    model: nn.Module
+    global_params: torch.Tensor  # flat copy of the received weights
+    lr: float
+    num_classes: int
+    class_counts: torch.Tensor  # samples per class on this client (after any augmentation)
+    state: dict[str, Any]
+    aux_in: dict[str, np.ndarray]
+    aux_out: dict[str, np.ndarray] = field(default_factory=dict)
+    steps: int = 0
+
+
+class Objective:
+    """Plain cross-entropy: FedAvg's local SGD. Subclasses override only the hooks they need."""
+
+    name = "ce"
+
+    def begin(self, ctx: TaskContext) -> None:
+        """Before the first local step."""
+
+    def batch_loss(self, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
+        return F.cross_entropy(logits, y)
+
+    def before_step(self, ctx: TaskContext) -> None:
+        """After backward, before the optimiser step: gradient corrections go here."""
+
+    def after_step(self, ctx: TaskContext) -> None:
+        """After the optimiser step: extra state updates and projections go here."""
+
+    def end(self, ctx: TaskContext) -> None:
+        """After the last step: write ``ctx.aux_out`` and persist ``ctx.state``."""
+
+
+OBJECTIVES: dict[str, type[Objective]] = {"ce": Objective}
+
+
+def make_objective(name: str, **params: Any) -> Objective:
+    try:
+        cls = OBJECTIVES[name]
+    except KeyError:
+        raise ValueError(f"unknown client objective {name!r}; choose one of {sorted(OBJECTIVES)}") from None
+    try:
+        return cls(**params)
+    except TypeError as exc:
+        raise ValueError(f"bad parameters for objective {name!r}: {exc}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Baselines and FedeRage. Each registers under the name a run config uses.
+# ---------------------------------------------------------------------------------------------
+
+
+def _param_views(model: nn.Module, flat: torch.Tensor) -> list[torch.Tensor]:
+    """Views of a flat vector shaped like each parameter, in ``parameters_to_vector`` order.
+
+    Hooks that add a flat correction to every ``p.grad`` use these instead of rebuilding a flat
+    gradient each step (one allocation per task, not per step).
+    """
+    views, offset = [], 0
+    for p in model.parameters():
+        n = p.numel()
+        views.append(flat[offset:offset + n].view_as(p))
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"flat vector has {flat.numel()} entries, the model has {offset} parameters")
+    return views
+
+
+def inverse_frequency_weights(class_counts: torch.Tensor) -> torch.Tensor:
+    """The DAFL paper's WCEL baseline weights: ``w_c = n / (C_present * n_c)``, 0 for absent classes.
+
+    DAFL names the baseline (weighted cross-entropy loss) but not its formula; this is the usual
+    inverse-frequency ("balanced", as in scikit-learn's ``compute_class_weight``) form over the
+    classes the client holds. With PyTorch's mean reduction the batch loss is
+    ``sum_i w_{y_i} l_i / sum_i w_{y_i}``, so only the ratios between classes matter.
+    """
+    counts = class_counts.to(torch.float64)
+    present = counts > 0
+    n_present = int(present.sum())
+    if n_present == 0:
+        raise ValueError("weighted cross-entropy needs at least one sample")
+    w = torch.zeros_like(counts)
+    w[present] = counts.sum() / (n_present * counts[present])
+    return w.to(torch.float32)
+
+
+class WeightedCE(Objective):
+    """Class-weighted cross-entropy (DAFL's WCEL baseline): up-weights the client's rare classes."""
+
+    name = "wce"
+
+    def __init__(self) -> None:
+        self._weight: torch.Tensor | None = None
+
+    def begin(self, ctx: TaskContext) -> None:
+        self._weight = inverse_frequency_weights(ctx.class_counts)
+
+    def batch_loss(self, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
+        assert self._weight is not None, "begin() sets the class weights"
+        return F.cross_entropy(logits, y, weight=self._weight.to(logits.device))
+
+
+class FocalLoss(Objective):
+    """Focal loss (Lin et al. 2017), ``-alpha_y (1 - p_y)^gamma log p_y`` averaged over the batch.
+
+    ``gamma`` (default 2, the paper's value; DAFL does not state its own) damps well-classified
+    samples; ``alpha`` is an optional per-class weight vector. ``gamma=0`` without ``alpha`` is
+    plain cross-entropy.
+    """
+
+    name = "focal"
+
+    def __init__(self, gamma: float = 2.0, alpha: tuple[float, ...] | list[float] | None = None) -> None:
+        if not (gamma >= 0 and np.isfinite(gamma)):
+            raise ValueError(f"focal gamma must be a finite value >= 0, not {gamma}")
+        if alpha is not None and (len(alpha) == 0 or any(not (a >= 0 and np.isfinite(a)) for a in alpha)):
+            raise ValueError("focal alpha must be a non-empty list of finite per-class weights >= 0")
+        self.gamma = float(gamma)
+        self.alpha = None if alpha is None else torch.tensor(alpha, dtype=torch.float32)
+
+    def begin(self, ctx: TaskContext) -> None:
+        if self.alpha is not None and self.alpha.numel() != ctx.num_classes:
+            raise ValueError(f"focal alpha has {self.alpha.numel()} entries for {ctx.num_classes} classes")
+
+    def batch_loss(self, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
+        logp = F.log_softmax(logits, dim=1).gather(1, y.unsqueeze(1)).squeeze(1)
+        per = -((1.0 - logp.exp()) ** self.gamma) * logp
+        if self.alpha is not None:
+            per = per * self.alpha.to(logits.device)[y]
+        return per.mean()
+
+
+class FedProx(Objective):
+    """FedProx (Li et al. 2020): cross-entropy plus ``mu/2 ||w - w_global||^2``.
+
+    The proximal term's gradient ``mu (w - w_global)`` is added to ``p.grad`` before the step
+    rather than to the loss, which is the same SGD step without a graph over all parameters.
+    The reported loss is therefore the data loss alone.
+    """
+
+    name = "fedprox"
+
+    def __init__(self, mu: float = 0.01) -> None:
+        if not (mu >= 0 and np.isfinite(mu)):
+            raise ValueError(f"fedprox mu must be a finite value >= 0, not {mu}")
+        self.mu = float(mu)
+        self._anchor: list[torch.Tensor] = []
+
+    def begin(self, ctx: TaskContext) -> None:
+        self._anchor = _param_views(ctx.model, ctx.global_params)
+
+    def before_step(self, ctx: TaskContext) -> None:
+        with torch.no_grad():
+            for p, g in zip(ctx.model.parameters(), self._anchor):
+                prox = (p - g).mul_(self.mu)
+                if p.grad is None:
+                    p.grad = prox
+                else:
+                    p.grad.add_(prox)
+
+
+class Scaffold(Objective):
+    """SCAFFOLD (Karimireddy et al. 2020), option II control variates.
+
+    Each step uses ``g + c - c_i``; at the end ``c_i+ = c_i - c + (x - y_i) / (K lr)``.
+    The server's rule ``c <- c + (1/N) sum_{i in S} (c_i+ - c_i)`` is a sum over the round, not
+    the weighted mean that ``reduce_aux`` applies by default, so the exchange uses two aux keys:
+
+    * ``sum:scaffold_dc`` = ``(c_i+ - c_i) / N``: keys with the ``sum:`` prefix are summed over
+      the updates (``reduce_aux``), which gives the server's increment ``(1/N) sum dc``;
+    * ``scaffold_c`` = the ``c`` this task started from, echoed so the weighted mean hands the
+      next task the same ``c`` (every update of a synchronous round echoes the same value).
+
+    A task therefore starts from ``c = aux_in["scaffold_c"] + aux_in["sum:scaffold_dc"]`` (zeros
+    when absent). ``num_clients`` is N, the population size the server divides by. With
+    momentum or Adam in the trainer the correction is still added to the gradient, as in the
+    reference code, but the option-II estimate assumes plain SGD.
+    """
+
+    name = "scaffold"
+
+    def __init__(self, num_clients: int) -> None:
+        if num_clients < 1:
+            raise ValueError(f"scaffold num_clients must be >= 1, not {num_clients}")
+        self.num_clients = int(num_clients)
+        self._c = torch.empty(0)
+        self._ci = torch.empty(0)
+        self._views: list[torch.Tensor] = []
+
+    @staticmethod
+    def _flat(value: np.ndarray | None, like: torch.Tensor, what: str) -> torch.Tensor:
+        if value is None:
+            return torch.zeros_like(like)
+        arr = np.asarray(value, dtype=np.float32).reshape(-1)
+        if arr.shape[0] != like.numel():
+            raise ValueError(f"scaffold {what} has {arr.shape[0]} entries, the model has {like.numel()}")
+        return torch.from_numpy(arr.copy()).to(like.device)
+
+    def begin(self, ctx: TaskContext) -> None:
+        x = ctx.global_params
+        c = self._flat(ctx.aux_in.get("scaffold_c"), x, "server control")
+        c += self._flat(ctx.aux_in.get("sum:scaffold_dc"), x, "server control increment")
+        self._c = c
+        self._ci = self._flat(ctx.state.get("scaffold_ci"), x, "client control")
+        self._views = _param_views(ctx.model, self._c - self._ci)
+
+    def before_step(self, ctx: TaskContext) -> None:
+        with torch.no_grad():
+            for p, corr in zip(ctx.model.parameters(), self._views):
+                if p.grad is None:
+                    p.grad = corr.clone()
+                else:
+                    p.grad.add_(corr)
+
+    def end(self, ctx: TaskContext) -> None:
+        if ctx.steps > 0:
+            with torch.no_grad():
+                y = torch.nn.utils.parameters_to_vector(ctx.model.parameters())
+                ci_new = self._ci - self._c + (ctx.global_params - y) / (ctx.steps * ctx.lr)
+        else:
+            ci_new = self._ci
+        dc = (ci_new - self._ci).cpu().numpy()
+        ctx.state["scaffold_ci"] = ci_new.cpu().numpy()
+        ctx.aux_out["scaffold_c"] = self._c.cpu().numpy()
+        ctx.aux_out["sum:scaffold_dc"] = dc / np.float32(self.num_clients)
+
+
+def risk_weight(loss: float, beta: float, alpha: float, gamma: float) -> float:
+    """FedeRage's scalar risk weight (Algorithm 2, line 8): ``(1 - gamma) + (gamma/alpha) 1{f >= beta}``."""
+    return (1.0 - gamma) + (gamma / alpha) * float(loss >= beta)
+
+
+def beta_step(beta: float, weight: float, lr: float, lo: float, hi: float) -> float:
+    """One projected subgradient step on beta: ``Proj_[lo,hi](beta - lr (1 - w))``.
+
+    ``1 - w = gamma (1 - 1{f >= beta}/alpha)`` is the subgradient of
+    ``gamma (beta + (f - beta)_+ / alpha)`` in beta: a batch above the threshold pushes beta up
+    by ``lr gamma (1/alpha - 1)``, one below pulls it down by ``lr gamma``, so at equilibrium a
+    fraction alpha of the batches lies above beta (beta tracks the loss's (1-alpha)-quantile).
+    """
+    return min(max(beta - lr * (1.0 - weight), lo), hi)
+
+
+class FedeRage(Objective):
+    """FedeRage's mean-CVaR local objective (Algorithm 2) over ``(theta, beta)``.
+
+    Per local step on one mini-batch with mean loss ``f``: ``w = (1-gamma) + (gamma/alpha) 1{f >= beta}``
+    with the beta held before the step; theta steps along ``w grad f`` (the returned loss is
+    ``w * f``, with ``w`` a constant) and beta along its subgradient ``1 - w`` with the same local
+    learning rate, projected onto ``B = [beta_min, beta_max]``. ``gamma = 0`` gives ``w = 1``
+    exactly, i.e. FedAvg's local SGD bit for bit, and leaves beta still.
+
+    Beta is part of the optimisation variable, like theta: the server averages it with the model
+    weights (``aux_out["federage_beta"]``) and a task starts from that average when the server
+    sends one (``beta_from_server=True``, the default). The paper describes beta as "maintained
+    locally as beta_i between communication rounds and averaged at the server"; since beta is a
+    quantile of the loss under the *global* mixture and the server's average is otherwise unused,
+    we read it as FedAvg on ``(theta, beta)``. The client's last beta is kept in ``ctx.state`` and
+    is the starting point before any server average exists, or always with
+    ``beta_from_server=False`` (the other reading). ``beta_init`` starts a client that has neither.
+    The trainer's reported loss is the mean of ``w * f``.
+    """
+
+    name = "federage"
+
+    def __init__(self, alpha: float = 0.5, gamma: float = 0.5, beta_min: float = 0.0, beta_max: float = 10.0,
+                 beta_init: float = 0.0, beta_from_server: bool = True) -> None:
+        if not (0.0 < alpha <= 1.0):
+            raise ValueError(f"federage alpha must lie in (0, 1], not {alpha}")
+        if not (0.0 <= gamma <= 1.0):
+            raise ValueError(f"federage gamma must lie in [0, 1], not {gamma}")
+        if not (np.isfinite(beta_min) and np.isfinite(beta_max) and beta_min <= beta_max):
+            raise ValueError(f"federage needs a finite interval beta_min <= beta_max, not [{beta_min}, {beta_max}]")
+        if not (beta_min <= beta_init <= beta_max):
+            raise ValueError(f"federage beta_init {beta_init} lies outside [{beta_min}, {beta_max}]")
+        self.alpha = float(alpha)
+        self.gamma = float(gamma)
+        self.beta_min = float(beta_min)
+        self.beta_max = float(beta_max)
+        self.beta_init = float(beta_init)
+        self.beta_from_server = bool(beta_from_server)
+        self.beta = self.beta_init
+        self._w = 1.0
+
+    def begin(self, ctx: TaskContext) -> None:
+        server = ctx.aux_in.get("federage_beta")
+        if self.beta_from_server and server is not None:
+            start = float(np.asarray(server, dtype=np.float64).reshape(-1)[0])
+        else:
+            start = float(ctx.state.get("federage_beta", self.beta_init))
+        self.beta = min(max(start, self.beta_min), self.beta_max)
+
+    def batch_loss(self, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
+        f = F.cross_entropy(logits, y)
+        self._w = risk_weight(float(f.detach()), self.beta, self.alpha, self.gamma)
+        return f * self._w
+
+    def after_step(self, ctx: TaskContext) -> None:
+        self.beta = beta_step(self.beta, self._w, ctx.lr, self.beta_min, self.beta_max)
+
+    def end(self, ctx: TaskContext) -> None:
+        ctx.state["federage_beta"] = self.beta
+        ctx.aux_out["federage_beta"] = np.array(self.beta, dtype=np.float64)
+
+
+OBJECTIVES.update({cls.name: cls for cls in (WeightedCE, FocalLoss, FedProx, Scaffold, FedeRage)})

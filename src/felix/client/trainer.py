@@ -1,0 +1,150 @@
+"""Local work on one client: a training task and a forward-pass eval task.
+
+Shared by the simulation engine and the MQTT client so both shells train identically. Weights
+travel as flat float32 vectors; the model here is only a workspace they are loaded into.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from felix.client.objectives import Objective, TaskContext
+from felix.core.types import ClientUpdate
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    lr: float = 0.04
+    batch_size: int = 32
+    epochs: int = 1
+    max_steps: int | None = None  # cap on local steps (None: full epochs)
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    drop_last: bool = False
+    optimizer: str = "sgd"  # "sgd" or "adam"
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.batch_size < 1 or self.epochs < 1:
+            raise ValueError("client lr must be > 0, batch_size >= 1 and epochs >= 1")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adam', not {self.optimizer!r}")
+
+
+@dataclass
+class ClientData:
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+
+def oort_utility(sq_loss_sum: float, n_seen: int, n_data: int) -> float:
+    """Oort's statistical utility |D| * sqrt(mean squared per-sample loss)."""
+    if n_seen == 0:
+        return 0.0
+    return float(n_data) * math.sqrt(sq_loss_sum / n_seen)
+
+
+class LocalTrainer:
+    def __init__(self, model: nn.Module, objective: Objective, cfg: TrainConfig, num_classes: int,
+                 device: str = "cpu") -> None:
+        self.model = model.to(device)
+        self.objective = objective
+        self.cfg = cfg
+        self.num_classes = num_classes
+        self.device = device
+        self._params = [p for p in self.model.parameters()]
+
+    def load(self, weights: np.ndarray) -> torch.Tensor:
+        flat = torch.from_numpy(np.array(weights, dtype=np.float32, copy=True)).to(self.device)
+        with torch.no_grad():
+            # vector_to_parameters makes the parameters views of its input: give it its own copy
+            # so that ``flat`` keeps the received weights for the delta.
+            vector_to_parameters(flat.clone(), self._params)
+        return flat
+
+    def train(self, weights: np.ndarray, data: ClientData, state: dict[str, Any],
+              aux_in: dict[str, np.ndarray], generator: torch.Generator) -> ClientUpdate:
+        """Run the local epochs; the utility comes from the losses seen in the first epoch."""
+        cfg = self.cfg
+        flat = self.load(weights)
+        n = len(data)
+        ctx = TaskContext(
+            model=self.model,
+            global_params=flat,
+            lr=cfg.lr,
+            num_classes=self.num_classes,
+            class_counts=torch.bincount(data.y, minlength=self.num_classes),
+            state=state,
+            aux_in=aux_in,
+        )
+        opt: torch.optim.Optimizer
+        if cfg.optimizer == "sgd":
+            opt = torch.optim.SGD(self._params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        else:
+            opt = torch.optim.Adam(self._params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.objective.begin(ctx)
+        self.model.train()
+        sq_sum, seen, loss_sum, batches = 0.0, 0, 0.0, 0
+        for epoch in range(cfg.epochs):
+            order = torch.randperm(n, generator=generator)
+            stop = n - n % cfg.batch_size if cfg.drop_last else n
+            for start in range(0, stop, cfg.batch_size):
+                if cfg.max_steps is not None and ctx.steps >= cfg.max_steps:
+                    break
+                idx = order[start:start + cfg.batch_size]
+                xb = data.x[idx].to(self.device, non_blocking=True)
+                yb = data.y[idx].to(self.device, non_blocking=True)
+                logits = self.model(xb)
+                if epoch == 0:
+                    with torch.no_grad():
+                        per = F.cross_entropy(logits, yb, reduction="none")
+                        sq_sum += float((per * per).sum())
+                        seen += int(yb.shape[0])
+                loss = self.objective.batch_loss(logits, yb, ctx)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                self.objective.before_step(ctx)
+                opt.step()
+                ctx.steps += 1
+                self.objective.after_step(ctx)
+                loss_sum += float(loss.detach())
+                batches += 1
+        self.objective.end(ctx)
+        with torch.no_grad():
+            delta = (parameters_to_vector(self._params) - flat).cpu().numpy()
+        return ClientUpdate(
+            num_samples=n,
+            stat_utility=oort_utility(sq_sum, seen, n),
+            loss=loss_sum / batches if batches else 0.0,
+            duration=0.0,
+            delta=delta,
+            aux=ctx.aux_out,
+        )
+
+    @torch.no_grad()
+    def probe(self, weights: np.ndarray, data: ClientData, batch_size: int = 256) -> ClientUpdate:
+        """TierSelect's eval task: one forward pass, reply with the statistical utility only."""
+        self.load(weights)
+        self.model.eval()
+        sq_sum, loss_sum, n = 0.0, 0.0, len(data)
+        for start in range(0, n, batch_size):
+            xb = data.x[start:start + batch_size].to(self.device)
+            yb = data.y[start:start + batch_size].to(self.device)
+            per = F.cross_entropy(self.model(xb), yb, reduction="none")
+            sq_sum += float((per * per).sum())
+            loss_sum += float(per.sum())
+        return ClientUpdate(
+            num_samples=n,
+            stat_utility=oort_utility(sq_sum, n, n),
+            loss=loss_sum / n if n else 0.0,
+            duration=0.0,
+        )

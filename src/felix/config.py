@@ -1,0 +1,195 @@
+"""Run configuration: one validated tree, read from YAML, merged with a strategy preset and
+``--set key=value`` overrides. Unknown keys and bad values fail with the key's dotted path."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says which key and why."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DatasetCfg(_Strict):
+    name: Literal["digits", "fashion_mnist", "cifar10"] = "digits"
+    root: str | None = None
+    download: bool = False
+    per_class_limit: int | None = Field(None, ge=1)
+    test_limit: int | None = Field(None, ge=1, description="evaluate on the first N test samples")
+
+
+class PartitionCfg(_Strict):
+    kind: Literal["dirichlet", "iid", "table"] = "dirichlet"
+    num_clients: int = Field(100, ge=1)
+    alpha: float = Field(0.5, gt=0)
+    min_samples: int = Field(1, ge=1)
+    table: list[list[int]] | None = None
+
+    @model_validator(mode="after")
+    def _table(self) -> "PartitionCfg":
+        if self.kind == "table":
+            if not self.table:
+                raise ValueError("partition.kind 'table' needs partition.table (clients x classes counts)")
+            if len({len(r) for r in self.table}) != 1:
+                raise ValueError("partition.table rows must all have the same number of classes")
+        return self
+
+
+class TraceCfg(_Strict):
+    kind: Literal["always", "slotted", "mobiperf", "fedscale"] = "always"
+    path: str | None = None
+    series: Literal["2", "3_50", "3_75", "failures_48h"] = "3_50"
+    unavailable_fraction: float = Field(0.1, ge=0, lt=1)
+    slot_s: float = Field(600.0, gt=0)
+    horizon_s: float = Field(86400.0, gt=0)
+
+    @model_validator(mode="after")
+    def _path(self) -> "TraceCfg":
+        if self.kind in ("mobiperf", "fedscale") and not self.path:
+            raise ValueError(f"trace.kind {self.kind!r} needs trace.path")
+        return self
+
+
+class RuntimeCfg(_Strict):
+    kind: Literal["halfnormal", "constant", "uniform"] = "halfnormal"
+    scale_s: float | None = Field(None, gt=0, description="half-normal scale; default the FeLiX authors' 14.38 s")
+    min_s: float = Field(2.0, ge=0)
+    constant_s: float = Field(10.0, gt=0)
+    low_s: float = Field(1.0, gt=0)
+    high_s: float = Field(60.0, gt=0)
+    eval_fraction: float = Field(0.05, gt=0, le=1)
+
+
+class OrchestratorCfg(_Strict):
+    mode: Literal["sync", "async"] = "async"
+    agg_goal: int = Field(10, ge=1)
+    concurrency: int = Field(30, ge=1)
+    overcommit: float = Field(1.3, ge=1)
+    deadline_s: float | None = Field(None, gt=0)
+    cancel_stragglers: bool = True
+    task_timeout_s: float | None = Field(90.0, gt=0)
+    accept_late: bool = True
+    max_staleness: int | None = Field(None, ge=0)
+    knowledge: Literal["none", "oracle", "tiertrack"] = "none"
+
+
+class PolicyCfg(_Strict):
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class AggregatorCfg(_Strict):
+    name: str = "fedbuff"
+    server_lr: float = Field(1.0, gt=0)
+    normalize: Literal["weights", "count"] = "weights"
+    clip_norm: float | None = Field(None, gt=0)
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class ClientCfg(_Strict):
+    lr: float = Field(0.05, gt=0)
+    batch_size: int = Field(32, ge=1)
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    drop_last: bool = False
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    objective: str = "ce"
+    objective_params: dict[str, Any] = Field(default_factory=dict)
+
+
+class RunCfg(_Strict):
+    target_accuracy: float = Field(0.8, gt=0, le=1)
+    target_window: int = Field(5, ge=1, description="K: mean of the last K evaluations must reach the target")
+    max_time_s: float = Field(86400.0, gt=0)
+    max_aggregations: int | None = Field(None, ge=1)
+    eval_every: int = Field(1, ge=0)
+    stop_at_target: bool = True
+    device: str = "cpu"
+
+
+class Config(_Strict):
+    name: str = "run"
+    strategy: str = "custom"
+    seed: int = 0
+    model: Literal["felix_cnn", "small_cnn", "mlp"] = "small_cnn"
+    data_plan: Literal["none", "lb", "dafl"] = "none"
+    dataset: DatasetCfg = DatasetCfg()
+    partition: PartitionCfg = PartitionCfg()
+    trace: TraceCfg = TraceCfg()
+    runtime: RuntimeCfg = RuntimeCfg()
+    orchestrator: OrchestratorCfg = OrchestratorCfg()
+    selector: PolicyCfg = PolicyCfg(name="random")
+    eval_selector: PolicyCfg = PolicyCfg(name="none")
+    aggregator: AggregatorCfg = AggregatorCfg()
+    client: ClientCfg = ClientCfg()
+    run: RunCfg = RunCfg()
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Nested dicts merge key by key; anything else in ``over`` replaces. ``params`` dicts replace
+    whole, so a strategy preset never inherits another selector's parameters."""
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("params", "objective_params"):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """``a.b=value`` pairs into a nested dict; values are parsed as YAML (numbers, null, lists)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {key}: cannot parse value {raw!r} ({exc})") from None
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {p} is set both as a value and as a section")
+        node[parts[-1]] = value
+    return out
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        doc = yaml.safe_load(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} not found") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML ({exc})") from None
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    return doc
+
+
+def validate(raw: dict[str, Any], source: str = "config") -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            lines.append(f"  {loc}: {msg}")
+        raise ConfigError(f"{source}: invalid configuration\n" + "\n".join(lines)) from None

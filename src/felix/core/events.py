@@ -1,0 +1,48 @@
+"""Events flowing into the orchestrator. Time always arrives inside an event: the core never reads a clock."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from felix.core.types import ClientUpdate, Tier
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRegistered:
+    time: float
+    client_id: int
+    num_samples: int
+    tier: Tier = Tier.AVL_TRAIN
+    class_counts: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TierChanged:
+    time: float
+    client_id: int
+    tier: Tier
+
+
+@dataclass(frozen=True, slots=True)
+class TaskFinished:
+    time: float
+    client_id: int
+    task_id: int
+    update: ClientUpdate = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskFailed:
+    time: float
+    client_id: int
+    task_id: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Delivered by the shell at (or after) ``Orchestrator.next_wakeup()`` so timers can fire."""
+
+    time: float
+
+
+Event = ClientRegistered | TierChanged | TaskFinished | TaskFailed | Tick

@@ -1,0 +1,481 @@
+"""The sans-I/O orchestrator: events in, commands out.
+
+Both shells (the simulation engine and the MQTT deployment) drive this one class, so a strategy
+behaves the same in both. It never reads a clock or touches I/O: time arrives inside events and
+``next_wakeup()`` tells the shell when to deliver a ``Tick`` for timers to fire.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from felix.core.client_map import ClientMap, ClientRecord
+from felix.core.commands import (
+    AggregationReport,
+    CancelTask,
+    Command,
+    DispatchEval,
+    DispatchTrain,
+    NewModelVersion,
+    UpdateRejected,
+)
+from felix.core.events import ClientRegistered, Event, TaskFailed, TaskFinished, TierChanged, Tick
+from felix.core.policies import (
+    Aggregator,
+    AvailabilityOracle,
+    EvalSelector,
+    SelectionContext,
+    TrainSelector,
+)
+from felix.core.types import BufferedUpdate, Task, TaskKind, TaskState, Tier
+
+
+class Knowledge(str, Enum):
+    """What the server knows of availability (DESIGN.md's second axis).
+
+    NONE: every registered client looks available; trouble shows only as a timeout.
+    ORACLE: tier reports filter selection (they stand for reading the trace), but in-flight tasks
+    are not interrupted: the oracle baselines know who is online, not who just left.
+    TIERTRACK: client-reported tiers filter selection *and* free the slot of a client that leaves
+    (UN_AVL, or AVL_TRAIN -> AVL_EVAL) at once; a timeout marks a silent client UN_AVL.
+    """
+
+    NONE = "none"
+    ORACLE = "oracle"
+    TIERTRACK = "tiertrack"
+
+
+@dataclass(frozen=True, slots=True)
+class OrchestratorConfig:
+    mode: str = "async"  # "sync" rounds or "async" buffered
+    agg_goal: int = 10
+    concurrency: int = 30  # async: training tasks kept in flight
+    overcommit: float = 1.3  # sync: clients selected per round = ceil(agg_goal * overcommit)
+    deadline_s: float | None = None  # sync: end the round with what has arrived
+    cancel_stragglers: bool = True  # sync: cancel a round's outstanding tasks when it ends
+    task_timeout_s: float | None = 90.0
+    accept_late: bool = True  # aggregate replies of timed-out / interrupted tasks (stale)
+    max_staleness: int | None = None  # discard updates staler than this (versions)
+    knowledge: Knowledge = Knowledge.NONE
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"mode must be 'sync' or 'async', not {self.mode!r}")
+        if self.agg_goal < 1:
+            raise ValueError("agg_goal must be at least 1")
+        if self.mode == "async" and self.concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if self.overcommit < 1.0:
+            raise ValueError("overcommit must be >= 1.0")
+        for name in ("deadline_s", "task_timeout_s"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ValueError(f"{name} must be positive or null")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError("max_staleness must be >= 0 or null")
+
+
+@dataclass(slots=True)
+class OrchestratorStats:
+    """Counters and per-event diagnostics the metrics layer turns into a report."""
+
+    train_dispatched: int = 0
+    eval_dispatched: int = 0
+    evals_done: int = 0
+    updates_applied: int = 0
+    updates_discarded: int = 0  # accepted messages not aggregated: too stale, or late after cancel
+    rejected: int = 0  # malformed / forged / replayed messages
+    train_dropped: int = 0  # training tasks that lost their slot mid-task (interrupt or timeout)
+    train_cancelled: int = 0
+    rounds_started: int = 0
+    aggregation_times: list[float] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)
+    agg_weights: list[float] = field(default_factory=list)
+    utility_age_at_selection: list[int] = field(default_factory=list)
+    never_explored_at_selection: int = 0
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        initial_weights: np.ndarray,
+        selector: TrainSelector,
+        aggregator: Aggregator,
+        rng: np.random.Generator,
+        eval_selector: EvalSelector | None = None,
+        oracle: AvailabilityOracle | None = None,
+    ) -> None:
+        if initial_weights.ndim != 1:
+            raise ValueError("initial_weights must be a flat parameter vector")
+        self.cfg = config
+        self.selector = selector
+        self.aggregator = aggregator
+        self.eval_selector = eval_selector or EvalSelector()
+        self.rng = rng
+        self.oracle = oracle
+        self.clients = ClientMap()
+        self.stats = OrchestratorStats()
+        self.version = 0
+        self.round = 0  # sync: rounds started; async: equals the version
+        self.now = 0.0
+        self.aux: dict[str, np.ndarray] = {}
+        self.plans: dict[int, tuple[int, ...]] = {}
+        self._theta = _frozen(initial_weights.astype(np.float32, copy=True))
+        self._tasks: dict[int, Task] = {}
+        self._closed: dict[int, TaskState] = {}  # task id -> DONE / CANCELLED, for replays
+        self._next_task = 1
+        self._timers: list[tuple[float, int]] = []
+        self._buffer: list[BufferedUpdate] = []
+        self._round_active = False
+        self._round_deadline: float | None = None
+        self._round_received = 0
+        self._evals_this_round = 0
+        self._train_in_flight = 0
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def weights(self) -> np.ndarray:
+        return self._theta
+
+    def tasks(self) -> list[Task]:
+        return list(self._tasks.values())
+
+    def set_data_plan(self, plans: dict[int, tuple[int, ...]]) -> None:
+        """Attach each client's row of a data plan (DAFL / LB); it travels with its first task."""
+        self.plans = dict(plans)
+
+    def next_wakeup(self) -> float | None:
+        while self._timers:
+            t, task_id = self._timers[0]
+            task = self._tasks.get(task_id)
+            if task is not None and task.holds_slot:
+                break
+            heapq.heappop(self._timers)
+        times = [self._timers[0][0]] if self._timers else []
+        if self._round_deadline is not None:
+            times.append(self._round_deadline)
+        return min(times) if times else None
+
+    def handle(self, event: Event) -> list[Command]:
+        if event.time < self.now:
+            raise ValueError(f"event time {event.time} is before the orchestrator's time {self.now}")
+        self.now = float(event.time)
+        out: list[Command] = []
+        if isinstance(event, ClientRegistered):
+            self._on_registered(event, out)
+        elif isinstance(event, TierChanged):
+            self._on_tier(event, out)
+        elif isinstance(event, TaskFinished):
+            self._on_finished(event, out)
+        elif isinstance(event, TaskFailed):
+            self._on_failed(event, out)
+        elif not isinstance(event, Tick):
+            raise TypeError(f"not an orchestrator event: {event!r}")
+        self._fire_timers(out)
+        self._fill(out)
+        return out
+
+    # ------------------------------------------------------------------ events
+    def _on_registered(self, ev: ClientRegistered, out: list[Command]) -> None:
+        if ev.client_id in self.clients:
+            self._reject(ev.client_id, 0, "client registered twice", out)
+            return
+        if ev.num_samples < 0:
+            self._reject(ev.client_id, 0, "negative sample count at registration", out)
+            return
+        tier = ev.tier if self.cfg.knowledge is not Knowledge.NONE else Tier.AVL_TRAIN
+        self.clients.add(
+            ClientRecord(
+                client_id=ev.client_id,
+                num_samples=ev.num_samples,
+                tier=tier,
+                reported_tier=ev.tier,
+                class_counts=tuple(ev.class_counts),
+            )
+        )
+
+    def _on_tier(self, ev: TierChanged, out: list[Command]) -> None:
+        if ev.client_id not in self.clients:
+            self._reject(ev.client_id, 0, "tier change from an unknown client", out)
+            return
+        rec = self.clients[ev.client_id]
+        rec.reported_tier = ev.tier
+        if self.cfg.knowledge is Knowledge.NONE:
+            return
+        self.clients.set_tier(ev.client_id, ev.tier)
+        if self.cfg.knowledge is not Knowledge.TIERTRACK or rec.in_flight is None:
+            return
+        task = self._tasks[rec.in_flight]
+        leaves = ev.tier is Tier.UN_AVL or (ev.tier is Tier.AVL_EVAL and task.kind is TaskKind.TRAIN)
+        if leaves:
+            self._release(task, TaskState.INTERRUPTED)
+
+    def _on_finished(self, ev: TaskFinished, out: list[Command]) -> None:
+        task = self._validate(ev, out)
+        if task is None:
+            return
+        rec = self.clients[task.client_id]
+        upd = ev.update
+        late = task.state is not TaskState.IN_FLIGHT
+        if task.holds_slot:
+            self._free_slot(task)
+        self._tasks.pop(task.task_id)
+        self._closed[task.task_id] = TaskState.DONE
+        if rec.tier is Tier.UN_AVL and rec.reported_tier is not Tier.UN_AVL:
+            # A timeout had marked it UN_AVL; the reply proves it alive in its reported tier.
+            self.clients.set_tier(rec.client_id, rec.reported_tier)
+        rec.stat_utility = float(upd.stat_utility)
+        rec.last_utility_round = self.round
+        ctx = self._ctx()
+        if task.kind is TaskKind.EVAL:
+            rec.times_evaluated += 1
+            self.stats.evals_done += 1
+            self.selector.on_update(rec, ctx)
+            return
+        rec.last_duration = float(upd.duration)
+        self.selector.on_update(rec, ctx)
+        if late and not self.cfg.accept_late:
+            self.stats.updates_discarded += 1
+            return
+        staleness = self.version - task.base_version
+        if self.cfg.max_staleness is not None and staleness > self.cfg.max_staleness:
+            self.stats.updates_discarded += 1
+            return
+        rec.times_updated += 1
+        self._buffer.append(
+            BufferedUpdate(rec.client_id, task.task_id, task.base_version, self.now, upd, staleness)
+        )
+        if self.cfg.mode == "async":
+            if len(self._buffer) >= self.cfg.agg_goal:
+                self._aggregate(out)
+        else:
+            if task.round == self.round and self._round_active:
+                self._round_received += 1
+            if self._round_active and self._round_received >= self.cfg.agg_goal:
+                self._end_round(out)
+
+    def _on_failed(self, ev: TaskFailed, out: list[Command]) -> None:
+        task = self._tasks.get(ev.task_id)
+        if task is None or task.client_id != ev.client_id:
+            self._reject(ev.client_id, ev.task_id, f"failure report for a task it does not hold ({ev.reason})", out)
+            return
+        if task.holds_slot:
+            self._free_slot(task)
+        if task.kind is TaskKind.TRAIN:
+            self.stats.train_dropped += 1
+            self.clients[task.client_id].times_dropped += 1
+            self.clients[task.client_id].blocked_round = task.round
+        self._tasks.pop(task.task_id)
+        self._closed[task.task_id] = TaskState.CANCELLED
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self, ev: TaskFinished, out: list[Command]) -> Task | None:
+        if ev.client_id not in self.clients:
+            self._reject(ev.client_id, ev.task_id, "unknown client", out)
+            return None
+        task = self._tasks.get(ev.task_id)
+        if task is None:
+            closed = self._closed.get(ev.task_id)
+            reason = {
+                TaskState.DONE: "replayed result: task already applied",
+                TaskState.CANCELLED: "result for a cancelled task",
+            }.get(closed, "result for a task the server never assigned")  # type: ignore[arg-type]
+            self._reject(ev.client_id, ev.task_id, reason, out)
+            return None
+        if task.client_id != ev.client_id:
+            self._reject(ev.client_id, ev.task_id, f"task {ev.task_id} was assigned to another client", out)
+            return None
+        upd = ev.update
+        if not (math.isfinite(upd.stat_utility) and math.isfinite(upd.loss) and math.isfinite(upd.duration)):
+            self._reject(ev.client_id, ev.task_id, "non-finite loss, utility or duration", out)
+            return None
+        if upd.num_samples <= 0 and task.kind is TaskKind.TRAIN:
+            self._reject(ev.client_id, ev.task_id, "training update over no samples", out)
+            return None
+        if task.kind is TaskKind.TRAIN:
+            d = upd.delta
+            if d is None:
+                self._reject(ev.client_id, ev.task_id, "training result without a model update", out)
+                return None
+            if d.shape != self._theta.shape or d.dtype != np.float32:
+                self._reject(
+                    ev.client_id,
+                    ev.task_id,
+                    f"model update of shape {d.shape}/{d.dtype}, expected {self._theta.shape}/float32",
+                    out,
+                )
+                return None
+            if not np.isfinite(d).all():
+                self._reject(ev.client_id, ev.task_id, "model update holds non-finite values", out)
+                return None
+            for key, val in upd.aux.items():
+                if not np.isfinite(np.asarray(val, dtype=np.float64)).all():
+                    self._reject(ev.client_id, ev.task_id, f"aux {key!r} holds non-finite values", out)
+                    return None
+        return task
+
+    def _reject(self, client_id: int, task_id: int, reason: str, out: list[Command]) -> None:
+        self.stats.rejected += 1
+        out.append(UpdateRejected(self.now, client_id, task_id, reason))
+
+    # ------------------------------------------------------------------ slots and timers
+    def _free_slot(self, task: Task) -> None:
+        self.clients.set_in_flight(task.client_id, None)
+        if task.kind is TaskKind.TRAIN:
+            self._train_in_flight -= 1
+
+    def _release(self, task: Task, state: TaskState) -> None:
+        """A task loses its slot mid-way; its late reply may still come (and be accepted)."""
+        self._free_slot(task)
+        task.state = state
+        rec = self.clients[task.client_id]
+        if task.kind is TaskKind.TRAIN:
+            self.stats.train_dropped += 1
+            rec.times_dropped += 1
+            rec.blocked_round = task.round
+
+    def _fire_timers(self, out: list[Command]) -> None:
+        while self._timers and self._timers[0][0] <= self.now:
+            _, task_id = heapq.heappop(self._timers)
+            task = self._tasks.get(task_id)
+            if task is None or not task.holds_slot:
+                continue
+            self._release(task, TaskState.TIMED_OUT)
+            if self.cfg.knowledge is Knowledge.TIERTRACK:
+                self.clients.set_tier(task.client_id, Tier.UN_AVL)
+            if not self.cfg.accept_late:
+                self._cancel(task, "timed out", out)
+        if self._round_deadline is not None and self._round_deadline <= self.now:
+            self._end_round(out)
+
+    def _cancel(self, task: Task, reason: str, out: list[Command]) -> None:
+        if task.holds_slot:
+            self._free_slot(task)
+        self._tasks.pop(task.task_id, None)
+        self._closed[task.task_id] = TaskState.CANCELLED
+        if task.kind is TaskKind.TRAIN:
+            self.stats.train_cancelled += 1
+        out.append(CancelTask(task.task_id, task.client_id, reason))
+
+    # ------------------------------------------------------------------ selection
+    def _ctx(self) -> SelectionContext:
+        return SelectionContext(self.now, self.round, self.clients, self.rng, self.oracle)
+
+    def _train_candidates(self) -> list[int]:
+        if self.cfg.knowledge is Knowledge.NONE:
+            ids = self.clients.idle_all()
+        else:
+            ids = self.clients.idle_in(Tier.AVL_TRAIN)
+        r = self.round
+        sync = self.cfg.mode == "sync"
+        out = []
+        for c in ids:
+            rec = self.clients[c]
+            # The rejoin rule: a client that dropped its task this round is not picked again in it;
+            # in sync mode nobody trains twice in one round.
+            if rec.blocked_round != r and not (sync and rec.selected_round == r):
+                out.append(c)
+        return out
+
+    def _fill(self, out: list[Command]) -> None:
+        if self.cfg.mode == "async":
+            need = self.cfg.concurrency - self._train_in_flight
+        else:
+            if not self._round_active:
+                self._start_round()
+            need = self._sync_need()
+        if need > 0:
+            candidates = self._train_candidates()
+            if candidates:
+                picked = self.selector.select(candidates, min(need, len(candidates)), self._ctx())
+                for cid in picked:
+                    self._dispatch(cid, TaskKind.TRAIN, out)
+        budget = self.eval_selector.per_round_budget - self._evals_this_round
+        if budget > 0:
+            cands = self.clients.idle_in(Tier.AVL_TRAIN, Tier.AVL_EVAL)
+            if cands:
+                for cid in self.eval_selector.select(cands, budget, self._ctx()):
+                    self._dispatch(cid, TaskKind.EVAL, out)
+
+    def _dispatch(self, cid: int, kind: TaskKind, out: list[Command]) -> None:
+        rec = self.clients[cid]
+        if rec.in_flight is not None:
+            raise RuntimeError(f"selector picked client {cid}, which already holds task {rec.in_flight}")
+        task = Task(self._next_task, cid, kind, self.version, self.round, self.now)
+        self._next_task += 1
+        self._tasks[task.task_id] = task
+        self.clients.set_in_flight(cid, task.task_id)
+        if self.cfg.task_timeout_s is not None:
+            heapq.heappush(self._timers, (self.now + self.cfg.task_timeout_s, task.task_id))
+        if kind is TaskKind.TRAIN:
+            self._train_in_flight += 1
+            self.stats.train_dispatched += 1
+            rec.selected_round = self.round
+            rec.times_selected += 1
+            if rec.explored:
+                self.stats.utility_age_at_selection.append(self.round - rec.last_utility_round)
+            else:
+                self.stats.never_explored_at_selection += 1
+            out.append(DispatchTrain(task.task_id, cid, self.version, self._theta, self.aux, self.plans.get(cid, ())))
+        else:
+            self._evals_this_round += 1
+            self.stats.eval_dispatched += 1
+            out.append(DispatchEval(task.task_id, cid, self.version, self._theta))
+
+    # ------------------------------------------------------------------ sync rounds
+    def _start_round(self) -> None:
+        self.round += 1
+        self.stats.rounds_started += 1
+        self._round_active = True
+        self._round_received = 0
+        self._evals_this_round = 0
+        self._round_deadline = None if self.cfg.deadline_s is None else self.now + self.cfg.deadline_s
+
+    def _sync_need(self) -> int:
+        """Keep ceil(agg_goal * overcommit) of this round's tasks arrived or outstanding: the
+        over-selection at the start, and a top-up for tasks that failed, timed out or left."""
+        outstanding = sum(1 for t in self._tasks.values()
+                          if t.round == self.round and t.holds_slot and t.kind is TaskKind.TRAIN)
+        return math.ceil(self.cfg.agg_goal * self.cfg.overcommit) - self._round_received - outstanding
+
+    def _end_round(self, out: list[Command]) -> None:
+        if self.cfg.cancel_stragglers:
+            for task in [t for t in self._tasks.values() if t.round == self.round and t.kind is TaskKind.TRAIN]:
+                self._cancel(task, "round ended", out)
+        self._round_active = False
+        self._round_deadline = None
+        if self._buffer:
+            self._aggregate(out)
+
+    # ------------------------------------------------------------------ aggregation
+    def _aggregate(self, out: list[Command]) -> None:
+        buffer, self._buffer = self._buffer, []
+        for b in buffer:
+            b.staleness = self.version - b.base_version
+        theta, norm_w, aux = self.aggregator.aggregate(self._theta, buffer)
+        self._theta = _frozen(theta.astype(np.float32, copy=False))
+        self.aux.update(aux)
+        self.version += 1
+        if self.cfg.mode == "async":
+            self.round = self.version
+            self._evals_this_round = 0
+        st = self.stats
+        st.updates_applied += len(buffer)
+        st.aggregation_times.append(self.now)
+        st.staleness.extend(b.staleness for b in buffer)
+        st.agg_weights.extend(float(w) for w in norm_w)
+        self.selector.on_round_end(self.round, self._ctx())
+        report = AggregationReport(
+            tuple(b.client_id for b in buffer), tuple(b.staleness for b in buffer), tuple(float(w) for w in norm_w)
+        )
+        out.append(NewModelVersion(self.version, self.now, self._theta, report))
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a

@@ -1,0 +1,239 @@
+"""Datasets as in-memory tensors.
+
+Three sources per dataset where it makes sense: a local folder or archive (what CI and offline
+users have), the standard download (torchvision, for users with internet), and for the default
+scenario a dataset bundled inside an installed package (scikit-learn's 8x8 digits), so that
+``felix run`` works with no download at all.
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import struct
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+FASHION_CLASSES = ["t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "boot"]
+FASHION_DEFAULT_ROOT = "/usr/share/datasets/fashion-mnist"
+IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp"}
+
+
+class DatasetError(ValueError):
+    """A dataset folder, archive or file that cannot be read as the named dataset."""
+
+
+@dataclass
+class ArrayDataset:
+    x: torch.Tensor  # float32, N x C x H x W, normalised
+    y: torch.Tensor  # int64, N
+    classes: list[str]
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        return tuple(self.x.shape[1:])
+
+    def subset(self, idx: np.ndarray) -> "ArrayDataset":
+        t = torch.as_tensor(idx, dtype=torch.long)
+        return ArrayDataset(self.x[t], self.y[t], self.classes)
+
+    def class_counts(self) -> np.ndarray:
+        return np.bincount(self.y.numpy(), minlength=self.num_classes)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FELIX_CACHE", Path.home() / ".cache" / "felix-fl"))
+
+
+def load_dataset(name: str, root: str | None = None, download: bool = False,
+                 per_class_limit: int | None = None) -> tuple[ArrayDataset, ArrayDataset]:
+    """Return (train, test). ``per_class_limit`` keeps the first N images of each class per split,
+    which keeps CPU-sized experiments quick to load without changing the class balance."""
+    loaders = {"digits": _load_digits, "fashion_mnist": _load_fashion, "cifar10": _load_cifar10}
+    if name not in loaders:
+        raise DatasetError(f"unknown dataset {name!r}; choose one of {sorted(loaders)}")
+    train, test = loaders[name](root, download)
+    if per_class_limit is not None:
+        train, test = (_limit(d, per_class_limit) for d in (train, test))
+    return train, test
+
+
+def _limit(d: ArrayDataset, n: int) -> ArrayDataset:
+    y = d.y.numpy()
+    keep = np.concatenate([np.flatnonzero(y == c)[:n] for c in range(d.num_classes)])
+    keep.sort()
+    return d.subset(keep)
+
+
+def _normalise(x_uint8: np.ndarray) -> torch.Tensor:
+    x = torch.from_numpy(x_uint8).float().div_(255.0)
+    return x.sub_(0.5).div_(0.5)
+
+
+# ---------------------------------------------------------------------- digits (bundled)
+def _load_digits(root: str | None, download: bool) -> tuple[ArrayDataset, ArrayDataset]:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = (d.images.astype(np.float32) / 16.0 - 0.5) / 0.5
+    y = d.target.astype(np.int64)
+    order = np.random.default_rng(0).permutation(len(y))  # fixed split, independent of run seeds
+    test_idx, train_idx = order[:360], order[360:]
+    classes = [str(i) for i in range(10)]
+
+    def mk(idx: np.ndarray) -> ArrayDataset:
+        return ArrayDataset(torch.from_numpy(x[idx][:, None]), torch.from_numpy(y[idx]), classes)
+
+    return mk(np.sort(train_idx)), mk(np.sort(test_idx))
+
+
+# ---------------------------------------------------------------------- Fashion-MNIST (idx)
+def _read_idx(path: Path) -> np.ndarray:
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError) as exc:
+        raise DatasetError(f"{path}: cannot read idx file ({exc})") from None
+    if len(data) < 4:
+        raise DatasetError(f"{path}: truncated idx file")
+    zero, dtype, ndim = struct.unpack(">HBB", data[:4])
+    if zero != 0 or dtype != 0x08:
+        raise DatasetError(f"{path}: not an unsigned-byte idx file (magic {data[:4].hex()})")
+    dims = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
+    body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
+    if body.size != int(np.prod(dims)):
+        raise DatasetError(f"{path}: idx header says {dims} but holds {body.size} bytes")
+    return body.reshape(dims).copy()
+
+
+def _find(root: Path, stem: str) -> Path:
+    for cand in (root / stem, root / f"{stem}.gz"):
+        if cand.exists():
+            return cand
+    raise DatasetError(f"{root}: missing {stem}[.gz] (Fashion-MNIST idx files)")
+
+
+def _load_fashion(root: str | None, download: bool) -> tuple[ArrayDataset, ArrayDataset]:
+    base = Path(root or FASHION_DEFAULT_ROOT)
+    if not base.is_dir():
+        if download:
+            return _torchvision("FashionMNIST", FASHION_CLASSES)
+        raise DatasetError(
+            f"Fashion-MNIST folder {base} not found: install Debian's dataset-fashion-mnist, "
+            "pass dataset.root, or set dataset.download: true (needs torchvision)"
+        )
+    out = []
+    for split in ("train", "t10k"):
+        xs = _read_idx(_find(base, f"{split}-images-idx3-ubyte"))
+        ys = _read_idx(_find(base, f"{split}-labels-idx1-ubyte")).astype(np.int64)
+        if len(xs) != len(ys):
+            raise DatasetError(f"{base}: {split} has {len(xs)} images but {len(ys)} labels")
+        out.append(ArrayDataset(_normalise(xs[:, None]), torch.from_numpy(ys), FASHION_CLASSES))
+    return out[0], out[1]
+
+
+# ---------------------------------------------------------------------- CIFAR-10
+def _load_cifar10(root: str | None, download: bool) -> tuple[ArrayDataset, ArrayDataset]:
+    if root is None:
+        if download:
+            return _torchvision("CIFAR10", CIFAR10_CLASSES)
+        raise DatasetError("cifar10 needs dataset.root (an image folder or .tar.gz) or dataset.download: true")
+    folder = _unpack_if_archive(Path(root))
+    if (folder / "cifar10-jpeg").is_dir() and not (folder / "train").is_dir():
+        folder = folder / "cifar10-jpeg"
+    train = load_image_folder(folder / "train")
+    test = load_image_folder(folder / "test", classes=train.classes)
+    return train, test
+
+
+def _unpack_if_archive(path: Path) -> Path:
+    if path.is_dir():
+        return path
+    if not path.exists():
+        raise DatasetError(f"dataset root {path} does not exist")
+    if not path.name.endswith((".tar.gz", ".tgz", ".tar")):
+        raise DatasetError(f"dataset root {path} is neither a folder nor a .tar/.tar.gz archive")
+    stat = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    dest = cache_dir() / f"unpacked-{key}"
+    if not (dest / ".complete").exists():
+        dest.mkdir(parents=True, exist_ok=True)
+        try:
+            with tarfile.open(path) as tar:
+                tar.extractall(dest, filter="data")
+        except tarfile.TarError as exc:
+            raise DatasetError(f"{path}: broken archive ({exc})") from None
+        (dest / ".complete").touch()
+    return dest
+
+
+def load_image_folder(folder: Path, classes: list[str] | None = None) -> ArrayDataset:
+    """ImageFolder layout (``folder/<class>/*.jpg``), decoded once with Pillow and cached as .npy."""
+    from PIL import Image
+
+    if not folder.is_dir():
+        raise DatasetError(f"image folder {folder} not found (expected {folder}/<class>/*.jpg)")
+    found = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    if not found:
+        raise DatasetError(f"{folder}: no class sub-folders")
+    classes = classes or found
+    missing = set(found) - set(classes)
+    if missing:
+        raise DatasetError(f"{folder}: class folders {sorted(missing)} are not among the training classes")
+    files = [(c, p) for c, name in enumerate(classes) if (folder / name).is_dir()
+             for p in sorted((folder / name).iterdir()) if p.suffix.lower() in IMAGE_EXTS]
+    if not files:
+        raise DatasetError(f"{folder}: no images")
+    key = hashlib.sha1(("|".join(f"{p}:{p.stat().st_size}" for _, p in files)).encode()).hexdigest()[:16]
+    cached = cache_dir() / f"images-{key}.npz"
+    if cached.exists():
+        with np.load(cached) as z:
+            xs, ys = z["x"], z["y"]
+    else:
+        first = np.asarray(Image.open(files[0][1]).convert("RGB"))
+        xs = np.empty((len(files), *first.shape), dtype=np.uint8)
+        for i, (_, p) in enumerate(files):
+            try:
+                img = np.asarray(Image.open(p).convert("RGB"))
+            except OSError as exc:
+                raise DatasetError(f"{p}: not a readable image ({exc})") from None
+            if img.shape != first.shape:
+                raise DatasetError(f"{p}: shape {img.shape} differs from {first.shape}")
+            xs[i] = img
+        ys = np.array([c for c, _ in files], dtype=np.int64)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(".tmp.npz")
+        np.savez(tmp, x=xs, y=ys)
+        tmp.replace(cached)
+    return ArrayDataset(_normalise(xs.transpose(0, 3, 1, 2).copy()), torch.from_numpy(ys), list(classes))
+
+
+def _torchvision(cls_name: str, classes: list[str]) -> tuple[ArrayDataset, ArrayDataset]:
+    try:
+        import torchvision.datasets as tvd
+    except ImportError:
+        raise DatasetError("dataset.download needs torchvision: pip install 'felix-fl[vision]'") from None
+    root = cache_dir() / "torchvision"
+    out = []
+    for train in (True, False):
+        ds = getattr(tvd, cls_name)(root=str(root), train=train, download=True)
+        data = np.asarray(ds.data)
+        if data.ndim == 3:
+            data = data[:, None]
+        else:
+            data = data.transpose(0, 3, 1, 2)
+        out.append(ArrayDataset(_normalise(np.ascontiguousarray(data)), torch.as_tensor(np.asarray(ds.targets)), classes))
+    return out[0], out[1]

@@ -1,0 +1,87 @@
+"""What a run measures: global-model evaluations against virtual time and bytes, the time-to-target
+rule, and message byte counts by direction and task kind."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Every message carries a typed header; the deployment's real encoder has this size order too.
+HEADER_BYTES = 64
+
+
+@dataclass
+class ByteCounter:
+    down: dict[str, int] = field(default_factory=lambda: {"train": 0, "eval": 0, "control": 0})
+    up: dict[str, int] = field(default_factory=lambda: {"train": 0, "eval": 0, "control": 0})
+
+    def add(self, direction: str, kind: str, n: int) -> None:
+        getattr(self, direction)[kind] += int(n)
+
+    @property
+    def total_down(self) -> int:
+        return sum(self.down.values())
+
+    @property
+    def total_up(self) -> int:
+        return sum(self.up.values())
+
+    @property
+    def total(self) -> int:
+        return self.total_down + self.total_up
+
+
+@dataclass(frozen=True)
+class EvalRow:
+    time_s: float
+    version: int
+    accuracy: float
+    loss: float
+    bytes_total: int
+    bytes_down: int
+    bytes_up: int
+
+
+def reached_target(accs: list[float], target: float, window: int) -> bool:
+    """The FeLiX authors' rule: the mean of the last ``window`` accuracies and the last one are both
+    at or above the target (and at least ``window`` evaluations exist)."""
+    if len(accs) < window or not accs:
+        return False
+    return float(np.mean(accs[-window:])) >= target and accs[-1] >= target
+
+
+class Recorder:
+    def __init__(self, evaluate: Callable[[np.ndarray], tuple[float, float]], target: float,
+                 window: int, eval_every: int = 1) -> None:
+        if window < 1:
+            raise ValueError("target window must be >= 1")
+        if eval_every < 0:
+            raise ValueError("eval_every must be >= 0 (0: only the initial and final model)")
+        self.evaluate = evaluate
+        self.target = target
+        self.window = window
+        self.eval_every = eval_every
+        self.bytes = ByteCounter()
+        self.rows: list[EvalRow] = []
+        self.time_to_target: float | None = None
+        self.bytes_to_target: int | None = None
+        self.version_at_target: int | None = None
+
+    def due(self, version: int) -> bool:
+        return self.eval_every > 0 and version % self.eval_every == 0
+
+    def record(self, time_s: float, version: int, weights: np.ndarray) -> EvalRow:
+        acc, loss = self.evaluate(weights)
+        b = self.bytes
+        row = EvalRow(time_s, version, acc, loss, b.total, b.total_down, b.total_up)
+        self.rows.append(row)
+        if self.time_to_target is None and reached_target([r.accuracy for r in self.rows], self.target, self.window):
+            self.time_to_target = time_s
+            self.bytes_to_target = b.total
+            self.version_at_target = version
+        return row
+
+    @property
+    def reached(self) -> bool:
+        return self.time_to_target is not None

@@ -1,0 +1,122 @@
+"""A run's outputs: summary.json, the per-evaluation table (CSV) and the two PNG plots."""
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from felix.core.orchestrator import OrchestratorStats
+from felix.metrics.recorder import EvalRow, Recorder
+
+EVAL_COLUMNS = [f for f in EvalRow.__dataclass_fields__]
+
+
+def _pct(values: list[float] | np.ndarray, q: float) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def diagnostics(stats: OrchestratorStats) -> dict[str, Any]:
+    """FeLiX §6.3's diagnostics: stalls, staleness, utility age, weight spread, dropped work."""
+    times = np.asarray(stats.aggregation_times)
+    intervals = np.diff(np.concatenate([[0.0], times])) if len(times) else np.array([])
+    w = np.asarray(stats.agg_weights)
+    return {
+        "aggregation_interval_p50_s": _pct(intervals, 50),
+        "aggregation_interval_p95_s": _pct(intervals, 95),
+        "aggregation_interval_max_s": float(intervals.max()) if len(intervals) else None,
+        "staleness_mean": float(np.mean(stats.staleness)) if stats.staleness else None,
+        "staleness_p95": _pct(stats.staleness, 95),
+        "staleness_max": int(max(stats.staleness)) if stats.staleness else None,
+        "utility_age_at_selection_mean": float(np.mean(stats.utility_age_at_selection))
+        if stats.utility_age_at_selection else None,
+        "utility_age_at_selection_p95": _pct(stats.utility_age_at_selection, 95),
+        "selections_never_explored": stats.never_explored_at_selection,
+        "agg_weight_p5": _pct(w, 5),
+        "agg_weight_p50": _pct(w, 50),
+        "agg_weight_p95": _pct(w, 95),
+        "agg_weight_cv": float(w.std() / w.mean()) if len(w) and w.mean() else None,
+        "train_dispatched": stats.train_dispatched,
+        "train_dropped_mid_task": stats.train_dropped,
+        "train_cancelled": stats.train_cancelled,
+        "dropped_share": stats.train_dropped / stats.train_dispatched if stats.train_dispatched else 0.0,
+        "eval_dispatched": stats.eval_dispatched,
+        "evals_done": stats.evals_done,
+        "rounds_started": stats.rounds_started,
+        "rejected": stats.rejected,
+    }
+
+
+def summary(strategy: str, seed: int, rec: Recorder, stats: OrchestratorStats, version: int,
+            virtual_time_s: float, wall_time_s: float, stop_reason: str, extra: dict[str, Any] | None = None
+            ) -> dict[str, Any]:
+    b = rec.bytes
+    accs = [r.accuracy for r in rec.rows]
+    out: dict[str, Any] = {
+        "strategy": strategy,
+        "seed": seed,
+        "target_accuracy": rec.target,
+        "target_window": rec.window,
+        "time_to_target_s": rec.time_to_target,
+        "bytes_to_target": rec.bytes_to_target,
+        "version_at_target": rec.version_at_target,
+        "final_accuracy": accs[-1] if accs else None,
+        "best_accuracy": max(accs) if accs else None,
+        "virtual_time_s": virtual_time_s,
+        "wall_time_s": wall_time_s,
+        "aggregations": version,
+        "updates_applied": stats.updates_applied,
+        "updates_discarded": stats.updates_discarded,
+        "bytes_down": b.total_down,
+        "bytes_up": b.total_up,
+        "bytes_by_kind": {"down": dict(b.down), "up": dict(b.up)},
+        "evaluations": len(rec.rows),
+        "stop_reason": stop_reason,
+        "diagnostics": diagnostics(stats),
+    }
+    if extra:
+        out.update(extra)
+    return out
+
+
+def write_run(out_dir: Path, summ: dict[str, Any], rows: list[EvalRow], plots: bool = True) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").write_text(json.dumps(summ, indent=2, sort_keys=True) + "\n")
+    with open(out_dir / "evaluations.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=EVAL_COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow(asdict(r))
+    if plots:
+        plot_curves(out_dir, {summ["strategy"]: rows}, summ["target_accuracy"])
+
+
+def plot_curves(out_dir: Path, curves: dict[str, list[EvalRow]], target: float | None, prefix: str = "") -> list[Path]:
+    """Accuracy against virtual time and against total bytes, one line per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for xkey, xlabel, fname in (("time_s", "virtual time (h)", "accuracy_vs_time.png"),
+                                ("bytes_total", "total bytes (MB)", "accuracy_vs_bytes.png")):
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        scale = 3600.0 if xkey == "time_s" else 1e6
+        for name, rows in curves.items():
+            ax.plot([getattr(r, xkey) / scale for r in rows], [r.accuracy for r in rows], label=name, lw=1.4)
+        if target is not None:
+            ax.axhline(target, color="grey", ls="--", lw=0.8, label=f"target {target:g}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("test accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        p = out_dir / f"{prefix}{fname}"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    return paths
