@@ -61,11 +61,74 @@ def _fedbuff(cfg: Config) -> Aggregator:
     return FedBuffAggregator(a.server_lr, a.normalize, a.clip_norm, **a.params)
 
 
-SELECTORS: dict[str, Callable[[dict[str, Any], Config], TrainSelector]] = {"random": _random_selector}
-EVAL_SELECTORS: dict[str, Callable[[dict[str, Any], Config], EvalSelector]] = {
-    "none": lambda params, cfg: EvalSelector()
+def _oort_params(params: dict[str, Any]) -> Any:
+    """``base`` picks Oort's own defaults, the FeLiX authors' numbers or FedScale's; other keys override fields."""
+    from dataclasses import replace
+
+    from felix.selection.oort import OortParams
+
+    params = dict(params)
+    base = params.pop("base", "felix_authors")
+    bases = {"oort": OortParams, "felix_authors": OortParams.felix_authors, "fedscale": OortParams.fedscale}
+    if base not in bases:
+        raise ConfigError(f"selector.params.base must be one of {sorted(bases)}, not {base!r}")
+    return replace(bases[base](), **params)
+
+
+def _oort_selector(params: dict[str, Any], cfg: Config) -> TrainSelector:
+    from felix.selection.oort import OortSelector
+
+    params = dict(params)
+    reward_cap = params.pop("reward_cap", None)
+    if reward_cap is None and cfg.client.max_steps is not None:
+        reward_cap = cfg.client.max_steps * cfg.client.batch_size
+    return OortSelector(_oort_params(params), reward_cap=reward_cap)
+
+
+def _refl_selector(params: dict[str, Any], cfg: Config) -> TrainSelector:
+    from felix.selection.refl import ReflIPSParams, ReflIPSSelector
+
+    params = dict(params)
+    inner = params.pop("oort", None)
+    oort = None if inner is None else _oort_selector(inner, cfg)
+    return ReflIPSSelector(ReflIPSParams(**params), oort)
+
+
+def _tierselect_eval(params: dict[str, Any], cfg: Config) -> EvalSelector:
+    from felix.selection.tierselect import TierSelectEval, TierSelectEvalParams
+
+    return TierSelectEval(cfg.orchestrator.agg_goal, TierSelectEvalParams(**params))
+
+
+def _tierfuse(cfg: Config) -> Aggregator:
+    from felix.aggregation.tierfuse import TierFuseAggregator, TierFuseParams
+
+    a = cfg.aggregator
+    return TierFuseAggregator(TierFuseParams(**a.params), a.server_lr, a.normalize, a.clip_norm)
+
+
+def _refl_saa(cfg: Config) -> Aggregator:
+    from felix.aggregation.refl_saa import ReflSAAAggregator, ReflSAAParams
+
+    a = cfg.aggregator
+    return ReflSAAAggregator(ReflSAAParams(**a.params), a.server_lr, a.clip_norm)
+
+
+SELECTORS: dict[str, Callable[[dict[str, Any], Config], TrainSelector]] = {
+    "random": _random_selector,
+    "oort": _oort_selector,
+    "refl_ips": _refl_selector,
 }
-AGGREGATORS: dict[str, Callable[[Config], Aggregator]] = {"fedavg": _fedavg, "fedbuff": _fedbuff}
+EVAL_SELECTORS: dict[str, Callable[[dict[str, Any], Config], EvalSelector]] = {
+    "none": lambda params, cfg: EvalSelector(),
+    "tierselect": _tierselect_eval,
+}
+AGGREGATORS: dict[str, Callable[[Config], Aggregator]] = {
+    "fedavg": _fedavg,
+    "fedbuff": _fedbuff,
+    "tierfuse": _tierfuse,
+    "refl_saa": _refl_saa,
+}
 
 
 def _make(registry: dict[str, Callable[..., Any]], kind: str, name: str, *args: Any) -> Any:

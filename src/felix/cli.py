@@ -28,6 +28,18 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from felix.compare import compare
+    from felix.presets import MAIN_STRATEGIES
+
+    strategies = [s.strip() for s in (args.strategies or ",".join(MAIN_STRATEGIES)).split(",") if s.strip()]
+    out = Path(args.out or "runs/compare")
+    print(f"felix compare: {', '.join(strategies)} -> {out}", file=sys.stderr)
+    doc = compare(args.config, strategies, parse_set(args.set), out, args.scenario, args.jobs, args.reference)
+    print((out / "comparison.md").read_text())
+    return 0 if doc["strategies"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="felix", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log rejected messages and details")
@@ -40,6 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="output folder (default runs/<name>-<strategy>-s<seed>)")
     r.add_argument("-q", "--quiet", action="store_true", help="no live progress line")
     r.set_defaults(func=_run)
+    c = sub.add_parser("compare", help="run several strategies on the same scenario and tabulate them")
+    c.add_argument("config", nargs="?", help="YAML scenario (default: the embedded offline scenario)")
+    c.add_argument("--strategies", help="comma-separated presets (default: the seven main ones)")
+    c.add_argument("--scenario", help="named scenario preset to start from")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("--out", help="output folder (default runs/compare)")
+    c.add_argument("--jobs", type=int, default=1, help="strategies run in parallel processes")
+    c.add_argument("--reference", help="strategy the speed-ups are relative to (default felix)")
+    c.set_defaults(func=_compare)
     return p
 
 

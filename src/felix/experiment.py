@@ -50,4 +50,4 @@ def run_config(cfg: Config, out_dir: Path | None = None, progress: bool = False,
     return RunResult(summ, built.recorder.rows, built)
 
 
-__all__ = ["RunResult", "resolve_config", "run_config", "ConfigError"]
+__all__ = ["ConfigError", "RunResult", "resolve_config", "run_config"]

@@ -23,7 +23,7 @@ from felix.core.commands import (
     NewModelVersion,
     UpdateRejected,
 )
-from felix.core.events import ClientRegistered, Event, TaskFailed, TaskFinished, TierChanged, Tick
+from felix.core.events import ClientRegistered, Event, TaskFailed, TaskFinished, Tick, TierChanged
 from felix.core.policies import (
     Aggregator,
     AvailabilityOracle,
@@ -151,7 +151,7 @@ class Orchestrator:
 
     def next_wakeup(self) -> float | None:
         while self._timers:
-            t, task_id = self._timers[0]
+            task_id = self._timers[0][1]
             task = self._tasks.get(task_id)
             if task is not None and task.holds_slot:
                 break

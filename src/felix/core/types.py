@@ -15,7 +15,7 @@ class Tier(IntEnum):
     AVL_TRAIN = 2
 
     @classmethod
-    def parse(cls, name: str) -> "Tier":
+    def parse(cls, name: str) -> Tier:
         try:
             return cls[name]
         except KeyError:

@@ -27,9 +27,9 @@ from felix.core.commands import (
     NewModelVersion,
     UpdateRejected,
 )
-from felix.core.events import ClientRegistered, Event, TaskFinished, TierChanged, Tick
+from felix.core.events import ClientRegistered, Event, TaskFinished, Tick, TierChanged
 from felix.core.orchestrator import Knowledge, Orchestrator
-from felix.core.types import ClientUpdate, TaskKind, Tier
+from felix.core.types import TaskKind, Tier
 from felix.metrics.recorder import HEADER_BYTES, Recorder
 from felix.sim.traces import DeviceTrace
 

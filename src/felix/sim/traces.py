@@ -41,7 +41,7 @@ class DeviceTrace:
 
     @classmethod
     def from_events(cls, events: Iterable[tuple[float, Tier]], period: float | None = None,
-                    initial: Tier = Tier.UN_AVL) -> "DeviceTrace":
+                    initial: Tier = Tier.UN_AVL) -> DeviceTrace:
         """Build from (time, tier) events in time order; of events at the same time the last wins."""
         times: list[float] = [0.0]
         tiers: list[int] = [int(initial)]
@@ -148,7 +148,7 @@ def slotted_churn(num_devices: int, unavailable_fraction: float, rng: np.random.
         raise ValueError("need slot_s > 0 and horizon_s >= slot_s")
     n_slots = int(horizon_s // slot_s)
     down = np.zeros((n_slots, num_devices), dtype=bool)
-    k = int(round(unavailable_fraction * num_devices))
+    k = round(unavailable_fraction * num_devices)
     for s in range(n_slots):
         down[s, rng.choice(num_devices, size=k, replace=False)] = True
     devices = []

@@ -1,0 +1,440 @@
+"""Oort's training selector (Lai et al., OSDI'21), as its public code implements it.
+
+Followed line by line: ``SymbioticLab/Oort`` ``oort/oort.py`` (``_training_selector.getTopK``) and,
+for ``variant="fedscale"``, the copy in ``SymbioticLab/FedScale`` ``thirdparty/oort/oort.py`` (which
+REFL also ships). ``reference/baselines.md`` lists both. One selection:
+
+1. Blacklist (off by default): clients with more than ``blacklist_rounds`` successful updates.
+2. Preferred round duration ``T``: the ``round_threshold``-th percentile of known durations.
+3. Normalisation (``get_norm``) over the positive rewards of the feasible clients, explored or not
+   (Oort keeps a registration reward for unexplored clients, so they shape min / range / clip too).
+4. Score of an explored client: ``(min(r, clip) - min) / range + sqrt(0.1 ln(round) / last_round)``,
+   times ``(T / duration) ** round_penalty`` when it is slower than ``T``.
+5. epsilon <- max(epsilon * decay, min); exploit ``exploitLen`` clients sampled with probability
+   proportional to score among those scoring at least ``cut_off_util`` x the score at rank
+   ``exploitLen`` of the sorted scores; explore unexplored clients by registration reward inside
+   a ``sample_window`` window; fill any shortfall uniformly at random.
+6. Pacer, once per round: when the exploited utility of the last ``pacer_step`` rounds is flat,
+   relax ``round_threshold`` by ``pacer_delta`` (admit slower clients); when it jumps, tighten it.
+
+Where our setting forces a choice the docstrings say why; the cost of a selection is linear in
+the candidate set (numpy over candidate arrays), never in the population.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import numpy as np
+
+from felix.core.client_map import ClientRecord
+from felix.core.policies import SelectionContext, TrainSelector
+
+Variant = Literal["oort", "fedscale"]
+Rounding = Literal["floor", "stochastic"]
+
+
+@dataclass(frozen=True, slots=True)
+class OortParams:
+    """Oort's knobs; the defaults are the Oort repository's (``training/argParser.py``).
+
+    ``variant`` picks between the two public implementations, which differ in three places:
+    ``"oort"`` exploits ``int(K (1 - eps))`` clients, keeps only those at or above the cut-off,
+    and sets epsilon to 0 for good once no unexplored client is left; ``"fedscale"`` exploits
+    ``K - int(K eps)``, keeps sorting past the cut-off until it holds more than 10 x exploitLen
+    clients, and takes ``abs`` of the score.
+
+    ``rounding`` says how the fractional exploit count is rounded. ``"floor"`` is the code's
+    ``int()``. ``"stochastic"`` rounds up with probability equal to the fraction (the expected
+    split is then exactly ``(1 - eps) K`` for every K). It exists for async top-ups, which ask for
+    one or two clients at a time: ``int(1 * (1 - 0.2)) = 0`` would never exploit at all there.
+    """
+
+    exploration_factor: float = 0.9
+    exploration_decay: float = 0.95
+    exploration_min: float = 0.2
+    round_threshold: float = 10.0  # percentile of durations that sets the preferred duration T
+    round_penalty: float = 2.0
+    pacer_step: int = 20
+    pacer_delta: float = 5.0
+    clip_bound: float = 0.98
+    cut_off_util: float = 0.7
+    sample_window: float = 5.0
+    blacklist_rounds: int | None = None  # Oort's -1: off
+    blacklist_max_len: float = 0.3
+    variant: Variant = "oort"
+    rounding: Rounding = "floor"
+
+    def __post_init__(self) -> None:
+        for name in ("exploration_factor", "exploration_min", "blacklist_max_len"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1], not {v}")
+        if not 0.0 < self.exploration_decay <= 1.0:
+            raise ValueError(f"exploration_decay must lie in (0, 1], not {self.exploration_decay}")
+        if not 0.0 < self.round_threshold <= 100.0:
+            raise ValueError(f"round_threshold is a percentile in (0, 100], not {self.round_threshold}")
+        if self.round_penalty < 0:
+            raise ValueError(f"round_penalty must be >= 0, not {self.round_penalty}")
+        if self.pacer_step < 1:
+            raise ValueError(f"pacer_step must be >= 1, not {self.pacer_step}")
+        if self.pacer_delta <= 0:
+            raise ValueError(f"pacer_delta must be > 0, not {self.pacer_delta}")
+        if not 0.0 < self.clip_bound <= 1.0:
+            raise ValueError(f"clip_bound is a quantile in (0, 1], not {self.clip_bound}")
+        if not 0.0 <= self.cut_off_util <= 1.0:
+            raise ValueError(f"cut_off_util must lie in [0, 1], not {self.cut_off_util}")
+        if self.sample_window < 1.0:
+            raise ValueError(f"sample_window must be >= 1 (window >= picks), not {self.sample_window}")
+        if self.blacklist_rounds is not None and self.blacklist_rounds < 0:
+            raise ValueError("blacklist_rounds must be >= 0, or None to disable the blacklist")
+        if self.variant not in ("oort", "fedscale"):
+            raise ValueError(f"variant must be 'oort' or 'fedscale', not {self.variant!r}")
+        if self.rounding not in ("floor", "stochastic"):
+            raise ValueError(f"rounding must be 'floor' or 'stochastic', not {self.rounding!r}")
+
+    @classmethod
+    def felix_authors(cls) -> OortParams:
+        """The FeLiX authors' settings (``reference/felix-authors-setup.md``), for ``felix`` and ``oort*``.
+
+        Exploration 0.9 decayed x0.98 per selection down to 0.2, round_threshold 30, pacer step 20
+        and delta 5, penalty 2. Their fork departs from Oort's algorithm elsewhere (no reward
+        normalisation, a cut-off taken on an ascending list so that it admits nearly every
+        explored client, unexplored clients drawn uniformly); we keep Oort's algorithm and only
+        take their numbers. ``rounding="stochastic"`` is ours: their async loop tops up one or
+        two trainers at a time, where floor rounding would never exploit (see the class doc).
+        """
+        return cls(
+            exploration_factor=0.9,
+            exploration_decay=0.98,
+            exploration_min=0.2,
+            round_threshold=30.0,
+            round_penalty=2.0,
+            pacer_step=20,
+            pacer_delta=5.0,
+            rounding="stochastic",
+        )
+
+    @classmethod
+    def fedscale(cls) -> OortParams:
+        """FedScale's defaults (``fedscale/cloud/config_parser.py``); REFL ships this copy and defaults."""
+        return cls(
+            exploration_decay=0.98,
+            exploration_min=0.3,
+            round_threshold=30.0,
+            clip_bound=0.9,
+            cut_off_util=0.05,
+            variant="fedscale",
+        )
+
+
+class NormStats(NamedTuple):
+    max: float
+    min: float
+    range: float
+    clip: float
+
+
+def get_norm(values: np.ndarray, clip_bound: float, thres: float = 1e-4) -> NormStats:
+    """Oort's ``get_norm``: clip value at the ``clip_bound`` quantile, ``min * 0.999``, range >= ``thres``.
+
+    An empty list (no positive reward among the candidates) has no scale; Oort's code would
+    raise there. We return a zero clip and minimum with range ``thres`` so that scores reduce to
+    the staleness bonus, the only term still defined.
+    """
+    if values.size == 0:
+        return NormStats(0.0, 0.0, thres, 0.0)
+    v = np.sort(values.astype(np.float64))
+    n = v.size
+    clip = float(v[min(int(n * clip_bound), n - 1)])
+    vmax = float(v[-1])
+    vmin = float(v[0]) * 0.999
+    return NormStats(vmax, vmin, max(vmax - vmin, thres), clip)
+
+
+def weighted_sample(weights: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Indices of ``n`` draws without replacement, with probability proportional to ``weights``.
+
+    Oort calls ``numpy.random.choice(..., p=score / sum, replace=False)``, which fails when fewer
+    than ``n`` weights are positive (zero utilities, or negative Oort scores). Such entries carry
+    no preference, so the positive ones are all taken and the rest is drawn uniformly.
+    """
+    m = weights.size
+    if n <= 0:
+        return np.empty(0, dtype=np.int64)
+    if n >= m:
+        return np.arange(m)
+    w = np.where(np.isfinite(weights) & (weights > 0), weights, 0.0)
+    pos = np.flatnonzero(w > 0)
+    if pos.size >= n:
+        return rng.choice(pos, size=n, replace=False, p=w[pos] / w[pos].sum())
+    rest = np.flatnonzero(w <= 0)
+    return np.concatenate([pos, rng.choice(rest, size=n - pos.size, replace=False)])
+
+
+class _Candidates(NamedTuple):
+    ids: np.ndarray  # int64 client ids
+    explored: np.ndarray  # bool
+    reward: np.ndarray  # stat utility, or the registration reward when unexplored
+    last_round: np.ndarray  # last_utility_round
+    duration: np.ndarray  # last training duration, nan when unknown
+
+
+class OortSelector(TrainSelector):
+    """Oort's exploration / exploitation selector over the candidates the orchestrator passes.
+
+    Reads the client records: ``stat_utility`` (None = unexplored), ``last_utility_round`` (Oort's
+    ``time_stamp``: the round its utility was last measured, by training or, under FeLiX, by an
+    eval task, which is the FeLiX authors' ``last_eval`` nudge), ``last_duration`` and
+    ``times_updated`` (Oort's ``count``, for the blacklist).
+
+    ``reward_cap`` is ``local_steps * batch_size``. Oort registers each client with the reward
+    ``min(num_samples, local_steps * batch_size)``: before it has trained, a client's utility can
+    only be guessed from how many samples one task would touch, and the client-side utility is
+    scaled by the same ``min(|D|, steps * batch)``, so registration rewards and measured
+    utilities share a scale. ``None`` (epochs-based training, no step cap) uses ``num_samples``.
+    """
+
+    name = "oort"
+
+    def __init__(self, params: OortParams | None = None, reward_cap: int | None = None) -> None:
+        if reward_cap is not None and reward_cap < 1:
+            raise ValueError(f"reward_cap (local_steps * batch_size) must be >= 1, not {reward_cap}")
+        self.params = params if params is not None else OortParams()
+        self.reward_cap = reward_cap
+        self._exploration = self.params.exploration_factor
+        self._exploration_min = self.params.exploration_min
+        self._round_threshold = self.params.round_threshold
+        self._durations: dict[int, float] = {}
+        self._sorted_durations: list[float] = []
+        self._explored: set[int] = set()
+        self._exploit_pending: set[int] = set()  # exploited, no reply yet
+        self._exploit_replied: set[int] = set()  # exploited and replied since the last round end
+        self._exploit_history: list[float] = []
+        self._watch: set[int] = set()  # blacklist candidates (count at the threshold or above)
+
+    # ------------------------------------------------------------------ state, for metrics and tests
+    @property
+    def exploration(self) -> float:
+        return self._exploration
+
+    @property
+    def round_threshold(self) -> float:
+        return self._round_threshold
+
+    @property
+    def exploit_history(self) -> tuple[float, ...]:
+        return tuple(self._exploit_history)
+
+    @property
+    def preferred_duration(self) -> float:
+        """Oort's ``round_prefer_duration``: the ``round_threshold``-th percentile of known durations.
+
+        Oort sorts the durations of every registered client, estimated from device profiles at
+        registration. A real server knows a duration only once the client has trained, so ``T``
+        is taken over the clients with a measured duration, and is infinite (no penalty) before.
+        """
+        d = self._sorted_durations
+        if self._round_threshold >= 100.0 or not d:
+            return math.inf
+        return d[min(int(len(d) * self._round_threshold / 100.0), len(d) - 1)]
+
+    def registration_reward(self, record: ClientRecord) -> float:
+        n = record.num_samples
+        return float(n if self.reward_cap is None else min(n, self.reward_cap))
+
+    # ------------------------------------------------------------------ policy hooks
+    def on_update(self, record: ClientRecord, ctx: SelectionContext) -> None:
+        cid = record.client_id
+        self._observe(record)
+        if cid in self._exploit_pending:
+            self._exploit_pending.discard(cid)
+            self._exploit_replied.add(cid)
+        br = self.params.blacklist_rounds
+        # times_updated is incremented after this call when the update is buffered, so a client
+        # at the threshold may cross it now: watch it from there.
+        if br is not None and record.times_updated >= br:
+            self._watch.add(cid)
+
+    def on_round_end(self, round_: int, ctx: SelectionContext) -> None:
+        """Oort's pacer, once per aggregation.
+
+        The round's exploited utility is Oort's ``calculateSumUtil``: the mean current utility
+        (``sum / (count + 1e-4)``) of the exploited clients that replied. In async mode a pick
+        replies versions later, so picks stay pending until they reply and count in that round.
+        The pacer fires on the number of rounds seen (``len(history)``), not on ``round_``, so a
+        sync round that aggregated nothing cannot make it skip a step.
+        """
+        replied = self._exploit_replied
+        total = sum(float(ctx.clients[c].stat_utility or 0.0) for c in replied)
+        self._exploit_history.append(total / (len(replied) + 1e-4))
+        self._exploit_replied = set()
+        step, hist = self.params.pacer_step, self._exploit_history
+        if len(hist) >= 2 * step and len(hist) % step == 0:
+            last = sum(hist[-2 * step : -step])
+            cur = sum(hist[-step:])
+            delta = self.params.pacer_delta
+            if abs(cur - last) <= 0.1 * last:
+                self._round_threshold = min(100.0, self._round_threshold + delta)
+            elif abs(cur - last) >= 5 * last:
+                self._round_threshold = max(delta, self._round_threshold - delta)
+
+    # ------------------------------------------------------------------ scoring
+    def score_candidates(self, candidates: Sequence[int], ctx: SelectionContext) -> dict[int, float]:
+        """Oort's exploitation score of each explored candidate (the unexplored have none)."""
+        recs = [ctx.clients[c] for c in candidates]
+        for r in recs:
+            self._observe(r)
+        view = self._view(recs)
+        scores = self._scores(view, ctx)
+        return {int(c): float(s) for c, s, e in zip(view.ids, scores, view.explored, strict=True) if e}
+
+    def _scores(self, v: _Candidates, ctx: SelectionContext) -> np.ndarray:
+        p = self.params
+        norm = get_norm(v.reward[v.reward > 0], p.clip_bound)
+        # Oort's rounds start at 1; an async run starts at version 0, where ln(0) and x / 0 are
+        # undefined: clamping both to 1 gives no bonus at the start, as Oort's first round does.
+        cur = max(ctx.round, 1)
+        bonus = np.sqrt(0.1 * math.log(cur) / np.maximum(v.last_round, 1.0))
+        sc = (np.minimum(v.reward, norm.clip) - norm.min) / norm.range + bonus
+        sc = sc * self._system_factor(v.duration)
+        return np.abs(sc) if p.variant == "fedscale" else sc
+
+    def _system_factor(self, duration: np.ndarray) -> np.ndarray:
+        """``(T / duration) ** round_penalty`` for clients slower than ``T``, else 1.
+
+        An unknown duration (an explored client measured only by eval tasks) counts as fast,
+        as in the FeLiX authors' fork: nothing says it is slow.
+        """
+        t_pref = self.preferred_duration
+        slow = np.nan_to_num(duration, nan=-np.inf) > t_pref
+        factor = np.ones_like(duration)
+        factor[slow] = (t_pref / np.maximum(1e-4, duration[slow])) ** self.params.round_penalty
+        return factor
+
+    # ------------------------------------------------------------------ selection
+    def select(self, candidates: Sequence[int], k: int, ctx: SelectionContext) -> list[int]:
+        if k <= 0 or not candidates:
+            return []
+        recs = [ctx.clients[c] for c in candidates]
+        for r in recs:
+            self._observe(r)
+        blacklist = self._blacklist(ctx)
+        if blacklist:
+            recs = [r for r in recs if r.client_id not in blacklist]
+        p = self.params
+        rng = ctx.rng
+        view = self._view(recs)
+        scores = self._scores(view, ctx)
+
+        self._exploration = max(self._exploration * p.exploration_decay, self._exploration_min)
+        eps = self._exploration
+        explored_idx = np.flatnonzero(view.explored)
+        if p.variant == "oort":
+            exploit_len = self._round(k * (1.0 - eps), rng)
+        else:
+            exploit_len = k - self._round(k * eps, rng)
+        exploit_len = min(exploit_len, explored_idx.size)
+        exploit = self._exploit(explored_idx, scores[explored_idx], exploit_len, rng)
+
+        unexplored_idx = np.flatnonzero(~view.explored)
+        explore_len = min(unexplored_idx.size, k - exploit.size)
+        explore = self._explore(unexplored_idx, view, explore_len, rng)
+        if p.variant == "oort" and len(ctx.clients) <= len(self._explored):
+            # Oort: with nobody left to explore, epsilon and its floor drop to 0 for good.
+            self._exploration = self._exploration_min = 0.0
+
+        picked = np.concatenate([exploit, explore])
+        shortfall = min(k, len(recs)) - picked.size
+        if shortfall > 0:
+            rest = np.setdiff1d(np.arange(len(recs)), picked, assume_unique=True)
+            picked = np.concatenate([picked, rng.choice(rest, size=shortfall, replace=False)])
+
+        exploited = view.ids[exploit]
+        self._exploit_pending.update(int(c) for c in exploited)
+        return [int(c) for c in view.ids[picked]]
+
+    def _exploit(self, idx: np.ndarray, scores: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+        """Sample ``n`` explored clients by score among those that pass the cut-off.
+
+        The cut-off is ``cut_off_util`` x the score at 0-based rank ``n`` of the descending
+        scores (Oort indexes ``sortedClientUtil[exploitLen]``, one past the exploitLen best),
+        clamped to the last rank, where Oort's code would raise an IndexError.
+        """
+        if n <= 0:
+            return np.empty(0, dtype=np.int64)
+        order = np.argsort(-scores, kind="stable")
+        cut = scores[order[min(n, order.size - 1)]] * self.params.cut_off_util
+        pool = int(np.count_nonzero(scores >= cut))
+        if self.params.variant == "fedscale":
+            pool = max(pool, min(order.size, 10 * n + 1))
+        pool_idx = order[:pool]
+        return idx[pool_idx[weighted_sample(scores[pool_idx], n, rng)]]
+
+    def _explore(self, idx: np.ndarray, v: _Candidates, n: int, rng: np.random.Generator) -> np.ndarray:
+        """Sample ``n`` unexplored clients by (duration-penalised) registration reward, within the
+        ``sample_window * n`` largest rewards."""
+        if n <= 0:
+            return np.empty(0, dtype=np.int64)
+        init = v.reward[idx] * self._system_factor(v.duration[idx])
+        window = np.argsort(-init, kind="stable")[: min(int(self.params.sample_window * n), idx.size)]
+        return idx[window[weighted_sample(init[window], n, rng)]]
+
+    def _round(self, x: float, rng: np.random.Generator) -> int:
+        if self.params.rounding == "floor":
+            return int(x)
+        base = math.floor(x)
+        return base + int(rng.random() < x - base)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _view(self, recs: Sequence[ClientRecord]) -> _Candidates:
+        n = len(recs)
+        return _Candidates(
+            ids=np.fromiter((r.client_id for r in recs), dtype=np.int64, count=n),
+            explored=np.fromiter((r.stat_utility is not None for r in recs), dtype=bool, count=n),
+            reward=np.fromiter(
+                (r.stat_utility if r.stat_utility is not None else self.registration_reward(r) for r in recs),
+                dtype=np.float64,
+                count=n,
+            ),
+            last_round=np.fromiter((r.last_utility_round for r in recs), dtype=np.float64, count=n),
+            duration=np.fromiter(
+                (r.last_duration if r.last_duration is not None else np.nan for r in recs),
+                dtype=np.float64,
+                count=n,
+            ),
+        )
+
+    def _observe(self, record: ClientRecord) -> None:
+        """Fold a record into the selector's population-wide state (durations, explored set).
+
+        Called from ``on_update`` and for every candidate, so that records written by someone
+        else (a checkpoint restore, a test) are still seen; each call is O(log n).
+        """
+        cid = record.client_id
+        if record.stat_utility is not None:
+            self._explored.add(cid)
+        d = record.last_duration
+        if d is not None and self._durations.get(cid) != d:
+            old = self._durations.get(cid)
+            if old is not None:
+                del self._sorted_durations[bisect.bisect_left(self._sorted_durations, old)]
+            self._durations[cid] = d
+            bisect.insort(self._sorted_durations, d)
+        br = self.params.blacklist_rounds
+        if br is not None and record.times_updated > br:
+            self._watch.add(cid)
+
+    def _blacklist(self, ctx: SelectionContext) -> set[int]:
+        """Oort's ``get_blacklist``: the most-updated clients above ``blacklist_rounds``, at most
+        ``blacklist_max_len`` of the population (Oort slices with a float there, which Python 3
+        rejects; we truncate to an int). Only watched clients are examined, not the population."""
+        br = self.params.blacklist_rounds
+        if br is None:
+            return set()
+        over = [c for c in self._watch if ctx.clients[c].times_updated > br]
+        over.sort(key=lambda c: (-ctx.clients[c].times_updated, c))
+        return set(over[: int(self.params.blacklist_max_len * len(ctx.clients))])

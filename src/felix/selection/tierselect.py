@@ -1,0 +1,90 @@
+"""TierSelect (FeLiX §3.3): an Oort train selector plus a rate-limited eval selector.
+
+The eval selector sends forward-pass tasks to idle AVL_TRAIN / AVL_EVAL clients whose utility
+is oldest, so that the train selector ranks clients on fresh utilities rather than on values
+measured long ago (or never). It is rate-limited because every eval task occupies a client that
+could otherwise be picked to train, and costs a model download.
+
+The train path is plain Oort (``felix.selection.oort``) over the candidates the orchestrator
+passes; under ``knowledge=tiertrack`` those are the idle AVL_TRAIN clients not blocked by the
+rejoin rule, which is exactly TierSelect's train pool.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from felix.core.policies import EvalSelector, SelectionContext
+from felix.selection.oort import OortParams, OortSelector
+
+
+@dataclass(frozen=True, slots=True)
+class TierSelectEvalParams:
+    """The FeLiX authors' eval-selector settings (``reference/felix-authors-setup.md``).
+
+    ``include_unmeasured``: whether clients whose utility was never measured
+    (``last_utility_round == -1``) may be probed. The paper's eval selector "probes stale or
+    unobserved clients" (§3.1, §3.3), so they are eligible and rank stalest of all; the authors'
+    fork skips them (``PROP_LAST_EVAL_ROUND is None``), which ``False`` reproduces.
+    """
+
+    eval_goal_factor: float = 1.5
+    staleness_threshold: int = 35  # rounds (versions) a utility must have aged to be re-measured
+    include_unmeasured: bool = True
+
+    def __post_init__(self) -> None:
+        if self.eval_goal_factor < 0:
+            raise ValueError(f"eval_goal_factor must be >= 0, not {self.eval_goal_factor}")
+        if self.staleness_threshold < 0:
+            raise ValueError(f"staleness_threshold must be >= 0 rounds, not {self.staleness_threshold}")
+
+
+class TierSelectEval(EvalSelector):
+    """Stalest utility first, at most ``int(eval_goal_factor * agg_goal)`` eval tasks per round.
+
+    The orchestrator resets the per-round counter at each aggregation (async) or round start
+    (sync) and passes the idle AVL_TRAIN + AVL_EVAL clients; this class only decides which.
+    Eligible: a utility at least ``staleness_threshold`` rounds old (``ctx.round -
+    last_utility_round``), or never measured when ``include_unmeasured``. Order: the oldest
+    ``last_utility_round`` first (never measured = -1 comes first), ties by client id so the
+    choice is deterministic without drawing randomness.
+    """
+
+    name = "tierselect"
+
+    def __init__(self, agg_goal: int, params: TierSelectEvalParams | None = None) -> None:
+        if agg_goal < 1:
+            raise ValueError(f"agg_goal must be >= 1, not {agg_goal}")
+        self.params = params if params is not None else TierSelectEvalParams()
+        self.per_round_budget = int(self.params.eval_goal_factor * agg_goal)
+
+    def select(self, candidates: Sequence[int], budget: int, ctx: SelectionContext) -> list[int]:
+        if budget <= 0 or not candidates:
+            return []
+        n = len(candidates)
+        ids = np.fromiter(candidates, dtype=np.int64, count=n)
+        last = np.fromiter((ctx.clients[c].last_utility_round for c in candidates), dtype=np.int64, count=n)
+        measured = last >= 0
+        eligible = measured & (ctx.round - last >= self.params.staleness_threshold)
+        if self.params.include_unmeasured:
+            eligible |= ~measured
+        idx = np.flatnonzero(eligible)
+        order = np.lexsort((ids[idx], last[idx]))  # primary key: last_utility_round; then id
+        return [int(c) for c in ids[idx[order[:budget]]]]
+
+
+def tierselect(
+    agg_goal: int,
+    eval_params: TierSelectEvalParams | None = None,
+    reward_cap: int | None = None,
+    **oort_overrides: Any,
+) -> tuple[OortSelector, TierSelectEval]:
+    """The ``felix`` preset's selector pair: Oort with the FeLiX authors' settings, and the eval path.
+
+    ``oort_overrides`` replace fields of ``OortParams.felix_authors()`` (e.g. ``rounding="floor"``).
+    """
+    params = replace(OortParams.felix_authors(), **oort_overrides)
+    return OortSelector(params, reward_cap=reward_cap), TierSelectEval(agg_goal, eval_params)
