@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--jobs", type=int, default=1, help="strategies run in parallel processes")
     c.add_argument("--reference", help="strategy the speed-ups are relative to (default felix)")
     c.set_defaults(func=_compare)
+    from felix import dafl_cli
+
+    dafl_cli.add_parser(sub)
     return p
 
 

@@ -1,0 +1,233 @@
+"""``felix plan-augmentation``: DAFL (or LB) augmentation plan for a client x class count table.
+
+The server side of DAFL needs nothing but each client's class counts, so the
+planner is usable on its own: give it the counts as CSV and it prints how far
+the data is from balance (``I`` and ``J``), how many samples each client must
+add, and optionally writes the plan as a CSV of the same shape.
+
+Runs as ``python -m felix.dafl_cli COUNTS.csv ...`` too; :func:`add_parser`
+and :func:`run` let the main ``felix`` command mount it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from felix.data.dafl import AugmentationPlan, DaflParams, plan_dafl, plan_local_balancing
+
+__all__ = ["CountsError", "CountsTable", "add_parser", "main", "read_counts", "run", "write_plan"]
+
+COMMAND = "plan-augmentation"
+_DESCRIPTION = (
+    "Plan class-preserving augmentation for federated clients with DAFL (Algorithm 1 of the "
+    "DAFL paper) or with local balancing (LB). COUNTS.csv holds one row per client and one "
+    "column per class (header row of class names, optional first column of client ids)."
+)
+_ID_HEADERS = frozenset({"", "client", "clients", "client_id", "clientid", "client id", "client-id", "id"})
+_INTEGER = re.compile(r"[+-]?\d+")
+
+
+class CountsError(ValueError):
+    """A count table that cannot be planned for; the message names the place."""
+
+
+@dataclass(frozen=True)
+class CountsTable:
+    """A parsed COUNTS.csv: the matrix plus the labels needed to write the plan back."""
+
+    counts: NDArray[np.int64]
+    classes: tuple[str, ...]
+    clients: tuple[str, ...] | None
+    """Client ids from the first column, or None when the file has none."""
+    id_header: str
+    """Header cell above the client ids ("" when there is no id column)."""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``plan-augmentation`` on an ``add_subparsers()`` object; dispatch via ``args.func``."""
+    parser = subparsers.add_parser(
+        COMMAND, help="plan DAFL augmentation from class counts", description=_DESCRIPTION
+    )
+    _add_arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Standalone entry point (``python -m felix.dafl_cli``)."""
+    parser = argparse.ArgumentParser(prog="python -m felix.dafl_cli", description=_DESCRIPTION)
+    _add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan, report, and write ``--out``; user errors become one line on stderr and exit code 2."""
+    try:
+        table = read_counts(Path(args.counts))
+        if args.method == "lb":
+            plan = plan_local_balancing(table.counts, args.tau, step=args.step)
+        else:
+            params = DaflParams(
+                lambda1=args.lambda1, lambda2=args.lambda2, tau=args.tau, epsilon=args.epsilon, step=args.step
+            )
+            plan = plan_dafl(table.counts, params)
+        if args.out is not None:
+            write_plan(Path(args.out), table, plan)
+    except (OSError, ValueError) as exc:
+        print(f"felix {COMMAND}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(_json_report(table, plan)))
+    else:
+        print(_text_report(table, plan, args))
+    return 0
+
+
+def read_counts(path: Path) -> CountsTable:
+    """Parse COUNTS.csv, rejecting anything the planner could not use.
+
+    The first column holds client ids when its header cell is empty or reads
+    like "client"/"client_id"/"id", or when none of its cells is an integer.
+    """
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as handle:
+            rows = [(line, [cell.strip() for cell in row]) for line, row in enumerate(csv.reader(handle), 1)]
+    except UnicodeDecodeError as exc:
+        raise CountsError(f"{path}: not a UTF-8 text file ({exc.reason})") from None
+    except OSError as exc:
+        raise CountsError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except csv.Error as exc:
+        raise CountsError(f"{path}: not valid CSV ({exc})") from None
+    rows = [(line, row) for line, row in rows if any(row)]
+    if not rows:
+        raise CountsError(f"{path}: the table is empty")
+    (_, header), body = rows[0], rows[1:]
+    if not body:
+        raise CountsError(f"{path}: the table has a header but no client rows")
+    has_ids = header[0].lower() in _ID_HEADERS or not any(
+        _INTEGER.fullmatch(row[0]) for _, row in body if row
+    )
+    classes = tuple(header[1:] if has_ids else header)
+    if not classes:
+        raise CountsError(f"{path}: the header names no class columns")
+    counts = np.zeros((len(body), len(classes)), dtype=np.int64)
+    for i, (line, row) in enumerate(body):
+        if len(row) != len(header):
+            raise CountsError(f"{path}: row {line} has {len(row)} cells, the header has {len(header)}")
+        for j, cell in enumerate(row[1:] if has_ids else row):
+            where = f"{path}: row {line}, column {j + 1 + has_ids} ({classes[j] or 'unnamed'})"
+            if not _INTEGER.fullmatch(cell):
+                raise CountsError(f"{where}: {cell!r} is not an integer count")
+            value = int(cell)
+            if value < 0:
+                raise CountsError(f"{where}: negative count {value}")
+            counts[i, j] = value
+    clients = tuple(row[0] for _, row in body) if has_ids else None
+    for i in np.flatnonzero(counts.sum(axis=1) == 0):
+        name = f"client {clients[i]!r}" if clients else f"client {i}"
+        raise CountsError(f"{path}: row {body[i][0]} ({name}) has no samples")
+    for j in np.flatnonzero(counts.sum(axis=0) == 0):
+        raise CountsError(
+            f"{path}: column {j + 1 + has_ids} ({classes[j] or 'unnamed'}) has no samples on any client, "
+            f"so augmentation cannot balance it"
+        )
+    return CountsTable(counts, classes, clients, header[0] if has_ids else "")
+
+
+def write_plan(path: Path, table: CountsTable, plan: AugmentationPlan) -> None:
+    """Write ``A`` with the input's header and client ids, so rows line up with COUNTS.csv."""
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        if table.clients is None:
+            writer.writerow(table.classes)
+            writer.writerows(plan.A.tolist())
+        else:
+            writer.writerow([table.id_header, *table.classes])
+            for client, row in zip(table.clients, plan.A.tolist()):
+                writer.writerow([client, *row])
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = DaflParams()
+    parser.add_argument("counts", metavar="COUNTS.csv", help="client x class table of sample counts")
+    parser.add_argument("--method", choices=("dafl", "lb"), default="dafl", help="planner (default: dafl)")
+    parser.add_argument(
+        "--lambda1",
+        type=float,
+        default=defaults.lambda1,
+        help="weight of training time T_t (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--lambda2",
+        type=float,
+        default=defaults.lambda2,
+        help="weight of augmentation time T_a (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--tau",
+        type=float,
+        default=defaults.tau,
+        help="largest allowed class imbalance J after (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--epsilon",
+        type=float,
+        default=defaults.epsilon,
+        help="convergence tolerance in the training-time model (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--step",
+        type=int,
+        default=defaults.step,
+        help="samples added per greedy step s (default: %(default)s)",
+    )
+    parser.add_argument("--out", metavar="PLAN.csv", help="write the augmentation matrix here")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _json_report(table: CountsTable, plan: AugmentationPlan) -> dict[str, Any]:
+    report = plan.to_dict()
+    report["classes"] = list(table.classes)
+    report["clients"] = list(table.clients) if table.clients is not None else None
+    return report
+
+
+def _text_report(table: CountsTable, plan: AugmentationPlan, args: argparse.Namespace) -> str:
+    if plan.method == "lb":
+        setting = f"LB (tau={args.tau:g}, step={args.step})"
+    else:
+        setting = (
+            f"DAFL (lambda1={args.lambda1:g}, lambda2={args.lambda2:g}, tau={args.tau:g}, "
+            f"epsilon={args.epsilon:g}, step={args.step})"
+        )
+    names = table.clients or tuple(str(k) for k in range(len(plan.added_per_client)))
+    width = max(len(name) for name in names)
+    lines = [
+        f"{setting}, {plan.A.shape[0]} clients x {plan.A.shape[1]} classes",
+        "          I (label proportion)  J (class imbalance)",
+        f"  before  {plan.I_before:20.6f}  {plan.J_before:19.6f}",
+        f"  after   {plan.I_after:20.6f}  {plan.J_after:19.6f}",
+        f"samples added: {plan.added} in all",
+        *(f"  client {name:>{width}}: {added}" for name, added in zip(names, plan.added_per_client)),
+        f"planning time: {plan.plan_seconds:.3f} s",
+    ]
+    return "\n".join(lines)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

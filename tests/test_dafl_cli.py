@@ -1,0 +1,178 @@
+"""``felix plan-augmentation`` / ``python -m felix.dafl_cli``."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from felix import dafl_cli
+from felix.data.dafl import DaflParams, plan_dafl, plan_local_balancing
+
+SRC = Path(dafl_cli.__file__).resolve().parents[1]
+JSON_KEYS = {"I_before", "J_before", "I_after", "J_after", "added", "added_per_client", "plan_seconds"}
+
+
+def _write(tmp_path: Path, text: str, name: str = "counts.csv") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = dafl_cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, "client,a,b\nc1,2,1\nc2,1,1\n")
+    code, out, err = _main(capsys, str(path), "--json")
+    assert code == 0 and err == ""
+    report = json.loads(out)  # exactly one JSON object on stdout
+    assert JSON_KEYS <= set(report)
+    # Hand trace in test_dafl_planner: [[2, 1], [1, 1]] -> one sample of class b on client c2.
+    assert report["A"] == [[0, 0], [0, 1]]
+    assert report["added"] == 1 and report["added_per_client"] == [0, 1]
+    assert report["J_before"] == pytest.approx(0.02)
+    assert report["I_after"] == pytest.approx(1 / 18)
+    assert report["method"] == "dafl"
+    assert report["clients"] == ["c1", "c2"] and report["classes"] == ["a", "b"]
+
+
+def test_options_reach_the_planner(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, "a,b,c\n9,2,4\n1,5,1\n3,3,1\n")
+    counts = [[9, 2, 4], [1, 5, 1], [3, 3, 1]]
+    code, out, _ = _main(
+        capsys,
+        str(path),
+        "--json",
+        "--lambda1",
+        "2",
+        "--lambda2",
+        "1000",
+        "--tau",
+        "0.01",
+        "--epsilon",
+        "0.01",
+        "--step",
+        "2",
+    )
+    assert code == 0
+    expected = plan_dafl(counts, DaflParams(lambda1=2, lambda2=1000, tau=0.01, epsilon=0.01, step=2))
+    assert json.loads(out)["A"] == expected.A.tolist()
+    code, out, _ = _main(capsys, str(path), "--json", "--method", "lb", "--tau", "0")
+    report = json.loads(out)
+    assert report["method"] == "lb"
+    assert report["A"] == plan_local_balancing(counts, 0.0).A.tolist()
+    assert report["clients"] is None
+
+
+def test_text_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, "client_id,a,b\nalpha,2,1\nbeta,1,1\n")
+    code, out, _ = _main(capsys, str(path))
+    assert code == 0
+    assert "before" in out and "after" in out
+    assert "0.020000" in out  # J before
+    assert "samples added: 1 in all" in out
+    assert "client  beta: 1" in out
+    assert "planning time:" in out
+
+
+def test_out_csv_keeps_header_and_ids(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, ",cat,dog\nnode-1,2,1\nnode-2,1,1\n")
+    out_path = tmp_path / "plan.csv"
+    code, _, _ = _main(capsys, str(path), "--out", str(out_path))
+    assert code == 0
+    rows = list(csv.reader(out_path.open(newline="")))
+    assert rows == [["", "cat", "dog"], ["node-1", "0", "0"], ["node-2", "0", "1"]]
+    # Without ids the plan has only the class header.
+    plain = _write(tmp_path, "cat,dog\n2,1\n1,1\n", "plain.csv")
+    code, _, _ = _main(capsys, str(plain), "--out", str(out_path))
+    assert list(csv.reader(out_path.open(newline=""))) == [["cat", "dog"], ["0", "0"], ["0", "1"]]
+
+
+def test_id_column_detected_from_non_integer_cells(tmp_path: Path) -> None:
+    table = dafl_cli.read_counts(_write(tmp_path, "name,a,b\nx,1,2\ny,3,4\n"))
+    assert table.clients == ("x", "y") and table.classes == ("a", "b")
+    assert table.counts.tolist() == [[1, 2], [3, 4]]
+    table = dafl_cli.read_counts(_write(tmp_path, "\ufeffclient,a\n7,1\n8,2\n"))  # BOM, integer ids
+    assert table.clients == ("7", "8") and table.counts.tolist() == [[1], [2]]
+    table = dafl_cli.read_counts(_write(tmp_path, "a,b\n1,2\n\n3,4\n"))  # blank line skipped
+    assert table.clients is None and table.counts.tolist() == [[1, 2], [3, 4]]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "empty"),
+        ("a,b\n", "no client rows"),
+        ("client\nc1\n", "no class columns"),
+        ("a,b\n1,2\n3\n", "row 3 has 1 cells, the header has 2"),
+        ("a,b\n1,2\n3,x\n", "row 3, column 2 (b): 'x' is not an integer"),
+        ("a,b\n1,2.5\n3,4\n", "row 2, column 2 (b): '2.5' is not an integer"),
+        ("a,b\n1,-2\n3,4\n", "row 2, column 2 (b): negative count -2"),
+        ("client,a,b\nc1,0,0\nc2,3,4\n", "row 2 (client 'c1') has no samples"),
+        ("a,b\n0,2\n0,4\n", "column 1 (a) has no samples on any client"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    path = _write(tmp_path, text)
+    code, out, err = _main(capsys, str(path))
+    assert code == 2 and out == ""
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_missing_file_and_bad_parameters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _main(capsys, str(tmp_path / "nope.csv"))
+    assert code == 2 and "cannot read" in err and "nope.csv" in err
+    path = _write(tmp_path, "a,b\n2,1\n1,1\n")
+    code, _, err = _main(capsys, str(path), "--tau", "-1")
+    assert code == 2 and "tau" in err
+    code, _, err = _main(capsys, str(path), "--out", str(tmp_path / "missing-dir" / "plan.csv"))
+    assert code == 2 and "plan.csv" in err
+
+
+def test_add_parser_mounts_on_a_parent_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parent = argparse.ArgumentParser(prog="felix")
+    sub = parent.add_subparsers(dest="command", required=True)
+    dafl_cli.add_parser(sub)
+    path = _write(tmp_path, "a,b\n2,1\n1,1\n")
+    args = parent.parse_args(["plan-augmentation", str(path), "--json", "--method", "lb"])
+    assert args.func is dafl_cli.run
+    assert args.func(args) == 0
+    assert json.loads(capsys.readouterr().out)["method"] == "lb"
+
+
+def test_runs_as_a_module(tmp_path: Path) -> None:
+    path = _write(tmp_path, "a,b\n2,1\n1,1\n")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "felix.dafl_cli", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert JSON_KEYS <= set(json.loads(done.stdout))
+    bad = subprocess.run(
+        [sys.executable, "-m", "felix.dafl_cli", str(tmp_path / "nope.csv")],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
