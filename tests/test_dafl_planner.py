@@ -7,13 +7,23 @@ P = 2000 * max_k(n_k + a_k) * (1 + I(N + A)) + 100 * max_k a_k.
 
 from __future__ import annotations
 
+import json
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from felix.data.dafl import P_RTOL, DaflParams, plan_dafl, plan_local_balancing
-from felix.data.dafl_tables import partition
+from felix.data.dafl import (
+    P_RTOL,
+    SCALAR_MAX_CELLS,
+    DaflParams,
+    _Greedy,
+    _ScalarGreedy,
+    plan_dafl,
+    plan_local_balancing,
+)
+from felix.data.dafl_tables import DATASET_NAMES, partition
 from felix.data.imbalance import global_class_imbalance, label_proportion_imbalance, local_class_imbalance
 
 # ---------------------------------------------------------------------------
@@ -213,6 +223,35 @@ def test_matches_reference_on_random_small_matrices(seed: int) -> None:
         assert plan.A.tolist() == expected.tolist(), (counts.tolist(), params)
         assert plan.J_after <= params.tau
         assert not np.any(plan.A[counts == 0])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_numpy_and_scalar_paths_decide_alike(seed: int) -> None:
+    # plan_dafl runs small matrices on Python floats and larger ones on numpy; the two must agree
+    # bit for bit, on shapes on both sides of the switch and on every parameter regime.
+    rng = np.random.default_rng(3000 + seed)
+    for _ in range(25):
+        shape = (int(rng.integers(1, 40)), int(rng.integers(2, 14)))
+        counts = rng.integers(0, rng.choice([5, 30, 200]), size=shape) * (rng.random(shape) < 0.8)
+        counts[rng.integers(shape[0]), counts.sum(axis=0) == 0] = 1
+        _, params = _random_case(rng)
+        with np.errstate(invalid="ignore"):
+            expected = _Greedy(counts, params).run()
+        assert _ScalarGreedy(counts, params).run().tolist() == expected.tolist(), (counts.tolist(), params)
+
+
+def test_both_paths_are_used() -> None:
+    assert 8 * 8 <= SCALAR_MAX_CELLS < 100 * 8
+
+
+PLANS = json.loads((Path(__file__).parent / "data" / "dafl_table2_plans.json").read_text())
+
+
+@pytest.mark.parametrize("lambda2", [1e2, 1e3, 1e4])
+def test_paper_partitions_plans_are_unchanged(lambda2: float) -> None:
+    # The plans for Table II's D1-D6 recorded before the planner was made faster.
+    for name in DATASET_NAMES:
+        assert plan_dafl(partition(name), DaflParams(lambda2=lambda2)).A.tolist() == PLANS[f"{name}/{lambda2:g}"]
 
 
 @pytest.mark.parametrize("seed", range(3))

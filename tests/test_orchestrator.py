@@ -6,7 +6,7 @@ import pytest
 
 from felix.aggregation.fedavg import FedAvgAggregator, FedBuffAggregator
 from felix.core.commands import CancelTask, DispatchTrain, NewModelVersion, UpdateRejected
-from felix.core.events import ClientRegistered, TaskFailed, TaskFinished, TierChanged, Tick
+from felix.core.events import ClientRegistered, TaskFailed, TaskFinished, Tick, TierChanged
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.types import ClientUpdate, Tier
 from felix.selection.random import RandomSelector

@@ -22,8 +22,9 @@ from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
 from felix.config import Config, ConfigError
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.policies import Aggregator, EvalSelector, TrainSelector
-from felix.data.datasets import ArrayDataset, load_dataset
+from felix.data.datasets import ArrayDataset, first_classes, load_dataset
 from felix.data.partition import count_table_partition, dirichlet_partition
+from felix.data.plans import DataPlanRun, prepare_data_plan
 from felix.metrics.recorder import Recorder
 from felix.models import make_model
 from felix.sim.engine import SimSettings, Simulation, make_devices
@@ -114,6 +115,15 @@ def _refl_saa(cfg: Config) -> Aggregator:
     return ReflSAAAggregator(ReflSAAParams(**a.params), a.server_lr, a.clip_norm)
 
 
+def _qffl(cfg: Config) -> Aggregator:
+    """q-FFL reads each client's loss at the received model from aux ``qffl_loss`` when a client
+    sends it, else the mean local training loss (biased low; see QFFLAggregator)."""
+    from felix.aggregation.qffl import QFFLAggregator
+
+    params = {"lipschitz": 1.0 / cfg.client.lr, **cfg.aggregator.params}
+    return QFFLAggregator(**params)
+
+
 SELECTORS: dict[str, Callable[[dict[str, Any], Config], TrainSelector]] = {
     "random": _random_selector,
     "oort": _oort_selector,
@@ -128,6 +138,7 @@ AGGREGATORS: dict[str, Callable[[Config], Aggregator]] = {
     "fedbuff": _fedbuff,
     "tierfuse": _tierfuse,
     "refl_saa": _refl_saa,
+    "qffl": _qffl,
 }
 
 
@@ -144,8 +155,14 @@ def _make(registry: dict[str, Callable[..., Any]], kind: str, name: str, *args: 
 
 # ---------------------------------------------------------------------- scenario parts
 @functools.lru_cache(maxsize=4)
-def _dataset(name: str, root: str | None, download: bool, limit: int | None) -> tuple[ArrayDataset, ArrayDataset]:
-    return load_dataset(name, root, download, limit)
+def _dataset(name: str, root: str | None, download: bool, limit: int | None,
+             num_classes: int | None = None) -> tuple[ArrayDataset, ArrayDataset]:
+    train, test = load_dataset(name, root, download, limit)
+    if num_classes is not None:
+        if num_classes > train.num_classes:
+            raise ConfigError(f"dataset.num_classes is {num_classes} but {name} has {train.num_classes} classes")
+        train, test = first_classes(train, num_classes), first_classes(test, num_classes)
+    return train, test
 
 
 def partition_indices(cfg: Config, labels: np.ndarray, num_classes: int) -> list[np.ndarray]:
@@ -178,9 +195,14 @@ def build_trace(cfg: Config) -> AvailabilityTrace:
     return load_fedscale(t.path)  # type: ignore[arg-type]
 
 
-def build_runtimes(cfg: Config) -> np.ndarray:
+def build_runtimes(cfg: Config, sizes: list[int] | None = None) -> np.ndarray:
+    """Per-client task runtimes; ``per_sample`` needs the clients' sample counts ``sizes``."""
     r = cfg.runtime
     n = cfg.partition.num_clients
+    if r.kind == "per_sample":
+        if sizes is None:
+            raise ConfigError("runtime.kind 'per_sample' needs the clients' sample counts")
+        return r.seconds_per_sample * np.asarray(sizes, dtype=np.float64)
     rng = _stream(cfg.seed, _RUNTIME)
     if r.kind == "halfnormal":
         return halfnormal_runtimes(n, rng, r.scale_s or FELIX_HALFNORMAL_SCALE, r.min_s)
@@ -222,7 +244,7 @@ class Population:
 
 def build_population(cfg: Config) -> Population:
     d = cfg.dataset
-    train, test = _dataset(d.name, d.root, d.download, d.per_class_limit)
+    train, test = _dataset(d.name, d.root, d.download, d.per_class_limit, d.num_classes)
     if d.test_limit is not None:
         test = test.subset(np.arange(min(d.test_limit, len(test))))
     parts = partition_indices(cfg, train.y.numpy(), train.num_classes)
@@ -240,7 +262,10 @@ def build_trainer(cfg: Config, pop: Population) -> LocalTrainer:
     c = cfg.client
     try:
         tcfg = TrainConfig(c.lr, c.batch_size, c.epochs, c.max_steps, c.momentum, c.weight_decay, c.drop_last, c.optimizer)
-        objective = make_objective(c.objective, **c.objective_params)
+        params = dict(c.objective_params)
+        if c.objective == "scaffold":
+            params.setdefault("num_clients", cfg.partition.num_clients)  # SCAFFOLD's N
+        objective = make_objective(c.objective, **params)
     except ValueError as exc:
         raise ConfigError(f"client: {exc}") from None
     return LocalTrainer(copy.deepcopy(pop.model), objective, tcfg, pop.train.num_classes, cfg.run.device)
@@ -270,19 +295,24 @@ class Built:
     recorder: Recorder
     trace: AvailabilityTrace
     population: Population
+    data_plan: DataPlanRun | None = None
 
 
 def build(cfg: Config) -> Built:
     pop = build_population(cfg)
     trace = build_trace(cfg)
-    runtimes = build_runtimes(cfg)
+    runtimes = build_runtimes(cfg, [len(d) for d in pop.client_data])
     trainer = build_trainer(cfg, pop)
     evaluate = make_evaluator(copy.deepcopy(pop.model), pop.test, cfg.run.device)
     recorder = Recorder(evaluate, cfg.run.target_accuracy, cfg.run.target_window, cfg.run.eval_every)
     orch = build_orchestrator(cfg, pop.initial_weights, trace)
+    data_plan = prepare_data_plan(cfg, pop.client_data, pop.train.num_classes, runtimes)
+    if data_plan is not None:
+        orch.set_data_plan(data_plan.rows)
     devices = make_devices(pop.client_data, runtimes, trace.for_client)
     r = cfg.run
     settings = SimSettings(seed=cfg.seed, max_time_s=r.max_time_s, max_aggregations=r.max_aggregations,
                            stop_at_target=r.stop_at_target, eval_fraction=cfg.runtime.eval_fraction)
-    sim = Simulation(orch, devices, trainer, recorder, settings)
-    return Built(cfg, sim, orch, recorder, trace, pop)
+    sim = Simulation(orch, devices, trainer, recorder, settings,
+                     augment=None if data_plan is None else data_plan.applier)
+    return Built(cfg, sim, orch, recorder, trace, pop, data_plan)

@@ -64,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     from felix import dafl_cli
 
     dafl_cli.add_parser(sub)
+    from felix.experiments import federage
+
+    federage.add_parser(sub)
+    from felix.experiments import dafl as dafl_experiment
+
+    dafl_experiment.add_parser(sub)
+    from felix.runtime.cli import add_parsers
+
+    add_parsers(sub)
     return p
 
 

@@ -17,11 +17,7 @@ from felix.metrics.recorder import EvalRow
 from felix.metrics.report import plot_curves
 
 
-def _one(cfg: Config, out_dir: Path | None, threads: int | None) -> tuple[dict[str, Any], list[EvalRow]]:
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
+def _one(cfg: Config, out_dir: Path | None) -> tuple[dict[str, Any], list[EvalRow]]:
     res = run_config(cfg, out_dir, plots=False)
     return res.summary, res.rows
 
@@ -33,11 +29,11 @@ def compare(config_path: str | None, strategies: list[str], sets: dict[str, Any]
     results: dict[str, tuple[dict[str, Any], list[EvalRow]]] = {}
     if jobs <= 1:
         for s, cfg in zip(strategies, configs):
-            results[s] = _one(cfg, out_dir / _slug(s), None)
+            results[s] = _one(cfg, out_dir / _slug(s))
             _log_line(results[s][0])
     else:
         with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
-            futs = {s: pool.submit(_one, cfg, out_dir / _slug(s), 1) for s, cfg in zip(strategies, configs)}
+            futs = {s: pool.submit(_one, cfg, out_dir / _slug(s)) for s, cfg in zip(strategies, configs)}
             for s, f in futs.items():
                 results[s] = f.result()
                 _log_line(results[s][0])

@@ -24,6 +24,8 @@ class DatasetCfg(_Strict):
     download: bool = False
     per_class_limit: int | None = Field(None, ge=1)
     test_limit: int | None = Field(None, ge=1, description="evaluate on the first N test samples")
+    num_classes: int | None = Field(None, ge=2, description="keep only the first N classes (label order), "
+                                    "train and test, e.g. the first 8 CIFAR-10 classes of the DAFL paper")
 
 
 class PartitionCfg(_Strict):
@@ -34,7 +36,7 @@ class PartitionCfg(_Strict):
     table: list[list[int]] | None = None
 
     @model_validator(mode="after")
-    def _table(self) -> "PartitionCfg":
+    def _table(self) -> PartitionCfg:
         if self.kind == "table":
             if not self.table:
                 raise ValueError("partition.kind 'table' needs partition.table (clients x classes counts)")
@@ -52,19 +54,21 @@ class TraceCfg(_Strict):
     horizon_s: float = Field(86400.0, gt=0)
 
     @model_validator(mode="after")
-    def _path(self) -> "TraceCfg":
+    def _path(self) -> TraceCfg:
         if self.kind in ("mobiperf", "fedscale") and not self.path:
             raise ValueError(f"trace.kind {self.kind!r} needs trace.path")
         return self
 
 
 class RuntimeCfg(_Strict):
-    kind: Literal["halfnormal", "constant", "uniform"] = "halfnormal"
+    kind: Literal["halfnormal", "constant", "uniform", "per_sample"] = "halfnormal"
     scale_s: float | None = Field(None, gt=0, description="half-normal scale; default the FeLiX authors' 14.38 s")
     min_s: float = Field(2.0, ge=0)
     constant_s: float = Field(10.0, gt=0)
     low_s: float = Field(1.0, gt=0)
     high_s: float = Field(60.0, gt=0)
+    seconds_per_sample: float = Field(0.01, gt=0, description="per_sample: a training task lasts this times the "
+                                      "client's sample count, so time grows with data (and with augmentation)")
     eval_fraction: float = Field(0.05, gt=0, le=1)
 
 
@@ -107,6 +111,24 @@ class ClientCfg(_Strict):
     objective_params: dict[str, Any] = Field(default_factory=dict)
 
 
+class DaflCfg(_Strict):
+    """Planner and augmentation settings for ``data_plan: lb | dafl``; defaults are the DAFL paper's
+    (Sec. VI). ``zeta`` / ``zeta_prime`` are relative per-sample augmentation / training times: the
+    planner weighs with them, and the simulator charges a client ``zeta / zeta_prime`` of its
+    per-sample training time for each sample it augments. LB uses ``tau``, ``step`` and ``augmenter``."""
+
+    lambda1: float = Field(1.0, ge=0)
+    lambda2: float = Field(100.0, ge=0)
+    tau: float = Field(1e-3, ge=0)
+    epsilon: float = Field(1e-3, gt=0)
+    step: int = Field(1, ge=1)
+    zeta: float = Field(1.0, ge=0)
+    zeta_prime: float = Field(2.0, gt=0)
+    local_updates: int = Field(2, ge=1, description="E in the time model's (E-1)^2 L^2CG^2 I term")
+    smoothness: float = Field(1.0, ge=0, description="L^2 C G^2, set to 1 in the paper")
+    augmenter: str = Field("rotate_flip", description="felix.data.augment.AUGMENTERS name")
+
+
 class RunCfg(_Strict):
     target_accuracy: float = Field(0.8, gt=0, le=1)
     target_window: int = Field(5, ge=1, description="K: mean of the last K evaluations must reach the target")
@@ -115,6 +137,7 @@ class RunCfg(_Strict):
     eval_every: int = Field(1, ge=0)
     stop_at_target: bool = True
     device: str = "cpu"
+    threads: int | None = Field(1, ge=1, description="torch intra-op threads; small models run fastest on one")
 
 
 class Config(_Strict):
@@ -123,6 +146,7 @@ class Config(_Strict):
     seed: int = 0
     model: Literal["felix_cnn", "small_cnn", "mlp"] = "small_cnn"
     data_plan: Literal["none", "lb", "dafl"] = "none"
+    dafl: DaflCfg = DaflCfg()
     dataset: DatasetCfg = DatasetCfg()
     partition: PartitionCfg = PartitionCfg()
     trace: TraceCfg = TraceCfg()

@@ -1,12 +1,14 @@
 """One simulated run from a config: build, run, summarise, write outputs."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from felix.build import Built, build
 from felix.config import Config, ConfigError, deep_merge, read_yaml, validate
+from felix.data.plans import plan_summary
 from felix.metrics.recorder import EvalRow
 from felix.metrics.report import summary, write_run
 from felix.presets import scenario_preset, strategy_preset
@@ -35,15 +37,20 @@ def resolve_config(config_path: str | None, preset: str | None, sets: dict[str, 
     return validate(raw, config_path or f"scenario {scenario or 'default'}")
 
 
-def run_config(cfg: Config, out_dir: Path | None = None, progress: bool = False, plots: bool = True) -> RunResult:
+def run_config(cfg: Config, out_dir: Path | None = None, progress: bool = False, plots: bool = True,
+               prepare: Callable[[Built], None] | None = None) -> RunResult:
+    """Build and simulate ``cfg``; ``prepare`` may instrument the built run (e.g. wrap its
+    evaluator) before it starts."""
     built = build(cfg)
+    if prepare is not None:
+        prepare(built)
     if progress:
         built.sim.cfg = type(built.sim.cfg)(**{**built.sim.cfg.__dict__, "progress": True})
     outcome = built.sim.run()
     summ = summary(cfg.strategy, cfg.seed, built.recorder, built.orch.stats, built.orch.version,
                    outcome.virtual_time_s, outcome.wall_time_s, outcome.stop_reason,
                    {"scenario": cfg.name, "num_clients": cfg.partition.num_clients,
-                    "num_params": int(built.population.initial_weights.size)})
+                    "num_params": int(built.population.initial_weights.size), **plan_summary(built.data_plan)})
     if out_dir is not None:
         write_run(out_dir, summ, built.recorder.rows, plots)
         (out_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")

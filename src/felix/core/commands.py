@@ -38,6 +38,7 @@ class AggregationReport:
     client_ids: tuple[int, ...]
     staleness: tuple[int, ...]
     weights: tuple[float, ...]
+    losses: tuple[float, ...] = ()  # each update's reported local training loss
 
 
 @dataclass(frozen=True, slots=True)

@@ -471,7 +471,8 @@ class Orchestrator:
         st.agg_weights.extend(float(w) for w in norm_w)
         self.selector.on_round_end(self.round, self._ctx())
         report = AggregationReport(
-            tuple(b.client_id for b in buffer), tuple(b.staleness for b in buffer), tuple(float(w) for w in norm_w)
+            tuple(b.client_id for b in buffer), tuple(b.staleness for b in buffer), tuple(float(w) for w in norm_w),
+            tuple(float(b.update.loss) for b in buffer),
         )
         out.append(NewModelVersion(self.version, self.now, self._theta, report))
 

@@ -48,6 +48,13 @@ operations on ``K x C`` arrays, using these facts:
   a per-client term plus one ``K x C`` matrix, of which only one row changes
   per step;
 * ``max_k`` in ``T_t`` and ``T_a`` after the move is ``max(old max, new row)``.
+
+Small matrices (up to ``SCALAR_MAX_CELLS`` non-empty client x class cells, the
+paper's 8 x 8 included) run the same steps on Python floats (``_ScalarGreedy``),
+in the same order of floating-point operations, so both paths decide alike bit
+for bit; on 8 x 8 that is about 4 times faster than numpy, whose per-call
+overhead is most of a step there. Sums of the ``K`` per-client ratios use
+``math.fsum`` in both (correctly rounded, so independent of summation order).
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ from felix.data.imbalance import objective as _objective
 
 __all__ = [
     "P_RTOL",
+    "SCALAR_MAX_CELLS",
     "AugmentationPlan",
     "DaflParams",
     "plan_dafl",
@@ -78,6 +86,10 @@ __all__ = [
 
 #: Relative tolerance under which two values of the objective P count as equal.
 P_RTOL: Final = 1e-12
+
+#: Largest (non-empty clients x classes) planned on Python floats rather than numpy arrays: below
+#: it numpy's per-call overhead dominates a greedy step, above it the K x C work does.
+SCALAR_MAX_CELLS: Final = 512
 
 
 @dataclass(frozen=True)
@@ -202,7 +214,8 @@ def plan_dafl(counts: ArrayLike, params: DaflParams | None = None) -> Augmentati
     params = DaflParams() if params is None else params
     n_mat = validate_counts(counts)
     start = time.perf_counter()
-    augmentation = _Greedy(n_mat, params).run()
+    greedy = _ScalarGreedy if np.count_nonzero(n_mat.sum(axis=1)) * n_mat.shape[1] <= SCALAR_MAX_CELLS else _Greedy
+    augmentation = greedy(n_mat, params).run()
     seconds = time.perf_counter() - start
     return _summarise(n_mat, augmentation, "dafl", seconds)
 
@@ -390,7 +403,7 @@ class _Greedy:
 
     def _objective(self) -> float:
         """P of the current state."""
-        imbalance = self.ratio.sum() / self.n - self.s2 / self.n**2
+        imbalance = math.fsum(self.ratio) / self.n - self.s2 / self.n**2
         return self.alpha * self.max_size * (1.0 + self.kappa * imbalance) + self.beta * self.max_aug
 
     def _feasible(self) -> NDArray[np.bool_]:
@@ -420,7 +433,7 @@ class _Greedy:
         h = self.scaled - np.where(allowed, self.totals * inv, -np.inf)
         h_row = np.minimum.reduce(h, axis=1)
         kappa_n = self.kappa * inv
-        shared = 1.0 + kappa_n * (np.add.reduce(self.ratio) - (self.s2 + s * s) * inv)
+        shared = 1.0 + kappa_n * (math.fsum(self.ratio) - (self.s2 + s * s) * inv)
         slope = 2 * s * kappa_n
         inner = self.delta * kappa_n + shared
         width, extra = self.width, self.extra
@@ -464,3 +477,204 @@ class _Greedy:
             np.maximum(self.aug_if_grown, self.beta * self.max_aug, out=self.extra)
         else:
             self.extra[k] = max(self.aug_if_grown[k], self.beta * self.max_aug)
+
+
+class _ScalarGreedy:
+    """:class:`_Greedy` for small ``N``, on Python floats instead of numpy arrays.
+
+    Same state, same formulas, same order of floating-point operations, hence the
+    same decisions bit for bit (``tests/test_dafl_planner.py`` runs both on the same
+    matrices). On the paper's 8 x 8 matrices numpy's per-call overhead is most of a
+    step, and the greedy cannot be batched: at ``s = 1`` its choices form no runs
+    (D2: 24,903 changes of (client, class) in 24,913 steps), consecutive Phase 1
+    levels rarely repeat, and predicting a block of steps and checking it at once
+    fails at about every step. What keeps a scalar step short:
+
+    * Phase 1 candidates share one class total, so a client's best candidate is its
+      smallest count among the tied classes: each client keeps its candidate classes
+      sorted by (count, class) and a cursor on its first tied one; the tied set only
+      shrinks within a level, so cursors only move forward;
+    * in Phase 2 only the few classes that keep ``J <= tau`` are scanned;
+    * per-client terms are updated only for the client that grew.
+    """
+
+    def __init__(self, n_mat: NDArray[np.int64], params: DaflParams) -> None:
+        self.tau = params.tau
+        self.full_shape = n_mat.shape
+        self.rows = np.flatnonzero(n_mat.sum(axis=1) > 0)
+        counts = n_mat[self.rows]
+        s = self.step = params.step
+        self.alpha = params.lambda1 * params.zeta_prime / params.epsilon
+        self.beta = params.lambda2 * params.zeta
+        self.kappa = params.drift_weight
+        self.n_classes = counts.shape[1]
+
+        self.counts: list[list[float]] = counts.astype(np.float64).tolist()  # N + A, exact while < 2**53
+        self.added = np.zeros_like(counts)
+        self.candidate = (counts > 0).tolist()  # class-preserving: no new classes
+        # Each client's candidate classes sorted by (count, class).
+        self.order = [sorted(np.flatnonzero(row > 0).tolist(), key=lambda c, r=row: (r[c], c)) for row in counts]
+        self.sizes = [float(v) for v in counts.sum(axis=1)]  # n_k + a_k
+        self.aug_sizes = [0.0] * len(self.rows)  # a_k
+        self.squares = [float(v) for v in np.einsum("kc,kc->k", counts, counts)]  # Q_k
+        self.totals = [int(v) for v in counts.sum(axis=0)]  # n^(c)
+        self.n = sum(self.totals)
+        self.s2 = sum(t * t for t in self.totals)
+        self.max_size = max(self.sizes)
+        self.max_aug = 0.0
+        self.ratio = [q / n for q, n in zip(self.squares, self.sizes)]
+        self.delta = [(q + s * s) / (n + s) - r for q, n, r in zip(self.squares, self.sizes, self.ratio)]
+        self.width_if_grown = [self.alpha * (n + s) for n in self.sizes]
+        self.aug_if_grown = [self.beta * (a + s) for a in self.aug_sizes]
+        self.width = [max(w, self.alpha * self.max_size) for w in self.width_if_grown]
+        self.extra = [max(e, self.beta * self.max_aug) for e in self.aug_if_grown]
+
+    def run(self) -> NDArray[np.int64]:
+        self._phase1()
+        self._phase2()
+        full = np.zeros(self.full_shape, dtype=np.int64)
+        full[self.rows] = self.added
+        return full
+
+    def _phase1(self) -> None:
+        """``_Greedy._phase1`` with the per-client cursors of the class docstring."""
+        s = self.step
+        phase1 = _water_fill(np.array(self.totals), s, self.tau).size
+        counts, order, sizes, delta, width, extra = (
+            self.counts, self.order, self.sizes, self.delta, self.width, self.extra)
+        k_range = range(len(counts))
+        cursor = [0] * len(counts)  # position in order[k] of the client's first tied class
+        first = [-1] * len(counts)  # that class; -1: the client has none
+        scaled = [math.inf] * len(counts)  # x / (n_k + s) of that class; inf: none
+        tied: list[bool] = []
+        level = n_tied = 0
+        for _ in range(phase1):
+            if n_tied == 0:  # a new level: the classes at the lowest total
+                level = min(self.totals)
+                tied = [t == level for t in self.totals]
+                n_tied = sum(tied)
+                stale = k_range
+                for k in k_range:
+                    cursor[k] = 0
+            for j in stale:
+                row, i = order[j], cursor[j]
+                for c in row[i:]:
+                    if tied[c]:
+                        cursor[j], first[j], scaled[j] = i, c, counts[j][c] / (sizes[j] + s)
+                        break
+                    i += 1
+                else:
+                    first[j], scaled[j] = -1, math.inf
+            inv = 1.0 / (self.n + s)
+            kappa_n = self.kappa * inv
+            shared = 1.0 + kappa_n * (math.fsum(self.ratio) - (self.s2 + s * s) * inv)
+            slope = 2 * s * kappa_n
+            offset = level * inv
+            values = [w * (d * kappa_n + shared + slope * (h - offset)) + e if h < math.inf else math.inf
+                      for w, d, h, e in zip(width, delta, scaled, extra)]
+            best = min(values)
+            threshold = best + P_RTOL * best
+            k = 0
+            while not values[k] <= threshold:
+                k += 1
+            row = order[k]
+            if width[k] * slope > 0:
+                limit = ((threshold - extra[k]) / width[k] - (delta[k] * kappa_n + shared)) / slope
+                x_row, size = counts[k], sizes[k] + s
+                c = min(c for c in row if tied[c] and x_row[c] / size - offset <= limit)
+            else:
+                c = min(c for c in row if tied[c])
+            self._add(k, c)
+            tied[c] = False
+            n_tied -= 1
+            cursor[k] = 0  # its classes were re-sorted
+            stale = [j for j, f in enumerate(first) if f == c or j == k]
+
+    def _phase2(self) -> None:
+        """``_Greedy._phase2``, scanning only the feasible classes."""
+        s = self.step
+        p, q = self.tau.as_integer_ratio()
+        n_classes = self.n_classes
+        counts, candidate, sizes, delta, width, extra = (
+            self.counts, self.candidate, self.sizes, self.delta, self.width, self.extra)
+        k_range = range(len(counts))
+        current = self._objective()
+        while True:
+            n1 = self.n + s
+            # J' <= p/q  <=>  2 s q C g <= p C n1^2 + q n1^2 - q C (S2 + s^2), g the class total
+            bound = (p * n_classes * n1 * n1 + q * n1 * n1 - q * n_classes * (self.s2 + s * s)) // (
+                2 * s * q * n_classes)
+            feasible = [c for c, t in enumerate(self.totals) if t <= bound]
+            if not feasible:
+                break
+            inv = 1.0 / n1
+            kappa_n = self.kappa * inv
+            shared = 1.0 + kappa_n * (math.fsum(self.ratio) - (self.s2 + s * s) * inv)
+            slope = 2 * s * kappa_n
+            offsets = [self.totals[c] * inv for c in feasible]
+            values = []
+            for k in k_range:
+                x_row, cand, size = counts[k], candidate[k], sizes[k] + s
+                h = math.inf
+                for c, o in zip(feasible, offsets):
+                    if cand[c] and x_row[c] / size - o < h:
+                        h = x_row[c] / size - o
+                values.append(width[k] * (delta[k] * kappa_n + shared + slope * h) + extra[k]
+                              if h < math.inf else math.inf)
+            best = min(values)
+            threshold = best + P_RTOL * best
+            k = 0
+            while not values[k] <= threshold:
+                k += 1
+            x_row, cand, size = counts[k], candidate[k], sizes[k] + s
+            inner = delta[k] * kappa_n + shared
+            hs = [(c, x_row[c] / size - o) for c, o in zip(feasible, offsets) if cand[c]]
+            if width[k] * slope > 0:
+                limit = ((threshold - extra[k]) / width[k] - inner) / slope
+                c, h = next((c, h) for c, h in hs if h <= limit)
+            else:
+                c, h = hs[0]
+            value = width[k] * (inner + slope * h) + extra[k]
+            if not value < current - P_RTOL * current:
+                break
+            self._add(k, c)
+            current = value
+
+    def _objective(self) -> float:
+        """P of the current state."""
+        imbalance = math.fsum(self.ratio) / self.n - self.s2 / self.n**2
+        return self.alpha * self.max_size * (1.0 + self.kappa * imbalance) + self.beta * self.max_aug
+
+    def _add(self, k: int, c: int) -> None:
+        s = self.step
+        x_row = self.counts[k]
+        x = x_row[c]
+        x_row[c] = x + s
+        self.added[k, c] += s
+        order = self.order[k]
+        i = order.index(c)  # move c right past the classes now below it in (count, class) order
+        last = len(order) - 1
+        while i < last and (x_row[order[i + 1]], order[i + 1]) < (x + s, c):
+            order[i] = order[i + 1]
+            i += 1
+        order[i] = c
+        squares = self.squares[k] = self.squares[k] + 2 * s * x + s * s
+        size = self.sizes[k] = self.sizes[k] + s
+        aug = self.aug_sizes[k] = self.aug_sizes[k] + s
+        total = self.totals[c] = self.totals[c] + s
+        self.n += s
+        self.s2 += 2 * s * (total - s) + s * s
+        ratio = self.ratio[k] = squares / size
+        self.delta[k] = (squares + s * s) / (size + s) - ratio
+        grown = self.width_if_grown[k] = self.alpha * (size + s)
+        aug_grown = self.aug_if_grown[k] = self.beta * (aug + s)
+        if size > self.max_size:
+            self.max_size = size
+            self.width[:] = [max(w, self.alpha * size) for w in self.width_if_grown]  # in place: loops hold it
+        else:
+            self.width[k] = max(grown, self.alpha * self.max_size)
+        if aug > self.max_aug:
+            self.max_aug = aug
+            self.extra[:] = [max(e, self.beta * aug) for e in self.aug_if_grown]
+        else:
+            self.extra[k] = max(aug_grown, self.beta * self.max_aug)

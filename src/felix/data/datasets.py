@@ -45,7 +45,7 @@ class ArrayDataset:
     def sample_shape(self) -> tuple[int, ...]:
         return tuple(self.x.shape[1:])
 
-    def subset(self, idx: np.ndarray) -> "ArrayDataset":
+    def subset(self, idx: np.ndarray) -> ArrayDataset:
         t = torch.as_tensor(idx, dtype=torch.long)
         return ArrayDataset(self.x[t], self.y[t], self.classes)
 
@@ -75,6 +75,17 @@ def _limit(d: ArrayDataset, n: int) -> ArrayDataset:
     keep = np.concatenate([np.flatnonzero(y == c)[:n] for c in range(d.num_classes)])
     keep.sort()
     return d.subset(keep)
+
+
+def first_classes(d: ArrayDataset, n: int) -> ArrayDataset:
+    """Keep only the samples of the first ``n`` classes (label order), e.g. the DAFL paper's
+    eight-class CIFAR-10 task; labels keep their values, so class ``c`` stays class ``c``."""
+    if not 1 <= n <= d.num_classes:
+        raise DatasetError(f"cannot keep the first {n} classes of a dataset with {d.num_classes}")
+    if n == d.num_classes:
+        return d
+    keep = np.flatnonzero(d.y.numpy() < n)
+    return ArrayDataset(d.x[torch.from_numpy(keep)], d.y[torch.from_numpy(keep)], d.classes[:n])
 
 
 def _normalise(x_uint8: np.ndarray) -> torch.Tensor:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from felix.core.commands import NewModelVersion
+
 # Every message carries a typed header; the deployment's real encoder has this size order too.
 HEADER_BYTES = 64
 
@@ -43,6 +45,17 @@ class EvalRow:
     bytes_up: int
 
 
+@dataclass(frozen=True)
+class TrainLossRow:
+    """The clients' training loss behind one aggregation: the aggregation-weighted mean of the
+    updates' reported local losses (for FedAvg, the sample-weighted mean: the global training
+    loss the DAFL paper's convergence rule watches)."""
+
+    version: int
+    time_s: float
+    loss: float
+
+
 def reached_target(accs: list[float], target: float, window: int) -> bool:
     """The FeLiX authors' rule: the mean of the last ``window`` accuracies and the last one are both
     at or above the target (and at least ``window`` evaluations exist)."""
@@ -67,6 +80,9 @@ class Recorder:
         self.time_to_target: float | None = None
         self.bytes_to_target: int | None = None
         self.version_at_target: int | None = None
+        self.train_losses: list[TrainLossRow] = []
+        # Called with every new model version (an experiment may keep the weights it will evaluate).
+        self.aggregation_hooks: list[Callable[[NewModelVersion], None]] = []
 
     def due(self, version: int) -> bool:
         return self.eval_every > 0 and version % self.eval_every == 0
@@ -81,6 +97,18 @@ class Recorder:
             self.bytes_to_target = b.total
             self.version_at_target = version
         return row
+
+    def on_aggregation(self, cmd: NewModelVersion) -> None:
+        """Note the training loss behind a new model version (none when its updates carry no
+        losses) and pass the version to the hooks."""
+        report = cmd.report
+        if report.losses:
+            losses = np.asarray(report.losses, dtype=np.float64)
+            w = np.asarray(report.weights, dtype=np.float64)
+            loss = float(w @ losses / w.sum()) if w.shape == losses.shape and w.sum() > 0 else float(losses.mean())
+            self.train_losses.append(TrainLossRow(cmd.version, cmd.time, loss))
+        for hook in self.aggregation_hooks:
+            hook(cmd)
 
     @property
     def reached(self) -> bool:

@@ -60,6 +60,7 @@ class SimDevice:
     started_at: float | None = None  # None while paused
     remaining: float = 0.0
     token: int = 0  # invalidates a completion scheduled before a pause or cancel
+    augmented: bool = False  # the client applied its data-plan row (once, on the first task bringing it)
 
     def can_run(self, kind: TaskKind) -> bool:
         return self.tier is Tier.AVL_TRAIN or (kind is TaskKind.EVAL and self.tier is Tier.AVL_EVAL)
@@ -87,7 +88,8 @@ class SimOutcome:
 class Simulation:
     def __init__(self, orch: Orchestrator, devices: list[SimDevice], trainer: LocalTrainer,
                  recorder: Recorder, settings: SimSettings,
-                 on_train: Callable[[SimDevice, SimTask], None] | None = None) -> None:
+                 on_train: Callable[[SimDevice, SimTask], None] | None = None,
+                 augment: Callable[[SimDevice, tuple[int, ...]], float] | None = None) -> None:
         self.orch = orch
         self.devices = devices
         self.trainer = trainer
@@ -101,6 +103,7 @@ class Simulation:
         self._rejected: list[UpdateRejected] = []
         self._train_seconds = 0.0
         self._on_train = on_train
+        self._augment = augment  # applies a data-plan row to a device, returns its virtual seconds
         self._shown = -1
         self._model_bytes = 4 * int(orch.weights.size) + HEADER_BYTES
         self._tiers_cost = orch.cfg.knowledge is Knowledge.TIERTRACK
@@ -220,7 +223,11 @@ class Simulation:
             if isinstance(cmd, DispatchTrain):
                 dev = self.devices[cmd.client_id]
                 self.rec.bytes.add("down", "train", self._model_bytes + aux_nbytes(cmd.aux) + 8 * len(cmd.plan))
-                dev.queue.append(SimTask(cmd.task_id, TaskKind.TRAIN, cmd.weights, cmd.aux, dev.runtime_s))
+                augment_s = 0.0
+                if cmd.plan and not dev.augmented and self._augment is not None:
+                    dev.augmented = True  # augmentation (and its time) belongs to the first task with the row
+                    augment_s = self._augment(dev, cmd.plan)
+                dev.queue.append(SimTask(cmd.task_id, TaskKind.TRAIN, cmd.weights, cmd.aux, augment_s + dev.runtime_s))
                 self._try_start(dev)
             elif isinstance(cmd, DispatchEval):
                 dev = self.devices[cmd.client_id]
@@ -246,6 +253,7 @@ class Simulation:
             dev.queue = deque(t for t in dev.queue if t.task_id != task_id)
 
     def _on_version(self, cmd: NewModelVersion) -> None:
+        self.rec.on_aggregation(cmd)
         if self.rec.due(cmd.version):
             self.rec.record(self.now, cmd.version, cmd.weights)
             if self.cfg.stop_at_target and self.rec.reached:

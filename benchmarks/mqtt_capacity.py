@@ -1,0 +1,141 @@
+"""How many clients one Mosquitto broker and one ``felix serve`` hold on this machine.
+
+For each client count, two runs on a local broker (server in this process, clients in
+``felix emulate`` worker processes with ``--no-train``, so the clients cost only their protocol):
+
+- tiers: every client replays a slotted trace that redraws half of the clients every ``--slot`` s
+  (TierTrack STATE messages), with one training task in flight. Reported: offered and handled
+  tier messages per second, and their delivery delay (client send -> server loop).
+- round trips: always available, every client holds a task (concurrency = clients), and answers
+  10 ms after receiving it with a zero update of the model's size (MLP on digits, 4,810
+  parameters, ~19 KB per message each way). Reported: task round trips per second (dispatch,
+  result, aggregation every 10) and the delivery delay of results.
+
+Everything (broker, server, clients) shares this machine's cores, so the figures are for the
+whole stack on one box. Run: ``python benchmarks/mqtt_capacity.py [--clients 50 100 200 400 800]``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from felix.experiment import resolve_config
+from felix.runtime.broker import MosquittoBroker, find_mosquitto
+from felix.runtime.client import MAX_CLIENTS_PER_PROCESS
+from felix.runtime.link import BrokerOptions
+from felix.runtime.server import ServeOptions, Server
+from felix.runtime.topics import SERVER_USER
+
+
+def _config(path: Path, n: int, phase: str, slot_s: float) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "name": f"capacity-{phase}", "strategy": "custom", "seed": 0, "model": "mlp",
+        "dataset": {"name": "digits"},
+        "partition": {"kind": "iid", "num_clients": n},
+        "runtime": {"kind": "constant", "constant_s": 0.01},
+        "selector": {"name": "random"}, "eval_selector": {"name": "none"},
+        "aggregator": {"name": "fedbuff"},
+        "run": {"target_accuracy": 1.0, "eval_every": 0, "max_time_s": 1e6},
+    }
+    if phase == "tiers":
+        doc["trace"] = {"kind": "slotted", "unavailable_fraction": 0.5, "slot_s": slot_s, "horizon_s": 3600.0}
+        doc["orchestrator"] = {"mode": "async", "agg_goal": 10, "concurrency": 1, "knowledge": "tiertrack"}
+    else:
+        doc["trace"] = {"kind": "always"}
+        doc["orchestrator"] = {"mode": "async", "agg_goal": 10, "concurrency": n, "knowledge": "tiertrack"}
+    path.write_text(yaml.safe_dump(doc))
+    return doc
+
+
+def _offered_tier_rate(n: int, slot_s: float) -> float:
+    """Expected tier changes per second: per slot, each client is down with p = 0.5, independently."""
+    return n * 2 * 0.5 * 0.5 / slot_s
+
+
+def run_phase(n: int, phase: str, window_s: float, processes: int, slot_s: float, work: Path) -> dict[str, float]:
+    cfg_path = work / f"{phase}-{n}.yaml"
+    _config(cfg_path, n, phase, slot_s)
+    cfg = resolve_config(str(cfg_path), None, {})
+    with MosquittoBroker(n, workdir=work / f"broker-{phase}-{n}") as broker:
+        users = yaml.safe_load(broker.credentials_file.read_text())
+        opts = ServeOptions(BrokerOptions("127.0.0.1", broker.port, SERVER_USER, users[SERVER_USER]), run_id="cap",
+                            status_every_s=1e9)
+        server = Server(cfg, opts)
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        emulate = subprocess.Popen(
+            [sys.executable, "-m", "felix.runtime", "emulate", str(cfg_path), "--clients", str(n), "--processes",
+             str(processes), "--broker", broker.address, "--run-id", "cap", "--credentials",
+             str(broker.credentials_file), "--no-train", "--time-scale", "1", "--max-wall-s", str(window_s + 240)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 180
+            while len(server.orch.clients) < n:
+                if time.monotonic() > deadline or emulate.poll() is not None:
+                    raise RuntimeError(f"only {len(server.orch.clients)} of {n} clients registered")
+                time.sleep(0.1)
+            time.sleep(1.0)  # let the registration burst drain
+            s0, t0 = server.stats, time.monotonic()
+            tiers0, results0 = s0.tier_messages, s0.results
+            server.latency.clear()
+            time.sleep(window_s)
+            dt = time.monotonic() - t0
+            s1 = server.stats
+            lat = np.array(server.latency) * 1000.0
+            out = {
+                "tier_per_s": (s1.tier_messages - tiers0) / dt,
+                "results_per_s": (s1.results - results0) / dt,
+                "lat_p50_ms": float(np.percentile(lat, 50)) if lat.size else float("nan"),
+                "lat_p95_ms": float(np.percentile(lat, 95)) if lat.size else float("nan"),
+                "versions": float(server.orch.version),
+            }
+        finally:
+            emulate.send_signal(signal.SIGTERM)
+            try:
+                emulate.wait(30)
+            except subprocess.TimeoutExpired:
+                emulate.kill()
+            server.stop_requested.set()
+            thread.join(30)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, nargs="+", default=[50, 100, 200, 400, 800])
+    p.add_argument("--window", type=float, default=10.0, help="measurement window per run, seconds")
+    p.add_argument("--processes", type=int, default=2, help="emulate worker processes (more above 250 clients each)")
+    p.add_argument("--slot", type=float, default=0.25, help="trace slot (s) of the tier phase")
+    args = p.parse_args()
+    if find_mosquitto() is None:
+        print("mosquitto is not installed (apt-get install mosquitto)", file=sys.stderr)
+        return 2
+    print(f"{os.cpu_count()} CPUs; window {args.window:.0f} s; tier trace slot {args.slot} s; no training\n")
+    header = (f"{'clients':>7} {'procs':>5} | {'tier offered/s':>14} {'handled/s':>9} {'p50 ms':>7} {'p95 ms':>7} | "
+              f"{'round trips/s':>13} {'p50 ms':>7} {'p95 ms':>7}")
+    print(header)
+    print("-" * len(header))
+    with tempfile.TemporaryDirectory(prefix="felix-capacity-") as tmp:
+        for n in args.clients:
+            tiers = run_phase(n, "tiers", args.window, args.processes, args.slot, Path(tmp))
+            trips = run_phase(n, "trips", args.window, args.processes, args.slot, Path(tmp))
+            procs = max(args.processes, -(-n // MAX_CLIENTS_PER_PROCESS))  # as felix emulate does
+            print(f"{n:>7} {procs:>5} | {_offered_tier_rate(n, args.slot):>14.1f} {tiers['tier_per_s']:>9.1f} "
+                  f"{tiers['lat_p50_ms']:>7.1f} {tiers['lat_p95_ms']:>7.1f} | {trips['results_per_s']:>13.1f} "
+                  f"{trips['lat_p50_ms']:>7.1f} {trips['lat_p95_ms']:>7.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

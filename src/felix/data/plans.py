@@ -1,0 +1,197 @@
+"""Data plans in runs (``data_plan: lb | dafl``): the server plans augmentation from the clients'
+class counts, and every client applies its row of the plan once.
+
+The flow is the DAFL paper's (Sec. IV-B): clients report their class counts when they register
+(``ClientRegistered.class_counts``); the server computes the augmentation matrix ``A`` (DAFL's
+Algorithm 1, or local balancing) and sends row ``k`` to client ``k`` with its training tasks
+(``DispatchTrain.plan``); a client augments its own data the first time a task brings its row.
+In the simulator the counts are known when the run is built, so :func:`prepare_data_plan`
+computes exactly what the server would from the registrations (:func:`registered_counts` is the
+engine's own bincount), and the orchestrator carries the rows from the first task on.
+
+Time. The paper's model charges ``zeta`` per augmented sample and ``zeta'`` per trained sample,
+in relative units. The simulator turns them into seconds with each client's own per-sample
+training time: augmenting one sample costs ``zeta / zeta'`` of training on one sample (for the
+``per_sample`` runtime that is ``seconds_per_sample``; for the other runtime kinds, the client's
+task runtime over its sample count). This is added to the virtual duration of the client's first
+task, so runs stay deterministic; the measured wall seconds of the real augmentation are kept
+beside it for the summary. With the ``per_sample`` runtime the client's later tasks also grow
+with its augmented data; the other runtime kinds keep their drawn per-task runtimes.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+from felix.client.trainer import ClientData
+from felix.config import Config, ConfigError, DaflCfg
+from felix.data.augment import Augmenter, augment_client, get_augmenter
+from felix.data.dafl import AugmentationPlan, DaflParams, plan_dafl, plan_local_balancing
+
+__all__ = [
+    "DataPlanRun",
+    "PlanApplier",
+    "PlanClient",
+    "client_seed",
+    "dafl_params",
+    "plan_augmentation",
+    "plan_summary",
+    "prepare_data_plan",
+    "registered_counts",
+]
+
+#: Tag of the augmentation random stream under the run seed (build.py's scenario streams use 0-4).
+_AUGMENT_STREAM: Final = 101
+
+
+def registered_counts(datas: Sequence[ClientData], num_classes: int) -> NDArray[np.int64]:
+    """The client x class count matrix the server assembles from the clients' registrations."""
+    return np.stack([np.bincount(d.y.numpy(), minlength=num_classes) for d in datas]).astype(np.int64)
+
+
+def dafl_params(cfg: DaflCfg) -> DaflParams:
+    """The planner's parameters from the config's ``dafl`` section."""
+    return DaflParams(lambda1=cfg.lambda1, lambda2=cfg.lambda2, tau=cfg.tau, epsilon=cfg.epsilon, step=cfg.step,
+                      zeta=cfg.zeta, zeta_prime=cfg.zeta_prime, local_updates=cfg.local_updates,
+                      smoothness=cfg.smoothness)
+
+
+def plan_augmentation(method: str, counts: NDArray[np.int64], cfg: DaflCfg) -> AugmentationPlan:
+    """What the server computes for ``data_plan`` ``method`` from the count matrix."""
+    if method == "dafl":
+        return plan_dafl(counts, dafl_params(cfg))
+    if method == "lb":
+        return plan_local_balancing(counts, cfg.tau, step=cfg.step)
+    raise ValueError(f"unknown data plan {method!r}; expected 'lb' or 'dafl'")
+
+
+def client_seed(run_seed: int, client_id: int) -> int:
+    """The seed of a client's augmentation: a pure function of the run seed and the client id, so
+    the augmented data is the same whichever strategy or order the client meets its plan in."""
+    return int(np.random.SeedSequence([run_seed, _AUGMENT_STREAM, client_id]).generate_state(1)[0])
+
+
+class PlanClient(Protocol):
+    """What :class:`PlanApplier` changes on a client: the simulator's ``SimDevice`` and the
+    deployment's emulated ``Device`` both have these."""
+
+    cid: int
+    data: ClientData
+    runtime_s: float
+
+
+@dataclass
+class PlanApplier:
+    """The client side of a data plan: ``applier(client, row)`` augments the client's data by
+    ``row`` and returns the (virtual) seconds that took (see the module docstring).
+
+    The shell calls it once per client (``SimDevice.augmented``). Per-client results are kept in
+    arrays indexed by client id for the run summary.
+    """
+
+    augmenter_name: str
+    augmenter: Augmenter
+    run_seed: int
+    time_ratio: float
+    """``zeta / zeta'``: seconds to augment one sample per second of training on one."""
+    train_s_per_sample: NDArray[np.float64]
+    runtime_follows_data: bool
+    """True for the ``per_sample`` runtime: the device's task runtime is rescaled to its new size."""
+    samples: NDArray[np.int64]
+    virtual_s: NDArray[np.float64]
+    wall_s: NDArray[np.float64]
+    applied: NDArray[np.bool_]
+
+    @classmethod
+    def create(cls, augmenter_name: str, run_seed: int, time_ratio: float,
+               train_s_per_sample: NDArray[np.float64], runtime_follows_data: bool) -> PlanApplier:
+        n = len(train_s_per_sample)
+        return cls(augmenter_name, get_augmenter(augmenter_name), run_seed, time_ratio,
+                   np.asarray(train_s_per_sample, dtype=np.float64), runtime_follows_data,
+                   np.zeros(n, dtype=np.int64), np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool))
+
+    def __call__(self, dev: PlanClient, row: Sequence[int]) -> float:
+        cid = dev.cid
+        if self.applied[cid]:
+            raise RuntimeError(f"client {cid} was asked to apply its data plan twice")
+        self.applied[cid] = True
+        added = int(sum(row))
+        if added == 0:
+            return 0.0
+        x_new, y_new, wall = augment_client(dev.data.x, dev.data.y, row, self.augmenter, client_seed(self.run_seed, cid))
+        dev.data = ClientData(torch.cat([dev.data.x, x_new]), torch.cat([dev.data.y, y_new]))
+        per_sample = float(self.train_s_per_sample[cid])
+        if self.runtime_follows_data:
+            dev.runtime_s = per_sample * len(dev.data)
+        seconds = self.time_ratio * per_sample * added
+        self.samples[cid] = added
+        self.virtual_s[cid] = seconds
+        self.wall_s[cid] = wall
+        return seconds
+
+    def summary(self) -> dict[str, Any]:
+        """The summary's ``augmentation`` block: per-client lists (index = client id)."""
+        return {
+            "augmenter": self.augmenter_name,
+            "clients_augmented": int((self.samples > 0).sum()),
+            "samples_per_client": self.samples.tolist(),
+            "virtual_s_per_client": self.virtual_s.tolist(),
+            "wall_s_per_client": self.wall_s.tolist(),
+            "max_virtual_s": float(self.virtual_s.max(initial=0.0)),
+            "max_wall_s": float(self.wall_s.max(initial=0.0)),
+        }
+
+
+@dataclass
+class DataPlanRun:
+    """A run's data plan: the server's decision and the clients' application of it."""
+
+    plan: AugmentationPlan
+    applier: PlanApplier
+
+    @property
+    def rows(self) -> dict[int, tuple[int, ...]]:
+        """Client id -> its row of ``A``: the paper sends every client its row, zeros included."""
+        return {k: tuple(int(v) for v in row) for k, row in enumerate(self.plan.A)}
+
+
+def prepare_data_plan(cfg: Config, client_data: Sequence[ClientData], num_classes: int,
+                      runtimes: NDArray[np.float64]) -> DataPlanRun | None:
+    """Plan as the server would from the registrations, and set up the clients' side; None for
+    ``data_plan: none``. Planner errors (a class no client holds; for LB, a client missing a
+    class) become ``ConfigError``."""
+    if cfg.data_plan == "none":
+        return None
+    counts = registered_counts(client_data, num_classes)
+    try:
+        plan = plan_augmentation(cfg.data_plan, counts, cfg.dafl)
+        sizes = counts.sum(axis=1)
+        if cfg.runtime.kind == "per_sample":
+            per_sample = np.full(len(sizes), cfg.runtime.seconds_per_sample)
+        else:
+            per_sample = np.divide(runtimes, sizes, out=np.zeros(len(sizes)), where=sizes > 0)
+        applier = PlanApplier.create(cfg.dafl.augmenter, cfg.seed, cfg.dafl.zeta / cfg.dafl.zeta_prime,
+                                     per_sample, cfg.runtime.kind == "per_sample")
+    except ValueError as exc:
+        raise ConfigError(f"data_plan {cfg.data_plan!r}: {exc}") from None
+    return DataPlanRun(plan, applier)
+
+
+def plan_summary(run: DataPlanRun | None) -> dict[str, Any]:
+    """The summary's ``data_plan`` and ``augmentation`` blocks (nothing without a data plan).
+
+    ``plan_seconds`` is the server's measured planning time (wall clock, not virtual time)."""
+    if run is None:
+        return {}
+    p = run.plan
+    return {
+        "data_plan": {"method": p.method, "I_before": p.I_before, "J_before": p.J_before, "I_after": p.I_after,
+                      "J_after": p.J_after, "added": p.added, "added_per_client": list(p.added_per_client),
+                      "plan_seconds": p.plan_seconds},
+        "augmentation": run.applier.summary(),
+    }

@@ -1,0 +1,300 @@
+"""The deployment subcommands: ``serve``, ``client``, ``emulate`` and ``mqtt-credentials``.
+
+``add_parsers(subparsers)`` registers them on the ``felix`` command; ``main`` runs them on their
+own (``python -m felix.runtime ...``), which is also how ``emulate`` starts its worker processes.
+Broker logins come from ``--username/--password``, from the environment
+(``FELIX_MQTT_USERNAME`` / ``FELIX_MQTT_PASSWORD``: keeps passwords out of ``ps``), or, for many
+clients, from a ``credentials.json`` written by ``mqtt-credentials``.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from felix.config import Config, ConfigError, parse_set
+
+ENV_USER, ENV_PASSWORD = "FELIX_MQTT_USERNAME", "FELIX_MQTT_PASSWORD"
+
+
+# ---------------------------------------------------------------------- shared options
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="YAML config, the same file as for `felix run`")
+    p.add_argument("--preset", help="strategy preset, e.g. felix, fedbuff")
+    p.add_argument("--scenario", help="named scenario to start from (default: 'default' when no config)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--run-id", help="topic namespace of the run (default: <name>-<strategy>-s<seed>)")
+
+
+def _broker_args(p: argparse.ArgumentParser, login: bool = True) -> None:
+    p.add_argument("--broker", default="127.0.0.1:1883", metavar="HOST:PORT", help="MQTT broker (default %(default)s)")
+    if login:
+        p.add_argument("--username", help=f"broker login (default: ${ENV_USER})")
+        p.add_argument("--password", help=f"broker password (default: ${ENV_PASSWORD})")
+    p.add_argument("--tls-ca", help="CA certificate file: connect with TLS and verify the broker")
+    p.add_argument("--tls-cert", help="client certificate for mutual TLS (with --tls-key)")
+    p.add_argument("--tls-key", help="private key of --tls-cert")
+
+
+def _client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--credentials", help="credentials.json from `felix mqtt-credentials` (per-client logins)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="wall seconds per config second for the trace and runtimes (0.01: 100x faster)")
+    p.add_argument("--runtime", choices=("profile", "compute"), default="profile",
+                   help="profile: tasks last the config's runtime profile (emulation); compute: real compute time")
+    p.add_argument("--t0", type=float, help="Unix time at which the trace starts (default: now)")
+    p.add_argument("--no-train", action="store_true", help="reply with zero updates at once (load testing)")
+    p.add_argument("--max-wall-s", type=float, help="give up after this many wall seconds")
+    p.add_argument("--torch-threads", type=int, default=1, help="torch threads per process (default 1)")
+
+
+def _resolve(args: argparse.Namespace) -> Config:
+    from felix.experiment import resolve_config
+
+    return resolve_config(args.config, args.preset, parse_set(args.set), args.scenario)
+
+
+def _run_id(args: argparse.Namespace, cfg: Config) -> str:
+    from felix.runtime.topics import check_run_id, sanitize_run_id
+
+    return check_run_id(args.run_id) if args.run_id else sanitize_run_id(f"{cfg.name}-{cfg.strategy}-s{cfg.seed}")
+
+
+def _broker_options(args: argparse.Namespace, default_user: str | None) -> Any:
+    from felix.runtime.link import BrokerOptions
+
+    host, port = BrokerOptions.parse_address(args.broker)
+    user = getattr(args, "username", None) or os.environ.get(ENV_USER) or default_user
+    password = getattr(args, "password", None) or os.environ.get(ENV_PASSWORD)
+    if args.tls_cert and not args.tls_key:
+        raise ValueError("--tls-cert needs --tls-key")
+    return BrokerOptions(host=host, port=port, username=user, password=password, tls_ca=args.tls_ca,
+                         tls_cert=args.tls_cert, tls_key=args.tls_key)
+
+
+def _guard(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Turn the runtime's user-facing errors into one line and exit code 2."""
+
+    def run(args: argparse.Namespace) -> int:
+        from felix.data.datasets import DatasetError
+        from felix.runtime.checkpoint import CheckpointError
+        from felix.runtime.link import LinkError
+        from felix.sim.traces import TraceError
+
+        try:
+            return func(args)
+        except (ConfigError, DatasetError, TraceError, LinkError, CheckpointError, ValueError) as exc:
+            print(f"felix {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+@contextmanager
+def _stop_on_signals(event: Any) -> Iterator[None]:
+    """SIGTERM and SIGINT ask the loop to stop cleanly instead of killing it mid-message."""
+    handler = lambda signum, frame: event.set()
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+# ---------------------------------------------------------------------- serve
+def _serve(args: argparse.Namespace) -> int:
+    from felix.runtime.server import ServeOptions, Server
+    from felix.runtime.topics import SERVER_USER
+
+    cfg = _resolve(args)
+    run_id = _run_id(args, cfg)
+    out = Path(args.out or f"runs/{cfg.name}-{cfg.strategy}-s{cfg.seed}-mqtt")
+    ckpt = Path(args.checkpoint) if args.checkpoint else None
+    if args.resume and ckpt is None:
+        raise ValueError("--resume needs --checkpoint PATH")
+    opts = ServeOptions(broker=_broker_options(args, SERVER_USER), run_id=run_id, out_dir=out, checkpoint=ckpt,
+                        resume=args.resume, time_scale=args.time_scale, max_message_bytes=args.max_message_bytes,
+                        plots=args.plots)
+    print(f"felix serve: {cfg.name} / {cfg.strategy} (seed {cfg.seed}), run {run_id} on {args.broker} -> {out}",
+          file=sys.stderr)
+    server = Server(cfg, opts)
+    with _stop_on_signals(server.stop_requested):
+        s = server.run()
+    ttt = "not reached" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.0f} s"
+    final = s["final_accuracy"]
+    print(f"target {s['target_accuracy']:.2f}: {ttt}; final accuracy {final:.4f} after {s['aggregations']} "
+          f"aggregations, {s['virtual_time_s']:.0f} s ({s['wall_time_s']:.1f} wall s), "
+          f"{(s['bytes_down'] + s['bytes_up']) / 1e6:.1f} MB, {s['transport']['duplicates']} duplicates, "
+          f"{s['transport']['rejected']} rejected ({s['stop_reason']})", file=sys.stderr)
+    return 0 if s["stop_reason"] != "interrupted" else 130
+
+
+# ---------------------------------------------------------------------- client
+def _parse_ids(args: argparse.Namespace) -> list[int]:
+    if (args.id is None) == (args.ids is None):
+        raise ValueError("give exactly one of --id ID or --ids FIRST-LAST")
+    if args.id is not None:
+        return [args.id]
+    first, sep, last = args.ids.partition("-")
+    if not sep or not first.isdigit() or not last.isdigit() or int(first) > int(last):
+        raise ValueError(f"--ids expects FIRST-LAST, got {args.ids!r}")
+    return list(range(int(first), int(last) + 1))
+
+
+def _client(args: argparse.Namespace) -> int:
+    import torch
+
+    from felix.runtime.client import ClientHost, ClientOptions, credentials_from_map
+    from felix.runtime.security import load_credentials
+
+    cfg = _resolve(args)
+    ids = _parse_ids(args)
+    torch.set_num_threads(max(1, args.torch_threads))
+    broker = _broker_options(args, None)
+    if args.credentials:
+        creds = credentials_from_map(load_credentials(args.credentials))
+    elif broker.password is not None:
+        if len(ids) > 1:
+            raise ValueError("several clients need --credentials (one login each)")
+        user = broker.username or f"client-{ids[0]}"
+        creds = lambda cid: (user, broker.password)
+    else:
+        creds = lambda cid: (None, None)  # a broker that allows anonymous clients
+    opts = ClientOptions(broker=broker, run_id=_run_id(args, cfg), time_scale=args.time_scale, runtime=args.runtime,
+                         trace_device=args.trace_device, t0=args.t0, no_train=args.no_train,
+                         max_wall_s=args.max_wall_s)
+    host = ClientHost(cfg, ids, opts, creds)
+    with _stop_on_signals(host.stop_requested):
+        done = host.run()
+    logging.getLogger("felix.runtime.client").info("clients %d-%d: %d tasks done", ids[0], ids[-1], done)
+    return 0
+
+
+# ---------------------------------------------------------------------- emulate
+def _emulate(args: argparse.Namespace) -> int:
+    cfg = _resolve(args)
+    if args.clients < 1 or args.processes < 1:
+        raise ValueError("--clients and --processes must be at least 1")
+    first = args.first_id
+    if first + args.clients > cfg.partition.num_clients:
+        raise ValueError(f"clients {first}..{first + args.clients - 1} exceed the config's "
+                         f"{cfg.partition.num_clients} clients")
+    from felix.runtime.client import MAX_CLIENTS_PER_PROCESS
+
+    t0 = args.t0 if args.t0 is not None else time.time()
+    procs = min(max(args.processes, -(-args.clients // MAX_CLIENTS_PER_PROCESS)), args.clients)
+    if procs > args.processes:
+        print(f"felix emulate: {procs} processes instead of {args.processes}: at most {MAX_CLIENTS_PER_PROCESS} "
+              f"clients fit in one", file=sys.stderr)
+    bounds = [first + (args.clients * k) // procs for k in range(procs + 1)]
+    base = [sys.executable, "-m", "felix.runtime"] + (["-v"] if getattr(args, "verbose", False) else []) + ["client"]
+    if args.config:
+        base.append(args.config)
+    for flag, value in (("--preset", args.preset), ("--scenario", args.scenario), ("--run-id", args.run_id),
+                        ("--broker", args.broker), ("--credentials", args.credentials), ("--tls-ca", args.tls_ca),
+                        ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
+                        ("--time-scale", str(args.time_scale)), ("--runtime", args.runtime), ("--t0", repr(t0)),
+                        ("--max-wall-s", None if args.max_wall_s is None else str(args.max_wall_s)),
+                        ("--torch-threads", str(args.torch_threads))):
+        if value is not None:
+            base += [flag, value]
+    for item in args.set:
+        base += ["--set", item]
+    if args.no_train:
+        base.append("--no-train")
+    children = [subprocess.Popen(base + ["--ids", f"{bounds[k]}-{bounds[k + 1] - 1}"]) for k in range(procs)]
+    print(f"felix emulate: clients {first}-{first + args.clients - 1} in {procs} processes "
+          f"(pids {' '.join(str(c.pid) for c in children)}), time scale {args.time_scale}", file=sys.stderr)
+
+    stop = {"flag": False}
+
+    def forward(signum: int, frame: object) -> None:
+        stop["flag"] = True
+        for c in children:
+            if c.poll() is None:
+                c.send_signal(signal.SIGTERM)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        codes = [c.wait() for c in children]
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 130 if stop["flag"] else max(codes)
+
+
+# ---------------------------------------------------------------------- credentials
+def _credentials(args: argparse.Namespace) -> int:
+    from felix.runtime import security
+
+    n = args.clients
+    run_id = args.run_id
+    if args.config or args.preset or args.set:
+        cfg = _resolve(args)
+        n = n or cfg.partition.num_clients
+    if not n:
+        raise ValueError("give --clients N or a config")
+    out = security.generate(args.out, n, run_id)
+    print(f"wrote {out.password_file} ({n} clients + {security.SERVER_USER}), {out.acl_file} "
+          f"(run {run_id or 'any'}), {out.credentials} (plaintext, mode 0600)", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------- registration
+def add_parsers(subparsers: Any) -> None:
+    """Register ``serve``, ``client``, ``emulate`` and ``mqtt-credentials`` on ``felix``'s subparsers."""
+    s = subparsers.add_parser("serve", help="run the federated server over MQTT (deployment)")
+    _config_args(s)
+    _broker_args(s)
+    s.add_argument("--out", help="output folder (default runs/<name>-<strategy>-s<seed>-mqtt)")
+    s.add_argument("--checkpoint", help="checkpoint file, rewritten after each aggregation")
+    s.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    s.add_argument("--time-scale", type=float, default=1.0,
+                   help="wall seconds per config second: timers and reported time in config seconds")
+    s.add_argument("--max-message-bytes", type=int, help="largest inbound message (default: 2x model + 1 MiB)")
+    s.add_argument("--plots", action="store_true", help="also write the accuracy plots")
+    s.set_defaults(func=_guard(_serve))
+
+    c = subparsers.add_parser("client", help="run one (or a range of) federated client(s) over MQTT")
+    _config_args(c)
+    _broker_args(c)
+    c.add_argument("--id", type=int, help="client id: its partition of the config's dataset")
+    c.add_argument("--ids", help=argparse.SUPPRESS)  # FIRST-LAST, used by emulate's workers
+    c.add_argument("--trace-device", type=int, help="follow this device of the trace (default: the client's own)")
+    _client_args(c)
+    c.set_defaults(func=_guard(_client))
+
+    e = subparsers.add_parser("emulate", help="run many clients on this machine, driven by the config's trace")
+    _config_args(e)
+    _broker_args(e, login=False)
+    e.add_argument("--clients", type=int, required=True, help="how many clients")
+    e.add_argument("--first-id", type=int, default=0, help="id of the first client (default 0)")
+    e.add_argument("--processes", type=int, default=1, help="worker processes (default 1)")
+    _client_args(e)
+    e.set_defaults(func=_guard(_emulate))
+
+    m = subparsers.add_parser("mqtt-credentials", help="write a Mosquitto password file, ACL and client logins")
+    _config_args(m)
+    m.add_argument("--clients", type=int, help="number of clients (default: the config's)")
+    m.add_argument("--out", required=True, help="folder for passwd, acl and credentials.json")
+    m.set_defaults(func=_guard(_credentials))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m felix.runtime", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress, rejections and reconnects")
+    sub = p.add_subparsers(dest="command", required=True)
+    add_parsers(sub)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args))

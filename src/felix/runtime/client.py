@@ -1,0 +1,404 @@
+"""Deployment clients: one process runs one client (``felix client``) or many (an emulate worker).
+
+Each client (a ``Device``) has its own MQTT connection and login, its local partition
+(``build_population(cfg).client_data[cid]``: the simulator's partition for the same seed), its
+tier, replayed from the config's availability trace (device ``cid`` unless ``--trace-device``)
+with the trace's time compressed by ``time_scale``, and a queue of tasks. All clients of a
+process share one loop thread and one ``LocalTrainer`` (the simulator's), so tasks compute one at
+a time per process; paho's network threads only hand messages to the loop.
+
+Protocol of a client:
+- waits for the server's retained STATUS, then sends REGISTER (sample and class counts, tier),
+  again whenever a new server session appears (a resumed server);
+- sends STATE only when its tier changes (TierTrack: no heartbeats), and once after each
+  reconnect, to undo the last will (STATE UN_AVL) the broker sends if the connection is lost;
+- runs TRAIN and EVAL tasks in arrival order; a task re-delivered by the broker is run once;
+  CANCEL drops a queued or running task.
+
+Interrupted training. ``runtime="profile"`` (emulation, the default): a task lasts the client's
+runtime from the config's runtime profile (``eval_fraction`` of it for an eval), scaled by
+``time_scale``; the clock of a task runs only while the tier allows it (AVL_TRAIN for training,
+AVL_TRAIN or AVL_EVAL for an eval) and pauses otherwise, resuming where it stopped when the client
+is back: the simulator's model of a checkpointed, resumed task. The computation itself runs at
+the end of that time, so a cancelled task costs nothing and a paused one loses nothing.
+``runtime="compute"`` (a real device): the task takes as long as its computation; a result
+finished while the tier forbids sending it is held until the tier allows, as the FeLiX authors'
+clients do. Both deliver a late, stale update after an interruption.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from felix.build import build_population, build_runtimes, build_trace, build_trainer
+from felix.client.trainer import ClientData, LocalTrainer
+from felix.config import Config
+from felix.core.types import ClientUpdate, TaskKind, Tier
+from felix.data.plans import PlanApplier, prepare_data_plan
+from felix.runtime import wire
+from felix.runtime.link import BrokerOptions, Connected, Inbound, MqttLink
+from felix.runtime.topics import ALLOWED, Topics, client_user
+from felix.sim.traces import DeviceTrace
+
+log = logging.getLogger("felix.runtime.client")
+
+_TIER, _DONE = 0, 1
+CONNECT_PARALLELISM = 16
+# paho's network loop uses select(), which cannot watch file descriptors above 1024, and each
+# paho client holds three (its socket and a wake-up socket pair): past ~300 clients a process's
+# connections all fail at once. ``felix emulate`` spreads clients over enough processes.
+MAX_CLIENTS_PER_PROCESS = 250
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    broker: BrokerOptions  # username/password are filled per client from ``credentials``
+    run_id: str
+    time_scale: float = 1.0  # wall seconds per config second (trace and runtime profile)
+    runtime: str = "profile"  # "profile" (emulated runtime) or "compute" (real compute time)
+    trace_device: int | None = None  # follow this device of the trace instead of the client's own
+    t0: float | None = None  # Unix time at which the trace starts (shared by emulated clients)
+    no_train: bool = False  # reply with a zero update at once (capacity benchmark)
+    max_wall_s: float | None = None
+    will_delay_s: int = 5
+
+    def __post_init__(self) -> None:
+        if self.time_scale <= 0:
+            raise ValueError("time scale must be positive")
+        if self.runtime not in ("profile", "compute"):
+            raise ValueError(f"runtime must be 'profile' or 'compute', not {self.runtime!r}")
+
+
+@dataclass
+class PendingTask:
+    task_id: int
+    kind: TaskKind
+    version: int
+    weights: np.ndarray
+    aux: dict[str, np.ndarray]
+    duration_s: float  # config seconds of work (profile mode); 0 in compute mode
+
+
+@dataclass
+class Device:
+    cid: int
+    data: ClientData
+    runtime_s: float
+    trace: DeviceTrace
+    tier: Tier
+    link: MqttLink | None = None  # set when connected (anything with publish(topic, payload))
+    incarnation: str = field(default_factory=lambda: secrets.token_hex(4))
+    ids: wire.MsgIds = field(init=False)
+    session: str | None = None  # the server session it registered with
+    state: dict[str, Any] = field(default_factory=dict)  # objective state across tasks (as in the simulator)
+    queue: deque[PendingTask] = field(default_factory=deque)
+    current: PendingTask | None = None
+    started_at: float | None = None  # monotonic time the current task (re)started; None while paused
+    remaining: float = 0.0  # config seconds of work left on the current task
+    token: int = 0
+    seen: set[int] = field(default_factory=set)
+    held: list[tuple[TaskKind, bytes]] = field(default_factory=list)  # results waiting for a tier that allows sending
+    finished: bool = False
+    connections: int = 0
+    augmented: bool = False  # applied its data-plan row (once, on the first task bringing it)
+
+    def __post_init__(self) -> None:
+        self.ids = wire.MsgIds(self.incarnation)
+
+    def can_run(self, kind: TaskKind) -> bool:
+        return self.tier is Tier.AVL_TRAIN or (kind is TaskKind.EVAL and self.tier is Tier.AVL_EVAL)
+
+
+class ClientHost:
+    """Runs a set of clients on one loop thread until the server says the run is finished."""
+
+    def __init__(self, cfg: Config, client_ids: list[int], opts: ClientOptions,
+                 credentials: Callable[[int], tuple[str | None, str | None]]) -> None:
+        n = cfg.partition.num_clients
+        bad = [c for c in client_ids if not 0 <= c < n]
+        if bad:
+            raise ValueError(f"client ids {bad} are outside the population of {n} clients")
+        if len(client_ids) > MAX_CLIENTS_PER_PROCESS:
+            raise ValueError(f"{len(client_ids)} clients in one process; at most {MAX_CLIENTS_PER_PROCESS} fit "
+                             f"(paho-mqtt's select() loop is limited to 1024 file descriptors): use more processes")
+        self.cfg = cfg
+        self.opts = opts
+        self.topics = Topics(opts.run_id)
+        pop = build_population(cfg)
+        self.trainer: LocalTrainer = build_trainer(cfg, pop)
+        self.max_bytes = 8 * int(pop.initial_weights.size) + (1 << 20)
+        trace = build_trace(cfg)
+        runtimes = build_runtimes(cfg, [len(d) for d in pop.client_data])
+        # The simulator's client side of a data plan (lb / dafl): same augmentation, seeds and time charge.
+        plan = prepare_data_plan(cfg, pop.client_data, pop.train.num_classes, runtimes)
+        self.plan_applier: PlanApplier | None = None if plan is None else plan.applier
+        t0 = opts.t0 if opts.t0 is not None else time.time()
+        self._mono_t0 = time.monotonic() - (time.time() - t0)
+        self.devices: dict[int, Device] = {}
+        for cid in client_ids:
+            dt = trace.for_client(opts.trace_device if opts.trace_device is not None else cid)
+            self.devices[cid] = Device(cid, pop.client_data[cid], float(runtimes[cid]), dt,
+                                       dt.tier_at(self.trace_time()))
+        self._credentials = credentials
+        self.inbox: queue.SimpleQueue[tuple[int, Inbound | Connected]] = queue.SimpleQueue()
+        self._heap: list[tuple[float, int, int, int, int]] = []
+        self._seq = 0
+        self.stop_requested = threading.Event()
+        self.tasks_done = 0
+
+    # ------------------------------------------------------------------ time
+    def trace_time(self, mono: float | None = None) -> float:
+        """Config seconds since the trace's start."""
+        return ((time.monotonic() if mono is None else mono) - self._mono_t0) / self.opts.time_scale
+
+    def _mono_at(self, trace_t: float) -> float:
+        return self._mono_t0 + trace_t * self.opts.time_scale
+
+    def _push(self, at: float, kind: int, cid: int, token: int = 0) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (at, self._seq, kind, cid, token))
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> int:
+        """Connect every client, then serve tasks until all are finished; returns tasks completed."""
+        deadline = None if self.opts.max_wall_s is None else time.monotonic() + self.opts.max_wall_s
+        try:
+            # Connections wait for the broker's answers: open a process's many links side by side.
+            with ThreadPoolExecutor(max_workers=CONNECT_PARALLELISM) as pool:
+                for fut in [pool.submit(self._connect, dev) for dev in self.devices.values()]:
+                    fut.result()
+            self.serve(deadline)
+        finally:
+            for dev in self.devices.values():
+                if dev.link is not None:
+                    dev.link.close(timeout=2.0)
+        return self.tasks_done
+
+    def _connect(self, dev: Device) -> None:
+        user, password = self._credentials(dev.cid)
+        bopts = BrokerOptions(**{**self.opts.broker.__dict__, "username": user, "password": password})
+        link = MqttLink(f"felix-{self.opts.run_id}-c{dev.cid}", bopts, self.topics.client_subscriptions(dev.cid),
+                        lambda item, cid=dev.cid: self.inbox.put((cid, item)))
+        link.set_will(lambda epoch, d=dev: (self.topics.state(d.cid), self._state_will(d, epoch)),
+                      self.opts.will_delay_s)
+        link.start(fresh=True)
+        dev.link = link
+
+    def serve(self, deadline: float | None) -> None:
+        """The loop: messages from the inbox, tier changes and task completions from the timer heap."""
+        for dev in self.devices.values():
+            self._schedule_tier(dev)
+        while not all(d.finished for d in self.devices.values()) and not self.stop_requested.is_set():
+            if deadline is not None and time.monotonic() > deadline:
+                log.warning("clients %s: stopping at the wall-time limit", sorted(self.devices))
+                break
+            timeout = 0.25 if not self._heap else min(0.25, max(0.0, self._heap[0][0] - time.monotonic()))
+            try:
+                cid, item = self.inbox.get(timeout=timeout)
+                self._on_item(self.devices[cid], item)
+            except queue.Empty:
+                pass
+            while self._heap and self._heap[0][0] <= time.monotonic():
+                _, _, kind, cid, token = heapq.heappop(self._heap)
+                dev = self.devices[cid]
+                if dev.finished:
+                    continue
+                if kind == _TIER:
+                    self._on_tier(dev)
+                elif token == dev.token:
+                    self._on_done(dev)
+
+    # ------------------------------------------------------------------ messages
+    def _on_item(self, dev: Device, item: Inbound | Connected) -> None:
+        if isinstance(item, Connected):
+            dev.connections += 1
+            if dev.connections > 1 and dev.session is not None:
+                self._send_state(dev)  # undo a will the broker may have sent while we were away
+            return
+        try:
+            msg = wire.decode(item.payload, self.max_bytes)
+        except wire.MessageError as exc:
+            log.warning("client %d: dropped a malformed message on %s: %s", dev.cid, item.topic, exc)
+            return
+        if msg.run != self.opts.run_id:
+            log.warning("client %d: dropped a message for run %r", dev.cid, msg.run)
+            return
+        kind = "status" if item.topic == self.topics.status else "task"
+        if msg.TYPE not in ALLOWED[kind]:
+            log.warning("client %d: dropped a %s message on its %s topic", dev.cid, msg.TYPE.value, kind)
+            return
+        if isinstance(msg, wire.Status):
+            if msg.state == "finished":
+                log.info("client %d: the server finished the run", dev.cid)
+                dev.finished = True
+            elif msg.session != dev.session:
+                dev.session = msg.session
+                self._register(dev)
+            return
+        if getattr(msg, "client", None) != dev.cid:
+            log.warning("client %d: dropped a %s message addressed to client %s", dev.cid, msg.TYPE.value,
+                        getattr(msg, "client", None))
+            return
+        if isinstance(msg, wire.Cancel):
+            self._cancel(dev, msg.task)
+        elif isinstance(msg, (wire.TrainTask, wire.EvalTask)):
+            if msg.task in dev.seen:
+                return  # a redelivery (QoS 1): the task runs once
+            dev.seen.add(msg.task)
+            kind = TaskKind.TRAIN if isinstance(msg, wire.TrainTask) else TaskKind.EVAL
+            augment_s = 0.0
+            if isinstance(msg, wire.TrainTask) and msg.plan and not dev.augmented and self.plan_applier is not None:
+                # As in the simulator: the first task bringing the row augments (and takes that long);
+                # the applier may also rescale a per-sample runtime to the grown data.
+                dev.augmented = True
+                augment_s = self.plan_applier(dev, msg.plan)  # type: ignore[arg-type]  # duck-types a SimDevice
+                log.info("client %d: augmented %d samples by its data plan", dev.cid, sum(msg.plan))
+            if self.opts.runtime == "compute":
+                dur = 0.0
+            else:
+                dur = augment_s + dev.runtime_s * (1.0 if kind is TaskKind.TRAIN else self.cfg.runtime.eval_fraction)
+            aux = dict(msg.aux) if isinstance(msg, wire.TrainTask) else {}
+            dev.queue.append(PendingTask(msg.task, kind, msg.version, msg.weights, aux, dur))
+            log.info("client %d: task %d (%s) received", dev.cid, msg.task, kind.value)
+            self._try_start(dev)
+
+    def _env(self, dev: Device) -> dict[str, Any]:
+        return {"run": self.opts.run_id, "msg_id": dev.ids.next(), "sent_at": time.time()}
+
+    def _publish(self, dev: Device, topic: str, payload: bytes) -> None:
+        assert dev.link is not None
+        dev.link.publish(topic, payload)
+
+    def _register(self, dev: Device) -> None:
+        counts = tuple(int(c) for c in torch.bincount(dev.data.y, minlength=self.trainer.num_classes))
+        msg = wire.Register(**self._env(dev), client=dev.cid, incarnation=dev.incarnation,
+                            num_samples=len(dev.data), tier=dev.tier, class_counts=counts)
+        self._publish(dev, self.topics.register(dev.cid), wire.encode(msg))
+
+    def _send_state(self, dev: Device) -> None:
+        msg = wire.State(**self._env(dev), client=dev.cid, incarnation=dev.incarnation, tier=dev.tier)
+        self._publish(dev, self.topics.state(dev.cid), wire.encode(msg))
+
+    def _state_will(self, dev: Device, epoch: int) -> bytes:
+        return wire.encode(wire.State(run=self.opts.run_id, msg_id=f"{dev.incarnation}-will-{epoch}",
+                                      sent_at=time.time(), client=dev.cid, incarnation=dev.incarnation,
+                                      tier=Tier.UN_AVL))
+
+    # ------------------------------------------------------------------ tiers
+    def _schedule_tier(self, dev: Device) -> None:
+        nxt = dev.trace.next_change(self.trace_time())
+        if nxt is not None:
+            self._push(self._mono_at(nxt[0]), _TIER, dev.cid)
+
+    def _on_tier(self, dev: Device) -> None:
+        self._schedule_tier(dev)
+        self._refresh_tier(dev)
+
+    def _refresh_tier(self, dev: Device) -> None:
+        new = dev.trace.tier_at(self.trace_time())
+        if new is dev.tier:
+            return
+        dev.tier = new
+        if dev.session is not None:
+            self._send_state(dev)
+        task = dev.current
+        if task is not None:
+            if dev.started_at is not None and not dev.can_run(task.kind):  # pause, keep the progress
+                dev.remaining -= (time.monotonic() - dev.started_at) / self.opts.time_scale
+                dev.started_at = None
+                dev.token += 1
+            elif dev.started_at is None and dev.can_run(task.kind):
+                self._resume(dev)
+        self._flush_held(dev)
+        self._try_start(dev)
+
+    # ------------------------------------------------------------------ tasks
+    def _try_start(self, dev: Device) -> None:
+        if dev.current is None and dev.queue and dev.can_run(dev.queue[0].kind):
+            dev.current = dev.queue.popleft()
+            dev.remaining = dev.current.duration_s
+            self._resume(dev)
+
+    def _resume(self, dev: Device) -> None:
+        dev.started_at = time.monotonic()
+        dev.token += 1
+        self._push(dev.started_at + max(0.0, dev.remaining) * self.opts.time_scale, _DONE, dev.cid, dev.token)
+
+    def _cancel(self, dev: Device, task_id: int) -> None:
+        dev.seen.add(task_id)  # a TRAIN that arrives after its CANCEL is not run
+        if dev.current is not None and dev.current.task_id == task_id:
+            dev.current, dev.started_at = None, None
+            dev.token += 1
+            self._try_start(dev)
+        else:
+            dev.queue = deque(t for t in dev.queue if t.task_id != task_id)
+
+    def _on_done(self, dev: Device) -> None:
+        task = dev.current
+        if task is None:
+            return
+        dev.current, dev.started_at = None, None
+        t0 = time.perf_counter()
+        try:
+            upd = self._compute(dev, task)
+        except Exception as exc:  # a broken task must not take the other clients of the process down
+            log.exception("client %d: task %d failed", dev.cid, task.task_id)
+            fail = wire.Failed(**self._env(dev), client=dev.cid, incarnation=dev.incarnation, task=task.task_id,
+                               reason=f"{type(exc).__name__}: {exc}"[:wire.MAX_STR])
+            self._publish(dev, self.topics.result(dev.cid), wire.encode(fail))
+            self._try_start(dev)
+            return
+        spent = time.perf_counter() - t0
+        upd.duration = task.duration_s if self.opts.runtime == "profile" else spent / self.opts.time_scale
+        msg = wire.Result(**self._env(dev), client=dev.cid, incarnation=dev.incarnation, task=task.task_id,
+                          kind=task.kind, version=task.version, num_samples=upd.num_samples,
+                          stat_utility=upd.stat_utility, loss=upd.loss, duration=upd.duration,
+                          delta=upd.delta if task.kind is TaskKind.TRAIN else None,
+                          aux=upd.aux if task.kind is TaskKind.TRAIN else {})
+        dev.held.append((task.kind, wire.encode(msg)))
+        self.tasks_done += 1
+        self._refresh_tier(dev)  # the tier may have changed while computing
+        self._flush_held(dev)
+        self._try_start(dev)
+
+    def _compute(self, dev: Device, task: PendingTask) -> ClientUpdate:
+        if self.opts.no_train:
+            delta = np.zeros(task.weights.size, np.float32) if task.kind is TaskKind.TRAIN else None
+            return ClientUpdate(len(dev.data), 1.0, 1.0, 0.0, delta)
+        if task.kind is TaskKind.TRAIN:
+            gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + task.task_id)  # as the simulator
+            return self.trainer.train(task.weights, dev.data, dev.state, task.aux, gen)
+        return self.trainer.probe(task.weights, dev.data)
+
+    def _flush_held(self, dev: Device) -> None:
+        keep = []
+        for kind, payload in dev.held:
+            if dev.can_run(kind):
+                self._publish(dev, self.topics.result(dev.cid), payload)
+            else:
+                keep.append((kind, payload))
+        dev.held = keep
+
+
+def credentials_from_map(users: dict[str, str]) -> Callable[[int], tuple[str | None, str | None]]:
+    """Per-client login from a ``credentials.json`` map (``client-<cid>`` -> password)."""
+
+    def lookup(cid: int) -> tuple[str | None, str | None]:
+        name = client_user(cid)
+        if name not in users:
+            raise ValueError(f"no credentials for {name} in the credentials file")
+        return name, users[name]
+
+    return lookup

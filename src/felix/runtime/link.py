@@ -1,0 +1,236 @@
+"""One MQTT connection (paho-mqtt, v2 callback API, MQTT 5) as the runtime uses it.
+
+Threading contract: paho's network thread runs the callbacks, and they only hand items to a
+``sink`` (a queue put): an ``Inbound`` per received message, a ``Connected`` per (re)connection.
+All logic runs on the owner's single loop thread, which is what the sans-I/O orchestrator needs
+(it is not thread safe). ``publish`` and ``ack`` may be called from that loop thread.
+
+Sessions: a process that starts fresh first discards any session the broker still holds for its
+client id (a short clean-start connection), then always connects with ``clean_start=False`` and a
+session expiry, so that subscriptions and queued QoS 1 messages survive reconnects and broker
+restarts. (Mosquitto 2.0 does not persist a session across a broker restart while it is still
+marked clean-start, hence the separate reset connection rather than MQTT's clean-start-first-only.)
+paho reconnects on its own with a bounded back-off and resends unacknowledged QoS 1 messages;
+publishing while disconnected queues the message in paho.
+
+``manual_ack=True`` lets the owner acknowledge a message only once its effect is durable (the
+server acks after its checkpoint), so the broker redelivers anything the server had not saved.
+Acks belong to the connection a message arrived on: after a reconnect the broker redelivers
+every unacknowledged message, so acks of an older connection are dropped.
+"""
+from __future__ import annotations
+
+import logging
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+log = logging.getLogger("felix.runtime.link")
+
+
+class LinkError(ConnectionError):
+    """The broker could not be reached or refused us (bad credentials, not authorised)."""
+
+
+@dataclass(frozen=True)
+class BrokerOptions:
+    host: str = "127.0.0.1"
+    port: int = 1883
+    username: str | None = None
+    password: str | None = None
+    tls_ca: str | None = None  # CA bundle: turns TLS on
+    tls_cert: str | None = None  # optional client certificate (mutual TLS)
+    tls_key: str | None = None
+    keepalive_s: int = 20
+    session_expiry_s: int = 86400
+    reconnect_min_s: float = 0.25
+    reconnect_max_s: float = 4.0
+    connect_timeout_s: float = 20.0
+
+    @staticmethod
+    def parse_address(text: str) -> tuple[str, int]:
+        host, sep, port = text.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"broker address {text!r} must be HOST:PORT")
+        return host, int(port)
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    topic: str
+    payload: bytes
+    mid: int
+    qos: int
+    dup: bool
+    epoch: int  # which connection of this link it arrived on (for acks)
+    received_at: float  # time.monotonic()
+
+
+@dataclass(frozen=True, slots=True)
+class Connected:
+    epoch: int
+    session_present: bool
+
+
+Sink = Callable[[Inbound | Connected], None]
+
+
+class MqttLink:
+    def __init__(self, client_id: str, opts: BrokerOptions, subscriptions: list[str], sink: Sink,
+                 manual_ack: bool = False) -> None:
+        self.client_id = client_id
+        self.opts = opts
+        self.subscriptions = list(subscriptions)
+        self.sink = sink
+        self.manual_ack = manual_ack
+        self.epoch = 0
+        self._first = threading.Event()
+        self._refused: str | None = None
+        self._client = self._new_client(manual_ack)
+        self._client.on_connect = self._on_connect
+        self._client.on_disconnect = self._on_disconnect
+        self._client.on_message = self._on_message
+        self._will_builder: Callable[[int], tuple[str, bytes]] | None = None
+        self._will_delay = 0
+        self._last_publish: mqtt.MQTTMessageInfo | None = None
+
+    def _new_client(self, manual_ack: bool) -> mqtt.Client:
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5,
+                        manual_ack=manual_ack)
+        o = self.opts
+        if o.username is not None:
+            c.username_pw_set(o.username, o.password)
+        if o.tls_ca is not None:
+            c.tls_set(ca_certs=o.tls_ca, certfile=o.tls_cert, keyfile=o.tls_key, cert_reqs=ssl.CERT_REQUIRED)
+        c.reconnect_delay_set(o.reconnect_min_s, o.reconnect_max_s)  # type: ignore[arg-type]  # floats work
+        c.max_inflight_messages_set(1000)
+        return c
+
+    def set_will(self, builder: Callable[[int], tuple[str, bytes]], delay_s: int = 5) -> None:
+        """Last will, rebuilt for every connection (``builder(epoch)`` -> topic, payload) so that
+        each connection's will carries its own message id. Sent by the broker ``delay_s`` after
+        an unclean disconnect, unless the client is back within that time."""
+        self._will_builder = builder
+        self._will_delay = delay_s
+        self._arm_will(self.epoch + 1)
+
+    def _arm_will(self, epoch: int) -> None:
+        if self._will_builder is None:
+            return
+        topic, payload = self._will_builder(epoch)
+        props = Properties(PacketTypes.WILLMESSAGE)
+        props.WillDelayInterval = self._will_delay
+        self._client.will_set(topic, payload, qos=1, properties=props)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, fresh: bool) -> None:
+        """Connect (blocking until the first CONNACK, bounded) and start the network thread."""
+        if fresh:
+            self._reset_session()
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = self.opts.session_expiry_s
+        try:
+            self._client.connect_async(self.opts.host, self.opts.port, self.opts.keepalive_s, clean_start=False,
+                                       properties=props)
+        except (OSError, ValueError) as exc:
+            raise LinkError(f"cannot connect to {self.opts.host}:{self.opts.port}: {exc}") from None
+        self._client.loop_start()
+        if not self._first.wait(self.opts.connect_timeout_s):
+            self.close()
+            raise LinkError(f"no answer from the broker at {self.opts.host}:{self.opts.port} "
+                            f"within {self.opts.connect_timeout_s:.0f} s")
+        if self._refused is not None:
+            self.close()
+            raise LinkError(f"the broker at {self.opts.host}:{self.opts.port} refused {self.client_id!r}: "
+                            f"{self._refused}")
+
+    def _reset_session(self) -> None:
+        done = threading.Event()
+        failure: list[str] = []
+        c = self._new_client(False)
+
+        def on_connect(client: mqtt.Client, userdata: object, flags: mqtt.ConnectFlags,
+                       rc: mqtt.ReasonCode, props: Properties | None) -> None:
+            if rc.is_failure:
+                failure.append(str(rc))
+            done.set()
+
+        c.on_connect = on_connect
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = 0
+        deadline = time.monotonic() + self.opts.connect_timeout_s
+        while True:
+            try:
+                c.connect(self.opts.host, self.opts.port, self.opts.keepalive_s, clean_start=True, properties=props)
+                break
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise LinkError(f"cannot reach the broker at {self.opts.host}:{self.opts.port}: {exc}") from None
+                time.sleep(self.opts.reconnect_min_s)
+        c.loop_start()
+        ok = done.wait(max(0.1, deadline - time.monotonic()))
+        c.disconnect()
+        c.loop_stop()
+        if not ok:
+            raise LinkError(f"no answer from the broker at {self.opts.host}:{self.opts.port}")
+        if failure:
+            raise LinkError(f"the broker at {self.opts.host}:{self.opts.port} refused {self.client_id!r}: {failure[0]}")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Disconnect cleanly (so no will is sent), after waiting up to ``timeout`` s for the broker
+        to acknowledge what was published (QoS 1 acks come in order, so the last one suffices)."""
+        last = self._last_publish
+        deadline = time.monotonic() + timeout
+        while last is not None and not last.is_published() and self._client.is_connected() \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._client.disconnect()
+        self._client.loop_stop()
+
+    # ------------------------------------------------------------------ traffic
+    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        info = self._client.publish(topic, payload, qos=1, retain=retain)
+        self._last_publish = info
+        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):  # NO_CONN: queued, sent on reconnect
+            raise LinkError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+
+    def ack(self, mid: int, qos: int, epoch: int) -> None:
+        if self.manual_ack and qos > 0 and epoch == self.epoch:
+            self._client.ack(mid, qos)
+
+    @property
+    def connected(self) -> bool:
+        return self._client.is_connected()
+
+    # ------------------------------------------------------------------ paho callbacks (network thread)
+    def _on_connect(self, client: mqtt.Client, userdata: object, flags: mqtt.ConnectFlags, rc: mqtt.ReasonCode,
+                    props: Properties | None) -> None:
+        if rc.is_failure:
+            log.warning("%s: broker refused the connection: %s", self.client_id, rc)
+            if not self._first.is_set():
+                self._refused = str(rc)
+                self._first.set()
+            return
+        self.epoch += 1
+        self._arm_will(self.epoch + 1)
+        if self.subscriptions:
+            client.subscribe([(t, mqtt.SubscribeOptions(qos=1)) for t in self.subscriptions])
+        self.sink(Connected(self.epoch, bool(flags.session_present)))
+        self._first.set()
+        if self.epoch > 1:
+            log.info("%s: reconnected (session present: %s)", self.client_id, flags.session_present)
+
+    def _on_disconnect(self, client: mqtt.Client, userdata: object, flags: mqtt.DisconnectFlags,
+                       rc: mqtt.ReasonCode, props: Properties | None) -> None:
+        if rc.is_failure:
+            log.info("%s: disconnected (%s); paho reconnects", self.client_id, rc)
+
+    def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
+        self.sink(Inbound(msg.topic, bytes(msg.payload), msg.mid, msg.qos, bool(msg.dup), self.epoch,
+                          time.monotonic()))

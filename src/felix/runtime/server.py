@@ -1,0 +1,555 @@
+"""The deployment shell around the orchestrator: wall clock, MQTT, evaluation, checkpoints.
+
+It mirrors the simulation engine (``felix.sim.engine``): the same ``build_orchestrator`` and
+``Recorder``, the same command handling and byte accounting, but time is the wall clock
+(``time.monotonic()`` since the start, divided by ``--time-scale`` so that an emulated run keeps
+the config's seconds) and clients are real MQTT peers. Every ``Tick`` is delivered at
+``next_wakeup()``, so the 90 s task timers fire for real.
+
+One loop thread owns the orchestrator: paho's network thread only puts received messages on a
+queue (``felix.runtime.link``). For each message the loop checks, in order: the topic, the
+header (``wire.decode``: magic, version, type, field types, sizes), that the header's client id
+is the topic's (the broker's ACL ties the topic to the login), the run id, and the message id
+(a byte-identical repeat is an at-least-once duplicate, counted and dropped; the same id with
+other content is a replay and rejected). The orchestrator then checks what it knows: client,
+task, shape, dtype, finite values. Every rejection is logged with its reason and counted in
+``summary.json`` under ``rejected_by_reason``; nothing rejected is applied.
+
+Exactly once: the orchestrator applies a task's result at most once (it closes the task on the
+first accepted result); the server acknowledges inbound messages to the broker only after the
+checkpoint that holds their effect is on disk (``--checkpoint``), so after a crash the broker
+redelivers exactly the messages the restored state has not seen. Without a checkpoint, messages
+are acknowledged as soon as they are handled.
+"""
+from __future__ import annotations
+
+import copy
+import csv
+import hashlib
+import logging
+import queue
+import re
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from felix.build import build_orchestrator, build_population, build_trace, make_evaluator
+from felix.config import Config
+from felix.core.commands import (
+    CancelTask,
+    Command,
+    DispatchEval,
+    DispatchTrain,
+    NewModelVersion,
+    UpdateRejected,
+)
+from felix.core.events import ClientRegistered, Event, TaskFailed, TaskFinished, Tick, TierChanged
+from felix.core.orchestrator import Knowledge
+from felix.core.types import ClientUpdate, TaskKind
+from felix.data.plans import plan_augmentation
+from felix.metrics.recorder import Recorder
+from felix.metrics.report import summary, write_run
+from felix.runtime import checkpoint as ckpt
+from felix.runtime import wire
+from felix.runtime.link import BrokerOptions, Connected, Inbound, MqttLink
+from felix.runtime.topics import ALLOWED, Topics
+
+log = logging.getLogger("felix.runtime.server")
+
+DEDUP_PER_CLIENT = 2048  # message ids remembered per client for duplicate / replay detection
+
+
+@dataclass
+class TransportStats:
+    messages_in: int = 0
+    messages_out: int = 0
+    duplicates: int = 0  # byte-identical redeliveries (QoS 1 at-least-once), dropped
+    rejected: int = 0
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
+    registrations: int = 0
+    re_registrations: int = 0
+    client_restarts: int = 0
+    tier_messages: int = 0
+    results: int = 0
+    reconnects: int = 0
+    checkpoints: int = 0
+
+
+@dataclass(frozen=True)
+class AppliedUpdate:
+    """One training update applied by an aggregation (the exactly-once audit trail)."""
+
+    version: int
+    task_id: int
+    client_id: int
+    staleness: int
+    weight: float
+    time_s: float
+
+
+@dataclass(frozen=True)
+class ShadowTask:
+    """What the shell remembers of a dispatched task, to check a result's kind and version."""
+
+    client_id: int
+    kind: TaskKind
+    version: int
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    broker: BrokerOptions
+    run_id: str
+    out_dir: Path | None = None
+    checkpoint: Path | None = None
+    resume: bool = False
+    time_scale: float = 1.0  # wall seconds per config second
+    max_message_bytes: int | None = None  # default: twice the model plus 1 MiB
+    plots: bool = False
+    status_every_s: float = 10.0
+
+
+def _ms(values: deque[float], q: float) -> float | None:
+    return round(1000.0 * float(np.percentile(values, q)), 2) if values else None
+
+
+def reason_key(reason: str) -> str:
+    """A stable counter key for a rejection reason: numbers (task ids, shapes) become N."""
+    return re.sub(r"\b\d+\b", "N", reason)
+
+
+class Server:
+    def __init__(self, cfg: Config, opts: ServeOptions) -> None:
+        if opts.time_scale <= 0:
+            raise ValueError("time scale must be positive")
+        self.cfg = cfg
+        self.opts = opts
+        self.topics = Topics(opts.run_id)
+        pop = build_population(cfg)
+        self.num_clients = cfg.partition.num_clients
+        self.num_classes = pop.train.num_classes
+        self.num_params = int(pop.initial_weights.size)
+        knowledge = Knowledge(cfg.orchestrator.knowledge)
+        # The oracle baselines read the trace on the server's clock (clients replay it on theirs).
+        trace = build_trace(cfg) if knowledge is Knowledge.ORACLE else None
+        self.orch = build_orchestrator(cfg, pop.initial_weights, trace)
+        r = cfg.run
+        self.rec = Recorder(make_evaluator(copy.deepcopy(pop.model), pop.test, r.device), r.target_accuracy,
+                            r.target_window, r.eval_every)
+        self.max_bytes = opts.max_message_bytes or (8 * self.num_params + (1 << 20))
+        self.stats = TransportStats()
+        self.applied: list[AppliedUpdate] = []
+        self.dedup: dict[int, dict[str, str]] = {}
+        self.incarnations: dict[int, str] = {}
+        self.shadow: dict[int, ShadowTask] = {}
+        self.plan_info: dict[str, Any] | None = None  # the data plan (lb / dafl), once computed
+        self.session = secrets.token_hex(6)
+        self.ids = wire.MsgIds(f"s{self.session}")
+        self.life = 0
+        self.inbox: queue.SimpleQueue[Inbound | Connected] = queue.SimpleQueue()
+        self.stop_requested = threading.Event()
+        self._stop: str | None = None
+        self._pending_acks: list[Inbound] = []  # handled, not yet acknowledged to the broker
+        self._checkpoint_due = False  # a new version (or the end) since the last checkpoint
+        # Delivery delay of recent inbound messages (receive time - the sender's "sent" stamp; one
+        # clock on a single machine, clock skew across machines): the broker's and the loop's backlog.
+        self.latency: deque[float] = deque(maxlen=4096)
+        self._prior_wall = 0.0
+        self._start_time = 0.0
+        self.config_digest = hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
+        if opts.resume:
+            self._restore()
+        self.link = MqttLink(f"felix-{opts.run_id}-server", opts.broker, self.topics.server_subscriptions(),
+                             self.inbox.put, manual_ack=opts.checkpoint is not None)
+        self._mono0 = time.monotonic()
+
+    # ------------------------------------------------------------------ clock
+    def now(self) -> float:
+        return self._start_time + (time.monotonic() - self._mono0) / self.opts.time_scale
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> dict[str, Any]:
+        """Serve until the target, ``max_time_s``, ``max_aggregations`` or ``stop_requested``."""
+        self.link.start(fresh=not self.opts.resume)
+        self._mono0 = time.monotonic()
+        if not self.rec.rows:
+            self.rec.record(0.0, 0, self.orch.weights)
+        log.info("serving run %s (session %s, life %d) on %s:%d", self.opts.run_id, self.session, self.life,
+                 self.opts.broker.host, self.opts.broker.port)
+        last_status = time.monotonic()
+        while self._stop is None:
+            wake = self.orch.next_wakeup()
+            now = self.now()
+            timeout = 0.25 if wake is None else min(0.25, max(0.0, (wake - now) * self.opts.time_scale))
+            try:
+                item = self.inbox.get(timeout=timeout)
+            except queue.Empty:
+                item = None
+            if isinstance(item, Connected):
+                self._on_connected(item)
+            elif item is not None:
+                self._pending_acks.append(item)
+                self._on_inbound(item)
+            now = self.now()
+            wake = self.orch.next_wakeup()
+            if wake is not None and wake <= now and self._stop is None:
+                self._deliver(Tick(now))
+            self._commit()
+            if now >= self.cfg.run.max_time_s and self._stop is None:
+                self._stop = "max_time"
+            if self.stop_requested.is_set() and self._stop is None:
+                self._stop = "interrupted"
+            if time.monotonic() - last_status >= self.opts.status_every_s:
+                last_status = time.monotonic()
+                self._log_status()
+        return self._finish()
+
+    def _log_status(self) -> None:
+        o = self.orch
+        acc = self.rec.rows[-1].accuracy if self.rec.rows else float("nan")
+        log.info("t=%.0fs version=%d accuracy=%.4f clients=%d in-flight=%d msgs-in=%d dup=%d rejected=%d",
+                 self.now(), o.version, acc, len(o.clients), sum(t.holds_slot for t in o.tasks()),
+                 self.stats.messages_in, self.stats.duplicates, self.stats.rejected)
+
+    def _finish(self) -> dict[str, Any]:
+        now = self.now()
+        if self.rec.rows and self.rec.rows[-1].version != self.orch.version:
+            self.rec.record(now, self.orch.version, self.orch.weights)
+        if self.opts.checkpoint is not None:
+            self._checkpoint_due = True  # the final state: --resume after an interruption continues here
+        self._commit()
+        if self._stop != "interrupted":
+            self._publish_status("finished")  # retained: clients stop; an interrupted run waits for --resume
+        self.link.close()
+        summ = self.summary(now)
+        if self.opts.out_dir is not None:
+            self.write_outputs(summ)
+        log.info("stopped (%s) at version %d after %.1f s", self._stop, self.orch.version, now)
+        return summ
+
+    def summary(self, now: float) -> dict[str, Any]:
+        wall = self._prior_wall + (time.monotonic() - self._mono0)
+        extra = {
+            "scenario": self.cfg.name,
+            "num_clients": self.num_clients,
+            "num_params": self.num_params,
+            "rejected_by_reason": dict(sorted(self.stats.rejected_by_reason.items())),
+            "transport": {**{k: v for k, v in asdict(self.stats).items() if k != "rejected_by_reason"},
+                          "latency_p50_ms": _ms(self.latency, 50), "latency_p95_ms": _ms(self.latency, 95)},
+            "deployment": {"run_id": self.opts.run_id, "time_scale": self.opts.time_scale, "lives": self.life + 1,
+                           "broker": f"{self.opts.broker.host}:{self.opts.broker.port}",
+                           "tls": self.opts.broker.tls_ca is not None,
+                           "applied_task_ids_unique": len({a.task_id for a in self.applied}) == len(self.applied)},
+        }
+        if self.plan_info is not None:
+            extra["data_plan"] = self.plan_info
+        return summary(self.cfg.strategy, self.cfg.seed, self.rec, self.orch.stats, self.orch.version, now, wall,
+                       self._stop or "running", extra)
+
+    def write_outputs(self, summ: dict[str, Any]) -> None:
+        out = self.opts.out_dir
+        assert out is not None
+        write_run(out, summ, self.rec.rows, self.opts.plots)
+        (out / "config.json").write_text(self.cfg.model_dump_json(indent=2) + "\n")
+        with open(out / "applied_updates.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(AppliedUpdate.__dataclass_fields__))
+            w.writeheader()
+            for a in self.applied:
+                w.writerow(asdict(a))
+
+    # ------------------------------------------------------------------ inbound
+    def _on_connected(self, c: Connected) -> None:
+        if c.epoch > 1:
+            self.stats.reconnects += 1
+            # The broker redelivers every unacknowledged message on the new connection.
+            self._pending_acks = [m for m in self._pending_acks if m.epoch >= c.epoch]
+        self._publish_status("running")  # retained; after a reconnect too, in case the broker lost it
+
+    def _reject(self, cid: int, task_id: int, reason: str, detail: str = "") -> None:
+        self.stats.rejected += 1
+        key = reason_key(reason)
+        self.stats.rejected_by_reason[key] = self.stats.rejected_by_reason.get(key, 0) + 1
+        log.warning("rejected message from client %d (task %d): %s%s", cid, task_id, reason,
+                    f" ({detail})" if detail else "")
+
+    def _on_inbound(self, m: Inbound) -> None:
+        self.stats.messages_in += 1
+        parsed = self.topics.parse_inbound_to_server(m.topic)
+        if parsed is None:
+            self._reject(-1, 0, f"transport: message on an unexpected topic {m.topic[:80]!r}")
+            return
+        kind, cid = parsed
+        try:
+            msg = wire.decode(m.payload, self.max_bytes)
+        except wire.MessageError as exc:
+            self.rec.bytes.add("up", "control", len(m.payload))
+            self._reject(cid, 0, f"transport: {exc.code.value}", exc.detail)
+            return
+        self._count_up(msg, len(m.payload))
+        self.latency.append(max(0.0, time.time() - msg.sent_at))
+        if msg.TYPE not in ALLOWED[kind]:
+            self._reject(cid, 0, f"transport: {msg.TYPE.value} message on a {kind} topic")
+            return
+        if msg.run != self.opts.run_id:
+            self._reject(cid, 0, f"transport: message for run {msg.run!r}")
+            return
+        sender = getattr(msg, "client", None)
+        if sender != cid:
+            self._reject(cid, getattr(msg, "task", 0), f"transport: sender mismatch: header says client "
+                                                       f"{sender}, topic belongs to client {cid}")
+            return
+        if not self._first_delivery(cid, msg.msg_id, m.payload):
+            return
+        if cid >= self.num_clients:
+            self._reject(cid, 0, f"transport: client id {cid} is outside the population of {self.num_clients}")
+            return
+        if isinstance(msg, wire.Register):
+            self._on_register(msg)
+        elif isinstance(msg, wire.State):
+            self._on_state(msg)
+        elif isinstance(msg, wire.Result):
+            self._on_result(msg)
+        elif isinstance(msg, wire.Failed):
+            self._deliver(TaskFailed(self.now(), cid, msg.task, msg.reason))
+
+    def _count_up(self, msg: wire.Message, n: int) -> None:
+        kind = msg.kind.value if isinstance(msg, wire.Result) else "control"
+        self.rec.bytes.add("up", kind, n)
+
+    def _first_delivery(self, cid: int, msg_id: str, payload: bytes) -> bool:
+        """Duplicate / replay check on (client, message id); True if the message is new."""
+        digest = hashlib.blake2b(payload, digest_size=16).hexdigest()
+        seen = self.dedup.setdefault(cid, {})
+        prior = seen.get(msg_id)
+        if prior == digest:
+            self.stats.duplicates += 1
+            log.debug("duplicate delivery of %s from client %d dropped", msg_id, cid)
+            return False
+        if prior is not None:
+            self._reject(cid, 0, "transport: replayed message id with different content")
+            return False
+        seen[msg_id] = digest
+        if len(seen) > DEDUP_PER_CLIENT:
+            del seen[next(iter(seen))]
+        return True
+
+    def _on_register(self, msg: wire.Register) -> None:
+        cid, now = msg.client, self.now()
+        self.stats.registrations += 1
+        counts = msg.class_counts
+        if len(counts) != self.num_classes or sum(counts) != msg.num_samples:
+            self._reject(cid, 0, "transport: registration's class counts do not match the classes or the samples",
+                         f"{len(counts)} counts summing to {sum(counts)} for {msg.num_samples} samples, "
+                         f"{self.num_classes} classes")
+            return
+        if cid not in self.orch.clients:
+            self.incarnations[cid] = msg.incarnation
+            self._deliver(ClientRegistered(now, cid, msg.num_samples, msg.tier, counts))
+            self._maybe_plan()
+            return
+        # A known client registers again: the server restarted (same incarnation) or the client did
+        # (new incarnation), in which case the task it held is gone with its process.
+        self.stats.re_registrations += 1
+        if self.incarnations.get(cid) != msg.incarnation:
+            self.stats.client_restarts += 1
+            self.incarnations[cid] = msg.incarnation
+            held = self.orch.clients[cid].in_flight
+            if held is not None:
+                self._deliver(TaskFailed(now, cid, held, "client restarted"))
+        self._deliver(TierChanged(now, cid, msg.tier))
+
+    def _maybe_plan(self) -> None:
+        """The data plan (``data_plan: lb | dafl``), as DAFL's server makes it: from the class counts
+        the clients registered with, once the whole population has registered. From then on every
+        training task carries its client's row; a client augments on the first task bringing it.
+        (The simulator knows the counts at build time, so its tasks carry rows from the start.)"""
+        if self.cfg.data_plan == "none" or self.plan_info is not None or len(self.orch.clients) < self.num_clients:
+            return
+        counts = np.array([self.orch.clients[c].class_counts for c in range(self.num_clients)], dtype=np.int64)
+        try:
+            plan = plan_augmentation(self.cfg.data_plan, counts, self.cfg.dafl)
+        except ValueError as exc:
+            log.error("data plan %r impossible, training without it: %s", self.cfg.data_plan, exc)
+            self.plan_info = {"method": self.cfg.data_plan, "error": str(exc)}
+            return
+        self.orch.set_data_plan({k: tuple(int(v) for v in row) for k, row in enumerate(plan.A)})
+        self.plan_info = {"method": plan.method, "I_before": plan.I_before, "J_before": plan.J_before,
+                          "I_after": plan.I_after, "J_after": plan.J_after, "added": plan.added,
+                          "added_per_client": list(plan.added_per_client), "plan_seconds": plan.plan_seconds,
+                          "planned_at_s": self.now()}
+        log.info("data plan %s: %d samples to add across the clients", plan.method, plan.added)
+
+    def _on_state(self, msg: wire.State) -> None:
+        self.stats.tier_messages += 1
+        known = self.incarnations.get(msg.client)
+        if known is not None and known != msg.incarnation:
+            # e.g. the will of a process that has since been restarted: its tier is not the client's.
+            self._reject(msg.client, 0, "transport: tier report from a previous client incarnation")
+            return
+        self._deliver(TierChanged(self.now(), msg.client, msg.tier))
+
+    def _on_result(self, msg: wire.Result) -> None:
+        self.stats.results += 1
+        shadow = self.shadow.get(msg.task)
+        if shadow is not None and shadow.client_id == msg.client:
+            if shadow.kind is not msg.kind:
+                self._reject(msg.client, msg.task, f"{msg.kind.value} result for a {shadow.kind.value} task")
+                return
+            if shadow.version != msg.version:
+                self._reject(msg.client, msg.task, f"result computed on version {msg.version}, "
+                                                   f"task was dispatched with version {shadow.version}")
+                return
+        upd = ClientUpdate(num_samples=msg.num_samples, stat_utility=msg.stat_utility, loss=msg.loss,
+                           duration=msg.duration, delta=msg.delta, aux=dict(msg.aux))
+        self._deliver(TaskFinished(self.now(), msg.client, msg.task, upd))
+
+    # ------------------------------------------------------------------ orchestrator
+    def _deliver(self, event: Event) -> None:
+        before = ckpt.buffered_task_ids(self.orch)
+        commands = self.orch.handle(event)
+        rejected = any(isinstance(c, UpdateRejected) for c in commands)
+        if isinstance(event, TaskFinished) and not rejected:
+            self.shadow.pop(event.task_id, None)
+        if isinstance(event, TaskFailed) and not rejected:
+            self.shadow.pop(event.task_id, None)
+        for cmd in commands:
+            if isinstance(cmd, NewModelVersion):
+                self._log_applied(cmd, before, event)
+                self._checkpoint_due = True
+            self._apply(cmd)
+
+    def _commit(self) -> None:
+        """Acknowledge handled messages to the broker once their effect is durable.
+
+        With a checkpoint file, that is after the checkpoint following a new model version; until
+        then the broker holds the messages and would redeliver them to a restarted server.
+        Without one there is nothing durable to wait for.
+        """
+        if self.opts.checkpoint is None:
+            self._ack(self._pending_acks)
+            self._pending_acks = []
+        elif self._checkpoint_due:
+            self._checkpoint()
+            self._ack(self._pending_acks)
+            self._pending_acks = []
+        self._checkpoint_due = False
+
+    def _log_applied(self, cmd: NewModelVersion, before: list[int], event: Event) -> None:
+        candidates = before + ([event.task_id] if isinstance(event, TaskFinished) else [])
+        remaining = set(ckpt.buffered_task_ids(self.orch))
+        applied = [t for t in candidates if t not in remaining]
+        r = cmd.report
+        if len(applied) != len(r.client_ids):
+            log.error("could not match the %d applied updates of version %d to tasks (%d candidates)",
+                      len(r.client_ids), cmd.version, len(applied))
+            return
+        for task_id, cid, st, w in zip(applied, r.client_ids, r.staleness, r.weights):
+            self.applied.append(AppliedUpdate(cmd.version, task_id, cid, st, w, cmd.time))
+
+    def _apply(self, cmd: Command) -> None:
+        if isinstance(cmd, DispatchTrain):
+            msg: wire.Message = wire.TrainTask(**self._env(), client=cmd.client_id, task=cmd.task_id,
+                                               version=cmd.version, plan=cmd.plan, weights=cmd.weights, aux=cmd.aux)
+            self.shadow[cmd.task_id] = ShadowTask(cmd.client_id, TaskKind.TRAIN, cmd.version)
+            self._send(cmd.client_id, msg, "train")
+        elif isinstance(cmd, DispatchEval):
+            msg = wire.EvalTask(**self._env(), client=cmd.client_id, task=cmd.task_id, version=cmd.version,
+                                weights=cmd.weights)
+            self.shadow[cmd.task_id] = ShadowTask(cmd.client_id, TaskKind.EVAL, cmd.version)
+            self._send(cmd.client_id, msg, "eval")
+        elif isinstance(cmd, CancelTask):
+            self.shadow.pop(cmd.task_id, None)
+            self._send(cmd.client_id, wire.Cancel(**self._env(), client=cmd.client_id, task=cmd.task_id,
+                                                  reason=cmd.reason), "control")
+        elif isinstance(cmd, NewModelVersion):
+            self._on_version(cmd)
+        elif isinstance(cmd, UpdateRejected):
+            self._reject(cmd.client_id, cmd.task_id, cmd.reason)
+
+    def _env(self) -> dict[str, Any]:
+        return {"run": self.opts.run_id, "msg_id": self.ids.next(), "sent_at": time.time()}
+
+    def _send(self, cid: int, msg: wire.Message, kind: str) -> None:
+        payload = wire.encode(msg)
+        self.link.publish(self.topics.task(cid), payload)
+        self.stats.messages_out += 1
+        self.rec.bytes.add("down", kind, len(payload))
+
+    def _publish_status(self, state: str) -> None:
+        msg = wire.Status(**self._env(), session=self.session, state=state)
+        self.link.publish(self.topics.status, wire.encode(msg), retain=True)
+
+    def _on_version(self, cmd: NewModelVersion) -> None:
+        self.rec.on_aggregation(cmd)
+        if self.rec.due(cmd.version):
+            row = self.rec.record(cmd.time, cmd.version, cmd.weights)
+            log.info("version %d at t=%.1fs: accuracy %.4f", cmd.version, cmd.time, row.accuracy)
+            if self.cfg.run.stop_at_target and self.rec.reached:
+                self._stop = "target_reached"
+        m = self.cfg.run.max_aggregations
+        if m is not None and cmd.version >= m:
+            self._stop = self._stop or "max_aggregations"
+
+    def _ack(self, items: list[Inbound]) -> None:
+        for m in items:
+            self.link.ack(m.mid, m.qos, m.epoch)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _shell_state(self) -> dict[str, Any]:
+        r = self.rec
+        return {
+            "config_digest": self.config_digest, "run_id": self.opts.run_id, "life": self.life,
+            "now": self.now(),
+            "wall_unix": time.time(), "wall_elapsed": self._prior_wall + (time.monotonic() - self._mono0),
+            "recorder": {"rows": r.rows, "train_losses": r.train_losses, "bytes": r.bytes,
+                         "time_to_target": r.time_to_target, "bytes_to_target": r.bytes_to_target,
+                         "version_at_target": r.version_at_target},
+            "plan_info": self.plan_info,
+            "stats": self.stats, "applied": self.applied, "dedup": self.dedup, "incarnations": self.incarnations,
+            "shadow": self.shadow,
+        }
+
+    def _checkpoint(self) -> None:
+        assert self.opts.checkpoint is not None
+        n = ckpt.save_checkpoint(self.opts.checkpoint, self.orch, self._shell_state())
+        self.stats.checkpoints += 1
+        log.debug("checkpoint at version %d (%d bytes)", self.orch.version, n)
+
+    def _restore(self) -> None:
+        path = self.opts.checkpoint
+        if path is None:
+            raise ckpt.CheckpointError("--resume needs --checkpoint PATH")
+        shell = ckpt.restore(path, self.orch)
+        if shell.get("config_digest") != self.config_digest:
+            raise ckpt.CheckpointError(f"checkpoint {path} was written for a different configuration")
+        if shell.get("run_id") != self.opts.run_id:
+            raise ckpt.CheckpointError(f"checkpoint {path} belongs to run {shell.get('run_id')!r}")
+        rs = shell["recorder"]
+        self.rec.rows = list(rs["rows"])
+        self.rec.train_losses = list(rs["train_losses"])
+        self.plan_info = shell["plan_info"]
+        self.rec.bytes = rs["bytes"]
+        self.rec.time_to_target = rs["time_to_target"]
+        self.rec.bytes_to_target = rs["bytes_to_target"]
+        self.rec.version_at_target = rs["version_at_target"]
+        self.stats = shell["stats"]
+        self.applied = list(shell["applied"])
+        self.dedup = shell["dedup"]
+        self.incarnations = shell["incarnations"]
+        self.shadow = shell["shadow"]
+        self.life = int(shell["life"]) + 1
+        self._prior_wall = float(shell["wall_elapsed"])
+        # Downtime counts: a deployment's time-to-target includes its outages.
+        down = max(0.0, time.time() - float(shell["wall_unix"]))
+        self._start_time = float(shell["now"]) + down / self.opts.time_scale
+        # Tasks dispatched after the checkpoint are unknown to the restored state; numbering this
+        # life's tasks from a fresh range keeps their late results from matching new tasks.
+        ckpt.reserve_task_ids(self.orch, self.life)
+        log.info("resumed from %s at version %d (life %d, %.1f s down)", path, self.orch.version, self.life, down)
+

@@ -1,0 +1,434 @@
+"""The deployment's message format: a typed, versioned header and raw little-endian tensors.
+
+Nothing that can execute code crosses the wire (DESIGN.md principle 6): no pickle, only a JSON
+header and raw arrays whose dtype and shape the header declares. Layout of one MQTT payload::
+
+    offset  size  field
+    0       4     magic b"FLXM"
+    4       2     format version, uint16 little-endian (this module writes and reads FORMAT_VERSION)
+    6       4     header length H, uint32 little-endian (at most MAX_HEADER_BYTES)
+    10      H     header: a UTF-8 JSON object (fields below)
+    10+H    P     payload: the arrays of the header's "arrays" list, concatenated, little-endian
+
+Every header holds ``fmt`` (= the prefix's version), ``type``, ``run`` (run id), ``msg`` (message
+id, unique per sender: the receiver's replay/duplicate check keys on it), ``sent`` (sender's Unix
+time), ``payload`` (P, so a cut message is caught) and ``arrays`` (``[{"name", "dtype", "shape"}]``,
+dtype one of ``<f4 <f8 <i8``). The type-specific fields are listed in ``_SCHEMAS`` and in
+docs/deployment.md; unknown or missing fields, and fields of the wrong JSON type, are errors.
+
+``decode`` checks everything before building a message and raises ``MessageError`` with a
+machine-readable ``code`` (counted by the server under ``rejected_by_reason``) and a detail
+that says what was wrong. Arrays are read-only views of the received bytes (no copy).
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, ClassVar
+
+import numpy as np
+
+from felix.core.types import TaskKind, Tier
+
+MAGIC = b"FLXM"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<4sHI")
+PREFIX_BYTES = _PREFIX.size
+MAX_HEADER_BYTES = 64 * 1024
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_STR = 256
+MAX_LIST = 65536
+DTYPES = {"<f4": np.dtype("<f4"), "<f8": np.dtype("<f8"), "<i8": np.dtype("<i8")}
+
+
+class MsgType(str, Enum):
+    STATUS = "status"  # server -> all (retained): which server session is up, or that the run is over
+    REGISTER = "register"  # client -> server
+    STATE = "state"  # client -> server: TierTrack tier change
+    RESULT = "result"  # client -> server: a train update or an eval utility
+    FAILED = "failed"  # client -> server: the client cannot complete a task
+    TRAIN = "train"  # server -> client
+    EVAL = "eval"  # server -> client
+    CANCEL = "cancel"  # server -> client
+
+
+class ErrorCode(str, Enum):
+    OVERSIZED = "oversized"
+    TRUNCATED = "truncated"
+    BAD_MAGIC = "bad_magic"
+    UNKNOWN_VERSION = "unknown_version"
+    UNKNOWN_TYPE = "unknown_type"
+    BAD_HEADER = "bad_header"
+    BAD_FIELD = "bad_field"
+    BAD_PAYLOAD = "bad_payload"
+
+
+class MessageError(ValueError):
+    """An inbound message that cannot be decoded; ``code`` says which check failed."""
+
+    def __init__(self, code: ErrorCode, detail: str) -> None:
+        super().__init__(f"{code.value}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+# ---------------------------------------------------------------------- messages
+@dataclass(frozen=True, kw_only=True)
+class Envelope:
+    """Fields every message carries. ``msg_id`` is unique per sender (``<incarnation>-<seq>``)."""
+
+    run: str
+    msg_id: str
+    sent_at: float
+
+    TYPE: ClassVar[MsgType]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Status(Envelope):
+    TYPE: ClassVar[MsgType] = MsgType.STATUS
+    session: str
+    state: str  # "running" or "finished"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Register(Envelope):
+    TYPE: ClassVar[MsgType] = MsgType.REGISTER
+    client: int
+    incarnation: str  # random per client process start: a new one means the client lost its tasks
+    num_samples: int
+    tier: Tier
+    class_counts: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class State(Envelope):
+    TYPE: ClassVar[MsgType] = MsgType.STATE
+    client: int
+    incarnation: str
+    tier: Tier
+
+
+@dataclass(frozen=True, kw_only=True)
+class Result(Envelope):
+    TYPE: ClassVar[MsgType] = MsgType.RESULT
+    client: int
+    incarnation: str
+    task: int
+    kind: TaskKind
+    version: int  # the model version the client worked on
+    num_samples: int
+    stat_utility: float
+    loss: float
+    duration: float
+    delta: np.ndarray | None = field(default=None, repr=False)
+    aux: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failed(Envelope):
+    TYPE: ClassVar[MsgType] = MsgType.FAILED
+    client: int
+    incarnation: str
+    task: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainTask(Envelope):
+    TYPE: ClassVar[MsgType] = MsgType.TRAIN
+    client: int
+    task: int
+    version: int
+    plan: tuple[int, ...] = ()
+    weights: np.ndarray = field(repr=False)
+    aux: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalTask(Envelope):
+    TYPE: ClassVar[MsgType] = MsgType.EVAL
+    client: int
+    task: int
+    version: int
+    weights: np.ndarray = field(repr=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cancel(Envelope):
+    TYPE: ClassVar[MsgType] = MsgType.CANCEL
+    client: int
+    task: int
+    reason: str
+
+
+Message = Status | Register | State | Result | Failed | TrainTask | EvalTask | Cancel
+CLASSES: dict[MsgType, type] = {c.TYPE: c for c in (Status, Register, State, Result, Failed, TrainTask, EvalTask, Cancel)}
+
+
+# ---------------------------------------------------------------------- field checks
+Check = Callable[[str, Any], Any]
+
+
+def _bad(name: str, want: str, got: Any) -> MessageError:
+    return MessageError(ErrorCode.BAD_FIELD, f"field {name!r} must be {want}, got {type(got).__name__} {_short(got)}")
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def _int(name: str, v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise _bad(name, "an integer", v)
+    return v
+
+
+def _nonneg(name: str, v: Any) -> int:
+    if _int(name, v) < 0:
+        raise _bad(name, "a non-negative integer", v)
+    return v
+
+
+def _client_id(name: str, v: Any) -> int:
+    return _nonneg(name, v)
+
+
+def _float(name: str, v: Any) -> float:
+    # NaN and infinities are let through on purpose: they are well-formed, and the orchestrator
+    # rejects a non-finite loss/utility/duration with its own reason.
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise _bad(name, "a number", v)
+    return float(v)
+
+
+def _time(name: str, v: Any) -> float:
+    f = _float(name, v)
+    if not math.isfinite(f):
+        raise _bad(name, "a finite time", v)
+    return f
+
+
+def _str(name: str, v: Any) -> str:
+    if not isinstance(v, str) or not v or len(v) > MAX_STR:
+        raise _bad(name, f"a non-empty string of at most {MAX_STR} characters", v)
+    return v
+
+
+def _tier(name: str, v: Any) -> Tier:
+    if not isinstance(v, str) or v not in Tier.__members__:
+        raise _bad(name, f"one of {sorted(Tier.__members__)}", v)
+    return Tier[v]
+
+
+def _kind(name: str, v: Any) -> TaskKind:
+    try:
+        return TaskKind(v)
+    except ValueError:
+        raise _bad(name, "'train' or 'eval'", v) from None
+
+
+def _state(name: str, v: Any) -> str:
+    if v not in ("running", "finished"):
+        raise _bad(name, "'running' or 'finished'", v)
+    return v
+
+
+def _int_list(name: str, v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > MAX_LIST:
+        raise _bad(name, f"a list of at most {MAX_LIST} integers", v)
+    for x in v:
+        if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+            raise _bad(name, "a list of non-negative integers", v)
+    return tuple(v)
+
+
+_COMMON: dict[str, Check] = {"run": _str, "msg": _str, "sent": _time}
+_SCHEMAS: dict[MsgType, dict[str, Check]] = {
+    MsgType.STATUS: {"session": _str, "state": _state},
+    MsgType.REGISTER: {"client": _client_id, "incarnation": _str, "num_samples": _nonneg, "tier": _tier,
+                       "class_counts": _int_list},
+    MsgType.STATE: {"client": _client_id, "incarnation": _str, "tier": _tier},
+    MsgType.RESULT: {"client": _client_id, "incarnation": _str, "task": _nonneg, "kind": _kind, "version": _nonneg,
+                     "num_samples": _nonneg, "stat_utility": _float, "loss": _float, "duration": _float},
+    MsgType.FAILED: {"client": _client_id, "incarnation": _str, "task": _nonneg, "reason": _str},
+    MsgType.TRAIN: {"client": _client_id, "task": _nonneg, "version": _nonneg, "plan": _int_list},
+    MsgType.EVAL: {"client": _client_id, "task": _nonneg, "version": _nonneg},
+    MsgType.CANCEL: {"client": _client_id, "task": _nonneg, "reason": _str},
+}
+_ENVELOPE_KEYS = {"fmt", "type", "payload", "arrays"}
+
+
+# ---------------------------------------------------------------------- encode
+def _header_fields(msg: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in _SCHEMAS[msg.TYPE]:
+        v = getattr(msg, key)
+        if isinstance(v, Enum):
+            v = v.name if isinstance(v, Tier) else v.value
+        elif isinstance(v, tuple):
+            v = list(v)
+        out[key] = v
+    return out
+
+
+def _arrays_of(msg: Message) -> list[tuple[str, np.ndarray]]:
+    if isinstance(msg, Result):
+        arrays = [] if msg.delta is None else [("delta", msg.delta)]
+        return arrays + [(f"aux/{k}", v) for k, v in sorted(msg.aux.items())]
+    if isinstance(msg, TrainTask):
+        return [("weights", msg.weights)] + [(f"aux/{k}", v) for k, v in sorted(msg.aux.items())]
+    if isinstance(msg, EvalTask):
+        return [("weights", msg.weights)]
+    return []
+
+
+def _le(a: np.ndarray) -> np.ndarray:
+    arr = np.asarray(a)
+    if arr.dtype.kind == "f":
+        want = np.dtype("<f4") if arr.dtype.itemsize <= 4 else np.dtype("<f8")
+    elif arr.dtype.kind in "iub":
+        want = np.dtype("<i8")
+    else:
+        raise TypeError(f"cannot send an array of dtype {arr.dtype}")
+    return np.asarray(arr, dtype=want, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
+
+
+def encode(msg: Message) -> bytes:
+    """Serialize a message: prefix, JSON header, raw little-endian arrays."""
+    arrays = [(name, _le(a)) for name, a in _arrays_of(msg)]
+    manifest = [{"name": n, "dtype": a.dtype.str, "shape": list(a.shape)} for n, a in arrays]
+    payload_len = sum(a.nbytes for _, a in arrays)
+    header = {"fmt": FORMAT_VERSION, "type": msg.TYPE.value, "run": msg.run, "msg": msg.msg_id,
+              "sent": msg.sent_at, "payload": payload_len, "arrays": manifest, **_header_fields(msg)}
+    hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    if len(hbytes) > MAX_HEADER_BYTES:
+        raise ValueError(f"header of {len(hbytes)} bytes exceeds {MAX_HEADER_BYTES}")
+    parts = [_PREFIX.pack(MAGIC, FORMAT_VERSION, len(hbytes)), hbytes]
+    parts += [a.tobytes() for _, a in arrays]
+    return b"".join(parts)
+
+
+# ---------------------------------------------------------------------- decode
+def decode(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
+    """Parse and validate one message; raises ``MessageError`` with the failed check's code."""
+    if len(data) > max_bytes:
+        raise MessageError(ErrorCode.OVERSIZED, f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
+    if len(data) < PREFIX_BYTES:
+        raise MessageError(ErrorCode.TRUNCATED, f"{len(data)} bytes, shorter than the {PREFIX_BYTES}-byte prefix")
+    magic, version, hlen = _PREFIX.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise MessageError(ErrorCode.BAD_MAGIC, f"magic {magic!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise MessageError(ErrorCode.UNKNOWN_VERSION, f"format version {version}, this end speaks {FORMAT_VERSION}")
+    if hlen > MAX_HEADER_BYTES:
+        raise MessageError(ErrorCode.BAD_HEADER, f"header length {hlen} exceeds {MAX_HEADER_BYTES}")
+    if PREFIX_BYTES + hlen > len(data):
+        raise MessageError(ErrorCode.TRUNCATED, f"header of {hlen} bytes but only {len(data) - PREFIX_BYTES} follow")
+    try:
+        header = json.loads(data[PREFIX_BYTES:PREFIX_BYTES + hlen].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MessageError(ErrorCode.BAD_HEADER, f"header is not UTF-8 JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise MessageError(ErrorCode.BAD_HEADER, f"header must be a JSON object, got {type(header).__name__}")
+    if header.get("fmt") != FORMAT_VERSION:
+        raise MessageError(ErrorCode.BAD_HEADER, f"header fmt {header.get('fmt')!r} disagrees with the prefix")
+    try:
+        mtype = MsgType(header.get("type"))
+    except ValueError:
+        raise MessageError(ErrorCode.UNKNOWN_TYPE, f"message type {_short(header.get('type'))}") from None
+    schema = {**_COMMON, **_SCHEMAS[mtype]}
+    expected = set(schema) | _ENVELOPE_KEYS
+    missing = expected - set(header)
+    if missing:
+        raise MessageError(ErrorCode.BAD_HEADER, f"{mtype.value} header lacks {sorted(missing)}")
+    extra = set(header) - expected
+    if extra:
+        raise MessageError(ErrorCode.BAD_HEADER, f"{mtype.value} header has unknown fields {sorted(extra)}")
+    values = {k: check(k, header[k]) for k, check in schema.items()}
+    body = memoryview(data)[PREFIX_BYTES + hlen:]
+    declared = _nonneg("payload", header["payload"])
+    if declared != len(body):
+        code = ErrorCode.TRUNCATED if len(body) < declared else ErrorCode.BAD_PAYLOAD
+        raise MessageError(code, f"header declares a {declared}-byte payload, {len(body)} bytes follow")
+    arrays = _read_arrays(header["arrays"], body)
+    return _build(mtype, values, arrays)
+
+
+def _read_arrays(manifest: Any, body: memoryview) -> dict[str, np.ndarray]:
+    if not isinstance(manifest, list):
+        raise _bad("arrays", "a list", manifest)
+    out: dict[str, np.ndarray] = {}
+    offset = 0
+    for i, spec in enumerate(manifest):
+        if not isinstance(spec, dict) or set(spec) != {"name", "dtype", "shape"}:
+            raise MessageError(ErrorCode.BAD_HEADER, f"arrays[{i}] must be an object with name, dtype and shape")
+        name = _str(f"arrays[{i}].name", spec["name"])
+        if name in out:
+            raise MessageError(ErrorCode.BAD_HEADER, f"array {name!r} appears twice")
+        dtype = DTYPES.get(spec["dtype"]) if isinstance(spec["dtype"], str) else None
+        if dtype is None:
+            raise _bad(f"arrays[{i}].dtype", f"one of {sorted(DTYPES)}", spec["dtype"])
+        shape = spec["shape"]
+        if not isinstance(shape, list) or len(shape) > 8 or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise _bad(f"arrays[{i}].shape", "a list of at most 8 non-negative integers", shape)
+        n = math.prod(shape) * dtype.itemsize
+        if offset + n > len(body):
+            raise MessageError(ErrorCode.BAD_PAYLOAD, f"array {name!r} runs past the end of the payload")
+        out[name] = np.frombuffer(body, dtype=dtype, count=math.prod(shape), offset=offset).reshape(tuple(shape))
+        offset += n
+    if offset != len(body):
+        raise MessageError(ErrorCode.BAD_PAYLOAD, f"{len(body) - offset} payload bytes are not covered by any array")
+    return out
+
+
+def _split_aux(arrays: dict[str, np.ndarray], main: str | None, mtype: MsgType) -> tuple[np.ndarray | None, dict]:
+    aux: dict[str, np.ndarray] = {}
+    main_arr = None
+    for name, arr in arrays.items():
+        if name == main:
+            main_arr = arr
+        elif name.startswith("aux/") and len(name) > 4 and mtype in (MsgType.TRAIN, MsgType.RESULT):
+            aux[name[4:]] = arr
+        else:
+            raise MessageError(ErrorCode.BAD_HEADER, f"unexpected array {name!r} in a {mtype.value} message")
+    return main_arr, aux
+
+
+def _build(mtype: MsgType, v: dict[str, Any], arrays: dict[str, np.ndarray]) -> Message:
+    env = {"run": v.pop("run"), "msg_id": v.pop("msg"), "sent_at": v.pop("sent")}
+    if mtype is MsgType.RESULT:
+        delta, aux = _split_aux(arrays, "delta", mtype)
+        if v["kind"] is TaskKind.TRAIN and delta is None:
+            raise MessageError(ErrorCode.BAD_HEADER, "a train result must carry a 'delta' array")
+        if v["kind"] is TaskKind.EVAL and (delta is not None or aux):
+            raise MessageError(ErrorCode.BAD_HEADER, "an eval result carries no arrays")
+        return Result(**env, **v, delta=delta, aux=aux)
+    if mtype in (MsgType.TRAIN, MsgType.EVAL):
+        weights, aux = _split_aux(arrays, "weights", mtype)
+        if weights is None:
+            raise MessageError(ErrorCode.BAD_HEADER, f"a {mtype.value} task must carry a 'weights' array")
+        if mtype is MsgType.TRAIN:
+            return TrainTask(**env, **v, weights=weights, aux=aux)
+        return EvalTask(**env, **v, weights=weights)
+    if arrays:
+        raise MessageError(ErrorCode.BAD_HEADER, f"a {mtype.value} message carries no arrays")
+    return CLASSES[mtype](**env, **v)  # type: ignore[no-any-return]
+
+
+class MsgIds:
+    """Message ids of one sender: ``<incarnation>-<sequence>``, unique for the sender's lifetime."""
+
+    def __init__(self, incarnation: str) -> None:
+        self.incarnation = incarnation
+        self._seq = 0
+
+    def next(self) -> str:
+        self._seq += 1
+        return f"{self.incarnation}-{self._seq}"

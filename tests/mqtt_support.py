@@ -1,0 +1,152 @@
+"""Helpers for the tests that need a real Mosquitto broker (tests/test_mqtt_*.py).
+
+Everything is bounded in time: threads and processes are joined or killed with timeouts, and
+``wait_until`` fails with a message instead of hanging.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from felix.config import Config
+from felix.experiment import resolve_config
+from felix.runtime.broker import MosquittoBroker, find_mosquitto
+from felix.runtime.client import ClientHost, ClientOptions, credentials_from_map
+from felix.runtime.link import BrokerOptions
+from felix.runtime.server import ServeOptions, Server
+from felix.runtime.topics import SERVER_USER
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """In-process servers and clients train and evaluate with one torch thread, as ``felix client``
+    does by default: on a small, busy machine torch's thread pool is several times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+needs_mosquitto = [
+    pytest.mark.mqtt,
+    pytest.mark.skipif(find_mosquitto() is None,
+                       reason="mosquitto broker not installed (/usr/sbin/mosquitto; apt-get install mosquitto)"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
+
+
+def write_config(path: Path, **sections: Any) -> Path:
+    """A small digits run: MLP, slotted churn, constant 10 s runtimes (compressed by the time scale)."""
+    doc: dict[str, Any] = {
+        "name": "mqtt-test", "strategy": "felix", "seed": 3, "model": "mlp",
+        "dataset": {"name": "digits"},
+        "partition": {"kind": "dirichlet", "num_clients": 24, "alpha": 0.5},
+        "trace": {"kind": "slotted", "unavailable_fraction": 0.2, "slot_s": 60.0, "horizon_s": 3600.0},
+        "runtime": {"kind": "constant", "constant_s": 10.0},
+        "client": {"lr": 0.1, "batch_size": 16},
+        "run": {"target_accuracy": 0.7, "target_window": 3, "max_time_s": 20000.0},
+    }
+    for k, v in sections.items():
+        doc[k] = {**doc[k], **v} if isinstance(v, dict) and isinstance(doc.get(k), dict) else v
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def load_config(path: Path, sets: dict[str, Any] | None = None) -> Config:
+    return resolve_config(str(path), None, sets or {})
+
+
+def users(broker: MosquittoBroker) -> dict[str, str]:
+    return json.loads(broker.credentials_file.read_text())
+
+
+def broker_options(broker: MosquittoBroker, user: str | None = None) -> BrokerOptions:
+    u = users(broker)
+    name = user or SERVER_USER
+    return BrokerOptions("127.0.0.1", broker.port, name, u[name], reconnect_max_s=1.0)
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+class Background(threading.Thread):
+    """Runs ``target`` in a daemon thread and re-raises its exception on ``result``."""
+
+    def __init__(self, target: Callable[[], Any], name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self._target_fn = target
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.value = self._target_fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            self.error = exc
+
+    def result(self, timeout: float) -> Any:
+        self.join(timeout)
+        if self.is_alive():
+            raise AssertionError(f"{self.name} did not finish within {timeout:.0f} s")
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def start_server(cfg: Config, broker: MosquittoBroker, out: Path, time_scale: float,
+                 checkpoint: Path | None = None) -> tuple[Server, Background]:
+    opts = ServeOptions(broker_options(broker), run_id="t", out_dir=out, checkpoint=checkpoint, time_scale=time_scale,
+                        status_every_s=1e9)
+    server = Server(cfg, opts)
+    thread = Background(server.run, "server")
+    thread.start()
+    return server, thread
+
+
+def start_clients(cfg: Config, broker: MosquittoBroker, ids: list[int], time_scale: float,
+                  **opts: Any) -> tuple[ClientHost, Background]:
+    o = ClientOptions(broker=BrokerOptions("127.0.0.1", broker.port, reconnect_max_s=1.0), run_id="t",
+                      time_scale=time_scale, max_wall_s=90.0, **opts)
+    host = ClientHost(cfg, ids, o, credentials_from_map(users(broker)))
+    thread = Background(host.run, "clients")
+    thread.start()
+    return host, thread
+
+
+def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """``python -m felix.runtime ARGS`` with its output in ``log``."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "ab") as f:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen([sys.executable, "-m", "felix.runtime", "-v", *args], stdout=f,
+                                stderr=subprocess.STDOUT, env=env)
+
+
+def reap(*procs: subprocess.Popen[bytes], timeout: float = 10.0) -> list[int | None]:
+    """Wait for processes, killing any still running after ``timeout`` s; returns exit codes."""
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+            codes.append(None)
+    return codes

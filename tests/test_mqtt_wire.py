@@ -1,0 +1,176 @@
+"""The deployment's message codec: round trips and every malformed case (no broker needed)."""
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from felix.core.types import TaskKind, Tier
+from felix.runtime import wire
+from felix.runtime.topics import Topics, check_run_id, sanitize_run_id
+from felix.runtime.wire import ErrorCode, MessageError
+
+ENV = {"run": "r1", "msg_id": "abcd-1", "sent_at": 1700000000.5}
+
+
+def _messages() -> list[wire.Message]:
+    w = np.linspace(-1, 1, 7, dtype=np.float32)
+    return [
+        wire.Status(**ENV, session="s1", state="running"),
+        wire.Register(**ENV, client=3, incarnation="abcd", num_samples=40, tier=Tier.AVL_EVAL, class_counts=(1, 0, 39)),
+        wire.State(**ENV, client=3, incarnation="abcd", tier=Tier.UN_AVL),
+        wire.Result(**ENV, client=3, incarnation="abcd", task=9, kind=TaskKind.TRAIN, version=2, num_samples=40,
+                    stat_utility=1.5, loss=0.25, duration=12.0, delta=w, aux={"beta": np.array(0.5)}),
+        wire.Result(**ENV, client=3, incarnation="abcd", task=10, kind=TaskKind.EVAL, version=2, num_samples=40,
+                    stat_utility=1.5, loss=0.25, duration=0.6),
+        wire.Failed(**ENV, client=3, incarnation="abcd", task=11, reason="out of memory"),
+        wire.TrainTask(**ENV, client=3, task=9, version=2, plan=(0, 4, 2), weights=w, aux={"c": np.ones((2, 2))}),
+        wire.EvalTask(**ENV, client=3, task=10, version=2, weights=w),
+        wire.Cancel(**ENV, client=3, task=9, reason="round ended"),
+    ]
+
+
+@pytest.mark.parametrize("msg", _messages(), ids=lambda m: m.TYPE.value)
+def test_round_trip(msg: wire.Message) -> None:
+    data = wire.encode(msg)
+    assert data[:4] == wire.MAGIC
+    back = wire.decode(data)
+    assert type(back) is type(msg)
+    for f in msg.__dataclass_fields__:
+        a, b = getattr(msg, f), getattr(back, f)
+        if isinstance(a, np.ndarray):
+            assert b.dtype.str in ("<f4", "<f8") and np.array_equal(a, b) and a.shape == b.shape
+        elif isinstance(a, dict):
+            assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+        else:
+            assert a == b, f
+
+
+def test_arrays_are_little_endian_float32_without_copy() -> None:
+    w = np.arange(5, dtype=">f4")  # big-endian input is converted on the way out
+    back = wire.decode(wire.encode(wire.EvalTask(**ENV, client=0, task=1, version=0, weights=w)))
+    assert back.weights.dtype == np.dtype("<f4") and np.array_equal(back.weights, np.arange(5))
+    assert not back.weights.flags.writeable  # a view of the received bytes
+
+
+def _frame(header: dict, payload: bytes = b"", version: int = wire.FORMAT_VERSION, magic: bytes = wire.MAGIC) -> bytes:
+    h = json.dumps(header).encode()
+    return struct.pack("<4sHI", magic, version, len(h)) + h + payload
+
+
+def _state_header(**over: object) -> dict:
+    h = {"fmt": 1, "type": "state", "run": "r1", "msg": "m-1", "sent": 1.0, "payload": 0, "arrays": [],
+         "client": 3, "incarnation": "abcd", "tier": "AVL_TRAIN"}
+    h.update(over)
+    return h
+
+
+def _expect(data: bytes, code: ErrorCode, fragment: str = "", max_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    with pytest.raises(MessageError) as info:
+        wire.decode(data, max_bytes)
+    assert info.value.code is code, str(info.value)
+    assert fragment in str(info.value)
+
+
+def test_valid_hand_built_frame_decodes() -> None:
+    msg = wire.decode(_frame(_state_header()))
+    assert isinstance(msg, wire.State) and msg.tier is Tier.AVL_TRAIN
+
+
+@pytest.mark.parametrize(
+    "data, code, fragment",
+    [
+        (b"", ErrorCode.TRUNCATED, "prefix"),
+        (b"FLXM\x01", ErrorCode.TRUNCATED, "prefix"),
+        (_frame(_state_header(), magic=b"PK\x03\x04"), ErrorCode.BAD_MAGIC, "magic"),
+        (b"\x80\x04\x95" + b"\x00" * 20, ErrorCode.BAD_MAGIC, "magic"),  # a pickle stream is refused up front
+        (_frame(_state_header(), version=2), ErrorCode.UNKNOWN_VERSION, "version 2"),
+        (struct.pack("<4sHI", wire.MAGIC, 1, 100) + b"{}", ErrorCode.TRUNCATED, "header of 100 bytes"),
+        (struct.pack("<4sHI", wire.MAGIC, 1, wire.MAX_HEADER_BYTES + 1), ErrorCode.BAD_HEADER, "header length"),
+        (struct.pack("<4sHI", wire.MAGIC, 1, 3) + b"{x}", ErrorCode.BAD_HEADER, "JSON"),
+        (struct.pack("<4sHI", wire.MAGIC, 1, 2) + b"\xff\xfe", ErrorCode.BAD_HEADER, "UTF-8"),
+        (_frame([1, 2]), ErrorCode.BAD_HEADER, "object"),  # type: ignore[arg-type]
+        (_frame(_state_header(fmt=2)), ErrorCode.BAD_HEADER, "fmt"),
+        (_frame(_state_header(type="exec")), ErrorCode.UNKNOWN_TYPE, "exec"),
+        (_frame({k: v for k, v in _state_header().items() if k != "tier"}), ErrorCode.BAD_HEADER, "lacks ['tier']"),
+        (_frame(_state_header(extra=1)), ErrorCode.BAD_HEADER, "unknown fields ['extra']"),
+        (_frame(_state_header(client="3")), ErrorCode.BAD_FIELD, "'client' must be"),
+        (_frame(_state_header(client=True)), ErrorCode.BAD_FIELD, "'client' must be"),
+        (_frame(_state_header(client=-1)), ErrorCode.BAD_FIELD, "'client' must be"),
+        (_frame(_state_header(tier="SLEEPY")), ErrorCode.BAD_FIELD, "'tier'"),
+        (_frame(_state_header(sent=None)), ErrorCode.BAD_FIELD, "'sent'"),
+        (_frame(_state_header(msg="")), ErrorCode.BAD_FIELD, "'msg'"),
+        (_frame(_state_header(msg="x" * 300)), ErrorCode.BAD_FIELD, "'msg'"),
+        (_frame(_state_header(payload=8)), ErrorCode.TRUNCATED, "8-byte payload"),
+        (_frame(_state_header(), b"junk"), ErrorCode.BAD_PAYLOAD, "0-byte payload"),
+        (_frame(_state_header(payload=4, arrays=[{"name": "delta", "dtype": "<f4", "shape": [1]}]), b"\0" * 4),
+         ErrorCode.BAD_HEADER, "carries no arrays"),
+    ],
+)
+def test_malformed(data: bytes, code: ErrorCode, fragment: str) -> None:
+    _expect(data, code, fragment)
+
+
+def _result_header(**over: object) -> dict:
+    h = {"fmt": 1, "type": "result", "run": "r1", "msg": "m-2", "sent": 1.0, "payload": 8,
+         "arrays": [{"name": "delta", "dtype": "<f4", "shape": [2]}], "client": 3, "incarnation": "abcd", "task": 4,
+         "kind": "train", "version": 0, "num_samples": 5, "stat_utility": 1.0, "loss": 1.0, "duration": 1.0}
+    h.update(over)
+    return h
+
+
+@pytest.mark.parametrize(
+    "over, payload, code, fragment",
+    [
+        ({"arrays": [{"name": "delta", "dtype": "|O", "shape": [2]}]}, 8, ErrorCode.BAD_FIELD, "dtype"),
+        ({"arrays": [{"name": "delta", "dtype": "<f4", "shape": [-2]}]}, 8, ErrorCode.BAD_FIELD, "shape"),
+        ({"arrays": [{"name": "delta", "dtype": "<f4", "shape": [3]}]}, 8, ErrorCode.BAD_PAYLOAD, "past the end"),
+        ({"arrays": [{"name": "delta", "dtype": "<f4", "shape": [1]}]}, 8, ErrorCode.BAD_PAYLOAD, "not covered"),
+        ({"arrays": [{"name": "delta", "dtype": "<f4"}]}, 8, ErrorCode.BAD_HEADER, "name, dtype and shape"),
+        ({"arrays": [{"name": "delta", "dtype": "<f4", "shape": [1]}] * 2}, 8, ErrorCode.BAD_HEADER, "twice"),
+        ({"arrays": [{"name": "weights", "dtype": "<f4", "shape": [2]}]}, 8, ErrorCode.BAD_HEADER, "unexpected array"),
+        ({"arrays": [], "payload": 0}, 0, ErrorCode.BAD_HEADER, "must carry a 'delta'"),
+        ({"kind": "eval"}, 8, ErrorCode.BAD_HEADER, "eval result carries no arrays"),
+        ({"kind": "sleep"}, 8, ErrorCode.BAD_FIELD, "'kind'"),
+        ({"loss": "0.1"}, 8, ErrorCode.BAD_FIELD, "'loss'"),
+    ],
+)
+def test_malformed_arrays(over: dict, payload: int, code: ErrorCode, fragment: str) -> None:
+    _expect(_frame(_result_header(**over), b"\0" * payload), code, fragment)
+
+
+def test_non_finite_numbers_decode_for_the_orchestrator_to_reject() -> None:
+    """NaN is well-formed on the wire; the orchestrator's validation rejects it with its reason."""
+    msg = wire.decode(_frame(_result_header(loss=float("nan")), np.array([np.inf, 1], "<f4").tobytes()))
+    assert isinstance(msg, wire.Result) and np.isnan(msg.loss) and np.isinf(msg.delta).any()
+
+
+def test_oversized_is_refused_before_parsing() -> None:
+    data = wire.encode(wire.EvalTask(**ENV, client=0, task=1, version=0, weights=np.zeros(1000, np.float32)))
+    _expect(data, ErrorCode.OVERSIZED, f"{len(data)} bytes", max_bytes=len(data) - 1)
+    wire.decode(data, max_bytes=len(data))
+
+
+def test_truncated_anywhere_is_an_error() -> None:
+    data = wire.encode(_messages()[3])
+    for cut in range(0, len(data) - 1, 7):
+        with pytest.raises(MessageError):
+            wire.decode(data[:cut])
+
+
+def test_msg_ids_are_unique_per_sender() -> None:
+    ids = wire.MsgIds("inc")
+    assert [ids.next() for _ in range(3)] == ["inc-1", "inc-2", "inc-3"]
+
+
+def test_topics() -> None:
+    t = Topics("run-1")
+    assert t.task(7) == "felix/run-1/client/7/task"
+    assert t.parse_inbound_to_server("felix/run-1/server/result/7") == ("result", 7)
+    assert t.parse_inbound_to_server("felix/run-1/server/result/x") is None
+    assert t.parse_inbound_to_server("felix/other/server/result/7") is None
+    with pytest.raises(ValueError, match="run id"):
+        check_run_id("a/#")
+    assert sanitize_run_id("digits churn/90") == "digits-churn-90"

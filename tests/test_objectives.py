@@ -1,0 +1,277 @@
+"""Client objectives: FedeRage's risk weight and beta step, and the baselines' losses and hooks."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parameters_to_vector
+
+from felix.client.objectives import (
+    FedeRage,
+    TaskContext,
+    beta_step,
+    inverse_frequency_weights,
+    make_objective,
+    risk_weight,
+)
+from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
+from felix.core.policies import reduce_aux
+from felix.core.types import BufferedUpdate, ClientUpdate
+
+
+def _ctx(model: nn.Module, num_classes: int = 2, lr: float = 0.1, aux_in: dict | None = None,
+         state: dict | None = None, counts: list[int] | None = None) -> TaskContext:
+    flat = parameters_to_vector(model.parameters()).detach().clone()
+    return TaskContext(
+        model=model,
+        global_params=flat,
+        lr=lr,
+        num_classes=num_classes,
+        class_counts=torch.tensor(counts or [1] * num_classes),
+        state={} if state is None else state,
+        aux_in={} if aux_in is None else aux_in,
+    )
+
+
+def _data(n: int = 40, d: int = 5, classes: int = 3, seed: int = 0) -> ClientData:
+    g = torch.Generator().manual_seed(seed)
+    return ClientData(torch.randn(n, d, generator=g), torch.randint(0, classes, (n,), generator=g))
+
+
+def _mlp(d: int = 5, classes: int = 3, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d, 8), nn.ReLU(), nn.Linear(8, classes))
+
+
+def _train(objective_name: str, seed: int = 0, state: dict | None = None, aux_in: dict | None = None,
+           lr: float = 0.1, epochs: int = 3, **params) -> tuple[ClientUpdate, dict]:
+    model = _mlp()
+    w0 = parameters_to_vector(model.parameters()).detach().numpy().copy()
+    trainer = LocalTrainer(model, make_objective(objective_name, **params),
+                           TrainConfig(lr=lr, batch_size=8, epochs=epochs), num_classes=3)
+    state = {} if state is None else state
+    upd = trainer.train(w0, _data(), state, aux_in or {}, torch.Generator().manual_seed(seed))
+    return upd, state
+
+
+# ------------------------------------------------------------------ FedeRage
+def test_risk_weight_hand_values() -> None:
+    # alpha = 0.25, gamma = 0.6: (1 - 0.6) + (0.6 / 0.25) * 1{f >= beta} = 0.4 + 2.4 * 1{...}
+    assert risk_weight(2.0, 1.5, alpha=0.25, gamma=0.6) == pytest.approx(2.8)  # above: 0.4 + 2.4
+    assert risk_weight(1.0, 1.5, alpha=0.25, gamma=0.6) == pytest.approx(0.4)  # below: 0.4 + 0
+    assert risk_weight(1.5, 1.5, alpha=0.25, gamma=0.6) == pytest.approx(2.8)  # f == beta counts as above
+    assert risk_weight(7.0, 0.0, alpha=0.3, gamma=0.0) == 1.0  # gamma = 0: FedAvg's weight, exactly
+    assert risk_weight(7.0, 0.0, alpha=1.0, gamma=0.9) == pytest.approx(1.0)  # alpha = 1: CVaR_1 = mean
+
+
+def test_beta_subgradient_step_and_projection() -> None:
+    # beta <- Proj_[0,10](beta - lr (1 - w)), lr = 0.1
+    assert beta_step(1.5, 2.8, 0.1, 0.0, 10.0) == pytest.approx(1.68)  # 1.5 - 0.1 * (1 - 2.8) = 1.5 + 0.18
+    assert beta_step(1.5, 0.4, 0.1, 0.0, 10.0) == pytest.approx(1.44)  # 1.5 - 0.1 * (1 - 0.4) = 1.5 - 0.06
+    assert beta_step(9.95, 2.8, 0.1, 0.0, 10.0) == 10.0  # 9.95 + 0.18 = 10.13 -> projected to 10
+    assert beta_step(0.03, 0.4, 0.1, 0.0, 10.0) == 0.0  # 0.03 - 0.06 = -0.03 -> projected to 0
+
+
+def test_federage_one_step_scales_gradient_and_moves_beta() -> None:
+    torch.manual_seed(1)
+    model = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    y = torch.tensor([0, 1, 1, 0])
+    ref = nn.Linear(3, 2)
+    ref.load_state_dict(model.state_dict())
+    f = F.cross_entropy(ref(x), y)
+    f.backward()
+    lr, alpha, gamma = 0.1, 0.25, 0.6
+    beta0 = float(f.detach()) - 0.01  # the batch is above beta: w = 0.4 + 2.4 = 2.8
+    obj = FedeRage(alpha=alpha, gamma=gamma, beta_init=beta0)
+    ctx = _ctx(model, lr=lr)
+    obj.begin(ctx)
+    loss = obj.batch_loss(model(x), y, ctx)
+    loss.backward()
+    obj.before_step(ctx)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+    obj.after_step(ctx)
+    obj.end(ctx)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q.detach() - lr * 2.8 * q.grad)
+    assert obj.beta == pytest.approx(beta0 + 0.1 * 1.8)  # beta - lr (1 - 2.8)
+    assert ctx.state["federage_beta"] == pytest.approx(beta0 + 0.18)
+    assert ctx.aux_out["federage_beta"].dtype == np.float64
+    assert float(ctx.aux_out["federage_beta"]) == pytest.approx(beta0 + 0.18)
+
+
+def test_federage_gamma_zero_is_fedavg_bit_for_bit() -> None:
+    ce, _ = _train("ce", seed=7)
+    fr, state = _train("federage", seed=7, alpha=0.1, gamma=0.0, beta_init=0.5)
+    assert ce.delta is not None and fr.delta is not None
+    assert np.abs(ce.delta).max() > 0
+    assert np.array_equal(ce.delta, fr.delta)
+    other, _ = _train("federage", seed=7, alpha=0.5, gamma=0.5)
+    assert other.delta is not None and not np.array_equal(ce.delta, other.delta)  # gamma > 0 does change it
+    assert ce.loss == fr.loss
+    assert state["federage_beta"] == 0.5  # 1 - w = 0 every step
+
+
+def test_federage_starts_from_server_beta_else_its_own() -> None:
+    model = _mlp()
+    obj = FedeRage(beta_max=5.0)
+    ctx = _ctx(model, aux_in={"federage_beta": np.array(3.25)}, state={"federage_beta": 1.0})
+    obj.begin(ctx)
+    assert obj.beta == 3.25  # Algorithm 2's averaged beta, like theta
+    obj.begin(_ctx(model, aux_in={"federage_beta": np.array([9.0])}))
+    assert obj.beta == 5.0  # projected onto B
+    obj.begin(_ctx(model, state={"federage_beta": 1.0}))
+    assert obj.beta == 1.0  # no server average yet: the client's kept beta
+    local = FedeRage(beta_from_server=False)
+    local.begin(_ctx(model, aux_in={"federage_beta": np.array(3.25)}, state={"federage_beta": 1.0}))
+    assert local.beta == 1.0
+
+
+def test_federage_keeps_beta_across_tasks_and_server_averages_it() -> None:
+    _, state = _train("federage", seed=3, alpha=0.5, gamma=1.0, epochs=1)
+    assert 0.0 < state["federage_beta"] <= 10.0  # losses ~1.1 > beta0 = 0: beta rose
+    upd_a, _ = _train("federage", seed=3, epochs=1)
+    upd_b, _ = _train("federage", seed=4, epochs=1, aux_in={"federage_beta": np.array(2.0)})
+    buf = [BufferedUpdate(0, 1, 0, 0.0, upd_a), BufferedUpdate(1, 2, 0, 0.0, upd_b)]
+    aux = reduce_aux(buf, np.array([0.25, 0.75]))
+    expect = 0.25 * float(upd_a.aux["federage_beta"]) + 0.75 * float(upd_b.aux["federage_beta"])
+    assert float(aux["federage_beta"]) == pytest.approx(expect)
+
+
+@pytest.mark.parametrize("params", [{"alpha": 0.0}, {"alpha": 1.5}, {"gamma": -0.1}, {"gamma": 1.1},
+                                    {"beta_min": 2.0, "beta_max": 1.0}, {"beta_init": 11.0}])
+def test_federage_validation(params: dict) -> None:
+    with pytest.raises(ValueError, match="federage"):
+        FedeRage(**params)
+
+
+def test_unknown_objective_and_bad_params() -> None:
+    with pytest.raises(ValueError, match="unknown client objective"):
+        make_objective("nope")
+    with pytest.raises(ValueError, match="bad parameters"):
+        make_objective("fedprox", nu=1.0)
+
+
+# ------------------------------------------------------------------ weighted CE and focal
+def test_wce_inverse_frequency_weights() -> None:
+    # counts [6, 3, 0, 1]: n = 10 over 3 present classes -> w_c = 10 / (3 n_c); absent class 0
+    w = inverse_frequency_weights(torch.tensor([6, 3, 0, 1]))
+    torch.testing.assert_close(w, torch.tensor([10 / 18, 10 / 9, 0.0, 10 / 3]))
+
+
+def test_wce_loss_is_the_weighted_mean() -> None:
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    y = torch.tensor([0, 1, 1])
+    obj = make_objective("wce")
+    ctx = _ctx(nn.Linear(1, 2), counts=[3, 1])  # w = 4/(2*3), 4/(2*1) = 2/3, 2
+    obj.begin(ctx)
+    per = F.cross_entropy(logits, y, reduction="none")
+    expect = (2 / 3 * per[0] + 2 * per[1] + 2 * per[2]) / (2 / 3 + 2 + 2)
+    torch.testing.assert_close(obj.batch_loss(logits, y, ctx), expect)
+
+
+def test_focal_gamma_zero_is_cross_entropy_and_hand_value() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 5, generator=g)
+    y = torch.randint(0, 5, (16,), generator=g)
+    ctx = _ctx(nn.Linear(1, 5), num_classes=5)
+    torch.testing.assert_close(make_objective("focal", gamma=0.0).batch_loss(logits, y, ctx),
+                               F.cross_entropy(logits, y))
+    # one sample with p_y = 0.8 (logits log 0.8, log 0.2): -(1 - 0.8)^2 log 0.8 = 0.04 * 0.22314 = 0.0089257
+    two = torch.tensor([[math.log(0.8), math.log(0.2)]])
+    ctx2 = _ctx(nn.Linear(1, 2))
+    assert float(make_objective("focal").batch_loss(two, torch.tensor([0]), ctx2)) == pytest.approx(0.0089257, rel=1e-4)
+    obj = make_objective("focal", alpha=[0.25, 1.0])
+    obj.begin(ctx2)
+    assert float(obj.batch_loss(two, torch.tensor([0]), ctx2)) == pytest.approx(0.25 * 0.0089257, rel=1e-4)
+    with pytest.raises(ValueError, match="focal alpha has 2 entries for 5 classes"):
+        obj.begin(ctx)
+
+
+# ------------------------------------------------------------------ FedProx
+def test_fedprox_adds_the_proximal_gradient() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    ctx = _ctx(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)  # w - w_global = 0.5 everywhere
+            p.grad = torch.ones_like(p)  # the data gradient
+    obj = make_objective("fedprox", mu=0.2)
+    obj.begin(ctx)
+    obj.before_step(ctx)
+    for p in model.parameters():
+        torch.testing.assert_close(p.grad, torch.full_like(p, 1.0 + 0.2 * 0.5))  # g + mu (w - w_g)
+
+
+def test_fedprox_mu_zero_matches_ce() -> None:
+    ce, _ = _train("ce", seed=2)
+    fp, _ = _train("fedprox", seed=2, mu=0.0)
+    assert ce.delta is not None and fp.delta is not None
+    np.testing.assert_array_equal(ce.delta, fp.delta)
+    strong, _ = _train("fedprox", seed=2, mu=1.0)
+    assert strong.delta is not None
+    assert np.linalg.norm(strong.delta) < np.linalg.norm(ce.delta)  # the proximal pull shortens the step
+
+
+# ------------------------------------------------------------------ SCAFFOLD
+def test_scaffold_correction_and_control_update() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1, bias=False)  # 2 parameters
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, -1.0]]))
+    lr, n_clients = 0.1, 4
+    aux_in = {"scaffold_c": np.array([0.5, 0.0], np.float32), "sum:scaffold_dc": np.array([0.0, 0.25])}
+    state = {"scaffold_ci": np.array([0.25, 0.25], np.float32)}
+    ctx = _ctx(model, lr=lr, aux_in=aux_in, state=state)
+    obj = make_objective("scaffold", num_clients=n_clients)
+    obj.begin(ctx)  # c = [0.5, 0.25], c_i = [0.25, 0.25]: correction c - c_i = [0.25, 0]
+    x = torch.tensor([[2.0, 1.0]])
+    loss = model(x).sum()  # gradient = x = [2, 1]
+    loss.backward()
+    obj.before_step(ctx)
+    torch.testing.assert_close(model.weight.grad, torch.tensor([[2.25, 1.0]]))
+    with torch.no_grad():
+        model.weight -= lr * model.weight.grad  # y = [1 - 0.225, -1 - 0.1] = [0.775, -1.1]
+    ctx.steps = 1
+    obj.end(ctx)
+    # c_i+ = c_i - c + (x - y) / (K lr) = [0.25, 0.25] - [0.5, 0.25] + [0.225, 0.1] / 0.1 = [2.0, 1.0]
+    np.testing.assert_allclose(state["scaffold_ci"], [2.0, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(ctx.aux_out["scaffold_c"], [0.5, 0.25])
+    # dc / N = ([2, 1] - [0.25, 0.25]) / 4
+    np.testing.assert_allclose(ctx.aux_out["sum:scaffold_dc"], [1.75 / 4, 0.75 / 4], rtol=1e-6)
+
+
+def test_scaffold_server_control_is_c_plus_sum_dc_over_n() -> None:
+    def upd(c: list[float], dc_over_n: list[float]) -> ClientUpdate:
+        return ClientUpdate(10, 0.0, 0.0, 0.0, np.zeros(2, np.float32),
+                            {"scaffold_c": np.array(c), "sum:scaffold_dc": np.array(dc_over_n)})
+
+    buf = [BufferedUpdate(0, 1, 0, 0.0, upd([1.0, 2.0], [0.1, 0.0])),
+           BufferedUpdate(1, 2, 0, 0.0, upd([1.0, 2.0], [0.2, -0.5]))]
+    aux = reduce_aux(buf, np.array([0.9, 0.1]))
+    np.testing.assert_allclose(aux["scaffold_c"], [1.0, 2.0])  # the echoed c, weighted mean
+    np.testing.assert_allclose(aux["sum:scaffold_dc"], [0.3, -0.5])  # summed, not averaged
+    model = nn.Linear(2, 1, bias=False)
+    ctx = _ctx(model, aux_in=aux)
+    obj = make_objective("scaffold", num_clients=10)
+    obj.begin(ctx)
+    ctx.steps = 0
+    obj.end(ctx)
+    np.testing.assert_allclose(ctx.aux_out["scaffold_c"], [1.3, 1.5], rtol=1e-6)  # next task's c
+
+
+def test_scaffold_zero_controls_is_fedavg() -> None:
+    ce, _ = _train("ce", seed=5)
+    sc, state = _train("scaffold", seed=5, num_clients=3)
+    assert ce.delta is not None and sc.delta is not None
+    np.testing.assert_array_equal(ce.delta, sc.delta)
+    assert state["scaffold_ci"].dtype == np.float32
+    # option II with c = 0: c_i+ = -delta / (K lr), K = 3 epochs x 5 batches
+    np.testing.assert_allclose(state["scaffold_ci"], -ce.delta / (15 * 0.1), rtol=1e-5, atol=1e-7)
