@@ -146,7 +146,8 @@ class Orchestrator:
         return list(self._tasks.values())
 
     def set_data_plan(self, plans: dict[int, tuple[int, ...]]) -> None:
-        """Attach each client's row of a data plan (DAFL / LB); it travels with its first task."""
+        """Attach each client's row of a data plan (DAFL / LB); it travels with each of its training
+        tasks (a client augments once, on the first) so that a client that restarts still gets it."""
         self.plans = dict(plans)
 
     def next_wakeup(self) -> float | None:
