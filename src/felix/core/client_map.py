@@ -77,12 +77,6 @@ class ClientMap:
         else:
             self._idle.pop(client_id, None)
 
-    def pool(self, tier: Tier) -> list[int]:
-        return list(self._pools[tier])
-
-    def pool_size(self, tier: Tier) -> int:
-        return len(self._pools[tier])
-
     def idle_in(self, *tiers: Tier) -> list[int]:
         """Clients of the given tiers holding no slot, in a deterministic (id) order."""
         out = [c for t in tiers for c in self._pools[t] if c in self._idle]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,19 +94,6 @@ class DeviceTrace:
             if ch[1] < tier:
                 return False
             t = ch[0]
-
-    def fraction_available(self, horizon: float, tier: Tier = Tier.AVL_TRAIN) -> float:
-        total, t = 0.0, 0.0
-        cur = self.tier_at(0.0)
-        while t < horizon:
-            ch = self.next_change(t)
-            end = horizon if ch is None else min(ch[0], horizon)
-            if cur >= tier:
-                total += end - t
-            if ch is None:
-                break
-            t, cur = ch
-        return total / horizon if horizon > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -269,15 +256,3 @@ def load_fedscale(path: str | Path) -> AvailabilityTrace:
             events += [(float(a), Tier.AVL_TRAIN), (float(b), Tier.UN_AVL)]
         out.append(DeviceTrace.from_events(events, period=float(finish), initial=Tier.UN_AVL))
     return AvailabilityTrace(tuple(out), f"{path.name}:fedscale")
-
-
-def from_event_lists(lists: Sequence[Sequence[tuple[float, str]]], source: str = "events") -> AvailabilityTrace:
-    """Device traces from in-memory ``(t, tier name)`` lists (e.g. the Random Access Model)."""
-    devs = []
-    for d, evs in enumerate(lists):
-        try:
-            parsed = [(float(t), Tier.parse(name)) for t, name in evs]
-        except (ValueError, TypeError) as exc:
-            raise TraceError(f"{source}: device {d}: {exc}") from None
-        devs.append(DeviceTrace.from_events(parsed, initial=parsed[0][1] if parsed else Tier.UN_AVL))
-    return AvailabilityTrace(tuple(devs), source)
