@@ -6,7 +6,7 @@ travel as flat float32 vectors; the model here is only a workspace they are load
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -41,9 +41,16 @@ class TrainConfig:
 class ClientData:
     x: torch.Tensor
     y: torch.Tensor
+    _counts: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
+
+    def class_counts(self, num_classes: int) -> torch.Tensor:
+        """Samples per class, computed once: the data only changes by replacing x and y."""
+        if self._counts is None or self._counts.numel() != num_classes:
+            self._counts = torch.bincount(self.y, minlength=num_classes)
+        return self._counts
 
 
 def oort_utility(sq_loss_sum: float, n_seen: int, n_data: int) -> float:
@@ -82,7 +89,7 @@ class LocalTrainer:
             global_params=flat,
             lr=cfg.lr,
             num_classes=self.num_classes,
-            class_counts=torch.bincount(data.y, minlength=self.num_classes),
+            class_counts=data.class_counts(self.num_classes),
             state=state,
             aux_in=aux_in,
         )
@@ -92,8 +99,11 @@ class LocalTrainer:
         else:
             opt = torch.optim.Adam(self._params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.objective.begin(ctx)
-        self.model.train()
-        sq_sum, seen, loss_sum, batches = 0.0, 0, 0.0, 0
+        if not self.model.training:  # a recursive walk over modules; only after an eval probe
+            self.model.train()
+        # Sums stay tensors inside the loop: one float() at the end instead of a sync per batch.
+        sq_sum, loss_sum, seen, batches = torch.zeros(()), torch.zeros(()), 0, 0
+        on_cpu = self.device == "cpu"
         for epoch in range(cfg.epochs):
             order = torch.randperm(n, generator=generator)
             stop = n - n % cfg.batch_size if cfg.drop_last else n
@@ -101,13 +111,14 @@ class LocalTrainer:
                 if cfg.max_steps is not None and ctx.steps >= cfg.max_steps:
                     break
                 idx = order[start:start + cfg.batch_size]
-                xb = data.x[idx].to(self.device, non_blocking=True)
-                yb = data.y[idx].to(self.device, non_blocking=True)
+                xb, yb = data.x[idx], data.y[idx]
+                if not on_cpu:
+                    xb, yb = xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True)
                 logits = self.model(xb)
                 if epoch == 0:
                     with torch.no_grad():
                         per = F.cross_entropy(logits, yb, reduction="none")
-                        sq_sum += float((per * per).sum())
+                        sq_sum += (per * per).sum().cpu()
                         seen += int(yb.shape[0])
                 loss = self.objective.batch_loss(logits, yb, ctx)
                 opt.zero_grad(set_to_none=True)
@@ -116,15 +127,15 @@ class LocalTrainer:
                 opt.step()
                 ctx.steps += 1
                 self.objective.after_step(ctx)
-                loss_sum += float(loss.detach())
+                loss_sum += loss.detach().cpu()
                 batches += 1
         self.objective.end(ctx)
         with torch.no_grad():
             delta = (parameters_to_vector(self._params) - flat).cpu().numpy()
         return ClientUpdate(
             num_samples=n,
-            stat_utility=oort_utility(sq_sum, seen, n),
-            loss=loss_sum / batches if batches else 0.0,
+            stat_utility=oort_utility(float(sq_sum), seen, n),
+            loss=float(loss_sum) / batches if batches else 0.0,
             duration=0.0,
             delta=delta,
             aux=ctx.aux_out,
