@@ -245,8 +245,12 @@ class Population:
 def build_population(cfg: Config) -> Population:
     d = cfg.dataset
     train, test = _dataset(d.name, d.root, d.download, d.per_class_limit, d.num_classes)
-    if d.test_limit is not None:
-        test = test.subset(np.arange(min(d.test_limit, len(test))))
+    if d.test_limit is not None and d.test_limit < len(test):
+        # Folder datasets list the test set class by class: take a class-balanced subset, not a prefix.
+        per_class = -(-d.test_limit // test.num_classes)
+        y = test.y.numpy()
+        keep = np.sort(np.concatenate([np.flatnonzero(y == c)[:per_class] for c in range(test.num_classes)]))
+        test = test.subset(keep[: d.test_limit] if len(keep) > d.test_limit else keep)
     parts = partition_indices(cfg, train.y.numpy(), train.num_classes)
     datas = [ClientData(train.x[torch.as_tensor(ix)], train.y[torch.as_tensor(ix)]) for ix in parts]
     seed = int(_stream(cfg.seed, _MODEL).integers(2**31))

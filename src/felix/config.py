@@ -23,7 +23,7 @@ class DatasetCfg(_Strict):
     root: str | None = None
     download: bool = False
     per_class_limit: int | None = Field(None, ge=1)
-    test_limit: int | None = Field(None, ge=1, description="evaluate on the first N test samples")
+    test_limit: int | None = Field(None, ge=1, description="evaluate on N test samples, the first of each class in equal shares")
     num_classes: int | None = Field(None, ge=2, description="keep only the first N classes (label order), "
                                     "train and test, e.g. the first 8 CIFAR-10 classes of the DAFL paper")
 
