@@ -331,19 +331,29 @@ def _meets_tau(s2: NDArray[np.int64], n: NDArray[np.int64], n_classes: int, tau:
     return ok
 
 
-class _Greedy:
-    """Algorithm 1 on the non-empty clients of ``N``, state updated in place."""
+class _GreedySetup:
+    """What both planner paths derive from N and the parameters, so they decide alike."""
 
-    def __init__(self, n_mat: NDArray[np.int64], params: DaflParams) -> None:
+    def _setup(self, n_mat: NDArray[np.int64], params: DaflParams) -> NDArray[np.int64]:
+        """Keep the non-empty clients and the P weights; returns their count rows."""
         self.tau = params.tau
         self.full_shape = n_mat.shape
         self.rows = np.flatnonzero(n_mat.sum(axis=1) > 0)
-        counts = n_mat[self.rows]
-        s = self.step = params.step
+        self.step = params.step
         self.alpha = params.lambda1 * params.zeta_prime / params.epsilon
         self.beta = params.lambda2 * params.zeta
         self.kappa = params.drift_weight
+        counts = n_mat[self.rows]
         self.n_classes = counts.shape[1]
+        return counts
+
+
+class _Greedy(_GreedySetup):
+    """Algorithm 1 on the non-empty clients of ``N``, state updated in place."""
+
+    def __init__(self, n_mat: NDArray[np.int64], params: DaflParams) -> None:
+        counts = self._setup(n_mat, params)
+        s = self.step
 
         self.counts = counts.astype(np.float64)  # N + A, exact while < 2**53
         self.added = np.zeros_like(counts)
@@ -479,7 +489,7 @@ class _Greedy:
             self.extra[k] = max(self.aug_if_grown[k], self.beta * self.max_aug)
 
 
-class _ScalarGreedy:
+class _ScalarGreedy(_GreedySetup):
     """:class:`_Greedy` for small ``N``, on Python floats instead of numpy arrays.
 
     Same state, same formulas, same order of floating-point operations, hence the
@@ -499,15 +509,8 @@ class _ScalarGreedy:
     """
 
     def __init__(self, n_mat: NDArray[np.int64], params: DaflParams) -> None:
-        self.tau = params.tau
-        self.full_shape = n_mat.shape
-        self.rows = np.flatnonzero(n_mat.sum(axis=1) > 0)
-        counts = n_mat[self.rows]
-        s = self.step = params.step
-        self.alpha = params.lambda1 * params.zeta_prime / params.epsilon
-        self.beta = params.lambda2 * params.zeta
-        self.kappa = params.drift_weight
-        self.n_classes = counts.shape[1]
+        counts = self._setup(n_mat, params)
+        s = self.step
 
         self.counts: list[list[float]] = counts.astype(np.float64).tolist()  # N + A, exact while < 2**53
         self.added = np.zeros_like(counts)
