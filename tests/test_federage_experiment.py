@@ -5,7 +5,12 @@ import argparse
 import json
 from pathlib import Path
 
-from felix.experiments.federage import add_parser, main
+import numpy as np
+import pytest
+import torch
+
+from felix.cli import main as felix_main
+from felix.experiments.federage import Method, add_parser, local_steps, main, parse_federage, train_config
 
 SMALL = ["--dataset", "digits", "--model", "mlp", "--clients", "8", "--rounds", "3", "--head-per-class", "60",
          "--imbalance", "5", "--batch-size", "8", "--max-steps", "2", "--federage", "0.5:0.5", "--q", "1", "-q"]
@@ -15,12 +20,14 @@ def test_federage_compare_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert main(SMALL + ["--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "federage_compare.json").read_text())
     names = [r["method"] for r in doc["summary"]]
-    assert names == ["fedavg", "fedprox(mu=0.01)", "scaffold", "qffl(q=1)", "fedavg-ips(oracle)",
-                     "federage(a=0.5,g=0.5)"]
+    assert names == ["fedavg", "fedprox(mu=0.01)", "scaffold(refresh)", "scaffold(stored)", "qffl(q=1)",
+                     "fedavg-ips(oracle)", "federage-norm(a=0.5,g=0.5)"]
     for row in doc["summary"]:
         assert 0.0 <= row["worst_client_acc"] <= row["bottom10_acc"] <= row["mean_client_acc"] <= 1.0
     assert len(doc["runs"][0][0]["client_acc"]) == 8
     assert "paired_overhead" in doc["scenarios"][0]
+    assert doc["provenance"]["torch"] == torch.__version__ and doc["provenance"]["threads"] == 1
+    assert all(row["finite_seeds"] == 1 for row in doc["summary"])
     assert "| fedavg |" in (tmp_path / "federage_compare.md").read_text()
     assert (tmp_path / "client_accuracy.png").stat().st_size > 0
 
@@ -44,3 +51,42 @@ def test_bad_arguments_are_reported(capsys) -> None:
     assert main(SMALL + ["--methods", "nope"]) == 2
     assert "unknown method 'nope'" in capsys.readouterr().err
     assert main(SMALL + ["--federage", "0.5"]) == 2
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--federage", "0:0.5"], "federage alpha must lie in (0, 1]"),
+    (["--methods", "fedavg,fedavgg"], "unknown method 'fedavgg'"),
+    (["--federage", "0.1:0.5:exact"], "step rule must be one of"),
+    (["--scaffold-control", "fresh"], "scaffold control"),
+    (["--rare-p", "2"], "--rare-p must lie in [0, 1]"),
+])
+def test_felix_cli_answers_bad_input_without_a_traceback(bad: list[str], message: str, capsys) -> None:
+    assert felix_main(["federage-compare", *SMALL, *bad]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert err.startswith("federage-compare: error:")
+
+
+def test_parse_federage_rules() -> None:
+    assert parse_federage("0.5:0.5, 0.1:1:paper", "normalised") == [(0.5, 0.5, "normalised"), (0.1, 1.0, "paper")]
+    assert parse_federage("0.2:0.5", "paper") == [(0.2, 0.5, "paper")]
+
+
+def test_federage_trains_on_full_model_batches_only() -> None:
+    """FedeRage fixes the model mini-batch b (drop_last); the baselines keep the short last batch."""
+    args = argparse.Namespace(lr=0.05, batch_size=16, epochs=2, max_steps=None)
+    fr = train_config(args, Method("f", "federage", {"alpha": 0.2, "gamma": 0.5}))
+    ce = train_config(args, Method("c", "ce"))
+    assert fr.drop_last and not ce.drop_last
+    assert local_steps(40, fr) == 4 and local_steps(40, ce) == 6  # 2 epochs of 2 (+1 short) batches
+    assert not train_config(args, Method("f", "federage", {"fixed_batch": False})).drop_last
+
+
+def test_rare_clients_survive_ties(tmp_path) -> None:
+    """Two participation levels with 75%+ frequent clients: only the rare level counts as rare."""
+    out = tmp_path / "tl"
+    assert main(SMALL + ["--methods", "fedavg", "--p-dist", "two-level", "--frequent-fraction", "0.75",
+                         "--p-frequent", "0.3", "--p-rare", "0.03", "--out", str(out)]) == 0
+    sc = json.loads((out / "federage_compare.json").read_text())["scenarios"][0]
+    assert sc["rare_clients"] == 2 and sc["rare_client_p_max"] == pytest.approx(0.03)  # 8 clients: a quarter
+    assert np.isfinite(sc["p_max"])

@@ -16,6 +16,7 @@ from felix.client.objectives import (
     beta_step,
     inverse_frequency_weights,
     make_objective,
+    max_risk_weight,
     risk_weight,
 )
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
@@ -87,10 +88,11 @@ def test_federage_one_step_scales_gradient_and_moves_beta() -> None:
     f.backward()
     lr, alpha, gamma = 0.1, 0.25, 0.6
     beta0 = float(f.detach()) - 0.01  # the batch is above beta: w = 0.4 + 2.4 = 2.8
-    obj = FedeRage(alpha=alpha, gamma=gamma, beta_init=beta0)
+    obj = FedeRage(alpha=alpha, gamma=gamma, beta_init=beta0, step_rule="paper")
     ctx = _ctx(model, lr=lr)
     obj.begin(ctx)
     loss = obj.batch_loss(model(x), y, ctx)
+    assert float(loss.detach()) == pytest.approx(float(f.detach()))  # the data loss, never w * f
     loss.backward()
     obj.before_step(ctx)
     with torch.no_grad():
@@ -106,13 +108,93 @@ def test_federage_one_step_scales_gradient_and_moves_beta() -> None:
     assert float(ctx.aux_out["federage_beta"]) == pytest.approx(beta0 + 0.18)
 
 
+def _one_federage_step(obj: FedeRage, lr: float, above: bool) -> tuple[nn.Module, nn.Module, float]:
+    """One hand-driven step of ``obj`` on a fixed batch; returns the stepped model, a copy of the
+    start with its plain CE gradient, and the batch loss."""
+    torch.manual_seed(1)
+    model = nn.Linear(3, 2)
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    ref = nn.Linear(3, 2)
+    ref.load_state_dict(model.state_dict())
+    f = F.cross_entropy(ref(x), y)
+    f.backward()
+    obj.beta_init = obj.beta = float(f.detach()) + (-0.01 if above else 0.01)
+    ctx = _ctx(model, lr=lr)
+    obj.begin(ctx)
+    obj.batch_loss(model(x), y, ctx).backward()
+    obj.before_step(ctx)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+    obj.after_step(ctx)
+    return model, ref, float(f.detach())
+
+
+@pytest.mark.parametrize("above", [True, False])
+def test_federage_normalised_rule_is_the_paper_step_over_kappa(above: bool) -> None:
+    lr, alpha, gamma = 0.1, 0.25, 0.6
+    kappa = max_risk_weight(alpha, gamma)
+    assert kappa == pytest.approx(2.8)
+    w = 2.8 if above else 0.4
+    obj = FedeRage(alpha=alpha, gamma=gamma, step_rule="normalised")
+    model, ref, f = _one_federage_step(obj, lr, above)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q.detach() - lr * (w / kappa) * q.grad)
+    beta0 = f + (-0.01 if above else 0.01)
+    assert obj.beta == pytest.approx(beta0 - lr * (1 - w) / kappa)
+
+
+def test_federage_normalised_steps_stay_bounded_at_small_alpha() -> None:
+    """At alpha 0.05, gamma 1 the paper's step is 20x FedAvg's; the normalised one never exceeds it,
+    and beta moves by at most beta_lr a step whatever alpha is."""
+    lr = 0.1
+    paper, ref, _ = _one_federage_step(FedeRage(alpha=0.05, gamma=1.0, step_rule="paper"), lr, above=True)
+    norm_obj = FedeRage(alpha=0.05, gamma=1.0, step_rule="normalised", beta_lr=0.02)
+    normed, _, f = _one_federage_step(norm_obj, lr, above=True)
+    sgd = [q.detach() - lr * q.grad for q in ref.parameters()]
+    for p, n, s in zip(paper.parameters(), normed.parameters(), sgd):
+        torch.testing.assert_close(n, s)  # w / kappa = 1 for a batch above beta
+        torch.testing.assert_close(p, s - 19 * lr * (ref.get_parameter("weight").grad if p.dim() == 2
+                                                      else ref.get_parameter("bias").grad))
+    assert norm_obj.beta - (f - 0.01) == pytest.approx(0.02 * 0.95)  # beta_lr (1 - alpha)
+
+
+def test_federage_separate_beta_learning_rate() -> None:
+    obj = FedeRage(alpha=0.25, gamma=0.6, step_rule="paper", beta_lr=0.01)
+    model, ref, f = _one_federage_step(obj, 0.1, above=True)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q.detach() - 0.1 * 2.8 * q.grad)  # theta keeps the model lr
+    assert obj.beta == pytest.approx(f - 0.01 + 0.01 * 1.8)
+
+
+@pytest.mark.parametrize("rule", ["paper", "normalised"])
+def test_federage_reports_the_data_loss(rule: str) -> None:
+    """The trainer's loss is the data loss (q-FFL and TierFuse read it), identical to plain CE's on
+    the same first batch from the same weights."""
+    ce, _ = _train("ce", seed=2, epochs=1, lr=0.1)
+    model = _mlp()
+    w0 = parameters_to_vector(model.parameters()).detach().numpy().copy()
+    cfg = TrainConfig(lr=0.1, batch_size=8, max_steps=1)
+    upd_ce = LocalTrainer(_mlp(), make_objective("ce"), cfg, 3).train(
+        w0, _data(), {}, {}, torch.Generator().manual_seed(2))
+    upd_fr = LocalTrainer(model, make_objective("federage", alpha=0.1, gamma=1.0, step_rule=rule), cfg, 3).train(
+        w0, _data(), {}, {}, torch.Generator().manual_seed(2))
+    assert upd_fr.loss == upd_ce.loss > 0  # beta0 = 0: the batch is above beta, w = 10, yet loss = f
+    assert ce.loss > 0
+
+
+def test_federage_asks_for_a_fixed_model_batch() -> None:
+    assert FedeRage().fixed_batch and not FedeRage(fixed_batch=False).fixed_batch
+    assert not getattr(make_objective("ce"), "fixed_batch", False)
+
+
 def test_federage_gamma_zero_is_fedavg_bit_for_bit() -> None:
     ce, _ = _train("ce", seed=7)
     fr, state = _train("federage", seed=7, alpha=0.1, gamma=0.0, beta_init=0.5)
     assert ce.delta is not None and fr.delta is not None
     assert np.abs(ce.delta).max() > 0
     assert np.array_equal(ce.delta, fr.delta)
-    other, _ = _train("federage", seed=7, alpha=0.5, gamma=0.5)
+    other, _ = _train("federage", seed=7, alpha=0.5, gamma=0.5, step_rule="paper")
     assert other.delta is not None and not np.array_equal(ce.delta, other.delta)  # gamma > 0 does change it
     assert ce.loss == fr.loss
     assert state["federage_beta"] == 0.5  # 1 - w = 0 every step
@@ -145,7 +227,8 @@ def test_federage_keeps_beta_across_tasks_and_server_averages_it() -> None:
 
 
 @pytest.mark.parametrize("params", [{"alpha": 0.0}, {"alpha": 1.5}, {"gamma": -0.1}, {"gamma": 1.1},
-                                    {"beta_min": 2.0, "beta_max": 1.0}, {"beta_init": 11.0}])
+                                    {"beta_min": 2.0, "beta_max": 1.0}, {"beta_init": 11.0},
+                                    {"step_rule": "nope"}, {"beta_lr": 0.0}, {"beta_lr": float("nan")}])
 def test_federage_validation(params: dict) -> None:
     with pytest.raises(ValueError, match="federage"):
         FedeRage(**params)
@@ -275,3 +358,60 @@ def test_scaffold_zero_controls_is_fedavg() -> None:
     assert state["scaffold_ci"].dtype == np.float32
     # option II with c = 0: c_i+ = -delta / (K lr), K = 3 epochs x 5 batches
     np.testing.assert_allclose(state["scaffold_ci"], -ce.delta / (15 * 0.1), rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------ SCAFFOLD's stale control
+def _scaffold_delta(control: str, ci: np.ndarray | None, steps: int = 5, lr: float = 0.1) -> np.ndarray:
+    model = _mlp()
+    w0 = parameters_to_vector(model.parameters()).detach().numpy().copy()
+    state = {} if ci is None else {"scaffold_ci": ci.astype(np.float32)}
+    trainer = LocalTrainer(model, make_objective("scaffold", num_clients=4, control=control),
+                           TrainConfig(lr=lr, batch_size=8, max_steps=steps), num_classes=3)
+    upd = trainer.train(w0, _data(), state, {}, torch.Generator().manual_seed(0))
+    assert upd.delta is not None and np.isfinite(state["scaffold_ci"]).all()
+    return upd.delta
+
+
+def test_scaffold_stored_control_moves_the_model_by_k_lr_ci_refresh_does_not() -> None:
+    """The mechanism of SCAFFOLD's divergence under the RAM: with the stored control, the update
+    grows like K lr ||c_i|| with a stale c_i (constant over the local steps); with the refreshed
+    control, it does not depend on the stored c_i at all."""
+    n = _scaffold_delta("stored", None).size
+    u = np.random.default_rng(0).standard_normal(n)
+    u /= np.linalg.norm(u)
+    for scale in (10.0, 100.0):
+        stored = _scaffold_delta("stored", scale * u)
+        assert np.linalg.norm(stored) == pytest.approx(5 * 0.1 * scale, rel=0.15)
+    fresh = [_scaffold_delta("refresh", ci) for ci in (None, 10.0 * u, 100.0 * u)]
+    assert all(np.array_equal(fresh[0], d) for d in fresh[1:])
+    assert np.linalg.norm(fresh[0]) < 1.0
+
+
+def test_scaffold_refresh_first_step_follows_c_and_keeps_the_bookkeeping() -> None:
+    model = _mlp()
+    w0 = parameters_to_vector(model.parameters()).detach().numpy().copy()
+    c = np.random.default_rng(1).standard_normal(w0.size).astype(np.float32)
+    ci_stored = np.full(w0.size, 0.5, np.float32)
+    state = {"scaffold_ci": ci_stored.copy()}
+    obj = make_objective("scaffold", num_clients=4, control="refresh")
+    trainer = LocalTrainer(model, obj, TrainConfig(lr=0.1, batch_size=8, max_steps=1), num_classes=3)
+    upd = trainer.train(w0, _data(), state, {"scaffold_c": c}, torch.Generator().manual_seed(0))
+    np.testing.assert_allclose(upd.delta, -0.1 * c, rtol=1e-5, atol=1e-6)  # g + (c - g) = c
+    # option II with the c_i used: c_i+ = c_i_used - c + (x - y)/(K lr) = g, the raw first gradient
+    g = obj._ci_used.numpy()
+    np.testing.assert_allclose(state["scaffold_ci"], g, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(upd.aux["sum:scaffold_dc"], (g - ci_stored) / 4, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="scaffold control"):
+        make_objective("scaffold", num_clients=4, control="fresh")
+
+
+def test_run_config_trains_federage_on_full_batches() -> None:
+    """A run config with the FedeRage objective gets drop_last (the fixed model mini-batch b)."""
+    from felix.build import build_population, build_trainer
+    from felix.config import Config
+
+    fr = Config.model_validate({"client": {"objective": "federage", "objective_params": {"alpha": 0.2}}})
+    pop = build_population(fr)
+    assert build_trainer(fr, pop).cfg.drop_last
+    ce = Config.model_validate({"client": {"objective": "ce"}})
+    assert not build_trainer(ce, pop).cfg.drop_last

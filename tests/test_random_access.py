@@ -12,6 +12,7 @@ from felix.sim.random_access import (
     beta_probabilities,
     correlate_with_rarity,
     participation_to_events,
+    rare_client_mask,
     rarity_scores,
     two_level_probabilities,
 )
@@ -104,3 +105,20 @@ def test_events_read_back_by_the_trace_reader() -> None:
         tiers = [trace.tier_at(r * 10.0 + 5.0) is Tier.AVL_TRAIN for r in range(30)]
         assert tiers == list(part[:, cid])
         assert trace.tier_at(300.0) is Tier.UN_AVL
+
+
+def test_rare_clients_by_rank_survive_ties() -> None:
+    """80% frequent at 0.3 and 20% rare at 0.03: quantile(p, 0.25) is 0.3, so ``p <= quantile``
+    would call every client rare; the rank rule and the explicit threshold do not."""
+    p = np.array([0.3] * 16 + [0.03] * 4)[np.random.default_rng(0).permutation(20)]
+    assert (p <= np.quantile(p, 0.25)).all()  # the old definition's failure
+    by_rank = rare_client_mask(p)
+    assert by_rank.sum() == 5  # ceil(20 / 4): the four rare clients and the lowest-index frequent one
+    assert (p[by_rank] == 0.03).sum() == 4 and np.flatnonzero(by_rank & (p == 0.3))[0] == np.flatnonzero(p == 0.3)[0]
+    np.testing.assert_array_equal(rare_client_mask(p, threshold=0.03), p == 0.03)
+    q = np.array([0.5, 0.1, 0.2, 0.05, 0.9, 0.3, 0.01, 0.4])
+    np.testing.assert_array_equal(np.flatnonzero(rare_client_mask(q)), [3, 6])
+    with pytest.raises(ValueError, match="no client has p <= 0.001"):
+        rare_client_mask(q, threshold=0.001)
+    with pytest.raises(ValueError, match="fraction"):
+        rare_client_mask(q, fraction=0.0)

@@ -7,6 +7,7 @@ same clients, data and availability.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -270,6 +271,8 @@ def build_trainer(cfg: Config, pop: Population) -> LocalTrainer:
         if c.objective == "scaffold":
             params.setdefault("num_clients", cfg.partition.num_clients)  # SCAFFOLD's N
         objective = make_objective(c.objective, **params)
+        if getattr(objective, "fixed_batch", False) and not tcfg.drop_last:
+            tcfg = dataclasses.replace(tcfg, drop_last=True)  # FedeRage's model mini-batch b is fixed
     except ValueError as exc:
         raise ConfigError(f"client: {exc}") from None
     return LocalTrainer(copy.deepcopy(pop.model), objective, tcfg, pop.train.num_classes, cfg.run.device)

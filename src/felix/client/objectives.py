@@ -198,16 +198,38 @@ class Scaffold(Objective):
     when absent). ``num_clients`` is N, the population size the server divides by. With
     momentum or Adam in the trainer the correction is still added to the gradient, as in the
     reference code, but the option-II estimate assumes plain SGD.
+
+    ``control`` picks the ``c_i`` in the correction ``c - c_i``:
+
+    * ``"stored"`` (default, the paper's): the ``c_i`` the client computed at the end of its last
+      task. Under sparse participation (the Random Access Model, ``p_i`` of a few percent) that
+      ``c_i`` is the client's mean gradient at a model tens of rounds old. The correction is
+      constant over the K local steps, so ``-c_i`` stale drives the client *up* its current loss
+      by about ``K lr ||c_i||`` (label-skewed clients have ``||c_i||`` of 10-20, ``||c||`` under 1);
+      the higher loss gives a larger ``c_i`` next time, and the loop runs away: on the default
+      ``federage-compare`` scenario the model turns non-finite near round 65
+      (docs/federage.md, "SCAFFOLD under the RAM").
+    * ``"refresh"``: the correction uses ``c_i`` re-estimated at the *received* model, the raw
+      gradient of the first local mini-batch (the SCAFFOLD paper's option I on one batch, at no
+      extra cost: that gradient is computed anyway). The first step then moves along ``c``
+      alone, and no step carries a stale gradient. The server's bookkeeping is unchanged:
+      ``c_i+`` is still option II and ``dc`` is taken against the stored ``c_i``, so ``c`` stays
+      ``(1/N) sum_i c_i``.
     """
 
     name = "scaffold"
 
-    def __init__(self, num_clients: int) -> None:
+    def __init__(self, num_clients: int, control: str = "stored") -> None:
         if num_clients < 1:
             raise ValueError(f"scaffold num_clients must be >= 1, not {num_clients}")
+        if control not in ("stored", "refresh"):
+            raise ValueError(f"scaffold control must be 'stored' or 'refresh', not {control!r}")
         self.num_clients = int(num_clients)
+        self.control = control
         self._c = torch.empty(0)
         self._ci = torch.empty(0)
+        self._ci_used = torch.empty(0)
+        self._corr = torch.empty(0)
         self._views: list[torch.Tensor] = []
 
     @staticmethod
@@ -225,10 +247,17 @@ class Scaffold(Objective):
         c += self._flat(ctx.aux_in.get("sum:scaffold_dc"), x, "server control increment")
         self._c = c
         self._ci = self._flat(ctx.state.get("scaffold_ci"), x, "client control")
-        self._views = _param_views(ctx.model, self._c - self._ci)
+        self._ci_used = self._ci
+        self._corr = self._c - self._ci
+        self._views = _param_views(ctx.model, self._corr)
 
     def before_step(self, ctx: TaskContext) -> None:
         with torch.no_grad():
+            if self.control == "refresh" and ctx.steps == 0:
+                g = torch.cat([torch.zeros(p.numel(), device=p.device) if p.grad is None else p.grad.reshape(-1)
+                               for p in ctx.model.parameters()])
+                self._ci_used = g
+                self._corr.copy_(self._c - g)  # the views follow: they alias self._corr
             for p, corr in zip(ctx.model.parameters(), self._views):
                 if p.grad is None:
                     p.grad = corr.clone()
@@ -239,7 +268,7 @@ class Scaffold(Objective):
         if ctx.steps > 0:
             with torch.no_grad():
                 y = torch.nn.utils.parameters_to_vector(ctx.model.parameters())
-                ci_new = self._ci - self._c + (ctx.global_params - y) / (ctx.steps * ctx.lr)
+                ci_new = self._ci_used - self._c + (ctx.global_params - y) / (ctx.steps * ctx.lr)
         else:
             ci_new = self._ci
         dc = (ci_new - self._ci).cpu().numpy()
@@ -253,6 +282,12 @@ def risk_weight(loss: float, beta: float, alpha: float, gamma: float) -> float:
     return (1.0 - gamma) + (gamma / alpha) * float(loss >= beta)
 
 
+def max_risk_weight(alpha: float, gamma: float) -> float:
+    """``kappa(alpha, gamma) = (1 - gamma) + gamma/alpha``: the largest risk weight, the paper's
+    bound on how much a high-loss mini-batch's gradient is amplified."""
+    return (1.0 - gamma) + gamma / alpha
+
+
 def beta_step(beta: float, weight: float, lr: float, lo: float, hi: float) -> float:
     """One projected subgradient step on beta: ``Proj_[lo,hi](beta - lr (1 - w))``.
 
@@ -264,14 +299,40 @@ def beta_step(beta: float, weight: float, lr: float, lo: float, hi: float) -> fl
     return min(max(beta - lr * (1.0 - weight), lo), hi)
 
 
+FEDERAGE_STEP_RULES = ("paper", "normalised")
+
+
 class FedeRage(Objective):
     """FedeRage's mean-CVaR local objective (Algorithm 2) over ``(theta, beta)``.
 
     Per local step on one mini-batch with mean loss ``f``: ``w = (1-gamma) + (gamma/alpha) 1{f >= beta}``
-    with the beta held before the step; theta steps along ``w grad f`` (the returned loss is
-    ``w * f``, with ``w`` a constant) and beta along its subgradient ``1 - w`` with the same local
-    learning rate, projected onto ``B = [beta_min, beta_max]``. ``gamma = 0`` gives ``w = 1``
-    exactly, i.e. FedAvg's local SGD bit for bit, and leaves beta still.
+    with the beta held before the step; theta steps along ``w grad f`` and beta along its
+    subgradient ``1 - w``, projected onto ``B = [beta_min, beta_max]``. ``gamma = 0`` gives
+    ``w = 1`` exactly, i.e. FedAvg's local SGD bit for bit, and leaves beta still.
+
+    ``step_rule`` sizes the two steps:
+
+    * ``"paper"``: Algorithm 2 as printed, theta by ``lr w grad f`` and beta by ``beta_lr (1 - w)``.
+      The weight reaches ``kappa = (1-gamma) + gamma/alpha`` (5.5 at alpha 0.1, gamma 0.5; 20 at
+      alpha 0.05, gamma 1), so a high-loss batch moves theta up to kappa times further than one
+      FedAvg step and beta up to ``beta_lr gamma (1/alpha - 1)`` in one step: at small alpha this
+      destabilises training.
+    * ``"normalised"`` (default): the same rule on the objective divided by kappa, i.e. the weight
+      ``w / kappa`` in ``[(1-gamma)/kappa, 1]`` for theta and ``(1 - w)/kappa`` for beta. Scaling an
+      objective by a constant keeps its minimiser ``(theta*, beta*)`` and the relative weighting
+      of batches (a batch above beta still counts ``kappa/(1-gamma)`` times one below), but no
+      step of theta is ever longer than a FedAvg step at the same learning rate, and beta moves by
+      at most ``beta_lr`` (up ``beta_lr (1 - alpha)``, down ``beta_lr alpha``) whatever alpha is.
+
+    ``beta_lr`` is beta's own learning rate (``None``: the model's, as in the paper). Beta lives in
+    loss units, theta in weight units; a separate rate lets the quantile estimate settle at its
+    own pace.
+
+    The gradient is scaled in ``before_step`` rather than in the loss, so the batch loss (and the
+    trainer's reported loss, which q-FFL and TierFuse ``utility: loss`` read) is always the data
+    loss ``f``. ``fixed_batch`` (default on) asks the trainer for ``drop_last``: the paper's model
+    mini-batch size b is part of the problem, so every step must see exactly b samples (a client
+    with fewer than b samples then takes no step).
 
     Beta is part of the optimisation variable, like theta: the server averages it with the model
     weights (``aux_out["federage_beta"]``) and a task starts from that average when the server
@@ -281,13 +342,13 @@ class FedeRage(Objective):
     we read it as FedAvg on ``(theta, beta)``. The client's last beta is kept in ``ctx.state`` and
     is the starting point before any server average exists, or always with
     ``beta_from_server=False`` (the other reading). ``beta_init`` starts a client that has neither.
-    The trainer's reported loss is the mean of ``w * f``.
     """
 
     name = "federage"
 
     def __init__(self, alpha: float = 0.5, gamma: float = 0.5, beta_min: float = 0.0, beta_max: float = 10.0,
-                 beta_init: float = 0.0, beta_from_server: bool = True) -> None:
+                 beta_init: float = 0.0, beta_from_server: bool = True, step_rule: str = "normalised",
+                 beta_lr: float | None = None, fixed_batch: bool = True) -> None:
         if not (0.0 < alpha <= 1.0):
             raise ValueError(f"federage alpha must lie in (0, 1], not {alpha}")
         if not (0.0 <= gamma <= 1.0):
@@ -296,12 +357,20 @@ class FedeRage(Objective):
             raise ValueError(f"federage needs a finite interval beta_min <= beta_max, not [{beta_min}, {beta_max}]")
         if not (beta_min <= beta_init <= beta_max):
             raise ValueError(f"federage beta_init {beta_init} lies outside [{beta_min}, {beta_max}]")
+        if step_rule not in FEDERAGE_STEP_RULES:
+            raise ValueError(f"federage step_rule must be one of {FEDERAGE_STEP_RULES}, not {step_rule!r}")
+        if beta_lr is not None and not (beta_lr > 0 and np.isfinite(beta_lr)):
+            raise ValueError(f"federage beta_lr must be a finite value > 0 (or None: the model's), not {beta_lr}")
         self.alpha = float(alpha)
         self.gamma = float(gamma)
         self.beta_min = float(beta_min)
         self.beta_max = float(beta_max)
         self.beta_init = float(beta_init)
         self.beta_from_server = bool(beta_from_server)
+        self.step_rule = step_rule
+        self.beta_lr = None if beta_lr is None else float(beta_lr)
+        self.fixed_batch = bool(fixed_batch)
+        self._scale = 1.0 / max_risk_weight(self.alpha, self.gamma) if step_rule == "normalised" else 1.0
         self.beta = self.beta_init
         self._w = 1.0
 
@@ -316,10 +385,19 @@ class FedeRage(Objective):
     def batch_loss(self, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
         f = F.cross_entropy(logits, y)
         self._w = risk_weight(float(f.detach()), self.beta, self.alpha, self.gamma)
-        return f * self._w
+        return f
+
+    def before_step(self, ctx: TaskContext) -> None:
+        scale = self._w * self._scale
+        if scale != 1.0:
+            with torch.no_grad():
+                for p in ctx.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
 
     def after_step(self, ctx: TaskContext) -> None:
-        self.beta = beta_step(self.beta, self._w, ctx.lr, self.beta_min, self.beta_max)
+        lr = ctx.lr if self.beta_lr is None else self.beta_lr
+        self.beta = beta_step(self.beta, self._w, lr * self._scale, self.beta_min, self.beta_max)
 
     def end(self, ctx: TaskContext) -> None:
         ctx.state["federage_beta"] = self.beta

@@ -16,19 +16,25 @@ Evaluation, per method, of the final global model: each client's accuracy is the
 set *reweighted to the client's label distribution*, ``sum_c pi_ic acc_c`` with ``acc_c`` the
 per-class test accuracy (the paper does not say how per-client test sets are formed; this uses
 the whole balanced test set and no client data is held out of training). Reported: the mean,
-the worst client, the bottom 10%, the rare clients (``p_i`` at or below the first quartile of
-``p``), the std across clients, global test accuracy, the mean test accuracy of the rarest 30%
+the worst client, the bottom 10%, the rare clients (``p_i <= --rare-p`` when given, else the
+quarter of clients with the lowest ``p`` by rank: see ``rare_client_mask``), the std across clients, global test accuracy, the mean test accuracy of the rarest 30%
 of classes, and the wall seconds of local work per round and per local step (for q-FFL these
 include the forward pass that measures ``F_k``). FedeRage's overhead is also timed on identical
 tasks, interleaved with plain CE, which cancels the CPU contention that separate runs see.
 
     python -m felix.experiments.federage --seeds 0 1 2 --out runs/federage-compare
+
+Every table is the mean and the sample standard deviation (ddof 1) over the seeds; the JSON keeps
+each seed's values and the provenance (commit, torch version, threads). docs/federage.md gives
+the commands that regenerate the committed tables under docs/results/.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import platform
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -42,7 +48,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from felix.aggregation.fedavg import FedAvgAggregator
 from felix.aggregation.ips import IPSAggregator
 from felix.aggregation.qffl import QFFLAggregator
-from felix.client.objectives import make_objective
+from felix.client.objectives import FEDERAGE_STEP_RULES, make_objective
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
 from felix.core.policies import Aggregator
 from felix.core.types import BufferedUpdate
@@ -53,6 +59,7 @@ from felix.sim.random_access import (
     RandomAccessModel,
     beta_probabilities,
     correlate_with_rarity,
+    rare_client_mask,
     two_level_probabilities,
 )
 
@@ -92,15 +99,20 @@ class Scenario:
     class_order: np.ndarray  # classes from head to tail of the long-tailed training set
 
 
-def parse_federage(spec: str) -> list[tuple[float, float]]:
-    """``"0.5:0.5,0.2:1"`` -> [(alpha, gamma), ...]."""
+def parse_federage(spec: str, default_rule: str = "normalised") -> list[tuple[float, float, str]]:
+    """``"0.5:0.5,0.2:1:paper"`` -> [(alpha, gamma, step_rule), ...]; the rule defaults to ``default_rule``."""
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
+        parts = item.split(":")
+        rule = parts.pop() if len(parts) == 3 else default_rule
         try:
-            a, g = (float(v) for v in item.split(":"))
+            a, g = (float(v) for v in parts)
         except ValueError:
-            raise ValueError(f"--federage expects alpha:gamma pairs like 0.5:0.5, got {item!r}") from None
-        out.append((a, g))
+            raise ValueError(f"--federage expects alpha:gamma[:rule] items like 0.5:0.5 or 0.1:1:paper, "
+                             f"got {item!r}") from None
+        if rule not in FEDERAGE_STEP_RULES:
+            raise ValueError(f"--federage item {item!r}: step rule must be one of {', '.join(FEDERAGE_STEP_RULES)}")
+        out.append((a, g, rule))
     return out
 
 
@@ -115,15 +127,20 @@ def build_methods(args: argparse.Namespace, num_clients: int) -> list[Method]:
     methods: list[Method] = []
     for name in filter(None, (s.strip() for s in args.methods.split(","))):
         if name == "federage":
-            for a, g in parse_federage(args.federage):
-                methods.append(Method(f"federage(a={a:g},g={g:g})", "federage",
-                                      {"alpha": a, "gamma": g, "beta_max": args.beta_max}))
+            for a, g, rule in parse_federage(args.federage, args.step_rule):
+                params: dict[str, Any] = {"alpha": a, "gamma": g, "beta_max": args.beta_max, "step_rule": rule}
+                if args.beta_lr is not None:
+                    params["beta_lr"] = args.beta_lr
+                tag = "norm" if rule == "normalised" else rule
+                methods.append(Method(f"federage-{tag}(a={a:g},g={g:g})", "federage", params))
         elif name == "fedavg":
             methods.append(Method("fedavg", "ce"))
         elif name == "fedprox":
             methods.append(Method(f"fedprox(mu={args.mu:g})", "fedprox", {"mu": args.mu}))
         elif name == "scaffold":
-            methods.append(Method("scaffold", "scaffold", {"num_clients": num_clients}))
+            for control in filter(None, (s.strip() for s in args.scaffold_control.split(","))):
+                methods.append(Method(f"scaffold({control})", "scaffold", {"num_clients": num_clients,
+                                                                          "control": control}))
         elif name == "qffl":
             for q in parse_floats(args.q, "--q"):
                 methods.append(Method(f"qffl(q={q:g})", "ce", {"q": q}, aggregator="qffl"))
@@ -182,6 +199,21 @@ def build_scenario(args: argparse.Namespace, seed: int) -> Scenario:
                     tuple(train.sample_shape), train.num_classes, order)
 
 
+def train_config(args: argparse.Namespace, method: Method) -> TrainConfig:
+    """The local-training settings of one method: ``drop_last`` when its objective fixes the model
+    mini-batch size b (FedeRage: every step sees exactly b samples, as the paper assumes)."""
+    fixed = getattr(make_objective(method.objective, **method.objective_params), "fixed_batch", False)
+    return TrainConfig(lr=args.lr, batch_size=args.batch_size, epochs=args.epochs, max_steps=args.max_steps,
+                       drop_last=bool(fixed))
+
+
+def local_steps(n: int, cfg: TrainConfig) -> int:
+    """Local steps of a task on ``n`` samples (as the trainer counts them)."""
+    per_epoch = n // cfg.batch_size if cfg.drop_last else math.ceil(n / cfg.batch_size)
+    steps = per_epoch * cfg.epochs
+    return steps if cfg.max_steps is None else min(steps, cfg.max_steps)
+
+
 @torch.no_grad()
 def per_class_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int,
                        batch: int = 1000) -> tuple[np.ndarray, float]:
@@ -193,12 +225,16 @@ def per_class_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     return (per / n.clamp(min=1)).numpy(), float(hit.mean())
 
 
-def client_metrics(acc_c: np.ndarray, counts: np.ndarray, p: np.ndarray) -> tuple[dict[str, float], np.ndarray]:
-    """Per-client accuracy = global test accuracy reweighted to the client's label mix."""
+def client_metrics(acc_c: np.ndarray, counts: np.ndarray, p: np.ndarray,
+                   rare_p: float | None = None) -> tuple[dict[str, float], np.ndarray]:
+    """Per-client accuracy = global test accuracy reweighted to the client's label mix.
+
+    Rare clients: ``rare_client_mask(p, rare_p)`` (``p <= rare_p``, or the lowest-p quarter by rank).
+    """
     pi = counts / counts.sum(axis=1, keepdims=True)
     acc = pi @ acc_c
     k = max(1, math.ceil(0.1 * len(acc)))
-    rare = p <= np.quantile(p, 0.25)
+    rare = rare_client_mask(p, rare_p)
     return {
         "mean_client_acc": float(acc.mean()),
         "worst_client_acc": float(acc.min()),
@@ -214,21 +250,21 @@ def _task_generator(seed: int, round_: int, client: int) -> torch.Generator:
 
 
 def paired_overhead(scenario: Scenario, participation: np.ndarray, args: argparse.Namespace, seed: int,
-                    federage: dict[str, Any], tasks: int = 24, repeats: int = 3) -> dict[str, float]:
+                    federage: Method, tasks: int = 24, repeats: int = 3) -> dict[str, float]:
     """FedeRage's local cost against plain CE on identical tasks, interleaved to cancel CPU drift.
 
     The same ``tasks`` (round, client) pairs of the RAM draw are trained from the initial model
     with each objective, alternating, ``repeats`` times; each task keeps its fastest time. The
     first pass doubles as the warm-up that the per-method timings would otherwise pay.
     """
-    cfg = TrainConfig(lr=args.lr, batch_size=args.batch_size, epochs=args.epochs, max_steps=args.max_steps)
+    cfg = train_config(args, federage)  # the same steps for both: FedeRage's fixed b (drop_last) applies to CE too
     model = make_model(args.model, scenario.in_shape, scenario.num_classes, seed=seed)
     theta = parameters_to_vector(model.parameters()).detach().numpy().copy()
     pairs = [(r, int(c)) for r, row in enumerate(participation) for c in np.flatnonzero(row)][:tasks]
     best = {"ce": np.full(len(pairs), np.inf), "federage": np.full(len(pairs), np.inf)}
     for _ in range(repeats):
         for i, (r, cid) in enumerate(pairs):
-            for name, params in (("ce", {}), ("federage", federage)):
+            for name, params in (("ce", {}), ("federage", federage.objective_params)):
                 trainer = LocalTrainer(model, make_objective(name, **params), cfg, scenario.num_classes)
                 t0 = time.perf_counter()
                 trainer.train(theta, scenario.clients[cid], {}, {}, _task_generator(seed, r, cid))
@@ -240,7 +276,7 @@ def paired_overhead(scenario: Scenario, participation: np.ndarray, args: argpars
 def run_method(method: Method, scenario: Scenario, participation: np.ndarray, args: argparse.Namespace,
                seed: int, log: bool) -> dict[str, Any]:
     """The RAM round loop for one method; returns its metrics and per-client accuracies."""
-    cfg = TrainConfig(lr=args.lr, batch_size=args.batch_size, epochs=args.epochs, max_steps=args.max_steps)
+    cfg = train_config(args, method)
     model = make_model(args.model, scenario.in_shape, scenario.num_classes, seed=seed)
     theta = parameters_to_vector(model.parameters()).detach().numpy().copy()
     aggregator = make_aggregator(method, scenario, args.lr)
@@ -264,8 +300,7 @@ def run_method(method: Method, scenario: Scenario, participation: np.ndarray, ar
             spent += time.perf_counter() - t0
             if pre_loss is not None:
                 upd.aux["qffl_loss"] = np.array(pre_loss)  # F_k at the received model
-            steps = math.ceil(len(data) / cfg.batch_size) * cfg.epochs
-            steps_total += steps if cfg.max_steps is None else min(steps, cfg.max_steps)
+            steps_total += local_steps(len(data), cfg)
             buffer.append(BufferedUpdate(int(cid), r, r, 0.0, upd))
         theta, _, reduced = aggregator.aggregate(theta, buffer)
         aux.update(reduced)
@@ -278,7 +313,7 @@ def run_method(method: Method, scenario: Scenario, participation: np.ndarray, ar
             print(f"  {method.name}: round {r + 1}/{len(participation)}", file=sys.stderr)
     vector_to_parameters(torch.from_numpy(theta.copy()), model.parameters())
     acc_c, global_acc = per_class_accuracy(model, scenario.test_x, scenario.test_y, scenario.num_classes)
-    metrics, acc = client_metrics(acc_c, scenario.counts, scenario.probabilities)
+    metrics, acc = client_metrics(acc_c, scenario.counts, scenario.probabilities, args.rare_p)
     tail = scenario.class_order[-max(1, scenario.num_classes * 3 // 10):]
     return {
         "method": method.name,
@@ -302,14 +337,16 @@ HEADERS = ("mean", "worst", "bottom 10%", "rare clients", "std", "global", "tail
 
 
 def summarise(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Mean and std over seeds of each method's metrics."""
+    """Mean and sample std (ddof 1; 0 for one seed) over seeds of each method's metrics, and how
+    many seeds ended with a finite model."""
     rows = []
     for per_seed in zip(*runs):
         row: dict[str, Any] = {"method": per_seed[0]["method"]}
         for m in METRICS:
             vals = np.array([s[m] for s in per_seed])
             row[m] = float(vals.mean())
-            row[m + "_std"] = float(vals.std())
+            row[m + "_std"] = float(vals.std(ddof=1)) if len(vals) > 1 else 0.0
+        row["finite_seeds"] = sum(bool(s["finite_model"]) for s in per_seed)
         rows.append(row)
     return rows
 
@@ -320,10 +357,25 @@ def markdown_table(rows: list[dict[str, Any]], n_seeds: int) -> str:
         s = f"{row[m]:.{digits}f}"
         return s + f" ± {row[m + '_std']:.{digits}f}" if n_seeds > 1 else s
 
-    lines = ["| method | " + " | ".join(HEADERS) + " |", "|" + "---|" * (len(HEADERS) + 1)]
+    lines = ["| method | " + " | ".join(HEADERS) + " | finite |", "|" + "---|" * (len(HEADERS) + 2)]
     for row in rows:
-        lines.append(f"| {row['method']} | " + " | ".join(cell(row, m) for m in METRICS) + " |")
+        lines.append(f"| {row['method']} | " + " | ".join(cell(row, m) for m in METRICS)
+                     + f" | {row['finite_seeds']}/{n_seeds} |")
     return "\n".join(lines) + "\n"
+
+
+def provenance(threads: int) -> dict[str, Any]:
+    """What produced a table: the commit (and whether ``src/`` had uncommitted changes), torch, threads."""
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], check=False, capture_output=True, text=True, timeout=10,
+                                  cwd=Path(__file__).parent).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ":/src")),
+            "torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version(),
+            "threads": threads, "command": " ".join(sys.argv)}
 
 
 def plot_distribution(path: Path, runs: list[list[dict[str, Any]]]) -> None:
@@ -351,7 +403,8 @@ def _run_seeds(args: argparse.Namespace, methods: list[Method],
     """Per seed: build the scenario, draw the RAM rounds once, time FedeRage's overhead, run every method."""
     runs: list[list[dict[str, Any]]] = []
     scenario_info: list[dict[str, Any]] = []
-    fr = next((m for m in methods if m.objective == "federage"), None)
+    fr = next((m for m in methods if m.objective == "federage"),
+              Method("federage", "federage", {"alpha": 0.5, "gamma": 0.5}))
     for seed in seeds:
         scenario = build_scenario(args, seed)
         participation = RandomAccessModel(scenario.probabilities).draw_rounds(args.rounds, np.random.default_rng([seed, 1]))
@@ -366,9 +419,10 @@ def _run_seeds(args: argparse.Namespace, methods: list[Method],
             "expected_participants": float(p.sum()),
             "mean_participants": float(sizes.mean()),
             "empty_rounds": int((sizes == 0).sum()),
-            "rare_clients": int((p <= np.quantile(p, 0.25)).sum()),
-            "paired_overhead": paired_overhead(scenario, participation, args, seed,
-                                               fr.params if fr else {"alpha": 0.5, "gamma": 0.5}),
+            "rare_clients": int(rare_client_mask(p, args.rare_p).sum()),
+            "rare_client_p_max": float(p[rare_client_mask(p, args.rare_p)].max()),
+            "paired_overhead": (paired_overhead(scenario, participation, args, seed, fr, tasks=args.overhead_tasks)
+                                if args.overhead_tasks else None),
         })
         if not args.quiet:
             print(f"seed {seed}: {len(scenario.clients)} clients, {int(scenario.counts.sum())} samples, "
@@ -400,17 +454,22 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(rows, len(seeds))
-    ov = [info["paired_overhead"] for info in scenario_info]
-    table += (f"\nFedeRage's local-training overhead vs FedAvg (plain CE) on the same {ov[0]['tasks']} tasks, "
-              "interleaved, fastest of 3: " + ", ".join(f"{100 * o['overhead']:+.1f}%" for o in ov)
-              + " (per seed). The per-method s/round columns come from separate runs and include any CPU "
-              "contention of their moment.\n")
+    ov = [info["paired_overhead"] for info in scenario_info if info["paired_overhead"]]
+    if ov:
+        table += (f"\nFedeRage's local-training overhead vs FedAvg (plain CE) on the same {ov[0]['tasks']} tasks, "
+                  "interleaved, fastest of 3: " + ", ".join(f"{100 * o['overhead']:+.1f}%" for o in ov)
+                  + " (per seed). The per-method s/round columns come from separate runs and include any CPU "
+                  "contention of their moment.\n")
     settings = {k: v for k, v in vars(args).items() if k != "func"}
+    prov = provenance(args.threads)
     (out / "federage_compare.md").write_text(
         "# FedeRage comparison under the Random Access Model\n\n"
+        f"Mean ± sample std over seeds {seeds}. Provenance: commit {prov['commit'][:12]}"
+        f"{' (with local changes)' if prov['dirty'] else ''}, torch {prov['torch']}, {prov['threads']} thread(s).\n\n"
         f"Command settings: `{json.dumps(settings)}`\n\n" + table)
     (out / "federage_compare.json").write_text(json.dumps(
-        {"settings": settings, "scenarios": scenario_info, "summary": rows, "runs": runs}, indent=1) + "\n")
+        {"settings": settings, "provenance": prov, "scenarios": scenario_info, "summary": rows, "runs": runs},
+        indent=1) + "\n")
     plot_distribution(out / "client_accuracy.png", runs)
     print(table)
     print(f"wrote {out / 'federage_compare.md'}, {out / 'federage_compare.json'}, {out / 'client_accuracy.png'}",
@@ -437,6 +496,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
     r.add_argument("--frequent-fraction", type=float, default=0.2)
     r.add_argument("--p-frequent", type=float, default=0.5)
     r.add_argument("--p-rare", type=float, default=0.05)
+    r.add_argument("--rare-p", type=float, default=None,
+                   help="rare clients are those with p <= this (default: the lowest-p quarter by rank)")
     t = p.add_argument_group("training and methods")
     t.add_argument("--rounds", type=int, default=100)
     t.add_argument("--lr", type=float, default=0.05)
@@ -445,16 +506,25 @@ def _configure(p: argparse.ArgumentParser) -> None:
     t.add_argument("--max-steps", type=int, default=10, help="cap on local steps per round (0: none)")
     t.add_argument("--methods", default=DEFAULT_METHODS,
                    help=f"comma list from {', '.join(BASE_METHODS + ('federage',))}")
-    t.add_argument("--federage", default="0.5:0.5,0.2:0.5,0.2:1.0", help="FedeRage alpha:gamma pairs")
+    t.add_argument("--federage", default="0.5:0.5,0.2:0.5,0.2:1.0",
+                   help="FedeRage alpha:gamma[:rule] items (rule: paper or normalised; default --step-rule)")
+    t.add_argument("--step-rule", choices=FEDERAGE_STEP_RULES, default="normalised",
+                   help="FedeRage's step rule for items without one (see FedeRage's docstring)")
+    t.add_argument("--beta-lr", type=float, default=None, help="FedeRage's beta learning rate (default: --lr)")
+    t.add_argument("--scaffold-control", default="refresh,stored",
+                   help="SCAFFOLD rows by control variate: refresh (re-estimated at the received model), "
+                        "stored (the paper's; diverges under sparse participation)")
     t.add_argument("--beta-max", type=float, default=10.0, help="FedeRage's interval B = [0, beta_max]")
     t.add_argument("--mu", type=float, default=0.01, help="FedProx mu")
     t.add_argument("--q", default="0.1,1", help="q-FFL q values, comma-separated (one row each)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads; small models run fastest on one (more oversubscribe the CPU)")
     p.add_argument("--seeds", nargs="+", default=["0"], help="one run per seed; the table shows mean ± std")
+    p.add_argument("--overhead-tasks", type=int, default=24,
+                   help="tasks timed for FedeRage's paired overhead per seed (0: skip the timing)")
     p.add_argument("--out", default="runs/federage-compare")
     p.add_argument("-q", "--quiet", action="store_true")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run_cli)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -465,6 +535,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--max-steps must be >= 0 (0: no cap)")
     if args.max_steps == 0:
         args.max_steps = None
+    if args.overhead_tasks < 0:
+        raise ValueError("--overhead-tasks must be >= 0")
+    if args.rare_p is not None and not (0.0 <= args.rare_p <= 1.0):
+        raise ValueError(f"--rare-p must lie in [0, 1], not {args.rare_p}")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -479,10 +553,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m felix.experiments.federage", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _configure(p)
-    args = p.parse_args(argv)
+    return run_cli(p.parse_args(argv))
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """``run`` with bad input (arguments, hyperparameters, dataset) answered by a one-line error and
+    exit status 2, for ``felix federage-compare`` and ``python -m felix.experiments.federage`` alike."""
     try:
         return run(args)
-    except ValueError as exc:
+    except ValueError as exc:  # DatasetError is a ValueError too
         print(f"federage-compare: error: {exc}", file=sys.stderr)
         return 2
 
