@@ -90,3 +90,19 @@ def test_rare_clients_survive_ties(tmp_path) -> None:
     sc = json.loads((out / "federage_compare.json").read_text())["scenarios"][0]
     assert sc["rare_clients"] == 2 and sc["rare_client_p_max"] == pytest.approx(0.03)  # 8 clients: a quarter
     assert np.isfinite(sc["p_max"])
+
+
+def test_rare_clients_scenario_holds_rare_classes_at_rare_clients() -> None:
+    from felix.experiments.federage import _configure, build_scenario
+
+    parser = argparse.ArgumentParser()
+    _configure(parser)
+    args = parser.parse_args(SMALL + ["--scenario", "rare-clients", "--p-frequent", "0.3", "--p-rare", "0.03"])
+    sc = build_scenario(args, seed=0)
+    rare = sc.probabilities <= 0.03
+    assert rare.sum() == 2 and sc.rare_p == 0.03 and len(sc.rare_classes) == 2
+    assert set(sc.rare_classes) == set(sc.class_order[-2:].tolist())
+    held = sc.counts[:, sc.rare_classes].sum(axis=1)
+    assert (held[~rare] == 0).all() and (held[rare] > 0).all()  # only rare clients hold the rare classes
+    assert sc.counts[rare].sum() > held[rare].sum()  # and a share of the common classes too
+    assert (sc.counts.sum(axis=1) >= 8).all()

@@ -159,6 +159,20 @@ def test_federage_normalised_steps_stay_bounded_at_small_alpha() -> None:
     assert norm_obj.beta - (f - 0.01) == pytest.approx(0.02 * 0.95)  # beta_lr (1 - alpha)
 
 
+@pytest.mark.parametrize("above, alpha, w_theta", [(True, 0.1, 2.0), (False, 0.1, 0.5), (True, 0.5, 1.5)])
+def test_federage_capped_rule(above: bool, alpha: float, w_theta: float) -> None:
+    """Capped: theta's weight is min(w, 2) (the paper's step when kappa <= 2, e.g. alpha 0.5, gamma
+    0.5); beta steps as under the normalised rule."""
+    lr, gamma = 0.1, 0.5
+    w = risk_weight(1.0 if above else 0.0, 0.5, alpha, gamma)
+    obj = FedeRage(alpha=alpha, gamma=gamma, step_rule="capped")
+    model, ref, f = _one_federage_step(obj, lr, above)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q.detach() - lr * w_theta * q.grad)
+    beta0 = f + (-0.01 if above else 0.01)
+    assert obj.beta == pytest.approx(beta0 - lr * (1 - w) / max_risk_weight(alpha, gamma))
+
+
 def test_federage_separate_beta_learning_rate() -> None:
     obj = FedeRage(alpha=0.25, gamma=0.6, step_rule="paper", beta_lr=0.01)
     model, ref, f = _one_federage_step(obj, 0.1, above=True)
@@ -228,7 +242,8 @@ def test_federage_keeps_beta_across_tasks_and_server_averages_it() -> None:
 
 @pytest.mark.parametrize("params", [{"alpha": 0.0}, {"alpha": 1.5}, {"gamma": -0.1}, {"gamma": 1.1},
                                     {"beta_min": 2.0, "beta_max": 1.0}, {"beta_init": 11.0},
-                                    {"step_rule": "nope"}, {"beta_lr": 0.0}, {"beta_lr": float("nan")}])
+                                    {"step_rule": "nope"}, {"beta_lr": 0.0}, {"beta_lr": float("nan")},
+                                    {"weight_cap": 0.5}, {"weight_cap": float("inf")}])
 def test_federage_validation(params: dict) -> None:
     with pytest.raises(ValueError, match="federage"):
         FedeRage(**params)

@@ -5,6 +5,7 @@ New objectives register in ``OBJECTIVES``; every run config picks one by name.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -299,7 +300,7 @@ def beta_step(beta: float, weight: float, lr: float, lo: float, hi: float) -> fl
     return min(max(beta - lr * (1.0 - weight), lo), hi)
 
 
-FEDERAGE_STEP_RULES = ("paper", "normalised")
+FEDERAGE_STEP_RULES = ("paper", "normalised", "capped")
 
 
 class FedeRage(Objective):
@@ -323,6 +324,14 @@ class FedeRage(Objective):
       of batches (a batch above beta still counts ``kappa/(1-gamma)`` times one below), but no
       step of theta is ever longer than a FedAvg step at the same learning rate, and beta moves by
       at most ``beta_lr`` (up ``beta_lr (1 - alpha)``, down ``beta_lr alpha``) whatever alpha is.
+      The price: a batch below beta moves theta by only ``(1-gamma)/kappa`` of a FedAvg step, so
+      at small alpha the model learns kappa times more slowly on average.
+    * ``"capped"``: theta's weight is ``min(w, weight_cap)`` (default 2), beta steps as under
+      ``"normalised"``. Batches below beta keep the paper's ``1 - gamma``; a batch above it is
+      amplified by at most ``weight_cap`` instead of kappa. For ``kappa <= weight_cap`` this is
+      the paper's theta step; below that alpha, theta follows the exact gradient of
+      ``(1-gamma) f + (weight_cap - 1 + gamma) (f - beta)_+``, a mean-upper-semideviation
+      objective whose threshold beta is still the (1-alpha)-quantile of the loss.
 
     ``beta_lr`` is beta's own learning rate (``None``: the model's, as in the paper). Beta lives in
     loss units, theta in weight units; a separate rate lets the quantile estimate settle at its
@@ -348,7 +357,7 @@ class FedeRage(Objective):
 
     def __init__(self, alpha: float = 0.5, gamma: float = 0.5, beta_min: float = 0.0, beta_max: float = 10.0,
                  beta_init: float = 0.0, beta_from_server: bool = True, step_rule: str = "normalised",
-                 beta_lr: float | None = None, fixed_batch: bool = True) -> None:
+                 beta_lr: float | None = None, fixed_batch: bool = True, weight_cap: float = 2.0) -> None:
         if not (0.0 < alpha <= 1.0):
             raise ValueError(f"federage alpha must lie in (0, 1], not {alpha}")
         if not (0.0 <= gamma <= 1.0):
@@ -359,6 +368,8 @@ class FedeRage(Objective):
             raise ValueError(f"federage beta_init {beta_init} lies outside [{beta_min}, {beta_max}]")
         if step_rule not in FEDERAGE_STEP_RULES:
             raise ValueError(f"federage step_rule must be one of {FEDERAGE_STEP_RULES}, not {step_rule!r}")
+        if not (weight_cap >= 1.0 and np.isfinite(weight_cap)):
+            raise ValueError(f"federage weight_cap must be a finite value >= 1, not {weight_cap}")
         if beta_lr is not None and not (beta_lr > 0 and np.isfinite(beta_lr)):
             raise ValueError(f"federage beta_lr must be a finite value > 0 (or None: the model's), not {beta_lr}")
         self.alpha = float(alpha)
@@ -370,7 +381,12 @@ class FedeRage(Objective):
         self.step_rule = step_rule
         self.beta_lr = None if beta_lr is None else float(beta_lr)
         self.fixed_batch = bool(fixed_batch)
-        self._scale = 1.0 / max_risk_weight(self.alpha, self.gamma) if step_rule == "normalised" else 1.0
+        self.weight_cap = float(weight_cap)
+        # theta's weight is w * _scale, capped at _cap; beta's step is beta_lr (1 - w) * _beta_scale
+        kappa = max_risk_weight(self.alpha, self.gamma)
+        self._scale = 1.0 / kappa if step_rule == "normalised" else 1.0
+        self._cap = self.weight_cap if step_rule == "capped" else math.inf
+        self._beta_scale = 1.0 if step_rule == "paper" else 1.0 / kappa
         self.beta = self.beta_init
         self._w = 1.0
 
@@ -388,7 +404,7 @@ class FedeRage(Objective):
         return f
 
     def before_step(self, ctx: TaskContext) -> None:
-        scale = self._w * self._scale
+        scale = min(self._w * self._scale, self._cap)
         if scale != 1.0:
             with torch.no_grad():
                 for p in ctx.model.parameters():
@@ -397,7 +413,7 @@ class FedeRage(Objective):
 
     def after_step(self, ctx: TaskContext) -> None:
         lr = ctx.lr if self.beta_lr is None else self.beta_lr
-        self.beta = beta_step(self.beta, self._w, lr * self._scale, self.beta_min, self.beta_max)
+        self.beta = beta_step(self.beta, self._w, lr * self._beta_scale, self.beta_min, self.beta_max)
 
     def end(self, ctx: TaskContext) -> None:
         ctx.state["federage_beta"] = self.beta

@@ -7,20 +7,24 @@ aggregator and reduces the aux state (FedeRage's beta, SCAFFOLD's control) as th
 does. All methods see the same data split, the same participation draws and the same mini-batch
 orders, so their differences are the methods' own.
 
-The default scenario couples data and availability heterogeneity as the paper's Fig. 1 does:
-Fashion-MNIST made long-tailed (a random class order, ``imbalance`` head/tail ratio), split over
-clients by Dirichlet label skew (concentration 0.1), and Beta-distributed participation probabilities given in
-ascending order to the clients whose data is globally rarest.
+The default scenario (``--scenario coupled``) couples data and availability heterogeneity as the
+paper's Fig. 1 does: Fashion-MNIST made long-tailed (a random class order, ``imbalance``
+head/tail ratio), split over clients by Dirichlet label skew (concentration 0.1), and
+Beta-distributed participation probabilities given in ascending order to the clients whose data
+is globally rarest. ``--scenario rare-clients`` makes the coupling strict: the tail classes are
+held only by a quarter of the clients, who join with p = 0.03 (``_rare_clients_scenario``).
 
 Evaluation, per method, of the final global model: each client's accuracy is the global test
 set *reweighted to the client's label distribution*, ``sum_c pi_ic acc_c`` with ``acc_c`` the
 per-class test accuracy (the paper does not say how per-client test sets are formed; this uses
 the whole balanced test set and no client data is held out of training). Reported: the mean,
 the worst client, the bottom 10%, the rare clients (``p_i <= --rare-p`` when given, else the
-quarter of clients with the lowest ``p`` by rank: see ``rare_client_mask``), the std across clients, global test accuracy, the mean test accuracy of the rarest 30%
-of classes, and the wall seconds of local work per round and per local step (for q-FFL these
-include the forward pass that measures ``F_k``). FedeRage's overhead is also timed on identical
-tasks, interleaved with plain CE, which cancels the CPU contention that separate runs see.
+quarter of clients with the lowest ``p`` by rank: see ``rare_client_mask``), the std across
+clients, global test accuracy, the mean test accuracy of the tail classes (the rarest 30% of
+classes; under rare-clients, the rare clients' classes), and the wall seconds of local work per
+round and per local step (for q-FFL these include the forward pass that measures ``F_k``).
+FedeRage's overhead is also timed on identical tasks, interleaved with plain CE, which cancels
+the CPU contention that separate runs see.
 
     python -m felix.experiments.federage --seeds 0 1 2 --out runs/federage-compare
 
@@ -97,6 +101,8 @@ class Scenario:
     in_shape: tuple[int, ...]
     num_classes: int
     class_order: np.ndarray  # classes from head to tail of the long-tailed training set
+    rare_classes: np.ndarray  # the "tail classes" column: the rarest 30%, or rare-clients' own classes
+    rare_p: float | None = None  # rare clients are p <= rare_p (None: the lowest-p quarter by rank)
 
 
 def parse_federage(spec: str, default_rule: str = "normalised") -> list[tuple[float, float, str]]:
@@ -188,6 +194,8 @@ def build_scenario(args: argparse.Namespace, seed: int) -> Scenario:
     rng = np.random.default_rng([seed, 0])
     labels = train.y.numpy()
     keep, order = long_tail_indices(labels, train.num_classes, args.head_per_class, args.imbalance, rng)
+    if args.scenario == "rare-clients":
+        return _rare_clients_scenario(args, train, test, keep, order, rng)
     parts = dirichlet_partition(labels[keep], args.clients, args.dirichlet, rng, min_samples=args.batch_size)
     clients = [ClientData(train.x[torch.from_numpy(keep[p])], train.y[torch.from_numpy(keep[p])]) for p in parts]
     counts = np.stack([np.bincount(c.y.numpy(), minlength=train.num_classes) for c in clients])
@@ -196,7 +204,43 @@ def build_scenario(args: argparse.Namespace, seed: int) -> Scenario:
     else:
         p = two_level_probabilities(args.clients, rng, args.frequent_fraction, args.p_frequent, args.p_rare)
     return Scenario(clients, counts, correlate_with_rarity(p, counts), test.x, test.y,
-                    tuple(train.sample_shape), train.num_classes, order)
+                    tuple(train.sample_shape), train.num_classes, order,
+                    order[-max(1, train.num_classes * 3 // 10):], args.rare_p)
+
+
+def _rare_clients_scenario(args: argparse.Namespace, train: Any, test: Any, keep: np.ndarray, order: np.ndarray,
+                           rng: np.random.Generator) -> Scenario:
+    """Rare clients hold the rare classes and are rarely heard: the issue's (and Fig. 1's) setting.
+
+    The ``--rare-classes`` tail classes of the long-tailed set go, by Dirichlet label skew, to the
+    ``--rare-fraction`` of clients only (the last ones), who join with ``--p-rare``; the other
+    classes go the same way to all clients, who otherwise join with ``--p-frequent``. Rare
+    clients are then exactly those with ``p <= p_rare`` (unless ``--rare-p`` says otherwise).
+    """
+    labels = train.y.numpy()
+    n_rare = round(args.rare_fraction * args.clients)
+    if not (1 <= n_rare < args.clients) or not (1 <= args.rare_classes < train.num_classes):
+        raise ValueError(f"rare-clients needs 1 <= rare clients ({n_rare}) < --clients and "
+                         f"1 <= --rare-classes ({args.rare_classes}) < {train.num_classes} classes")
+    rare_classes = order[-args.rare_classes:]
+    is_rare = np.isin(labels[keep], rare_classes)
+    common, rare = keep[~is_rare], keep[is_rare]
+    parts = [common[ix] for ix in dirichlet_partition(labels[common], args.clients, args.dirichlet, rng,
+                                                      min_samples=args.batch_size)]
+    rare_parts = dirichlet_partition(labels[rare], n_rare, args.dirichlet, rng)
+    first_rare = args.clients - n_rare
+    for k, ix in enumerate(rare_parts):
+        parts[first_rare + k] = np.sort(np.concatenate([parts[first_rare + k], rare[ix]]))
+    if min(len(ix) for ix in parts) < args.batch_size:
+        raise ValueError(f"rare-clients: a client holds fewer than --batch-size {args.batch_size} samples; "
+                         "raise --head-per-class or lower --clients")
+    clients = [ClientData(train.x[torch.from_numpy(ix)], train.y[torch.from_numpy(ix)]) for ix in parts]
+    counts = np.stack([np.bincount(c.y.numpy(), minlength=train.num_classes) for c in clients])
+    if not (0.0 < args.p_rare <= args.p_frequent <= 1.0):
+        raise ValueError(f"need 0 < --p-rare <= --p-frequent <= 1, got {args.p_rare}, {args.p_frequent}")
+    p = np.array([args.p_frequent] * (args.clients - n_rare) + [args.p_rare] * n_rare)
+    return Scenario(clients, counts, p, test.x, test.y, tuple(train.sample_shape), train.num_classes, order,
+                    np.sort(rare_classes), args.p_rare if args.rare_p is None else args.rare_p)
 
 
 def train_config(args: argparse.Namespace, method: Method) -> TrainConfig:
@@ -313,8 +357,8 @@ def run_method(method: Method, scenario: Scenario, participation: np.ndarray, ar
             print(f"  {method.name}: round {r + 1}/{len(participation)}", file=sys.stderr)
     vector_to_parameters(torch.from_numpy(theta.copy()), model.parameters())
     acc_c, global_acc = per_class_accuracy(model, scenario.test_x, scenario.test_y, scenario.num_classes)
-    metrics, acc = client_metrics(acc_c, scenario.counts, scenario.probabilities, args.rare_p)
-    tail = scenario.class_order[-max(1, scenario.num_classes * 3 // 10):]
+    metrics, acc = client_metrics(acc_c, scenario.counts, scenario.probabilities, scenario.rare_p)
+    tail = scenario.rare_classes
     return {
         "method": method.name,
         **metrics,
@@ -419,8 +463,9 @@ def _run_seeds(args: argparse.Namespace, methods: list[Method],
             "expected_participants": float(p.sum()),
             "mean_participants": float(sizes.mean()),
             "empty_rounds": int((sizes == 0).sum()),
-            "rare_clients": int(rare_client_mask(p, args.rare_p).sum()),
-            "rare_client_p_max": float(p[rare_client_mask(p, args.rare_p)].max()),
+            "rare_clients": int(rare_client_mask(p, scenario.rare_p).sum()),
+            "rare_client_p_max": float(p[rare_client_mask(p, scenario.rare_p)].max()),
+            "tail_classes": scenario.rare_classes.tolist(),
             "paired_overhead": (paired_overhead(scenario, participation, args, seed, fr, tasks=args.overhead_tasks)
                                 if args.overhead_tasks else None),
         })
@@ -485,6 +530,11 @@ def _configure(p: argparse.ArgumentParser) -> None:
     d.add_argument("--clients", type=int, default=100)
     d.add_argument("--head-per-class", type=int, default=3000, help="training samples of the most frequent class")
     d.add_argument("--imbalance", type=float, default=20.0, help="head/tail class-size ratio of the long tail")
+    d.add_argument("--scenario", choices=("coupled", "rare-clients"), default="coupled",
+                   help="coupled: Dirichlet split, p coupled to data rarity (--p-dist); rare-clients: the "
+                        "--rare-classes tail classes held only by --rare-fraction of clients at --p-rare")
+    d.add_argument("--rare-classes", type=int, default=2, help="rare-clients: tail classes the rare clients hold")
+    d.add_argument("--rare-fraction", type=float, default=0.25, help="rare-clients: fraction of rare clients")
     d.add_argument("--dirichlet", type=float, default=0.1,
                    help="Dirichlet label-skew concentration (0.1: most clients hold one or two classes)")
     r = p.add_argument_group("Random Access Model")
