@@ -376,48 +376,28 @@ def test_scaffold_zero_controls_is_fedavg() -> None:
 
 
 # ------------------------------------------------------------------ SCAFFOLD's stale control
-def _scaffold_delta(control: str, ci: np.ndarray | None, steps: int = 5, lr: float = 0.1) -> np.ndarray:
+def _scaffold_delta(ci: np.ndarray | None, steps: int = 5, lr: float = 0.1) -> np.ndarray:
     model = _mlp()
     w0 = parameters_to_vector(model.parameters()).detach().numpy().copy()
     state = {} if ci is None else {"scaffold_ci": ci.astype(np.float32)}
-    trainer = LocalTrainer(model, make_objective("scaffold", num_clients=4, control=control),
+    trainer = LocalTrainer(model, make_objective("scaffold", num_clients=4),
                            TrainConfig(lr=lr, batch_size=8, max_steps=steps), num_classes=3)
     upd = trainer.train(w0, _data(), state, {}, torch.Generator().manual_seed(0))
     assert upd.delta is not None and np.isfinite(state["scaffold_ci"]).all()
     return upd.delta
 
 
-def test_scaffold_stored_control_moves_the_model_by_k_lr_ci_refresh_does_not() -> None:
-    """The mechanism of SCAFFOLD's divergence under the RAM: with the stored control, the update
-    grows like K lr ||c_i|| with a stale c_i (constant over the local steps); with the refreshed
-    control, it does not depend on the stored c_i at all."""
-    n = _scaffold_delta("stored", None).size
-    u = np.random.default_rng(0).standard_normal(n)
+def test_scaffold_stale_control_moves_the_model_by_k_lr_ci() -> None:
+    """The mechanism of SCAFFOLD's divergence under the RAM: the correction is constant over the
+    local steps, so a stale client control moves the model by about K lr ||c_i|| whatever the
+    data gradient (here ||delta|| ~ 0.1 without one)."""
+    plain = _scaffold_delta(None)
+    u = np.random.default_rng(0).standard_normal(plain.size)
     u /= np.linalg.norm(u)
+    assert np.linalg.norm(plain) < 1.0
     for scale in (10.0, 100.0):
-        stored = _scaffold_delta("stored", scale * u)
-        assert np.linalg.norm(stored) == pytest.approx(5 * 0.1 * scale, rel=0.15)
-    fresh = [_scaffold_delta("refresh", ci) for ci in (None, 10.0 * u, 100.0 * u)]
-    assert all(np.array_equal(fresh[0], d) for d in fresh[1:])
-    assert np.linalg.norm(fresh[0]) < 1.0
-
-
-def test_scaffold_refresh_first_step_follows_c_and_keeps_the_bookkeeping() -> None:
-    model = _mlp()
-    w0 = parameters_to_vector(model.parameters()).detach().numpy().copy()
-    c = np.random.default_rng(1).standard_normal(w0.size).astype(np.float32)
-    ci_stored = np.full(w0.size, 0.5, np.float32)
-    state = {"scaffold_ci": ci_stored.copy()}
-    obj = make_objective("scaffold", num_clients=4, control="refresh")
-    trainer = LocalTrainer(model, obj, TrainConfig(lr=0.1, batch_size=8, max_steps=1), num_classes=3)
-    upd = trainer.train(w0, _data(), state, {"scaffold_c": c}, torch.Generator().manual_seed(0))
-    np.testing.assert_allclose(upd.delta, -0.1 * c, rtol=1e-5, atol=1e-6)  # g + (c - g) = c
-    # option II with the c_i used: c_i+ = c_i_used - c + (x - y)/(K lr) = g, the raw first gradient
-    g = obj._ci_used.numpy()
-    np.testing.assert_allclose(state["scaffold_ci"], g, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(upd.aux["sum:scaffold_dc"], (g - ci_stored) / 4, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="scaffold control"):
-        make_objective("scaffold", num_clients=4, control="fresh")
+        stale = _scaffold_delta(scale * u)
+        assert np.linalg.norm(stale) == pytest.approx(5 * 0.1 * scale, rel=0.15)
 
 
 def test_run_config_trains_federage_on_full_batches() -> None:

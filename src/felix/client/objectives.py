@@ -200,37 +200,24 @@ class Scaffold(Objective):
     momentum or Adam in the trainer the correction is still added to the gradient, as in the
     reference code, but the option-II estimate assumes plain SGD.
 
-    ``control`` picks the ``c_i`` in the correction ``c - c_i``:
-
-    * ``"stored"`` (default, the paper's): the ``c_i`` the client computed at the end of its last
-      task. Under sparse participation (the Random Access Model, ``p_i`` of a few percent) that
-      ``c_i`` is the client's mean gradient at a model tens of rounds old. The correction is
-      constant over the K local steps, so ``-c_i`` stale drives the client *up* its current loss
-      by about ``K lr ||c_i||`` (label-skewed clients have ``||c_i||`` of 10-20, ``||c||`` under 1);
-      the higher loss gives a larger ``c_i`` next time, and the loop runs away: on the default
-      ``federage-compare`` scenario the model turns non-finite near round 65
-      (docs/federage.md, "SCAFFOLD under the RAM").
-    * ``"refresh"``: the correction uses ``c_i`` re-estimated at the *received* model, the raw
-      gradient of the first local mini-batch (the SCAFFOLD paper's option I on one batch, at no
-      extra cost: that gradient is computed anyway). The first step then moves along ``c``
-      alone, and no step carries a stale gradient. The server's bookkeeping is unchanged:
-      ``c_i+`` is still option II and ``dc`` is taken against the stored ``c_i``, so ``c`` stays
-      ``(1/N) sum_i c_i``.
+    Under sparse participation (the Random Access Model, ``p_i`` of a few percent) the controls
+    are stale: a returning client's ``c_i`` is its mean gradient at a model tens of rounds old,
+    and ``c`` averages all N such ``c_i``. The correction is constant over the K local steps, so a
+    stale ``-c_i`` moves the model by about ``K lr ||c_i||`` whatever the current gradient
+    (label-skewed clients have ``||c_i||`` of 10-20 where ``||c|| < 1``), the client's loss rises,
+    its next ``c_i`` is larger, and the loop runs away: on the default ``federage-compare``
+    scenario the model turns non-finite near round 65. This is a limit of the method under the
+    RAM, not a bookkeeping error (docs/federage.md, "SCAFFOLD under the RAM", has the evidence).
     """
 
     name = "scaffold"
 
-    def __init__(self, num_clients: int, control: str = "stored") -> None:
+    def __init__(self, num_clients: int) -> None:
         if num_clients < 1:
             raise ValueError(f"scaffold num_clients must be >= 1, not {num_clients}")
-        if control not in ("stored", "refresh"):
-            raise ValueError(f"scaffold control must be 'stored' or 'refresh', not {control!r}")
         self.num_clients = int(num_clients)
-        self.control = control
         self._c = torch.empty(0)
         self._ci = torch.empty(0)
-        self._ci_used = torch.empty(0)
-        self._corr = torch.empty(0)
         self._views: list[torch.Tensor] = []
 
     @staticmethod
@@ -248,17 +235,10 @@ class Scaffold(Objective):
         c += self._flat(ctx.aux_in.get("sum:scaffold_dc"), x, "server control increment")
         self._c = c
         self._ci = self._flat(ctx.state.get("scaffold_ci"), x, "client control")
-        self._ci_used = self._ci
-        self._corr = self._c - self._ci
-        self._views = _param_views(ctx.model, self._corr)
+        self._views = _param_views(ctx.model, self._c - self._ci)
 
     def before_step(self, ctx: TaskContext) -> None:
         with torch.no_grad():
-            if self.control == "refresh" and ctx.steps == 0:
-                g = torch.cat([torch.zeros(p.numel(), device=p.device) if p.grad is None else p.grad.reshape(-1)
-                               for p in ctx.model.parameters()])
-                self._ci_used = g
-                self._corr.copy_(self._c - g)  # the views follow: they alias self._corr
             for p, corr in zip(ctx.model.parameters(), self._views):
                 if p.grad is None:
                     p.grad = corr.clone()
@@ -269,7 +249,7 @@ class Scaffold(Objective):
         if ctx.steps > 0:
             with torch.no_grad():
                 y = torch.nn.utils.parameters_to_vector(ctx.model.parameters())
-                ci_new = self._ci_used - self._c + (ctx.global_params - y) / (ctx.steps * ctx.lr)
+                ci_new = self._ci - self._c + (ctx.global_params - y) / (ctx.steps * ctx.lr)
         else:
             ci_new = self._ci
         dc = (ci_new - self._ci).cpu().numpy()

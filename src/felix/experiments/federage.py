@@ -37,10 +37,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import platform
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,9 +146,7 @@ def build_methods(args: argparse.Namespace, num_clients: int) -> list[Method]:
         elif name == "fedprox":
             methods.append(Method(f"fedprox(mu={args.mu:g})", "fedprox", {"mu": args.mu}))
         elif name == "scaffold":
-            for control in filter(None, (s.strip() for s in args.scaffold_control.split(","))):
-                methods.append(Method(f"scaffold({control})", "scaffold", {"num_clients": num_clients,
-                                                                          "control": control}))
+            methods.append(Method("scaffold", "scaffold", {"num_clients": num_clients}))
         elif name == "qffl":
             for q in parse_floats(args.q, "--q"):
                 methods.append(Method(f"qffl(q={q:g})", "ce", {"q": q}, aggregator="qffl"))
@@ -408,6 +408,17 @@ def markdown_table(rows: list[dict[str, Any]], n_seeds: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rounded(value: Any, digits: int = 5) -> Any:
+    """Per-run floats to ``digits`` decimals: keeps the committed result JSON small."""
+    if isinstance(value, float):
+        return round(value, digits)
+    if isinstance(value, list):
+        return [_rounded(v, digits) for v in value]
+    if isinstance(value, dict):
+        return {k: _rounded(v, digits) for k, v in value.items()}
+    return value
+
+
 def provenance(threads: int) -> dict[str, Any]:
     """What produced a table: the commit (and whether ``src/`` had uncommitted changes), torch, threads."""
     def git(*cmd: str) -> str:
@@ -484,17 +495,31 @@ def _run_seeds(args: argparse.Namespace, methods: list[Method],
     return runs, scenario_info
 
 
+def _run_one_seed(job: tuple[argparse.Namespace, list[Method], int | list[int]]
+                  ) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
+    """``_run_seeds`` under ``--threads`` torch threads (a worker process's entry point for ``--jobs``)."""
+    args, methods, seeds = job
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run_seeds(args, methods, seeds if isinstance(seeds, list) else [seeds])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run every method on every seed's scenario; write the table, the JSON and the plot."""
     _check(args)
     methods = build_methods(args, args.clients)
     seeds = [int(s) for s in args.seeds]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        runs, scenario_info = _run_seeds(args, methods, seeds)
-    finally:
-        torch.set_num_threads(threads)
+    if args.jobs > 1 and len(seeds) > 1:
+        # One process per seed; each runs exactly what the serial loop would, so results match.
+        with ProcessPoolExecutor(min(args.jobs, len(seeds)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = list(pool.map(_run_one_seed, [(args, methods, seed) for seed in seeds]))
+        runs = [r for part in parts for r in part[0]]
+        scenario_info = [i for part in parts for i in part[1]]
+    else:
+        runs, scenario_info = _run_one_seed((args, methods, seeds))
     rows = summarise(runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -513,8 +538,8 @@ def run(args: argparse.Namespace) -> int:
         f"{' (with local changes)' if prov['dirty'] else ''}, torch {prov['torch']}, {prov['threads']} thread(s).\n\n"
         f"Command settings: `{json.dumps(settings)}`\n\n" + table)
     (out / "federage_compare.json").write_text(json.dumps(
-        {"settings": settings, "provenance": prov, "scenarios": scenario_info, "summary": rows, "runs": runs},
-        indent=1) + "\n")
+        {"settings": settings, "provenance": prov, "scenarios": scenario_info, "summary": rows,
+         "runs": _rounded(runs)}, indent=1) + "\n")
     plot_distribution(out / "client_accuracy.png", runs)
     print(table)
     print(f"wrote {out / 'federage_compare.md'}, {out / 'federage_compare.json'}, {out / 'client_accuracy.png'}",
@@ -561,15 +586,12 @@ def _configure(p: argparse.ArgumentParser) -> None:
     t.add_argument("--step-rule", choices=FEDERAGE_STEP_RULES, default="normalised",
                    help="FedeRage's step rule for items without one (see FedeRage's docstring)")
     t.add_argument("--beta-lr", type=float, default=None, help="FedeRage's beta learning rate (default: --lr)")
-    t.add_argument("--scaffold-control", default="refresh,stored",
-                   help="SCAFFOLD rows by control variate: refresh (re-estimated at the received model), "
-                        "stored (the paper's; diverges under sparse participation)")
-    t.add_argument("--beta-max", type=float, default=10.0, help="FedeRage's interval B = [0, beta_max]")
     t.add_argument("--mu", type=float, default=0.01, help="FedProx mu")
     t.add_argument("--q", default="0.1,1", help="q-FFL q values, comma-separated (one row each)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads; small models run fastest on one (more oversubscribe the CPU)")
     p.add_argument("--seeds", nargs="+", default=["0"], help="one run per seed; the table shows mean ± std")
+    p.add_argument("--jobs", type=int, default=1, help="seeds run in parallel processes (same results as serial)")
     p.add_argument("--overhead-tasks", type=int, default=24,
                    help="tasks timed for FedeRage's paired overhead per seed (0: skip the timing)")
     p.add_argument("--out", default="runs/federage-compare")
@@ -578,7 +600,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("clients", "rounds", "batch_size", "epochs", "head_per_class", "threads"):
+    for name in ("clients", "rounds", "batch_size", "epochs", "head_per_class", "threads", "jobs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_steps is not None and args.max_steps < 0:
