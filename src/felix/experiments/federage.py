@@ -586,6 +586,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
     t.add_argument("--step-rule", choices=FEDERAGE_STEP_RULES, default="normalised",
                    help="FedeRage's step rule for items without one (see FedeRage's docstring)")
     t.add_argument("--beta-lr", type=float, default=None, help="FedeRage's beta learning rate (default: --lr)")
+    t.add_argument("--beta-max", type=float, default=10.0, help="FedeRage's interval B = [0, beta_max]")
     t.add_argument("--mu", type=float, default=0.01, help="FedProx mu")
     t.add_argument("--q", default="0.1,1", help="q-FFL q values, comma-separated (one row each)")
     p.add_argument("--threads", type=int, default=1,
