@@ -66,3 +66,28 @@ def test_ips_validation() -> None:
         IPSAggregator({0: 0.0})
     with pytest.raises(ValueError, match="no participation probability for client 3"):
         IPSAggregator({0: 0.5}).aggregate(np.zeros(2, np.float32), [_item(3, [1, 0], 0.0)])
+
+
+def test_qffl_falls_back_to_the_data_loss_of_a_federage_client() -> None:
+    """A FedeRage client reports its data loss, not w * f: q-FFL's fallback weight F^q is the same
+    as for a plain-CE client whose first batch (the whole task here) saw the same data."""
+    import torch
+    from torch import nn
+    from torch.nn.utils import parameters_to_vector
+
+    from felix.client.objectives import make_objective
+    from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
+
+    g = torch.Generator().manual_seed(0)
+    data = ClientData(torch.randn(16, 4, generator=g), torch.randint(0, 2, (16,), generator=g))
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    w0 = parameters_to_vector(model.parameters()).detach().numpy().copy()
+    cfg = TrainConfig(lr=0.1, batch_size=16, max_steps=1)
+    agg = QFFLAggregator(q=2.0, lipschitz=10.0)
+    weights = []
+    for name, params in (("ce", {}), ("federage", {"alpha": 0.05, "gamma": 1.0, "step_rule": "paper"})):
+        upd = LocalTrainer(model, make_objective(name, **params), cfg, 2).train(
+            w0, data, {}, {}, torch.Generator().manual_seed(1))
+        weights.append(agg.weight(BufferedUpdate(0, 0, 0, 0.0, upd)))
+    assert weights[0] == weights[1] > 0  # beta0 = 0: the batch is above beta, w = 20, yet F is f
