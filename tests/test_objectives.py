@@ -375,7 +375,7 @@ def test_scaffold_zero_controls_is_fedavg() -> None:
     np.testing.assert_allclose(state["scaffold_ci"], -ce.delta / (15 * 0.1), rtol=1e-5, atol=1e-7)
 
 
-# ------------------------------------------------------------------ SCAFFOLD's stale control
+# ------------------------------------------------------------------ SCAFFOLD's correction loop
 def _scaffold_delta(ci: np.ndarray | None, steps: int = 5, lr: float = 0.1) -> np.ndarray:
     model = _mlp()
     w0 = parameters_to_vector(model.parameters()).detach().numpy().copy()
@@ -387,10 +387,11 @@ def _scaffold_delta(ci: np.ndarray | None, steps: int = 5, lr: float = 0.1) -> n
     return upd.delta
 
 
-def test_scaffold_stale_control_moves_the_model_by_k_lr_ci() -> None:
-    """The mechanism of SCAFFOLD's divergence under the RAM: the correction is constant over the
-    local steps, so a stale client control moves the model by about K lr ||c_i|| whatever the
-    data gradient (here ||delta|| ~ 0.1 without one)."""
+def test_scaffold_correction_moves_the_model_by_k_lr_ci() -> None:
+    """The lever of SCAFFOLD's divergence under the RAM (docs/federage.md): the correction is
+    constant over the local steps, so a client control c_i moves the model by about K lr ||c_i||
+    whatever the data gradient (here ||delta|| < 1 without one); the next c_i is the mean gradient
+    along that trajectory, which closes the loop."""
     plain = _scaffold_delta(None)
     u = np.random.default_rng(0).standard_normal(plain.size)
     u /= np.linalg.norm(u)

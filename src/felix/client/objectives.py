@@ -200,14 +200,15 @@ class Scaffold(Objective):
     momentum or Adam in the trainer the correction is still added to the gradient, as in the
     reference code, but the option-II estimate assumes plain SGD.
 
-    Under sparse participation (the Random Access Model, ``p_i`` of a few percent) the controls
-    are stale: a returning client's ``c_i`` is its mean gradient at a model tens of rounds old,
-    and ``c`` averages all N such ``c_i``. The correction is constant over the K local steps, so a
-    stale ``-c_i`` moves the model by about ``K lr ||c_i||`` whatever the current gradient
-    (label-skewed clients have ``||c_i||`` of 10-20 where ``||c|| < 1``), the client's loss rises,
-    its next ``c_i`` is larger, and the loop runs away: on the default ``federage-compare``
-    scenario the model turns non-finite near round 65. This is a limit of the method under the
-    RAM, not a bookkeeping error (docs/federage.md, "SCAFFOLD under the RAM", has the evidence).
+    Step-size limit (docs/federage.md, "SCAFFOLD under the RAM"; ``benchmarks/scaffold_ram.py``):
+    the correction is constant over the K local steps, so it moves the model by up to
+    ``K lr ||c - c_i||``, and label-skewed clients have ``||c_i||`` of 5-20 where ``||c|| < 1``;
+    the next ``c_i`` is the mean gradient along that trajectory, which closes a feedback loop.
+    On the default ``federage-compare`` scenario (small CNN, K = 10, lr 0.05) it runs away and the
+    model turns non-finite at round 69; the update norms then track ``||c - c_i||`` (correlation
+    0.99), not the staleness of ``c_i`` (the largest updates came from clients seen one round
+    before). At lr 0.02 the same run stays finite for 100 rounds. The bookkeeping is as published
+    (pinned by tests); keep ``K lr`` small, as SCAFFOLD's analysis asks (local lr ~ 1/(K L)).
     """
 
     name = "scaffold"
