@@ -512,6 +512,7 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     methods = build_methods(args, args.clients)
     seeds = [int(s) for s in args.seeds]
+    prov = provenance(args.threads)  # the code as it was when the runs started
     if args.jobs > 1 and len(seeds) > 1:
         # One process per seed; each runs exactly what the serial loop would, so results match.
         with ProcessPoolExecutor(min(args.jobs, len(seeds)), mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -531,7 +532,6 @@ def run(args: argparse.Namespace) -> int:
                   + " (per seed). The per-method s/round columns come from separate runs and include any CPU "
                   "contention of their moment.\n")
     settings = {k: v for k, v in vars(args).items() if k != "func"}
-    prov = provenance(args.threads)
     (out / "federage_compare.md").write_text(
         "# FedeRage comparison under the Random Access Model\n\n"
         f"Mean ± sample std over seeds {seeds}. Provenance: commit {prov['commit'][:12]}"
