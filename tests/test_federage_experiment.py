@@ -116,3 +116,17 @@ def test_parallel_seeds_match_serial(tmp_path: Path) -> None:
         assert [(r["method"], r["client_acc"], r["server_beta"]) for r in ra] == \
             [(r["method"], r["client_acc"], r["server_beta"]) for r in rb]
     assert a["summary"][0]["mean_client_acc_std"] > 0
+
+
+def test_paired_delta_table() -> None:
+    from felix.experiments.federage import paired_delta_table
+
+    def res(name: str, acc: float) -> dict:
+        return {"method": name, "mean_client_acc": acc, "bottom10_acc": acc, "rare_client_acc": acc,
+                "tail_class_acc": acc, "global_acc": acc}
+
+    runs = [[res("fedavg", 0.7), res("x", 0.75)], [res("fedavg", 0.8), res("x", 0.79)], [res("fedavg", 0.6), res("x", 0.62)]]
+    table = paired_delta_table(runs)
+    # differences +0.05, -0.01, +0.02: mean +0.020, sample std 0.030, ahead on 2 of 3 seeds
+    assert "| x | +0.020 ± 0.030 (2/3) |" in table and "| fedavg |" not in table
+    assert paired_delta_table(runs, reference="nope") == ""

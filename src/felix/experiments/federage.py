@@ -408,6 +408,50 @@ def markdown_table(rows: list[dict[str, Any]], n_seeds: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+DELTA_METRICS = ("mean_client_acc", "bottom10_acc", "rare_client_acc", "tail_class_acc", "global_acc")
+
+
+def paired_delta_table(runs: list[list[dict[str, Any]]], reference: str = "fedavg") -> str:
+    """Each method minus ``reference`` on the same seed (same data, draws and batch orders), mean
+    ± sample std over seeds, and the seeds where the method is ahead: the scenario changes a lot
+    from seed to seed, the paired difference much less."""
+    names = [r["method"] for r in runs[0]]
+    if reference not in names:
+        return ""
+    ref = names.index(reference)
+    heads = ("mean", "bottom 10%", "rare clients", "tail classes", "global")
+    lines = [f"| method - {reference} (paired by seed) | " + " | ".join(heads) + " |", "|" + "---|" * (len(heads) + 1)]
+    for i, name in enumerate(names):
+        if i == ref:
+            continue
+        cells = []
+        for m in DELTA_METRICS:
+            d = np.array([seed_runs[i][m] - seed_runs[ref][m] for seed_runs in runs])
+            std = f" ± {d.std(ddof=1):.3f}" if len(d) > 1 else ""
+            cells.append(f"{d.mean():+.3f}{std} ({int((d > 0).sum())}/{len(d)})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def report_markdown(doc: dict[str, Any]) -> str:
+    """The markdown report of a ``federage_compare.json`` document: settings, provenance, tables."""
+    prov, seeds, runs = doc["provenance"], [s["seed"] for s in doc["scenarios"]], doc["runs"]
+    table = markdown_table(doc["summary"], len(seeds))
+    deltas = paired_delta_table(runs)
+    if deltas:
+        table += "\nIn parentheses: the seeds on which the method is ahead.\n\n" + deltas
+    ov = [info["paired_overhead"] for info in doc["scenarios"] if info.get("paired_overhead")]
+    if ov:
+        table += (f"\nFedeRage's local-training overhead vs FedAvg (plain CE) on the same {ov[0]['tasks']} tasks, "
+                  "interleaved, fastest of 3: " + ", ".join(f"{100 * o['overhead']:+.1f}%" for o in ov)
+                  + " (per seed). The per-method s/round columns come from separate runs and include any CPU "
+                  "contention of their moment.\n")
+    return ("# FedeRage comparison under the Random Access Model\n\n"
+            f"Mean ± sample std over seeds {seeds}. Provenance: commit {prov['commit'][:12]}"
+            f"{' (with local changes)' if prov['dirty'] else ''}, torch {prov['torch']}, {prov['threads']} thread(s).\n\n"
+            f"Command settings: `{json.dumps(doc['settings'])}`\n\n" + table)
+
+
 def _rounded(value: Any, digits: int = 5) -> Any:
     """Per-run floats to ``digits`` decimals: keeps the committed result JSON small."""
     if isinstance(value, float):
@@ -524,24 +568,14 @@ def run(args: argparse.Namespace) -> int:
     rows = summarise(runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(rows, len(seeds))
-    ov = [info["paired_overhead"] for info in scenario_info if info["paired_overhead"]]
-    if ov:
-        table += (f"\nFedeRage's local-training overhead vs FedAvg (plain CE) on the same {ov[0]['tasks']} tasks, "
-                  "interleaved, fastest of 3: " + ", ".join(f"{100 * o['overhead']:+.1f}%" for o in ov)
-                  + " (per seed). The per-method s/round columns come from separate runs and include any CPU "
-                  "contention of their moment.\n")
     settings = {k: v for k, v in vars(args).items() if k != "func"}
-    (out / "federage_compare.md").write_text(
-        "# FedeRage comparison under the Random Access Model\n\n"
-        f"Mean ± sample std over seeds {seeds}. Provenance: commit {prov['commit'][:12]}"
-        f"{' (with local changes)' if prov['dirty'] else ''}, torch {prov['torch']}, {prov['threads']} thread(s).\n\n"
-        f"Command settings: `{json.dumps(settings)}`\n\n" + table)
-    (out / "federage_compare.json").write_text(json.dumps(
-        {"settings": settings, "provenance": prov, "scenarios": scenario_info, "summary": rows,
-         "runs": _rounded(runs)}, indent=1) + "\n")
+    doc = {"settings": settings, "provenance": prov, "scenarios": scenario_info, "summary": rows,
+           "runs": _rounded(runs)}
+    report = report_markdown(doc)
+    (out / "federage_compare.md").write_text(report)
+    (out / "federage_compare.json").write_text(json.dumps(doc, indent=1) + "\n")
     plot_distribution(out / "client_accuracy.png", runs)
-    print(table)
+    print(report)
     print(f"wrote {out / 'federage_compare.md'}, {out / 'federage_compare.json'}, {out / 'client_accuracy.png'}",
           file=sys.stderr)
     return 0
