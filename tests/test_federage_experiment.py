@@ -21,7 +21,7 @@ def test_federage_compare_writes_table_json_and_plot(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "federage_compare.json").read_text())
     names = [r["method"] for r in doc["summary"]]
     assert names == ["fedavg", "fedprox(mu=0.01)", "scaffold", "qffl(q=1)",
-                     "fedavg-ips(oracle)", "federage-norm(a=0.5,g=0.5)"]
+                     "fedavg-ips(oracle)", "federage-capped(a=0.5,g=0.5)"]
     for row in doc["summary"]:
         assert 0.0 <= row["worst_client_acc"] <= row["bottom10_acc"] <= row["mean_client_acc"] <= 1.0
     assert len(doc["runs"][0][0]["client_acc"]) == 8

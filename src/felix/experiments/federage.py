@@ -107,7 +107,7 @@ class Scenario:
     rare_p: float | None = None  # rare clients are p <= rare_p (None: the lowest-p quarter by rank)
 
 
-def parse_federage(spec: str, default_rule: str = "normalised") -> list[tuple[float, float, str]]:
+def parse_federage(spec: str, default_rule: str = "capped") -> list[tuple[float, float, str]]:
     """``"0.5:0.5,0.2:1:paper"`` -> [(alpha, gamma, step_rule), ...]; the rule defaults to ``default_rule``."""
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -617,7 +617,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
                    help=f"comma list from {', '.join(BASE_METHODS + ('federage',))}")
     t.add_argument("--federage", default="0.5:0.5,0.2:0.5,0.2:1.0",
                    help="FedeRage alpha:gamma[:rule] items (rule: paper or normalised; default --step-rule)")
-    t.add_argument("--step-rule", choices=FEDERAGE_STEP_RULES, default="normalised",
+    t.add_argument("--step-rule", choices=FEDERAGE_STEP_RULES, default="capped",
                    help="FedeRage's step rule for items without one (see FedeRage's docstring)")
     t.add_argument("--beta-lr", type=float, default=None, help="FedeRage's beta learning rate (default: --lr)")
     t.add_argument("--beta-max", type=float, default=10.0, help="FedeRage's interval B = [0, beta_max]")
