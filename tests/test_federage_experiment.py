@@ -107,6 +107,7 @@ def test_rare_clients_scenario_holds_rare_classes_at_rare_clients() -> None:
     assert (sc.counts.sum(axis=1) >= 8).all()
 
 
+@pytest.mark.slow
 def test_parallel_seeds_match_serial(tmp_path: Path) -> None:
     args = SMALL + ["--methods", "fedavg,federage", "--seeds", "0", "1", "--overhead-tasks", "0"]
     assert main(args + ["--out", str(tmp_path / "serial")]) == 0
