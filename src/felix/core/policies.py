@@ -14,6 +14,7 @@ import numpy as np
 
 from felix.core.client_map import ClientMap, ClientRecord
 from felix.core.types import BufferedUpdate, Tier
+from felix.core.validation import AuxDecl
 
 
 class AvailabilityOracle(Protocol):
@@ -75,6 +76,11 @@ class Aggregator:
         self.server_lr = server_lr
         self.normalize = normalize
         self.clip_norm = clip_norm
+
+    def declared_aux(self, num_params: int) -> dict[str, AuxDecl]:
+        """Aux entries this aggregator reads from updates beyond the objective's (see
+        ``felix.core.validation``); the server rejects any entry neither declares."""
+        return {}
 
     def weight(self, item: BufferedUpdate) -> float:
         raise NotImplementedError

@@ -195,7 +195,7 @@ class Server:
                 self._on_connected(item)
             elif item is not None:
                 self._pending_acks.append(item)
-                self._on_inbound(item)
+                self._on_inbound_guarded(item)
             now = self.now()
             wake = self.orch.next_wakeup()
             if wake is not None and wake <= now and self._stop is None:
@@ -278,6 +278,16 @@ class Server:
         log.warning("rejected message from client %d (task %d): %s%s", cid, task_id, reason,
                     f" ({detail})" if detail else "")
 
+    def _on_inbound_guarded(self, m: Inbound) -> None:
+        """Handle one message; if handling raises, the message is rejected (and acknowledged with
+        the others, so the broker does not redeliver it): no client message stops the server."""
+        try:
+            self._on_inbound(m)
+        except Exception as exc:  # noqa: BLE001 - any client message is hostile; the loop must survive
+            parsed = self.topics.parse_inbound_to_server(m.topic)
+            log.exception("handling a message on %s raised", m.topic[:80])
+            self._reject(parsed[1] if parsed else -1, 0, f"internal error: {type(exc).__name__}", str(exc)[:200])
+
     def _on_inbound(self, m: Inbound) -> None:
         self.stats.messages_in += 1
         parsed = self.topics.parse_inbound_to_server(m.topic)
@@ -286,7 +296,7 @@ class Server:
             return
         kind, cid = parsed
         try:
-            msg = wire.decode(m.payload, self.max_bytes)
+            msg = wire.decode(m.payload, self.max_bytes, self.orch.validator.aux_spec)
         except wire.MessageError as exc:
             self.rec.bytes.add("up", "control", len(m.payload))
             self._reject(cid, 0, f"transport: {exc.code.value}", exc.detail)
