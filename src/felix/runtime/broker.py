@@ -58,7 +58,7 @@ def raise_open_file_limit() -> None:
     near 1,000 clients with nothing in its log but refused connections.
     """
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < hard:
+    if resource.RLIM_INFINITY not in (soft, hard) and soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
