@@ -120,8 +120,8 @@ def _ms(values: deque[float], q: float) -> float | None:
 
 
 def reason_key(reason: str) -> str:
-    """A stable counter key for a rejection reason: numbers (task ids, shapes) become N."""
-    return re.sub(r"\b\d+\b", "N", reason)
+    """A stable counter key for a rejection reason: numbers (task ids, shapes, norms) become N."""
+    return re.sub(r"\b\d+(?:\.\d+)?(?:e[+-]?\d+)?\b", "N", reason)
 
 
 class Server:
