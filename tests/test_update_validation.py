@@ -160,7 +160,7 @@ def test_an_update_the_aggregator_cannot_take_is_rejected_and_the_rest_kept() ->
     assert reasons(out) == ["update cannot be aggregated (cannot weigh client 0)"]
     assert o.version == 0 and np.array_equal(o.weights, THETA0)
     out = o.handle(TaskFinished(3.0, 2, tasks[2].task_id, honest()))
-    assert o.version == 1 and [c for c in out if isinstance(c, NewModelVersion)][0].report.client_ids == (1, 2)
+    assert o.version == 1 and next(c for c in out if isinstance(c, NewModelVersion)).report.client_ids == (1, 2)
 
 
 def test_build_declares_the_objective_and_aggregator_aux() -> None:

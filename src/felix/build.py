@@ -307,8 +307,9 @@ def build_validator(cfg: Config, aggregator: Aggregator, num_params: int) -> Upd
                           f"choose one of {sorted(OBJECTIVES)}") from None
     v = cfg.validation
     try:
+        c = cfg.client
         vcfg = ValidationConfig(v.max_samples_factor, v.norm_policy, v.norm_factor, v.norm_window,
-                                v.norm_min_history, v.warmup_factor)
+                                v.norm_min_history, v.warmup_factor, c.batch_size, c.epochs, c.max_steps)
     except ValueError as exc:
         raise ConfigError(f"validation: {exc}") from None
     spec = {**objective.declared_aux(num_params), **aggregator.declared_aux(num_params)}

@@ -52,7 +52,7 @@ def _port_open(port: int) -> bool:
 
 
 def raise_open_file_limit() -> None:
-    """Lift this process's soft open-file limit to the hard one (run in the broker's child).
+    """Lift this process's soft open-file limit to the hard one, for the broker it starts.
 
     Mosquitto holds one descriptor per connection, and the usual soft limit of 1024 caps a broker
     near 1,000 clients with nothing in its log but refused connections.
@@ -167,8 +167,9 @@ class MosquittoBroker:
     def start(self, timeout: float = 10.0) -> None:
         if self._proc is not None and self._proc.poll() is None:
             return
+        raise_open_file_limit()  # the broker inherits it
         self._proc = subprocess.Popen([self.binary, "-c", str(self.conf)], stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, preexec_fn=raise_open_file_limit)
+                                      stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

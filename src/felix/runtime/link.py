@@ -215,9 +215,9 @@ class MqttLink:
             ctx = ssl.create_default_context(cafile=o.tls_ca)
             if o.tls_cert is not None:
                 ctx.load_cert_chain(o.tls_cert, o.tls_key)
-            with socket.create_connection((o.host, o.port), timeout=5.0) as sock:
-                with ctx.wrap_socket(sock, server_hostname=o.host):
-                    return None
+            with socket.create_connection((o.host, o.port), timeout=5.0) as sock, \
+                    ctx.wrap_socket(sock, server_hostname=o.host):
+                return None
         except ssl.SSLCertVerificationError as exc:
             return self._tls_message(exc)
         except ssl.SSLError as exc:

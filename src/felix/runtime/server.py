@@ -134,6 +134,9 @@ class Server:
         pop = build_population(cfg)
         self.num_clients = cfg.partition.num_clients
         self.num_classes = pop.train.num_classes
+        # Clients derive their data from the config's partition: none may claim more samples (the
+        # registered count bounds every later result's num_samples, its weight and its norm bound).
+        self.partition_sizes = [len(d) for d in pop.client_data]
         self.num_params = int(pop.initial_weights.size)
         knowledge = Knowledge(cfg.orchestrator.knowledge)
         # The oracle baselines read the trace on the server's clock (clients replay it on theirs).
@@ -283,7 +286,7 @@ class Server:
         the others, so the broker does not redeliver it): no client message stops the server."""
         try:
             self._on_inbound(m)
-        except Exception as exc:  # noqa: BLE001 - any client message is hostile; the loop must survive
+        except Exception as exc:  # any client message is hostile; the loop must survive it
             parsed = self.topics.parse_inbound_to_server(m.topic)
             log.exception("handling a message on %s raised", m.topic[:80])
             self._reject(parsed[1] if parsed else -1, 0, f"internal error: {type(exc).__name__}", str(exc)[:200])
@@ -357,6 +360,11 @@ class Server:
             self._reject(cid, 0, "transport: registration's class counts do not match the classes or the samples",
                          f"{len(counts)} counts summing to {sum(counts)} for {msg.num_samples} samples, "
                          f"{self.num_classes} classes")
+            return
+        most = self.partition_sizes[cid] + sum(self.orch.plans.get(cid, ()))  # after augmenting: plus its row
+        if msg.num_samples > most:
+            self._reject(cid, 0, "transport: registration claims more samples than the client's partition holds",
+                         f"{msg.num_samples} > {most}")
             return
         if cid not in self.orch.clients:
             self.incarnations[cid] = msg.incarnation
