@@ -190,6 +190,9 @@ def test_poison_and_aux_injection_are_rejected_at_the_server(tmp_path: Path) -> 
         raw0 = RawClient(broker.port, "client-0", u["client-0"], [T.task(0), T.status])
         raw1 = RawClient(broker.port, "client-1", u["client-1"], [T.task(1), T.status])
         try:
+            inflated = wire.Register(run="t", msg_id="raw0-big", sent_at=time.time(), client=0, incarnation="raw",
+                                     num_samples=2**40, tier=Tier.AVL_TRAIN, class_counts=(2**40 - 9,) + (1,) * 9)
+            raw0.send(T.register(0), wire.encode(inflated))  # would lift its sample bound: refused
             t0, t1 = _register(raw0, 0), _register(raw1, 1)
             n = t0.weights.size
             ok = np.full(n, 1e-3, np.float32)
@@ -217,6 +220,7 @@ def test_poison_and_aux_injection_are_rejected_at_the_server(tmp_path: Path) -> 
         "num_samples N exceeds the N the client registered (+N planned)": 1,
         "update norm N exceeds the bound N (N x the model's norm, until N clients have sent updates)": 1,
         "transport: bad_aux": 3,
+        "transport: registration claims more samples than the client's partition holds": 1,
     }, summ["rejected_by_reason"]
 
 

@@ -101,7 +101,7 @@ def test_clip_policy_scales_to_the_bound_and_one_client_cannot_drag_the_median()
     for _ in range(1000):
         big = np.full(DIM, 0.399, np.float32)
         assert not v.check(9, TaskKind.TRAIN, ClientUpdate(10, 1.0, 0.5, 1.0, big), 10, 0, theta).clipped
-    assert v.norm_bound(theta) == pytest.approx(4.0 * median, rel=1e-6)
+    assert v.norm_bound(theta, steps=10) == pytest.approx(4.0 * median, rel=1e-6)  # 10 samples, batch 1
     verdict = v.check(9, TaskKind.TRAIN, ClientUpdate(10, 1.0, 0.5, 1.0, np.full(DIM, 3e38, np.float32)),
                       10, 0, theta)
     assert verdict.clipped and verdict.update is not None
@@ -223,3 +223,20 @@ def test_tier_flips_cost_at_most_one_probe_per_round() -> None:
     trains = sum(isinstance(c, DispatchTrain) for c in out)
     evals = sum(isinstance(c, DispatchEval) for c in out)
     assert (trains, evals) == (1, 1), (trains, evals)
+
+
+def test_norm_bound_scales_with_the_square_root_of_local_steps() -> None:
+    """A client with much more data than the median takes more local steps and sends a larger
+    honest update: compared per sqrt(steps), it is not refused (DAFL's table partitions)."""
+    v = UpdateValidator(ValidationConfig(norm_factor=10.0, norm_min_history=3, batch_size=10))
+    theta = np.ones(DIM, np.float32)
+    for c in range(5):  # small clients: 10 samples, 1 step, norm 1
+        d = np.zeros(DIM, np.float32)
+        d[0] = 1.0
+        assert v.check(c, TaskKind.TRAIN, ClientUpdate(10, 1.0, 0.5, 1.0, d), 10, 0, theta).update is not None
+    assert v.norm_bound(theta, v.config.local_steps(10)) == pytest.approx(10.0)
+    assert v.norm_bound(theta, v.config.local_steps(1000)) == pytest.approx(100.0)  # 100 steps
+    big = np.zeros(DIM, np.float32)
+    big[0] = 40.0
+    assert v.check(7, TaskKind.TRAIN, ClientUpdate(1000, 1.0, 0.5, 1.0, big), 1000, 0, theta).update is not None
+    assert v.check(8, TaskKind.TRAIN, ClientUpdate(10, 1.0, 0.5, 1.0, big), 10, 0, theta).update is None
