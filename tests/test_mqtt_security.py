@@ -192,8 +192,8 @@ def test_poison_and_aux_injection_are_rejected_at_the_server(tmp_path: Path) -> 
         try:
             inflated = wire.Register(run="t", msg_id="raw0-big", sent_at=time.time(), client=0, incarnation="raw",
                                      num_samples=2**40, tier=Tier.AVL_TRAIN, class_counts=(2**40 - 9,) + (1,) * 9)
-            raw0.send(T.register(0), wire.encode(inflated))  # would lift its sample bound: refused
             t0, t1 = _register(raw0, 0), _register(raw1, 1)
+            raw0.send(T.register(0), wire.encode(inflated))  # would lift its sample bound: refused
             n = t0.weights.size
             ok = np.full(n, 1e-3, np.float32)
             huge = np.full(n, 3e38, np.float32)
