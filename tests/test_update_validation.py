@@ -30,7 +30,7 @@ THETA0 = RNG.normal(0, 1, DIM).astype(np.float32)  # norm ~7: the warm-up bound 
 def make(agg: Aggregator | None = None, validator: UpdateValidator | None = None, **kw) -> Orchestrator:
     cfg = OrchestratorConfig(**{"mode": "async", "agg_goal": 1, "concurrency": 1, **kw})
     return Orchestrator(cfg, THETA0.copy(), RandomSelector(), agg or FedAvgAggregator(), np.random.default_rng(0),
-                        validator=validator)
+                        validator=validator or UpdateValidator())
 
 
 def honest(scale: float = 0.05, n: int = 20, **aux: np.ndarray) -> ClientUpdate:

@@ -32,7 +32,7 @@ from felix.core.policies import (
     TrainSelector,
 )
 from felix.core.types import BufferedUpdate, ClientUpdate, Task, TaskKind, TaskState, Tier
-from felix.core.validation import UpdateValidator
+from felix.core.validation import UpdateValidator, ValidationConfig
 
 
 class Knowledge(str, Enum):
@@ -121,8 +121,10 @@ class Orchestrator:
         self.eval_selector = eval_selector or EvalSelector()
         self.rng = rng
         self.oracle = oracle
-        # On by default: a bare UpdateValidator bounds samples and norms and admits no aux entry.
-        self.validator = validator if validator is not None else UpdateValidator()
+        # Without one from the shell (``build_orchestrator`` makes it from the config, norms included),
+        # samples are bounded and no aux entry is admitted; the norm bound needs the clients' local
+        # schedule, which only the config knows, so a bare orchestrator leaves it off.
+        self.validator = validator if validator is not None else UpdateValidator(ValidationConfig(norm_policy="off"))
         self.clients = ClientMap()
         self.stats = OrchestratorStats()
         self.version = 0

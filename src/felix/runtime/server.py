@@ -11,9 +11,12 @@ queue (``felix.runtime.link``). For each message the loop checks, in order: the 
 header (``wire.decode``: magic, version, type, field types, sizes), that the header's client id
 is the topic's (the broker's ACL ties the topic to the login), the run id, and the message id
 (a byte-identical repeat is an at-least-once duplicate, counted and dropped; the same id with
-other content is a replay and rejected). The orchestrator then checks what it knows: client,
-task, shape, dtype, finite values. Every rejection is logged with its reason and counted in
-``summary.json`` under ``rejected_by_reason``; nothing rejected is applied.
+other content is a replay and rejected). ``wire.decode`` also refuses aux entries the objective
+and aggregator do not declare. The orchestrator then checks what it knows: client, task, shape,
+dtype, finite values, and the update validator's bounds (``felix.core.validation``: samples,
+norm). Every rejection is logged with its reason and counted in ``summary.json`` under
+``rejected_by_reason``; nothing rejected is applied. A message whose handling raises is rejected
+too ("internal error") and acknowledged like any other: no client message stops the server.
 
 Exactly once: the orchestrator applies a task's result at most once (it closes the task on the
 first accepted result); the server acknowledges inbound messages to the broker only after the
