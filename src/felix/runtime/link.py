@@ -13,6 +13,14 @@ marked clean-start, hence the separate reset connection rather than MQTT's clean
 paho reconnects on its own with a bounded back-off and resends unacknowledged QoS 1 messages;
 publishing while disconnected queues the message in paho.
 
+Identity: a link's MQTT client id is its login (the broker enforces it with
+``use_username_as_clientid``), so no client can connect under the server's id, or another
+client's, and take over that session.
+
+TLS: a certificate that does not name the host in ``--broker`` (or an unknown CA) is reported as
+such, at once on a fresh start and after the connect timeout otherwise (paho's network thread
+retries silently; ``_tls_problem`` then repeats the handshake to say why).
+
 ``manual_ack=True`` lets the owner acknowledge a message only once its effect is durable (the
 server acks after its checkpoint), so the broker redelivers anything the server had not saved.
 Acks belong to the connection a message arrived on: after a reconnect the broker redelivers
