@@ -183,6 +183,9 @@ def test_weighted_median_and_trimmed_mean() -> None:
     assert np.allclose(weighted_trimmed_mean(vals, eq, 0.0), vals.mean(axis=0))
     w = np.array([0.7, 0.1, 0.1, 0.1])
     assert np.allclose(weighted_median(vals, w), [1.0, 10.0])
+    ties = np.array([[1.0], [1.0], [2.0]])
+    assert weighted_median(ties, np.full(3, 1 / 3))[0] == 1.0
+    assert weighted_trimmed_mean(ties, np.full(3, 1 / 3), 1 / 3 - 1e-9)[0] == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("method", ["median", "trimmed_mean"])

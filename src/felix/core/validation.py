@@ -123,8 +123,12 @@ class Verdict:
 
 
 def l2_norm(a: np.ndarray) -> float:
-    """The L2 norm in float64: float32 squares of values near 3e38 would overflow to inf."""
-    return float(np.linalg.norm(np.asarray(a, dtype=np.float64)))
+    """The L2 norm; in float64 when float32 overflows (squares of values near 3e38 are inf)."""
+    arr = np.asarray(a).reshape(-1)
+    sq = float(np.dot(arr, arr))
+    if not math.isfinite(sq):
+        sq = float(np.dot(arr.astype(np.float64), arr.astype(np.float64)))
+    return math.sqrt(sq)
 
 
 class UpdateValidator:
