@@ -125,7 +125,8 @@ class Verdict:
 def l2_norm(a: np.ndarray) -> float:
     """The L2 norm; in float64 when float32 overflows (squares of values near 3e38 are inf)."""
     arr = np.asarray(a).reshape(-1)
-    sq = float(np.dot(arr, arr))
+    with np.errstate(over="ignore"):
+        sq = float(np.dot(arr, arr))
     if not math.isfinite(sq):
         sq = float(np.dot(arr.astype(np.float64), arr.astype(np.float64)))
     return math.sqrt(sq)
