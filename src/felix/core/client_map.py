@@ -1,12 +1,15 @@
 """The ClientMap (FeLiX §4): per-client state in numpy columns, plus per-tier member sets.
 
 Selection must cost in proportion to the clients that can be picked, never the population. Every
-field of every client lives in a column (a numpy array indexed by the client's dense *row*: 0, 1,
-2... in registration order, grown geometrically), so a selector reads a field of all its
-candidates with one gather instead of one Python object per client. Each tier keeps its members
-in an unordered row array with O(1) insert and remove (swap with the last), so a tier event costs
-the same at any population. Candidate lists come out sorted by client id, as they always have, so
-that a seed reproduces a selection.
+field of every client lives in a column indexed by the client's dense *row* (0, 1, 2... in
+registration order, grown geometrically), so a selector reads a field of all its candidates with
+one gather instead of one Python object per client. The eight fields every selection reads sit
+side by side in one 64-byte line per client (``_hot``, an int64 matrix, floats stored by their
+bits): at a million registered clients a gather touches one cache line per candidate, not one
+per field. Each tier keeps its members in a row array with O(1) insert and remove (swap with the
+last), re-sorted lazily by the next selection (a nearly sorted array sorts in about linear time),
+so a tier event costs the same at any population and candidate lists come out in client-id
+order, as they always have, so that a seed reproduces a selection.
 
 ``map[client_id]`` returns a ``ClientView``, a write-through view of one row with the record's
 field names; ``ClientRecord`` is the plain record a client is registered with.
@@ -23,13 +26,16 @@ import numpy as np
 from felix.core.types import Tier
 
 _TIERS = tuple(Tier)  # indexed by the tier's code
-_INT_FIELDS = ("num_samples", "last_utility_round", "in_flight", "selected_round", "blocked_round",
-               "times_selected", "times_updated", "times_evaluated", "times_dropped")
-_FLOAT_FIELDS = ("stat_utility", "last_duration")  # NaN stands for None (never measured)
-_TIER_FIELDS = ("tier", "reported_tier")
-_COLUMNS = ("client_id", *_INT_FIELDS, *_FLOAT_FIELDS, *_TIER_FIELDS)
-_DTYPES = {"client_id": np.int64, **dict.fromkeys(_INT_FIELDS, np.int64), **dict.fromkeys(_FLOAT_FIELDS, np.float64),
-           **dict.fromkeys(_TIER_FIELDS, np.int8)}
+# Read by every selection: one int64 line per client. The last two are floats (NaN = None), by their bits.
+_HOT = ("in_flight", "blocked_round", "selected_round", "last_utility_round", "num_samples", "times_updated",
+        "stat_utility", "last_duration")
+_HOT_AT = {name: j for j, name in enumerate(_HOT)}
+_FLOAT_FIELDS = ("stat_utility", "last_duration")
+_COLD = {"client_id": np.int64, "times_selected": np.int64, "times_evaluated": np.int64, "times_dropped": np.int64,
+         "tier": np.int8, "reported_tier": np.int8}
+_INT_FIELDS = tuple(f for f in (*_HOT, *_COLD) if f not in _FLOAT_FIELDS and f not in ("client_id", "tier",
+                                                                                        "reported_tier"))
+_COLUMNS = ("client_id", *_INT_FIELDS, *_FLOAT_FIELDS, "tier", "reported_tier")
 _NO_TASK = -1  # in_flight of a client holding no slot
 _TABLE_MIN = 1 << 16  # ids below max(this, 4 x population) are looked up in a flat table, others in a dict
 _I64 = np.iinfo(np.int64)
@@ -61,24 +67,57 @@ class ClientRecord:
 
 
 def _int_field(name: str) -> property:
-    def get(self: ClientView) -> int:
-        return int(self._map._cols[name][self.row])
+    if name in _HOT_AT:
+        j = _HOT_AT[name]
 
-    def put(self: ClientView, value: int) -> None:
-        self._map._cols[name][self.row] = value
+        def get(self: ClientView) -> int:
+            return int(self._map._hot[self.row, j])
+
+        def put(self: ClientView, value: int) -> None:
+            self._map._hot[self.row, j] = value
+    else:
+        def get(self: ClientView) -> int:
+            return int(self._map._cols[name][self.row])
+
+        def put(self: ClientView, value: int) -> None:
+            self._map._cols[name][self.row] = value
 
     return property(get, put)
 
 
 def _float_field(name: str) -> property:
+    j = _HOT_AT[name]
+
     def get(self: ClientView) -> float | None:
-        v = float(self._map._cols[name][self.row])
+        v = float(self._map._hot[self.row : self.row + 1].view(np.float64)[0, j])
         return None if math.isnan(v) else v
 
     def put(self: ClientView, value: float | None) -> None:
-        self._map._cols[name][self.row] = np.nan if value is None else value
+        self._map._hot[self.row : self.row + 1].view(np.float64)[0, j] = np.nan if value is None else value
 
     return property(get, put)
+
+
+class ClientRows:
+    """The hot fields of some clients (rows), gathered from the map in one pass, as vectors."""
+
+    __slots__ = ("_f", "_i", "rows")
+
+    def __init__(self, rows: np.ndarray, block: np.ndarray) -> None:
+        self.rows = rows
+        self._i = block
+        self._f = block.view(np.float64)
+
+    def __len__(self) -> int:
+        return self.rows.size
+
+    def take(self, keep: np.ndarray) -> ClientRows:
+        """The subset selected by a boolean mask or an index array."""
+        return ClientRows(self.rows[keep], self._i[keep])
+
+    def field(self, name: str) -> np.ndarray:
+        j = _HOT_AT[name]
+        return self._f[:, j] if name in _FLOAT_FIELDS else self._i[:, j]
 
 
 class ClientView:
@@ -111,7 +150,7 @@ class ClientView:
 
     @property
     def tier(self) -> Tier:
-        return _TIERS[self._map._cols["tier"][self.row]]
+        return _TIERS[self._map._cols["tier"][self.row]]  # type: ignore[index]
 
     @tier.setter
     def tier(self, tier: Tier) -> None:
@@ -119,7 +158,7 @@ class ClientView:
 
     @property
     def reported_tier(self) -> Tier:
-        return _TIERS[self._map._cols["reported_tier"][self.row]]
+        return _TIERS[self._map._cols["reported_tier"][self.row]]  # type: ignore[index]
 
     @reported_tier.setter
     def reported_tier(self, tier: Tier) -> None:
@@ -127,7 +166,7 @@ class ClientView:
 
     @property
     def in_flight(self) -> int | None:
-        t = int(self._map._cols["in_flight"][self.row])
+        t = int(self._map._hot[self.row, _HOT_AT["in_flight"]])
         return None if t == _NO_TASK else t
 
     @in_flight.setter
@@ -140,7 +179,7 @@ class ClientView:
 
     @property
     def explored(self) -> bool:
-        return not np.isnan(self._map._cols["stat_utility"][self.row])
+        return self.stat_utility is not None
 
     def __repr__(self) -> str:
         return f"ClientView(client_id={self.client_id}, row={self.row}, tier={self.tier.name})"
@@ -148,15 +187,19 @@ class ClientView:
 
 class ClientMap:
     def __init__(self, capacity: int = 1024) -> None:
+        cap = max(capacity, 1)
         self._n = 0
-        self._cols: dict[str, np.ndarray] = {c: np.empty(max(capacity, 1), dtype=_DTYPES[c]) for c in _COLUMNS}
+        self._hot = np.empty((cap, len(_HOT)), dtype=np.int64)
+        self._cols: dict[str, np.ndarray] = {c: np.empty(cap, dtype=dt) for c, dt in _COLD.items()}
         self._class_counts: list[tuple[int, ...]] = []
         self._table = np.full(_TABLE_MIN, -1, dtype=np.int64)  # client id -> row, for small ids
         self._sparse: dict[int, int] = {}  # client id -> row, for ids outside the table
-        self._members = [np.empty(16, dtype=np.int64) for _ in _TIERS]  # rows of each tier, unordered
+        self._members = [np.empty(16, dtype=np.int64) for _ in _TIERS]  # rows of each tier
         self._member_n = [0 for _ in _TIERS]
-        self._slot = np.empty(max(capacity, 1), dtype=np.int64)  # row -> its position in its tier's members
+        self._member_sorted = [True for _ in _TIERS]  # members in client-id order (else: sort lazily)
+        self._slot = np.empty(cap, dtype=np.int64)  # row -> its position in its tier's members
         self._id_ordered = True  # rows were registered in increasing client id: row order is id order
+        self._identity = True  # every client id equals its row (the simulator's 0..N-1): no lookups
 
     # ------------------------------------------------------------------ lookup
     def __len__(self) -> int:
@@ -192,23 +235,36 @@ class ClientMap:
         ids = np.asarray(client_ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             return np.empty(0, dtype=np.int64)
-        inside = (ids >= 0) & (ids < self._table.size)
-        if inside.all():
+        lo, hi = int(ids.min()), int(ids.max())
+        if self._identity and lo >= 0 and hi < self._n:
+            return ids
+        if lo >= 0 and hi < self._table.size:
             rows = self._table[ids]
         else:
+            inside = (ids >= 0) & (ids < self._table.size)
             rows = np.full(ids.size, -1, dtype=np.int64)
             rows[inside] = self._table[ids[inside]]
-        missing = np.flatnonzero(rows < 0)
-        for i in missing:
+        for i in np.flatnonzero(rows < 0):
             r = self._sparse.get(int(ids[i]), -1)
             if r < 0:
                 raise KeyError(int(ids[i]))
             rows[i] = r
         return rows
 
+    def ids_of(self, rows: np.ndarray) -> np.ndarray:
+        """Client ids of rows."""
+        return rows if self._identity else self._cols["client_id"][rows]
+
     def column(self, name: str) -> np.ndarray:
         """The live column of field ``name`` over the registered rows (read it; write through views)."""
+        if name in _HOT_AT:
+            block = self._hot[: self._n]
+            return (block.view(np.float64) if name in _FLOAT_FIELDS else block)[:, _HOT_AT[name]]
         return self._cols[name][: self._n]
+
+    def gather(self, rows: np.ndarray) -> ClientRows:
+        """The hot fields (``ClientRows.field``) of ``rows`` in one gather: one cache line per client."""
+        return ClientRows(rows, self._hot[rows])
 
     @property
     def ids(self) -> np.ndarray:
@@ -224,25 +280,30 @@ class ClientMap:
         if self._find(cid) >= 0:
             raise ValueError(f"client {cid} is already registered")
         r = self._n
-        if r == self._cols["client_id"].size:
+        if r == self._slot.size:
             self._grow(2 * r)
-        self._place(cid, r)
-        cols = self._cols
-        cols["client_id"][r] = cid
-        for name in _INT_FIELDS:
-            cols[name][r] = getattr(record, name) if name != "in_flight" else _NO_TASK
+        hot = self._hot[r]
+        for j, name in enumerate(_HOT[:6]):
+            hot[j] = getattr(record, name) if name != "in_flight" else _NO_TASK
+        if record.in_flight is not None:
+            hot[_HOT_AT["in_flight"]] = record.in_flight
+        floats = hot.view(np.float64)
         for name in _FLOAT_FIELDS:
             v = getattr(record, name)
-            cols[name][r] = np.nan if v is None else v
+            floats[_HOT_AT[name]] = np.nan if v is None else v
+        cols = self._cols
+        for name in ("times_selected", "times_evaluated", "times_dropped"):
+            cols[name][r] = getattr(record, name)
+        cols["client_id"][r] = cid
         cols["tier"][r] = record.tier
         cols["reported_tier"][r] = record.reported_tier
         self._class_counts.append(tuple(record.class_counts))
+        self._place(cid, r)
         if r > 0 and cid < int(cols["client_id"][r - 1]):
             self._id_ordered = False
+        self._identity = self._identity and cid == r
         self._n = r + 1
         self._join(r, int(record.tier))
-        if record.in_flight is not None:
-            cols["in_flight"][r] = record.in_flight
 
     def set_tier(self, client_id: int, tier: Tier) -> Tier:
         """Move a client between pools in O(1); returns the tier it had."""
@@ -255,31 +316,43 @@ class ClientMap:
         return _TIERS[old]
 
     def set_in_flight(self, client_id: int, task_id: int | None) -> None:
-        self._cols["in_flight"][self.row(client_id)] = _NO_TASK if task_id is None else task_id
+        self._hot[self.row(client_id), _HOT_AT["in_flight"]] = _NO_TASK if task_id is None else task_id
 
     # ------------------------------------------------------------------ candidate sets
     def idle_rows(self, *tiers: Tier) -> np.ndarray:
         """Rows of the clients of ``tiers`` holding no slot, in client-id order.
 
-        Costs in proportion to the members of those tiers (one filter and one sort), not the
-        population.
+        Costs in proportion to the members of those tiers (one filter, and a sort of a nearly
+        sorted array when tier events have moved members since the last call), not the population.
         """
-        parts = [self._members[t][: self._member_n[t]] for t in tiers]
-        rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        rows = rows[self._cols["in_flight"][rows] == _NO_TASK]
-        return self._id_sorted(rows)
+        parts = [self._sorted_members(int(t)) for t in tiers]
+        rows = parts[0] if len(parts) == 1 else self._id_sorted(np.concatenate(parts))
+        return rows[self._hot[rows, _HOT_AT["in_flight"]] == _NO_TASK]
 
     def idle_in(self, *tiers: Tier) -> np.ndarray:
         """Client ids of the given tiers holding no slot, in a deterministic (id) order."""
-        return self._cols["client_id"][self.idle_rows(*tiers)]
+        return self.ids_of(self.idle_rows(*tiers))
+
+    def _sorted_members(self, tier: int) -> np.ndarray:
+        n = self._member_n[tier]
+        m = self._members[tier][:n]
+        if not self._member_sorted[tier]:
+            m[:] = self._id_sorted(m)
+            self._slot[m] = np.arange(n)
+            self._member_sorted[tier] = True
+        return m
 
     def _id_sorted(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` in client-id order; a stable sort (timsort) is near linear on nearly sorted input."""
         if self._id_ordered:
-            return np.sort(rows)
+            return np.sort(rows, kind="stable")
         return rows[np.argsort(self._cols["client_id"][rows], kind="stable")]
 
     # ------------------------------------------------------------------ storage
     def _grow(self, capacity: int) -> None:
+        hot = np.empty((capacity, len(_HOT)), dtype=np.int64)
+        hot[: self._n] = self._hot[: self._n]
+        self._hot = hot
         for name, col in self._cols.items():
             new = np.empty(capacity, dtype=col.dtype)
             new[: self._n] = col[: self._n]
@@ -303,6 +376,10 @@ class ClientMap:
         m, n = self._members[tier], self._member_n[tier]
         if n == m.size:
             m = self._members[tier] = np.concatenate([m, np.empty(n, dtype=np.int64)])
+        if n and self._member_sorted[tier]:
+            prev = int(m[n - 1])
+            ids = self._cols["client_id"]
+            self._member_sorted[tier] = prev < r if self._id_ordered else int(ids[prev]) < int(ids[r])
         m[n] = r
         self._slot[r] = n
         self._member_n[tier] = n + 1
@@ -311,9 +388,11 @@ class ClientMap:
         m = self._members[tier]
         last = self._member_n[tier] - 1
         pos = int(self._slot[r])
-        moved = int(m[last])
-        m[pos] = moved
-        self._slot[moved] = pos
+        if pos != last:
+            moved = int(m[last])
+            m[pos] = moved
+            self._slot[moved] = pos
+            self._member_sorted[tier] = False
         self._member_n[tier] = last
 
     # ------------------------------------------------------------------ state
@@ -323,7 +402,7 @@ class ClientMap:
         ``class_counts`` is flattened: ``class_counts`` holds the counts back to back and
         ``class_counts_len`` how many belong to each client.
         """
-        state: dict[str, Any] = {name: self._cols[name][: self._n].copy() for name in _COLUMNS}
+        state: dict[str, Any] = {name: self.column(name).copy() for name in _COLUMNS}
         state["class_counts_len"] = np.fromiter((len(c) for c in self._class_counts), dtype=np.int64,
                                                 count=self._n)
         state["class_counts"] = np.fromiter((v for c in self._class_counts for v in c), dtype=np.int64,
@@ -342,8 +421,8 @@ class ClientMap:
             a = arrays[name]
             if a.ndim != 1 or a.shape[0] != n:
                 raise ValueError(f"ClientMap state: {name!r} must be a vector of {n} entries, got shape {a.shape}")
-            kind = "f" if name in _FLOAT_FIELDS else "iu"
-            if a.dtype.kind not in kind and not (a.size == 0 and a.dtype.kind in "iuf"):
+            kinds = "iuf" if name in _FLOAT_FIELDS else "iu"
+            if a.dtype.kind not in kinds and a.size:
                 raise ValueError(f"ClientMap state: {name!r} has dtype {a.dtype}")
         tiers = np.concatenate([arrays["tier"], arrays["reported_tier"]])
         if tiers.size and (tiers.min() < 0 or tiers.max() >= len(_TIERS)):
@@ -355,13 +434,14 @@ class ClientMap:
         if np.unique(ids).size != n:
             raise ValueError("ClientMap state: client ids are not unique")
         fresh = ClientMap(capacity=max(n, 1024))
-        for name in _COLUMNS:
-            fresh._cols[name][:n] = arrays[name]
         fresh._n = n
+        for name in _COLUMNS:
+            fresh.column(name)[:] = arrays[name]
         ends = np.cumsum(lens)
         fresh._class_counts = [tuple(int(v) for v in flat[e - k : e]) for k, e in zip(lens.tolist(), ends.tolist())]
+        fresh._id_ordered = bool(n < 2 or (np.diff(ids) > 0).all())
+        fresh._identity = bool((ids == np.arange(n)).all())
         for r, cid in enumerate(ids.tolist()):
             fresh._place(cid, r)
             fresh._join(r, int(arrays["tier"][r]))
-        fresh._id_ordered = bool(n < 2 or (np.diff(ids) > 0).all())
         self.__dict__.update(fresh.__dict__)

@@ -32,7 +32,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from felix.core.client_map import ClientMap, ClientRecord, ClientView
+from felix.core.client_map import ClientMap, ClientRecord, ClientRows, ClientView
 from felix.core.policies import SelectionContext, TrainSelector
 from felix.selection.ranking import kth_largest, largest_first
 
@@ -187,6 +187,7 @@ class _Candidates(NamedTuple):
     duration: np.ndarray  # last training duration, nan when unknown
 
 
+_DURATION, _EXPLORED = 0, 1  # the columns of OortSelector._seen
 _STATE_KEYS = ("exploration", "exploration_min", "round_threshold", "exploit_history", "exploit_pending",
                "exploit_replied", "seen_duration", "seen_explored", "watched")
 
@@ -222,8 +223,9 @@ class OortSelector(TrainSelector):
         self._round_threshold = self.params.round_threshold
         self._sorted_durations: list[float] = []
         self._rows = 0  # rows of the ClientMap covered by the columns below
-        self._seen_duration = np.full(0, np.nan)  # per row: the duration in _sorted_durations (NaN: none)
-        self._seen_explored = np.zeros(0, dtype=bool)  # per row: counted in _n_explored
+        # per row, side by side (one gather): the duration in _sorted_durations (NaN: none), and
+        # 1.0 once the client is counted in _n_explored
+        self._seen = np.zeros((0, 2))
         self._n_explored = 0
         self._watched = np.zeros(0, dtype=bool)  # per row: a blacklist candidate (count at the threshold+)
         self._watch_rows: list[int] = []
@@ -271,7 +273,7 @@ class OortSelector(TrainSelector):
         m = ctx.clients
         self._fit(m)
         r = m.row(cid)
-        self._observe(m, np.array([r]))
+        self._observe(m, m.gather(np.array([r])))
         if cid in self._exploit_pending:
             self._exploit_pending.discard(cid)
             self._exploit_replied.add(cid)
@@ -312,8 +314,14 @@ class OortSelector(TrainSelector):
         m = ctx.clients
         self._fit(m)
         rows = m.rows_of(candidates)
-        self._observe(m, rows)
-        view = self._view(m, rows)
+        g = m.gather(rows)
+        self._observe(m, g)
+        util = g.field("stat_utility")
+        explored = ~np.isnan(util)
+        view = _Candidates(ids=m.ids_of(rows), explored=explored,
+                           reward=np.where(explored, util, self._registration_rewards(g.field("num_samples"))),
+                           last_round=g.field("last_utility_round").astype(np.float64),
+                           duration=g.field("last_duration"))
         scores = self._scores(view, ctx)
         return {int(c): float(s) for c, s, e in zip(view.ids, scores, view.explored, strict=True) if e}
 
@@ -346,14 +354,9 @@ class OortSelector(TrainSelector):
             return []
         m = ctx.clients
         self._fit(m)
-        rows = m.rows_of(candidates)
-        self._observe(m, rows)
-        blacklist = self._blacklist(m)
-        if blacklist.size:
-            rows = rows[~np.isin(rows, blacklist)]
+        rows, view = self._view(m, m.rows_of(candidates))
         p = self.params
         rng = ctx.rng
-        view = self._view(m, rows)
         scores = self._scores(view, ctx)
 
         self._exploration = max(self._exploration * p.exploration_decay, self._exploration_min)
@@ -416,55 +419,67 @@ class OortSelector(TrainSelector):
         return base + int(rng.random() < x - base)
 
     # ------------------------------------------------------------------ bookkeeping
-    def _view(self, m: ClientMap, rows: np.ndarray) -> _Candidates:
-        util = m.column("stat_utility")[rows]
+    def _view(self, m: ClientMap, rows: np.ndarray) -> tuple[np.ndarray, _Candidates]:
+        """Gather the candidates' fields (one cache line each), fold them into the selector's
+        state, and drop the blacklisted; returns the rows kept and their fields."""
+        g = m.gather(rows)
+        self._observe(m, g)
+        blacklist = self._blacklist(m)
+        if blacklist.size:
+            keep = ~np.isin(rows, blacklist)
+            rows, g = rows[keep], g.take(keep)
+        util = g.field("stat_utility")
         explored = ~np.isnan(util)
-        return _Candidates(
-            ids=m.ids[rows],
+        return rows, _Candidates(
+            ids=m.ids_of(rows),
             explored=explored,
-            reward=np.where(explored, util, self._registration_rewards(m.column("num_samples")[rows])),
-            last_round=m.column("last_utility_round")[rows].astype(np.float64),
-            duration=m.column("last_duration")[rows],
+            reward=np.where(explored, util, self._registration_rewards(g.field("num_samples"))),
+            last_round=g.field("last_utility_round").astype(np.float64),
+            duration=g.field("last_duration"),
         )
 
     def _fit(self, m: ClientMap) -> None:
         """Extend the per-row columns to the map's population (geometrically)."""
         n = len(m)
-        if n > self._seen_duration.size:
-            cap = max(n, 2 * self._seen_duration.size, 1024)
-            self._seen_duration = np.concatenate([self._seen_duration, np.full(cap - self._seen_duration.size, np.nan)])
-            self._seen_explored = np.concatenate([self._seen_explored, np.zeros(cap - self._seen_explored.size, bool)])
+        if n > self._seen.shape[0]:
+            cap = max(n, 2 * self._seen.shape[0], 1024)
+            seen = np.full((cap, 2), np.nan)
+            seen[:, _EXPLORED] = 0.0
+            seen[: self._seen.shape[0]] = self._seen
+            self._seen = seen
             self._watched = np.concatenate([self._watched, np.zeros(cap - self._watched.size, bool)])
         self._rows = max(self._rows, n)
 
-    def _observe(self, m: ClientMap, rows: np.ndarray) -> None:
-        """Fold rows into the selector's population-wide state (durations, explored count, watch).
+    def _observe(self, m: ClientMap, g: ClientRows) -> None:
+        """Fold clients into the selector's population-wide state (durations, explored count, watch).
 
         Called from ``on_update`` and for every candidate, so that fields written by someone
         else (a checkpoint restore, a test) are still seen. Vectorised over the rows; only a
         duration that changed costs a (log n) sorted-list update.
         """
-        new = rows[~np.isnan(m.column("stat_utility")[rows]) & ~self._seen_explored[rows]]
+        rows = g.rows
+        seen = self._seen[rows]
+        new = rows[~np.isnan(g.field("stat_utility")) & (seen[:, _EXPLORED] == 0.0)]
         if new.size:
             new = np.unique(new)
-            self._seen_explored[new] = True
+            self._seen[new, _EXPLORED] = 1.0
             self._n_explored += int(new.size)
-        d = m.column("last_duration")[rows]
-        changed = ~np.isnan(d) & (d != self._seen_duration[rows])
+        d = g.field("last_duration")
+        changed = ~np.isnan(d) & (d != seen[:, _DURATION])
         for r in np.flatnonzero(changed):
             self._set_duration(int(rows[r]), float(d[r]))
         br = self.params.blacklist_rounds
         if br is not None:
-            for r in rows[m.column("times_updated")[rows] > br]:
+            for r in rows[g.field("times_updated") > br]:
                 self._watch(int(r))
 
     def _set_duration(self, row: int, d: float) -> None:
-        old = float(self._seen_duration[row])
+        old = float(self._seen[row, _DURATION])
         if old == d:
             return
         if not math.isnan(old):
             del self._sorted_durations[bisect.bisect_left(self._sorted_durations, old)]
-        self._seen_duration[row] = d
+        self._seen[row, _DURATION] = d
         bisect.insort(self._sorted_durations, d)
 
     def _watch(self, row: int) -> None:
@@ -497,8 +512,8 @@ class OortSelector(TrainSelector):
             "exploit_history": np.asarray(self._exploit_history, dtype=np.float64),
             "exploit_pending": np.asarray(sorted(self._exploit_pending), dtype=np.int64),
             "exploit_replied": np.asarray(sorted(self._exploit_replied), dtype=np.int64),
-            "seen_duration": self._seen_duration[:n].copy(),
-            "seen_explored": self._seen_explored[:n].copy(),
+            "seen_duration": self._seen[:n, _DURATION].copy(),
+            "seen_explored": self._seen[:n, _EXPLORED] != 0.0,
             "watched": self._watched[:n].copy(),
         }
 
@@ -535,9 +550,8 @@ class OortSelector(TrainSelector):
         self._exploit_pending = {int(c) for c in arrays["exploit_pending"]}
         self._exploit_replied = {int(c) for c in arrays["exploit_replied"]}
         self._rows = n
-        self._seen_duration = seen.copy()
-        self._seen_explored = arrays["seen_explored"].astype(bool)
+        self._seen = np.stack([seen, arrays["seen_explored"].astype(bool).astype(np.float64)], axis=1)
         self._watched = arrays["watched"].astype(bool)
-        self._n_explored = int(self._seen_explored.sum())
+        self._n_explored = int(self._seen[:, _EXPLORED].sum())
         self._sorted_durations = sorted(known.tolist())
         self._watch_rows = np.flatnonzero(self._watched).tolist()
