@@ -264,7 +264,7 @@ class ClientMap:
 
     def gather(self, rows: np.ndarray) -> ClientRows:
         """The hot fields (``ClientRows.field``) of ``rows`` in one gather: one cache line per client."""
-        return ClientRows(rows, self._hot[rows])
+        return ClientRows(rows, self._hot.take(rows, axis=0))  # take: ~3x faster than [rows] on 2-D
 
     @property
     def ids(self) -> np.ndarray:

@@ -343,7 +343,7 @@ class OortSelector(TrainSelector):
         as in the FeLiX authors' fork: nothing says it is slow.
         """
         t_pref = self.preferred_duration
-        slow = np.nan_to_num(duration, nan=-np.inf) > t_pref
+        slow = duration > t_pref  # NaN (unknown) compares False
         factor = np.ones_like(duration)
         factor[slow] = (t_pref / np.maximum(1e-4, duration[slow])) ** self.params.round_penalty
         return factor
@@ -458,7 +458,7 @@ class OortSelector(TrainSelector):
         duration that changed costs a (log n) sorted-list update.
         """
         rows = g.rows
-        seen = self._seen[rows]
+        seen = self._seen.take(rows, axis=0)
         new = rows[~np.isnan(g.field("stat_utility")) & (seen[:, _EXPLORED] == 0.0)]
         if new.size:
             new = np.unique(new)
