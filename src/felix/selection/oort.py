@@ -150,12 +150,12 @@ def get_norm(values: np.ndarray, clip_bound: float, thres: float = 1e-4) -> Norm
     """
     if values.size == 0:
         return NormStats(0.0, 0.0, thres, 0.0)
+    values = np.asarray(values, dtype=np.float64)
     n = values.size
     ci = min(int(n * clip_bound), n - 1)
-    v = np.partition(values.astype(np.float64), sorted({0, ci, n - 1}))  # three order statistics, O(n)
-    clip = float(v[ci])
-    vmax = float(v[-1])
-    vmin = float(v[0]) * 0.999
+    vmax = float(values.max())
+    vmin = float(values.min()) * 0.999
+    clip = vmax if ci == n - 1 else float(np.partition(values, ci)[ci])  # the order statistic, O(n)
     return NormStats(vmax, vmin, max(vmax - vmin, thres), clip)
 
 
@@ -322,10 +322,11 @@ class OortSelector(TrainSelector):
                            reward=np.where(explored, util, self._registration_rewards(g.field("num_samples"))),
                            last_round=g.field("last_utility_round").astype(np.float64),
                            duration=g.field("last_duration"))
-        scores = self._scores(view, ctx)
+        scores = self._scores(view, ctx, self._system_factor(view.duration))
         return {int(c): float(s) for c, s, e in zip(view.ids, scores, view.explored, strict=True) if e}
 
-    def _scores(self, v: _Candidates, ctx: SelectionContext) -> np.ndarray:
+    def _scores(self, v: _Candidates, ctx: SelectionContext, factor: np.ndarray) -> np.ndarray:
+        """Oort's score of every candidate; ``factor`` is ``_system_factor(v.duration)``."""
         p = self.params
         norm = get_norm(v.reward[v.reward > 0], p.clip_bound)
         # Oort's rounds start at 1; an async run starts at version 0, where ln(0) and x / 0 are
@@ -333,7 +334,7 @@ class OortSelector(TrainSelector):
         cur = max(ctx.round, 1)
         bonus = np.sqrt(0.1 * math.log(cur) / np.maximum(v.last_round, 1.0))
         sc = (np.minimum(v.reward, norm.clip) - norm.min) / norm.range + bonus
-        sc = sc * self._system_factor(v.duration)
+        sc = sc * factor
         return np.abs(sc) if p.variant == "fedscale" else sc
 
     def _system_factor(self, duration: np.ndarray) -> np.ndarray:
@@ -357,7 +358,8 @@ class OortSelector(TrainSelector):
         rows, view = self._view(m, m.rows_of(candidates))
         p = self.params
         rng = ctx.rng
-        scores = self._scores(view, ctx)
+        factor = self._system_factor(view.duration)
+        scores = self._scores(view, ctx, factor)
 
         self._exploration = max(self._exploration * p.exploration_decay, self._exploration_min)
         eps = self._exploration
@@ -371,7 +373,8 @@ class OortSelector(TrainSelector):
 
         unexplored_idx = np.flatnonzero(~view.explored)
         explore_len = min(unexplored_idx.size, k - exploit.size)
-        explore = self._explore(unexplored_idx, view, explore_len, rng)
+        explore = self._explore(unexplored_idx, view.reward[unexplored_idx] * factor[unexplored_idx],
+                                explore_len, rng)
         if p.variant == "oort" and len(m) <= self._n_explored:
             # Oort: with nobody left to explore, epsilon and its floor drop to 0 for good.
             self._exploration = self._exploration_min = 0.0
@@ -392,23 +395,25 @@ class OortSelector(TrainSelector):
         The cut-off is ``cut_off_util`` x the score at 0-based rank ``n`` of the descending
         scores (Oort indexes ``sortedClientUtil[exploitLen]``, one past the exploitLen best),
         clamped to the last rank, where Oort's code would raise an IndexError. Only the pool
-        that passes is ranked (ties by candidate order, as Oort's stable sort keeps them).
+        that passes is ranked (ties by candidate order, as Oort's stable sort keeps them): the
+        clients at or above the cut are exactly the head of the descending order.
         """
         if n <= 0:
             return np.empty(0, dtype=np.int64)
         cut = kth_largest(scores, min(n, scores.size - 1)) * self.params.cut_off_util
-        pool = int(np.count_nonzero(scores >= cut))
-        if self.params.variant == "fedscale":
-            pool = max(pool, min(scores.size, 10 * n + 1))
-        pool_idx = largest_first(scores, pool)
+        passing = np.flatnonzero(scores >= cut)
+        wanted = min(scores.size, 10 * n + 1) if self.params.variant == "fedscale" else 0
+        if passing.size >= wanted:
+            pool_idx = passing[np.argsort(-scores[passing], kind="stable")]
+        else:
+            pool_idx = largest_first(scores, wanted)
         return idx[pool_idx[weighted_sample(scores[pool_idx], n, rng)]]
 
-    def _explore(self, idx: np.ndarray, v: _Candidates, n: int, rng: np.random.Generator) -> np.ndarray:
-        """Sample ``n`` unexplored clients by (duration-penalised) registration reward, within the
-        ``sample_window * n`` largest rewards."""
+    def _explore(self, idx: np.ndarray, init: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+        """Sample ``n`` unexplored clients by ``init``, their (duration-penalised) registration
+        reward, within the ``sample_window * n`` largest rewards."""
         if n <= 0:
             return np.empty(0, dtype=np.int64)
-        init = v.reward[idx] * self._system_factor(v.duration[idx])
         window = largest_first(init, min(int(self.params.sample_window * n), idx.size))
         return idx[window[weighted_sample(init[window], n, rng)]]
 
