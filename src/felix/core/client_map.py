@@ -327,7 +327,7 @@ class ClientMap:
         """
         parts = [self._sorted_members(int(t)) for t in tiers]
         rows = parts[0] if len(parts) == 1 else self._id_sorted(np.concatenate(parts))
-        return rows[self._hot[rows, _HOT_AT["in_flight"]] == _NO_TASK]
+        return rows.take(np.flatnonzero(self._hot[rows, _HOT_AT["in_flight"]] == _NO_TASK))
 
     def idle_in(self, *tiers: Tier) -> np.ndarray:
         """Client ids of the given tiers holding no slot, in a deterministic (id) order."""

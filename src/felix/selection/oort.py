@@ -155,7 +155,7 @@ def get_norm(values: np.ndarray, clip_bound: float, thres: float = 1e-4) -> Norm
     ci = min(int(n * clip_bound), n - 1)
     vmax = float(values.max())
     vmin = float(values.min()) * 0.999
-    clip = vmax if ci == n - 1 else float(np.partition(values, ci)[ci])  # the order statistic, O(n)
+    clip = vmax if ci == n - 1 else kth_largest(values, n - 1 - ci)  # the order statistic, O(n)
     return NormStats(vmax, vmin, max(vmax - vmin, thres), clip)
 
 
@@ -328,7 +328,7 @@ class OortSelector(TrainSelector):
     def _scores(self, v: _Candidates, ctx: SelectionContext, factor: np.ndarray) -> np.ndarray:
         """Oort's score of every candidate; ``factor`` is ``_system_factor(v.duration)``."""
         p = self.params
-        norm = get_norm(v.reward[v.reward > 0], p.clip_bound)
+        norm = get_norm(v.reward.take(np.flatnonzero(v.reward > 0)), p.clip_bound)
         # Oort's rounds start at 1; an async run starts at version 0, where ln(0) and x / 0 are
         # undefined: clamping both to 1 gives no bonus at the start, as Oort's first round does.
         cur = max(ctx.round, 1)
@@ -344,9 +344,9 @@ class OortSelector(TrainSelector):
         as in the FeLiX authors' fork: nothing says it is slow.
         """
         t_pref = self.preferred_duration
-        slow = duration > t_pref  # NaN (unknown) compares False
+        slow = np.flatnonzero(duration > t_pref)  # NaN (unknown) compares False
         factor = np.ones_like(duration)
-        factor[slow] = (t_pref / np.maximum(1e-4, duration[slow])) ** self.params.round_penalty
+        factor[slow] = (t_pref / np.maximum(1e-4, duration.take(slow))) ** self.params.round_penalty
         return factor
 
     # ------------------------------------------------------------------ selection
@@ -464,14 +464,14 @@ class OortSelector(TrainSelector):
         """
         rows = g.rows
         seen = self._seen.take(rows, axis=0)
-        new = rows[~np.isnan(g.field("stat_utility")) & (seen[:, _EXPLORED] == 0.0)]
+        util = g.field("stat_utility")
+        new = np.flatnonzero((seen[:, _EXPLORED] == 0.0) & ~np.isnan(util))
         if new.size:
-            new = np.unique(new)
+            new = np.unique(rows.take(new))
             self._seen[new, _EXPLORED] = 1.0
             self._n_explored += int(new.size)
         d = g.field("last_duration")
-        changed = ~np.isnan(d) & (d != seen[:, _DURATION])
-        for r in np.flatnonzero(changed):
+        for r in np.flatnonzero((d != seen[:, _DURATION]) & ~np.isnan(d)):
             self._set_duration(int(rows[r]), float(d[r]))
         br = self.params.blacklist_rounds
         if br is not None:
