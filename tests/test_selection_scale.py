@@ -15,11 +15,15 @@ import numpy as np
 import pytest
 from selection_scenarios import SCENARIOS, SEEDS, _build, run_scenario
 
+from felix.aggregation.fedavg import FedBuffAggregator
 from felix.core.client_map import ClientMap, ClientRecord
-from felix.core.orchestrator import Orchestrator
+from felix.core.commands import UpdateRejected
+from felix.core.events import ClientRegistered
+from felix.core.orchestrator import Orchestrator, OrchestratorConfig
 from felix.core.policies import SelectionContext
 from felix.core.types import Tier
 from felix.selection.oort import OortParams, OortSelector
+from felix.selection.random import RandomSelector
 from felix.selection.ranking import kth_largest, largest_first, smallest_first
 from felix.selection.refl import ReflIPSSelector
 from felix.selection.tierselect import TierSelectEval
@@ -238,3 +242,11 @@ def test_ranking_matches_stable_sorts():
         assert smallest_first(v, m).tolist() == np.argsort(v, kind="stable")[:m].tolist()
         k = int(rng.integers(0, n))
         assert kth_largest(v, k) == np.sort(v)[::-1][k]
+
+
+def test_registration_beyond_64_bits_is_rejected_not_fatal():
+    orch = Orchestrator(OrchestratorConfig(), np.zeros(2, np.float32), RandomSelector(), FedBuffAggregator(),
+                        np.random.default_rng(0))
+    for ev in (ClientRegistered(0.0, 2**70, 5), ClientRegistered(0.0, 3, 2**64)):
+        out = orch.handle(ev)
+        assert [type(c) for c in out] == [UpdateRejected] and len(orch.clients) == 0

@@ -37,7 +37,7 @@ _INT_FIELDS = tuple(f for f in (*_HOT, *_COLD) if f not in _FLOAT_FIELDS and f n
                                                                                         "reported_tier"))
 _COLUMNS = ("client_id", *_INT_FIELDS, *_FLOAT_FIELDS, "tier", "reported_tier")
 _NO_TASK = -1  # in_flight of a client holding no slot
-_TABLE_MIN = 1 << 16  # ids below max(this, 4 x population) are looked up in a flat table, others in a dict
+_TABLE_MIN = 1024  # ids below max(this, 4 x population) are looked up in a flat table, others in a dict
 _I64 = np.iinfo(np.int64)
 
 
@@ -283,18 +283,15 @@ class ClientMap:
         if r == self._slot.size:
             self._grow(2 * r)
         hot = self._hot[r]
-        for j, name in enumerate(_HOT[:6]):
-            hot[j] = getattr(record, name) if name != "in_flight" else _NO_TASK
-        if record.in_flight is not None:
-            hot[_HOT_AT["in_flight"]] = record.in_flight
-        floats = hot.view(np.float64)
-        for name in _FLOAT_FIELDS:
-            v = getattr(record, name)
-            floats[_HOT_AT[name]] = np.nan if v is None else v
+        hot[:6] = (_NO_TASK if record.in_flight is None else record.in_flight, record.blocked_round,
+                   record.selected_round, record.last_utility_round, record.num_samples, record.times_updated)
+        hot.view(np.float64)[6:] = (np.nan if record.stat_utility is None else record.stat_utility,
+                                    np.nan if record.last_duration is None else record.last_duration)
         cols = self._cols
-        for name in ("times_selected", "times_evaluated", "times_dropped"):
-            cols[name][r] = getattr(record, name)
         cols["client_id"][r] = cid
+        cols["times_selected"][r] = record.times_selected
+        cols["times_evaluated"][r] = record.times_evaluated
+        cols["times_dropped"][r] = record.times_dropped
         cols["tier"][r] = record.tier
         cols["reported_tier"][r] = record.reported_tier
         self._class_counts.append(tuple(record.class_counts))

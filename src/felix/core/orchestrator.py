@@ -189,6 +189,9 @@ class Orchestrator:
         if ev.num_samples < 0:
             self._reject(ev.client_id, 0, "negative sample count at registration", out)
             return
+        if not (-(2**63) <= ev.client_id < 2**63 and ev.num_samples < 2**63):  # the ClientMap's int64 columns
+            self._reject(ev.client_id, 0, "client id or sample count beyond 64 bits at registration", out)
+            return
         tier = ev.tier if self.cfg.knowledge is not Knowledge.NONE else Tier.AVL_TRAIN
         self.clients.add(
             ClientRecord(
