@@ -183,7 +183,7 @@ class _Candidates(NamedTuple):
     ids: np.ndarray  # int64 client ids
     explored: np.ndarray  # bool
     reward: np.ndarray  # stat utility, or the registration reward when unexplored
-    last_round: np.ndarray  # last_utility_round
+    last_round: np.ndarray  # last_utility_round (int64)
     duration: np.ndarray  # last training duration, nan when unknown
 
 
@@ -320,21 +320,24 @@ class OortSelector(TrainSelector):
         explored = ~np.isnan(util)
         view = _Candidates(ids=m.ids_of(rows), explored=explored,
                            reward=np.where(explored, util, self._registration_rewards(g.field("num_samples"))),
-                           last_round=g.field("last_utility_round").astype(np.float64),
+                           last_round=g.field("last_utility_round"),
                            duration=g.field("last_duration"))
-        scores = self._scores(view, ctx, self._system_factor(view.duration))
+        scores = self._scores(view, ctx, self._system_factor(view.duration), np.arange(rows.size))
         return {int(c): float(s) for c, s, e in zip(view.ids, scores, view.explored, strict=True) if e}
 
-    def _scores(self, v: _Candidates, ctx: SelectionContext, factor: np.ndarray) -> np.ndarray:
-        """Oort's score of every candidate; ``factor`` is ``_system_factor(v.duration)``."""
+    def _scores(self, v: _Candidates, ctx: SelectionContext, factor: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """Oort's score of the candidates ``idx``; ``factor`` is ``_system_factor(v.duration)``.
+
+        The normalisation is taken over every candidate's positive reward, explored or not.
+        """
         p = self.params
         norm = get_norm(v.reward.take(np.flatnonzero(v.reward > 0)), p.clip_bound)
         # Oort's rounds start at 1; an async run starts at version 0, where ln(0) and x / 0 are
         # undefined: clamping both to 1 gives no bonus at the start, as Oort's first round does.
         cur = max(ctx.round, 1)
-        bonus = np.sqrt(0.1 * math.log(cur) / np.maximum(v.last_round, 1.0))
-        sc = (np.minimum(v.reward, norm.clip) - norm.min) / norm.range + bonus
-        sc = sc * factor
+        bonus = np.sqrt(0.1 * math.log(cur) / np.maximum(v.last_round.take(idx), 1.0))
+        sc = (np.minimum(v.reward.take(idx), norm.clip) - norm.min) / norm.range + bonus
+        sc = sc * factor.take(idx)
         return np.abs(sc) if p.variant == "fedscale" else sc
 
     def _system_factor(self, duration: np.ndarray) -> np.ndarray:
@@ -359,21 +362,21 @@ class OortSelector(TrainSelector):
         p = self.params
         rng = ctx.rng
         factor = self._system_factor(view.duration)
-        scores = self._scores(view, ctx, factor)
+        explored_idx = np.flatnonzero(view.explored)
 
         self._exploration = max(self._exploration * p.exploration_decay, self._exploration_min)
         eps = self._exploration
-        explored_idx = np.flatnonzero(view.explored)
         if p.variant == "oort":
             exploit_len = self._round(k * (1.0 - eps), rng)
         else:
             exploit_len = k - self._round(k * eps, rng)
         exploit_len = min(exploit_len, explored_idx.size)
-        exploit = self._exploit(explored_idx, scores[explored_idx], exploit_len, rng)
+        scores = self._scores(view, ctx, factor, explored_idx) if exploit_len > 0 else np.empty(0)
+        exploit = self._exploit(explored_idx, scores, exploit_len, rng)
 
         unexplored_idx = np.flatnonzero(~view.explored)
         explore_len = min(unexplored_idx.size, k - exploit.size)
-        explore = self._explore(unexplored_idx, view.reward[unexplored_idx] * factor[unexplored_idx],
+        explore = self._explore(unexplored_idx, view.reward.take(unexplored_idx) * factor.take(unexplored_idx),
                                 explore_len, rng)
         if p.variant == "oort" and len(m) <= self._n_explored:
             # Oort: with nobody left to explore, epsilon and its floor drop to 0 for good.
@@ -439,7 +442,7 @@ class OortSelector(TrainSelector):
             ids=m.ids_of(rows),
             explored=explored,
             reward=np.where(explored, util, self._registration_rewards(g.field("num_samples"))),
-            last_round=g.field("last_utility_round").astype(np.float64),
+            last_round=g.field("last_utility_round"),
             duration=g.field("last_duration"),
         )
 
