@@ -38,7 +38,7 @@ class TrainSelector:
 
     name = "base"
 
-    def select(self, candidates: Sequence[int], k: int, ctx: SelectionContext) -> list[int]:
+    def select(self, candidates: Sequence[int] | np.ndarray, k: int, ctx: SelectionContext) -> list[int]:
         raise NotImplementedError
 
     def on_update(self, record: ClientRecord | ClientView, ctx: SelectionContext) -> None:
@@ -54,7 +54,7 @@ class EvalSelector:
     name = "none"
     per_round_budget: int = 0
 
-    def select(self, candidates: Sequence[int], budget: int, ctx: SelectionContext) -> list[int]:
+    def select(self, candidates: Sequence[int] | np.ndarray, budget: int, ctx: SelectionContext) -> list[int]:
         return []
 
 
