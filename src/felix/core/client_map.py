@@ -9,7 +9,9 @@ bits): at a million registered clients a gather touches one cache line per candi
 per field. Each tier keeps its members in a row array with O(1) insert and remove (swap with the
 last), re-sorted lazily by the next selection (a nearly sorted array sorts in about linear time),
 so a tier event costs the same at any population and candidate lists come out in client-id
-order, as they always have, so that a seed reproduces a selection.
+order, as they always have, so that a seed reproduces a selection. Client ids map to rows through
+a flat table (small non-negative ids) or a dict (any other 64-bit id); when every id equals its
+row (the simulator registers 0..N-1 in order) no lookup is needed at all.
 
 ``map[client_id]`` returns a ``ClientView``, a write-through view of one row with the record's
 field names; ``ClientRecord`` is the plain record a client is registered with.
@@ -438,7 +440,14 @@ class ClientMap:
         fresh._class_counts = [tuple(int(v) for v in flat[e - k : e]) for k, e in zip(lens.tolist(), ends.tolist())]
         fresh._id_ordered = bool(n < 2 or (np.diff(ids) > 0).all())
         fresh._identity = bool((ids == np.arange(n)).all())
-        for r, cid in enumerate(ids.tolist()):
-            fresh._place(cid, r)
-            fresh._join(r, int(arrays["tier"][r]))
+        small = np.flatnonzero((ids >= 0) & (ids < max(_TABLE_MIN, 4 * n)))
+        fresh._table = np.full(max(_TABLE_MIN, int(ids[small].max()) + 1 if small.size else 0), -1, dtype=np.int64)
+        fresh._table[ids[small]] = small
+        fresh._sparse = {int(ids[r]): int(r) for r in np.setdiff1d(np.arange(n), small)}
+        for t in range(len(_TIERS)):
+            rows = np.flatnonzero(arrays["tier"] == t)
+            fresh._members[t] = np.concatenate([rows, np.empty(max(16, rows.size), dtype=np.int64)])
+            fresh._member_n[t] = rows.size
+            fresh._member_sorted[t] = fresh._id_ordered  # rows ascend: in id order when ids ascend with rows
+            fresh._slot[rows] = np.arange(rows.size)
         self.__dict__.update(fresh.__dict__)
