@@ -47,8 +47,12 @@ K = 30  # trainers per decision (the felix preset's concurrency)
 ROUND = 100  # the model version the population has reached
 
 
-def build(registered: int, available: int, seed: int = 0) -> Orchestrator:
-    """An async TierSelect orchestrator over a synthetic population (see the module doc)."""
+def build(registered: int, available: int, seed: int = 0, shuffled: bool = False) -> Orchestrator:
+    """An async TierSelect orchestrator over a synthetic population (see the module doc).
+
+    ``shuffled`` registers the clients in a random order (as MQTT clients arrive) instead of by
+    id, so that client ids are not the ClientMap's rows.
+    """
     if not 0 < available <= registered:
         raise ValueError(f"need 0 < available <= registered, got {available} / {registered}")
     rng = np.random.default_rng(seed)
@@ -64,7 +68,9 @@ def build(registered: int, available: int, seed: int = 0) -> Orchestrator:
     util = rng.uniform(1.0, 100.0, size=registered)
     last = rng.integers(0, ROUND, size=registered)
     dur = rng.lognormal(3.0, 0.5, size=registered).round(2)
-    for c in range(registered):
+    order = rng.permutation(registered) if shuffled else range(registered)
+    for c in order:
+        c = int(c)
         tier = Tier.AVL_TRAIN if avail[c] else Tier.UN_AVL
         e = bool(explored[c])
         orch.clients.add(ClientRecord(
@@ -83,26 +89,26 @@ def _decision(orch: Orchestrator) -> tuple[float, float]:
     return time.perf_counter() - t0, time.thread_time() - c0
 
 
-def measure_selection(registered: int, available: int, repeats: int = 50) -> dict[str, Any]:
+def measure_selection(registered: int, available: int, repeats: int = 50, shuffled: bool = False) -> dict[str, Any]:
     """Median / min wall time of one train-selection decision (ms); see the module doc."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, not {repeats}")
     t0 = time.perf_counter()
-    orch = build(registered, available)
+    orch = build(registered, available, shuffled=shuffled)
     setup_s = time.perf_counter() - t0
     _decision(orch)  # warm-up: the first decision also folds the candidates into the selector
     wall, cpu = zip(*(_decision(orch) for _ in range(repeats)), strict=True)
-    return {"registered": registered, "available": available, "k": K, "repeats": repeats,
+    return {"registered": registered, "available": available, "k": K, "repeats": repeats, "shuffled": shuffled,
             "selection_ms_median": 1e3 * statistics.median(wall), "selection_ms_min": 1e3 * min(wall),
             "selection_cpu_ms_median": 1e3 * statistics.median(cpu), "selection_cpu_ms_min": 1e3 * min(cpu),
             "setup_s": round(setup_s, 2), "felix_src": felix.__file__}
 
 
-def measure_async_slot(registered: int, available: int, events: int = 200) -> dict[str, Any]:
+def measure_async_slot(registered: int, available: int, events: int = 200, shuffled: bool = False) -> dict[str, Any]:
     """Median / min wall time (ms) of ``Orchestrator.handle`` for one finished training task (async)."""
     if events < 1:
         raise ValueError(f"events must be >= 1, not {events}")
-    orch = build(registered, available)
+    orch = build(registered, available, shuffled=shuffled)
     rng = np.random.default_rng(7)
     pending: list[tuple[int, int, bool]] = []  # (client, task, is_train), oldest first
 
@@ -141,12 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=50, help="timed decisions (after one warm-up)")
     ap.add_argument("--async-events", type=int, default=0,
                     help="also time this many async freed-slot events (0 = skip)")
+    ap.add_argument("--shuffled-ids", action="store_true",
+                    help="register clients in a random order (ids are not rows, as under MQTT)")
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     args = ap.parse_args(argv)
     try:
-        out = measure_selection(args.registered, args.available, args.repeats)
+        out = measure_selection(args.registered, args.available, args.repeats, args.shuffled_ids)
         if args.async_events:
-            a = measure_async_slot(args.registered, args.available, args.async_events)
+            a = measure_async_slot(args.registered, args.available, args.async_events, args.shuffled_ids)
             out.update({k: a[k] for k in ("events", "async_slot_ms_median", "async_slot_ms_min",
                                           "async_slot_cpu_ms_median")})
     except ValueError as exc:
