@@ -40,7 +40,7 @@ _INT_FIELDS = tuple(f for f in (*_HOT, *_COLD) if f not in _FLOAT_FIELDS and f n
 _COLUMNS = ("client_id", *_INT_FIELDS, *_FLOAT_FIELDS, "tier", "reported_tier")
 _NO_TASK = -1  # in_flight of a client holding no slot
 _TABLE_MIN = 1024  # ids below max(this, 4 x population) are looked up in a flat table, others in a dict
-_I64 = np.iinfo(np.int64)
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(slots=True)
@@ -276,7 +276,7 @@ class ClientMap:
     # ------------------------------------------------------------------ updates
     def add(self, record: ClientRecord) -> None:
         cid = record.client_id
-        if not isinstance(cid, (int, np.integer)) or not _I64.min <= cid <= _I64.max:
+        if not isinstance(cid, (int, np.integer)) or not _I64_MIN <= cid <= _I64_MAX:
             raise ValueError(f"client id {cid!r} is not a 64-bit integer")
         cid = int(cid)
         if self._find(cid) >= 0:
