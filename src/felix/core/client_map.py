@@ -39,7 +39,7 @@ _INT_FIELDS = tuple(f for f in (*_HOT, *_COLD) if f not in _FLOAT_FIELDS and f n
                                                                                         "reported_tier"))
 _COLUMNS = ("client_id", *_INT_FIELDS, *_FLOAT_FIELDS, "tier", "reported_tier")
 _NO_TASK = -1  # in_flight of a client holding no slot
-_TABLE_MIN = 1024  # ids below max(this, 4 x population) are looked up in a flat table, others in a dict
+_TABLE_MIN = 1024  # first size of the flat id table; ids up to 4 x the population grow it, others go to a dict
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 
@@ -362,10 +362,12 @@ class ClientMap:
 
     def _place(self, client_id: int, r: int) -> None:
         size = self._table.size
-        if 0 <= client_id < max(_TABLE_MIN, 4 * (self._n + 1)):
+        if 0 <= client_id < max(size, 4 * (self._n + 1)):  # fits the table, or may grow it (x4 the population)
             if client_id >= size:
                 table = np.full(max(2 * size, client_id + 1), -1, dtype=np.int64)
                 table[:size] = self._table
+                for c in [c for c in self._sparse if 0 <= c < table.size]:  # ids that fit now move in
+                    table[c] = self._sparse.pop(c)
                 self._table = table
             self._table[client_id] = r
         else:
