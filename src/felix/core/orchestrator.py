@@ -197,6 +197,9 @@ class Orchestrator:
         if ev.num_samples < 0:
             self._reject(ev.client_id, 0, "negative sample count at registration", out)
             return
+        if not (-(2**63) <= ev.client_id < 2**63 and ev.num_samples < 2**63):  # the ClientMap's int64 columns
+            self._reject(ev.client_id, 0, "client id or sample count beyond 64 bits at registration", out)
+            return
         tier = ev.tier if self.cfg.knowledge is not Knowledge.NONE else Tier.AVL_TRAIN
         self.clients.add(
             ClientRecord(
@@ -389,21 +392,18 @@ class Orchestrator:
     def _ctx(self) -> SelectionContext:
         return SelectionContext(self.now, self.round, self.clients, self.rng, self.oracle)
 
-    def _train_candidates(self) -> list[int]:
-        if self.cfg.knowledge is Knowledge.NONE:
-            ids = self.clients.idle_all()
-        else:
-            ids = self.clients.idle_in(Tier.AVL_TRAIN)
-        r = self.round
-        sync = self.cfg.mode == "sync"
-        out = []
-        for c in ids:
-            rec = self.clients[c]
-            # The rejoin rule: a client that dropped its task this round is not picked again in it;
-            # in sync mode nobody trains twice in one round.
-            if rec.blocked_round != r and not (sync and rec.selected_round == r):
-                out.append(c)
-        return out
+    def _train_candidates(self) -> np.ndarray:
+        """Idle clients that may train now (ids, in id order), from the ClientMap's columns.
+
+        The rejoin rule: a client that dropped its task this round is not picked again in it; in
+        sync mode nobody trains twice in one round. One vectorised filter over the idle set.
+        """
+        m = self.clients
+        rows = m.idle_rows(*Tier) if self.cfg.knowledge is Knowledge.NONE else m.idle_rows(Tier.AVL_TRAIN)
+        keep = m.column("blocked_round")[rows] != self.round
+        if self.cfg.mode == "sync":
+            keep &= m.column("selected_round")[rows] != self.round
+        return m.ids[rows[keep]]
 
     def _fill(self, out: list[Command]) -> None:
         if self.cfg.mode == "async":
@@ -414,7 +414,7 @@ class Orchestrator:
             need = self._sync_need()
         if need > 0:
             candidates = self._train_candidates()
-            if candidates:
+            if len(candidates):
                 picked = self.selector.select(candidates, min(need, len(candidates)), self._ctx())
                 for cid in picked:
                     self._dispatch(cid, TaskKind.TRAIN, out)
@@ -422,8 +422,8 @@ class Orchestrator:
         if budget > 0:
             cands = self.clients.idle_in(Tier.AVL_TRAIN, Tier.AVL_EVAL)
             if self._probe_dropped:
-                cands = [c for c in cands if c not in self._probe_dropped]
-            if cands:
+                cands = cands[~np.isin(cands, np.fromiter(self._probe_dropped, dtype=np.int64))]
+            if len(cands):
                 for cid in self.eval_selector.select(cands, budget, self._ctx()):
                     self._dispatch(cid, TaskKind.EVAL, out)
 

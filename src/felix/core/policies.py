@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-from felix.core.client_map import ClientMap, ClientRecord
+from felix.core.client_map import ClientMap, ClientRecord, ClientView
 from felix.core.types import BufferedUpdate, Tier
 from felix.core.validation import AuxDecl
 
@@ -39,10 +39,10 @@ class TrainSelector:
 
     name = "base"
 
-    def select(self, candidates: Sequence[int], k: int, ctx: SelectionContext) -> list[int]:
+    def select(self, candidates: Sequence[int] | np.ndarray, k: int, ctx: SelectionContext) -> list[int]:
         raise NotImplementedError
 
-    def on_update(self, record: ClientRecord, ctx: SelectionContext) -> None:
+    def on_update(self, record: ClientRecord | ClientView, ctx: SelectionContext) -> None:
         """Feedback after a training update or an eval refreshed ``record``'s utility and duration."""
 
     def on_round_end(self, round_: int, ctx: SelectionContext) -> None:
@@ -55,7 +55,7 @@ class EvalSelector:
     name = "none"
     per_round_budget: int = 0
 
-    def select(self, candidates: Sequence[int], budget: int, ctx: SelectionContext) -> list[int]:
+    def select(self, candidates: Sequence[int] | np.ndarray, budget: int, ctx: SelectionContext) -> list[int]:
         return []
 
 
