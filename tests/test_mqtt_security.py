@@ -306,11 +306,12 @@ def test_tls_name_mismatch_says_so(tmp_path: Path) -> None:
         u = users(broker)
         # The test certificate names 127.0.0.1; "localhost" reaches the same broker but not the name.
         opts = BrokerOptions("localhost", broker.port, "felix-server", u["felix-server"], tls_ca=str(broker.ca_file),
-                             connect_timeout_s=3.0)
+                             connect_timeout_s=1.5)
         for fresh in (True, False):
             link = MqttLink("x", opts, [], lambda item: None)
             with pytest.raises(LinkError, match=r"certificate that does not verify.*--broker \('localhost'\)"):
                 link.start(fresh=fresh)
-        good = MqttLink("x", BrokerOptions(**{**opts.__dict__, "host": "127.0.0.1"}), [], lambda item: None)
+        good = MqttLink("x", BrokerOptions(**{**opts.__dict__, "host": "127.0.0.1", "connect_timeout_s": 20.0}), [],
+                        lambda item: None)
         good.start(fresh=True)
         good.close()
