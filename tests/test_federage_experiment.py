@@ -26,7 +26,9 @@ def test_federage_compare_writes_table_json_and_plot(tmp_path: Path) -> None:
         assert 0.0 <= row["worst_client_acc"] <= row["bottom10_acc"] <= row["mean_client_acc"] <= 1.0
     assert len(doc["runs"][0][0]["client_acc"]) == 8
     assert "paired_overhead" in doc["scenarios"][0]
-    assert doc["provenance"]["torch"] == torch.__version__ and doc["provenance"]["threads"] == 1
+    prov = doc["provenance"]
+    assert prov["torch"] == torch.__version__ and prov["run"]["torch_threads_per_process"] == 1
+    assert prov["git"] is None or len(prov["git"]["commit"]) == 40
     assert all(row["finite_seeds"] == 1 for row in doc["summary"])  # 3 rounds: even SCAFFOLD stays finite
     assert "| fedavg |" in (tmp_path / "federage_compare.md").read_text()
     assert (tmp_path / "client_accuracy.png").stat().st_size > 0

@@ -38,8 +38,6 @@ import argparse
 import json
 import math
 import multiprocessing
-import platform
-import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -61,6 +59,7 @@ from felix.core.types import BufferedUpdate
 from felix.data.datasets import load_dataset
 from felix.data.partition import dirichlet_partition
 from felix.models import make_model
+from felix.provenance import provenance
 from felix.sim.random_access import (
     RandomAccessModel,
     beta_probabilities,
@@ -436,6 +435,7 @@ def paired_delta_table(runs: list[list[dict[str, Any]]], reference: str = "fedav
 def report_markdown(doc: dict[str, Any]) -> str:
     """The markdown report of a ``federage_compare.json`` document: settings, provenance, tables."""
     prov, seeds, runs = doc["provenance"], [s["seed"] for s in doc["scenarios"]], doc["runs"]
+    git = prov.get("git") or {"commit": "unknown (not a git checkout)", "dirty": False}
     table = markdown_table(doc["summary"], len(seeds))
     deltas = paired_delta_table(runs)
     if deltas:
@@ -447,8 +447,9 @@ def report_markdown(doc: dict[str, Any]) -> str:
                   + " (per seed). The per-method s/round columns come from separate runs and include any CPU "
                   "contention of their moment.\n")
     return ("# FedeRage comparison under the Random Access Model\n\n"
-            f"Mean ± sample std over seeds {seeds}. Provenance: commit {prov['commit'][:12]}"
-            f"{' (with local changes)' if prov['dirty'] else ''}, torch {prov['torch']}, {prov['threads']} thread(s).\n\n"
+            f"Mean ± sample std over seeds {seeds}. Provenance: commit {git['commit'][:12]}"
+            f"{' (with local changes)' if git['dirty'] else ''}, torch {prov['torch']}, "
+            f"{prov['run']['torch_threads_per_process']} torch thread(s) per process.\n\n"
             f"Command settings: `{json.dumps(doc['settings'])}`\n\n" + table)
 
 
@@ -461,20 +462,6 @@ def _rounded(value: Any, digits: int = 5) -> Any:
     if isinstance(value, dict):
         return {k: _rounded(v, digits) for k, v in value.items()}
     return value
-
-
-def provenance(threads: int) -> dict[str, Any]:
-    """What produced a table: the commit (and whether ``src/`` had uncommitted changes), torch, threads."""
-    def git(*cmd: str) -> str:
-        try:
-            return subprocess.run(["git", *cmd], check=False, capture_output=True, text=True, timeout=10,
-                                  cwd=Path(__file__).parent).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ":/src")),
-            "torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version(),
-            "threads": threads, "command": " ".join(sys.argv)}
 
 
 def plot_distribution(path: Path, runs: list[list[dict[str, Any]]]) -> None:
@@ -556,7 +543,8 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     methods = build_methods(args, args.clients)
     seeds = [int(s) for s in args.seeds]
-    prov = provenance(args.threads)  # the code as it was when the runs started
+    # the code as it was when the runs started; each worker process runs --threads torch threads
+    prov = provenance({"torch_threads_per_process": args.threads, "jobs": args.jobs, "command": " ".join(sys.argv)})
     if args.jobs > 1 and len(seeds) > 1:
         # One process per seed; each runs exactly what the serial loop would, so results match.
         with ProcessPoolExecutor(min(args.jobs, len(seeds)), mp_context=multiprocessing.get_context("spawn")) as pool:
