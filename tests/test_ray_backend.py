@@ -10,23 +10,24 @@ import os
 import sys
 import threading
 import time
+from typing import Self
 
 import pytest
 
 ray = pytest.importorskip("ray", reason='Ray is not installed: pip install "felix-fl[ray]"')
 psutil = pytest.importorskip("psutil", reason='psutil is not installed: pip install "felix-fl[ray]"')
 
-from felix.config import ConfigError  # noqa: E402
-from felix.distributed import ray_runtime  # noqa: E402
-from felix.distributed.ray_tasks import RayTaskBackend  # noqa: E402
-from felix.runs import InlineBackend, RunOutput, RunSpec, run_all  # noqa: E402
-from felix.sweep import sweep  # noqa: E402
+from felix.config import ConfigError
+from felix.distributed import ray_runtime
+from felix.distributed.ray_tasks import RayTaskBackend
+from felix.runs import InlineBackend, RunOutput, RunSpec, run_all
+from felix.sweep import sweep
 
 pytestmark = pytest.mark.ray
 
 sys.path.insert(0, os.path.dirname(__file__))
-import test_runs  # noqa: E402
-from test_runs import TINY, fake_output, tiny_spec  # noqa: E402
+import test_runs
+from test_runs import TINY, fake_output, tiny_spec
 
 for _module in (sys.modules[__name__], test_runs):  # Ray's workers cannot import the test modules
     ray.cloudpickle.register_pickle_by_value(_module)
@@ -86,7 +87,7 @@ class ConnectionWatch:
                             self.bad.append(f"pid {p.pid} ({p.name()}): {c.status} {c.laddr} -> {c.raddr}")
             self._stop.wait(0.1)
 
-    def __enter__(self) -> ConnectionWatch:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -201,8 +202,9 @@ def test_a_run_the_cluster_cannot_host_fails_clearly(local_ray, tmp_path):
 
 
 def test_compare_cli_on_ray(local_ray, tmp_path, capsys):
-    from felix.cli import main
     from test_runs import TINY_ARGS
+
+    from felix.cli import main
 
     out = tmp_path / "cmp"
     assert main(["compare", "--strategies", "fedbuff,oort", "--backend", "ray", "--out", str(out), *TINY_ARGS]) == 0

@@ -81,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--scenario", help="named scenario preset to start from")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     c.add_argument("--out", help="output folder (default runs/compare)")
-    c.add_argument("--jobs", type=int, default=1,
-                   help="local: strategies in parallel processes; ray without --address: CPUs of the local instance")
+    c.add_argument("--jobs", type=int, help="local: strategies in parallel processes (default 1); "
+                   "ray without --address: CPUs of the local instance (default all)")
     c.add_argument("--reference", help="strategy the speed-ups are relative to (default felix)")
     _add_backend_args(c)
     c.set_defaults(func=_compare)
@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2 (default: the config's seed)")
     w.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="fixed override for every run")
     w.add_argument("--out", help="output folder (default runs/sweep)")
-    w.add_argument("--jobs", type=int, default=1,
-                   help="local: parallel processes; ray without --address: CPUs of the local instance")
+    w.add_argument("--jobs", type=int, help="local: runs in parallel processes (default 1); "
+                   "ray without --address: CPUs of the local instance (default all)")
     _add_backend_args(w)
     w.set_defaults(func=_sweep)
     from felix import dafl_cli

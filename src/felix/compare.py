@@ -16,7 +16,7 @@ from felix.runs import RunSpec, close_backend, make_backend, run_all
 
 
 def compare(config_path: str | None, strategies: list[str], sets: dict[str, Any], out_dir: Path,
-            scenario: str | None = None, jobs: int = 1, reference: str | None = None, backend: str = "local",
+            scenario: str | None = None, jobs: int | None = None, reference: str | None = None, backend: str = "local",
             address: str | None = None, force: bool = False, gpus_per_run: float = 1.0) -> dict[str, Any]:
     """Run every strategy (skipping those already finished under ``out_dir`` unless ``force``) on
     ``backend`` (see ``felix.runs.make_backend``), then tabulate and plot those that succeeded."""

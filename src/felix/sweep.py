@@ -105,7 +105,7 @@ def specs_for(config_path: str | None, scenario: str | None, sets: dict[str, Any
 
 def sweep(config_path: str | None, scenario: str | None, sets: dict[str, Any], strategies: list[str | None],
           grid: dict[str, list[Any]], seeds: list[int | None], out_dir: Path, backend: str = "local",
-          jobs: int = 1, address: str | None = None, force: bool = False,
+          jobs: int | None = None, address: str | None = None, force: bool = False,
           gpus_per_run: float = 1.0) -> dict[str, Any]:
     pts = points(strategies, grid, seeds)
     out_dir = out_dir.resolve()
@@ -152,8 +152,8 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += ["", "| run | time to target (s) | final acc | aggregations | total MB | wall s |", "|---|---|---|---|---|---|"]
     for r in doc["runs"]:
         s = r["summary"]
-        ttt = "not reached" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.0f}"
-        acc = "-" if s["final_accuracy"] is None else f"{s['final_accuracy']:.4f}"
-        lines.append(f"| {r['key']} | {ttt} | {acc} | {s['aggregations']} | "
+        t_txt = "not reached" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.0f}"
+        a_txt = "-" if s["final_accuracy"] is None else f"{s['final_accuracy']:.4f}"
+        lines.append(f"| {r['key']} | {t_txt} | {a_txt} | {s['aggregations']} | "
                      f"{(s['bytes_down'] + s['bytes_up']) / 1e6:.1f} | {s['wall_time_s']:.1f} |")
     return "\n".join(lines) + "\n"

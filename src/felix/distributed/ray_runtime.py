@@ -9,7 +9,8 @@ source):
 - loopback only: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes Ray resolve the node address to
   127.0.0.1 instead of the machine's outward address, and a node whose address is 127.0.0.1 has its
   GCS, raylet, object manager and worker servers listen on 127.0.0.1 only;
-- no usage statistics: ``RAY_USAGE_STATS_ENABLED=0`` (and no prompt about them);
+- no usage statistics: ``RAY_USAGE_STATS_ENABLED=0`` (and no prompt about them, and the report
+  URL pointed at loopback);
 - no cloud-metadata probes: the usage module reads ``~/ray_bootstrap_config.yaml`` and probes the
   metadata servers only when that file is missing; Ray's processes here get a Ray home of their own
   (``HOME``) holding such a file. Ray's auth token also lands in that home, not the user's;
@@ -37,6 +38,9 @@ LOOPBACK = "127.0.0.1"
 SAFE_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_USAGE_STATS_PROMPT_ENABLED": "0",
+    # A cluster not started by ray.init posts a "stats disabled" notice to this URL even with
+    # statistics off; should that ever apply here, it goes nowhere (discard port on loopback).
+    "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
 }
 BOOTSTRAP_CONFIG = "ray_bootstrap_config.yaml"
