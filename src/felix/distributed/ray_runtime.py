@@ -14,7 +14,8 @@ source):
 - no cloud-metadata probes: the usage module reads ``~/ray_bootstrap_config.yaml`` and probes the
   metadata servers only when that file is missing; Ray's processes here get a Ray home of their own
   (``HOME``) holding such a file. Ray's auth token also lands in that home, not the user's;
-- no dashboard (``include_dashboard=False``), no log forwarding noise beyond warnings.
+- no dashboard (``include_dashboard=False``), no log forwarding noise beyond warnings;
+- workers at normal priority (Ray's default nice 15 starves them on a shared machine).
 
 Joining an existing cluster (``address``) leaves its settings to whoever started it: docs/ray.md
 says how to start one with the same defaults.
@@ -42,6 +43,9 @@ SAFE_ENV = {
     # statistics off; should that ever apply here, it goes nowhere (discard port on loopback).
     "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    # Ray starts workers at nice 15 by default: on a machine shared with other work they would get
+    # a sliver of the CPU that the same runs get one by one (Ray's job manager also sets 0).
+    "RAY_worker_niceness": "0",
 }
 BOOTSTRAP_CONFIG = "ray_bootstrap_config.yaml"
 _BOOTSTRAP_TEXT = (
