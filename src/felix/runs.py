@@ -147,15 +147,14 @@ class ProcessBackend:
         self.jobs, self.fn = jobs, fn
         self.pool: ProcessPoolExecutor | None = None
 
-    def _pool(self) -> ProcessPoolExecutor:
-        if self.pool is None or getattr(self.pool, "_broken", False):
-            if self.pool is not None:
-                self.pool.shutdown(wait=False, cancel_futures=True)
-            self.pool = ProcessPoolExecutor(self.jobs, mp_context=get_context("spawn"))
-        return self.pool
-
     def submit(self, spec: RunSpec) -> object:
-        return self._pool().submit(self.fn, spec)
+        if self.pool is not None:
+            try:
+                return self.pool.submit(self.fn, spec)
+            except BrokenProcessPool:
+                self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool = ProcessPoolExecutor(self.jobs, mp_context=get_context("spawn"))
+        return self.pool.submit(self.fn, spec)
 
     def wait(self, handles: list[object]) -> Iterator[tuple[object, RunOutput | BaseException]]:
         futs: list[Future[RunOutput]] = handles  # type: ignore[assignment]
