@@ -184,6 +184,11 @@ def partition_indices(cfg: Config, labels: np.ndarray, num_classes: int) -> list
 
 
 def build_trace(cfg: Config) -> AvailabilityTrace:
+    """The scenario's availability, from ``trace.offset_s`` seconds into it."""
+    return _base_trace(cfg).shifted(cfg.trace.offset_s)
+
+
+def _base_trace(cfg: Config) -> AvailabilityTrace:
     t = cfg.trace
     n = cfg.partition.num_clients
     if t.kind == "always":

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -15,7 +16,43 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # A number given where a string is expected (``name: 2024``) is taken as its text.
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """YAML 1.2 core-schema scalars: PyYAML follows YAML 1.1, where ``3_75`` is the integer 375,
+    ``1:30`` a sexagesimal number and ``on`` / ``no`` booleans, which silently mistypes settings
+    such as ``trace.series=3_75``. Here only plain decimal, 0o / 0x integers, decimal floats and
+    true / false are typed; anything else stays a string."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    k: [(tag, rx) for tag, rx in v if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float",
+                                                  "tag:yaml.org,2002:bool")]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                    list("tTfF"))
+_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+                                    list("-+0123456789"))
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = str(loader.construct_scalar(node))
+    return int(text, 0) if text.startswith(("0o", "0x")) else int(text)
+
+
+_Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML with the core-schema scalars of ``_Yaml12Loader``."""
+    return yaml.load(text, Loader=_Yaml12Loader)  # a SafeLoader subclass
 
 
 class DatasetCfg(_Strict):
@@ -52,6 +89,14 @@ class TraceCfg(_Strict):
     unavailable_fraction: float = Field(0.1, ge=0, lt=1)
     slot_s: float = Field(600.0, gt=0)
     horizon_s: float = Field(86400.0, gt=0)
+    offset_s: float = Field(0.0, ge=0, description="start this many seconds into the trace (e.g. past an "
+                            "all-available head); the run's time 0 is the trace's offset_s")
+
+    @field_validator("series", mode="before")
+    @classmethod
+    def _series_text(cls, v: object) -> object:
+        """``series: 2`` is the 2-state series, whether YAML typed it as a number or not."""
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _path(self) -> TraceCfg:
@@ -172,14 +217,14 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
-    """``a.b=value`` pairs into a nested dict; values are parsed as YAML (numbers, null, lists)."""
+    """``a.b=value`` pairs into a nested dict; values are parsed as YAML 1.2 (numbers, null, lists)."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set expects key=value, got {item!r}")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = load_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
             raise ConfigError(f"--set {key}: cannot parse value {raw!r} ({exc})") from None
         node = out
@@ -195,7 +240,7 @@ def parse_set(items: list[str]) -> dict[str, Any]:
 def read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     try:
-        doc = yaml.safe_load(p.read_text())
+        doc = load_yaml(p.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {p} not found") from None
     except yaml.YAMLError as exc:

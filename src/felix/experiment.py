@@ -50,7 +50,8 @@ def run_config(cfg: Config, out_dir: Path | None = None, progress: bool = False,
     summ = summary(cfg.strategy, cfg.seed, built.recorder, built.orch.stats, built.orch.version,
                    outcome.virtual_time_s, outcome.wall_time_s, outcome.stop_reason,
                    {"scenario": cfg.name, "num_clients": cfg.partition.num_clients,
-                    "num_params": int(built.population.initial_weights.size), **plan_summary(built.data_plan)})
+                    "num_params": int(built.population.initial_weights.size), **plan_summary(built.data_plan)},
+                   run_settings=cfg.run.model_dump())
     if out_dir is not None:
         write_run(out_dir, summ, built.recorder.rows, plots)
         (out_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")

@@ -11,6 +11,7 @@ import numpy as np
 
 from felix.core.orchestrator import OrchestratorStats
 from felix.metrics.recorder import EvalRow, Recorder
+from felix.provenance import provenance
 
 EVAL_COLUMNS = [f for f in EvalRow.__dataclass_fields__]
 
@@ -51,8 +52,9 @@ def diagnostics(stats: OrchestratorStats) -> dict[str, Any]:
 
 
 def summary(strategy: str, seed: int, rec: Recorder, stats: OrchestratorStats, version: int,
-            virtual_time_s: float, wall_time_s: float, stop_reason: str, extra: dict[str, Any] | None = None
-            ) -> dict[str, Any]:
+            virtual_time_s: float, wall_time_s: float, stop_reason: str, extra: dict[str, Any] | None = None,
+            run_settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's headline figures, diagnostics and provenance (commit, torch, threads, device)."""
     b = rec.bytes
     accs = [r.accuracy for r in rec.rows]
     out: dict[str, Any] = {
@@ -76,6 +78,7 @@ def summary(strategy: str, seed: int, rec: Recorder, stats: OrchestratorStats, v
         "evaluations": len(rec.rows),
         "stop_reason": stop_reason,
         "diagnostics": diagnostics(stats),
+        "provenance": provenance(run_settings),
     }
     if extra:
         out.update(extra)

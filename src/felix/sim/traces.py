@@ -83,6 +83,25 @@ class DeviceTrace:
             return nxt, first
         return self.next_change(nxt)
 
+    def shifted(self, offset_s: float) -> DeviceTrace:
+        """The same device seen from ``offset_s`` seconds into its trace: time 0 of the result is
+        ``offset_s`` here (a periodic trace is rotated, so it keeps its period)."""
+        if offset_s < 0 or not math.isfinite(offset_s):
+            raise ValueError(f"trace offset must be a finite number >= 0, got {offset_s!r}")
+        if offset_s == 0:
+            return self
+        start = self.tier_at(offset_s)
+        if self.period is None:
+            events = [(float(t) - offset_s, Tier(int(k))) for t, k in zip(self.times, self.tiers) if t > offset_s]
+            return DeviceTrace.from_events(events, None, initial=start)
+        off = offset_s % self.period
+        events = [(float(t) - off, Tier(int(k))) for t, k in zip(self.times, self.tiers) if t > off]
+        if off > 0:
+            events.append((self.period - off, Tier(int(self.tiers[0]))))
+            events += [(float(t) + self.period - off, Tier(int(k)))
+                       for t, k in zip(self.times, self.tiers) if 0 < t < off]
+        return DeviceTrace.from_events(events, self.period, initial=start)
+
     def available_throughout(self, t0: float, t1: float, tier: Tier = Tier.AVL_TRAIN) -> bool:
         if self.tier_at(t0) < tier:
             return False
@@ -106,6 +125,13 @@ class AvailabilityTrace:
     def __post_init__(self) -> None:
         if not self.devices:
             raise TraceError(f"{self.source or 'trace'}: no devices")
+
+    def shifted(self, offset_s: float) -> AvailabilityTrace:
+        """Every device from ``offset_s`` seconds into the trace (``trace.offset_s``): lets a
+        scenario start where the trace has churn instead of in an all-available head."""
+        if offset_s == 0:
+            return self
+        return AvailabilityTrace(tuple(d.shifted(offset_s) for d in self.devices), f"{self.source}+{offset_s:g}s")
 
     def for_client(self, client_id: int) -> DeviceTrace:
         return self.devices[client_id % len(self.devices)]

@@ -1,0 +1,50 @@
+"""Where a result came from: package version, git commit, torch build, device and threads.
+
+Every summary carries this so that a figure in the docs can be traced to the code and machine
+that produced it, and a rerun on another core count or torch build is recognisable as such.
+"""
+from __future__ import annotations
+
+import platform
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import felix
+
+
+@lru_cache(maxsize=1)
+def git_commit() -> dict[str, Any] | None:
+    """The commit of the source tree felix is imported from, and whether it had local changes;
+    None when it is not a git checkout (an installed wheel) or git is missing."""
+    src = Path(felix.__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": head, "dirty": bool(dirty)}
+
+
+def provenance(run_settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Versions, commit and the torch threads in force now; ``run_settings`` (the config's ``run``
+    section: device, threads, cohort) is recorded as given."""
+    import torch
+
+    out: dict[str, Any] = {
+        "felix_version": felix.__version__,
+        "git": git_commit(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": __import__("numpy").__version__,
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+    }
+    if torch.cuda.is_available():
+        out["cuda_device"] = torch.cuda.get_device_name(0)
+    if run_settings is not None:
+        out["run"] = run_settings
+    return out
