@@ -113,6 +113,7 @@ def test_duplicate_keys_are_refused(tmp_path):
 def test_grid_and_seed_parsing():
     assert parse_grid(["client.lr=0.05,0.1", "orchestrator.mode=[sync, async]"]) == {
         "client.lr": [0.05, 0.1], "orchestrator.mode": ["sync", "async"]}
+    assert parse_grid(["trace.series=2,3_75"]) == {"trace.series": [2, "3_75"]}  # YAML 1.2, like --set
     assert parse_seeds("0,1,2") == [0, 1, 2] and parse_seeds(None) == [None]
     pts = points(["fedbuff", "felix"], {"client.lr": [0.05, 0.1]}, [0, 1])
     assert len(pts) == 8 and pts[0].key == "fedbuff/client.lr=0.05/seed=0" and pts[0].group == "fedbuff/client.lr=0.05"

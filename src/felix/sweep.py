@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from felix.config import ConfigError, deep_merge, parse_set
+from felix.config import ConfigError, deep_merge, load_yaml, parse_set
 from felix.experiment import resolve_config
 from felix.runs import RunSpec, close_backend, make_backend, run_all
 
@@ -47,7 +47,8 @@ def _fmt(v: Any) -> str:
 
 
 def parse_grid(items: list[str]) -> dict[str, list[Any]]:
-    """``key=v1,v2,...`` (or a YAML list ``key=[v1, v2]``) into key -> values, each parsed as YAML."""
+    """``key=v1,v2,...`` (or a YAML list ``key=[v1, v2]``) into key -> values, each parsed as YAML 1.2
+    like ``--set`` values (``trace.series=2,3_75`` is two strings)."""
     grid: dict[str, list[Any]] = {}
     for item in items:
         key, sep, raw = item.partition("=")
@@ -56,7 +57,7 @@ def parse_grid(items: list[str]) -> dict[str, list[Any]]:
             raise ConfigError(f"--grid expects key=v1,v2,..., got {item!r}")
         text = raw.strip()
         try:
-            values = yaml.safe_load(text if text.startswith("[") else f"[{text}]")
+            values = load_yaml(text if text.startswith("[") else f"[{text}]")
         except yaml.YAMLError as exc:
             raise ConfigError(f"--grid {key}: cannot parse values {raw!r} ({exc})") from None
         if not isinstance(values, list) or not values:
