@@ -108,6 +108,9 @@ def test_a_dead_worker_process_is_retried_on_a_fresh_pool(tmp_path):
 def test_duplicate_keys_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="share a key"):
         run_all([tiny_spec(tmp_path, "a"), tiny_spec(tmp_path, "a")], InlineBackend(fake_output))
+    a, b = tiny_spec(tmp_path, "a"), tiny_spec(tmp_path, "b")
+    with pytest.raises(ConfigError, match="same folder"):
+        run_all([a, RunSpec("b", b.config, a.out_dir)], InlineBackend(fake_output))
 
 
 def test_grid_and_seed_parsing():

@@ -185,6 +185,9 @@ def run_all(specs: list[RunSpec], backend: Backend, force: bool = False,
     keys = [s.key for s in specs]
     if len(set(keys)) != len(keys):
         raise ConfigError(f"two runs share a key: {sorted(k for k in set(keys) if keys.count(k) > 1)}")
+    if len({s.out_dir for s in specs}) != len(specs):
+        raise ConfigError("two runs would write to the same folder; make their swept values differ in more "
+                          "than punctuation")
     outputs: dict[str, RunOutput] = {}
     failed: dict[str, str] = {}
     skipped = [s.key for s in specs if s.done and not force]
