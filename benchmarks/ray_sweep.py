@@ -119,7 +119,11 @@ def main() -> None:
               f"per-run overhead {overhead:.2f} worker-s wall, {cpu_overhead:.2f} CPU-s; busiest worker's CPU / "
               f"sequential CPU {max(workers) / seq_cpu:.2f}; no-op run {noop_ms:.0f} ms; "
               f"summaries identical: {same}; load {load0:.1f} -> {load1:.1f}", flush=True)
-        assert same, "Ray and sequential summaries differ"
+        if not same:
+            diff = {k: [x for x in seq.outputs[k].summary if x != "wall_time_s" and
+                        seq.outputs[k].summary[x] != par.outputs[k].summary.get(x)] for k in seq.outputs}
+            raise SystemExit(f"Ray and sequential summaries differ (do not commit while this runs: provenance "
+                             f"records the commit): {diff}")
     names = ("sequential s", "ray s", "ray start-up s", "ratio", "ratio with start-up", "overhead wall s/run",
              "overhead CPU s/run", "busiest worker CPU/seq", "no-op run ms")
     for i, name in enumerate(names):
