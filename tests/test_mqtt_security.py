@@ -11,10 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import paho.mqtt.client as mqtt
+import pytest
 from mqtt_support import (
     load_config,
     needs_mosquitto,
     one_torch_thread,  # noqa: F401  (a fixture)
+    start_clients,
     start_server,
     users,
     wait_until,
@@ -33,12 +35,13 @@ T = Topics("t")
 class RawClient:
     """A bare paho client: what an attacker holding client 0's password can do."""
 
-    def __init__(self, port: int, user: str, password: str, subscribe: list[str]) -> None:
+    def __init__(self, port: int, user: str, password: str, subscribe: list[str], client_id: str | None = None) -> None:
         self.inbox: queue.Queue[wire.Message] = queue.Queue()
-        self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"raw-{user}", protocol=mqtt.MQTTv5)
+        self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id or f"raw-{user}",
+                             protocol=mqtt.MQTTv5)
         self.c.username_pw_set(user, password)
         self.c.on_message = lambda c, u, m: self.inbox.put(wire.decode(m.payload))
-        self.c.on_connect = lambda c, u, f, rc, p: c.subscribe([(t, 1) for t in subscribe])
+        self.c.on_connect = lambda c, u, f, rc, p: c.subscribe([(t, 1) for t in subscribe]) if subscribe else None
         self.c.connect("127.0.0.1", port)
         self.c.loop_start()
 
@@ -161,3 +164,154 @@ def test_hostile_messages_are_rejected_and_the_run_goes_on(tmp_path: Path) -> No
     assert summ["diagnostics"]["rejected"] == 5  # those the orchestrator made itself
     # The message on client 1's topic never reached the server: the broker's ACL dropped it.
     assert summ["transport"]["messages_in"] == 2 + len(sent) - 1 + 1
+
+
+def _register(raw: RawClient, cid: int) -> wire.TrainTask:
+    reg = wire.Register(run="t", msg_id=f"raw{cid}-reg", sent_at=time.time(), client=cid, incarnation="raw",
+                        num_samples=30, tier=Tier.AVL_TRAIN, class_counts=(3,) * 10)
+    raw.next(wire.Status)
+    raw.send(T.register(cid), wire.encode(reg))
+    task = raw.next(wire.TrainTask)
+    assert isinstance(task, wire.TrainTask)
+    return task
+
+
+def test_poison_and_aux_injection_are_rejected_at_the_server(tmp_path: Path) -> None:
+    """Issue 11, findings 1 and 2, over the broker. Before: the poisoned update (values near 3e38,
+    num_samples 2^40) was applied and the model never recovered; two aux entries of one new key
+    and different shapes made aggregation raise and the server exit; a large aux entry was shipped
+    with every later task."""
+    cfg = load_config(write_config(tmp_path / "cfg.yaml", partition={"num_clients": 4}), {
+        "strategy": "fedbuff", "orchestrator": {"agg_goal": 1, "concurrency": 2},
+        "run": {"max_aggregations": 2, "target_accuracy": 1.0}})
+    with MosquittoBroker(4, workdir=tmp_path / "broker") as broker:
+        u = users(broker)
+        server, thread = start_server(cfg, broker, tmp_path / "out", 1.0)
+        raw0 = RawClient(broker.port, "client-0", u["client-0"], [T.task(0), T.status])
+        raw1 = RawClient(broker.port, "client-1", u["client-1"], [T.task(1), T.status])
+        try:
+            inflated = wire.Register(run="t", msg_id="raw0-big", sent_at=time.time(), client=0, incarnation="raw",
+                                     num_samples=2**40, tier=Tier.AVL_TRAIN, class_counts=(2**40 - 9,) + (1,) * 9)
+            t0, t1 = _register(raw0, 0), _register(raw1, 1)
+            raw0.send(T.register(0), wire.encode(inflated))  # would lift its sample bound: refused
+            n = t0.weights.size
+            ok = np.full(n, 1e-3, np.float32)
+            huge = np.full(n, 3e38, np.float32)
+            for raw, topic, res in [
+                (raw0, T.result(0), _result(t0, "p-1", huge, num_samples=2**40)),  # the issue's poison
+                (raw0, T.result(0), _result(t0, "p-2", huge)),  # huge, with a plausible sample count
+                (raw0, T.result(0), _result(t0, "p-3", ok, aux={"evil": np.zeros(3)})),
+                (raw1, T.result(1), _result(t1, "p-4", ok, client=1, aux={"evil": np.zeros(5)})),
+                (raw0, T.result(0), _result(t0, "p-5", ok, aux={"big": np.ones(200_000, np.float32)})),
+                (raw0, T.result(0), _result(t0, "p-6", ok)),  # honest: version 1
+            ]:
+                raw.send(topic, wire.encode(res))
+            nxt = raw0.next(wire.TrainTask)
+            assert isinstance(nxt, wire.TrainTask) and nxt.version == 1 and nxt.aux == {}  # nothing planted
+            raw1.send(T.result(1), wire.encode(_result(t1, "p-7", ok, client=1)))
+            summ = thread.result(30)
+        finally:
+            server.stop_requested.set()
+            raw0.close()
+            raw1.close()
+    assert summ["stop_reason"] == "max_aggregations" and summ["updates_applied"] == 2
+    assert np.abs(server.orch.weights).max() < 10.0  # finite and not blown up
+    assert summ["rejected_by_reason"] == {
+        "num_samples N exceeds the N the client registered (+N planned)": 1,
+        "update norm N exceeds the bound N (N x the model's norm, until N clients have sent updates)": 1,
+        "transport: bad_aux": 3,
+        "transport: registration claims more samples than the client's partition holds": 1,
+    }, summ["rejected_by_reason"]
+
+
+def test_a_message_whose_handling_raises_is_rejected_and_acknowledged(tmp_path: Path) -> None:
+    """Issue 11, finding 2: the server must never exit because of a client's message, and must
+    acknowledge it (before, the unacknowledged message was redelivered to every --resume)."""
+    cfg = load_config(write_config(tmp_path / "cfg.yaml", partition={"num_clients": 4}), {
+        "strategy": "fedbuff", "orchestrator": {"agg_goal": 1, "concurrency": 1},
+        "run": {"max_aggregations": 1, "target_accuracy": 1.0}})
+    with MosquittoBroker(4, workdir=tmp_path / "broker") as broker:
+        u = users(broker)
+        server, thread = start_server(cfg, broker, tmp_path / "out", 1.0, checkpoint=tmp_path / "ck.safetensors")
+        inbound: list[tuple[int, int]] = []
+        acked: list[tuple[int, int]] = []
+        on_inbound, ack, deliver = server._on_inbound, server.link.ack, server._deliver
+        raised: list[bool] = []
+
+        def record_inbound(m):  # type: ignore[no-untyped-def]
+            inbound.append((m.mid, m.epoch))
+            on_inbound(m)
+
+        def record_ack(mid: int, qos: int, epoch: int) -> None:
+            acked.append((mid, epoch))
+            ack(mid, qos, epoch)
+
+        def fragile(event):  # type: ignore[no-untyped-def]
+            if type(event).__name__ == "TaskFinished" and not raised:
+                raised.append(True)
+                raise RuntimeError("boom")
+            deliver(event)
+
+        server._on_inbound, server.link.ack, server._deliver = record_inbound, record_ack, fragile  # type: ignore
+        raw = RawClient(broker.port, "client-0", u["client-0"], [T.task(0), T.status])
+        try:
+            task = _register(raw, 0)
+            ok = np.full(task.weights.size, 1e-3, np.float32)
+            raw.send(T.result(0), wire.encode(_result(task, "h-1", ok)))  # handling raises
+            raw.send(T.result(0), wire.encode(_result(task, "h-2", ok)))  # handled: version 1, the run ends
+            summ = thread.result(30)
+        finally:
+            server.stop_requested.set()
+            raw.close()
+    assert summ["rejected_by_reason"] == {"internal error: RuntimeError": 1}
+    assert summ["updates_applied"] == 1 and len(inbound) == 3
+    assert set(inbound) <= set(acked), (inbound, acked)
+
+
+def test_no_client_can_take_over_the_server_or_another_clients_id(tmp_path: Path) -> None:
+    """Issue 11, finding 3. Before: client ids were predictable (felix-<run>-server,
+    felix-<run>-c<id>) and not bound to the login, so a client connecting with the server's id
+    kicked the server off and wiped its session. Now the broker makes the login the client id."""
+    cfg = load_config(write_config(tmp_path / "cfg.yaml", partition={"num_clients": 4}), {
+        "strategy": "fedbuff", "orchestrator": {"agg_goal": 1, "concurrency": 2},
+        "run": {"max_aggregations": 6, "target_accuracy": 1.0}})
+    with MosquittoBroker(4, workdir=tmp_path / "broker") as broker:
+        u = users(broker)
+        server, thread = start_server(cfg, broker, tmp_path / "out", 0.01)
+        host, clients = start_clients(cfg, broker, [1, 2, 3], 0.01)
+        attackers = []
+        try:
+            wait_until(lambda: len(server.orch.clients) == 3, 30, "three clients to register")
+            for victim in ("felix-t-server", "felix-server", "felix-t-c1", "client-1"):
+                attackers.append(RawClient(broker.port, "client-0", u["client-0"], [], client_id=victim))
+            time.sleep(1.0)
+            summ = thread.result(60)
+            clients.result(30)
+        finally:
+            server.stop_requested.set()
+            host.stop_requested.set()
+            for a in attackers:
+                a.close()
+    assert summ["stop_reason"] == "max_aggregations"
+    assert summ["transport"]["reconnects"] == 0  # the server was never kicked off
+    assert all(dev.link is not None and dev.link.epoch == 1 for dev in host.devices.values())
+
+
+def test_tls_name_mismatch_says_so(tmp_path: Path) -> None:
+    """docs item of issue 11: a certificate that does not name the --broker host failed with only
+    "no answer from the broker"; the error now says what is wrong and what to do."""
+    from felix.runtime.link import BrokerOptions, LinkError, MqttLink
+
+    with MosquittoBroker(1, workdir=tmp_path / "broker", tls=True) as broker:
+        u = users(broker)
+        # The test certificate names 127.0.0.1; "localhost" reaches the same broker but not the name.
+        opts = BrokerOptions("localhost", broker.port, "felix-server", u["felix-server"], tls_ca=str(broker.ca_file),
+                             connect_timeout_s=1.5)
+        for fresh in (True, False):
+            link = MqttLink("x", opts, [], lambda item: None)
+            with pytest.raises(LinkError, match=r"certificate that does not verify.*--broker \('localhost'\)"):
+                link.start(fresh=fresh)
+        good = MqttLink("x", BrokerOptions(**{**opts.__dict__, "host": "127.0.0.1", "connect_timeout_s": 20.0}), [],
+                        lambda item: None)
+        good.start(fresh=True)
+        good.close()

@@ -9,6 +9,7 @@ from felix.core.commands import CancelTask, DispatchTrain, NewModelVersion, Upda
 from felix.core.events import ClientRegistered, TaskFailed, TaskFinished, Tick, TierChanged
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.types import ClientUpdate, Tier
+from felix.core.validation import AuxDecl
 from felix.selection.random import RandomSelector
 
 DIM = 4
@@ -23,7 +24,7 @@ def make(mode: str = "async", knowledge: Knowledge = Knowledge.NONE, **kw) -> Or
 def register(o: Orchestrator, n: int, tier: Tier = Tier.AVL_TRAIN, t: float = 0.0) -> list:
     out = []
     for c in range(n):
-        out += o.handle(ClientRegistered(t, c, num_samples=10 * (c + 1), tier=tier))
+        out += o.handle(ClientRegistered(t, c, num_samples=100 * (c + 1), tier=tier))
     return out
 
 
@@ -202,6 +203,7 @@ def test_max_staleness_discards():
 
 def test_aux_is_reduced_with_model_weights():
     o = make(concurrency=2, agg_goal=2)
+    o.validator.aux_spec["beta"] = AuxDecl((), "<f8")  # as an objective declares its aux
     a, b = dispatched(register(o, 2))
     ua, ub = upd(), upd()
     ua.aux["beta"] = np.array(1.0)

@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from felix.client.objectives import make_objective
+from felix.client.objectives import OBJECTIVES, make_objective
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
 from felix.config import Config, ConfigError
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.policies import Aggregator, EvalSelector, TrainSelector
+from felix.core.validation import UpdateValidator, ValidationConfig
 from felix.data.datasets import ArrayDataset, first_classes, load_dataset
 from felix.data.partition import count_table_partition, dirichlet_partition
 from felix.data.plans import DataPlanRun, prepare_data_plan
@@ -290,10 +291,34 @@ def build_orchestrator(cfg: Config, weights: np.ndarray, trace: AvailabilityTrac
     selector = _make(SELECTORS, "selector", cfg.selector.name, dict(cfg.selector.params), cfg)
     eval_selector = _make(EVAL_SELECTORS, "eval_selector", cfg.eval_selector.name, dict(cfg.eval_selector.params), cfg)
     aggregator = _make(AGGREGATORS, "aggregator", cfg.aggregator.name, cfg)
+    if cfg.aggregator.robust != "none":
+        from felix.aggregation.robust import RobustAggregator
+
+        aggregator = RobustAggregator(aggregator, cfg.aggregator.robust, cfg.aggregator.trim_fraction)
+    validator = build_validator(cfg, aggregator, int(weights.size))
     if ocfg.knowledge is Knowledge.ORACLE and trace is None:
         raise ConfigError("orchestrator.knowledge 'oracle' needs an availability trace")
     oracle = trace if ocfg.knowledge is Knowledge.ORACLE else None
-    return Orchestrator(ocfg, weights, selector, aggregator, _stream(cfg.seed, _STRATEGY), eval_selector, oracle)
+    return Orchestrator(ocfg, weights, selector, aggregator, _stream(cfg.seed, _STRATEGY), eval_selector, oracle,
+                        validator)
+
+
+def build_validator(cfg: Config, aggregator: Aggregator, num_params: int) -> UpdateValidator:
+    """Update validation with the aux entries the configured objective and aggregator declare."""
+    try:
+        objective = OBJECTIVES[cfg.client.objective]
+    except KeyError:
+        raise ConfigError(f"client.objective: unknown objective {cfg.client.objective!r}; "
+                          f"choose one of {sorted(OBJECTIVES)}") from None
+    v = cfg.validation
+    try:
+        c = cfg.client
+        vcfg = ValidationConfig(v.max_samples_factor, v.norm_policy, v.norm_factor, v.norm_window,
+                                v.norm_min_history, v.warmup_factor, c.batch_size, c.epochs, c.max_steps)
+    except ValueError as exc:
+        raise ConfigError(f"validation: {exc}") from None
+    spec = {**objective.declared_aux(num_params), **aggregator.declared_aux(num_params)}
+    return UpdateValidator(vcfg, spec)
 
 
 @dataclass

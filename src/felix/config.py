@@ -141,6 +141,22 @@ class AggregatorCfg(_Strict):
     normalize: Literal["weights", "count"] = "weights"
     clip_norm: float | None = Field(None, gt=0)
     params: dict[str, Any] = Field(default_factory=dict)
+    robust: Literal["none", "median", "trimmed_mean"] = Field(
+        "none", description="replace the weighted mean of the deltas by a coordinate-wise weighted median "
+        "or trimmed mean, keeping the aggregator's weights (felix.aggregation.robust)")
+    trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="trimmed_mean: weight mass cut from each end")
+
+
+class ValidationCfg(_Strict):
+    """Bounds on client results (felix.core.validation); on by default in simulation and deployment."""
+
+    max_samples_factor: float = Field(1.0, ge=1, description="num_samples <= factor x the registered count "
+                                      "(+ the data-plan row)")
+    norm_policy: Literal["reject", "clip", "off"] = "reject"
+    norm_factor: float = Field(10.0, gt=1, description="norm bound: factor x median of recent accepted norms")
+    norm_window: int = Field(50, ge=1, description="distinct clients whose latest accepted norm forms the median")
+    norm_min_history: int = Field(5, ge=1, description="clients needed before the median rule applies")
+    warmup_factor: float = Field(1.0, ge=0, description="bound before that: factor x the model's norm (0: none)")
 
 
 class ClientCfg(_Strict):
@@ -200,6 +216,7 @@ class Config(_Strict):
     selector: PolicyCfg = PolicyCfg(name="random")
     eval_selector: PolicyCfg = PolicyCfg(name="none")
     aggregator: AggregatorCfg = AggregatorCfg()
+    validation: ValidationCfg = ValidationCfg()
     client: ClientCfg = ClientCfg()
     run: RunCfg = RunCfg()
 

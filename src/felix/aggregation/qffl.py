@@ -23,6 +23,7 @@ import numpy as np
 
 from felix.core.policies import Aggregator, reduce_aux
 from felix.core.types import BufferedUpdate
+from felix.core.validation import AuxDecl
 
 _MIN_LOSS = 1e-10  # F_k^(q-1) with q < 1 diverges at zero loss; a perfect client keeps a tiny share
 
@@ -39,6 +40,9 @@ class QFFLAggregator(Aggregator):
         self.q = float(q)
         self.lipschitz = float(lipschitz)
         self.loss_key = loss_key
+
+    def declared_aux(self, num_params: int) -> dict[str, AuxDecl]:
+        return {self.loss_key: AuxDecl((), "<f8")}
 
     def loss(self, item: BufferedUpdate) -> float:
         """F_k: the loss at the received model when the client sent it, else its mean training loss."""

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from felix.core.validation import AuxDecl
+
 
 @dataclass
 class TaskContext:
@@ -37,6 +39,16 @@ class Objective:
     """Plain cross-entropy: FedAvg's local SGD. Subclasses override only the hooks they need."""
 
     name = "ce"
+
+    @classmethod
+    def declared_aux(cls, num_params: int) -> dict[str, AuxDecl]:
+        """The aux entries this objective writes to ``aux_out``, with exact shapes and dtypes.
+
+        The server admits no other: an undeclared key, shape or dtype is rejected (at decode in the
+        MQTT shell), so a client cannot make aggregation raise or plant state that would be shipped
+        to every client. An objective that sends aux must declare it here.
+        """
+        return {}
 
     def begin(self, ctx: TaskContext) -> None:
         """Before the first local step."""
@@ -202,6 +214,10 @@ class Scaffold(Objective):
 
     name = "scaffold"
 
+    @classmethod
+    def declared_aux(cls, num_params: int) -> dict[str, AuxDecl]:
+        return {"scaffold_c": AuxDecl((num_params,), "<f4"), "sum:scaffold_dc": AuxDecl((num_params,), "<f4")}
+
     def __init__(self, num_clients: int) -> None:
         if num_clients < 1:
             raise ValueError(f"scaffold num_clients must be >= 1, not {num_clients}")
@@ -285,6 +301,10 @@ class FedeRage(Objective):
     """
 
     name = "federage"
+
+    @classmethod
+    def declared_aux(cls, num_params: int) -> dict[str, AuxDecl]:
+        return {"federage_beta": AuxDecl((), "<f8")}
 
     def __init__(self, alpha: float = 0.5, gamma: float = 0.5, beta_min: float = 0.0, beta_max: float = 10.0,
                  beta_init: float = 0.0, beta_from_server: bool = True) -> None:

@@ -31,7 +31,8 @@ from felix.core.policies import (
     SelectionContext,
     TrainSelector,
 )
-from felix.core.types import BufferedUpdate, Task, TaskKind, TaskState, Tier
+from felix.core.types import BufferedUpdate, ClientUpdate, Task, TaskKind, TaskState, Tier
+from felix.core.validation import UpdateValidator, ValidationConfig
 
 
 class Knowledge(str, Enum):
@@ -89,6 +90,7 @@ class OrchestratorStats:
     updates_applied: int = 0
     updates_discarded: int = 0  # accepted messages not aggregated: too stale, or late after cancel
     rejected: int = 0  # malformed / forged / replayed messages
+    updates_clipped: int = 0  # accepted after scaling down to the validator's norm bound
     train_dropped: int = 0  # training tasks that lost their slot mid-task (interrupt or timeout)
     train_cancelled: int = 0
     rounds_started: int = 0
@@ -109,6 +111,7 @@ class Orchestrator:
         rng: np.random.Generator,
         eval_selector: EvalSelector | None = None,
         oracle: AvailabilityOracle | None = None,
+        validator: UpdateValidator | None = None,
     ) -> None:
         if initial_weights.ndim != 1:
             raise ValueError("initial_weights must be a flat parameter vector")
@@ -118,6 +121,10 @@ class Orchestrator:
         self.eval_selector = eval_selector or EvalSelector()
         self.rng = rng
         self.oracle = oracle
+        # Without one from the shell (``build_orchestrator`` makes it from the config, norms included),
+        # samples are bounded and no aux entry is admitted; the norm bound needs the clients' local
+        # schedule, which only the config knows, so a bare orchestrator leaves it off.
+        self.validator = validator if validator is not None else UpdateValidator(ValidationConfig(norm_policy="off"))
         self.clients = ClientMap()
         self.stats = OrchestratorStats()
         self.version = 0
@@ -135,6 +142,7 @@ class Orchestrator:
         self._round_deadline: float | None = None
         self._round_received = 0
         self._evals_this_round = 0
+        self._probe_dropped: set[int] = set()  # clients whose eval task dropped this round: not probed again in it
         self._train_in_flight = 0
 
     # ------------------------------------------------------------------ public API
@@ -189,6 +197,9 @@ class Orchestrator:
         if ev.num_samples < 0:
             self._reject(ev.client_id, 0, "negative sample count at registration", out)
             return
+        if not (-(2**63) <= ev.client_id < 2**63 and ev.num_samples < 2**63):  # the ClientMap's int64 columns
+            self._reject(ev.client_id, 0, "client id or sample count beyond 64 bits at registration", out)
+            return
         tier = ev.tier if self.cfg.knowledge is not Knowledge.NONE else Tier.AVL_TRAIN
         self.clients.add(
             ClientRecord(
@@ -217,11 +228,11 @@ class Orchestrator:
             self._release(task, TaskState.INTERRUPTED)
 
     def _on_finished(self, ev: TaskFinished, out: list[Command]) -> None:
-        task = self._validate(ev, out)
-        if task is None:
+        valid = self._validate(ev, out)
+        if valid is None:
             return
+        task, upd = valid
         rec = self.clients[task.client_id]
-        upd = ev.update
         late = task.state is not TaskState.IN_FLIGHT
         if task.holds_slot:
             self._free_slot(task)
@@ -271,11 +282,13 @@ class Orchestrator:
             self.stats.train_dropped += 1
             self.clients[task.client_id].times_dropped += 1
             self.clients[task.client_id].blocked_round = task.round
+        else:
+            self._probe_dropped.add(task.client_id)
         self._tasks.pop(task.task_id)
         self._closed[task.task_id] = TaskState.CANCELLED
 
     # ------------------------------------------------------------------ validation
-    def _validate(self, ev: TaskFinished, out: list[Command]) -> Task | None:
+    def _validate(self, ev: TaskFinished, out: list[Command]) -> tuple[Task, ClientUpdate] | None:
         if ev.client_id not in self.clients:
             self._reject(ev.client_id, ev.task_id, "unknown client", out)
             return None
@@ -318,7 +331,15 @@ class Orchestrator:
                 if not np.isfinite(np.asarray(val, dtype=np.float64)).all():
                     self._reject(ev.client_id, ev.task_id, f"aux {key!r} holds non-finite values", out)
                     return None
-        return task
+        rec = self.clients[ev.client_id]
+        verdict = self.validator.check(ev.client_id, task.kind, upd, rec.num_samples,
+                                       sum(self.plans.get(ev.client_id, ())), self._theta)
+        if verdict.update is None:
+            self._reject(ev.client_id, ev.task_id, verdict.reason, out)
+            return None
+        if verdict.clipped:
+            self.stats.updates_clipped += 1
+        return task, verdict.update
 
     def _reject(self, client_id: int, task_id: int, reason: str, out: list[Command]) -> None:
         self.stats.rejected += 1
@@ -339,6 +360,10 @@ class Orchestrator:
             self.stats.train_dropped += 1
             rec.times_dropped += 1
             rec.blocked_round = task.round
+        else:
+            # The eval path's rejoin rule: a client that leaves (or times out, or fails) mid-probe
+            # is not probed again this round, or each tier flip would cost a full model download.
+            self._probe_dropped.add(task.client_id)
 
     def _fire_timers(self, out: list[Command]) -> None:
         while self._timers and self._timers[0][0] <= self.now:
@@ -367,21 +392,18 @@ class Orchestrator:
     def _ctx(self) -> SelectionContext:
         return SelectionContext(self.now, self.round, self.clients, self.rng, self.oracle)
 
-    def _train_candidates(self) -> list[int]:
-        if self.cfg.knowledge is Knowledge.NONE:
-            ids = self.clients.idle_all()
-        else:
-            ids = self.clients.idle_in(Tier.AVL_TRAIN)
-        r = self.round
-        sync = self.cfg.mode == "sync"
-        out = []
-        for c in ids:
-            rec = self.clients[c]
-            # The rejoin rule: a client that dropped its task this round is not picked again in it;
-            # in sync mode nobody trains twice in one round.
-            if rec.blocked_round != r and not (sync and rec.selected_round == r):
-                out.append(c)
-        return out
+    def _train_candidates(self) -> np.ndarray:
+        """Idle clients that may train now (ids, in id order), from the ClientMap's columns.
+
+        The rejoin rule: a client that dropped its task this round is not picked again in it; in
+        sync mode nobody trains twice in one round. One vectorised filter over the idle set.
+        """
+        m = self.clients
+        rows = m.idle_rows(*Tier) if self.cfg.knowledge is Knowledge.NONE else m.idle_rows(Tier.AVL_TRAIN)
+        keep = m.column("blocked_round")[rows] != self.round
+        if self.cfg.mode == "sync":
+            keep &= m.column("selected_round")[rows] != self.round
+        return m.ids[rows[keep]]
 
     def _fill(self, out: list[Command]) -> None:
         if self.cfg.mode == "async":
@@ -392,14 +414,16 @@ class Orchestrator:
             need = self._sync_need()
         if need > 0:
             candidates = self._train_candidates()
-            if candidates:
+            if len(candidates):
                 picked = self.selector.select(candidates, min(need, len(candidates)), self._ctx())
                 for cid in picked:
                     self._dispatch(cid, TaskKind.TRAIN, out)
         budget = self.eval_selector.per_round_budget - self._evals_this_round
         if budget > 0:
             cands = self.clients.idle_in(Tier.AVL_TRAIN, Tier.AVL_EVAL)
-            if cands:
+            if self._probe_dropped:
+                cands = cands[~np.isin(cands, np.fromiter(self._probe_dropped, dtype=np.int64))]
+            if len(cands):
                 for cid in self.eval_selector.select(cands, budget, self._ctx()):
                     self._dispatch(cid, TaskKind.EVAL, out)
 
@@ -435,6 +459,7 @@ class Orchestrator:
         self._round_active = True
         self._round_received = 0
         self._evals_this_round = 0
+        self._probe_dropped.clear()
         self._round_deadline = None if self.cfg.deadline_s is None else self.now + self.cfg.deadline_s
 
     def _sync_need(self) -> int:
@@ -455,16 +480,21 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ aggregation
     def _aggregate(self, out: list[Command]) -> None:
-        buffer, self._buffer = self._buffer, []
-        for b in buffer:
+        for b in self._buffer:
             b.staleness = self.version - b.base_version
-        theta, norm_w, aux = self.aggregator.aggregate(self._theta, buffer)
+        try:
+            theta, norm_w, aux = self._try_aggregate(self._buffer)
+        except (ValueError, ArithmeticError) as exc:
+            self._drop_unaggregatable(exc, out)
+            return
+        buffer, self._buffer = self._buffer, []
         self._theta = _frozen(theta.astype(np.float32, copy=False))
         self.aux.update(aux)
         self.version += 1
         if self.cfg.mode == "async":
             self.round = self.version
             self._evals_this_round = 0
+            self._probe_dropped.clear()
         st = self.stats
         st.updates_applied += len(buffer)
         st.aggregation_times.append(self.now)
@@ -476,6 +506,27 @@ class Orchestrator:
             tuple(float(b.update.loss) for b in buffer),
         )
         out.append(NewModelVersion(self.version, self.now, self._theta, report))
+
+    def _try_aggregate(self, buffer: list[BufferedUpdate]) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """The aggregator's step, refused (ValueError) if it would leave the model non-finite."""
+        theta, norm_w, aux = self.aggregator.aggregate(self._theta, buffer)
+        if not np.isfinite(theta).all():
+            raise ValueError("the aggregate holds non-finite values")
+        return theta, norm_w, aux
+
+    def _drop_unaggregatable(self, exc: Exception, out: list[Command]) -> None:
+        """Aggregation failed: reject the updates that fail on their own, or else the newest one,
+        and keep the rest buffered. Validation should make this unreachable; it is the backstop
+        that keeps one bad update from wedging (or crashing) the run, with the model unchanged."""
+        bad = []
+        for b in self._buffer:
+            try:
+                self._try_aggregate([b])
+            except (ValueError, ArithmeticError):
+                bad.append(b)
+        for b in bad or self._buffer[-1:]:
+            self._buffer.remove(b)
+            self._reject(b.client_id, b.task_id, f"update cannot be aggregated ({str(exc)[:120]})", out)
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

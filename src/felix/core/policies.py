@@ -12,8 +12,9 @@ from typing import Protocol
 
 import numpy as np
 
-from felix.core.client_map import ClientMap, ClientRecord
+from felix.core.client_map import ClientMap, ClientRecord, ClientView
 from felix.core.types import BufferedUpdate, Tier
+from felix.core.validation import AuxDecl
 
 
 class AvailabilityOracle(Protocol):
@@ -38,10 +39,10 @@ class TrainSelector:
 
     name = "base"
 
-    def select(self, candidates: Sequence[int], k: int, ctx: SelectionContext) -> list[int]:
+    def select(self, candidates: Sequence[int] | np.ndarray, k: int, ctx: SelectionContext) -> list[int]:
         raise NotImplementedError
 
-    def on_update(self, record: ClientRecord, ctx: SelectionContext) -> None:
+    def on_update(self, record: ClientRecord | ClientView, ctx: SelectionContext) -> None:
         """Feedback after a training update or an eval refreshed ``record``'s utility and duration."""
 
     def on_round_end(self, round_: int, ctx: SelectionContext) -> None:
@@ -54,7 +55,7 @@ class EvalSelector:
     name = "none"
     per_round_budget: int = 0
 
-    def select(self, candidates: Sequence[int], budget: int, ctx: SelectionContext) -> list[int]:
+    def select(self, candidates: Sequence[int] | np.ndarray, budget: int, ctx: SelectionContext) -> list[int]:
         return []
 
 
@@ -75,6 +76,11 @@ class Aggregator:
         self.server_lr = server_lr
         self.normalize = normalize
         self.clip_norm = clip_norm
+
+    def declared_aux(self, num_params: int) -> dict[str, AuxDecl]:
+        """Aux entries this aggregator reads from updates beyond the objective's (see
+        ``felix.core.validation``); the server rejects any entry neither declares."""
+        return {}
 
     def weight(self, item: BufferedUpdate) -> float:
         raise NotImplementedError

@@ -48,6 +48,7 @@ def diagnostics(stats: OrchestratorStats) -> dict[str, Any]:
         "evals_done": stats.evals_done,
         "rounds_started": stats.rounds_started,
         "rejected": stats.rejected,
+        "updates_clipped": stats.updates_clipped,
     }
 
 

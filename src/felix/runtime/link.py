@@ -13,6 +13,14 @@ marked clean-start, hence the separate reset connection rather than MQTT's clean
 paho reconnects on its own with a bounded back-off and resends unacknowledged QoS 1 messages;
 publishing while disconnected queues the message in paho.
 
+Identity: a link's MQTT client id is its login (the broker enforces it with
+``use_username_as_clientid``), so no client can connect under the server's id, or another
+client's, and take over that session.
+
+TLS: a certificate that does not name the host in ``--broker`` (or an unknown CA) is reported as
+such, at once on a fresh start and after the connect timeout otherwise (paho's network thread
+retries silently; ``_tls_problem`` then repeats the handshake to say why).
+
 ``manual_ack=True`` lets the owner acknowledge a message only once its effect is durable (the
 server acks after its checkpoint), so the broker redelivers anything the server had not saved.
 Acks belong to the connection a message arrived on: after a reconnect the broker redelivers
@@ -21,6 +29,7 @@ every unacknowledged message, so acks of an older connection are dropped.
 from __future__ import annotations
 
 import logging
+import socket
 import ssl
 import threading
 import time
@@ -82,9 +91,13 @@ Sink = Callable[[Inbound | Connected], None]
 
 
 class MqttLink:
+    """One connection. Its MQTT client id is its login (``opts.username``), as the broker enforces
+    with ``use_username_as_clientid``: a client cannot claim another's id (the server's least of
+    all) and so cannot take over or wipe its session. ``client_id`` is used only without a login."""
+
     def __init__(self, client_id: str, opts: BrokerOptions, subscriptions: list[str], sink: Sink,
                  manual_ack: bool = False) -> None:
-        self.client_id = client_id
+        self.client_id = opts.username if opts.username is not None else client_id
         self.opts = opts
         self.subscriptions = list(subscriptions)
         self.sink = sink
@@ -143,8 +156,8 @@ class MqttLink:
         self._client.loop_start()
         if not self._first.wait(self.opts.connect_timeout_s):
             self.close()
-            raise LinkError(f"no answer from the broker at {self.opts.host}:{self.opts.port} "
-                            f"within {self.opts.connect_timeout_s:.0f} s")
+            raise LinkError(self._tls_problem() or f"no answer from the broker at {self.opts.host}:{self.opts.port} "
+                                                   f"within {self.opts.connect_timeout_s:.0f} s")
         if self._refused is not None:
             self.close()
             raise LinkError(f"the broker at {self.opts.host}:{self.opts.port} refused {self.client_id!r}: "
@@ -169,6 +182,8 @@ class MqttLink:
             try:
                 c.connect(self.opts.host, self.opts.port, self.opts.keepalive_s, clean_start=True, properties=props)
                 break
+            except ssl.SSLCertVerificationError as exc:
+                raise LinkError(self._tls_message(exc)) from None
             except OSError as exc:
                 if time.monotonic() > deadline:
                     raise LinkError(f"cannot reach the broker at {self.opts.host}:{self.opts.port}: {exc}") from None
@@ -178,7 +193,7 @@ class MqttLink:
         c.disconnect()
         c.loop_stop()
         if not ok:
-            raise LinkError(f"no answer from the broker at {self.opts.host}:{self.opts.port}")
+            raise LinkError(self._tls_problem() or f"no answer from the broker at {self.opts.host}:{self.opts.port}")
         if failure:
             raise LinkError(f"the broker at {self.opts.host}:{self.opts.port} refused {self.client_id!r}: {failure[0]}")
 
@@ -192,6 +207,31 @@ class MqttLink:
             time.sleep(0.02)
         self._client.disconnect()
         self._client.loop_stop()
+
+    def _tls_message(self, exc: ssl.SSLCertVerificationError) -> str:
+        return (f"TLS: the broker at {self.opts.host}:{self.opts.port} presented a certificate that does not verify: "
+                f"{exc.verify_message or exc}. The certificate's CN / subjectAltName must name the host given "
+                f"in --broker ({self.opts.host!r}), and --tls-ca must hold the CA that signed it")
+
+    def _tls_problem(self) -> str | None:
+        """When a TLS connection got no answer, say why if the handshake is the reason (paho's
+        network thread retries silently): a certificate that does not match the host, an unknown CA."""
+        o = self.opts
+        if o.tls_ca is None:
+            return None
+        try:
+            ctx = ssl.create_default_context(cafile=o.tls_ca)
+            if o.tls_cert is not None:
+                ctx.load_cert_chain(o.tls_cert, o.tls_key)
+            with socket.create_connection((o.host, o.port), timeout=5.0) as sock, \
+                    ctx.wrap_socket(sock, server_hostname=o.host):
+                return None
+        except ssl.SSLCertVerificationError as exc:
+            return self._tls_message(exc)
+        except ssl.SSLError as exc:
+            return f"TLS handshake with the broker at {o.host}:{o.port} failed: {exc}"
+        except OSError:
+            return None
 
     # ------------------------------------------------------------------ traffic
     def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:

@@ -11,9 +11,12 @@ queue (``felix.runtime.link``). For each message the loop checks, in order: the 
 header (``wire.decode``: magic, version, type, field types, sizes), that the header's client id
 is the topic's (the broker's ACL ties the topic to the login), the run id, and the message id
 (a byte-identical repeat is an at-least-once duplicate, counted and dropped; the same id with
-other content is a replay and rejected). The orchestrator then checks what it knows: client,
-task, shape, dtype, finite values. Every rejection is logged with its reason and counted in
-``summary.json`` under ``rejected_by_reason``; nothing rejected is applied.
+other content is a replay and rejected). ``wire.decode`` also refuses aux entries the objective
+and aggregator do not declare. The orchestrator then checks what it knows: client, task, shape,
+dtype, finite values, and the update validator's bounds (``felix.core.validation``: samples,
+norm). Every rejection is logged with its reason and counted in ``summary.json`` under
+``rejected_by_reason``; nothing rejected is applied. A message whose handling raises is rejected
+too ("internal error") and acknowledged like any other: no client message stops the server.
 
 Exactly once: the orchestrator applies a task's result at most once (it closes the task on the
 first accepted result); the server acknowledges inbound messages to the broker only after the
@@ -120,8 +123,8 @@ def _ms(values: deque[float], q: float) -> float | None:
 
 
 def reason_key(reason: str) -> str:
-    """A stable counter key for a rejection reason: numbers (task ids, shapes) become N."""
-    return re.sub(r"\b\d+\b", "N", reason)
+    """A stable counter key for a rejection reason: numbers (task ids, shapes, norms) become N."""
+    return re.sub(r"\b\d+(?:\.\d+)?(?:e[+-]?\d+)?\b", "N", reason)
 
 
 class Server:
@@ -134,6 +137,9 @@ class Server:
         pop = build_population(cfg)
         self.num_clients = cfg.partition.num_clients
         self.num_classes = pop.train.num_classes
+        # Clients derive their data from the config's partition: none may claim more samples (the
+        # registered count bounds every later result's num_samples, its weight and its norm bound).
+        self.partition_sizes = [len(d) for d in pop.client_data]
         self.num_params = int(pop.initial_weights.size)
         knowledge = Knowledge(cfg.orchestrator.knowledge)
         # The oracle baselines read the trace on the server's clock (clients replay it on theirs).
@@ -195,7 +201,7 @@ class Server:
                 self._on_connected(item)
             elif item is not None:
                 self._pending_acks.append(item)
-                self._on_inbound(item)
+                self._on_inbound_guarded(item)
             now = self.now()
             wake = self.orch.next_wakeup()
             if wake is not None and wake <= now and self._stop is None:
@@ -278,6 +284,16 @@ class Server:
         log.warning("rejected message from client %d (task %d): %s%s", cid, task_id, reason,
                     f" ({detail})" if detail else "")
 
+    def _on_inbound_guarded(self, m: Inbound) -> None:
+        """Handle one message; if handling raises, the message is rejected (and acknowledged with
+        the others, so the broker does not redeliver it): no client message stops the server."""
+        try:
+            self._on_inbound(m)
+        except Exception as exc:  # any client message is hostile; the loop must survive it
+            parsed = self.topics.parse_inbound_to_server(m.topic)
+            log.exception("handling a message on %s raised", m.topic[:80])
+            self._reject(parsed[1] if parsed else -1, 0, f"internal error: {type(exc).__name__}", str(exc)[:200])
+
     def _on_inbound(self, m: Inbound) -> None:
         self.stats.messages_in += 1
         parsed = self.topics.parse_inbound_to_server(m.topic)
@@ -286,7 +302,7 @@ class Server:
             return
         kind, cid = parsed
         try:
-            msg = wire.decode(m.payload, self.max_bytes)
+            msg = wire.decode(m.payload, self.max_bytes, self.orch.validator.aux_spec)
         except wire.MessageError as exc:
             self.rec.bytes.add("up", "control", len(m.payload))
             self._reject(cid, 0, f"transport: {exc.code.value}", exc.detail)
@@ -347,6 +363,11 @@ class Server:
             self._reject(cid, 0, "transport: registration's class counts do not match the classes or the samples",
                          f"{len(counts)} counts summing to {sum(counts)} for {msg.num_samples} samples, "
                          f"{self.num_classes} classes")
+            return
+        most = self.partition_sizes[cid] + sum(self.orch.plans.get(cid, ()))  # after augmenting: plus its row
+        if msg.num_samples > most:
+            self._reject(cid, 0, "transport: registration claims more samples than the client's partition holds",
+                         f"{msg.num_samples} > {most}")
             return
         if cid not in self.orch.clients:
             self.incarnations[cid] = msg.incarnation

@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from felix.core.types import TaskKind, Tier
+from felix.core.validation import AuxSpec, aux_problem
 
 MAGIC = b"FLXM"
 FORMAT_VERSION = 1
@@ -65,6 +66,7 @@ class ErrorCode(str, Enum):
     BAD_HEADER = "bad_header"
     BAD_FIELD = "bad_field"
     BAD_PAYLOAD = "bad_payload"
+    BAD_AUX = "bad_aux"
 
 
 class MessageError(ValueError):
@@ -315,8 +317,13 @@ def encode(msg: Message) -> bytes:
 
 
 # ---------------------------------------------------------------------- decode
-def decode(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
-    """Parse and validate one message; raises ``MessageError`` with the failed check's code."""
+def decode(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, aux_spec: AuxSpec | None = None) -> Message:
+    """Parse and validate one message; raises ``MessageError`` with the failed check's code.
+
+    ``aux_spec``: the aux entries a result may carry (what the objective and aggregator in use
+    declare, ``felix.core.validation``); any other key, shape or dtype is ``bad_aux``. The server
+    passes it; ``None`` skips the check (a client reading the server's tasks).
+    """
     if len(data) > max_bytes:
         raise MessageError(ErrorCode.OVERSIZED, f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
     if len(data) < PREFIX_BYTES:
@@ -357,7 +364,12 @@ def decode(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
         code = ErrorCode.TRUNCATED if len(body) < declared else ErrorCode.BAD_PAYLOAD
         raise MessageError(code, f"header declares a {declared}-byte payload, {len(body)} bytes follow")
     arrays = _read_arrays(header["arrays"], body)
-    return _build(mtype, values, arrays)
+    msg = _build(mtype, values, arrays)
+    if aux_spec is not None and isinstance(msg, Result):
+        problem = aux_problem(msg.aux, aux_spec)
+        if problem is not None:
+            raise MessageError(ErrorCode.BAD_AUX, problem)
+    return msg
 
 
 def _read_arrays(manifest: Any, body: memoryview) -> dict[str, np.ndarray]:

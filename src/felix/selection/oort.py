@@ -17,8 +17,10 @@ REFL also ships). ``reference/baselines.md`` lists both. One selection:
 6. Pacer, once per round: when the exploited utility of the last ``pacer_step`` rounds is flat,
    relax ``round_threshold`` by ``pacer_delta`` (admit slower clients); when it jumps, tighten it.
 
-Where our setting forces a choice the docstrings say why; the cost of a selection is linear in
-the candidate set (numpy over candidate arrays), never in the population.
+Where our setting forces a choice the docstrings say why. The cost of a selection is linear in
+the candidate set, never in the population: the client fields come from the ClientMap's columns
+(one gather per field), the selector's own per-client state is kept in columns indexed by the
+same rows, and rankings use partitions (``felix.selection.ranking``) rather than full sorts.
 """
 from __future__ import annotations
 
@@ -26,12 +28,13 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from felix.core.client_map import ClientRecord
+from felix.core.client_map import ClientMap, ClientRecord, ClientRows, ClientView
 from felix.core.policies import SelectionContext, TrainSelector
+from felix.selection.ranking import kth_largest, largest_first
 
 Variant = Literal["oort", "fedscale"]
 Rounding = Literal["floor", "stochastic"]
@@ -147,11 +150,12 @@ def get_norm(values: np.ndarray, clip_bound: float, thres: float = 1e-4) -> Norm
     """
     if values.size == 0:
         return NormStats(0.0, 0.0, thres, 0.0)
-    v = np.sort(values.astype(np.float64))
-    n = v.size
-    clip = float(v[min(int(n * clip_bound), n - 1)])
-    vmax = float(v[-1])
-    vmin = float(v[0]) * 0.999
+    values = np.asarray(values, dtype=np.float64)
+    n = values.size
+    ci = min(int(n * clip_bound), n - 1)
+    vmax = float(values.max())
+    vmin = float(values.min()) * 0.999
+    clip = vmax if ci == n - 1 else kth_largest(values, n - 1 - ci)  # the order statistic, O(n)
     return NormStats(vmax, vmin, max(vmax - vmin, thres), clip)
 
 
@@ -179,16 +183,21 @@ class _Candidates(NamedTuple):
     ids: np.ndarray  # int64 client ids
     explored: np.ndarray  # bool
     reward: np.ndarray  # stat utility, or the registration reward when unexplored
-    last_round: np.ndarray  # last_utility_round
+    last_round: np.ndarray  # last_utility_round (int64)
     duration: np.ndarray  # last training duration, nan when unknown
+
+
+_DURATION, _EXPLORED = 0, 1  # the columns of OortSelector._seen
+_STATE_KEYS = ("exploration", "exploration_min", "round_threshold", "exploit_history", "exploit_pending",
+               "exploit_replied", "seen_duration", "seen_explored", "watched")
 
 
 class OortSelector(TrainSelector):
     """Oort's exploration / exploitation selector over the candidates the orchestrator passes.
 
-    Reads the client records: ``stat_utility`` (None = unexplored), ``last_utility_round`` (Oort's
-    ``time_stamp``: the round its utility was last measured, by training or, under FeLiX, by an
-    eval task, which is the FeLiX authors' ``last_eval`` nudge), ``last_duration`` and
+    Reads the ClientMap's columns: ``stat_utility`` (NaN = unexplored), ``last_utility_round``
+    (Oort's ``time_stamp``: the round its utility was last measured, by training or, under FeLiX,
+    by an eval task, which is the FeLiX authors' ``last_eval`` nudge), ``last_duration`` and
     ``times_updated`` (Oort's ``count``, for the blacklist).
 
     ``reward_cap`` is ``local_steps * batch_size``. Oort registers each client with the reward
@@ -196,6 +205,10 @@ class OortSelector(TrainSelector):
     only be guessed from how many samples one task would touch, and the client-side utility is
     scaled by the same ``min(|D|, steps * batch)``, so registration rewards and measured
     utilities share a scale. ``None`` (epochs-based training, no step cap) uses ``num_samples``.
+
+    The selector's own per-client state (the duration it folded into the sorted durations, whether
+    it has seen the client explored, whether the blacklist watches it) is kept in columns indexed
+    by the ClientMap's rows, so one selector serves one ClientMap.
     """
 
     name = "oort"
@@ -208,13 +221,17 @@ class OortSelector(TrainSelector):
         self._exploration = self.params.exploration_factor
         self._exploration_min = self.params.exploration_min
         self._round_threshold = self.params.round_threshold
-        self._durations: dict[int, float] = {}
         self._sorted_durations: list[float] = []
-        self._explored: set[int] = set()
-        self._exploit_pending: set[int] = set()  # exploited, no reply yet
-        self._exploit_replied: set[int] = set()  # exploited and replied since the last round end
+        self._rows = 0  # rows of the ClientMap covered by the columns below
+        # per row, side by side (one gather): the duration in _sorted_durations (NaN: none), and
+        # 1.0 once the client is counted in _n_explored
+        self._seen = np.zeros((0, 2))
+        self._n_explored = 0
+        self._watched = np.zeros(0, dtype=bool)  # per row: a blacklist candidate (count at the threshold+)
+        self._watch_rows: list[int] = []
+        self._exploit_pending: set[int] = set()  # client ids exploited, no reply yet
+        self._exploit_replied: set[int] = set()  # client ids exploited and replied since the last round end
         self._exploit_history: list[float] = []
-        self._watch: set[int] = set()  # blacklist candidates (count at the threshold or above)
 
     # ------------------------------------------------------------------ state, for metrics and tests
     @property
@@ -242,14 +259,21 @@ class OortSelector(TrainSelector):
             return math.inf
         return d[min(int(len(d) * self._round_threshold / 100.0), len(d) - 1)]
 
-    def registration_reward(self, record: ClientRecord) -> float:
+    def registration_reward(self, record: ClientRecord | ClientView) -> float:
         n = record.num_samples
         return float(n if self.reward_cap is None else min(n, self.reward_cap))
 
+    def _registration_rewards(self, num_samples: np.ndarray) -> np.ndarray:
+        n = num_samples if self.reward_cap is None else np.minimum(num_samples, self.reward_cap)
+        return n.astype(np.float64)
+
     # ------------------------------------------------------------------ policy hooks
-    def on_update(self, record: ClientRecord, ctx: SelectionContext) -> None:
+    def on_update(self, record: ClientRecord | ClientView, ctx: SelectionContext) -> None:
         cid = record.client_id
-        self._observe(record)
+        m = ctx.clients
+        self._fit(m)
+        r = m.row(cid)
+        self._observe(m, m.gather(np.array([r])))
         if cid in self._exploit_pending:
             self._exploit_pending.discard(cid)
             self._exploit_replied.add(cid)
@@ -257,7 +281,7 @@ class OortSelector(TrainSelector):
         # times_updated is incremented after this call when the update is buffered, so a client
         # at the threshold may cross it now: watch it from there.
         if br is not None and record.times_updated >= br:
-            self._watch.add(cid)
+            self._watch(r)
 
     def on_round_end(self, round_: int, ctx: SelectionContext) -> None:
         """Oort's pacer, once per aggregation.
@@ -266,10 +290,12 @@ class OortSelector(TrainSelector):
         (``sum / (count + 1e-4)``) of the exploited clients that replied. In async mode a pick
         replies versions later, so picks stay pending until they reply and count in that round.
         The pacer fires on the number of rounds seen (``len(history)``), not on ``round_``, so a
-        sync round that aggregated nothing cannot make it skip a step.
+        sync round that aggregated nothing cannot make it skip a step. The sum is ``math.fsum``
+        (exact, so independent of the order the replies are kept in).
         """
         replied = self._exploit_replied
-        total = sum(float(ctx.clients[c].stat_utility or 0.0) for c in replied)
+        util = ctx.clients.column("stat_utility")[ctx.clients.rows_of(sorted(replied))]
+        total = math.fsum(np.nan_to_num(util, nan=0.0).tolist())
         self._exploit_history.append(total / (len(replied) + 1e-4))
         self._exploit_replied = set()
         step, hist = self.params.pacer_step, self._exploit_history
@@ -283,24 +309,35 @@ class OortSelector(TrainSelector):
                 self._round_threshold = max(delta, self._round_threshold - delta)
 
     # ------------------------------------------------------------------ scoring
-    def score_candidates(self, candidates: Sequence[int], ctx: SelectionContext) -> dict[int, float]:
+    def score_candidates(self, candidates: Sequence[int] | np.ndarray, ctx: SelectionContext) -> dict[int, float]:
         """Oort's exploitation score of each explored candidate (the unexplored have none)."""
-        recs = [ctx.clients[c] for c in candidates]
-        for r in recs:
-            self._observe(r)
-        view = self._view(recs)
-        scores = self._scores(view, ctx)
+        m = ctx.clients
+        self._fit(m)
+        rows = m.rows_of(candidates)
+        g = m.gather(rows)
+        self._observe(m, g)
+        util = g.field("stat_utility")
+        explored = ~np.isnan(util)
+        view = _Candidates(ids=m.ids_of(rows), explored=explored,
+                           reward=np.where(explored, util, self._registration_rewards(g.field("num_samples"))),
+                           last_round=g.field("last_utility_round"),
+                           duration=g.field("last_duration"))
+        scores = self._scores(view, ctx, self._system_factor(view.duration), np.arange(rows.size))
         return {int(c): float(s) for c, s, e in zip(view.ids, scores, view.explored, strict=True) if e}
 
-    def _scores(self, v: _Candidates, ctx: SelectionContext) -> np.ndarray:
+    def _scores(self, v: _Candidates, ctx: SelectionContext, factor: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """Oort's score of the candidates ``idx``; ``factor`` is ``_system_factor(v.duration)``.
+
+        The normalisation is taken over every candidate's positive reward, explored or not.
+        """
         p = self.params
-        norm = get_norm(v.reward[v.reward > 0], p.clip_bound)
+        norm = get_norm(v.reward.take(np.flatnonzero(v.reward > 0)), p.clip_bound)
         # Oort's rounds start at 1; an async run starts at version 0, where ln(0) and x / 0 are
         # undefined: clamping both to 1 gives no bonus at the start, as Oort's first round does.
         cur = max(ctx.round, 1)
-        bonus = np.sqrt(0.1 * math.log(cur) / np.maximum(v.last_round, 1.0))
-        sc = (np.minimum(v.reward, norm.clip) - norm.min) / norm.range + bonus
-        sc = sc * self._system_factor(v.duration)
+        bonus = np.sqrt(0.1 * math.log(cur) / np.maximum(v.last_round.take(idx), 1.0))
+        sc = (np.minimum(v.reward.take(idx), norm.clip) - norm.min) / norm.range + bonus
+        sc = sc * factor.take(idx)
         return np.abs(sc) if p.variant == "fedscale" else sc
 
     def _system_factor(self, duration: np.ndarray) -> np.ndarray:
@@ -310,47 +347,45 @@ class OortSelector(TrainSelector):
         as in the FeLiX authors' fork: nothing says it is slow.
         """
         t_pref = self.preferred_duration
-        slow = np.nan_to_num(duration, nan=-np.inf) > t_pref
+        slow = np.flatnonzero(duration > t_pref)  # NaN (unknown) compares False
         factor = np.ones_like(duration)
-        factor[slow] = (t_pref / np.maximum(1e-4, duration[slow])) ** self.params.round_penalty
+        factor[slow] = (t_pref / np.maximum(1e-4, duration.take(slow))) ** self.params.round_penalty
         return factor
 
     # ------------------------------------------------------------------ selection
-    def select(self, candidates: Sequence[int], k: int, ctx: SelectionContext) -> list[int]:
-        if k <= 0 or not candidates:
+    def select(self, candidates: Sequence[int] | np.ndarray, k: int, ctx: SelectionContext) -> list[int]:
+        if k <= 0 or len(candidates) == 0:
             return []
-        recs = [ctx.clients[c] for c in candidates]
-        for r in recs:
-            self._observe(r)
-        blacklist = self._blacklist(ctx)
-        if blacklist:
-            recs = [r for r in recs if r.client_id not in blacklist]
+        m = ctx.clients
+        self._fit(m)
+        rows, view = self._view(m, m.rows_of(candidates))
         p = self.params
         rng = ctx.rng
-        view = self._view(recs)
-        scores = self._scores(view, ctx)
+        factor = self._system_factor(view.duration)
+        explored_idx = np.flatnonzero(view.explored)
 
         self._exploration = max(self._exploration * p.exploration_decay, self._exploration_min)
         eps = self._exploration
-        explored_idx = np.flatnonzero(view.explored)
         if p.variant == "oort":
             exploit_len = self._round(k * (1.0 - eps), rng)
         else:
             exploit_len = k - self._round(k * eps, rng)
         exploit_len = min(exploit_len, explored_idx.size)
-        exploit = self._exploit(explored_idx, scores[explored_idx], exploit_len, rng)
+        scores = self._scores(view, ctx, factor, explored_idx) if exploit_len > 0 else np.empty(0)
+        exploit = self._exploit(explored_idx, scores, exploit_len, rng)
 
         unexplored_idx = np.flatnonzero(~view.explored)
         explore_len = min(unexplored_idx.size, k - exploit.size)
-        explore = self._explore(unexplored_idx, view, explore_len, rng)
-        if p.variant == "oort" and len(ctx.clients) <= len(self._explored):
+        explore = self._explore(unexplored_idx, view.reward.take(unexplored_idx) * factor.take(unexplored_idx),
+                                explore_len, rng)
+        if p.variant == "oort" and len(m) <= self._n_explored:
             # Oort: with nobody left to explore, epsilon and its floor drop to 0 for good.
             self._exploration = self._exploration_min = 0.0
 
         picked = np.concatenate([exploit, explore])
-        shortfall = min(k, len(recs)) - picked.size
+        shortfall = min(k, rows.size) - picked.size
         if shortfall > 0:
-            rest = np.setdiff1d(np.arange(len(recs)), picked, assume_unique=True)
+            rest = np.setdiff1d(np.arange(rows.size), picked, assume_unique=True)
             picked = np.concatenate([picked, rng.choice(rest, size=shortfall, replace=False)])
 
         exploited = view.ids[exploit]
@@ -362,25 +397,27 @@ class OortSelector(TrainSelector):
 
         The cut-off is ``cut_off_util`` x the score at 0-based rank ``n`` of the descending
         scores (Oort indexes ``sortedClientUtil[exploitLen]``, one past the exploitLen best),
-        clamped to the last rank, where Oort's code would raise an IndexError.
+        clamped to the last rank, where Oort's code would raise an IndexError. Only the pool
+        that passes is ranked (ties by candidate order, as Oort's stable sort keeps them): the
+        clients at or above the cut are exactly the head of the descending order.
         """
         if n <= 0:
             return np.empty(0, dtype=np.int64)
-        order = np.argsort(-scores, kind="stable")
-        cut = scores[order[min(n, order.size - 1)]] * self.params.cut_off_util
-        pool = int(np.count_nonzero(scores >= cut))
-        if self.params.variant == "fedscale":
-            pool = max(pool, min(order.size, 10 * n + 1))
-        pool_idx = order[:pool]
+        cut = kth_largest(scores, min(n, scores.size - 1)) * self.params.cut_off_util
+        passing = np.flatnonzero(scores >= cut)
+        wanted = min(scores.size, 10 * n + 1) if self.params.variant == "fedscale" else 0
+        if passing.size >= wanted:
+            pool_idx = passing[np.argsort(-scores[passing], kind="stable")]
+        else:
+            pool_idx = largest_first(scores, wanted)
         return idx[pool_idx[weighted_sample(scores[pool_idx], n, rng)]]
 
-    def _explore(self, idx: np.ndarray, v: _Candidates, n: int, rng: np.random.Generator) -> np.ndarray:
-        """Sample ``n`` unexplored clients by (duration-penalised) registration reward, within the
-        ``sample_window * n`` largest rewards."""
+    def _explore(self, idx: np.ndarray, init: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+        """Sample ``n`` unexplored clients by ``init``, their (duration-penalised) registration
+        reward, within the ``sample_window * n`` largest rewards."""
         if n <= 0:
             return np.empty(0, dtype=np.int64)
-        init = v.reward[idx] * self._system_factor(v.duration[idx])
-        window = np.argsort(-init, kind="stable")[: min(int(self.params.sample_window * n), idx.size)]
+        window = largest_first(init, min(int(self.params.sample_window * n), idx.size))
         return idx[window[weighted_sample(init[window], n, rng)]]
 
     def _round(self, x: float, rng: np.random.Generator) -> int:
@@ -390,51 +427,139 @@ class OortSelector(TrainSelector):
         return base + int(rng.random() < x - base)
 
     # ------------------------------------------------------------------ bookkeeping
-    def _view(self, recs: Sequence[ClientRecord]) -> _Candidates:
-        n = len(recs)
-        return _Candidates(
-            ids=np.fromiter((r.client_id for r in recs), dtype=np.int64, count=n),
-            explored=np.fromiter((r.stat_utility is not None for r in recs), dtype=bool, count=n),
-            reward=np.fromiter(
-                (r.stat_utility if r.stat_utility is not None else self.registration_reward(r) for r in recs),
-                dtype=np.float64,
-                count=n,
-            ),
-            last_round=np.fromiter((r.last_utility_round for r in recs), dtype=np.float64, count=n),
-            duration=np.fromiter(
-                (r.last_duration if r.last_duration is not None else np.nan for r in recs),
-                dtype=np.float64,
-                count=n,
-            ),
+    def _view(self, m: ClientMap, rows: np.ndarray) -> tuple[np.ndarray, _Candidates]:
+        """Gather the candidates' fields (one cache line each), fold them into the selector's
+        state, and drop the blacklisted; returns the rows kept and their fields."""
+        g = m.gather(rows)
+        self._observe(m, g)
+        blacklist = self._blacklist(m)
+        if blacklist.size:
+            keep = ~np.isin(rows, blacklist)
+            rows, g = rows[keep], g.take(keep)
+        util = g.field("stat_utility")
+        explored = ~np.isnan(util)
+        return rows, _Candidates(
+            ids=m.ids_of(rows),
+            explored=explored,
+            reward=np.where(explored, util, self._registration_rewards(g.field("num_samples"))),
+            last_round=g.field("last_utility_round"),
+            duration=g.field("last_duration"),
         )
 
-    def _observe(self, record: ClientRecord) -> None:
-        """Fold a record into the selector's population-wide state (durations, explored set).
+    def _fit(self, m: ClientMap) -> None:
+        """Extend the per-row columns to the map's population (geometrically)."""
+        n = len(m)
+        if n > self._seen.shape[0]:
+            cap = max(n, 2 * self._seen.shape[0], 1024)
+            seen = np.full((cap, 2), np.nan)
+            seen[:, _EXPLORED] = 0.0
+            seen[: self._seen.shape[0]] = self._seen
+            self._seen = seen
+            self._watched = np.concatenate([self._watched, np.zeros(cap - self._watched.size, bool)])
+        self._rows = max(self._rows, n)
 
-        Called from ``on_update`` and for every candidate, so that records written by someone
-        else (a checkpoint restore, a test) are still seen; each call is O(log n).
+    def _observe(self, m: ClientMap, g: ClientRows) -> None:
+        """Fold clients into the selector's population-wide state (durations, explored count, watch).
+
+        Called from ``on_update`` and for every candidate, so that fields written by someone
+        else (a checkpoint restore, a test) are still seen. Vectorised over the rows; only a
+        duration that changed costs a (log n) sorted-list update.
         """
-        cid = record.client_id
-        if record.stat_utility is not None:
-            self._explored.add(cid)
-        d = record.last_duration
-        if d is not None and self._durations.get(cid) != d:
-            old = self._durations.get(cid)
-            if old is not None:
-                del self._sorted_durations[bisect.bisect_left(self._sorted_durations, old)]
-            self._durations[cid] = d
-            bisect.insort(self._sorted_durations, d)
+        rows = g.rows
+        seen = self._seen.take(rows, axis=0)
+        util = g.field("stat_utility")
+        new = np.flatnonzero((seen[:, _EXPLORED] == 0.0) & ~np.isnan(util))
+        if new.size:
+            new = np.unique(rows.take(new))
+            self._seen[new, _EXPLORED] = 1.0
+            self._n_explored += int(new.size)
+        d = g.field("last_duration")
+        for r in np.flatnonzero((d != seen[:, _DURATION]) & ~np.isnan(d)):
+            self._set_duration(int(rows[r]), float(d[r]))
         br = self.params.blacklist_rounds
-        if br is not None and record.times_updated > br:
-            self._watch.add(cid)
+        if br is not None:
+            for r in rows[g.field("times_updated") > br]:
+                self._watch(int(r))
 
-    def _blacklist(self, ctx: SelectionContext) -> set[int]:
-        """Oort's ``get_blacklist``: the most-updated clients above ``blacklist_rounds``, at most
-        ``blacklist_max_len`` of the population (Oort slices with a float there, which Python 3
+    def _set_duration(self, row: int, d: float) -> None:
+        old = float(self._seen[row, _DURATION])
+        if old == d:
+            return
+        if not math.isnan(old):
+            del self._sorted_durations[bisect.bisect_left(self._sorted_durations, old)]
+        self._seen[row, _DURATION] = d
+        bisect.insort(self._sorted_durations, d)
+
+    def _watch(self, row: int) -> None:
+        if not self._watched[row]:
+            self._watched[row] = True
+            self._watch_rows.append(row)
+
+    def _blacklist(self, m: ClientMap) -> np.ndarray:
+        """Oort's ``get_blacklist``: rows of the most-updated clients above ``blacklist_rounds``, at
+        most ``blacklist_max_len`` of the population (Oort slices with a float there, which Python 3
         rejects; we truncate to an int). Only watched clients are examined, not the population."""
         br = self.params.blacklist_rounds
-        if br is None:
-            return set()
-        over = [c for c in self._watch if ctx.clients[c].times_updated > br]
-        over.sort(key=lambda c: (-ctx.clients[c].times_updated, c))
-        return set(over[: int(self.params.blacklist_max_len * len(ctx.clients))])
+        if br is None or not self._watch_rows:
+            return np.empty(0, dtype=np.int64)
+        watched = np.asarray(self._watch_rows, dtype=np.int64)
+        count = m.column("times_updated")[watched]
+        over = count > br
+        watched, count = watched[over], count[over]
+        order = np.lexsort((m.ids[watched], -count))  # most updated first, then by client id
+        return watched[order[: int(self.params.blacklist_max_len * len(m))]]
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The selector's mutable state: floats, and arrays of one entry per registered client at most."""
+        n = self._rows
+        return {
+            "exploration": float(self._exploration),
+            "exploration_min": float(self._exploration_min),
+            "round_threshold": float(self._round_threshold),
+            "exploit_history": np.asarray(self._exploit_history, dtype=np.float64),
+            "exploit_pending": np.asarray(sorted(self._exploit_pending), dtype=np.int64),
+            "exploit_replied": np.asarray(sorted(self._exploit_replied), dtype=np.int64),
+            "seen_duration": self._seen[:n, _DURATION].copy(),
+            "seen_explored": self._seen[:n, _EXPLORED] != 0.0,
+            "watched": self._watched[:n].copy(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s output (ValueError on a malformed state; this selector is unchanged then)."""
+        if not isinstance(state, dict) or set(state) != set(_STATE_KEYS):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"Oort state must hold exactly {sorted(_STATE_KEYS)}, got {got}")
+        floats = {}
+        for key in ("exploration", "exploration_min", "round_threshold"):
+            try:
+                floats[key] = float(state[key])
+            except (TypeError, ValueError):
+                raise ValueError(f"Oort state: {key} must be a number, not {state[key]!r}") from None
+            if not math.isfinite(floats[key]) or floats[key] < 0:
+                raise ValueError(f"Oort state: {key} must be finite and >= 0, not {floats[key]}")
+        arrays = {k: np.asarray(state[k]) for k in _STATE_KEYS[3:]}
+        for key, a in arrays.items():
+            if a.ndim != 1:
+                raise ValueError(f"Oort state: {key} must be a vector, got shape {a.shape}")
+        n = arrays["seen_duration"].size
+        if arrays["seen_explored"].size != n or arrays["watched"].size != n:
+            raise ValueError("Oort state: seen_duration, seen_explored and watched must have one entry per client")
+        seen = arrays["seen_duration"].astype(np.float64)
+        known = seen[~np.isnan(seen)]
+        if not np.isfinite(known).all():
+            raise ValueError("Oort state: seen_duration holds infinite values")
+        history = arrays["exploit_history"].astype(np.float64)
+        if not np.isfinite(history).all():
+            raise ValueError("Oort state: exploit_history holds non-finite values")
+        self._exploration, self._exploration_min = floats["exploration"], floats["exploration_min"]
+        self._round_threshold = floats["round_threshold"]
+        self._exploit_history = history.tolist()
+        self._exploit_pending = {int(c) for c in arrays["exploit_pending"]}
+        self._exploit_replied = {int(c) for c in arrays["exploit_replied"]}
+        self._rows = n
+        self._seen = np.stack([seen, arrays["seen_explored"].astype(bool).astype(np.float64)], axis=1)
+        self._watched = arrays["watched"].astype(bool)
+        self._n_explored = int(self._seen[:, _EXPLORED].sum())
+        self._sorted_durations = sorted(known.tolist())
+        self._watch_rows = np.flatnonzero(self._watched).tolist()

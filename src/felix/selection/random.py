@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 from felix.core.policies import SelectionContext, TrainSelector
 
@@ -9,8 +12,16 @@ from felix.core.policies import SelectionContext, TrainSelector
 class RandomSelector(TrainSelector):
     name = "random"
 
-    def select(self, candidates: Sequence[int], k: int, ctx: SelectionContext) -> list[int]:
+    def select(self, candidates: Sequence[int] | np.ndarray, k: int, ctx: SelectionContext) -> list[int]:
         if k >= len(candidates):
-            return list(candidates)
+            return [int(c) for c in candidates]
         picked = ctx.rng.choice(len(candidates), size=k, replace=False)
-        return [candidates[i] for i in picked]
+        return [int(candidates[i]) for i in picked]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Stateless: the randomness is the orchestrator's generator."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"the random selector has no state, got keys {sorted(state)}")

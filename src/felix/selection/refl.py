@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from felix.core.client_map import ClientRecord
+from felix.core.client_map import ClientRecord, ClientView
 from felix.core.policies import AvailabilityOracle, SelectionContext, TrainSelector
 from felix.selection.oort import OortSelector
 
@@ -73,51 +74,65 @@ class ReflIPSSelector(TrainSelector):
         soon = oracle.available_throughout(client_id, now, now + w)
         return int(soon and not oracle.available_throughout(client_id, now + w, now + 2 * w))
 
-    def select(self, candidates: Sequence[int], k: int, ctx: SelectionContext) -> list[int]:
+    def select(self, candidates: Sequence[int] | np.ndarray, k: int, ctx: SelectionContext) -> list[int]:
         _require_oracle(ctx)
-        if k <= 0 or not candidates:
+        if k <= 0 or len(candidates) == 0:
             return []
-        if len(candidates) <= k:
-            return list(candidates)  # REFL: fewer online clients than wanted -> take them all
+        cands = np.asarray(candidates, dtype=np.int64)
+        if cands.size <= k:
+            return [int(c) for c in cands]  # REFL: fewer online clients than wanted -> take them all
         p = self.params
         rng = ctx.rng
-        pool = list(candidates)
+        pool = cands
         if p.avail_priority and p.prohibit_reselect:
             # REFL drops recently-run picks after selecting and replaces them at random; removing
             # them before the priority split keeps the replacements under the priority rule.
-            pool = [c for c in candidates if not self._ran_recently(ctx.clients[c], ctx.round)]
+            last = ctx.clients.column("selected_round")[ctx.clients.rows_of(cands)]
+            pool = cands[~((last >= 0) & (ctx.round - last < p.prohibit_reselect))]
         if p.avail_priority:
-            prio: list[int] = []
-            rest: list[int] = []
-            for c in pool:
-                (prio if self.priority(c, ctx) else rest).append(c)
+            # The oracle answers one client at a time (it reads the trace): O(candidates) calls.
+            urgent = np.fromiter((self.priority(int(c), ctx) for c in pool), dtype=bool, count=pool.size)
+            prio, rest = pool[urgent], pool[~urgent]
             if p.avail_probability > 0:
-                prio = _sample(prio, int(len(prio) * p.avail_probability), rng)
-                rest = _sample(rest, int(len(rest) * p.avail_probability), rng)
-            pool = prio + _sample(rest, min(max(k - len(prio), 0), len(rest)), rng)
+                prio = _sample(prio, int(prio.size * p.avail_probability), rng)
+                rest = _sample(rest, int(rest.size * p.avail_probability), rng)
+            pool = np.concatenate([prio, _sample(rest, min(max(k - prio.size, 0), rest.size), rng)])
 
-        if self.oort is not None and pool:
-            chosen = self.oort.select(pool, min(k, len(pool)), ctx)
+        if self.oort is not None and pool.size:
+            chosen = self.oort.select(pool, min(k, pool.size), ctx)
         else:
-            chosen = _sample(pool, min(k, len(pool)), rng)
+            chosen = [int(c) for c in _sample(pool, min(k, pool.size), rng)]
         if len(chosen) < k:
             # REFL replaces removed picks with random online clients, without re-checking the
             # prohibit rule; recently-run and dropped-by-sampling clients fill the gap here.
-            taken = set(chosen)
-            spare = [c for c in candidates if c not in taken]
-            chosen += _sample(spare, min(k - len(chosen), len(spare)), rng)
+            spare = cands[~np.isin(cands, np.asarray(chosen, dtype=np.int64))]
+            chosen += [int(c) for c in _sample(spare, min(k - len(chosen), spare.size), rng)]
         return chosen
 
-    def _ran_recently(self, rec: ClientRecord, round_: int) -> bool:
-        return rec.selected_round >= 0 and round_ - rec.selected_round < self.params.prohibit_reselect
-
-    def on_update(self, record: ClientRecord, ctx: SelectionContext) -> None:
+    def on_update(self, record: ClientRecord | ClientView, ctx: SelectionContext) -> None:
         if self.oort is not None:
             self.oort.on_update(record, ctx)
 
     def on_round_end(self, round_: int, ctx: SelectionContext) -> None:
         if self.oort is not None:
             self.oort.on_round_end(round_, ctx)
+
+    def state_dict(self) -> dict[str, Any]:
+        """IPS itself keeps no state (priority reads the oracle, recency the ClientMap); Oort's,
+        when it runs one, under ``oort/`` keys."""
+        if self.oort is None:
+            return {}
+        return {f"oort/{k}": v for k, v in self.oort.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.oort is None:
+            if state:
+                raise ValueError(f"REFL IPS without Oort has no state, got keys {sorted(state)}")
+            return
+        stray = [k for k in state if not k.startswith("oort/")]
+        if stray:
+            raise ValueError(f"REFL IPS state: unexpected keys {stray}")
+        self.oort.load_state_dict({k.removeprefix("oort/"): v for k, v in state.items()})
 
 
 def _require_oracle(ctx: SelectionContext) -> AvailabilityOracle:
@@ -129,8 +144,8 @@ def _require_oracle(ctx: SelectionContext) -> AvailabilityOracle:
     return ctx.oracle
 
 
-def _sample(items: list[int], n: int, rng: np.random.Generator) -> list[int]:
+def _sample(items: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
     """``n`` items uniformly without replacement (REFL's ``Random.sample``), in draw order."""
     if n <= 0:
-        return []
-    return [items[i] for i in rng.choice(len(items), size=n, replace=False)]
+        return np.empty(0, dtype=np.int64)
+    return items[rng.choice(items.size, size=n, replace=False)]

@@ -19,6 +19,7 @@ import numpy as np
 
 from felix.core.policies import EvalSelector, SelectionContext
 from felix.selection.oort import OortParams, OortSelector
+from felix.selection.ranking import smallest_first
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,19 +62,29 @@ class TierSelectEval(EvalSelector):
         self.params = params if params is not None else TierSelectEvalParams()
         self.per_round_budget = int(self.params.eval_goal_factor * agg_goal)
 
-    def select(self, candidates: Sequence[int], budget: int, ctx: SelectionContext) -> list[int]:
-        if budget <= 0 or not candidates:
+    def select(self, candidates: Sequence[int] | np.ndarray, budget: int, ctx: SelectionContext) -> list[int]:
+        if budget <= 0 or len(candidates) == 0:
             return []
-        n = len(candidates)
-        ids = np.fromiter(candidates, dtype=np.int64, count=n)
-        last = np.fromiter((ctx.clients[c].last_utility_round for c in candidates), dtype=np.int64, count=n)
+        ids = np.asarray(candidates, dtype=np.int64)
+        last = ctx.clients.column("last_utility_round")[ctx.clients.rows_of(ids)]
         measured = last >= 0
         eligible = measured & (ctx.round - last >= self.params.staleness_threshold)
         if self.params.include_unmeasured:
             eligible |= ~measured
         idx = np.flatnonzero(eligible)
-        order = np.lexsort((ids[idx], last[idx]))  # primary key: last_utility_round; then id
-        return [int(c) for c in ids[idx[order[:budget]]]]
+        if (np.diff(ids) > 0).all():  # the orchestrator's id-ordered candidates: a stable rank breaks ties by id
+            order = smallest_first(last[idx], budget)
+        else:
+            order = np.lexsort((ids[idx], last[idx]))[:budget]  # primary key: last_utility_round; then id
+        return [int(c) for c in ids[idx[order]]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Stateless: the per-round eval count is the orchestrator's."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"the TierSelect eval selector has no state, got keys {sorted(state)}")
 
 
 def tierselect(
