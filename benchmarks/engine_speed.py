@@ -32,12 +32,13 @@ from felix.config import parse_set
 from felix.experiment import resolve_config
 
 
-def simulate(args: argparse.Namespace, aggregations: int) -> tuple[Built, Any, list[tuple[ClientData, int, np.ndarray]]]:
+def simulate(args: argparse.Namespace, aggregations: int,
+             cohort: str | None = None) -> tuple[Built, Any, list[tuple[ClientData, int, np.ndarray]]]:
     sets = parse_set(args.set)
     run = sets.setdefault("run", {})
     run.update({"max_aggregations": aggregations, "stop_at_target": False})
-    if args.cohort is not None:
-        run["cohort"] = args.cohort if args.cohort == "auto" else int(args.cohort)
+    if cohort is not None:
+        run["cohort"] = cohort if cohort == "auto" else int(cohort)
     cfg = resolve_config(None, args.preset, sets, args.scenario)
     built = build(cfg)
     tasks: list[tuple[ClientData, int, np.ndarray]] = []
@@ -85,9 +86,9 @@ def bare_loop(built: Built, tasks: list[tuple[ClientData, int, np.ndarray]]) -> 
     return time.perf_counter() - t0, time.process_time() - cpu0
 
 
-def engine(args: argparse.Namespace) -> dict[str, Any]:
-    simulate(args, args.warmup)  # first-call costs of torch and the allocator are not the engine's
-    built, out, tasks = simulate(args, args.aggregations)
+def engine(args: argparse.Namespace, aggregations: int, cohort: str | None) -> dict[str, Any]:
+    simulate(args, args.warmup, cohort)  # first-call costs of torch and the allocator are not the engine's
+    built, out, tasks = simulate(args, aggregations, cohort)
     runs = [bare_loop(built, tasks) for _ in range(args.bare_repeats)]
     bare, bare_cpu = min(r[0] for r in runs), min(r[1] for r in runs)
     sim_cpu = built.sim_cpu_s  # type: ignore[attr-defined]
@@ -117,9 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenario", default="felix-cpu-100")
     ap.add_argument("--preset", default="felix")
-    ap.add_argument("--aggregations", type=int, default=300)
+    ap.add_argument("--aggregations", default="300",
+                    help="aggregations per run; a comma-separated list pairs with --cohort's list")
     ap.add_argument("--warmup", type=int, default=5, help="aggregations of an untimed first run")
-    ap.add_argument("--cohort", help="run.cohort: auto, 1 (sequential) or N (default: the config's)")
+    ap.add_argument("--cohort", help="run.cohort: auto, 1 (sequential) or N (default: the config's); a "
+                    "comma-separated list runs each in turn in this process, one JSON line each")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, as felix run")
     ap.add_argument("--bare-repeats", type=int, default=2, help="the bare loop's time is the best of this many")
     ap.add_argument("--selection", nargs=2, type=int, metavar=("REGISTERED", "AVAILABLE"),
@@ -134,15 +137,27 @@ def main(argv: list[str] | None = None) -> int:
             print("engine_speed: selection benchmark not available in this build "
                   "(benchmarks/selection_speed.py with measure_selection is missing)", file=sys.stderr)
             return 2
-        res = measure_selection(registered=args.selection[0], available=args.selection[1], repeats=args.repeats)
-    else:
-        res = engine(args)
-    if args.json:
+        report(measure_selection(registered=args.selection[0], available=args.selection[1], repeats=args.repeats),
+               args.json)
+        return 0
+    cohorts: list[str | None] = list(args.cohort.split(",")) if args.cohort else [None]
+    aggs = [int(a) for a in str(args.aggregations).split(",")]
+    if len(aggs) == 1:
+        aggs *= len(cohorts)
+    if len(aggs) != len(cohorts):
+        ap.error("--aggregations needs one value, or one per --cohort value")
+    for cohort, n in zip(cohorts, aggs):
+        report(engine(args, n, cohort), args.json)
+    return 0
+
+
+def report(res: dict[str, Any], as_json: bool) -> None:
+    if as_json:
         print(json.dumps(res), flush=True)
     else:
         for k, v in res.items():
             print(f"{k:>24}: {v}")
-    return 0
+        print(flush=True)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ import torch
 
 from felix.client.cohort import CohortTask, CohortTrainer
 from felix.client.trainer import ClientData, LocalTrainer
-from felix.core.types import ClientUpdate
 from felix.core.commands import (
     CancelTask,
     Command,
@@ -42,7 +41,7 @@ from felix.core.commands import (
 )
 from felix.core.events import ClientRegistered, Event, TaskFinished, Tick, TierChanged
 from felix.core.orchestrator import Knowledge, Orchestrator
-from felix.core.types import TaskKind, Tier
+from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.metrics.recorder import HEADER_BYTES, Recorder
 from felix.sim.traces import DeviceTrace
 
