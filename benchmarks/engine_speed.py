@@ -100,7 +100,7 @@ def engine(args: argparse.Namespace, aggregations: int, cohort: str | None) -> d
         "threads": torch.get_num_threads(), "cohort_setting": cfg.run.cohort, "cohort_size": sim.cfg.cohort_size,
         "precision": cfg.run.precision, "model": cfg.model, "torch": torch.__version__,
         "aggregations": aggs, "updates": len(tasks), "wall_s": round(wall, 3),
-        "train_s": round(out.train_seconds, 3),
+        "train_s": round(out.train_seconds, 3), "trained_unused": out.trained_unused,
         "wall_per_aggregation_s": round(wall / max(aggs, 1), 5),
         "aggregations_per_s": round(aggs / wall, 3) if wall else None,
         "updates_per_s": round(len(tasks) / wall, 2) if wall else None,

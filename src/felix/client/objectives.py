@@ -179,7 +179,7 @@ class WeightedCE(Objective):
         return {"class_weight": torch.stack([inverse_frequency_weights(c.class_counts) for c in ctxs]).to(dev)}
 
     def cohort_loss(self, per: torch.Tensor, mask: torch.Tensor, y: torch.Tensor,
-                    extra: dict[str, torch.Tensor]) -> torch.Tensor:
+                    extra: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         w = extra["class_weight"][y] * mask
         loss = (per * w).sum() / w.sum()
         return loss, loss

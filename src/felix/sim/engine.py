@@ -107,6 +107,7 @@ class SimOutcome:
     stop_reason: str
     rejected: list[UpdateRejected]
     train_seconds: float  # wall seconds spent inside local training (for the overhead benchmark)
+    trained_unused: int = 0  # tasks trained early in a cohort whose result was dropped (cancelled, retrained)
 
 
 class Simulation:
@@ -120,6 +121,7 @@ class Simulation:
         self.trainer = trainer
         self.cohort = cohort if settings.cohort_size > 1 else None
         self._trained: dict[int, _Trained] = {}  # by task id
+        self._unused = 0
         self._probed: dict[int, _Trained] = {}
         self.rec = recorder
         self.cfg = settings
@@ -179,7 +181,8 @@ class Simulation:
             self.rec.record(self.now, self.orch.version, self.orch.weights)
         if self.cfg.progress:
             sys.stderr.write("\n")
-        return SimOutcome(self.now, time.perf_counter() - wall0, self._stop, self._rejected, self._train_seconds)
+        return SimOutcome(self.now, time.perf_counter() - wall0, self._stop, self._rejected, self._train_seconds,
+                          self._unused)
 
     def _progress(self) -> None:
         if self.cfg.progress and self.rec.rows and self.orch.version != self._shown:
@@ -236,7 +239,7 @@ class Simulation:
             t0 = time.perf_counter()
             done = self._trained.pop(task.task_id, None)
             if done is not None and done.data is not dev.data:
-                done = None
+                done, self._unused = None, self._unused + 1
             if done is None and self.cohort is not None:
                 done = self._train_cohort(dev, task)
             if done is None:
@@ -260,37 +263,36 @@ class Simulation:
     def _generator(self, task: SimTask) -> torch.Generator:
         return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + task.task_id)
 
-    def _ready(self, dev: SimDevice, kind: TaskKind, done: dict) -> list[SimDevice]:
-        """``dev`` and the other devices whose running task of ``kind`` has no result yet, soonest
-        completion first, up to the cohort size; paused tasks wait (they are the likeliest to time out)."""
-        others = [d for d in self.devices
+    def _ready(self, dev: SimDevice, task: SimTask, done: dict) -> list[tuple[SimDevice, SimTask]]:
+        """``(dev, task)`` and the other devices' running tasks of the same kind that have no result
+        yet, soonest completion first, up to the cohort size; paused tasks wait (they are the
+        likeliest to time out)."""
+        others = [(d, d.current) for d in self.devices
                   if d is not dev and d.current is not None and d.started_at is not None
-                  and d.current.kind is kind and d.current.task_id not in done]
-        others.sort(key=lambda d: (d.started_at + d.remaining, d.cid))  # type: ignore[operator]
-        return [dev] + others[: self.cfg.cohort_size - 1]
+                  and d.current.kind is task.kind and d.current.task_id not in done]
+        others.sort(key=lambda p: (p[0].started_at + p[0].remaining, p[0].cid))  # type: ignore[operator]
+        return [(dev, task)] + others[: self.cfg.cohort_size - 1]  # type: ignore[list-item]
 
     def _train_cohort(self, dev: SimDevice, task: SimTask) -> _Trained | None:
         """Train ``task`` (``dev``'s, just completed) with the other ready tasks; None when too few
         are ready for a vectorised pass to pay."""
         assert self.cohort is not None
-        group = self._ready(dev, TaskKind.TRAIN, self._trained)
+        group = self._ready(dev, task, self._trained)
         if len(group) < self.cfg.min_cohort:
             return None
-        tasks = [task] + [d.current for d in group[1:]]  # type: ignore[misc]
-        cohort = [CohortTask(t.weights, d.data, dict(d.state), t.aux, self._generator(t)) for d, t in zip(group, tasks)]
+        cohort = [CohortTask(t.weights, d.data, dict(d.state), t.aux, self._generator(t)) for d, t in group]
         updates = self.cohort.train(cohort)
-        for d, t, c, u in zip(group[1:], tasks[1:], cohort[1:], updates[1:]):
+        for (d, t), c, u in zip(group[1:], cohort[1:], updates[1:]):
             self._trained[t.task_id] = _Trained(u, c.state, d.data)
         return _Trained(updates[0], cohort[0].state, dev.data)
 
     def _probe_cohort(self, dev: SimDevice, task: SimTask) -> _Trained | None:
         assert self.cohort is not None
-        group = self._ready(dev, TaskKind.EVAL, self._probed)
+        group = self._ready(dev, task, self._probed)
         if len(group) < self.cfg.min_cohort:
             return None
-        tasks = [task] + [d.current for d in group[1:]]  # type: ignore[misc]
-        updates = self.cohort.probe([t.weights for t in tasks], [d.data for d in group])
-        for d, t, u in zip(group[1:], tasks[1:], updates[1:]):
+        updates = self.cohort.probe([t.weights for _, t in group], [d.data for d, _ in group])
+        for (d, t), u in zip(group[1:], updates[1:]):
             self._probed[t.task_id] = _Trained(u, {}, d.data)
         return _Trained(updates[0], {}, dev.data)
 
@@ -324,7 +326,7 @@ class Simulation:
 
     def _cancel(self, dev: SimDevice, task_id: int) -> None:
         self.rec.bytes.add("down", "control", HEADER_BYTES)
-        self._trained.pop(task_id, None)
+        self._unused += self._trained.pop(task_id, None) is not None
         self._probed.pop(task_id, None)
         if dev.current is not None and dev.current.task_id == task_id:
             dev.current, dev.started_at = None, None
