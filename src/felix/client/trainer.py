@@ -129,7 +129,7 @@ class LocalTrainer:
         sq_sum = torch.zeros((), device=self.device)
         loss_sum = torch.zeros((), device=self.device)
         seen, batches = 0, 0
-        before, after = self._before, self._after
+        before, after, mixed = self._before, self._after, self.autocast_dtype is not None
         for epoch in range(cfg.epochs):
             order = torch.randperm(n, generator=generator).to(self.device)
             stop = n - n % cfg.batch_size if cfg.drop_last else n
@@ -138,8 +138,11 @@ class LocalTrainer:
                     break
                 idx = order[start:start + cfg.batch_size]
                 yb = y[idx]
-                with autocast(self.device, self.autocast_dtype):
-                    logits = self.model(x[idx]).float()
+                if mixed:
+                    with autocast(self.device, self.autocast_dtype):
+                        logits = self.model(x[idx]).float()
+                else:
+                    logits = self.model(x[idx])
                 per = F.cross_entropy(logits, yb, reduction="none")
                 if epoch == 0:
                     sq_sum += per.detach().square().sum()
