@@ -4,7 +4,7 @@
 #     bash benchmarks/gpu_check.sh
 #
 # Needs the CIFAR-10 archive at .gpu/cifar10-jpeg.tar.gz (or $CIFAR) and the MobiPerf trace at
-# ../shared/traces/mobiperf-300.json, .gpu/mobiperf-300.json or $TRACE (without one the run
+# ../shared/traces/, shared/traces/ or .gpu/ (mobiperf-300.json), or $TRACE (without one the run
 # falls back to an always-available trace and says so). Prints JSON lines, and appends them to
 # $OUT/gpu_check.jsonl when $OUT is set:
 #   1. cohort vs sequential training of the same tasks on the GPU (felix CNN, fp32): largest difference;
@@ -13,10 +13,11 @@
 set -euo pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 CIFAR=${CIFAR:-.gpu/cifar10-jpeg.tar.gz}
+[ -f "$CIFAR" ] || { echo "gpu_check: CIFAR-10 archive $CIFAR not found (set CIFAR=...)" >&2; exit 2; }
 SINK=/dev/null
 if [ -n "${OUT:-}" ]; then mkdir -p "$OUT"; SINK="$OUT/gpu_check.jsonl"; fi
 TRACE_SET=()
-for t in "${TRACE:-}" ../shared/traces/mobiperf-300.json .gpu/mobiperf-300.json; do
+for t in "${TRACE:-}" ../shared/traces/mobiperf-300.json shared/traces/mobiperf-300.json .gpu/mobiperf-300.json; do
   if [ -n "$t" ] && [ -f "$t" ]; then TRACE_SET=(--set "trace.path=$t"); break; fi
 done
 if [ ${#TRACE_SET[@]} -eq 0 ]; then
