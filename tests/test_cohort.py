@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from felix.build import build
-from felix.client.cohort import AUTO_COHORT, CohortTask, CohortTrainer, batch_rows, resolve_cohort
+from felix.client.cohort import AUTO_COHORT, CohortTask, CohortTrainer, batch_rows, conv_macs, resolve_cohort
 from felix.client.objectives import make_objective
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
 from felix.config import deep_merge
@@ -118,7 +118,11 @@ def test_auto_chooses_per_model_and_device(caplog: pytest.LogCaptureFixture) -> 
     ce = make_objective("ce")
     mlp, cnn = make_model("mlp", (1, 8, 8), C), make_model("small_cnn", (1, 8, 8), C)
     assert resolve_cohort("auto", mlp, ce, "cpu")[0] == AUTO_COHORT
-    assert resolve_cohort("auto", cnn, ce, "cpu") == (1, 1)  # convolutions: sequential is faster on CPU
+    assert resolve_cohort("auto", cnn, ce, "cpu") == (1, 1)  # convolutions of unknown cost: sequential
+    assert resolve_cohort("auto", cnn, ce, "cpu", (1, 8, 8))[0] == AUTO_COHORT  # tiny convolutions gain
+    felix_cnn = make_model("felix_cnn", (3, 32, 32), 10)
+    assert conv_macs(felix_cnn, (3, 32, 32)) > 10**7
+    assert resolve_cohort("auto", felix_cnn, ce, "cpu", (3, 32, 32)) == (1, 1)  # large ones lose on CPU
     assert resolve_cohort("auto", cnn, ce, "cuda")[0] == AUTO_COHORT
     assert resolve_cohort(1, mlp, ce, "cuda") == (1, 1)
     assert resolve_cohort(12, cnn, ce, "cpu") == (12, 2)

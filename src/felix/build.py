@@ -308,9 +308,10 @@ def build_trainer(cfg: Config, pop: Population) -> LocalTrainer:
                         apply_precision(cfg))
 
 
-def build_cohort(cfg: Config, trainer: LocalTrainer) -> tuple[CohortTrainer | None, int, int]:
+def build_cohort(cfg: Config, trainer: LocalTrainer,
+                 sample_shape: tuple[int, ...]) -> tuple[CohortTrainer | None, int, int]:
     """The cohort trainer ``run.cohort`` asks for (None: sequential), its size and smallest cohort."""
-    size, min_k = resolve_cohort(cfg.run.cohort, trainer.model, trainer.objective, cfg.run.device)
+    size, min_k = resolve_cohort(cfg.run.cohort, trainer.model, trainer.objective, cfg.run.device, sample_shape)
     if size == 1:
         return None, 1, 1
     # Its own objective instance: the sequential trainer's keeps per-task attributes.
@@ -353,7 +354,7 @@ def build(cfg: Config) -> Built:
     trace = build_trace(cfg)
     runtimes = build_runtimes(cfg, [len(d) for d in pop.client_data])
     trainer = build_trainer(cfg, pop)
-    cohort, cohort_size, min_cohort = build_cohort(cfg, trainer)
+    cohort, cohort_size, min_cohort = build_cohort(cfg, trainer, tuple(pop.train.sample_shape))
     evaluate = make_evaluator(copy.deepcopy(pop.model), pop.test, cfg.run.device,
                               autocast_dtype=trainer.autocast_dtype)
     recorder = Recorder(evaluate, cfg.run.target_accuracy, cfg.run.target_window, cfg.run.eval_every)

@@ -64,16 +64,42 @@ def cohort_blocker(model: nn.Module, objective: Objective | None = None) -> str 
     return None
 
 
-def has_convolution(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+def conv_macs(model: nn.Module, sample_shape: tuple[int, ...]) -> int:
+    """Multiply-accumulates of the model's convolutions for one sample (one forward pass, hooked)."""
+    total = 0
+
+    def count(m: nn.Module, _: Any, out: torch.Tensor) -> None:
+        nonlocal total
+        assert isinstance(m, nn.modules.conv._ConvNd)
+        total += out.numel() * (m.in_channels // m.groups) * math.prod(m.kernel_size)
+
+    hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)]
+    try:
+        if hooks:
+            with torch.no_grad():
+                p = next(model.parameters())
+                model(torch.zeros(1, *sample_shape, dtype=p.dtype, device=p.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return total
 
 
-def resolve_cohort(setting: str | int, model: nn.Module, objective: Objective, device: str) -> tuple[int, int]:
+# On a CPU, vmap turns a batch of clients' convolutions into one grouped convolution, slower than
+# the clients' own convolutions once they are big: measured on 2 cores (fp32, batch 32), the small
+# CNN on 8x8 inputs (83k conv MACs per sample) ran at 0.54-0.73x the sequential time per client
+# step, on 16x16 (332k) at 0.90-1.00x, on 28x28 (1M) at 1.2-2.0x; the FeLiX CNN (19M) at 1.3-1.9x (issue 10).
+CPU_CONV_MACS_LIMIT = 150_000
+
+
+def resolve_cohort(setting: str | int, model: nn.Module, objective: Objective, device: str,
+                   sample_shape: tuple[int, ...] | None = None) -> tuple[int, int]:
     """``run.cohort`` to (cohort size, smallest cohort worth a vectorised pass); size 1 = sequential.
 
-    ``auto``: vectorised on a GPU; on a CPU only for models without convolutions, because there
-    ``vmap`` over convolutions ran at 0.5-0.8x the sequential loop while dense layers gain from
-    the batched matrix products (see benchmarks/engine_speed.py).
+    ``auto`` is a fixed rule of the model and device (never a timing, so a config gives the same
+    run on every machine): vectorised on a GPU; on a CPU for models whose convolutions, if any,
+    cost at most ``CPU_CONV_MACS_LIMIT`` per sample (dense layers gain from batched matrix
+    products, large convolutions lose; see benchmarks/engine_speed.py).
     """
     on_gpu = not str(device).startswith("cpu")
     min_k = MIN_COHORT_GPU if on_gpu else MIN_COHORT_CPU
@@ -84,9 +110,12 @@ def resolve_cohort(setting: str | int, model: nn.Module, objective: Objective, d
         log.warning("run.cohort=%s: training sequentially, since %s", setting, blocker)
         return 1, 1
     if setting == "auto":
-        if not on_gpu and has_convolution(model):
-            log.info("run.cohort=auto: sequential training (convolutions are faster unvectorised on CPU)")
-            return 1, 1
+        if not on_gpu and any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules()):
+            macs = None if sample_shape is None else conv_macs(model, sample_shape)
+            if macs is None or macs > CPU_CONV_MACS_LIMIT:
+                log.info("run.cohort=auto: sequential training (convolutions of %s MACs per sample are faster "
+                         "unvectorised on CPU)", macs if macs is not None else "unknown")
+                return 1, 1
         return AUTO_COHORT, min_k
     return int(setting), 2
 
