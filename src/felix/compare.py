@@ -6,6 +6,7 @@ not depend on the strategy (see ``build``), so partitions, traces and runtimes a
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,12 @@ def compare(config_path: str | None, strategies: list[str], sets: dict[str, Any]
     configs = [resolve_config(config_path, s, sets, scenario) for s in strategies]
     out_dir = out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
+    if backend == "local" and (jobs or 1) > 1 and any(not str(c.run.device).startswith("cpu") for c in configs):
+        # Processes time-slicing one GPU each run several times slower: one process, one run at a
+        # time, keeps the device busy (each run trains its clients in cohorts).
+        print(f"felix compare: --jobs {jobs} ignored on {configs[0].run.device}: strategies run one after "
+              "another in this process", file=sys.stderr)
+        jobs = 1
     specs = [RunSpec(s, cfg, out_dir / _slug(s)) for s, cfg in zip(strategies, configs)]
     runner = make_backend(backend, jobs, address, gpus_per_run)
     try:
