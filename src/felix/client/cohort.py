@@ -263,7 +263,7 @@ class CohortTrainer:
             g, (per, loss, stat) = self._grad(ps, x_all[ix], y_all[ix], mb, {k: v[:a] for k, v in extra.items()})
             grads = [g[n] for n in self.names]
             if self._before:
-                self.objective.cohort_before_step(grads, list(ps.values()), extra, a)
+                self.objective.cohort_before_step(grads, list(ps.values()), extra, a, stat)
             opt.step(s, a, grads)
             if self._after:
                 self.objective.cohort_after_step(stat, extra, a)

@@ -92,8 +92,9 @@ class Objective:
         return loss, loss
 
     def cohort_before_step(self, grads: list[torch.Tensor], params: list[torch.Tensor],
-                           extra: dict[str, torch.Tensor], a: int) -> None:
-        """Gradient corrections, in place, on the active clients' stacked gradients."""
+                           extra: dict[str, torch.Tensor], a: int, stats: torch.Tensor) -> None:
+        """Gradient corrections, in place, on the active clients' stacked gradients; ``stats`` are
+        their statistics from ``cohort_loss`` for this step (detached)."""
 
     def cohort_after_step(self, stats: torch.Tensor, extra: dict[str, torch.Tensor], a: int) -> None:
         """After the step, given the active clients' statistics from ``cohort_loss`` (detached)."""
@@ -280,7 +281,7 @@ class FedProx(Objective):
         return {"anchor": torch.stack([c.global_params for c in ctxs])}
 
     def cohort_before_step(self, grads: list[torch.Tensor], params: list[torch.Tensor],
-                           extra: dict[str, torch.Tensor], a: int) -> None:
+                           extra: dict[str, torch.Tensor], a: int, stats: torch.Tensor) -> None:
         anchors = stacked_views([p.shape[1:] for p in params], extra["anchor"][:a])
         for g, p, w0 in zip(grads, params, anchors):
             g.add_((p - w0).mul_(self.mu))
@@ -377,7 +378,7 @@ class Scaffold(Objective):
         return {"c": c, "ci": ci, "corr": c - ci, "anchor": torch.stack([ctx.global_params for ctx in ctxs])}
 
     def cohort_before_step(self, grads: list[torch.Tensor], params: list[torch.Tensor],
-                           extra: dict[str, torch.Tensor], a: int) -> None:
+                           extra: dict[str, torch.Tensor], a: int, stats: torch.Tensor) -> None:
         for g, corr in zip(grads, stacked_views([p.shape[1:] for p in params], extra["corr"][:a])):
             g.add_(corr)
 
@@ -552,14 +553,19 @@ class FedeRage(Objective):
     def _risk_weight(self, f: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         return (1.0 - self.gamma) + (self.gamma / self.alpha) * (f.detach().double() >= beta).double()
 
-    def cohort_loss(self, per: torch.Tensor, mask: torch.Tensor, y: torch.Tensor,
-                    extra: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        f = (per * mask).sum() / mask.sum()
-        return f * self._risk_weight(f, extra["beta"]).to(f.dtype), f
+    # The batch loss is the base class's (the data loss f, reported as is); the weight scales the
+    # gradient, as ``before_step`` does, with the float32 factor the sequential path multiplies by.
+    def cohort_before_step(self, grads: list[torch.Tensor], params: list[torch.Tensor],
+                           extra: dict[str, torch.Tensor], a: int, stats: torch.Tensor) -> None:
+        w = self._risk_weight(stats, extra["beta"][:a])
+        scale = (w * self._scale).clamp(max=self._cap).to(grads[0].dtype)
+        for g in grads:
+            g.mul_(scale.view(-1, *([1] * (g.dim() - 1))))
 
     def cohort_after_step(self, stats: torch.Tensor, extra: dict[str, torch.Tensor], a: int) -> None:
         beta = extra["beta"][:a]
-        step = self._cohort_lr * (1.0 - self._risk_weight(stats, beta))
+        lr = self._cohort_lr if self.beta_lr is None else self.beta_lr
+        step = (lr * self._beta_scale) * (1.0 - self._risk_weight(stats, beta))
         beta.copy_((beta - step).clamp_(self.beta_min, self.beta_max))
 
     def cohort_end(self, ctxs: list[TaskContext], extra: dict[str, torch.Tensor], final: torch.Tensor) -> None:
