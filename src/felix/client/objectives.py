@@ -519,7 +519,13 @@ class FedeRage(Objective):
         self.beta = min(max(start, self.beta_min), self.beta_max)
 
     def batch_loss(self, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
-        f = F.cross_entropy(logits, y)
+        return self._weigh(F.cross_entropy(logits, y))
+
+    def loss_from_ce(self, per: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
+        return self._weigh(per.mean())  # the same data loss plain CE reports, from the one CE pass
+
+    def _weigh(self, f: torch.Tensor) -> torch.Tensor:
+        """Note the step's risk weight from the data loss ``f`` (held beta) and pass ``f`` through."""
         self._w = risk_weight(float(f.detach()), self.beta, self.alpha, self.gamma)
         return f
 
