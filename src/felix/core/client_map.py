@@ -5,8 +5,12 @@ map keeps the AVL_TRAIN / AVL_EVAL members and the idle subset as insertion-orde
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from felix.core.types import Tier
 
@@ -85,3 +89,59 @@ class ClientMap:
 
     def idle_all(self) -> list[int]:
         return sorted(self._idle)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The records as columns (numpy arrays, insertion order): a checkpoint costs a few array
+        copies, not a Python object per client. ``None`` is -1 for ids and NaN for measurements."""
+        recs = list(self._records.values())
+        n = len(recs)
+
+        def col(get: Any, dtype: Any) -> np.ndarray:
+            return np.fromiter((get(r) for r in recs), dtype=dtype, count=n)
+
+        nan = float("nan")
+        return {
+            "client_id": col(lambda r: r.client_id, np.int64),
+            "num_samples": col(lambda r: r.num_samples, np.int64),
+            "tier": col(lambda r: int(r.tier), np.int8),
+            "reported_tier": col(lambda r: int(r.reported_tier), np.int8),
+            "stat_utility": col(lambda r: nan if r.stat_utility is None else r.stat_utility, np.float64),
+            "last_utility_round": col(lambda r: r.last_utility_round, np.int64),
+            "last_duration": col(lambda r: nan if r.last_duration is None else r.last_duration, np.float64),
+            "in_flight": col(lambda r: -1 if r.in_flight is None else r.in_flight, np.int64),
+            "selected_round": col(lambda r: r.selected_round, np.int64),
+            "blocked_round": col(lambda r: r.blocked_round, np.int64),
+            "times_selected": col(lambda r: r.times_selected, np.int64),
+            "times_updated": col(lambda r: r.times_updated, np.int64),
+            "times_evaluated": col(lambda r: r.times_evaluated, np.int64),
+            "times_dropped": col(lambda r: r.times_dropped, np.int64),
+            "class_counts_len": col(lambda r: len(r.class_counts), np.int64),
+            "class_counts": np.fromiter((c for r in recs for c in r.class_counts), dtype=np.int64),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace every record by those of ``state`` (from ``state_dict``); pools are rebuilt."""
+        self._records = {}
+        self._pools = {t: {} for t in Tier}
+        self._idle = {}
+        ids = np.asarray(state["client_id"], dtype=np.int64)
+        lens = np.asarray(state["class_counts_len"], dtype=np.int64)
+        flat = np.asarray(state["class_counts"], dtype=np.int64).tolist()
+        ends = np.cumsum(lens).tolist()
+        cols = {k: np.asarray(state[k]).tolist() for k in (
+            "num_samples", "tier", "reported_tier", "stat_utility", "last_utility_round", "last_duration",
+            "in_flight", "selected_round", "blocked_round", "times_selected", "times_updated", "times_evaluated",
+            "times_dropped")}
+        for i, cid in enumerate(ids.tolist()):
+            su, ld, fl = cols["stat_utility"][i], cols["last_duration"][i], cols["in_flight"][i]
+            start = ends[i] - int(lens[i])
+            self.add(ClientRecord(
+                client_id=cid, num_samples=cols["num_samples"][i], tier=Tier(cols["tier"][i]),
+                reported_tier=Tier(cols["reported_tier"][i]), stat_utility=None if math.isnan(su) else su,
+                last_utility_round=cols["last_utility_round"][i], last_duration=None if math.isnan(ld) else ld,
+                in_flight=None if fl < 0 else fl, selected_round=cols["selected_round"][i],
+                blocked_round=cols["blocked_round"][i], times_selected=cols["times_selected"][i],
+                times_updated=cols["times_updated"][i], times_evaluated=cols["times_evaluated"][i],
+                times_dropped=cols["times_dropped"][i], class_counts=tuple(flat[start:ends[i]]),
+            ))

@@ -26,7 +26,7 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -427,6 +427,34 @@ class OortSelector(TrainSelector):
         br = self.params.blacklist_rounds
         if br is not None and record.times_updated > br:
             self._watch.add(cid)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        def ids(s: set[int]) -> np.ndarray:
+            return np.array(sorted(s), dtype=np.int64)
+
+        return {
+            "exploration": self._exploration, "exploration_min": self._exploration_min,
+            "round_threshold": self._round_threshold,
+            "duration_ids": np.fromiter(self._durations.keys(), dtype=np.int64, count=len(self._durations)),
+            "durations": np.fromiter(self._durations.values(), dtype=np.float64, count=len(self._durations)),
+            "explored": ids(self._explored), "exploit_pending": ids(self._exploit_pending),
+            "exploit_replied": ids(self._exploit_replied), "watch": ids(self._watch),
+            "exploit_history": np.array(self._exploit_history, dtype=np.float64),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._exploration = float(state["exploration"])
+        self._exploration_min = float(state["exploration_min"])
+        self._round_threshold = float(state["round_threshold"])
+        self._durations = dict(zip(np.asarray(state["duration_ids"]).tolist(),
+                                   np.asarray(state["durations"]).tolist(), strict=True))
+        self._sorted_durations = sorted(self._durations.values())
+        self._explored = set(np.asarray(state["explored"]).tolist())
+        self._exploit_pending = set(np.asarray(state["exploit_pending"]).tolist())
+        self._exploit_replied = set(np.asarray(state["exploit_replied"]).tolist())
+        self._watch = set(np.asarray(state["watch"]).tolist())
+        self._exploit_history = np.asarray(state["exploit_history"], dtype=np.float64).tolist()
 
     def _blacklist(self, ctx: SelectionContext) -> set[int]:
         """Oort's ``get_blacklist``: the most-updated clients above ``blacklist_rounds``, at most

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -118,6 +119,13 @@ class ReflIPSSelector(TrainSelector):
     def on_round_end(self, round_: int, ctx: SelectionContext) -> None:
         if self.oort is not None:
             self.oort.on_round_end(round_, ctx)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.oort is None else {"oort": self.oort.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.oort is not None:
+            self.oort.load_state_dict(state["oort"])
 
 
 def _require_oracle(ctx: SelectionContext) -> AvailabilityOracle:
