@@ -358,7 +358,7 @@ class Server:
             return False
         marks = self.seq_marks.setdefault(cid, {})
         n = int(seq)
-        if n <= marks.get(prefix, 0):
+        if n <= marks.get(prefix, -1):
             self.stats.duplicates += 1
             return False
         marks.pop(prefix, None)
