@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -68,7 +69,7 @@ def _same(a: object, b: object) -> bool:
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
-    return a == b or (a != a and b != b)
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
 @pytest.mark.parametrize("preset", ["felix", "fedbuff", "fedavg"])
