@@ -27,7 +27,9 @@ redelivers exactly the messages the restored state has not seen. Without a check
 are acknowledged as soon as they are handled. Pending acknowledgements keep no payload (a
 message's effect is applied at once; only its broker packet id waits), and when they reach
 ``max_pending_bytes`` of inbound payload or ``max_pending_messages`` the server takes a
-checkpoint at once (the back-pressure: a flood costs checkpoints, not memory).
+checkpoint at once (the back-pressure: a flood costs checkpoints, not memory). Checkpoints are
+grouped (at most one per ``checkpoint_interval_s``, 0.2 s): one covers every aggregation since
+the last, so their cost does not grow with the aggregation rate.
 """
 from __future__ import annotations
 
@@ -110,6 +112,7 @@ class ServeOptions:
     max_message_bytes: int | None = None  # default: twice the model plus 1 MiB
     max_pending_bytes: int = 64 << 20  # inbound payload bytes handled but not yet acknowledged
     max_pending_messages: int = 10000  # ... and messages: reaching either forces a checkpoint
+    checkpoint_interval_s: float = 0.2  # wall seconds between checkpoints at most (group commit)
     plots: bool = False
     status_every_s: float = 10.0
 
@@ -158,6 +161,7 @@ class Server:
         self._pending_acks: list[tuple[int, int, int]] = []  # (mid, qos, epoch): handled, not yet acknowledged
         self._pending_bytes = 0
         self._checkpoint_due = False  # a new version (or the end) since the last checkpoint
+        self._last_checkpoint = 0.0  # time.monotonic() of the last one
         # Delivery delay of recent inbound messages (receive time - the sender's "sent" stamp; one
         # clock on a single machine, clock skew across machines): the broker's and the loop's backlog.
         self.latency: deque[float] = deque(maxlen=4096)
@@ -223,7 +227,7 @@ class Server:
             self.rec.record(now, self.orch.version, self.orch.weights)
         if self.opts.checkpoint is not None:
             self._checkpoint_due = True  # the final state: --resume after an interruption continues here
-        self._commit()
+        self._commit(force=True)
         if self._stop != "interrupted":
             self._publish_status("finished")  # retained: clients stop; an interrupted run waits for --resume
         self.link.close()
@@ -458,22 +462,32 @@ class Server:
             self._apply(cmd)
         return not rejected
 
-    def _commit(self) -> None:
+    def _commit(self, force: bool = False) -> None:
         """Acknowledge handled messages to the broker once their effect is durable.
 
-        With a checkpoint file, that is after the checkpoint following a new model version; until
-        then the broker holds the messages and would redeliver them to a restarted server.
-        Without one there is nothing durable to wait for.
+        With a checkpoint file, that is after the checkpoint following a new model version (or
+        reaching the pending bound); until then the broker holds the messages and would
+        redeliver them to a restarted server. Checkpoints are grouped: at most one per
+        ``checkpoint_interval_s`` (wall), covering every version since the last, unless the
+        pending bound is reached or ``force`` (the end). Without a checkpoint file there is
+        nothing durable to wait for.
         """
         if self.opts.checkpoint is None:
             self._ack(self._pending_acks)
             self._pending_acks = []
             self._pending_bytes = 0
-        elif self._checkpoint_due:
-            self._checkpoint()
-            self._ack(self._pending_acks)
-            self._pending_acks = []
-            self._pending_bytes = 0
+            return
+        if not self._checkpoint_due:
+            return
+        full = self._pending_bytes >= self.opts.max_pending_bytes or \
+            len(self._pending_acks) >= self.opts.max_pending_messages
+        if not (force or full) and time.monotonic() - self._last_checkpoint < self.opts.checkpoint_interval_s:
+            return
+        self._checkpoint()
+        self._last_checkpoint = time.monotonic()
+        self._ack(self._pending_acks)
+        self._pending_acks = []
+        self._pending_bytes = 0
         self._checkpoint_due = False
 
     def _log_applied(self, cmd: NewModelVersion) -> None:
