@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -97,27 +98,31 @@ class ClientMap:
         recs = list(self._records.values())
         n = len(recs)
 
-        def col(get: Any, dtype: Any) -> np.ndarray:
-            return np.fromiter((get(r) for r in recs), dtype=dtype, count=n)
+        def col(name: str, dtype: Any) -> np.ndarray:
+            return np.fromiter(map(attrgetter(name), recs), dtype=dtype, count=n)
 
-        nan = float("nan")
+        def opt(name: str, none: float) -> np.ndarray:
+            return np.array([none if v is None else v for v in map(attrgetter(name), recs)], dtype=np.float64 if
+                            math.isnan(none) else np.int64).reshape(n)
+
+        counts = list(map(attrgetter("class_counts"), recs))
         return {
-            "client_id": col(lambda r: r.client_id, np.int64),
-            "num_samples": col(lambda r: r.num_samples, np.int64),
-            "tier": col(lambda r: int(r.tier), np.int8),
-            "reported_tier": col(lambda r: int(r.reported_tier), np.int8),
-            "stat_utility": col(lambda r: nan if r.stat_utility is None else r.stat_utility, np.float64),
-            "last_utility_round": col(lambda r: r.last_utility_round, np.int64),
-            "last_duration": col(lambda r: nan if r.last_duration is None else r.last_duration, np.float64),
-            "in_flight": col(lambda r: -1 if r.in_flight is None else r.in_flight, np.int64),
-            "selected_round": col(lambda r: r.selected_round, np.int64),
-            "blocked_round": col(lambda r: r.blocked_round, np.int64),
-            "times_selected": col(lambda r: r.times_selected, np.int64),
-            "times_updated": col(lambda r: r.times_updated, np.int64),
-            "times_evaluated": col(lambda r: r.times_evaluated, np.int64),
-            "times_dropped": col(lambda r: r.times_dropped, np.int64),
-            "class_counts_len": col(lambda r: len(r.class_counts), np.int64),
-            "class_counts": np.fromiter((c for r in recs for c in r.class_counts), dtype=np.int64),
+            "client_id": col("client_id", np.int64),
+            "num_samples": col("num_samples", np.int64),
+            "tier": col("tier", np.int8),
+            "reported_tier": col("reported_tier", np.int8),
+            "stat_utility": opt("stat_utility", math.nan),
+            "last_utility_round": col("last_utility_round", np.int64),
+            "last_duration": opt("last_duration", math.nan),
+            "in_flight": opt("in_flight", -1),
+            "selected_round": col("selected_round", np.int64),
+            "blocked_round": col("blocked_round", np.int64),
+            "times_selected": col("times_selected", np.int64),
+            "times_updated": col("times_updated", np.int64),
+            "times_evaluated": col("times_evaluated", np.int64),
+            "times_dropped": col("times_dropped", np.int64),
+            "class_counts_len": np.fromiter(map(len, counts), dtype=np.int64, count=n),
+            "class_counts": np.fromiter((c for cc in counts for c in cc), dtype=np.int64),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -144,6 +144,7 @@ class Orchestrator:
         self._round_received = 0
         self._evals_this_round = 0
         self._train_in_flight = 0
+        self._stat_arrays: dict[str, np.ndarray] = {}  # state_dict's converted statistics lists
 
     # ------------------------------------------------------------------ public API
     @property
@@ -375,6 +376,13 @@ class Orchestrator:
         if self._round_deadline is not None and self._round_deadline <= self.now:
             self._end_round(out)
 
+    def _compact_timers(self) -> None:
+        """Drop the timers of tasks that no longer hold a slot (they would fire as no-ops), so the
+        heap holds about one entry per open task instead of one per task of the last timeout."""
+        live = [(t, i) for t, i in self._timers if (task := self._tasks.get(i)) is not None and task.holds_slot]
+        heapq.heapify(live)
+        self._timers = live
+
     def _cancel(self, task: Task, reason: str, out: list[Command]) -> None:
         if task.holds_slot:
             self._free_slot(task)
@@ -434,6 +442,8 @@ class Orchestrator:
         self.clients.set_in_flight(cid, task.task_id)
         if self.cfg.task_timeout_s is not None:
             heapq.heappush(self._timers, (self.now + self.cfg.task_timeout_s, task.task_id))
+            if len(self._timers) > 2 * len(self._tasks) + 64:
+                self._compact_timers()
         if kind is TaskKind.TRAIN:
             self._train_in_flight += 1
             self.stats.train_dispatched += 1
@@ -551,14 +561,24 @@ class Orchestrator:
             "round_received": self._round_received, "evals_this_round": self._evals_this_round,
             "train_in_flight": self._train_in_flight,
             "rng": self.rng.bit_generator.state,
-            "stats": {f.name: (np.asarray(getattr(st, f.name), dtype=np.float64 if f.name in _FLOAT_STATS
-                                          else np.int64) if f.name in _LIST_STATS else getattr(st, f.name))
+            "stats": {f.name: self._stat_array(f.name) if f.name in _LIST_STATS else getattr(st, f.name)
                       for f in fields(st)},
             "clients": self.clients.state_dict(),
             "selector": self.selector.state_dict(),
             "eval_selector": self.eval_selector.state_dict(),
             "aggregator": self.aggregator.state_dict(),
         }
+
+    def _stat_array(self, name: str) -> np.ndarray:
+        """A per-update statistics list as an array, converting only what was appended since the
+        last call (the lists only grow), so a checkpoint copies history instead of re-reading it."""
+        values = getattr(self.stats, name)
+        cached = self._stat_arrays.get(name)
+        done = 0 if cached is None or len(cached) > len(values) else len(cached)
+        tail = np.asarray(values[done:], dtype=np.float64 if name in _FLOAT_STATS else np.int64)
+        arr = tail if done == 0 else np.concatenate([cached, tail])  # type: ignore[list-item]
+        self._stat_arrays[name] = arr
+        return arr
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``'s output onto an orchestrator built from the same config."""
@@ -599,6 +619,7 @@ class Orchestrator:
         self._train_in_flight = int(state["train_in_flight"])
         self.rng.bit_generator.state = state["rng"]
         saved = state["stats"]
+        self._stat_arrays = {}
         for f in fields(self.stats):
             v = saved[f.name]
             setattr(self.stats, f.name, np.asarray(v).tolist() if f.name in _LIST_STATS else v)
