@@ -91,8 +91,12 @@ def test_acknowledged_result_survives_broker_kill9(tmp_path: Path) -> None:
             task = wire.TrainTask(run="t", msg_id="s-1", sent_at=time.time(), client=0, task=7, version=0, plan=(),
                                   weights=np.zeros(16, np.float32), aux={})
             db = broker.dir / "db" / "mosquitto.db"
-            saved = db.stat().st_mtime_ns
-            wait_until(lambda: db.stat().st_mtime_ns != saved, 10, "an autosave")  # the next is 5 s away
+
+            def saved_at() -> int:
+                return db.stat().st_mtime_ns if db.exists() else 0
+
+            before = saved_at()
+            wait_until(lambda: saved_at() != before, 12, "an autosave")  # the next is 5 s away
             host.inbox.put((0, Inbound(T.task(0), wire.encode(task), 1, 1, False, 1, time.monotonic())))
             wait_until(lambda: len(host.devices[0].sent) == 1, 10, "the result to be published")
             time.sleep(0.3)  # the broker acknowledges it (QoS 1) and queues it for the server
