@@ -42,7 +42,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -646,12 +646,12 @@ def _digest(msg_id: str, payload: bytes) -> bytes:
 
 def _columns(rows: list[Any], cls: type) -> dict[str, np.ndarray]:
     """Rows of a flat numeric dataclass as one float64 array per field (exact for ints below 2**53)."""
-    return {k: np.array([getattr(r, k) for r in rows], dtype=np.float64) for k in cls.__dataclass_fields__}
+    return {f.name: np.array([getattr(r, f.name) for r in rows], dtype=np.float64) for f in fields(cls)}
 
 
 def _rows(cols: dict[str, np.ndarray], cls: type) -> list[Any]:
-    names = list(cls.__dataclass_fields__)
-    ints = {k for k, f in cls.__dataclass_fields__.items() if f.type in ("int", int)}
+    names = [f.name for f in fields(cls)]
+    ints = {f.name for f in fields(cls) if f.type in ("int", int)}
     lists = [np.asarray(cols[k]).tolist() for k in names]
     return [cls(**{k: int(v) if k in ints else float(v) for k, v in zip(names, vals, strict=True)})
             for vals in zip(*lists, strict=True)]
