@@ -158,7 +158,7 @@ class Server:
         self.inbox: queue.SimpleQueue[Inbound | Connected] = queue.SimpleQueue()
         self.stop_requested = threading.Event()
         self._stop: str | None = None
-        self._pending_acks: list[tuple[int, int, int]] = []  # (mid, qos, epoch): handled, not yet acknowledged
+        self._pending_acks: list[tuple[int, int, int, int]] = []  # (mid, qos, epoch, bytes): not yet acknowledged
         self._pending_bytes = 0
         self._checkpoint_due = False  # a new version (or the end) since the last checkpoint
         self._last_checkpoint = 0.0  # time.monotonic() of the last one
@@ -270,6 +270,7 @@ class Server:
             self.stats.reconnects += 1
             # The broker redelivers every unacknowledged message on the new connection.
             self._pending_acks = [m for m in self._pending_acks if m[2] >= c.epoch]
+            self._pending_bytes = sum(m[3] for m in self._pending_acks)
         self._publish_status("running")  # retained; after a reconnect too, in case the broker lost it
 
     def _reject(self, cid: int, task_id: int, reason: str, detail: str = "") -> None:
@@ -282,7 +283,7 @@ class Server:
     def handle_inbound(self, m: Inbound) -> None:
         """Handle one inbound message; its acknowledgement waits (without its payload) for the next
         durable point, which comes early when the pending bound is reached."""
-        self._pending_acks.append((m.mid, m.qos, m.epoch))
+        self._pending_acks.append((m.mid, m.qos, m.epoch, len(m.payload)))
         self._pending_bytes += len(m.payload)
         self._on_inbound(m)
         if self._pending_bytes >= self.opts.max_pending_bytes or \
@@ -539,8 +540,8 @@ class Server:
         if m is not None and cmd.version >= m:
             self._stop = self._stop or "max_aggregations"
 
-    def _ack(self, items: list[tuple[int, int, int]]) -> None:
-        for mid, qos, epoch in items:
+    def _ack(self, items: list[tuple[int, int, int, int]]) -> None:
+        for mid, qos, epoch, _ in items:
             self.link.ack(mid, qos, epoch)
 
     # ------------------------------------------------------------------ checkpoints
