@@ -123,7 +123,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("--resume needs --checkpoint PATH")
     opts = ServeOptions(broker=_broker_options(args, SERVER_USER), run_id=run_id, out_dir=out, checkpoint=ckpt,
                         resume=args.resume, time_scale=args.time_scale, max_message_bytes=args.max_message_bytes,
-                        plots=args.plots)
+                        plots=args.plots, max_pending_bytes=args.max_pending_bytes,
+                        checkpoint_interval_s=args.checkpoint_interval)
     print(f"felix serve: {cfg.name} / {cfg.strategy} (seed {cfg.seed}), run {run_id} on {args.broker} -> {out}",
           file=sys.stderr)
     server = Server(cfg, opts)
@@ -306,11 +307,15 @@ def add_parsers(subparsers: Any) -> None:
     _config_args(s)
     _broker_args(s)
     s.add_argument("--out", help="output folder (default runs/<name>-<strategy>-s<seed>-mqtt)")
-    s.add_argument("--checkpoint", help="checkpoint file, rewritten after each aggregation")
+    s.add_argument("--checkpoint", help="checkpoint file (and PATH.applied.csv), rewritten after aggregations")
     s.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     s.add_argument("--time-scale", type=float, default=1.0,
                    help="wall seconds per config second: timers and reported time in config seconds")
     s.add_argument("--max-message-bytes", type=int, help="largest inbound message (default: 2x model + 1 MiB)")
+    s.add_argument("--max-pending-bytes", type=int, default=64 << 20,
+                   help="inbound bytes handled but not yet acknowledged before a checkpoint is forced (default 64 MiB)")
+    s.add_argument("--checkpoint-interval", type=float, default=0.2,
+                   help="wall seconds between checkpoints at most; one covers every aggregation since the last")
     s.add_argument("--plots", action="store_true", help="also write the accuracy plots")
     s.set_defaults(func=_guard(_serve))
 

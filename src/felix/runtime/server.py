@@ -130,6 +130,8 @@ class Server:
     def __init__(self, cfg: Config, opts: ServeOptions) -> None:
         if opts.time_scale <= 0:
             raise ValueError("time scale must be positive")
+        if opts.max_pending_bytes < 1 or opts.max_pending_messages < 1 or opts.checkpoint_interval_s < 0:
+            raise ValueError("max pending bytes and messages must be positive, the checkpoint interval >= 0")
         self.cfg = cfg
         self.opts = opts
         self.topics = Topics(opts.run_id)
