@@ -9,10 +9,16 @@ For each client count, two runs on a local broker (server in this process, clien
 - round trips: always available, every client holds a task (concurrency = clients), and answers
   10 ms after receiving it with a zero update of the model's size (MLP on digits, 4,810
   parameters, ~19 KB per message each way). Reported: task round trips per second (dispatch,
-  result, aggregation every 10) and the delivery delay of results.
+  result, aggregation every 10) and the delivery delay of results; then the same with
+  ``--checkpoint`` (a checkpoint after every aggregation, acknowledgements after it).
+
+Also reported: the orchestrator's time per tier event (``Orchestrator.handle``, which includes
+the selection it triggers), and where the server process spends its CPU: the share of each
+thread (the loop thread that owns the orchestrator, paho's network thread) over the window.
 
 Everything (broker, server, clients) shares this machine's cores, so the figures are for the
-whole stack on one box. Run: ``python benchmarks/mqtt_capacity.py [--clients 50 100 200 400 800]``.
+whole stack on one box. Run:
+``python benchmarks/mqtt_capacity.py [--clients 50 100 200 400 800] [--horizon 120]``.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from felix.core.events import TierChanged
 from felix.experiment import resolve_config
 from felix.runtime.broker import MosquittoBroker, find_mosquitto
 from felix.runtime.client import MAX_CLIENTS_PER_PROCESS
@@ -38,7 +45,7 @@ from felix.runtime.server import ServeOptions, Server
 from felix.runtime.topics import SERVER_USER
 
 
-def _config(path: Path, n: int, phase: str, slot_s: float) -> dict[str, Any]:
+def _config(path: Path, n: int, phase: str, slot_s: float, horizon_s: float) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "name": f"capacity-{phase}", "strategy": "custom", "seed": 0, "model": "mlp",
         "dataset": {"name": "digits"},
@@ -49,7 +56,7 @@ def _config(path: Path, n: int, phase: str, slot_s: float) -> dict[str, Any]:
         "run": {"target_accuracy": 1.0, "eval_every": 0, "max_time_s": 1e6},
     }
     if phase == "tiers":
-        doc["trace"] = {"kind": "slotted", "unavailable_fraction": 0.5, "slot_s": slot_s, "horizon_s": 3600.0}
+        doc["trace"] = {"kind": "slotted", "unavailable_fraction": 0.5, "slot_s": slot_s, "horizon_s": horizon_s}
         doc["orchestrator"] = {"mode": "async", "agg_goal": 10, "concurrency": 1, "knowledge": "tiertrack"}
     else:
         doc["trace"] = {"kind": "always"}
@@ -63,16 +70,51 @@ def _offered_tier_rate(n: int, slot_s: float) -> float:
     return n * 2 * 0.5 * 0.5 / slot_s
 
 
-def run_phase(n: int, phase: str, window_s: float, processes: int, slot_s: float, work: Path) -> dict[str, float]:
+def _thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of each thread of this process, by Python thread name (Linux /proc)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(task.name), "other")
+        out[f"{name}/{task.name}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+class _Timed:
+    """Wraps ``Orchestrator.handle`` to time tier events (which trigger the selection)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.times: list[float] = []
+
+    def __call__(self, event: Any) -> Any:
+        if not isinstance(event, TierChanged):
+            return self.handle(event)
+        t0 = time.perf_counter()
+        out = self.handle(event)
+        self.times.append(time.perf_counter() - t0)
+        return out
+
+
+def run_phase(n: int, phase: str, window_s: float, processes: int, slot_s: float, work: Path,
+              checkpoint: bool = False, horizon_s: float = 3600.0) -> dict[str, Any]:
     cfg_path = work / f"{phase}-{n}.yaml"
-    _config(cfg_path, n, phase, slot_s)
+    _config(cfg_path, n, phase, slot_s, horizon_s)
     cfg = resolve_config(str(cfg_path), None, {})
-    with MosquittoBroker(n, workdir=work / f"broker-{phase}-{n}") as broker:
+    tag = f"{phase}-{n}{'-ck' if checkpoint else ''}"
+    with MosquittoBroker(n, workdir=work / f"broker-{tag}") as broker:
         users = yaml.safe_load(broker.credentials_file.read_text())
         opts = ServeOptions(BrokerOptions("127.0.0.1", broker.port, SERVER_USER, users[SERVER_USER]), run_id="cap",
-                            status_every_s=1e9)
+                            status_every_s=1e9, checkpoint=work / f"ck-{tag}.safetensors" if checkpoint else None)
         server = Server(cfg, opts)
-        thread = threading.Thread(target=server.run, daemon=True)
+        timed = _Timed(server.orch.handle)
+        server.orch.handle = timed  # type: ignore[method-assign]
+        thread = threading.Thread(target=server.run, daemon=True, name="felix-loop")
         thread.start()
         emulate = subprocess.Popen(
             [sys.executable, "-m", "felix.runtime", "emulate", str(cfg_path), "--clients", str(n), "--processes",
@@ -87,18 +129,27 @@ def run_phase(n: int, phase: str, window_s: float, processes: int, slot_s: float
                 time.sleep(0.1)
             time.sleep(1.0)  # let the registration burst drain
             s0, t0 = server.stats, time.monotonic()
-            tiers0, results0 = s0.tier_messages, s0.results
+            tiers0, results0, ck0 = s0.tier_messages, s0.results, s0.checkpoints
             server.latency.clear()
+            timed.times.clear()
+            cpu0 = _thread_cpu(os.getpid())
             time.sleep(window_s)
             dt = time.monotonic() - t0
+            cpu1 = _thread_cpu(os.getpid())
             s1 = server.stats
             lat = np.array(server.latency) * 1000.0
+            sel = np.array(timed.times) * 1000.0
+            busy = sorted(((cpu1[k] - cpu0.get(k, 0.0)) / dt, k) for k in cpu1)[::-1]
             out = {
                 "tier_per_s": (s1.tier_messages - tiers0) / dt,
                 "results_per_s": (s1.results - results0) / dt,
+                "checkpoints_per_s": (s1.checkpoints - ck0) / dt,
                 "lat_p50_ms": float(np.percentile(lat, 50)) if lat.size else float("nan"),
                 "lat_p95_ms": float(np.percentile(lat, 95)) if lat.size else float("nan"),
+                "tier_event_p50_ms": float(np.percentile(sel, 50)) if sel.size else float("nan"),
+                "tier_event_p95_ms": float(np.percentile(sel, 95)) if sel.size else float("nan"),
                 "versions": float(server.orch.version),
+                "threads": ", ".join(f"{k.split('/')[0]} {100 * v:.0f}%" for v, k in busy[:3]),
             }
         finally:
             emulate.send_signal(signal.SIGTERM)
@@ -117,23 +168,37 @@ def main() -> int:
     p.add_argument("--window", type=float, default=10.0, help="measurement window per run, seconds")
     p.add_argument("--processes", type=int, default=2, help="emulate worker processes (more above 250 clients each)")
     p.add_argument("--slot", type=float, default=0.25, help="trace slot (s) of the tier phase")
+    p.add_argument("--horizon", type=float, default=3600.0, help="trace horizon (s) of the tier phase (repeats)")
     args = p.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
     if find_mosquitto() is None:
         print("mosquitto is not installed (apt-get install mosquitto)", file=sys.stderr)
         return 2
     print(f"{os.cpu_count()} CPUs; window {args.window:.0f} s; tier trace slot {args.slot} s; no training\n")
-    header = (f"{'clients':>7} {'procs':>5} | {'tier offered/s':>14} {'handled/s':>9} {'p50 ms':>7} {'p95 ms':>7} | "
-              f"{'round trips/s':>13} {'p50 ms':>7} {'p95 ms':>7}")
+    header = (f"{'clients':>7} {'procs':>5} | {'tier offered/s':>14} {'handled/s':>9} {'p50 ms':>7} {'p95 ms':>7} "
+              f"{'event ms p50/p95':>16} | {'round trips/s':>13} {'p50 ms':>7} {'p95 ms':>7} | "
+              f"{'with --checkpoint':>17} {'ckpt/s':>6} {'ratio':>5}")
     print(header)
     print("-" * len(header))
+    threads = []
     with tempfile.TemporaryDirectory(prefix="felix-capacity-") as tmp:
         for n in args.clients:
-            tiers = run_phase(n, "tiers", args.window, args.processes, args.slot, Path(tmp))
+            tiers = run_phase(n, "tiers", args.window, args.processes, args.slot, Path(tmp), horizon_s=args.horizon)
             trips = run_phase(n, "trips", args.window, args.processes, args.slot, Path(tmp))
+            ck = run_phase(n, "trips", args.window, args.processes, args.slot, Path(tmp), checkpoint=True)
             procs = max(args.processes, -(-n // MAX_CLIENTS_PER_PROCESS))  # as felix emulate does
+            ratio = ck["results_per_s"] / max(1e-9, trips["results_per_s"])
             print(f"{n:>7} {procs:>5} | {_offered_tier_rate(n, args.slot):>14.1f} {tiers['tier_per_s']:>9.1f} "
-                  f"{tiers['lat_p50_ms']:>7.1f} {tiers['lat_p95_ms']:>7.1f} | {trips['results_per_s']:>13.1f} "
-                  f"{trips['lat_p50_ms']:>7.1f} {trips['lat_p95_ms']:>7.1f}", flush=True)
+                  f"{tiers['lat_p50_ms']:>7.1f} {tiers['lat_p95_ms']:>7.1f} "
+                  f"{tiers['tier_event_p50_ms']:>7.3f}/{tiers['tier_event_p95_ms']:<8.3f} | "
+                  f"{trips['results_per_s']:>13.1f} {trips['lat_p50_ms']:>7.1f} {trips['lat_p95_ms']:>7.1f} | "
+                  f"{ck['results_per_s']:>17.1f} {ck['checkpoints_per_s']:>6.1f} {ratio:>5.2f}", flush=True)
+            threads.append(f"{n:>7}: tiers [{tiers['threads']}]; trips [{trips['threads']}]; "
+                           f"trips+checkpoint [{ck['threads']}]")
+    print("\nbusiest threads of this process (server loop, paho network thread; CPU share of one core):")
+    print("\n".join(threads))
     return 0
 
 

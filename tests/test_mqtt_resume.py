@@ -75,6 +75,4 @@ def test_kill_and_resume_applies_every_update_once(tmp_path: Path) -> None:
 
 
 def _version(path: Path) -> int:
-    doc, _ = ckpt.load_checkpoint(path)
-    fields = doc["orchestrator"]["f"]
-    return int(fields["version"])
+    return int(ckpt.load_checkpoint(path)["orchestrator"]["version"])

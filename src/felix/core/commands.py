@@ -39,6 +39,7 @@ class AggregationReport:
     staleness: tuple[int, ...]
     weights: tuple[float, ...]
     losses: tuple[float, ...] = ()  # each update's reported local training loss
+    task_ids: tuple[int, ...] = ()  # the task each applied update answered (the shells' audit trail)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,12 @@ from felix.core.policies import (
 )
 from felix.core.types import BufferedUpdate, ClientUpdate, Task, TaskKind, TaskState, Tier
 from felix.core.validation import UpdateValidator, ValidationConfig
+
+# Closed task ids are remembered one by one only above a watermark (the oldest task still open):
+# below it every id not open is closed. Compaction runs when this many ids are remembered.
+CLOSED_COMPACT_AT = 4096
+_KINDS = (TaskKind.TRAIN, TaskKind.EVAL)
+_STATES = tuple(TaskState)
 
 
 class Knowledge(str, Enum):
@@ -134,7 +141,8 @@ class Orchestrator:
         self.plans: dict[int, tuple[int, ...]] = {}
         self._theta = _frozen(initial_weights.astype(np.float32, copy=True))
         self._tasks: dict[int, Task] = {}
-        self._closed: dict[int, TaskState] = {}  # task id -> DONE / CANCELLED, for replays
+        self._closed: dict[int, TaskState] = {}  # task id -> DONE / CANCELLED, for replays, above the watermark
+        self._closed_below = 1  # every task id below it is open (in _tasks) or closed
         self._next_task = 1
         self._timers: list[tuple[float, int]] = []
         self._buffer: list[BufferedUpdate] = []
@@ -144,6 +152,7 @@ class Orchestrator:
         self._evals_this_round = 0
         self._probe_dropped: set[int] = set()  # clients whose eval task dropped this round: not probed again in it
         self._train_in_flight = 0
+        self._stat_arrays: dict[str, np.ndarray] = {}  # state_dict's converted statistics lists
 
     # ------------------------------------------------------------------ public API
     @property
@@ -237,7 +246,7 @@ class Orchestrator:
         if task.holds_slot:
             self._free_slot(task)
         self._tasks.pop(task.task_id)
-        self._closed[task.task_id] = TaskState.DONE
+        self._close(task.task_id, TaskState.DONE)
         if rec.tier is Tier.UN_AVL and rec.reported_tier is not Tier.UN_AVL:
             # A timeout had marked it UN_AVL; the reply proves it alive in its reported tier.
             self.clients.set_tier(rec.client_id, rec.reported_tier)
@@ -285,7 +294,7 @@ class Orchestrator:
         else:
             self._probe_dropped.add(task.client_id)
         self._tasks.pop(task.task_id)
-        self._closed[task.task_id] = TaskState.CANCELLED
+        self._close(task.task_id, TaskState.CANCELLED)
 
     # ------------------------------------------------------------------ validation
     def _validate(self, ev: TaskFinished, out: list[Command]) -> tuple[Task, ClientUpdate] | None:
@@ -295,10 +304,12 @@ class Orchestrator:
         task = self._tasks.get(ev.task_id)
         if task is None:
             closed = self._closed.get(ev.task_id)
+            unknown = "result for a closed task" if 0 < ev.task_id < self._closed_below \
+                else "result for a task the server never assigned"
             reason = {
                 TaskState.DONE: "replayed result: task already applied",
                 TaskState.CANCELLED: "result for a cancelled task",
-            }.get(closed, "result for a task the server never assigned")  # type: ignore[arg-type]
+            }.get(closed, unknown)  # type: ignore[arg-type]
             self._reject(ev.client_id, ev.task_id, reason, out)
             return None
         if task.client_id != ev.client_id:
@@ -345,6 +356,17 @@ class Orchestrator:
         self.stats.rejected += 1
         out.append(UpdateRejected(self.now, client_id, task_id, reason))
 
+    def _close(self, task_id: int, state: TaskState) -> None:
+        """Remember a closed task; past ``CLOSED_COMPACT_AT`` ids, raise the watermark to the oldest
+        open task and forget the ids below it (they stay closed: not open and below the mark)."""
+        self._closed[task_id] = state
+        if len(self._closed) < CLOSED_COMPACT_AT:
+            return
+        mark = min(self._tasks, default=self._next_task)
+        if mark > self._closed_below:
+            self._closed_below = mark
+            self._closed = {t: s for t, s in self._closed.items() if t >= mark}
+
     # ------------------------------------------------------------------ slots and timers
     def _free_slot(self, task: Task) -> None:
         self.clients.set_in_flight(task.client_id, None)
@@ -379,11 +401,18 @@ class Orchestrator:
         if self._round_deadline is not None and self._round_deadline <= self.now:
             self._end_round(out)
 
+    def _compact_timers(self) -> None:
+        """Drop the timers of tasks that no longer hold a slot (they would fire as no-ops), so the
+        heap holds about one entry per open task instead of one per task of the last timeout."""
+        live = [(t, i) for t, i in self._timers if (task := self._tasks.get(i)) is not None and task.holds_slot]
+        heapq.heapify(live)
+        self._timers = live
+
     def _cancel(self, task: Task, reason: str, out: list[Command]) -> None:
         if task.holds_slot:
             self._free_slot(task)
         self._tasks.pop(task.task_id, None)
-        self._closed[task.task_id] = TaskState.CANCELLED
+        self._close(task.task_id, TaskState.CANCELLED)
         if task.kind is TaskKind.TRAIN:
             self.stats.train_cancelled += 1
         out.append(CancelTask(task.task_id, task.client_id, reason))
@@ -437,6 +466,8 @@ class Orchestrator:
         self.clients.set_in_flight(cid, task.task_id)
         if self.cfg.task_timeout_s is not None:
             heapq.heappush(self._timers, (self.now + self.cfg.task_timeout_s, task.task_id))
+            if len(self._timers) > 2 * len(self._tasks) + 64:
+                self._compact_timers()
         if kind is TaskKind.TRAIN:
             self._train_in_flight += 1
             self.stats.train_dispatched += 1
@@ -503,7 +534,7 @@ class Orchestrator:
         self.selector.on_round_end(self.round, self._ctx())
         report = AggregationReport(
             tuple(b.client_id for b in buffer), tuple(b.staleness for b in buffer), tuple(float(w) for w in norm_w),
-            tuple(float(b.update.loss) for b in buffer),
+            tuple(float(b.update.loss) for b in buffer), tuple(b.task_id for b in buffer),
         )
         out.append(NewModelVersion(self.version, self.now, self._theta, report))
 
@@ -527,6 +558,134 @@ class Orchestrator:
         for b in bad or self._buffer[-1:]:
             self._buffer.remove(b)
             self._reject(b.client_id, b.task_id, f"update cannot be aggregated ({str(exc)[:120]})", out)
+
+
+    # ------------------------------------------------------------------ checkpoints
+    def reserve_task_ids(self, first: int) -> None:
+        """Number the next tasks from ``first`` on (at least): a resumed server's fresh id range,
+        so that a late result of a task dispatched after the checkpoint cannot match a new task."""
+        self._next_task = max(self._next_task, int(first))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed orchestrator needs, as plain values and numpy arrays.
+
+        Explicit on purpose (no reflection over attributes): the config, the oracle and the
+        policies' parameters are rebuilt from the config; the policies and the ClientMap give
+        their own ``state_dict``. History is kept as arrays (closed task ids above a watermark,
+        the per-update statistics), so saving costs array copies, not a Python object each.
+        """
+        tasks = list(self._tasks.values())
+        n = len(tasks)
+        st = self.stats
+        return {
+            "version": self.version, "round": self.round, "now": self.now,
+            "theta": np.array(self._theta),
+            "aux": {k: np.asarray(v) for k, v in self.aux.items()},
+            "plans_ids": np.fromiter(self.plans.keys(), dtype=np.int64, count=len(self.plans)),
+            "plans_len": np.fromiter((len(r) for r in self.plans.values()), dtype=np.int64, count=len(self.plans)),
+            "plans_flat": np.fromiter((v for r in self.plans.values() for v in r), dtype=np.int64),
+            "tasks": {
+                "task_id": np.fromiter((t.task_id for t in tasks), dtype=np.int64, count=n),
+                "client_id": np.fromiter((t.client_id for t in tasks), dtype=np.int64, count=n),
+                "kind": np.fromiter((_KINDS.index(t.kind) for t in tasks), dtype=np.int8, count=n),
+                "base_version": np.fromiter((t.base_version for t in tasks), dtype=np.int64, count=n),
+                "round": np.fromiter((t.round for t in tasks), dtype=np.int64, count=n),
+                "dispatched_at": np.fromiter((t.dispatched_at for t in tasks), dtype=np.float64, count=n),
+                "state": np.fromiter((_STATES.index(t.state) for t in tasks), dtype=np.int8, count=n),
+            },
+            "closed_ids": np.fromiter(self._closed.keys(), dtype=np.int64, count=len(self._closed)),
+            "closed_state": np.fromiter((_STATES.index(s) for s in self._closed.values()), dtype=np.int8,
+                                        count=len(self._closed)),
+            "closed_below": self._closed_below,
+            "next_task": self._next_task,
+            "timer_at": np.array([t for t, _ in self._timers], dtype=np.float64),
+            "timer_task": np.array([i for _, i in self._timers], dtype=np.int64),
+            "buffer": [
+                {"client_id": b.client_id, "task_id": b.task_id, "base_version": b.base_version,
+                 "arrived_at": b.arrived_at, "staleness": b.staleness, "num_samples": b.update.num_samples,
+                 "stat_utility": b.update.stat_utility, "loss": b.update.loss, "duration": b.update.duration,
+                 "delta": None if b.update.delta is None else np.asarray(b.update.delta),
+                 "aux": {k: np.asarray(v) for k, v in b.update.aux.items()}}
+                for b in self._buffer
+            ],
+            "round_active": self._round_active, "round_deadline": self._round_deadline,
+            "round_received": self._round_received, "evals_this_round": self._evals_this_round,
+            "probe_dropped": np.array(sorted(self._probe_dropped), dtype=np.int64),
+            "train_in_flight": self._train_in_flight,
+            "rng": self.rng.bit_generator.state,
+            "stats": {f.name: self._stat_array(f.name) if f.name in _LIST_STATS else getattr(st, f.name)
+                      for f in fields(st)},
+            "clients": self.clients.state_dict(),
+            "selector": self.selector.state_dict(),
+            "eval_selector": self.eval_selector.state_dict(),
+            "aggregator": self.aggregator.state_dict(),
+            "validator": self.validator.state_dict(),
+        }
+
+    def _stat_array(self, name: str) -> np.ndarray:
+        """A per-update statistics list as an array, converting only what was appended since the
+        last call (the lists only grow), so a checkpoint copies history instead of re-reading it."""
+        values = getattr(self.stats, name)
+        cached = self._stat_arrays.get(name)
+        done = 0 if cached is None or len(cached) > len(values) else len(cached)
+        tail = np.asarray(values[done:], dtype=np.float64 if name in _FLOAT_STATS else np.int64)
+        arr = tail if done == 0 else np.concatenate([cached, tail])  # type: ignore[list-item]
+        self._stat_arrays[name] = arr
+        return arr
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s output onto an orchestrator built from the same config."""
+        self.version = int(state["version"])
+        self.round = int(state["round"])
+        self.now = float(state["now"])
+        self._theta = _frozen(np.array(state["theta"], dtype=np.float32))
+        self.aux = {k: np.asarray(v) for k, v in state["aux"].items()}
+        flat = np.asarray(state["plans_flat"]).tolist()
+        ends = np.cumsum(np.asarray(state["plans_len"], dtype=np.int64)).tolist()
+        starts = [0, *ends[:-1]] if ends else []
+        self.plans = {cid: tuple(flat[a:b]) for cid, a, b in zip(np.asarray(state["plans_ids"]).tolist(), starts,
+                                                                  ends, strict=True)}
+        t = {k: np.asarray(v).tolist() for k, v in state["tasks"].items()}
+        self._tasks = {}
+        for i, tid in enumerate(t["task_id"]):
+            self._tasks[tid] = Task(tid, t["client_id"][i], _KINDS[t["kind"][i]], t["base_version"][i],
+                                    t["round"][i], t["dispatched_at"][i], _STATES[t["state"][i]])
+        self._closed = {tid: _STATES[s] for tid, s in zip(np.asarray(state["closed_ids"]).tolist(),
+                                                          np.asarray(state["closed_state"]).tolist(), strict=True)}
+        self._closed_below = int(state["closed_below"])
+        self._next_task = int(state["next_task"])
+        self._timers = list(zip(np.asarray(state["timer_at"]).tolist(), np.asarray(state["timer_task"]).tolist(),
+                                strict=True))
+        self._buffer = [
+            BufferedUpdate(int(b["client_id"]), int(b["task_id"]), int(b["base_version"]), float(b["arrived_at"]),
+                           ClientUpdate(int(b["num_samples"]), float(b["stat_utility"]), float(b["loss"]),
+                                        float(b["duration"]), None if b["delta"] is None else np.array(b["delta"]),
+                                        {k: np.asarray(v) for k, v in b["aux"].items()}),
+                           int(b["staleness"]))
+            for b in state["buffer"]
+        ]
+        self._round_active = bool(state["round_active"])
+        rd = state["round_deadline"]
+        self._round_deadline = None if rd is None else float(rd)
+        self._round_received = int(state["round_received"])
+        self._evals_this_round = int(state["evals_this_round"])
+        self._probe_dropped = set(np.asarray(state["probe_dropped"]).tolist())
+        self._train_in_flight = int(state["train_in_flight"])
+        self.rng.bit_generator.state = state["rng"]
+        saved = state["stats"]
+        self._stat_arrays = {}
+        for f in fields(self.stats):
+            v = saved[f.name]
+            setattr(self.stats, f.name, np.asarray(v).tolist() if f.name in _LIST_STATS else v)
+        self.clients.load_state_dict(state["clients"])
+        self.selector.load_state_dict(state["selector"])
+        self.eval_selector.load_state_dict(state["eval_selector"])
+        self.aggregator.load_state_dict(state["aggregator"])
+        self.validator.load_state_dict(state["validator"])
+
+
+_LIST_STATS = frozenset({"aggregation_times", "staleness", "agg_weights", "utility_age_at_selection"})
+_FLOAT_STATS = frozenset({"aggregation_times", "agg_weights"})
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -48,6 +48,14 @@ class TrainSelector:
     def on_round_end(self, round_: int, ctx: SelectionContext) -> None:
         """Called once per aggregation (pacers and round-based bookkeeping)."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must keep of the selector (plain values and numpy arrays); a stateless
+        selector keeps nothing. Configuration is rebuilt from the config, never saved."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned, onto a selector built from the same config."""
+
 
 class EvalSelector:
     """Chooses clients for forward-pass utility probes (TierSelect's eval path)."""
@@ -57,6 +65,13 @@ class EvalSelector:
 
     def select(self, candidates: Sequence[int] | np.ndarray, budget: int, ctx: SelectionContext) -> list[int]:
         return []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpoint state, as ``TrainSelector.state_dict``; the eval selectors so far keep none."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
 
 
 class Aggregator:
@@ -84,6 +99,14 @@ class Aggregator:
 
     def weight(self, item: BufferedUpdate) -> float:
         raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpoint state, as ``TrainSelector.state_dict``; the aggregators so far keep none
+        (their parameters come from the config)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
 
     def weights(self, buffer: Sequence[BufferedUpdate]) -> np.ndarray:
         return np.array([self.weight(b) for b in buffer], dtype=np.float64)

@@ -98,6 +98,12 @@ def broker_config(port: int, password_file: Path, acl_file: Path, persistence_di
       checkpointed their effect, so it holds many unacknowledged messages at once.
     - ``set_tcp_nodelay true``: without it, Nagle's algorithm and delayed ACKs hold small
       messages (tier reports, eval results) for up to ~40 ms at each hop.
+    - ``autosave_interval 5`` (seconds; ``autosave_on_changes false``): Mosquitto writes its
+      persistence database only on a clean shutdown and at autosaves, so a ``kill -9`` loses
+      what it acknowledged since the last one. Sessions and subscriptions come back from the
+      last autosave; results the broker lost are published again by their clients after they
+      reconnect (``felix.runtime.client``) and the server drops the copies it already has;
+      a task the broker lost times out on the server and is given to another client.
     """
     tls_lines = [] if tls is None else [f"cafile {tls[0]}", f"certfile {tls[1]}", f"keyfile {tls[2]}"]
     return "\n".join([
@@ -114,6 +120,7 @@ def broker_config(port: int, password_file: Path, acl_file: Path, persistence_di
         "persistence true",
         f"persistence_location {persistence_dir}/",
         "autosave_interval 5",
+        "autosave_on_changes false",
         "max_inflight_messages 0",
         "set_tcp_nodelay true",
         "max_queued_messages 1000000",
@@ -195,8 +202,22 @@ class MosquittoBroker:
         if proc.stderr:
             proc.stderr.close()
 
-    def restart(self, down_s: float = 0.0) -> None:
-        self.stop()
+    def kill(self) -> None:
+        """SIGKILL: a crash, nothing written since the last autosave."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.kill()
+        proc.wait(10)
+        if proc.stderr:
+            proc.stderr.close()
+
+    def restart(self, down_s: float = 0.0, crash: bool = False) -> None:
+        """Stop (SIGTERM, or SIGKILL with ``crash``) and start again on the same port."""
+        if crash:
+            self.kill()
+        else:
+            self.stop()
         if down_s > 0:
             time.sleep(down_s)
         self.start()

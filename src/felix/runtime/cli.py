@@ -123,7 +123,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("--resume needs --checkpoint PATH")
     opts = ServeOptions(broker=_broker_options(args, SERVER_USER), run_id=run_id, out_dir=out, checkpoint=ckpt,
                         resume=args.resume, time_scale=args.time_scale, max_message_bytes=args.max_message_bytes,
-                        plots=args.plots)
+                        plots=args.plots, max_pending_bytes=args.max_pending_bytes,
+                        checkpoint_interval_s=args.checkpoint_interval)
     print(f"felix serve: {cfg.name} / {cfg.strategy} (seed {cfg.seed}), run {run_id} on {args.broker} -> {out}",
           file=sys.stderr)
     server = Server(cfg, opts)
@@ -172,11 +173,28 @@ def _client(args: argparse.Namespace) -> int:
     opts = ClientOptions(broker=broker, run_id=_run_id(args, cfg), time_scale=args.time_scale, runtime=args.runtime,
                          trace_device=args.trace_device, t0=args.t0, no_train=args.no_train,
                          max_wall_s=args.max_wall_s)
-    host = ClientHost(cfg, ids, opts, creds)
+    traces = None
+    if args.trace_shard:
+        from felix.runtime.client import load_trace_shard
+
+        traces = load_trace_shard(args.trace_shard)
+    host = ClientHost(cfg, ids, opts, creds, traces)
     with _stop_on_signals(host.stop_requested):
         done = host.run()
     logging.getLogger("felix.runtime.client").info("clients %d-%d: %d tasks done", ids[0], ids[-1], done)
+    if host.stop_requested.is_set():
+        _exit_now(0)
     return 0
+
+
+def _exit_now(code: int) -> None:
+    """Exit at once after a stop signal: the links are closed and nothing is left to write, but
+    tearing down the interpreter (torch, the dataset) takes seconds on a busy machine, and a
+    stopped worker must be gone within 5 s."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ---------------------------------------------------------------------- emulate
@@ -188,7 +206,10 @@ def _emulate(args: argparse.Namespace) -> int:
     if first + args.clients > cfg.partition.num_clients:
         raise ValueError(f"clients {first}..{first + args.clients - 1} exceed the config's "
                          f"{cfg.partition.num_clients} clients")
-    from felix.runtime.client import MAX_CLIENTS_PER_PROCESS
+    import tempfile
+
+    from felix.build import build_trace
+    from felix.runtime.client import MAX_CLIENTS_PER_PROCESS, save_trace_shard
 
     t0 = args.t0 if args.t0 is not None else time.time()
     procs = min(max(args.processes, -(-args.clients // MAX_CLIENTS_PER_PROCESS)), args.clients)
@@ -211,25 +232,55 @@ def _emulate(args: argparse.Namespace) -> int:
         base += ["--set", item]
     if args.no_train:
         base.append("--no-train")
-    children = [subprocess.Popen(base + ["--ids", f"{bounds[k]}-{bounds[k + 1] - 1}"]) for k in range(procs)]
+    # The population's trace is built once, here; each worker reads only its clients' share, so
+    # start-up grows with the number of clients, not with clients x workers.
+    trace = build_trace(cfg)
+    device = getattr(args, "trace_device", None)
+    shards = tempfile.TemporaryDirectory(prefix="felix-emulate-")
+    children = []
+    for k in range(procs):
+        ids = range(bounds[k], bounds[k + 1])
+        shard = Path(shards.name) / f"trace-{k}.npz"
+        save_trace_shard(shard, {c: trace.for_client(c if device is None else device) for c in ids})
+        children.append(subprocess.Popen(base + ["--ids", f"{bounds[k]}-{bounds[k + 1] - 1}",
+                                                 "--trace-shard", str(shard)]))
     print(f"felix emulate: clients {first}-{first + args.clients - 1} in {procs} processes "
           f"(pids {' '.join(str(c.pid) for c in children)}), time scale {args.time_scale}", file=sys.stderr)
 
-    stop = {"flag": False}
+    stop: dict[str, Any] = {"flag": False}
 
     def forward(signum: int, frame: object) -> None:
         stop["flag"] = True
+        stop.setdefault("at", time.monotonic())
         for c in children:
             if c.poll() is None:
                 c.send_signal(signal.SIGTERM)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        codes = [c.wait() for c in children]
+        codes = [_wait_child(c, stop) for c in children]
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    return 130 if stop["flag"] else max(codes)
+        shards.cleanup()
+    if stop["flag"]:
+        _exit_now(130)
+    return max(codes)
+
+
+STOP_KILL_AFTER_S = 3.5  # a worker still running this long after SIGTERM is killed
+
+
+def _wait_child(child: subprocess.Popen[bytes], stop: dict[str, Any]) -> int:
+    """Wait for a worker; once a stop was forwarded, the workers have ``STOP_KILL_AFTER_S`` (all
+    together, from the signal) before SIGKILL."""
+    while True:
+        try:
+            return child.wait(0.1)
+        except subprocess.TimeoutExpired:
+            if "at" in stop and time.monotonic() - stop["at"] > STOP_KILL_AFTER_S:
+                child.kill()
+                return child.wait()
 
 
 # ---------------------------------------------------------------------- credentials
@@ -256,11 +307,15 @@ def add_parsers(subparsers: Any) -> None:
     _config_args(s)
     _broker_args(s)
     s.add_argument("--out", help="output folder (default runs/<name>-<strategy>-s<seed>-mqtt)")
-    s.add_argument("--checkpoint", help="checkpoint file, rewritten after each aggregation")
+    s.add_argument("--checkpoint", help="checkpoint file (and PATH.applied.csv), rewritten after aggregations")
     s.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     s.add_argument("--time-scale", type=float, default=1.0,
                    help="wall seconds per config second: timers and reported time in config seconds")
     s.add_argument("--max-message-bytes", type=int, help="largest inbound message (default: 2x model + 1 MiB)")
+    s.add_argument("--max-pending-bytes", type=int, default=64 << 20,
+                   help="inbound bytes handled but not yet acknowledged before a checkpoint is forced (default 64 MiB)")
+    s.add_argument("--checkpoint-interval", type=float, default=0.2,
+                   help="wall seconds between checkpoints at most; one covers every aggregation since the last")
     s.add_argument("--plots", action="store_true", help="also write the accuracy plots")
     s.set_defaults(func=_guard(_serve))
 
@@ -269,6 +324,7 @@ def add_parsers(subparsers: Any) -> None:
     _broker_args(c)
     c.add_argument("--id", type=int, help="client id: its partition of the config's dataset")
     c.add_argument("--ids", help=argparse.SUPPRESS)  # FIRST-LAST, used by emulate's workers
+    c.add_argument("--trace-shard", help=argparse.SUPPRESS)  # the workers' traces, written by emulate
     c.add_argument("--trace-device", type=int, help="follow this device of the trace (default: the client's own)")
     _client_args(c)
     c.set_defaults(func=_guard(_client))

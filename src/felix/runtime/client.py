@@ -13,7 +13,10 @@ Protocol of a client:
 - sends STATE only when its tier changes (TierTrack: no heartbeats), and once after each
   reconnect, to undo the last will (STATE UN_AVL) the broker sends if the connection is lost;
 - runs TRAIN and EVAL tasks in arrival order; a task re-delivered by the broker is run once;
-  CANCEL drops a queued or running task.
+  CANCEL drops a queued or running task;
+- after every reconnect, publishes again the results it sent in the last ``RESEND_WINDOW_S``
+  (at most ``RESEND_MAX`` per client): a broker killed with ``kill -9`` loses what it had
+  acknowledged since its last autosave, and the server drops what it already had (by task id).
 
 Interrupted training. ``runtime="profile"`` (emulation, the default): a task lasts the client's
 runtime from the config's runtime profile (``eval_fraction`` of it for an eval), scaled by
@@ -37,6 +40,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -60,6 +64,9 @@ CONNECT_PARALLELISM = 16
 # paho client holds three (its socket and a wake-up socket pair): past ~300 clients a process's
 # connections all fail at once. ``felix emulate`` spreads clients over enough processes.
 MAX_CLIENTS_PER_PROCESS = 250
+RESEND_WINDOW_S = 30.0  # results re-published after a reconnect: those sent this many wall seconds before
+RESEND_MAX = 8  # ... at most this many per client
+STOP_GRACE_S = 2.0  # on a stop request, the links get this long (together) to disconnect cleanly
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,7 @@ class Device:
     token: int = 0
     seen: set[int] = field(default_factory=set)
     held: list[tuple[TaskKind, bytes]] = field(default_factory=list)  # results waiting for a tier that allows sending
+    sent: deque[tuple[float, bytes]] = field(default_factory=lambda: deque(maxlen=RESEND_MAX))  # recent results
     finished: bool = False
     connections: int = 0
     augmented: bool = False  # applied its data-plan row (once, on the first task bringing it)
@@ -125,7 +133,10 @@ class ClientHost:
     """Runs a set of clients on one loop thread until the server says the run is finished."""
 
     def __init__(self, cfg: Config, client_ids: list[int], opts: ClientOptions,
-                 credentials: Callable[[int], tuple[str | None, str | None]]) -> None:
+                 credentials: Callable[[int], tuple[str | None, str | None]],
+                 traces: dict[int, DeviceTrace] | None = None) -> None:
+        """``traces``: each client's availability trace, when the caller has them (``felix emulate``
+        builds the population's trace once and hands each worker its share); else built here."""
         n = cfg.partition.num_clients
         bad = [c for c in client_ids if not 0 <= c < n]
         if bad:
@@ -139,7 +150,13 @@ class ClientHost:
         pop = build_population(cfg)
         self.trainer: LocalTrainer = build_trainer(cfg, pop)
         self.max_bytes = 8 * int(pop.initial_weights.size) + (1 << 20)
-        trace = build_trace(cfg)
+        if traces is None:
+            trace = build_trace(cfg)
+            traces = {c: trace.for_client(opts.trace_device if opts.trace_device is not None else c)
+                      for c in client_ids}
+        missing = [c for c in client_ids if c not in traces]
+        if missing:
+            raise ValueError(f"no availability trace for clients {missing[:5]}")
         runtimes = build_runtimes(cfg, [len(d) for d in pop.client_data])
         # The simulator's client side of a data plan (lb / dafl): same augmentation, seeds and time charge.
         plan = prepare_data_plan(cfg, pop.client_data, pop.train.num_classes, runtimes)
@@ -148,7 +165,7 @@ class ClientHost:
         self._mono_t0 = time.monotonic() - (time.time() - t0)
         self.devices: dict[int, Device] = {}
         for cid in client_ids:
-            dt = trace.for_client(opts.trace_device if opts.trace_device is not None else cid)
+            dt = traces[cid]
             self.devices[cid] = Device(cid, pop.client_data[cid], float(runtimes[cid]), dt,
                                        dt.tier_at(self.trace_time()))
         self._credentials = credentials
@@ -181,12 +198,26 @@ class ClientHost:
                     fut.result()
             self.serve(deadline)
         finally:
-            for dev in self.devices.values():
-                if dev.link is not None:
-                    dev.link.close(timeout=2.0)
+            self._close_links()
         return self.tasks_done
 
+    def _close_links(self) -> None:
+        """Disconnect every link side by side, within ``STOP_GRACE_S`` in all: one at a time, a
+        process's links would take up to a second each while the broker is unreachable (paho's
+        reconnect wait), minutes for a full process. Links still closing after that are abandoned
+        (daemon threads; the broker then sends their wills)."""
+        links = [dev.link for dev in self.devices.values() if dev.link is not None]
+        wait = 0.0 if self.stop_requested.is_set() else 2.0  # a stop does not wait for unacknowledged publishes
+        threads = [threading.Thread(target=link.close, args=(wait,), daemon=True) for link in links]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + STOP_GRACE_S + wait
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
     def _connect(self, dev: Device) -> None:
+        if self.stop_requested.is_set():
+            return
         user, password = self._credentials(dev.cid)
         bopts = BrokerOptions(**{**self.opts.broker.__dict__, "username": user, "password": password})
         link = MqttLink(f"felix-{self.opts.run_id}-c{dev.cid}", bopts, self.topics.client_subscriptions(dev.cid),
@@ -226,6 +257,8 @@ class ClientHost:
             dev.connections += 1
             if dev.connections > 1 and dev.session is not None:
                 self._send_state(dev)  # undo a will the broker may have sent while we were away
+            if dev.connections > 1:
+                self._resend_recent(dev)
             return
         try:
             msg = wire.decode(item.payload, self.max_bytes)
@@ -357,7 +390,7 @@ class ClientHost:
             log.exception("client %d: task %d failed", dev.cid, task.task_id)
             fail = wire.Failed(**self._env(dev), client=dev.cid, incarnation=dev.incarnation, task=task.task_id,
                                reason=f"{type(exc).__name__}: {exc}"[:wire.MAX_STR])
-            self._publish(dev, self.topics.result(dev.cid), wire.encode(fail))
+            self._publish_result(dev, wire.encode(fail))
             self._try_start(dev)
             return
         spent = time.perf_counter() - t0
@@ -386,10 +419,48 @@ class ClientHost:
         keep = []
         for kind, payload in dev.held:
             if dev.can_run(kind):
-                self._publish(dev, self.topics.result(dev.cid), payload)
+                self._publish_result(dev, payload)
             else:
                 keep.append((kind, payload))
         dev.held = keep
+
+    def _publish_result(self, dev: Device, payload: bytes) -> None:
+        self._publish(dev, self.topics.result(dev.cid), payload)
+        dev.sent.append((time.monotonic(), payload))
+
+    def _resend_recent(self, dev: Device) -> None:
+        """Publish the recent results again (same bytes, same message ids): what the broker lost
+        in a crash reaches the server, what the server has is dropped there as a duplicate."""
+        horizon = time.monotonic() - RESEND_WINDOW_S
+        while dev.sent and dev.sent[0][0] < horizon:
+            dev.sent.popleft()
+        for _, payload in dev.sent:
+            self._publish(dev, self.topics.result(dev.cid), payload)
+        if dev.sent:
+            log.info("client %d: re-sent %d recent results after a reconnect", dev.cid, len(dev.sent))
+
+
+def save_trace_shard(path: Path, traces: dict[int, DeviceTrace]) -> None:
+    """Write some clients' availability traces to one ``.npz`` (``felix emulate`` -> its workers)."""
+    ids = list(traces)
+    arrays = [traces[c] for c in ids]
+    lens = np.array([len(t.times) for t in arrays], dtype=np.int64)
+    np.savez(path, ids=np.array(ids, dtype=np.int64), lens=lens,
+             times=np.concatenate([t.times for t in arrays]) if arrays else np.zeros(0),
+             tiers=np.concatenate([t.tiers for t in arrays]) if arrays else np.zeros(0, np.int8),
+             periods=np.array([np.nan if t.period is None else t.period for t in arrays], dtype=np.float64))
+
+
+def load_trace_shard(path: str | Path) -> dict[int, DeviceTrace]:
+    with np.load(path, allow_pickle=False) as z:
+        ids, lens, times, tiers, periods = (z[k] for k in ("ids", "lens", "times", "tiers", "periods"))
+    ends = np.cumsum(lens)
+    out = {}
+    for i, cid in enumerate(ids.tolist()):
+        a, b = int(ends[i] - lens[i]), int(ends[i])
+        p = float(periods[i])
+        out[cid] = DeviceTrace(times[a:b].copy(), tiers[a:b].astype(np.int8), None if np.isnan(p) else p)
+    return out
 
 
 def credentials_from_map(users: dict[str, str]) -> Callable[[int], tuple[str | None, str | None]]:

@@ -18,16 +18,25 @@ norm). Every rejection is logged with its reason and counted in ``summary.json``
 ``rejected_by_reason``; nothing rejected is applied. A message whose handling raises is rejected
 too ("internal error") and acknowledged like any other: no client message stops the server.
 
+Duplicates are recognised by what a message is about, not by remembering every message id:
+a result by its task id (the result that closed a task is remembered by digest, a bounded
+number of them), a REGISTER or STATE by its sender's sequence number (message ids are
+``<incarnation>-<sequence>``; one watermark per client and id prefix, a few prefixes per client).
+
 Exactly once: the orchestrator applies a task's result at most once (it closes the task on the
 first accepted result); the server acknowledges inbound messages to the broker only after the
 checkpoint that holds their effect is on disk (``--checkpoint``), so after a crash the broker
 redelivers exactly the messages the restored state has not seen. Without a checkpoint, messages
-are acknowledged as soon as they are handled.
+are acknowledged as soon as they are handled. Pending acknowledgements keep no payload (a
+message's effect is applied at once; only its broker packet id waits), and when they reach
+``max_pending_bytes`` of inbound payload or ``max_pending_messages`` the server takes a
+checkpoint at once (the back-pressure: a flood costs checkpoints, not memory). Checkpoints are
+grouped (at most one per ``checkpoint_interval_s``, 0.2 s): one covers every aggregation since
+the last, so their cost does not grow with the aggregation rate.
 """
 from __future__ import annotations
 
 import copy
-import csv
 import hashlib
 import logging
 import queue
@@ -36,7 +45,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -56,16 +65,18 @@ from felix.core.events import ClientRegistered, Event, TaskFailed, TaskFinished,
 from felix.core.orchestrator import Knowledge
 from felix.core.types import ClientUpdate, TaskKind
 from felix.data.plans import plan_augmentation
-from felix.metrics.recorder import Recorder
+from felix.metrics.recorder import ByteCounter, EvalRow, Recorder, TrainLossRow
 from felix.metrics.report import summary, write_run
 from felix.runtime import checkpoint as ckpt
 from felix.runtime import wire
+from felix.runtime.checkpoint import AppliedLog, AppliedUpdate
 from felix.runtime.link import BrokerOptions, Connected, Inbound, MqttLink
 from felix.runtime.topics import ALLOWED, Topics
 
 log = logging.getLogger("felix.runtime.server")
 
-DEDUP_PER_CLIENT = 2048  # message ids remembered per client for duplicate / replay detection
+SEQ_PREFIXES_PER_CLIENT = 4  # message-id prefixes (incarnations, wills) whose sequence watermark is kept
+RESULT_DIGESTS = 65536  # results remembered by task id (digest) to tell a redelivery from a replay
 
 
 @dataclass
@@ -82,18 +93,6 @@ class TransportStats:
     results: int = 0
     reconnects: int = 0
     checkpoints: int = 0
-
-
-@dataclass(frozen=True)
-class AppliedUpdate:
-    """One training update applied by an aggregation (the exactly-once audit trail)."""
-
-    version: int
-    task_id: int
-    client_id: int
-    staleness: int
-    weight: float
-    time_s: float
 
 
 @dataclass(frozen=True)
@@ -114,6 +113,9 @@ class ServeOptions:
     resume: bool = False
     time_scale: float = 1.0  # wall seconds per config second
     max_message_bytes: int | None = None  # default: twice the model plus 1 MiB
+    max_pending_bytes: int = 64 << 20  # inbound payload bytes handled but not yet acknowledged
+    max_pending_messages: int = 10000  # ... and messages: reaching either forces a checkpoint
+    checkpoint_interval_s: float = 0.2  # wall seconds between checkpoints at most (group commit)
     plots: bool = False
     status_every_s: float = 10.0
 
@@ -131,6 +133,8 @@ class Server:
     def __init__(self, cfg: Config, opts: ServeOptions) -> None:
         if opts.time_scale <= 0:
             raise ValueError("time scale must be positive")
+        if opts.max_pending_bytes < 1 or opts.max_pending_messages < 1 or opts.checkpoint_interval_s < 0:
+            raise ValueError("max pending bytes and messages must be positive, the checkpoint interval >= 0")
         self.cfg = cfg
         self.opts = opts
         self.topics = Topics(opts.run_id)
@@ -150,8 +154,9 @@ class Server:
                             r.target_window, r.eval_every)
         self.max_bytes = opts.max_message_bytes or (8 * self.num_params + (1 << 20))
         self.stats = TransportStats()
-        self.applied: list[AppliedUpdate] = []
-        self.dedup: dict[int, dict[str, str]] = {}
+        self.applied = AppliedLog(None if opts.checkpoint is None else ckpt.applied_log_path(opts.checkpoint))
+        self.seq_marks: dict[int, dict[str, int]] = {}  # client -> message-id prefix -> highest sequence
+        self.result_digests: dict[int, bytes] = {}  # task id -> digest of the result that closed it
         self.incarnations: dict[int, str] = {}
         self.shadow: dict[int, ShadowTask] = {}
         self.plan_info: dict[str, Any] | None = None  # the data plan (lb / dafl), once computed
@@ -161,8 +166,10 @@ class Server:
         self.inbox: queue.SimpleQueue[Inbound | Connected] = queue.SimpleQueue()
         self.stop_requested = threading.Event()
         self._stop: str | None = None
-        self._pending_acks: list[Inbound] = []  # handled, not yet acknowledged to the broker
+        self._pending_acks: list[tuple[int, int, int, int]] = []  # (mid, qos, epoch, bytes): not yet acknowledged
+        self._pending_bytes = 0
         self._checkpoint_due = False  # a new version (or the end) since the last checkpoint
+        self._last_checkpoint = 0.0  # time.monotonic() of the last one
         # Delivery delay of recent inbound messages (receive time - the sender's "sent" stamp; one
         # clock on a single machine, clock skew across machines): the broker's and the loop's backlog.
         self.latency: deque[float] = deque(maxlen=4096)
@@ -200,8 +207,7 @@ class Server:
             if isinstance(item, Connected):
                 self._on_connected(item)
             elif item is not None:
-                self._pending_acks.append(item)
-                self._on_inbound_guarded(item)
+                self.handle_inbound(item)
             now = self.now()
             wake = self.orch.next_wakeup()
             if wake is not None and wake <= now and self._stop is None:
@@ -229,10 +235,11 @@ class Server:
             self.rec.record(now, self.orch.version, self.orch.weights)
         if self.opts.checkpoint is not None:
             self._checkpoint_due = True  # the final state: --resume after an interruption continues here
-        self._commit()
+        self._commit(force=True)
         if self._stop != "interrupted":
             self._publish_status("finished")  # retained: clients stop; an interrupted run waits for --resume
         self.link.close()
+        self.applied.sync()
         summ = self.summary(now)
         if self.opts.out_dir is not None:
             self.write_outputs(summ)
@@ -251,7 +258,7 @@ class Server:
             "deployment": {"run_id": self.opts.run_id, "time_scale": self.opts.time_scale, "lives": self.life + 1,
                            "broker": f"{self.opts.broker.host}:{self.opts.broker.port}",
                            "tls": self.opts.broker.tls_ca is not None,
-                           "applied_task_ids_unique": len({a.task_id for a in self.applied}) == len(self.applied)},
+                           "applied_task_ids_unique": self.applied.unique},
         }
         if self.plan_info is not None:
             extra["data_plan"] = self.plan_info
@@ -263,18 +270,15 @@ class Server:
         assert out is not None
         write_run(out, summ, self.rec.rows, self.opts.plots)
         (out / "config.json").write_text(self.cfg.model_dump_json(indent=2) + "\n")
-        with open(out / "applied_updates.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(AppliedUpdate.__dataclass_fields__))
-            w.writeheader()
-            for a in self.applied:
-                w.writerow(asdict(a))
+        self.applied.write_csv(out / "applied_updates.csv")
 
     # ------------------------------------------------------------------ inbound
     def _on_connected(self, c: Connected) -> None:
         if c.epoch > 1:
             self.stats.reconnects += 1
             # The broker redelivers every unacknowledged message on the new connection.
-            self._pending_acks = [m for m in self._pending_acks if m.epoch >= c.epoch]
+            self._pending_acks = [m for m in self._pending_acks if m[2] >= c.epoch]
+            self._pending_bytes = sum(m[3] for m in self._pending_acks)
         self._publish_status("running")  # retained; after a reconnect too, in case the broker lost it
 
     def _reject(self, cid: int, task_id: int, reason: str, detail: str = "") -> None:
@@ -284,15 +288,22 @@ class Server:
         log.warning("rejected message from client %d (task %d): %s%s", cid, task_id, reason,
                     f" ({detail})" if detail else "")
 
-    def _on_inbound_guarded(self, m: Inbound) -> None:
-        """Handle one message; if handling raises, the message is rejected (and acknowledged with
-        the others, so the broker does not redeliver it): no client message stops the server."""
+    def handle_inbound(self, m: Inbound) -> None:
+        """Handle one inbound message; its acknowledgement waits (without its payload) for the next
+        durable point, which comes early when the pending bound is reached. If handling raises, the
+        message is rejected and acknowledged with the others (so the broker does not redeliver
+        it): no client message stops the server."""
+        self._pending_acks.append((m.mid, m.qos, m.epoch, len(m.payload)))
+        self._pending_bytes += len(m.payload)
         try:
             self._on_inbound(m)
         except Exception as exc:  # any client message is hostile; the loop must survive it
             parsed = self.topics.parse_inbound_to_server(m.topic)
             log.exception("handling a message on %s raised", m.topic[:80])
             self._reject(parsed[1] if parsed else -1, 0, f"internal error: {type(exc).__name__}", str(exc)[:200])
+        if self._pending_bytes >= self.opts.max_pending_bytes or \
+                len(self._pending_acks) >= self.opts.max_pending_messages:
+            self._checkpoint_due = True
 
     def _on_inbound(self, m: Inbound) -> None:
         self.stats.messages_in += 1
@@ -320,7 +331,7 @@ class Server:
             self._reject(cid, getattr(msg, "task", 0), f"transport: sender mismatch: header says client "
                                                        f"{sender}, topic belongs to client {cid}")
             return
-        if not self._first_delivery(cid, msg.msg_id, m.payload):
+        if not self._first_delivery(cid, msg, m.payload):
             return
         if cid >= self.num_clients:
             self._reject(cid, 0, f"transport: client id {cid} is outside the population of {self.num_clients}")
@@ -330,30 +341,57 @@ class Server:
         elif isinstance(msg, wire.State):
             self._on_state(msg)
         elif isinstance(msg, wire.Result):
-            self._on_result(msg)
-        elif isinstance(msg, wire.Failed):
-            self._deliver(TaskFailed(self.now(), cid, msg.task, msg.reason))
+            if self._on_result(msg):
+                self._remember_result(msg, m.payload)
+        elif isinstance(msg, wire.Failed) and self._deliver(TaskFailed(self.now(), cid, msg.task, msg.reason)):
+            self._remember_result(msg, m.payload)
 
     def _count_up(self, msg: wire.Message, n: int) -> None:
         kind = msg.kind.value if isinstance(msg, wire.Result) else "control"
         self.rec.bytes.add("up", kind, n)
 
-    def _first_delivery(self, cid: int, msg_id: str, payload: bytes) -> bool:
-        """Duplicate / replay check on (client, message id); True if the message is new."""
-        digest = hashlib.blake2b(payload, digest_size=16).hexdigest()
-        seen = self.dedup.setdefault(cid, {})
-        prior = seen.get(msg_id)
-        if prior == digest:
+    def _first_delivery(self, cid: int, msg: wire.Message, payload: bytes) -> bool:
+        """Duplicate check; True if the message is new (or a replay the orchestrator will refuse).
+
+        Results and failure reports are about a task: the result that closed a task is kept by
+        digest (message id and content), so a verbatim redelivery is a duplicate and the same
+        id with other content a replay; any other message for a closed task reaches the
+        orchestrator, which refuses it. REGISTER and STATE carry ``<prefix>-<sequence>`` ids
+        that grow per sender: anything at or below the prefix's watermark was seen already.
+        """
+        if isinstance(msg, (wire.Result, wire.Failed)):
+            prior = self.result_digests.get(msg.task)
+            if prior is None:
+                return True
+            digest = _digest(msg.msg_id, payload)
+            if prior == digest:
+                self.stats.duplicates += 1
+                log.debug("duplicate delivery of %s from client %d dropped", msg.msg_id, cid)
+                return False
+            if prior[:8] == digest[:8]:
+                self._reject(cid, msg.task, "transport: replayed message id with different content")
+                return False
+            return True
+        prefix, sep, seq = msg.msg_id.rpartition("-")
+        if not sep or not seq.isdigit() or len(seq) > 18:
+            self._reject(cid, 0, "transport: message id is not <incarnation>-<sequence>")
+            return False
+        marks = self.seq_marks.setdefault(cid, {})
+        n = int(seq)
+        if n <= marks.get(prefix, -1):
             self.stats.duplicates += 1
-            log.debug("duplicate delivery of %s from client %d dropped", msg_id, cid)
             return False
-        if prior is not None:
-            self._reject(cid, 0, "transport: replayed message id with different content")
-            return False
-        seen[msg_id] = digest
-        if len(seen) > DEDUP_PER_CLIENT:
-            del seen[next(iter(seen))]
+        marks.pop(prefix, None)
+        marks[prefix] = n  # most recently used last
+        if len(marks) > SEQ_PREFIXES_PER_CLIENT:
+            del marks[next(iter(marks))]
         return True
+
+    def _remember_result(self, msg: wire.Result | wire.Failed, payload: bytes) -> None:
+        self.result_digests[msg.task] = _digest(msg.msg_id, payload)
+        if len(self.result_digests) > RESULT_DIGESTS:
+            for t in list(self.result_digests)[: RESULT_DIGESTS // 2]:
+                del self.result_digests[t]
 
     def _on_register(self, msg: wire.Register) -> None:
         cid, now = msg.client, self.now()
@@ -415,62 +453,67 @@ class Server:
             return
         self._deliver(TierChanged(self.now(), msg.client, msg.tier))
 
-    def _on_result(self, msg: wire.Result) -> None:
+    def _on_result(self, msg: wire.Result) -> bool:
+        """True if the orchestrator accepted the result (it closed its task)."""
         self.stats.results += 1
         shadow = self.shadow.get(msg.task)
         if shadow is not None and shadow.client_id == msg.client:
             if shadow.kind is not msg.kind:
                 self._reject(msg.client, msg.task, f"{msg.kind.value} result for a {shadow.kind.value} task")
-                return
+                return False
             if shadow.version != msg.version:
                 self._reject(msg.client, msg.task, f"result computed on version {msg.version}, "
                                                    f"task was dispatched with version {shadow.version}")
-                return
+                return False
         upd = ClientUpdate(num_samples=msg.num_samples, stat_utility=msg.stat_utility, loss=msg.loss,
                            duration=msg.duration, delta=msg.delta, aux=dict(msg.aux))
-        self._deliver(TaskFinished(self.now(), msg.client, msg.task, upd))
+        return self._deliver(TaskFinished(self.now(), msg.client, msg.task, upd))
 
     # ------------------------------------------------------------------ orchestrator
-    def _deliver(self, event: Event) -> None:
-        before = ckpt.buffered_task_ids(self.orch)
+    def _deliver(self, event: Event) -> bool:
+        """Hand an event to the orchestrator and carry out its commands; False if it was rejected."""
         commands = self.orch.handle(event)
         rejected = any(isinstance(c, UpdateRejected) for c in commands)
-        if isinstance(event, TaskFinished) and not rejected:
-            self.shadow.pop(event.task_id, None)
-        if isinstance(event, TaskFailed) and not rejected:
+        if isinstance(event, (TaskFinished, TaskFailed)) and not rejected:
             self.shadow.pop(event.task_id, None)
         for cmd in commands:
             if isinstance(cmd, NewModelVersion):
-                self._log_applied(cmd, before, event)
+                self._log_applied(cmd)
                 self._checkpoint_due = True
             self._apply(cmd)
+        return not rejected
 
-    def _commit(self) -> None:
+    def _commit(self, force: bool = False) -> None:
         """Acknowledge handled messages to the broker once their effect is durable.
 
-        With a checkpoint file, that is after the checkpoint following a new model version; until
-        then the broker holds the messages and would redeliver them to a restarted server.
-        Without one there is nothing durable to wait for.
+        With a checkpoint file, that is after the checkpoint following a new model version (or
+        reaching the pending bound); until then the broker holds the messages and would
+        redeliver them to a restarted server. Checkpoints are grouped: at most one per
+        ``checkpoint_interval_s`` (wall), covering every version since the last, unless the
+        pending bound is reached or ``force`` (the end). Without a checkpoint file there is
+        nothing durable to wait for.
         """
         if self.opts.checkpoint is None:
             self._ack(self._pending_acks)
             self._pending_acks = []
-        elif self._checkpoint_due:
-            self._checkpoint()
-            self._ack(self._pending_acks)
-            self._pending_acks = []
+            self._pending_bytes = 0
+            return
+        if not self._checkpoint_due:
+            return
+        full = self._pending_bytes >= self.opts.max_pending_bytes or \
+            len(self._pending_acks) >= self.opts.max_pending_messages
+        if not (force or full) and time.monotonic() - self._last_checkpoint < self.opts.checkpoint_interval_s:
+            return
+        self._checkpoint()
+        self._last_checkpoint = time.monotonic()
+        self._ack(self._pending_acks)
+        self._pending_acks = []
+        self._pending_bytes = 0
         self._checkpoint_due = False
 
-    def _log_applied(self, cmd: NewModelVersion, before: list[int], event: Event) -> None:
-        candidates = before + ([event.task_id] if isinstance(event, TaskFinished) else [])
-        remaining = set(ckpt.buffered_task_ids(self.orch))
-        applied = [t for t in candidates if t not in remaining]
+    def _log_applied(self, cmd: NewModelVersion) -> None:
         r = cmd.report
-        if len(applied) != len(r.client_ids):
-            log.error("could not match the %d applied updates of version %d to tasks (%d candidates)",
-                      len(r.client_ids), cmd.version, len(applied))
-            return
-        for task_id, cid, st, w in zip(applied, r.client_ids, r.staleness, r.weights):
+        for task_id, cid, st, w in zip(r.task_ids, r.client_ids, r.staleness, r.weights, strict=True):
             self.applied.append(AppliedUpdate(cmd.version, task_id, cid, st, w, cmd.time))
 
     def _apply(self, cmd: Command) -> None:
@@ -517,28 +560,48 @@ class Server:
         if m is not None and cmd.version >= m:
             self._stop = self._stop or "max_aggregations"
 
-    def _ack(self, items: list[Inbound]) -> None:
-        for m in items:
-            self.link.ack(m.mid, m.qos, m.epoch)
+    def _ack(self, items: list[tuple[int, int, int, int]]) -> None:
+        for mid, qos, epoch, _ in items:
+            self.link.ack(mid, qos, epoch)
 
     # ------------------------------------------------------------------ checkpoints
     def _shell_state(self) -> dict[str, Any]:
+        """The shell's part of a checkpoint, explicit and columnar like ``Orchestrator.state_dict``."""
         r = self.rec
+        marks = [(c, p, n) for c, m in self.seq_marks.items() for p, n in m.items()]
+        digests = self.result_digests
+        sh = self.shadow
         return {
             "config_digest": self.config_digest, "run_id": self.opts.run_id, "life": self.life,
             "now": self.now(),
             "wall_unix": time.time(), "wall_elapsed": self._prior_wall + (time.monotonic() - self._mono0),
-            "recorder": {"rows": r.rows, "train_losses": r.train_losses, "bytes": r.bytes,
+            "recorder": {"rows": _columns(r.rows, EvalRow), "train_losses": _columns(r.train_losses, TrainLossRow),
+                         "bytes_down": dict(r.bytes.down), "bytes_up": dict(r.bytes.up),
                          "time_to_target": r.time_to_target, "bytes_to_target": r.bytes_to_target,
                          "version_at_target": r.version_at_target},
             "plan_info": self.plan_info,
-            "stats": self.stats, "applied": self.applied, "dedup": self.dedup, "incarnations": self.incarnations,
-            "shadow": self.shadow,
+            "stats": asdict(self.stats),
+            "applied": self.applied.position(),
+            "seq_marks": {"client": np.array([c for c, _, _ in marks], dtype=np.int64),
+                          "prefix": [p for _, p, _ in marks],
+                          "seq": np.array([n for _, _, n in marks], dtype=np.int64)},
+            "result_digests": {"task": np.fromiter(digests.keys(), dtype=np.int64, count=len(digests)),
+                               "digest": np.frombuffer(b"".join(digests.values()), dtype=np.uint8)},
+            "incarnations": {"client": np.fromiter(self.incarnations.keys(), dtype=np.int64,
+                                                   count=len(self.incarnations)),
+                             "incarnation": list(self.incarnations.values())},
+            "shadow": {"task": np.fromiter(sh.keys(), dtype=np.int64, count=len(sh)),
+                       "client": np.fromiter((t.client_id for t in sh.values()), dtype=np.int64, count=len(sh)),
+                       "train": np.fromiter((t.kind is TaskKind.TRAIN for t in sh.values()), dtype=np.int8,
+                                            count=len(sh)),
+                       "version": np.fromiter((t.version for t in sh.values()), dtype=np.int64, count=len(sh))},
         }
 
     def _checkpoint(self) -> None:
         assert self.opts.checkpoint is not None
-        n = ckpt.save_checkpoint(self.opts.checkpoint, self.orch, self._shell_state())
+        self.applied.sync()  # the log first: the snapshot says how much of it counts
+        n = ckpt.save_checkpoint(self.opts.checkpoint, {"orchestrator": self.orch.state_dict(),
+                                                        "shell": self._shell_state()})
         self.stats.checkpoints += 1
         log.debug("checkpoint at version %d (%d bytes)", self.orch.version, n)
 
@@ -546,24 +609,21 @@ class Server:
         path = self.opts.checkpoint
         if path is None:
             raise ckpt.CheckpointError("--resume needs --checkpoint PATH")
-        shell = ckpt.restore(path, self.orch)
+        doc = ckpt.load_checkpoint(path)
+        shell = doc.get("shell")
+        if not isinstance(shell, dict) or not isinstance(doc.get("orchestrator"), dict):
+            raise ckpt.CheckpointError(f"checkpoint {path} lacks the orchestrator's or the shell's state")
         if shell.get("config_digest") != self.config_digest:
             raise ckpt.CheckpointError(f"checkpoint {path} was written for a different configuration")
         if shell.get("run_id") != self.opts.run_id:
             raise ckpt.CheckpointError(f"checkpoint {path} belongs to run {shell.get('run_id')!r}")
-        rs = shell["recorder"]
-        self.rec.rows = list(rs["rows"])
-        self.rec.train_losses = list(rs["train_losses"])
-        self.plan_info = shell["plan_info"]
-        self.rec.bytes = rs["bytes"]
-        self.rec.time_to_target = rs["time_to_target"]
-        self.rec.bytes_to_target = rs["bytes_to_target"]
-        self.rec.version_at_target = rs["version_at_target"]
-        self.stats = shell["stats"]
-        self.applied = list(shell["applied"])
-        self.dedup = shell["dedup"]
-        self.incarnations = shell["incarnations"]
-        self.shadow = shell["shadow"]
+        try:
+            self.orch.load_state_dict(doc["orchestrator"])
+            self._load_shell(shell)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise ckpt.CheckpointError(f"checkpoint {path} is incomplete or from another version "
+                                       f"({type(exc).__name__}: {exc})") from None
+        self.applied.truncate(shell["applied"])
         self.life = int(shell["life"]) + 1
         self._prior_wall = float(shell["wall_elapsed"])
         # Downtime counts: a deployment's time-to-target includes its outages.
@@ -571,6 +631,48 @@ class Server:
         self._start_time = float(shell["now"]) + down / self.opts.time_scale
         # Tasks dispatched after the checkpoint are unknown to the restored state; numbering this
         # life's tasks from a fresh range keeps their late results from matching new tasks.
-        ckpt.reserve_task_ids(self.orch, self.life)
+        self.orch.reserve_task_ids(self.life * ckpt.RESUME_TASK_ID_STRIDE + 1)
         log.info("resumed from %s at version %d (life %d, %.1f s down)", path, self.orch.version, self.life, down)
 
+    def _load_shell(self, shell: dict[str, Any]) -> None:
+        rs = shell["recorder"]
+        self.rec.rows = _rows(rs["rows"], EvalRow)
+        self.rec.train_losses = _rows(rs["train_losses"], TrainLossRow)
+        self.rec.bytes = ByteCounter(dict(rs["bytes_down"]), dict(rs["bytes_up"]))
+        self.rec.time_to_target = rs["time_to_target"]
+        self.rec.bytes_to_target = rs["bytes_to_target"]
+        self.rec.version_at_target = rs["version_at_target"]
+        self.plan_info = shell["plan_info"]
+        self.stats = TransportStats(**shell["stats"])
+        sm = shell["seq_marks"]
+        self.seq_marks = {}
+        for c, p, n in zip(sm["client"].tolist(), sm["prefix"], sm["seq"].tolist(), strict=True):
+            self.seq_marks.setdefault(c, {})[p] = n
+        rd = shell["result_digests"]
+        flat = rd["digest"].tobytes()
+        self.result_digests = {t: flat[16 * i:16 * (i + 1)] for i, t in enumerate(rd["task"].tolist())}
+        inc = shell["incarnations"]
+        self.incarnations = dict(zip(inc["client"].tolist(), inc["incarnation"], strict=True))
+        sh = shell["shadow"]
+        self.shadow = {t: ShadowTask(c, TaskKind.TRAIN if k else TaskKind.EVAL, v) for t, c, k, v in
+                       zip(sh["task"].tolist(), sh["client"].tolist(), sh["train"].tolist(), sh["version"].tolist(),
+                           strict=True)}
+
+
+def _digest(msg_id: str, payload: bytes) -> bytes:
+    """16 bytes: 8 of the message id, 8 of the payload (a replay keeps the id, changes the rest)."""
+    return (hashlib.blake2b(msg_id.encode(), digest_size=8).digest()
+            + hashlib.blake2b(payload, digest_size=8).digest())
+
+
+def _columns(rows: list[Any], cls: type) -> dict[str, np.ndarray]:
+    """Rows of a flat numeric dataclass as one float64 array per field (exact for ints below 2**53)."""
+    return {f.name: np.array([getattr(r, f.name) for r in rows], dtype=np.float64) for f in fields(cls)}
+
+
+def _rows(cols: dict[str, np.ndarray], cls: type) -> list[Any]:
+    names = [f.name for f in fields(cls)]
+    ints = {f.name for f in fields(cls) if f.type in ("int", int)}
+    lists = [np.asarray(cols[k]).tolist() for k in names]
+    return [cls(**{k: int(v) if k in ints else float(v) for k, v in zip(names, vals, strict=True)})
+            for vals in zip(*lists, strict=True)]

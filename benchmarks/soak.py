@@ -1,0 +1,466 @@
+"""Soak benchmark of the MQTT deployment: churn, crashes and hostile input together, on loopback.
+
+A Mosquitto broker on 127.0.0.1, ``felix serve --checkpoint`` in its own process, and emulated
+clients (``felix client --ids``, in groups of processes) under a slotted churn trace, while the
+schedule below runs; then the server is stopped (SIGTERM) and the outcome is printed as one JSON
+line. Every wait is bounded; the whole run stops by itself after ``--duration`` seconds plus the
+shutdown.
+
+Schedule, spread evenly over the run:
+- client groups are killed with SIGKILL mid-task (their tasks die with them) and restarted,
+  until ``--client-kills`` clients have been killed;
+- the broker is killed with SIGKILL (nothing saved since its last autosave) and restarted,
+  ``--broker-kills`` times;
+- the server is killed with SIGKILL and resumed from its checkpoint, ``--server-kills`` times;
+- a hostile client (a valid login of its own) sends ``--fuzz`` fuzzed messages: random
+  mutations (bytes flipped, truncated or appended, header fields replaced, messages on the wrong
+  topic, verbatim and altered replays) of the genuine REGISTER, STATE and RESULT messages it
+  sends, on every topic it may publish to; and it answers the tasks it receives with poisoning
+  attempts (finite but huge deltas, 2**40 samples, a new aux entry with a different shape each
+  time) or with honest zero updates.
+
+The JSON line:
+- ``acked_lost``: training updates the server applied and made durable (covered by a checkpoint,
+  hence acknowledged to the broker) in a life that was later killed, missing from the final
+  applied-update log;
+- ``applied_twice``: task ids applied more than once in the final log;
+- ``server_crashes``: server lives that ended without being killed or stopped by the soak
+  (the soak resumes it and goes on);
+- ``bad_updates_applied``: poisoning attempts that were applied (in the final log);
+- ``rss_start_mb`` / ``rss_end_mb``: the server process's RSS once its first life is warm (its
+  first checkpoint written) and just before the final stop (the last life);
+- ``tier_msgs_per_s`` / ``round_trips_per_s``: tier reports and task results the server handled
+  per wall second (from its summary, all lives).
+
+``--quick`` is a few minutes (fewer kills, 1,000 fuzzed messages); ``--tiny`` is the test suite's
+version. Run: ``python benchmarks/soak.py [--quick]``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paho.mqtt.client as mqtt
+import yaml
+
+from felix.core.types import TaskKind, Tier
+from felix.runtime import checkpoint as ckpt
+from felix.runtime import wire
+from felix.runtime.broker import MosquittoBroker, find_mosquitto
+from felix.runtime.topics import SERVER_USER, Topics, client_user
+
+RUN = "soak"
+
+
+@dataclass(frozen=True)
+class Plan:
+    clients: int
+    groups: int
+    client_kills: int
+    broker_kills: int
+    server_kills: int
+    fuzz: int
+    duration_s: float
+    scale: float = 0.05  # wall seconds per config second
+
+
+PLANS = {
+    "full": Plan(clients=200, groups=8, client_kills=100, broker_kills=5, server_kills=5, fuzz=10_000, duration_s=600),
+    "quick": Plan(clients=60, groups=6, client_kills=20, broker_kills=2, server_kills=2, fuzz=1_000, duration_s=150),
+    "tiny": Plan(clients=12, groups=2, client_kills=6, broker_kills=1, server_kills=1, fuzz=150, duration_s=40),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[soak {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
+def write_config(path: Path, n: int) -> None:
+    doc = {
+        "name": "soak", "strategy": "felix", "seed": 0, "model": "mlp", "dataset": {"name": "digits"},
+        "partition": {"kind": "dirichlet", "num_clients": n, "alpha": 0.5},
+        "trace": {"kind": "slotted", "unavailable_fraction": 0.2, "slot_s": 60.0, "horizon_s": 3600.0},
+        "runtime": {"kind": "constant", "constant_s": 20.0},
+        "client": {"lr": 0.1, "batch_size": 16},
+        "orchestrator": {"agg_goal": 5, "concurrency": max(2, n // 2)},
+        "run": {"target_accuracy": 1.0, "target_window": 3, "max_time_s": 1e7, "eval_every": 5},
+    }
+    path.write_text(yaml.safe_dump(doc))
+
+
+# ---------------------------------------------------------------------- the hostile client
+class Fuzzer:
+    """A raw paho client holding a valid login (client ``cid``): genuine messages as seeds, their
+    mutations, and poisoned answers to the tasks it gets."""
+
+    def __init__(self, port: int, password: str, cid: int, n_fuzz: int, duration_s: float, seed: int,
+                 poison: str = "all") -> None:
+        self.topics = Topics(RUN)
+        self.cid = cid
+        self.rng = random.Random(seed)
+        self.poison_kinds = {"all": 4, "no-aux": 3, "none": 0}[poison]  # kinds 0..k-1 of _answer are poison
+        self.n_fuzz = n_fuzz
+        self.interval = duration_s / max(1, n_fuzz)
+        self.sent = 0
+        self.poisoned: set[int] = set()
+        self.poison_attempts = 0
+        self.seeds: list[bytes] = []
+        self.seq = 0
+        self.session: str | None = None
+        self.stop = threading.Event()
+        self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"felix-{RUN}-c{cid}", protocol=mqtt.MQTTv5)
+        self.c.username_pw_set(client_user(cid), password)
+        self.c.reconnect_delay_set(0.25, 2)
+        self.c.on_connect = lambda c, u, f, rc, p: c.subscribe([(self.topics.task(cid), 1), (self.topics.status, 1)])
+        self.c.on_message = self._on_message
+        self.c.connect_async("127.0.0.1", port)
+        self.c.loop_start()
+        self.thread = threading.Thread(target=self._fuzz_loop, name="fuzzer", daemon=True)
+
+    def _env(self) -> dict[str, Any]:
+        self.seq += 1
+        return {"run": RUN, "msg_id": f"fz-{self.seq}", "sent_at": time.time()}
+
+    def _publish(self, topic: str, payload: bytes) -> None:
+        self.c.publish(topic, payload, qos=1)
+
+    def _on_message(self, client: mqtt.Client, userdata: object, m: mqtt.MQTTMessage) -> None:
+        try:
+            msg = wire.decode(m.payload)
+        except wire.MessageError:
+            return
+        if isinstance(msg, wire.Status) and msg.session != self.session:
+            self.session = msg.session
+            reg = wire.encode(wire.Register(**self._env(), client=self.cid, incarnation="fz", num_samples=30,
+                                            tier=Tier.AVL_TRAIN, class_counts=(3,) * 10))
+            self.seeds.append(reg)
+            self._publish(self.topics.register(self.cid), reg)
+        elif isinstance(msg, wire.TrainTask):
+            self._answer(msg)
+        elif isinstance(msg, wire.EvalTask):
+            res = wire.Result(**self._env(), client=self.cid, incarnation="fz", task=msg.task, kind=TaskKind.EVAL,
+                              version=msg.version, num_samples=30, stat_utility=1.0, loss=1.0, duration=1.0,
+                              delta=None, aux={})
+            self._publish(self.topics.result(self.cid), wire.encode(res))
+
+    def _answer(self, task: wire.TrainTask) -> None:
+        n = task.weights.size
+        kind = self.rng.randrange(self.poison_kinds + 1)
+        kind = 4 if kind == self.poison_kinds else kind  # the last draw is an honest answer
+        fields: dict[str, Any] = {"num_samples": 30, "delta": np.zeros(n, np.float32), "aux": {}}
+        if kind == 0:
+            fields["delta"] = np.full(n, 3e38, np.float32)  # finite, huge
+        elif kind == 1:
+            fields["num_samples"] = 2 ** 40
+            fields["delta"] = np.full(n, 1.0, np.float32)
+        elif kind == 2:
+            fields["delta"] = np.random.default_rng(task.task).normal(0, 1e6, n).astype(np.float32)
+        elif kind == 3:
+            shape = (1 + self.rng.randrange(5),)
+            fields["aux"] = {"injected": np.ones(shape, np.float32)}  # a new key, another shape each time
+        if kind < 4:
+            self.poisoned.add(task.task)
+            self.poison_attempts += 1
+        res = wire.Result(**self._env(), client=self.cid, incarnation="fz", task=task.task, kind=TaskKind.TRAIN,
+                          version=task.version, stat_utility=1.0, loss=0.5, duration=1.0, **fields)
+        payload = wire.encode(res)
+        if kind == 4:
+            self.seeds.append(payload)
+        self._publish(self.topics.result(self.cid), payload)
+
+    def _mutate(self, data: bytes) -> bytes:
+        r = self.rng
+        op = r.randrange(7)
+        b = bytearray(data)
+        if op == 0 and b:  # flip bytes
+            for _ in range(r.randint(1, 12)):
+                b[r.randrange(len(b))] = r.randrange(256)
+            return bytes(b)
+        if op == 1:  # truncate
+            return bytes(b[: r.randrange(max(1, len(b)))])
+        if op == 2:  # append
+            return bytes(b) + os.urandom(r.randint(1, 4096))
+        if op in (3, 4):  # rewrite a header field
+            try:
+                _, version, hlen = struct.unpack_from("<4sHI", data)
+                doc = json.loads(data[10:10 + hlen])
+            except (struct.error, ValueError):
+                return bytes(b)
+            key = r.choice(sorted(doc)) if op == 3 or not doc else r.choice(["client", "task", "num_samples",
+                                                                            "version", "msg_id", "kind", "tier"])
+            doc[key] = r.choice([-1, 0, 2 ** 63, 2 ** 40, "x" * r.randint(0, 300), None, [1, 2], 1e308, "NaN",
+                                 r.randint(0, 10 ** 6), {"$a": "a0"}, True])
+            h = json.dumps(doc).encode()
+            return struct.pack("<4sHI", data[:4], version, len(h)) + h + data[10 + hlen:]
+        if op == 5:  # an altered replay: same message id, other content
+            return bytes(b[:-1]) + bytes([(b[-1] + 1) % 256]) if b else bytes(b)
+        return bytes(b)  # a verbatim replay
+
+    def _fuzz_loop(self) -> None:
+        t = self.topics
+        topics = [t.register(self.cid), t.state(self.cid), t.result(self.cid)]
+        state = wire.encode(wire.State(**self._env(), client=self.cid, incarnation="fz", tier=Tier.AVL_EVAL))
+        self.seeds.append(state)
+        next_at = time.monotonic()
+        while self.sent < self.n_fuzz and not self.stop.is_set():
+            delay = next_at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            next_at += self.interval
+            seed = self.rng.choice(self.seeds)
+            self._publish(self.rng.choice(topics), self._mutate(seed))
+            self.sent += 1
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.c.disconnect()
+        self.c.loop_stop()
+
+
+# ---------------------------------------------------------------------- the run
+class Soak:
+    def __init__(self, plan: Plan, work: Path, seed: int) -> None:
+        self.plan = plan
+        self.work = work
+        self.rng = random.Random(seed)
+        self.cfg = work / "soak.yaml"
+        n = plan.clients + 1  # the last client id is the hostile one
+        write_config(self.cfg, n)
+        self.broker = MosquittoBroker(n, run_id=RUN, workdir=work / "broker")
+        self.users = json.loads(self.broker.credentials_file.read_text())
+        self.ck = work / "ck.safetensors"
+        self.out = work / "out"
+        self.server: subprocess.Popen[bytes] | None = None
+        self.lives = 0
+        self.server_crashes = 0
+        self.durable: set[int] = set()  # task ids applied and checkpointed by lives that were killed
+        self.t0 = time.time()
+        size = plan.clients // plan.groups
+        self.groups = [(g * size, (g + 1) * size - 1 if g < plan.groups - 1 else plan.clients - 1)
+                       for g in range(plan.groups)]
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.rss_start: float | None = None
+        self.rss_end: float | None = None
+
+    def _common(self) -> list[str]:
+        return [str(self.cfg), "--broker", self.broker.address, "--run-id", RUN, "--time-scale", str(self.plan.scale)]
+
+    def _spawn(self, args: list[str], logname: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        with open(self.work / logname, "ab") as f:
+            return subprocess.Popen([sys.executable, "-m", "felix.runtime", "-v", *args], stdout=f,
+                                    stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                                   **(env or {})})
+
+    def start_server(self, resume: bool) -> None:
+        args = ["serve", *self._common(), "--out", str(self.out), "--checkpoint", str(self.ck)]
+        if resume:
+            args.append("--resume")
+        env = {"FELIX_MQTT_PASSWORD": self.users[SERVER_USER]}
+        self.server = self._spawn(args, f"server-{self.lives}.log", env)
+        self.lives += 1
+
+    def start_group(self, g: int) -> None:
+        lo, hi = self.groups[g]
+        self.procs[g] = self._spawn(["client", *self._common(), "--credentials", str(self.broker.credentials_file),
+                                     "--ids", f"{lo}-{hi}", "--t0", repr(self.t0)], f"clients-{g}.log")
+
+    def wait_serving(self, timeout: float = 120.0) -> None:
+        """Wait until the current server life logs that it serves (it imports torch and loads the
+        dataset first; a signal before that would just kill it)."""
+        path = self.work / f"server-{self.lives - 1}.log"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "serving run" in path.read_text(errors="replace"):
+                return
+            if self.server is not None and self.server.poll() is not None:
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"the server did not start serving within {timeout:.0f} s")
+
+    def check_server(self) -> None:
+        """A server that exited on its own crashed: count it and resume it."""
+        if self.server is not None and self.server.poll() is not None:
+            self.server_crashes += 1
+            log(f"server exited by itself (code {self.server.returncode}); resuming")
+            self.start_server(resume=self.ck.exists())
+
+    def kill_server(self) -> None:
+        assert self.server is not None
+        self.check_server()
+        self.wait_serving()
+        self.server.send_signal(signal.SIGKILL)
+        self.server.wait(10)
+        try:
+            pos = ckpt.load_checkpoint(self.ck)["shell"]["applied"]
+            with open(ckpt.applied_log_path(self.ck), newline="") as f:
+                rows = list(csv.DictReader(f))[: int(pos["count"])]
+            self.durable |= {int(r["task_id"]) for r in rows}
+        except (ckpt.CheckpointError, OSError, KeyError):
+            pass
+        time.sleep(0.5)
+        self.start_server(resume=self.ck.exists())
+        self.wait_serving()  # the schedule's clock stands still while the server is loading
+
+    poison = "all"
+
+    def run(self, fuzzer_seed: int) -> dict[str, Any]:
+        p = self.plan
+        self.broker.start()
+        self.start_server(resume=False)
+        for g in range(len(self.groups)):
+            self.start_group(g)
+        fz = Fuzzer(self.broker.port, self.users[client_user(p.clients)], p.clients, p.fuzz, p.duration_s * 0.8,
+                    fuzzer_seed, self.poison)
+        deadline = time.monotonic() + 180
+        while not self.ck.exists():  # warm: the first version is checkpointed
+            if time.monotonic() > deadline:
+                raise RuntimeError("no checkpoint within 180 s of the start")
+            self.check_server()
+            time.sleep(0.2)
+        log("warm: the first checkpoint is written; the schedule starts")
+        if self.server is not None:
+            self.rss_start = rss_mb(self.server.pid)
+        started = time.monotonic()
+        # Events at evenly spaced times over the run (after a warm-up fifth), in a shuffled order.
+        group_size = self.groups[0][1] - self.groups[0][0] + 1
+        events = (["client"] * -(-p.client_kills // group_size) + ["broker"] * p.broker_kills
+                  + ["server"] * p.server_kills)
+        self.rng.shuffle(events)
+        at = [p.duration_s * (0.2 + 0.75 * (i + 1) / (len(events) + 1)) for i in range(len(events))]
+        fz.thread.start()
+        killed_clients = 0
+        try:
+            for when, what in zip(at, events, strict=True):
+                while time.monotonic() - started < when:
+                    time.sleep(0.2)
+                    self.check_server()
+                if what == "client":
+                    g = self.rng.randrange(len(self.groups))
+                    self.procs[g].send_signal(signal.SIGKILL)
+                    self.procs[g].wait(10)
+                    killed_clients += self.groups[g][1] - self.groups[g][0] + 1
+                    log(f"killed clients {self.groups[g][0]}-{self.groups[g][1]} (SIGKILL); restarting them")
+                    time.sleep(0.5)
+                    self.start_group(g)
+                elif what == "broker":
+                    log("killed the broker (SIGKILL); restarting it")
+                    self.broker.restart(down_s=0.5, crash=True)
+                else:
+                    log("killed the server (SIGKILL); resuming it")
+                    t_kill = time.monotonic()
+                    self.kill_server()
+                    started += time.monotonic() - t_kill  # the outage does not eat the schedule
+            while time.monotonic() - started < p.duration_s:
+                time.sleep(0.2)
+                self.check_server()
+            if self.server is not None:
+                self.wait_serving()
+                time.sleep(1.0)
+                self.rss_end = rss_mb(self.server.pid)
+                self.server.send_signal(signal.SIGTERM)  # interrupted: final checkpoint and outputs
+                try:
+                    self.server.wait(60)
+                except subprocess.TimeoutExpired:
+                    self.server.kill()
+                    self.server_crashes += 1
+        finally:
+            fz.close()
+            for proc in [*self.procs.values(), *([self.server] if self.server else [])]:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in self.procs.values():
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            self.broker.close()
+        return self._result(fz, killed_clients)
+
+    def _result(self, fz: Fuzzer, killed_clients: int) -> dict[str, Any]:
+        summary_path = self.out / "summary.json"
+        if summary_path.exists():
+            summ = json.loads(summary_path.read_text())
+            with open(self.out / "applied_updates.csv", newline="") as f:
+                final = [int(r["task_id"]) for r in csv.DictReader(f)]
+        else:  # the last life crashed: what its checkpoint holds is the final state
+            log("no summary: the last server life did not stop cleanly; reading its checkpoint")
+            doc = ckpt.load_checkpoint(self.ck)
+            shell = doc["shell"]
+            with open(ckpt.applied_log_path(self.ck), newline="") as f:
+                final = [int(r["task_id"]) for r in csv.DictReader(f)][: int(shell["applied"]["count"])]
+            summ = {"wall_time_s": shell["wall_elapsed"], "transport": shell["stats"],
+                    "aggregations": doc["orchestrator"]["version"]}
+        wall = max(1e-9, float(summ["wall_time_s"]))
+        t = summ["transport"]
+        crashed_logs = sum("Traceback" in p.read_text(errors="replace") for p in self.work.glob("server-*.log"))
+        out = {
+            "acked_lost": len(self.durable - set(final)),
+            "applied_twice": len(final) - len(set(final)),
+            "server_crashes": max(self.server_crashes, crashed_logs),
+            "bad_updates_applied": len(fz.poisoned & set(final)),
+            "rss_start_mb": None if self.rss_start is None else round(self.rss_start, 1),
+            "rss_end_mb": None if self.rss_end is None else round(self.rss_end, 1),
+            "tier_msgs_per_s": round(t["tier_messages"] / wall, 1),
+            "round_trips_per_s": round(t["results"] / wall, 1),
+        }
+        log(f"lives {self.lives}, clients killed {killed_clients}, fuzzed {fz.sent}, poisoning attempts "
+            f"{fz.poison_attempts}, updates applied {len(final)}, aggregations {summ['aggregations']}, "
+            f"rejected {t['rejected']}, duplicates {t['duplicates']}, durable-before-kill {len(self.durable)}")
+        return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="a few minutes: fewer kills, 1,000 fuzzed messages")
+    size.add_argument("--tiny", action="store_true", help="the test suite's version (about a minute)")
+    ap.add_argument("--duration", type=float, help="seconds of soak (default: the plan's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--poison", choices=("all", "no-aux", "none"), default="all",
+                    help="poisoning attempts: all kinds; all but aux injection (to exercise the rest on a "
+                         "build whose server still dies of it); none")
+    ap.add_argument("--keep", help="keep the run's files (logs, outputs) in this folder")
+    args = ap.parse_args(argv)
+    if find_mosquitto() is None:
+        print("mosquitto is not installed (apt-get install mosquitto)", file=sys.stderr)
+        return 2
+    plan = PLANS["quick" if args.quick else "tiny" if args.tiny else "full"]
+    if args.duration:
+        plan = Plan(**{**plan.__dict__, "duration_s": args.duration})
+    with tempfile.TemporaryDirectory(prefix="felix-soak-") as tmp:
+        work = Path(args.keep) if args.keep else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        soak = Soak(plan, work, args.seed)
+        soak.poison = args.poison
+        result = soak.run(args.seed + 1)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
