@@ -167,7 +167,7 @@ def test_hostile_messages_are_rejected_and_the_run_goes_on(tmp_path: Path) -> No
 
 
 def _register(raw: RawClient, cid: int) -> wire.TrainTask:
-    reg = wire.Register(run="t", msg_id=f"raw{cid}-reg", sent_at=time.time(), client=cid, incarnation="raw",
+    reg = wire.Register(run="t", msg_id=f"raw{cid}-0", sent_at=time.time(), client=cid, incarnation="raw",
                         num_samples=30, tier=Tier.AVL_TRAIN, class_counts=(3,) * 10)
     raw.next(wire.Status)
     raw.send(T.register(cid), wire.encode(reg))
@@ -190,7 +190,7 @@ def test_poison_and_aux_injection_are_rejected_at_the_server(tmp_path: Path) -> 
         raw0 = RawClient(broker.port, "client-0", u["client-0"], [T.task(0), T.status])
         raw1 = RawClient(broker.port, "client-1", u["client-1"], [T.task(1), T.status])
         try:
-            inflated = wire.Register(run="t", msg_id="raw0-big", sent_at=time.time(), client=0, incarnation="raw",
+            inflated = wire.Register(run="t", msg_id="raw0-1", sent_at=time.time(), client=0, incarnation="raw",
                                      num_samples=2**40, tier=Tier.AVL_TRAIN, class_counts=(2**40 - 9,) + (1,) * 9)
             t0, t1 = _register(raw0, 0), _register(raw1, 1)
             raw0.send(T.register(0), wire.encode(inflated))  # would lift its sample bound: refused
