@@ -345,8 +345,8 @@ def _check_step(step: int, tau: float) -> None:
 
 
 def _check_max_steps(max_steps: int) -> None:
-    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-        raise ValueError(f"max_steps must be an integer >= 1, got {max_steps!r}")
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or not 1 <= max_steps <= 2**62:
+        raise ValueError(f"max_steps must be an integer between 1 and 2^62, got {max_steps!r}")
 
 
 def _check_total(total: int, limit: int, when: str) -> None:
