@@ -72,6 +72,22 @@ def test_kernel_fsum_is_math_fsum() -> None:
         assert dafl_kernel.fsum(values, size) == math.fsum(values)
 
 
+def test_kernel_running_sum_stays_math_fsum() -> None:
+    # The greedy keeps sum_k Q_k / n_k exact in partials while one term at a time is replaced.
+    rng = np.random.default_rng(4)
+    values = rng.random(300) * 10.0 ** rng.integers(-3, 9, size=300)
+    partials = np.empty(64)
+    n = 0
+    for v in values:
+        n = dafl_kernel.msum_add(partials, n, v)
+    for _ in range(3000):
+        k = int(rng.integers(values.size))
+        n = dafl_kernel.msum_add(partials, n, -values[k])
+        values[k] = rng.random() * 10.0 ** int(rng.integers(-3, 9))
+        n = dafl_kernel.msum_add(partials, n, values[k])
+        assert dafl_kernel.msum_round(partials, n) == math.fsum(values)
+
+
 # ---------------------------------------------------------------------------
 # Identical plans to the planner the kernel replaced (rule "exact")
 # ---------------------------------------------------------------------------

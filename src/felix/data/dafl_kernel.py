@@ -20,7 +20,7 @@ from typing import Final
 import numpy as np
 from numba import njit, objmode
 
-__all__ = ["RULE_EXACT", "RULE_FLOAT", "fsum", "greedy", "j_float", "water_fill"]
+__all__ = ["RULE_EXACT", "RULE_FLOAT", "fsum", "greedy", "j_float", "msum_add", "msum_round", "water_fill"]
 
 #: ``J <= tau`` in floating point, strict argmin of P (the default; see felix.data.dafl).
 RULE_FLOAT: Final = 0
@@ -31,29 +31,36 @@ RULE_EXACT: Final = 1
 #: and the rule's own evaluation decides. Far above the float error of the cheap test (~1e-15).
 _NEAR: Final = 1e-9
 
+#: Room for the partials of an exact float sum: non-overlapping doubles span at most
+#: 2098 bits (the float64 exponent range plus the mantissa), 40 partials of 53 bits.
+_PARTIALS: Final = 64
+
 
 @njit(cache=True)
-def fsum(values: np.ndarray, m: int) -> float:  # pragma: no cover - compiled
-    """``math.fsum(values[:m])`` (CPython's algorithm, finite inputs): correctly rounded."""
-    partials = np.empty(m + 64, dtype=np.float64)
-    n = 0
-    for idx in range(m):
-        x = values[idx]
-        i = 0
-        for j in range(n):
-            y = partials[j]
-            if abs(x) < abs(y):
-                x, y = y, x
-            hi = x + y
-            lo = y - (hi - x)
-            if lo != 0.0:
-                partials[i] = lo
-                i += 1
-            x = hi
-        n = i
-        if x != 0.0:
-            partials[n] = x
-            n += 1
+def msum_add(partials: np.ndarray, n: int, x: float) -> int:  # pragma: no cover - compiled
+    """Add ``x`` exactly to the non-overlapping ``partials[:n]`` (Shewchuk's msum, as CPython's
+    ``math.fsum``); returns the new count. The partials hold the exact sum of what was added."""
+    i = 0
+    for j in range(n):
+        y = partials[j]
+        if abs(x) < abs(y):
+            x, y = y, x
+        hi = x + y
+        lo = y - (hi - x)
+        if lo != 0.0:
+            partials[i] = lo
+            i += 1
+        x = hi
+    n = i
+    if x != 0.0:
+        partials[n] = x
+        n += 1
+    return n
+
+
+@njit(cache=True)
+def msum_round(partials: np.ndarray, n: int) -> float:  # pragma: no cover - compiled
+    """The exact sum held in ``partials[:n]``, correctly rounded (CPython's ``math.fsum`` ending)."""
     hi = 0.0
     if n > 0:
         n -= 1
@@ -75,6 +82,16 @@ def fsum(values: np.ndarray, m: int) -> float:  # pragma: no cover - compiled
             if y == yr:
                 hi = x
     return hi
+
+
+@njit(cache=True)
+def fsum(values: np.ndarray, m: int) -> float:  # pragma: no cover - compiled
+    """``math.fsum(values[:m])`` for finite values: correctly rounded."""
+    partials = np.empty(_PARTIALS)
+    n = 0
+    for idx in range(m):
+        n = msum_add(partials, n, values[idx])
+    return msum_round(partials, n)
 
 
 @njit(cache=True)
@@ -200,83 +217,106 @@ def greedy(counts: np.ndarray, s: int, tau: float, alpha: float, beta: float, ka
         width[k] = max(width_if_grown[k], alpha * float(max_size))
         extra[k] = max(aug_if_grown[k], beta * float(max_aug))
 
-    allowed = np.zeros(classes, dtype=np.bool_)
+    # sum_k Q_k / n_k, correctly rounded (math.fsum), kept exact in partials as rows change.
+    partials = np.empty(_PARTIALS)
+    n_partials = 0
+    for k in range(rows):
+        n_partials = msum_add(partials, n_partials, ratio[k])
+    ratio_sum = msum_round(partials, n_partials)
+    allowed = np.empty(classes, dtype=np.int64)  # the classes a move may touch, ascending
+    n_allowed = 0
+    # Phase 1 keeps, per row, its smallest count among the tied classes (and that class, -1: none):
+    # all tied classes share one total, so that count gives the row's smallest h, and P is
+    # non-decreasing in h. Refreshed only for rows that the last move touched.
+    row_min = np.empty(rows)
+    row_arg = np.full(rows, -1, dtype=np.int64)
     h_row = np.empty(rows)
     p_row = np.empty(rows)
     phase = 1
+    level = 0
     current = 0.0
     steps = 0
     while True:
-        # ---- the classes a move may touch
         if phase == 1 and _meets_tau(totals, -1, 0, s2, n, tau, rule):
             phase = 2
-            imbalance = fsum(ratio, rows) / float(n) - float(s2) / float(n * n)
+            imbalance = ratio_sum / float(n) - float(s2) / float(n * n)
             current = alpha * float(max_size) * (1.0 + kappa * imbalance) + beta * float(max_aug)
-        any_allowed = False
-        if phase == 1:  # the rarest classes: exact J ties, broken by P
-            level = totals[0]
-            for c in range(1, classes):
-                level = min(level, totals[c])
-            for c in range(classes):
-                allowed[c] = totals[c] == level
-            any_allowed = True
-        else:  # the classes that keep J <= tau
-            for c in range(classes):
-                ok = _meets_tau(totals, c, s, s2 + 2 * s * totals[c] + s * s, n + s, tau, rule)
-                allowed[c] = ok
-                any_allowed = any_allowed or ok
-            if not any_allowed:
-                break
-        # ---- P of the candidates
         inv = 1.0 / float(n + s)
-        kappa_n = kappa * inv
-        shared = 1.0 + kappa_n * (fsum(ratio, rows) - float(s2 + s * s) * inv)
-        slope = float(2 * s) * kappa_n
-        best_k = -1
-        best_c = -1
-        best = math.inf
-        if rule == RULE_FLOAT:  # strict argmin, first pair in row-major order among equals
-            for k in range(rows):
-                size = float(sizes[k] + s)
-                inner = delta[k] * kappa_n + shared
+        if phase == 1:  # the rarest classes: exact J ties, broken by P
+            if n_allowed == 0:  # a new level
+                level = totals[0]
+                for c in range(1, classes):
+                    level = min(level, totals[c])
                 for c in range(classes):
-                    if allowed[c] and counts[k, c] > 0:
-                        value = width[k] * (inner + slope * (x[k, c] / size - float(totals[c]) * inv)) + extra[k]
-                        if value < best:
-                            best, best_k, best_c = value, k, c
-        else:  # per-row best h, ties within p_rtol, mapped back to the row's classes
-            threshold = math.inf
+                    if totals[c] == level:
+                        allowed[n_allowed] = c
+                        n_allowed += 1
+                for k in range(rows):
+                    _row_min(k, counts, x, allowed, n_allowed, row_min, row_arg)
+            offset = float(level) * inv
+            for k in range(rows):
+                h_row[k] = x[k, row_arg[k]] / float(sizes[k] + s) - offset if row_arg[k] >= 0 else math.inf
+        else:  # the classes that keep J <= tau
+            n_allowed = 0
+            for c in range(classes):
+                if _meets_tau(totals, c, s, s2 + 2 * s * totals[c] + s * s, n + s, tau, rule):
+                    allowed[n_allowed] = c
+                    n_allowed += 1
+            if n_allowed == 0:
+                break
             for k in range(rows):
                 size = float(sizes[k] + s)
                 h_min = math.inf
-                for c in range(classes):
-                    if allowed[c] and counts[k, c] > 0:
+                for i in range(n_allowed):
+                    c = allowed[i]
+                    if counts[k, c] > 0:
                         h_min = min(h_min, x[k, c] / size - float(totals[c]) * inv)
                 h_row[k] = h_min
-                if h_min < math.inf:
-                    p_row[k] = width[k] * (delta[k] * kappa_n + shared + slope * h_min) + extra[k]
-                    threshold = min(threshold, p_row[k])
+        # ---- P of each row's best candidate
+        kappa_n = kappa * inv
+        shared = 1.0 + kappa_n * (ratio_sum - float(s2 + s * s) * inv)
+        slope = float(2 * s) * kappa_n
+        threshold = math.inf
+        best_k = -1
+        for k in range(rows):
+            if h_row[k] < math.inf:
+                p_row[k] = width[k] * (delta[k] * kappa_n + shared + slope * h_row[k]) + extra[k]
+                if p_row[k] < threshold:
+                    threshold = p_row[k]
+                    best_k = k
+        if rule == RULE_EXACT:  # ties within p_rtol: the first row within the band
             threshold += p_rtol * threshold
             for k in range(rows):
                 if h_row[k] < math.inf and p_row[k] <= threshold:
                     best_k = k
                     break
-            k = best_k
-            size = float(sizes[k] + s)
-            inner = delta[k] * kappa_n + shared
+        k = best_k
+        size = float(sizes[k] + s)
+        inner = delta[k] * kappa_n + shared
+        best_c = -1
+        if rule == RULE_FLOAT:  # strict argmin: the row's first class at the smallest P
+            for i in range(n_allowed):
+                c = allowed[i]
+                if counts[k, c] > 0 and (
+                        width[k] * (inner + slope * (x[k, c] / size - float(totals[c]) * inv)) + extra[k] == threshold):
+                    best_c = c
+                    break
+        else:  # the row's first class within the band, mapped back to h
             limit = math.inf
             if width[k] * slope > 0:
                 limit = ((threshold - extra[k]) / width[k] - inner) / slope
-            for c in range(classes):
-                if allowed[c] and counts[k, c] > 0 and x[k, c] / size - float(totals[c]) * inv <= limit:
+            for i in range(n_allowed):
+                c = allowed[i]
+                if counts[k, c] > 0 and x[k, c] / size - float(totals[c]) * inv <= limit:
                     best_c = c
                     break
-            if best_c < 0:  # rounding left no class under the mapped threshold: the row's best h
-                for c in range(classes):
-                    if allowed[c] and counts[k, c] > 0 and x[k, c] / size - float(totals[c]) * inv == h_row[k]:
-                        best_c = c
-                        break
-            best = width[k] * (inner + slope * (x[k, best_c] / size - float(totals[best_c]) * inv)) + extra[k]
+        if best_c < 0:  # rounding left no class under the mapped threshold: the row's best h
+            for i in range(n_allowed):
+                c = allowed[i]
+                if counts[k, c] > 0 and x[k, c] / size - float(totals[c]) * inv == h_row[k]:
+                    best_c = c
+                    break
+        best = width[k] * (inner + slope * (x[k, best_c] / size - float(totals[best_c]) * inv)) + extra[k]
         if phase == 2:
             bar = current - p_rtol * current if rule == RULE_EXACT else current
             if not best < bar:
@@ -299,7 +339,10 @@ def greedy(counts: np.ndarray, s: int, tau: float, alpha: float, beta: float, ka
         s2 += 2 * s * totals[c] + s * s
         totals[c] += s
         n += s
+        n_partials = msum_add(partials, n_partials, -ratio[k])
         ratio[k] = float(squares[k]) / float(sizes[k])
+        n_partials = msum_add(partials, n_partials, ratio[k])
+        ratio_sum = msum_round(partials, n_partials)
         delta[k] = float(squares[k] + s * s) / float(sizes[k] + s) - ratio[k]
         width_if_grown[k] = alpha * float(sizes[k] + s)
         aug_if_grown[k] = beta * float(aug[k] + s)
@@ -315,5 +358,28 @@ def greedy(counts: np.ndarray, s: int, tau: float, alpha: float, beta: float, ka
                 extra[j] = max(aug_if_grown[j], beta * float(max_aug))
         else:
             extra[k] = max(aug_if_grown[k], beta * float(max_aug))
+        if phase == 1:  # c leaves the tied classes; refresh the rows that used it, and row k
+            i = 0
+            while allowed[i] != c:
+                i += 1
+            n_allowed -= 1
+            allowed[i:n_allowed] = allowed[i + 1:n_allowed + 1]
+            if n_allowed > 0:
+                for j in range(rows):
+                    if j == k or row_arg[j] == c:
+                        _row_min(j, counts, x, allowed, n_allowed, row_min, row_arg)
         steps += 1
     return added
+
+
+@njit(cache=True)
+def _row_min(k: int, counts: np.ndarray, x: np.ndarray, allowed: np.ndarray, n_allowed: int,
+             row_min: np.ndarray, row_arg: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Row ``k``'s smallest count among the allowed classes it holds, and the first such class."""
+    row_arg[k] = -1
+    row_min[k] = math.inf
+    for i in range(n_allowed):
+        c = allowed[i]
+        if counts[k, c] > 0 and x[k, c] < row_min[k]:
+            row_min[k] = x[k, c]
+            row_arg[k] = c
