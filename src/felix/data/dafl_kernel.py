@@ -229,6 +229,12 @@ def greedy(counts: np.ndarray, s: int, tau: float, alpha: float, beta: float, ka
     # all tied classes share one total, so that count gives the row's smallest h, and P is
     # non-decreasing in h. Refreshed only for rows that the last move touched.
     row_min = np.empty(rows)
+    # Phase 2: x_kc / (n_k + s) per cell (inf where no candidate), refreshed for the row that grew,
+    # and n^(c) / (n + s) per class (-inf where not allowed), so h_kc is one subtraction.
+    scaled = np.empty((rows, classes))
+    for k in range(rows):
+        _scale_row(k, counts, x, sizes, s, scaled)
+    offsets = np.empty(classes)
     row_arg = np.full(rows, -1, dtype=np.int64)
     h_row = np.empty(rows)
     p_row = np.empty(rows)
@@ -264,13 +270,14 @@ def greedy(counts: np.ndarray, s: int, tau: float, alpha: float, beta: float, ka
                     n_allowed += 1
             if n_allowed == 0:
                 break
+            offsets[:] = -math.inf
+            for i in range(n_allowed):
+                offsets[allowed[i]] = float(totals[allowed[i]]) * inv
             for k in range(rows):
-                size = float(sizes[k] + s)
                 h_min = math.inf
-                for i in range(n_allowed):
-                    c = allowed[i]
-                    if counts[k, c] > 0:
-                        h_min = min(h_min, x[k, c] / size - float(totals[c]) * inv)
+                for c in range(classes):
+                    h = scaled[k, c] - offsets[c]
+                    h_min = min(h_min, h)
                 h_row[k] = h_min
         # ---- P of each row's best candidate
         kappa_n = kappa * inv
@@ -336,6 +343,7 @@ def greedy(counts: np.ndarray, s: int, tau: float, alpha: float, beta: float, ka
         squares[k] += 2 * s * xv + s * s
         sizes[k] += s
         aug[k] += s
+        _scale_row(k, counts, x, sizes, s, scaled)
         s2 += 2 * s * totals[c] + s * s
         totals[c] += s
         n += s
@@ -370,6 +378,15 @@ def greedy(counts: np.ndarray, s: int, tau: float, alpha: float, beta: float, ka
                         _row_min(j, counts, x, allowed, n_allowed, row_min, row_arg)
         steps += 1
     return added
+
+
+@njit(cache=True)
+def _scale_row(k: int, counts: np.ndarray, x: np.ndarray, sizes: np.ndarray, s: int,
+               scaled: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``scaled[k, c] = x_kc / (n_k + s)`` for the candidates of row ``k``, inf elsewhere."""
+    size = float(sizes[k] + s)
+    for c in range(counts.shape[1]):
+        scaled[k, c] = x[k, c] / size if counts[k, c] > 0 else math.inf
 
 
 @njit(cache=True)
