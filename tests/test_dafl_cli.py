@@ -120,6 +120,10 @@ def test_id_column_detected_from_non_integer_cells(tmp_path: Path) -> None:
         ("a,b\n1,-2\n3,4\n", "row 2, column 2 (b): negative count -2"),
         ("client,a,b\nc1,0,0\nc2,3,4\n", "row 2 (client 'c1') has no samples"),
         ("a,b\n0,2\n0,4\n", "column 1 (a) has no samples on any client"),
+        ("a,b\n1,9223372036854775808\n3,4\n", "row 2, column 2 (b): count 9223372036854775808 is above the maximum"),
+        ("a,b\n1,9223372036854775807\n3,4\n", "row 2, column 2 (b): count 9223372036854775807 is above the maximum"),
+        ("a,b\n1000000000000,2\n3,4\n", "row 2, column 1 (a): count 1000000000000 is above the maximum"),
+        ("a,b\n100000000,1\n1,1\n", "needs at least 88,103,302 greedy steps"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -176,3 +180,42 @@ def test_runs_as_a_module(tmp_path: Path) -> None:
         check=False,
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_rule_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # D3 at lambda2 = 100: the float rule (default) reproduces the paper's 39,060, the exact rule 39,018.
+    from felix.data.dafl_tables import partition
+
+    rows = "\n".join(",".join(map(str, row)) for row in partition("D3").tolist())
+    path = _write(tmp_path, "c1,c2,c3,c4,c5,c6,c7,c8\n" + rows + "\n")
+    code, out, _ = _main(capsys, str(path), "--json")
+    assert code == 0 and json.loads(out)["added"] == 39060
+    code, out, _ = _main(capsys, str(path), "--json", "--rule", "exact")
+    assert code == 0 and json.loads(out)["added"] == 39018
+    code, _, err = _main(capsys, str(path), "--max-steps", "100")
+    assert code == 2 and "stopped after 100 greedy steps" in err
+
+
+def test_felix_plan_augmentation_does_not_import_torch(tmp_path: Path) -> None:
+    path = _write(tmp_path, "a,b\n2,1\n1,1\n")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+    }
+    probe = (
+        "import sys; from felix.cli import main; code = main(['plan-augmentation', sys.argv[1], '--json']); "
+        "heavy = [m for m in ('torch', 'sklearn') if m in sys.modules]; "
+        "print('heavy', heavy, file=sys.stderr); sys.exit(code or (3 if heavy else 0))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, env=env,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["added"] == 1
+    help_probe = (
+        "import sys, contextlib, io\nfrom felix.cli import main\nwith contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    try:\n        main(['--help'])\n    except SystemExit:\n        pass\n"
+        "assert 'plan-augmentation' in out.getvalue() and 'dafl-experiment' in out.getvalue()\n"
+        "sys.exit(3 if 'torch' in sys.modules else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", help_probe], capture_output=True, text=True, env=env, check=False)
+    assert done.returncode == 0, done.stderr

@@ -115,6 +115,22 @@ def test_experiment_is_deterministic(tmp_path: Path) -> None:
     assert a == b
 
 
+@pytest.mark.slow  # spawns two workers that import torch: ~30 s on a quiet 2-core machine
+def test_parallel_seeds_match_sequential(tmp_path: Path) -> None:
+    # --jobs runs each (case, seed) in its own spawned process: same runs, same order, and provenance.
+    args = TINY + ["--methods", "nic,dafl", "--rounds", "2", "--seeds", "0", "1", "--threads", "1"]
+    assert main(args + ["--out", str(tmp_path / "seq")]) == 0
+    assert main(args + ["--out", str(tmp_path / "par"), "--jobs", "2"]) == 0
+    seq, par = (json.loads((tmp_path / d / "dafl_results.json").read_text()) for d in ("seq", "par"))
+    for doc in (seq, par):
+        for r in doc["runs"]:
+            for key in ("wall_time_s", "augmentation_wall_s", "data_plan"):
+                r.pop(key)
+    assert [(r["method"], r["seed"]) for r in par["runs"]] == [("nic", 0), ("dafl", 0), ("nic", 1), ("dafl", 1)]
+    assert par["runs"] == seq["runs"]
+    assert par["provenance"]["torch"] == torch.__version__ and par["provenance"]["threads"] == 1
+
+
 def test_add_parser_registers_the_subcommand() -> None:
     parser = argparse.ArgumentParser(prog="felix")
     add_parser(parser.add_subparsers(dest="command"))

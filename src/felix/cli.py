@@ -2,18 +2,37 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from pathlib import Path
 
-from felix.config import ConfigError, parse_set
-from felix.data.datasets import DatasetError
-from felix.sim.traces import TraceError
+#: Where the user errors (config, dataset, trace) are defined: one line on stderr and exit 2. Looked
+#: up only in modules already imported, so that a command that needs none of them stays light.
+USER_ERROR_TYPES = (("felix.config", "ConfigError"), ("felix.data.datasets", "DatasetError"),
+                    ("felix.sim.traces", "TraceError"))
 
-USER_ERRORS = (ConfigError, DatasetError, TraceError)
+#: Subcommands mounted from their modules only when named on the command line, so that
+#: ``felix --help`` and ``felix plan-augmentation`` start without importing torch:
+#: command -> (module, function that mounts it on the subparsers, help line).
+LAZY_COMMANDS = {
+    "plan-augmentation": ("felix.dafl_cli", "add_parser", "plan DAFL augmentation from class counts"),
+    "federage-compare": ("felix.experiments.federage", "add_parser",
+                         "FedeRage vs FedAvg/FedProx/SCAFFOLD/q-FFL/IPS under the RAM"),
+    "dafl-experiment": ("felix.experiments.dafl", "add_parser", "the DAFL paper's Table IV/V experiment on the simulator"),
+    "serve": ("felix.runtime.cli", "add_parsers", "run the federated server over MQTT (deployment)"),
+    "client": ("felix.runtime.cli", "add_parsers", "run one (or a range of) federated client(s) over MQTT"),
+    "emulate": ("felix.runtime.cli", "add_parsers", "run many clients on this machine, driven by the config's trace"),
+    "mqtt-credentials": ("felix.runtime.cli", "add_parsers", "write a Mosquitto password file, ACL and client logins"),
+}
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    return tuple(getattr(sys.modules[m], name) for m, name in USER_ERROR_TYPES if m in sys.modules)
 
 
 def _run(args: argparse.Namespace) -> int:
+    from felix.config import parse_set
     from felix.experiment import resolve_config, run_config
 
     cfg = resolve_config(args.config, args.preset, parse_set(args.set), args.scenario)
@@ -30,6 +49,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from felix.compare import compare
+    from felix.config import parse_set
     from felix.presets import MAIN_STRATEGIES
 
     strategies = [s.strip() for s in (args.strategies or ",".join(MAIN_STRATEGIES)).split(",") if s.strip()]
@@ -63,7 +83,9 @@ def _add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="rerun runs whose summary.json already exists")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``felix`` parser. Of the ``LAZY_COMMANDS`` only ``command`` (or all when None) is mounted
+    from its module; the others are listed by name and help line."""
     p = argparse.ArgumentParser(prog="felix", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log rejected messages and details")
     sub = p.add_subparsers(dest="command", required=True)
@@ -99,32 +121,34 @@ def build_parser() -> argparse.ArgumentParser:
                    "ray without --address: CPUs of the local instance (default all)")
     _add_backend_args(w)
     w.set_defaults(func=_sweep)
-    from felix import dafl_cli
-
-    dafl_cli.add_parser(sub)
-    from felix.experiments import federage
-
-    federage.add_parser(sub)
-    from felix.experiments import dafl as dafl_experiment
-
-    dafl_experiment.add_parser(sub)
-    from felix.runtime.cli import add_parsers
-
-    add_parsers(sub)
+    for name, (module, mount, text) in LAZY_COMMANDS.items():
+        if name not in sub.choices and command in (None, name):
+            getattr(importlib.import_module(module), mount)(sub)
+    for name, (_, _, text) in LAZY_COMMANDS.items():
+        if name not in sub.choices:
+            sub.add_parser(name, help=text, add_help=False)
     return p
 
 
+def _command(argv: list[str]) -> str:
+    """The subcommand named in ``argv`` ("" when none): its first word that is not an option."""
+    return next((a for a in argv if not a.startswith("-")), "")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command(argv))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
-    except USER_ERRORS as exc:
-        print(f"felix: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if not isinstance(exc, _user_errors()):
+            raise
+        print(f"felix: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

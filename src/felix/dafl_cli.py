@@ -24,7 +24,15 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from felix.data.dafl import AugmentationPlan, DaflParams, plan_dafl, plan_local_balancing
+from felix.data.dafl import (
+    MAX_COUNT,
+    MAX_STEPS,
+    RULES,
+    AugmentationPlan,
+    DaflParams,
+    plan_dafl,
+    plan_local_balancing,
+)
 
 __all__ = ["CountsError", "CountsTable", "add_parser", "main", "read_counts", "run", "write_plan"]
 
@@ -76,12 +84,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         table = read_counts(Path(args.counts))
         if args.method == "lb":
-            plan = plan_local_balancing(table.counts, args.tau, step=args.step)
+            plan = plan_local_balancing(table.counts, args.tau, step=args.step, rule=args.rule,
+                                        max_steps=args.max_steps)
         else:
             params = DaflParams(
-                lambda1=args.lambda1, lambda2=args.lambda2, tau=args.tau, epsilon=args.epsilon, step=args.step
+                lambda1=args.lambda1, lambda2=args.lambda2, tau=args.tau, epsilon=args.epsilon, step=args.step,
+                rule=args.rule,
             )
-            plan = plan_dafl(table.counts, params)
+            plan = plan_dafl(table.counts, params, max_steps=args.max_steps)
         if args.out is not None:
             write_plan(Path(args.out), table, plan)
     except (OSError, ValueError) as exc:
@@ -132,6 +142,8 @@ def read_counts(path: Path) -> CountsTable:
             value = int(cell)
             if value < 0:
                 raise CountsError(f"{where}: negative count {value}")
+            if value > MAX_COUNT:
+                raise CountsError(f"{where}: count {value} is above the maximum {MAX_COUNT}")
             counts[i, j] = value
     clients = tuple(row[0] for _, row in body) if has_ids else None
     for i in np.flatnonzero(counts.sum(axis=1) == 0):
@@ -192,6 +204,19 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.step,
         help="samples added per greedy step s (default: %(default)s)",
     )
+    parser.add_argument(
+        "--rule",
+        choices=RULES,
+        default=defaults.rule,
+        help="float: J <= tau in floating point, strict argmin of P (reproduces the paper's Table III); "
+        "exact: exact rationals, P ties within 1e-12 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=MAX_STEPS,
+        help="refuse plans needing more greedy steps than this (default: %(default)s)",
+    )
     parser.add_argument("--out", metavar="PLAN.csv", help="write the augmentation matrix here")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -209,7 +234,7 @@ def _text_report(table: CountsTable, plan: AugmentationPlan, args: argparse.Name
     else:
         setting = (
             f"DAFL (lambda1={args.lambda1:g}, lambda2={args.lambda2:g}, tau={args.tau:g}, "
-            f"epsilon={args.epsilon:g}, step={args.step})"
+            f"epsilon={args.epsilon:g}, step={args.step}, rule={args.rule})"
         )
     names = table.clients or tuple(str(k) for k in range(len(plan.added_per_client)))
     width = max(len(name) for name in names)

@@ -22,6 +22,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 __all__ = [
+    "MAX_COUNT",
     "as_count_matrix",
     "augmentation_time",
     "client_fractions",
@@ -36,22 +37,43 @@ __all__ = [
 ]
 
 
+#: Largest count accepted in one cell (client, class): 2^31 - 1, far above any real client and
+#: low enough that sums, squares and float copies of the counts stay exact in int64 and float64.
+MAX_COUNT = 2**31 - 1
+
+
 def as_count_matrix(counts: ArrayLike, name: str = "N") -> NDArray[np.int64]:
-    """Validate a client x class matrix of non-negative integers.
+    """Validate a client x class matrix of non-negative integers up to ``MAX_COUNT``.
 
     Floats holding whole numbers are accepted because counts often come back
     from numpy reductions or CSV readers as floats; anything fractional,
-    negative, non-finite or not 2-D is a caller bug and raises ``ValueError``.
+    negative, non-finite, above ``MAX_COUNT`` (the error names the cell) or not
+    2-D is a caller bug and raises ``ValueError``. Python integers too large for
+    int64 are checked before any conversion, so they never overflow.
     """
-    arr = np.asarray(counts)
+    try:
+        arr = np.asarray(counts)
+    except (OverflowError, ValueError) as exc:
+        raise ValueError(f"{name} is not a matrix of counts ({exc})") from None
     if arr.ndim != 2:
         raise ValueError(f"{name} must be a 2-D client x class matrix, got shape {arr.shape}")
     if arr.shape[0] == 0 or arr.shape[1] == 0:
         raise ValueError(f"{name} is empty (shape {arr.shape})")
+    if arr.dtype.kind == "O" and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+                                     for v in arr.flat):
+        for (k, c), v in np.ndenumerate(arr):
+            if not 0 <= v <= MAX_COUNT:
+                raise ValueError(f"{name}[{k}, {c}] = {v} is {'negative' if v < 0 else 'above the maximum count'}"
+                                 f"{'' if v < 0 else f' {MAX_COUNT}'}")
+        arr = arr.astype(np.int64)
     if arr.dtype.kind == "b" or arr.dtype.kind not in "iuf":
         raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
     if arr.dtype.kind == "f" and not (np.all(np.isfinite(arr)) and np.all(arr == np.round(arr))):
         raise ValueError(f"{name} must hold whole numbers")
+    big = arr > MAX_COUNT
+    if np.any(big):
+        k, c = np.argwhere(big)[0]
+        raise ValueError(f"{name}[{k}, {c}] = {int(arr[k, c])} is above the maximum count {MAX_COUNT}")
     out = arr.astype(np.int64)
     if np.any(out < 0):
         k, c = np.argwhere(out < 0)[0]
@@ -118,9 +140,12 @@ def global_class_imbalance(counts: ArrayLike) -> float:
     """``J = sum_c (pi(c) - 1/C)^2`` (Sec. III-B), the constraint of Problem 1.
 
     Lies in ``[0, (C-1)/C]``; 0 means the union of all client data is uniform.
+    The sum runs in class order (sequentially, not numpy's pairwise order): the
+    DAFL planner's ``float`` rule decides ``J <= tau`` on exactly this value.
     """
     glob = global_class_proportions(counts)
-    return float(np.sum((glob - 1.0 / glob.shape[0]) ** 2))
+    deviations = glob - 1.0 / glob.shape[0]
+    return float(np.add.accumulate(deviations * deviations)[-1])
 
 
 def augmentation_time(augmentation: ArrayLike, *, zeta: float) -> float:

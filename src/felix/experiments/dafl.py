@@ -36,8 +36,12 @@ import argparse
 import copy
 import json
 import math
+import multiprocessing as mp
+import platform
+import subprocess
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -264,17 +268,13 @@ def run(args: argparse.Namespace) -> int:
         if args.threads is not None:
             torch.set_num_threads(args.threads)
         try:
-            results = []
-            for case in cases:
-                for seed in args.seeds:
-                    for m in methods:
-                        r = run_one(args, tables[case], m, seed, case)
-                        results.append(r)
-                        if not args.quiet:
-                            rounds = r["rounds"] if r["converged"] else f"n/c>{args.rounds}"
-                            print(f"{case} seed {seed} {m.label:8s} rounds {rounds} minority F1 "
-                                  f"{r['minority_f1']:.3f} acc {r['accuracy']:.3f} macro F1 {r['macro_f1']:.3f} "
-                                  f"added {r['added']} ({r['wall_time_s']:.0f} wall s)", file=sys.stderr)
+            work = [(args, tables[case], methods, seed, case) for case in cases for seed in args.seeds]
+            if args.jobs > 1 and len(work) > 1:
+                # One process per (case, seed); spawned, so no torch state is forked.
+                with ProcessPoolExecutor(min(args.jobs, len(work)), mp_context=mp.get_context("spawn")) as pool:
+                    results = [r for runs in pool.map(_run_seed, *zip(*work)) for r in runs]
+            else:
+                results = [r for item in work for r in _run_seed(*item)]
         finally:
             torch.set_num_threads(threads)
     except (ConfigError, DatasetError, ValueError) as exc:
@@ -292,10 +292,43 @@ def run(args: argparse.Namespace) -> int:
             "rounds.\n")
     (out / "dafl_table.md").write_text(header + table + note)
     (out / "dafl_results.json").write_text(json.dumps(
-        {"settings": settings, "tables": {c: t.tolist() for c, t in tables.items()},
+        {"settings": settings, "provenance": provenance(args.threads),
+         "tables": {c: t.tolist() for c, t in tables.items()},
          "summary": summarise(results, cases, methods), "runs": results}, indent=1) + "\n")
     print(table + note)
     return 0
+
+
+def _run_seed(args: argparse.Namespace, table: NDArray[np.int64], methods: list[Method], seed: int,
+              case: str) -> list[dict[str, Any]]:
+    """Every method on one (case, seed), in order, with progress lines on stderr."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    results = []
+    for m in methods:
+        r = run_one(args, table, m, seed, case)
+        results.append(r)
+        if not args.quiet:
+            rounds = r["rounds"] if r["converged"] else f"n/c>{args.rounds}"
+            print(f"{case} seed {seed} {m.label:8s} rounds {rounds} minority F1 "
+                  f"{r['minority_f1']:.3f} acc {r['accuracy']:.3f} macro F1 {r['macro_f1']:.3f} "
+                  f"added {r['added']} ({r['wall_time_s']:.0f} wall s)", file=sys.stderr, flush=True)
+    return results
+
+
+def provenance(threads: int | None) -> dict[str, Any]:
+    """What the numbers depend on besides the settings: code version, torch, threads, Python."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                    cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10,
+                                    check=True).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    return {"commit": commit, "dirty": dirty, "torch": torch.__version__,
+            "threads": threads if threads is not None else torch.get_num_threads(),
+            "python": platform.python_version(), "numpy": np.__version__}
 
 
 def _cases(spec: str) -> list[str]:
@@ -318,6 +351,8 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0")
     if args.threads is not None and args.threads < 1:
         raise ValueError("--threads must be >= 1")
+    if args.jobs < 1:
+        raise ValueError("--jobs must be >= 1")
     if not args.seeds:
         raise ValueError("--seeds needs at least one seed")
 
@@ -339,6 +374,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
                    help="virtual training seconds per client sample per round (default: %(default)s)")
     t.add_argument("--device", default="cpu")
     t.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    t.add_argument("--jobs", type=int, default=1, help="(case, seed) pairs run in parallel processes (default: 1)")
     m = p.add_argument_group("methods")
     m.add_argument("--methods", default=",".join(METHOD_NAMES), help="comma list from %(default)s")
     m.add_argument("--lambda2", type=float, default=100.0, help="DAFL's augmentation-time weight (paper: 100)")
