@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from felix.client.objectives import OBJECTIVES, make_objective
-from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
+from felix.client.cohort import CohortTrainer, resolve_cohort
+from felix.client.objectives import OBJECTIVES, Objective, make_objective
+from felix.client.trainer import ClientData, LocalTrainer, TrainConfig, autocast
 from felix.config import Config, ConfigError
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.policies import Aggregator, EvalSelector, TrainSelector
@@ -217,24 +218,46 @@ def build_runtimes(cfg: Config, sizes: list[int] | None = None) -> np.ndarray:
     return uniform_runtimes(n, rng, r.low_s, r.high_s)
 
 
-def make_evaluator(model: torch.nn.Module, test: ArrayDataset, device: str,
-                   batch_size: int = 1000) -> Callable[[np.ndarray], tuple[float, float]]:
+def make_evaluator(model: torch.nn.Module, test: ArrayDataset, device: str, batch_size: int = 1000,
+                   autocast_dtype: torch.dtype | None = None) -> Callable[[np.ndarray], tuple[float, float]]:
+    """The global model's test accuracy and loss. The test set is copied to ``device`` once; the
+    sums stay there, one transfer per evaluation."""
     model = model.to(device)
     params = list(model.parameters())
+    x, y = test.x.to(device), test.y.to(device)
 
     @torch.no_grad()
     def evaluate(weights: np.ndarray) -> tuple[float, float]:
         vector_to_parameters(torch.from_numpy(np.array(weights, dtype=np.float32)).to(device), params)
         model.eval()
-        correct, loss = 0, 0.0
+        correct = torch.zeros((), dtype=torch.long, device=device)
+        loss = torch.zeros((), device=device)
         for s in range(0, len(test), batch_size):
-            xb, yb = test.x[s:s + batch_size].to(device), test.y[s:s + batch_size].to(device)
-            logits = model(xb)
-            loss += float(F.cross_entropy(logits, yb, reduction="sum"))
-            correct += int((logits.argmax(1) == yb).sum())
-        return correct / len(test), loss / len(test)
+            xb, yb = x[s:s + batch_size], y[s:s + batch_size]
+            with autocast(device, autocast_dtype):
+                logits = model(xb).float()
+            loss += F.cross_entropy(logits, yb, reduction="sum")
+            correct += (logits.argmax(1) == yb).sum()
+        return int(correct.cpu()) / len(test), float(loss.cpu()) / len(test)
 
     return evaluate
+
+
+def apply_threads(cfg: Config) -> None:
+    """``run.threads`` for this process (runs, ``felix compare`` workers and benchmarks all build
+    through here): results and speed must not depend on the machine's core count."""
+    if cfg.run.threads is not None and torch.get_num_threads() != cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+
+
+def apply_precision(cfg: Config) -> torch.dtype | None:
+    """``run.precision``: TF32 matmuls (CUDA) or the bf16 autocast dtype; fp32 changes nothing."""
+    on_cuda = str(cfg.run.device).startswith("cuda")
+    if on_cuda:
+        tf32 = cfg.run.precision == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+    return torch.bfloat16 if cfg.run.precision == "bf16" else None
 
 
 @dataclass
@@ -268,17 +291,40 @@ def build_population(cfg: Config) -> Population:
     return Population(train, test, datas, weights, model)
 
 
+def build_objective(cfg: Config) -> Objective:
+    c = cfg.client
+    params = dict(c.objective_params)
+    if c.objective == "scaffold":
+        params.setdefault("num_clients", cfg.partition.num_clients)  # SCAFFOLD's N
+    try:
+        return make_objective(c.objective, **params)
+    except ValueError as exc:
+        raise ConfigError(f"client: {exc}") from None
+
+
 def build_trainer(cfg: Config, pop: Population) -> LocalTrainer:
+    apply_threads(cfg)
     c = cfg.client
     try:
         tcfg = TrainConfig(c.lr, c.batch_size, c.epochs, c.max_steps, c.momentum, c.weight_decay, c.drop_last, c.optimizer)
-        params = dict(c.objective_params)
-        if c.objective == "scaffold":
-            params.setdefault("num_clients", cfg.partition.num_clients)  # SCAFFOLD's N
-        objective = make_objective(c.objective, **params)
     except ValueError as exc:
         raise ConfigError(f"client: {exc}") from None
-    return LocalTrainer(copy.deepcopy(pop.model), objective, tcfg, pop.train.num_classes, cfg.run.device)
+    objective = build_objective(cfg)
+    return LocalTrainer(copy.deepcopy(pop.model), objective, tcfg, pop.train.num_classes, cfg.run.device,
+                        apply_precision(cfg))
+
+
+def build_cohort(cfg: Config, trainer: LocalTrainer,
+                 sample_shape: tuple[int, ...]) -> tuple[CohortTrainer | None, int, int]:
+    """The cohort trainer ``run.cohort`` asks for (None: sequential), its size and smallest cohort."""
+    size, min_k = resolve_cohort(cfg.run.cohort, trainer.model, trainer.objective, cfg.run.device, sample_shape)
+    if size == 1:
+        return None, 1, 1
+    # Its own objective instance: the sequential trainer's keeps per-task attributes.
+    objective = build_objective(cfg)
+    cohort = CohortTrainer(copy.deepcopy(trainer.model), objective, trainer.cfg, trainer.num_classes,
+                           cfg.run.device, trainer.autocast_dtype)
+    return cohort, size, min_k
 
 
 def build_orchestrator(cfg: Config, weights: np.ndarray, trace: AvailabilityTrace | None) -> Orchestrator:
@@ -333,11 +379,14 @@ class Built:
 
 
 def build(cfg: Config) -> Built:
+    apply_threads(cfg)
     pop = build_population(cfg)
     trace = build_trace(cfg)
     runtimes = build_runtimes(cfg, [len(d) for d in pop.client_data])
     trainer = build_trainer(cfg, pop)
-    evaluate = make_evaluator(copy.deepcopy(pop.model), pop.test, cfg.run.device)
+    cohort, cohort_size, min_cohort = build_cohort(cfg, trainer, tuple(pop.train.sample_shape))
+    evaluate = make_evaluator(copy.deepcopy(pop.model), pop.test, cfg.run.device,
+                              autocast_dtype=trainer.autocast_dtype)
     recorder = Recorder(evaluate, cfg.run.target_accuracy, cfg.run.target_window, cfg.run.eval_every)
     orch = build_orchestrator(cfg, pop.initial_weights, trace)
     data_plan = prepare_data_plan(cfg, pop.client_data, pop.train.num_classes, runtimes)
@@ -346,7 +395,8 @@ def build(cfg: Config) -> Built:
     devices = make_devices(pop.client_data, runtimes, trace.for_client)
     r = cfg.run
     settings = SimSettings(seed=cfg.seed, max_time_s=r.max_time_s, max_aggregations=r.max_aggregations,
-                           stop_at_target=r.stop_at_target, eval_fraction=cfg.runtime.eval_fraction)
+                           stop_at_target=r.stop_at_target, eval_fraction=cfg.runtime.eval_fraction,
+                           cohort_size=cohort_size, min_cohort=min_cohort)
     sim = Simulation(orch, devices, trainer, recorder, settings,
-                     augment=None if data_plan is None else data_plan.applier)
+                     augment=None if data_plan is None else data_plan.applier, cohort=cohort)
     return Built(cfg, sim, orch, recorder, trace, pop, data_plan)

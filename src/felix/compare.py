@@ -6,6 +6,7 @@ not depend on the strategy (see ``build``), so partitions, traces and runtimes a
 from __future__ import annotations
 
 import json
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
@@ -18,6 +19,7 @@ from felix.metrics.report import plot_curves
 
 
 def _one(cfg: Config, out_dir: Path | None) -> tuple[dict[str, Any], list[EvalRow]]:
+    """One strategy's run; in a worker process too, ``run.threads`` is applied by ``build``."""
     res = run_config(cfg, out_dir, plots=False)
     return res.summary, res.rows
 
@@ -27,6 +29,12 @@ def compare(config_path: str | None, strategies: list[str], sets: dict[str, Any]
     configs = [resolve_config(config_path, s, sets, scenario) for s in strategies]
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, tuple[dict[str, Any], list[EvalRow]]] = {}
+    if jobs > 1 and any(not str(c.run.device).startswith("cpu") for c in configs):
+        # Processes time-slicing one GPU each run several times slower: one process, one run at a
+        # time, keeps the device busy (each run trains its clients in cohorts).
+        print(f"felix compare: --jobs {jobs} ignored on {configs[0].run.device}: strategies run one after "
+              "another in this process", file=sys.stderr)
+        jobs = 1
     if jobs <= 1:
         for s, cfg in zip(strategies, configs):
             results[s] = _one(cfg, out_dir / _slug(s))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -198,7 +198,13 @@ class RunCfg(_Strict):
     eval_every: int = Field(1, ge=0)
     stop_at_target: bool = True
     device: str = "cpu"
-    threads: int | None = Field(1, ge=1, description="torch intra-op threads; small models run fastest on one")
+    threads: int | None = Field(1, ge=1, description="torch intra-op threads, applied to every run, compare "
+                                "worker and benchmark (null: torch's default); small models run fastest on one")
+    cohort: Literal["auto"] | Annotated[int, Field(ge=1)] = Field(
+        "auto", description="clients trained together in one vectorised pass: 1 = one at a time; auto = "
+        "vectorised on a GPU, and on a CPU for models without convolutions (felix.client.cohort)")
+    precision: Literal["fp32", "tf32", "bf16"] = Field(
+        "fp32", description="GPU arithmetic: tf32 matmuls, or bf16 autocast of forward passes; fp32 by default")
 
 
 class Config(_Strict):

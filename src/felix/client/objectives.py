@@ -65,6 +65,41 @@ class Objective:
     def end(self, ctx: TaskContext) -> None:
         """After the last step: write ``ctx.aux_out`` and persist ``ctx.state``."""
 
+    def loss_from_ce(self, per: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
+        """The batch loss given the batch's per-sample cross-entropies ``per`` (computed once, in the
+        graph, and also used for Oort's utility). Objectives that keep the base ``batch_loss`` take
+        the mean of ``per``; others override this or fall back to their ``batch_loss``."""
+        if type(self).batch_loss is Objective.batch_loss:
+            return per.mean()
+        return self.batch_loss(logits, y, ctx)
+
+    # -- Cohort hooks (felix.client.cohort): the same rule for a stack of clients trained together.
+    # ``extra`` holds per-client tensors stacked on dim 0; the first ``a`` rows are the clients still
+    # stepping. ``cohort = False`` on a subclass sends its tasks to the sequential trainer.
+    cohort = True
+
+    def cohort_begin(self, ctxs: list[TaskContext]) -> dict[str, torch.Tensor]:
+        """Per-client tensors the other cohort hooks read (``begin`` for K clients at once)."""
+        return {}
+
+    def cohort_loss(self, per: torch.Tensor, mask: torch.Tensor, y: torch.Tensor,
+                    extra: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One client's batch loss under ``vmap``, and a statistic for ``cohort_after_step`` (here the
+        loss itself). ``mask`` (0/1) marks the real samples of a padded short batch, so the masked
+        mean equals the sequential mean over the short batch."""
+        loss = (per * mask).sum() / mask.sum()
+        return loss, loss
+
+    def cohort_before_step(self, grads: list[torch.Tensor], params: list[torch.Tensor],
+                           extra: dict[str, torch.Tensor], a: int) -> None:
+        """Gradient corrections, in place, on the active clients' stacked gradients."""
+
+    def cohort_after_step(self, stats: torch.Tensor, extra: dict[str, torch.Tensor], a: int) -> None:
+        """After the step, given the active clients' statistics from ``cohort_loss`` (detached)."""
+
+    def cohort_end(self, ctxs: list[TaskContext], extra: dict[str, torch.Tensor], final: torch.Tensor) -> None:
+        """``end`` for every client; ``final`` is the clients' trained weights, flat, stacked [K, P]."""
+
 
 OBJECTIVES: dict[str, type[Objective]] = {"ce": Objective}
 
@@ -101,6 +136,18 @@ def _param_views(model: nn.Module, flat: torch.Tensor) -> list[torch.Tensor]:
     return views
 
 
+def stacked_views(shapes: list[torch.Size], flat: torch.Tensor) -> list[torch.Tensor]:
+    """``_param_views`` for a stack of clients: views of ``flat`` [K, P] shaped [K, *shape] per parameter."""
+    views, offset = [], 0
+    for shape in shapes:
+        n = shape.numel()
+        views.append(flat[:, offset:offset + n].view(flat.shape[0], *shape))
+        offset += n
+    if offset != flat.shape[1]:
+        raise ValueError(f"flat vectors have {flat.shape[1]} entries, the model has {offset} parameters")
+    return views
+
+
 def inverse_frequency_weights(class_counts: torch.Tensor) -> torch.Tensor:
     """The DAFL paper's WCEL baseline weights: ``w_c = n / (C_present * n_c)``, 0 for absent classes.
 
@@ -134,6 +181,21 @@ class WeightedCE(Objective):
         assert self._weight is not None, "begin() sets the class weights"
         return F.cross_entropy(logits, y, weight=self._weight.to(logits.device))
 
+    def loss_from_ce(self, per: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
+        assert self._weight is not None, "begin() sets the class weights"
+        w = self._weight.to(per.device)[y]
+        return (per * w).sum() / w.sum()
+
+    def cohort_begin(self, ctxs: list[TaskContext]) -> dict[str, torch.Tensor]:
+        dev = ctxs[0].global_params.device
+        return {"class_weight": torch.stack([inverse_frequency_weights(c.class_counts) for c in ctxs]).to(dev)}
+
+    def cohort_loss(self, per: torch.Tensor, mask: torch.Tensor, y: torch.Tensor,
+                    extra: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        w = extra["class_weight"][y] * mask
+        loss = (per * w).sum() / w.sum()
+        return loss, loss
+
 
 class FocalLoss(Objective):
     """Focal loss (Lin et al. 2017), ``-alpha_y (1 - p_y)^gamma log p_y`` averaged over the batch.
@@ -164,6 +226,26 @@ class FocalLoss(Objective):
             per = per * self.alpha.to(logits.device)[y]
         return per.mean()
 
+    def _focal(self, ce: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The focal loss from per-sample cross-entropies (``ce = -log p_y``)."""
+        per = ((1.0 - (-ce).exp()) ** self.gamma) * ce
+        if self.alpha is not None:
+            per = per * self.alpha.to(ce.device)[y]
+        return per
+
+    def loss_from_ce(self, per: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
+        return self._focal(per, y).mean()
+
+    def cohort_begin(self, ctxs: list[TaskContext]) -> dict[str, torch.Tensor]:
+        for ctx in ctxs:
+            self.begin(ctx)
+        return {}
+
+    def cohort_loss(self, per: torch.Tensor, mask: torch.Tensor, y: torch.Tensor,
+                    extra: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = (self._focal(per, y) * mask).sum() / mask.sum()
+        return loss, loss
+
 
 class FedProx(Objective):
     """FedProx (Li et al. 2020): cross-entropy plus ``mu/2 ||w - w_global||^2``.
@@ -192,6 +274,15 @@ class FedProx(Objective):
                     p.grad = prox
                 else:
                     p.grad.add_(prox)
+
+    def cohort_begin(self, ctxs: list[TaskContext]) -> dict[str, torch.Tensor]:
+        return {"anchor": torch.stack([c.global_params for c in ctxs])}
+
+    def cohort_before_step(self, grads: list[torch.Tensor], params: list[torch.Tensor],
+                           extra: dict[str, torch.Tensor], a: int) -> None:
+        anchors = stacked_views([p.shape[1:] for p in params], extra["anchor"][:a])
+        for g, p, w0 in zip(grads, params, anchors):
+            g.add_((p - w0).mul_(self.mu))
 
 
 class Scaffold(Objective):
@@ -262,6 +353,30 @@ class Scaffold(Objective):
         ctx.state["scaffold_ci"] = ci_new.cpu().numpy()
         ctx.aux_out["scaffold_c"] = self._c.cpu().numpy()
         ctx.aux_out["sum:scaffold_dc"] = dc / np.float32(self.num_clients)
+
+    def cohort_begin(self, ctxs: list[TaskContext]) -> dict[str, torch.Tensor]:
+        cs, cis = [], []
+        for ctx in ctxs:
+            x = ctx.global_params
+            c = self._flat(ctx.aux_in.get("scaffold_c"), x, "server control")
+            c += self._flat(ctx.aux_in.get("sum:scaffold_dc"), x, "server control increment")
+            cs.append(c)
+            cis.append(self._flat(ctx.state.get("scaffold_ci"), x, "client control"))
+        c, ci = torch.stack(cs), torch.stack(cis)
+        return {"c": c, "ci": ci, "corr": c - ci, "anchor": torch.stack([ctx.global_params for ctx in ctxs])}
+
+    def cohort_before_step(self, grads: list[torch.Tensor], params: list[torch.Tensor],
+                           extra: dict[str, torch.Tensor], a: int) -> None:
+        for g, corr in zip(grads, stacked_views([p.shape[1:] for p in params], extra["corr"][:a])):
+            g.add_(corr)
+
+    def cohort_end(self, ctxs: list[TaskContext], extra: dict[str, torch.Tensor], final: torch.Tensor) -> None:
+        for k, ctx in enumerate(ctxs):
+            ci, c = extra["ci"][k], extra["c"][k]
+            ci_new = ci - c + (extra["anchor"][k] - final[k]) / (ctx.steps * ctx.lr) if ctx.steps > 0 else ci
+            ctx.state["scaffold_ci"] = ci_new.cpu().numpy()
+            ctx.aux_out["scaffold_c"] = c.cpu().numpy()
+            ctx.aux_out["sum:scaffold_dc"] = (ci_new - ci).cpu().numpy() / np.float32(self.num_clients)
 
 
 def risk_weight(loss: float, beta: float, alpha: float, gamma: float) -> float:
@@ -344,6 +459,35 @@ class FedeRage(Objective):
     def end(self, ctx: TaskContext) -> None:
         ctx.state["federage_beta"] = self.beta
         ctx.aux_out["federage_beta"] = np.array(self.beta, dtype=np.float64)
+
+    # Cohort form of the same rule: beta per client as a float64 tensor (Python floats are doubles),
+    # the risk weight from the batch loss without a host sync. Keep in step with the hooks above;
+    # tests/test_cohort.py checks the two agree.
+    def cohort_begin(self, ctxs: list[TaskContext]) -> dict[str, torch.Tensor]:
+        betas = []
+        for ctx in ctxs:
+            self.begin(ctx)
+            betas.append(self.beta)
+        self._cohort_lr = ctxs[0].lr
+        return {"beta": torch.tensor(betas, dtype=torch.float64, device=ctxs[0].global_params.device)}
+
+    def _risk_weight(self, f: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        return (1.0 - self.gamma) + (self.gamma / self.alpha) * (f.detach().double() >= beta).double()
+
+    def cohort_loss(self, per: torch.Tensor, mask: torch.Tensor, y: torch.Tensor,
+                    extra: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        f = (per * mask).sum() / mask.sum()
+        return f * self._risk_weight(f, extra["beta"]).to(f.dtype), f
+
+    def cohort_after_step(self, stats: torch.Tensor, extra: dict[str, torch.Tensor], a: int) -> None:
+        beta = extra["beta"][:a]
+        step = self._cohort_lr * (1.0 - self._risk_weight(stats, beta))
+        beta.copy_((beta - step).clamp_(self.beta_min, self.beta_max))
+
+    def cohort_end(self, ctxs: list[TaskContext], extra: dict[str, torch.Tensor], final: torch.Tensor) -> None:
+        for ctx, beta in zip(ctxs, extra["beta"].tolist()):
+            ctx.state["federage_beta"] = beta
+            ctx.aux_out["federage_beta"] = np.array(beta, dtype=np.float64)
 
 
 OBJECTIVES.update({cls.name: cls for cls in (WeightedCE, FocalLoss, FedProx, Scaffold, FedeRage)})

@@ -6,6 +6,7 @@ travel as flat float32 vectors; the model here is only a workspace they are load
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ class ClientData:
     x: torch.Tensor
     y: torch.Tensor
     _counts: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    _on: tuple[torch.device, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
@@ -52,6 +54,16 @@ class ClientData:
             self._counts = torch.bincount(self.y, minlength=num_classes)
         return self._counts
 
+    def on(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, y)`` on ``device``, copied there once (a GPU run keeps every client's data resident;
+        augmentation replaces the ``ClientData``, which drops the copy)."""
+        device = torch.device(device)
+        if self.x.device == device:
+            return self.x, self.y
+        if self._on is None or self._on[0] != device:
+            self._on = (device, self.x.to(device), self.y.to(device))
+        return self._on[1], self._on[2]
+
 
 def oort_utility(sq_loss_sum: float, n_seen: int, n_data: int) -> float:
     """Oort's statistical utility |D| * sqrt(mean squared per-sample loss)."""
@@ -60,15 +72,25 @@ def oort_utility(sq_loss_sum: float, n_seen: int, n_data: int) -> float:
     return float(n_data) * math.sqrt(sq_loss_sum / n_seen)
 
 
+def autocast(device: torch.device | str, dtype: torch.dtype | None) -> AbstractContextManager[Any]:
+    """Mixed precision for forward passes when ``dtype`` is set (``run.precision: bf16``), else nothing."""
+    return torch.autocast(torch.device(device).type, dtype=dtype) if dtype is not None else nullcontext()
+
+
 class LocalTrainer:
     def __init__(self, model: nn.Module, objective: Objective, cfg: TrainConfig, num_classes: int,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", autocast_dtype: torch.dtype | None = None) -> None:
         self.model = model.to(device)
         self.objective = objective
         self.cfg = cfg
         self.num_classes = num_classes
         self.device = device
+        self.autocast_dtype = autocast_dtype
         self._params = [p for p in self.model.parameters()]
+        # Hooks the objective does not override are not called at all.
+        kind = type(objective)
+        self._before = kind.before_step is not Objective.before_step
+        self._after = kind.after_step is not Objective.after_step
 
     def load(self, weights: np.ndarray) -> torch.Tensor:
         flat = torch.from_numpy(np.array(weights, dtype=np.float32, copy=True)).to(self.device)
@@ -101,41 +123,48 @@ class LocalTrainer:
         self.objective.begin(ctx)
         if not self.model.training:  # a recursive walk over modules; only after an eval probe
             self.model.train()
-        # Sums stay tensors inside the loop: one float() at the end instead of a sync per batch.
-        sq_sum, loss_sum, seen, batches = torch.zeros(()), torch.zeros(()), 0, 0
-        on_cpu = self.device == "cpu"
+        x, y = data.on(self.device)
+        # One forward pass and one cross-entropy per batch: the per-sample losses feed both the
+        # objective and Oort's utility. Sums stay tensors on the device: one sync at the end.
+        sq_sum = torch.zeros((), device=self.device)
+        loss_sum = torch.zeros((), device=self.device)
+        seen, batches = 0, 0
+        before, after, mixed = self._before, self._after, self.autocast_dtype is not None
         for epoch in range(cfg.epochs):
-            order = torch.randperm(n, generator=generator)
+            order = torch.randperm(n, generator=generator).to(self.device)
             stop = n - n % cfg.batch_size if cfg.drop_last else n
             for start in range(0, stop, cfg.batch_size):
                 if cfg.max_steps is not None and ctx.steps >= cfg.max_steps:
                     break
                 idx = order[start:start + cfg.batch_size]
-                xb, yb = data.x[idx], data.y[idx]
-                if not on_cpu:
-                    xb, yb = xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True)
-                logits = self.model(xb)
+                yb = y[idx]
+                if mixed:
+                    with autocast(self.device, self.autocast_dtype):
+                        logits = self.model(x[idx]).float()
+                else:
+                    logits = self.model(x[idx])
+                per = F.cross_entropy(logits, yb, reduction="none")
                 if epoch == 0:
-                    with torch.no_grad():
-                        per = F.cross_entropy(logits, yb, reduction="none")
-                        sq_sum += (per * per).sum().cpu()
-                        seen += int(yb.shape[0])
-                loss = self.objective.batch_loss(logits, yb, ctx)
+                    sq_sum += per.detach().square().sum()
+                    seen += int(idx.shape[0])
+                loss = self.objective.loss_from_ce(per, logits, yb, ctx)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
-                self.objective.before_step(ctx)
+                if before:
+                    self.objective.before_step(ctx)
                 opt.step()
                 ctx.steps += 1
-                self.objective.after_step(ctx)
-                loss_sum += loss.detach().cpu()
+                if after:
+                    self.objective.after_step(ctx)
+                loss_sum += loss.detach()
                 batches += 1
         self.objective.end(ctx)
         with torch.no_grad():
             delta = (parameters_to_vector(self._params) - flat).cpu().numpy()
         return ClientUpdate(
             num_samples=n,
-            stat_utility=oort_utility(float(sq_sum), seen, n),
-            loss=float(loss_sum) / batches if batches else 0.0,
+            stat_utility=oort_utility(float(sq_sum.cpu()), seen, n),
+            loss=float(loss_sum.cpu()) / batches if batches else 0.0,
             duration=0.0,
             delta=delta,
             aux=ctx.aux_out,
@@ -146,16 +175,19 @@ class LocalTrainer:
         """TierSelect's eval task: one forward pass, reply with the statistical utility only."""
         self.load(weights)
         self.model.eval()
-        sq_sum, loss_sum, n = 0.0, 0.0, len(data)
+        x, y = data.on(self.device)
+        n = len(data)
+        sq_sum = torch.zeros((), device=self.device)
+        loss_sum = torch.zeros((), device=self.device)
         for start in range(0, n, batch_size):
-            xb = data.x[start:start + batch_size].to(self.device)
-            yb = data.y[start:start + batch_size].to(self.device)
-            per = F.cross_entropy(self.model(xb), yb, reduction="none")
-            sq_sum += float((per * per).sum())
-            loss_sum += float(per.sum())
+            with autocast(self.device, self.autocast_dtype):
+                logits = self.model(x[start:start + batch_size]).float()
+            per = F.cross_entropy(logits, y[start:start + batch_size], reduction="none")
+            sq_sum += (per * per).sum()
+            loss_sum += per.sum()
         return ClientUpdate(
             num_samples=n,
-            stat_utility=oort_utility(sq_sum, n, n),
-            loss=loss_sum / n if n else 0.0,
+            stat_utility=oort_utility(float(sq_sum.cpu()), n, n),
+            loss=float(loss_sum.cpu()) / n if n else 0.0,
             duration=0.0,
         )

@@ -2,8 +2,19 @@
 
 Devices follow their availability trace and runtime; a device that leaves its tier mid-task
 pauses (its progress kept, as a checkpoint would) and resumes when it is back, so its update
-arrives late and stale, as on real devices. Local training really runs, in-process, when a task
-completes (so cancelled work costs nothing); only time is virtual.
+arrives late and stale, as on real devices. Local training really runs, in-process; only time is
+virtual.
+
+A training task's result depends only on its dispatched weights, its client's data, its client's
+objective state and its seed, so it may be computed at any moment before its completion event.
+With ``cohort_size`` 1 a task trains when it completes (cancelled work costs nothing). With a
+cohort, the first completion that finds its task untrained trains it together with the other
+running training tasks (soonest completion first, up to the cohort size) in one vectorised pass
+(:mod:`felix.client.cohort`); each result waits for its own completion event. Only a device's
+current task is trained early, so all its earlier tasks are finished and its state is final; the
+new state is committed at completion, and a cancelled task's result is dropped unseen, so
+cancellation changes nothing. A device whose data changes (augmentation) before completion is
+retrained.
 """
 from __future__ import annotations
 
@@ -18,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from felix.client.cohort import CohortTask, CohortTrainer
 from felix.client.trainer import ClientData, LocalTrainer
 from felix.core.commands import (
     CancelTask,
@@ -29,7 +41,7 @@ from felix.core.commands import (
 )
 from felix.core.events import ClientRegistered, Event, TaskFinished, Tick, TierChanged
 from felix.core.orchestrator import Knowledge, Orchestrator
-from felix.core.types import TaskKind, Tier
+from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.metrics.recorder import HEADER_BYTES, Recorder
 from felix.sim.traces import DeviceTrace
 
@@ -74,6 +86,18 @@ class SimSettings:
     stop_at_target: bool = True
     eval_fraction: float = 0.05  # an eval task takes this share of the client's training time
     progress: bool = False
+    cohort_size: int = 1  # tasks trained together (1: each at its completion, sequentially)
+    min_cohort: int = 2  # fewer ready tasks than this train sequentially
+
+
+@dataclass
+class _Trained:
+    """A result computed before its completion: kept until then, dropped if the task is cancelled
+    (``state``: the client's objective state after a training task)."""
+
+    update: ClientUpdate
+    state: dict
+    data: ClientData  # the data it was trained on: a device whose data changed since is retrained
 
 
 @dataclass
@@ -83,16 +107,22 @@ class SimOutcome:
     stop_reason: str
     rejected: list[UpdateRejected]
     train_seconds: float  # wall seconds spent inside local training (for the overhead benchmark)
+    trained_unused: int = 0  # tasks trained early in a cohort whose result was dropped (cancelled, retrained)
 
 
 class Simulation:
     def __init__(self, orch: Orchestrator, devices: list[SimDevice], trainer: LocalTrainer,
                  recorder: Recorder, settings: SimSettings,
                  on_train: Callable[[SimDevice, SimTask], None] | None = None,
-                 augment: Callable[[SimDevice, tuple[int, ...]], float] | None = None) -> None:
+                 augment: Callable[[SimDevice, tuple[int, ...]], float] | None = None,
+                 cohort: CohortTrainer | None = None) -> None:
         self.orch = orch
         self.devices = devices
         self.trainer = trainer
+        self.cohort = cohort if settings.cohort_size > 1 else None
+        self._trained: dict[int, _Trained] = {}  # by task id
+        self._unused = 0
+        self._probed: dict[int, _Trained] = {}
         self.rec = recorder
         self.cfg = settings
         self.now = 0.0
@@ -151,7 +181,8 @@ class Simulation:
             self.rec.record(self.now, self.orch.version, self.orch.weights)
         if self.cfg.progress:
             sys.stderr.write("\n")
-        return SimOutcome(self.now, time.perf_counter() - wall0, self._stop, self._rejected, self._train_seconds)
+        return SimOutcome(self.now, time.perf_counter() - wall0, self._stop, self._rejected, self._train_seconds,
+                          self._unused)
 
     def _progress(self) -> None:
         if self.cfg.progress and self.rec.rows and self.orch.version != self._shown:
@@ -206,16 +237,64 @@ class Simulation:
             if self._on_train is not None:
                 self._on_train(dev, task)
             t0 = time.perf_counter()
-            gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + task.task_id)
-            upd = self.trainer.train(task.weights, dev.data, dev.state, task.aux, gen)
+            done = self._trained.pop(task.task_id, None)
+            if done is not None and done.data is not dev.data:
+                done, self._unused = None, self._unused + 1
+            if done is None and self.cohort is not None:
+                done = self._train_cohort(dev, task)
+            if done is None:
+                upd = self.trainer.train(task.weights, dev.data, dev.state, task.aux, self._generator(task))
+            else:
+                upd = done.update
+                dev.state.clear()
+                dev.state.update(done.state)
             self._train_seconds += time.perf_counter() - t0
             self.rec.bytes.add("up", "train", self._model_bytes + aux_nbytes(upd.aux))
         else:
-            upd = self.trainer.probe(task.weights, dev.data)
+            probed = self._probed.pop(task.task_id, None)
+            if probed is None or probed.data is not dev.data:
+                probed = self._probe_cohort(dev, task) if self.cohort is not None else None
+            upd = probed.update if probed is not None else self.trainer.probe(task.weights, dev.data)
             self.rec.bytes.add("up", "eval", HEADER_BYTES + 16)
         upd.duration = task.duration
         self._try_start(dev)
         self._deliver(TaskFinished(self.now, dev.cid, task.task_id, upd))
+
+    def _generator(self, task: SimTask) -> torch.Generator:
+        return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + task.task_id)
+
+    def _ready(self, dev: SimDevice, task: SimTask, done: dict) -> list[tuple[SimDevice, SimTask]]:
+        """``(dev, task)`` and the other devices' running tasks of the same kind that have no result
+        yet, soonest completion first, up to the cohort size; paused tasks wait (they are the
+        likeliest to time out)."""
+        others = [(d, d.current) for d in self.devices
+                  if d is not dev and d.current is not None and d.started_at is not None
+                  and d.current.kind is task.kind and d.current.task_id not in done]
+        others.sort(key=lambda p: (p[0].started_at + p[0].remaining, p[0].cid))  # type: ignore[operator]
+        return [(dev, task)] + others[: self.cfg.cohort_size - 1]  # type: ignore[list-item]
+
+    def _train_cohort(self, dev: SimDevice, task: SimTask) -> _Trained | None:
+        """Train ``task`` (``dev``'s, just completed) with the other ready tasks; None when too few
+        are ready for a vectorised pass to pay."""
+        assert self.cohort is not None
+        group = self._ready(dev, task, self._trained)
+        if len(group) < self.cfg.min_cohort:
+            return None
+        cohort = [CohortTask(t.weights, d.data, dict(d.state), t.aux, self._generator(t)) for d, t in group]
+        updates = self.cohort.train(cohort)
+        for (d, t), c, u in zip(group[1:], cohort[1:], updates[1:]):
+            self._trained[t.task_id] = _Trained(u, c.state, d.data)
+        return _Trained(updates[0], cohort[0].state, dev.data)
+
+    def _probe_cohort(self, dev: SimDevice, task: SimTask) -> _Trained | None:
+        assert self.cohort is not None
+        group = self._ready(dev, task, self._probed)
+        if len(group) < self.cfg.min_cohort:
+            return None
+        updates = self.cohort.probe([t.weights for _, t in group], [d.data for d, _ in group])
+        for (d, t), u in zip(group[1:], updates[1:]):
+            self._probed[t.task_id] = _Trained(u, {}, d.data)
+        return _Trained(updates[0], {}, dev.data)
 
     # ------------------------------------------------------------------ commands
     def _apply(self, commands: list[Command]) -> None:
@@ -227,7 +306,9 @@ class Simulation:
                 if cmd.plan and not dev.augmented and self._augment is not None:
                     dev.augmented = True  # augmentation (and its time) belongs to the first task with the row
                     augment_s = self._augment(dev, cmd.plan)
-                dev.queue.append(SimTask(cmd.task_id, TaskKind.TRAIN, cmd.weights, cmd.aux, augment_s + dev.runtime_s))
+                # The server's aux dict changes at every aggregation: the task keeps what it was sent.
+                dev.queue.append(SimTask(cmd.task_id, TaskKind.TRAIN, cmd.weights, dict(cmd.aux),
+                                         augment_s + dev.runtime_s))
                 self._try_start(dev)
             elif isinstance(cmd, DispatchEval):
                 dev = self.devices[cmd.client_id]
@@ -245,6 +326,8 @@ class Simulation:
 
     def _cancel(self, dev: SimDevice, task_id: int) -> None:
         self.rec.bytes.add("down", "control", HEADER_BYTES)
+        self._unused += self._trained.pop(task_id, None) is not None
+        self._probed.pop(task_id, None)
         if dev.current is not None and dev.current.task_id == task_id:
             dev.current, dev.started_at = None, None
             dev.token += 1

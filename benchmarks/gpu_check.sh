@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Issue 10's GPU check, one short script (about 5 minutes on an H200). From the repo root:
+#
+#     bash benchmarks/gpu_check.sh
+#
+# Needs the CIFAR-10 archive at .gpu/cifar10-jpeg.tar.gz (or $CIFAR) and the MobiPerf trace at
+# ../shared/traces/, shared/traces/ or .gpu/ (mobiperf-300.json), or $TRACE (without one the run
+# falls back to an always-available trace and says so). Prints JSON lines, and appends them to
+# $OUT/gpu_check.jsonl when $OUT is set:
+#   1. cohort vs sequential training of the same tasks on the GPU (felix CNN, fp32): largest difference;
+#   2. engine_speed for felix-cifar10 / felix: cohort auto over 500 aggregations, then the
+#      sequential engine (cohort 1) over 50, each with its bare sequential loop.
+set -euo pipefail
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+CIFAR=${CIFAR:-.gpu/cifar10-jpeg.tar.gz}
+export DEVICE=${DEVICE:-cuda}  # DEVICE=cpu AGGS=1,1 is a (slow) dry run of this script without a GPU
+AGGS=${AGGS:-500,50}
+[ -f "$CIFAR" ] || { echo "gpu_check: CIFAR-10 archive $CIFAR not found (set CIFAR=...)" >&2; exit 2; }
+SINK=/dev/null
+if [ -n "${OUT:-}" ]; then mkdir -p "$OUT"; SINK="$OUT/gpu_check.jsonl"; fi
+TRACE_SET=()
+for t in "${TRACE:-}" ../shared/traces/mobiperf-300.json shared/traces/mobiperf-300.json .gpu/mobiperf-300.json; do
+  if [ -n "$t" ] && [ -f "$t" ]; then TRACE_SET=(--set "trace.path=$t"); break; fi
+done
+if [ ${#TRACE_SET[@]} -eq 0 ]; then
+  echo "gpu_check: no MobiPerf trace found; using trace.kind=always" >&2
+  TRACE_SET=(--set trace.kind=always)
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+
+timeout 150 python - <<'PY' | tee -a "$SINK"
+import copy, json, time
+import numpy as np, torch
+from torch.nn.utils import parameters_to_vector
+from felix.client.cohort import CohortTask, CohortTrainer
+from felix.client.objectives import make_objective
+from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
+from felix.models import make_model
+import os
+device = os.environ["DEVICE"]
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+model = make_model("felix_cnn", (3, 32, 32), 10, seed=1)
+w0 = parameters_to_vector(model.parameters()).detach().numpy()
+g = torch.Generator().manual_seed(0)
+sizes = [5, 40, 333, 64, 1000, 17, 250, 96]
+datas = [ClientData(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)) for n in sizes]
+out = {"check": "cohort_vs_sequential", "device": device, "torch": torch.__version__, "sizes": sizes}
+for name, params in (("ce", {}), ("federage", {"alpha": 0.3}), ("scaffold", {"num_clients": 8})):
+    cfg = TrainConfig(lr=0.04, batch_size=32, drop_last=True)
+    seq = LocalTrainer(copy.deepcopy(model), make_objective(name, **params), cfg, 10, device)
+    coh = CohortTrainer(copy.deepcopy(model), make_objective(name, **params), cfg, 10, device)
+    a = [seq.train(w0, d, {}, {}, torch.Generator().manual_seed(k)) for k, d in enumerate(datas)]
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync(); t0 = time.perf_counter()
+    a = [seq.train(w0, d, {}, {}, torch.Generator().manual_seed(k)) for k, d in enumerate(datas)]
+    sync(); t1 = time.perf_counter()
+    b = coh.train([CohortTask(w0, d, {}, {}, torch.Generator().manual_seed(k)) for k, d in enumerate(datas)])
+    sync(); t2 = time.perf_counter()
+    b = coh.train([CohortTask(w0, d, {}, {}, torch.Generator().manual_seed(k)) for k, d in enumerate(datas)])
+    sync(); t3 = time.perf_counter()
+    out[name] = {"max_abs_weight_diff": max(float(np.abs(x.delta - y.delta).max()) for x, y in zip(a, b)),
+                 "max_rel_utility_diff": max(abs(x.stat_utility - y.stat_utility) / max(x.stat_utility, 1e-12)
+                                             for x, y in zip(a, b)),
+                 "sequential_s": round(t1 - t0, 4), "cohort_s": round(t3 - t2, 4)}
+print(json.dumps(out), flush=True)
+PY
+
+timeout 420 python benchmarks/engine_speed.py --scenario felix-cifar10 --preset felix \
+  --set "run.device=$DEVICE" --set "dataset.root=$CIFAR" "${TRACE_SET[@]}" \
+  --cohort auto,1 --aggregations "$AGGS" --bare-repeats 1 --json | tee -a "$SINK"

@@ -1,0 +1,354 @@
+"""Cohort training: many clients' local tasks in one vectorised pass (``torch.func``).
+
+The clients' parameters (and optimiser state) are stacked on a leading dimension and one
+``vmap(grad(...))`` call computes every client's gradient for its own batch. Each client does
+exactly the steps it would do alone in :meth:`LocalTrainer.train`: its own batch order from its
+own generator, its own number of steps, its own last partial batch (padded and masked, so the
+masked mean equals the mean over the short batch). Clients are ordered by step count, longest
+first, so at every step the clients still stepping are a prefix of the stack: a finished client
+costs nothing and needs no masking of its update.
+
+One forward pass per batch gives the objective's loss and Oort's per-sample losses; sums stay on
+the device and come back in one transfer at the end. On a GPU this is where the speed is; on a
+CPU it pays for small dense models and loses on convolutions (see :func:`resolve_cohort`).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from felix.client.objectives import Objective, TaskContext
+from felix.client.trainer import ClientData, TrainConfig, autocast, oort_utility
+from felix.core.types import ClientUpdate
+
+log = logging.getLogger("felix.cohort")
+
+# Below this many ready tasks, the sequential trainer is faster (vmap has a fixed cost per step).
+MIN_COHORT_CPU = 8
+MIN_COHORT_GPU = 2
+AUTO_COHORT = 64  # clients per pass when ``run.cohort`` is auto; async runs have about 30 in flight
+
+
+@dataclass
+class CohortTask:
+    """One client's training task as the cohort trainer needs it.
+
+    ``state`` is the client's objective state; the trainer writes the new state into it, so a
+    shell that may still drop the result passes a copy and keeps it only on completion.
+    """
+
+    weights: np.ndarray
+    data: ClientData
+    state: dict[str, Any]
+    aux_in: dict[str, np.ndarray]
+    generator: torch.Generator
+
+
+def cohort_blocker(model: nn.Module, objective: Objective | None = None) -> str | None:
+    """Why ``model`` (with ``objective``) cannot be trained in cohorts, or None when it can."""
+    if any(True for _ in model.buffers()):
+        return "the model has buffers (e.g. BatchNorm running statistics), which vmap cannot update per client"
+    for m in model.modules():
+        if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.Dropout, nn.modules.dropout._DropoutNd)):
+            return f"the model has a {type(m).__name__} layer, whose training-mode behaviour differs per call"
+    if objective is not None and not objective.cohort:
+        return f"objective {objective.name!r} has no cohort hooks"
+    return None
+
+
+def conv_macs(model: nn.Module, sample_shape: tuple[int, ...]) -> int:
+    """Multiply-accumulates of the model's convolutions for one sample (one forward pass, hooked)."""
+    total = 0
+
+    def count(m: nn.Module, _: Any, out: torch.Tensor) -> None:
+        nonlocal total
+        assert isinstance(m, nn.modules.conv._ConvNd)
+        total += out.numel() * (m.in_channels // m.groups) * math.prod(m.kernel_size)
+
+    hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)]
+    try:
+        if hooks:
+            with torch.no_grad():
+                p = next(model.parameters())
+                model(torch.zeros(1, *sample_shape, dtype=p.dtype, device=p.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return total
+
+
+# On a CPU, vmap turns a batch of clients' convolutions into one grouped convolution, slower than
+# the clients' own convolutions once they are big: measured on 2 cores (fp32, batch 32), the small
+# CNN on 8x8 inputs (83k conv MACs per sample) ran at 0.54-0.73x the sequential time per client
+# step, on 16x16 (332k) at 0.90-1.00x, on 28x28 (1M) at 1.2-2.0x; the FeLiX CNN (19M) at 1.3-1.9x (issue 10).
+CPU_CONV_MACS_LIMIT = 150_000
+
+
+def resolve_cohort(setting: str | int, model: nn.Module, objective: Objective, device: str,
+                   sample_shape: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """``run.cohort`` to (cohort size, smallest cohort worth a vectorised pass); size 1 = sequential.
+
+    ``auto`` is a fixed rule of the model and device (never a timing, so a config gives the same
+    run on every machine): vectorised on a GPU; on a CPU for models whose convolutions, if any,
+    cost at most ``CPU_CONV_MACS_LIMIT`` per sample (dense layers gain from batched matrix
+    products, large convolutions lose; see benchmarks/engine_speed.py).
+    """
+    on_gpu = not str(device).startswith("cpu")
+    min_k = MIN_COHORT_GPU if on_gpu else MIN_COHORT_CPU
+    if setting == 1 or setting == "1":
+        return 1, 1
+    blocker = cohort_blocker(model, objective)
+    if blocker is not None:
+        log.warning("run.cohort=%s: training sequentially, since %s", setting, blocker)
+        return 1, 1
+    if setting == "auto":
+        if not on_gpu and any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules()):
+            macs = None if sample_shape is None else conv_macs(model, sample_shape)
+            if macs is None or macs > CPU_CONV_MACS_LIMIT:
+                log.info("run.cohort=auto: sequential training (convolutions of %s MACs per sample are faster "
+                         "unvectorised on CPU)", macs if macs is not None else "unknown")
+                return 1, 1
+        return AUTO_COHORT, min_k
+    return int(setting), 2
+
+
+def batch_rows(n: int, cfg: TrainConfig, generator: torch.Generator) -> tuple[torch.Tensor, int, int]:
+    """A client's batches, as :meth:`LocalTrainer.train` takes them: rows of sample indices
+    (``-1`` pads a short batch), plus the number of first-epoch rows and samples (Oort's utility
+    reads the first epoch only)."""
+    bs, rows, steps, ep0_rows, ep0_samples = cfg.batch_size, [], 0, 0, 0
+    for epoch in range(cfg.epochs):
+        order = torch.randperm(n, generator=generator)
+        stop = n - n % bs if cfg.drop_last else n
+        nb = -(-stop // bs)
+        if cfg.max_steps is not None:
+            nb = min(nb, cfg.max_steps - steps)
+        if nb <= 0:
+            continue
+        idx = order[:min(stop, nb * bs)]
+        if epoch == 0:
+            ep0_rows, ep0_samples = nb, int(idx.numel())
+        rows.append(torch.cat([idx, idx.new_full((nb * bs - idx.numel(),), -1)]).view(nb, bs))
+        steps += nb
+    if not rows:
+        return torch.empty(0, bs, dtype=torch.long), 0, 0
+    return torch.cat(rows), ep0_rows, ep0_samples
+
+
+class DataPool:
+    """Every client's samples in one device tensor, so a cohort indexes them in place instead of
+    concatenating its clients' data for every pass. A client whose data is replaced (augmentation)
+    is appended; the buffer grows by doubling, so appends cost amortised O(1) copies."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.x: torch.Tensor | None = None
+        self.y: torch.Tensor | None = None
+        self.size = 0
+        self._at: dict[int, tuple[int, ClientData]] = {}  # id(data) -> (offset, data kept alive)
+
+    def offsets(self, datas: list[ClientData]) -> list[int]:
+        missing = list({id(d): d for d in datas if id(d) not in self._at}.values())
+        if missing:
+            self._append(missing)
+        return [self._at[id(d)][0] for d in datas]
+
+    def _append(self, datas: list[ClientData]) -> None:
+        need = self.size + sum(len(d) for d in datas)
+        if self.x is None or self.y is None or need > self.x.shape[0]:
+            cap = max(need, 2 * (0 if self.x is None else self.x.shape[0]))
+            like = datas[0]
+            x = torch.empty(cap, *like.x.shape[1:], dtype=like.x.dtype, device=self.device)
+            y = torch.empty(cap, dtype=like.y.dtype, device=self.device)
+            if self.x is not None and self.y is not None:
+                x[:self.size], y[:self.size] = self.x[:self.size], self.y[:self.size]
+            self.x, self.y = x, y
+        for d in datas:
+            n = len(d)
+            self.x[self.size:self.size + n] = d.x.to(self.device)
+            self.y[self.size:self.size + n] = d.y.to(self.device)
+            self._at[id(d)] = (self.size, d)
+            self.size += n
+
+
+class CohortTrainer:
+    """Trains a list of tasks of one model and objective together; see the module docstring."""
+
+    def __init__(self, model: nn.Module, objective: Objective, cfg: TrainConfig, num_classes: int,
+                 device: str = "cpu", autocast: torch.dtype | None = None) -> None:
+        blocker = cohort_blocker(model, objective)
+        if blocker is not None:
+            raise ValueError(f"cannot train in cohorts: {blocker}")
+        self.device = torch.device(device)
+        self.model = model.to(self.device).train()
+        self.objective = objective
+        self.cfg = cfg
+        self.num_classes = num_classes
+        self.autocast = autocast
+        self.pool = DataPool(self.device)
+        self.names = [n for n, _ in self.model.named_parameters()]
+        self.shapes = [p.shape for _, p in self.model.named_parameters()]
+        self.numels = [p.numel() for _, p in self.model.named_parameters()]
+        self._grad = vmap(grad(self._loss, has_aux=True))
+        self._forward = vmap(self._logits)
+        obj = type(objective)
+        self._before = obj.cohort_before_step is not Objective.cohort_before_step
+        self._after = obj.cohort_after_step is not Objective.cohort_after_step
+
+    # ------------------------------------------------------------------ per-client functions (vmapped)
+    def _logits(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        with autocast(self.device, self.autocast):
+            return functional_call(self.model, params, (x,)).float()
+
+    def _loss(self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
+              extra: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        per = F.cross_entropy(self._logits(params, x), y, reduction="none")
+        loss, stat = self.objective.cohort_loss(per, mask, y, extra)
+        return loss, (per.detach(), loss.detach(), stat.detach())
+
+    # ------------------------------------------------------------------ training
+    def _stack(self, datas: list[ClientData]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        offsets = self.pool.offsets(datas)
+        assert self.pool.x is not None and self.pool.y is not None
+        return self.pool.x, self.pool.y, offsets
+
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [t.reshape(flat.shape[0], *s).clone() for t, s in zip(flat.split(self.numels, dim=1), self.shapes)]
+
+    def train(self, tasks: list[CohortTask]) -> list[ClientUpdate]:
+        cfg, dev = self.cfg, self.device
+        plans = [batch_rows(len(t.data), cfg, t.generator) for t in tasks]
+        order = sorted(range(len(tasks)), key=lambda k: -plans[k][0].shape[0])
+        tasks = [tasks[k] for k in order]
+        plans = [plans[k] for k in order]
+        K, bs = len(tasks), cfg.batch_size
+        steps = [p[0].shape[0] for p in plans]
+        S = steps[0] if K else 0
+        x_all, y_all, offsets = self._stack([t.data for t in tasks])
+
+        # Every step's sample indices into the stacked data, a 0/1 mask of real samples, and
+        # whether the step is in the first epoch: built on the host once, moved once.
+        idx = torch.full((S, K, bs), -1, dtype=torch.long)
+        first = torch.zeros(S, K)
+        for j, (rows, ep0_rows, _) in enumerate(plans):
+            idx[:steps[j], j] = torch.where(rows >= 0, rows + offsets[j], -1)
+            first[:ep0_rows, j] = 1.0
+        mask = (idx >= 0).float()
+        idx.clamp_(min=0)
+        idx, mask, first = idx.to(dev), mask.to(dev), first.to(dev)
+        active = [sum(1 for s_k in steps if s_k > s) for s in range(S)]
+
+        flat0 = torch.from_numpy(np.stack([np.asarray(t.weights, dtype=np.float32) for t in tasks])).to(dev)
+        params = self._split(flat0)
+        ctxs = [TaskContext(model=self.model, global_params=flat0[k], lr=cfg.lr, num_classes=self.num_classes,
+                            class_counts=t.data.class_counts(self.num_classes), state=t.state, aux_in=t.aux_in,
+                            steps=steps[k]) for k, t in enumerate(tasks)]
+        extra = self.objective.cohort_begin(ctxs)
+        opt = _StackedOptimizer(cfg, params)
+        sq_sum = torch.zeros(K, device=dev)
+        loss_sum = torch.zeros(K, device=dev)
+        for s in range(S):
+            a = active[s]
+            ps = {n: p[:a] for n, p in zip(self.names, params)}
+            ix = idx[s, :a]
+            mb = mask[s, :a]
+            g, (per, loss, stat) = self._grad(ps, x_all[ix], y_all[ix], mb, {k: v[:a] for k, v in extra.items()})
+            grads = [g[n] for n in self.names]
+            if self._before:
+                self.objective.cohort_before_step(grads, list(ps.values()), extra, a)
+            opt.step(s, a, grads)
+            if self._after:
+                self.objective.cohort_after_step(stat, extra, a)
+            sq_sum[:a] += (per * per * mb).sum(1) * first[s, :a]
+            loss_sum[:a] += loss
+        final = torch.cat([p.reshape(K, -1) for p in params], dim=1) if K else flat0
+        self.objective.cohort_end(ctxs, extra, final)
+        delta = (final - flat0).cpu().numpy()
+        sq, ls = sq_sum.cpu().tolist(), loss_sum.cpu().tolist()
+        out: list[ClientUpdate | None] = [None] * K
+        for j, k in enumerate(order):
+            n = len(tasks[j].data)
+            out[k] = ClientUpdate(num_samples=n, stat_utility=oort_utility(sq[j], plans[j][2], n),
+                                  loss=ls[j] / steps[j] if steps[j] else 0.0, duration=0.0,
+                                  delta=delta[j], aux=ctxs[j].aux_out)
+        return out  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def probe(self, weights: list[np.ndarray], datas: list[ClientData], batch_size: int = 256) -> list[ClientUpdate]:
+        """TierSelect's eval task for several clients at once: one forward pass over each client's data."""
+        K = len(datas)
+        order = sorted(range(K), key=lambda k: -len(datas[k]))
+        sizes = [len(datas[k]) for k in order]
+        x_all, y_all, offsets = self._stack([datas[k] for k in order])
+        flat = torch.from_numpy(np.stack([np.asarray(weights[k], dtype=np.float32) for k in order])).to(self.device)
+        params = self._split(flat)
+        chunks = -(-sizes[0] // batch_size) if K else 0
+        sq_sum = torch.zeros(K, device=self.device)
+        loss_sum = torch.zeros(K, device=self.device)
+        pos = torch.arange(batch_size)
+        for c in range(chunks):
+            a = sum(1 for n in sizes if n > c * batch_size)
+            local = c * batch_size + pos
+            size = torch.tensor(sizes[:a]).unsqueeze(1)
+            m = (local.unsqueeze(0) < size).float().to(self.device)
+            ix = (torch.tensor(offsets[:a]).unsqueeze(1) + torch.minimum(local.unsqueeze(0), size - 1)).to(self.device)
+            per = F.cross_entropy(self._forward({n: p[:a] for n, p in zip(self.names, params)}, x_all[ix]).flatten(0, 1),
+                                  y_all[ix].flatten(), reduction="none").view(a, batch_size) * m
+            sq_sum[:a] += (per * per).sum(1)
+            loss_sum[:a] += per.sum(1)
+        sq, ls = sq_sum.cpu().tolist(), loss_sum.cpu().tolist()
+        out: list[ClientUpdate | None] = [None] * K
+        for j, k in enumerate(order):
+            n = sizes[j]
+            out[k] = ClientUpdate(num_samples=n, stat_utility=oort_utility(sq[j], n, n),
+                                  loss=ls[j] / n if n else 0.0, duration=0.0)
+        return out  # type: ignore[return-value]
+
+
+class _StackedOptimizer:
+    """``torch.optim.SGD`` / ``Adam`` (no AMSGrad, no Nesterov, no dampening, as the trainer builds
+    them) on stacked parameters, stepping only the first ``a`` clients: the same arithmetic per
+    element as the sequential optimiser."""
+
+    def __init__(self, cfg: TrainConfig, params: list[torch.Tensor]) -> None:
+        self.cfg = cfg
+        self.params = params
+        self.bufs: list[torch.Tensor] = []
+        self.sq: list[torch.Tensor] = []
+        if cfg.optimizer == "adam":
+            self.bufs = [torch.zeros_like(p) for p in params]
+            self.sq = [torch.zeros_like(p) for p in params]
+        elif cfg.momentum:
+            self.bufs = [torch.empty_like(p) for p in params]
+
+    def step(self, s: int, a: int, grads: list[torch.Tensor]) -> None:
+        cfg = self.cfg
+        ps = [p[:a] for p in self.params]
+        if cfg.weight_decay:
+            grads = [g.add(p, alpha=cfg.weight_decay) for g, p in zip(grads, ps)]
+        if cfg.optimizer == "adam":
+            beta1, beta2, eps, t = 0.9, 0.999, 1e-8, s + 1
+            step_size = cfg.lr / (1 - beta1 ** t)
+            bc2_sqrt = math.sqrt(1 - beta2 ** t)
+            for p, g, m, v in zip(ps, grads, self.bufs, self.sq):
+                m, v = m[:a], v[:a]
+                m.lerp_(g, 1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                p.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-step_size)
+            return
+        if cfg.momentum:
+            for g, b in zip(grads, self.bufs):
+                if s == 0:
+                    b[:a].copy_(g)
+                else:
+                    b[:a].mul_(cfg.momentum).add_(g)
+            grads = [b[:a] for b in self.bufs]
+        torch._foreach_add_(ps, grads, alpha=-cfg.lr)

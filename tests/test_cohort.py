@@ -1,0 +1,224 @@
+"""Cohort training (felix.client.cohort): the same results as training each client alone."""
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parameters_to_vector
+
+from felix.build import build
+from felix.client.cohort import AUTO_COHORT, CohortTask, CohortTrainer, batch_rows, conv_macs, resolve_cohort
+from felix.client.objectives import make_objective
+from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
+from felix.config import deep_merge
+from felix.experiment import resolve_config
+from felix.models import make_model
+
+C = 6
+SIZES = [1, 3, 17, 40, 16, 65, 9]  # ragged: one sample to five batches, exact and short last batches
+OBJECTIVES = [("ce", {}), ("wce", {}), ("focal", {"gamma": 2.0}), ("fedprox", {"mu": 0.1}),
+              ("scaffold", {"num_clients": 7}), ("federage", {"alpha": 0.3, "gamma": 0.5, "beta_init": 1.8})]
+OPTIMISERS = {
+    "sgd-2-epochs": TrainConfig(lr=0.05, batch_size=16, epochs=2),
+    "momentum-wd-max-steps": TrainConfig(lr=0.05, batch_size=16, epochs=2, momentum=0.9, weight_decay=1e-3,
+                                         max_steps=3),
+    "adam-drop-last": TrainConfig(lr=0.01, batch_size=16, optimizer="adam", drop_last=True),
+}
+TOL = 1e-5  # fp32 on CPU; measured differences are about 1e-7
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def clients(seed: int = 0) -> list[ClientData]:
+    rng = np.random.default_rng(seed)
+    return [ClientData(torch.randn(n, 1, 8, 8), torch.from_numpy(rng.integers(0, C, n))) for n in SIZES]
+
+
+def largest_difference(a: Any, b: Any) -> float:
+    return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))))
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "small_cnn"])
+@pytest.mark.parametrize("opt", list(OPTIMISERS))
+@pytest.mark.parametrize(("objective", "params"), OBJECTIVES, ids=[o for o, _ in OBJECTIVES])
+def test_cohort_trains_every_client_exactly_as_alone(model_name: str, opt: str, objective: str,
+                                                      params: dict[str, Any]) -> None:
+    cfg = OPTIMISERS[opt]
+    model = make_model(model_name, (1, 8, 8), C, seed=1)
+    w0 = parameters_to_vector(model.parameters()).detach().numpy()
+    rng = np.random.default_rng(2)
+    weights = [w0 + 0.01 * rng.standard_normal(w0.size).astype(np.float32) for _ in SIZES]
+    aux = {"scaffold_c": 0.01 * rng.standard_normal(w0.size).astype(np.float32)} if objective == "scaffold" else {}
+    if objective == "federage":
+        aux = {"federage_beta": np.array(1.5)}
+    start_state = ({"scaffold_ci": 0.01 * rng.standard_normal(w0.size).astype(np.float32)}
+                   if objective == "scaffold" else {})
+    data = clients()
+    alone = LocalTrainer(copy.deepcopy(model), make_objective(objective, **params), cfg, C)
+    together = CohortTrainer(copy.deepcopy(model), make_objective(objective, **params), cfg, C)
+    s_alone = [dict(start_state) for _ in SIZES]
+    s_together = [dict(start_state) for _ in SIZES]
+    seq = [alone.train(weights[k], d, s_alone[k], aux, torch.Generator().manual_seed(k)) for k, d in enumerate(data)]
+    coh = together.train([CohortTask(weights[k], d, s_together[k], aux, torch.Generator().manual_seed(k))
+                          for k, d in enumerate(data)])
+    worst = 0.0
+    for a, b, sa, sb in zip(seq, coh, s_alone, s_together):
+        assert a.delta is not None and b.delta is not None
+        worst = max(worst, largest_difference(a.delta, b.delta))
+        assert b.num_samples == a.num_samples
+        assert b.stat_utility == pytest.approx(a.stat_utility, rel=1e-5, abs=1e-6)
+        assert b.loss == pytest.approx(a.loss, rel=1e-5, abs=1e-6)
+        assert sorted(sa) == sorted(sb) and sorted(a.aux) == sorted(b.aux)
+        for key in sa:
+            assert largest_difference(sa[key], sb[key]) < TOL * 10, key
+        for key in a.aux:
+            assert largest_difference(a.aux[key], b.aux[key]) < TOL * 10, key
+    assert worst < TOL, f"largest weight difference {worst:.2e}"
+    assert any(np.abs(u.delta).max() > 0 for u in coh if u.delta is not None)  # training happened
+
+
+def test_cohort_probe_matches_the_sequential_eval_task() -> None:
+    model = make_model("mlp", (1, 8, 8), C, seed=1)
+    w = parameters_to_vector(model.parameters()).detach().numpy()
+    data = clients() + [ClientData(torch.randn(300, 1, 8, 8), torch.randint(0, C, (300,)))]  # > one batch
+    alone = LocalTrainer(copy.deepcopy(model), make_objective("ce"), TrainConfig(), C)
+    together = CohortTrainer(copy.deepcopy(model), make_objective("ce"), TrainConfig(), C)
+    weights = [w * (1 + 0.01 * k) for k in range(len(data))]
+    for a, b in zip([alone.probe(wk, d) for wk, d in zip(weights, data)], together.probe(weights, data)):
+        assert b.num_samples == a.num_samples
+        assert b.stat_utility == pytest.approx(a.stat_utility, rel=1e-5)
+        assert b.loss == pytest.approx(a.loss, rel=1e-5)
+
+
+def test_batch_rows_follow_the_sequential_batches() -> None:
+    cfg = TrainConfig(batch_size=4, epochs=2, max_steps=5)
+    rows, ep0_rows, ep0_samples = batch_rows(10, cfg, torch.Generator().manual_seed(3))
+    gen = torch.Generator().manual_seed(3)
+    first, second = torch.randperm(10, generator=gen), torch.randperm(10, generator=gen)
+    assert rows.shape == (5, 4) and (ep0_rows, ep0_samples) == (3, 10)
+    assert rows[0].tolist() == first[:4].tolist() and rows[2].tolist() == first[8:].tolist() + [-1, -1]
+    assert rows[3].tolist() == second[:4].tolist() and rows[4].tolist() == second[4:8].tolist()
+    assert batch_rows(3, TrainConfig(batch_size=4, drop_last=True), torch.Generator())[0].shape == (0, 4)
+
+
+def test_auto_chooses_per_model_and_device(caplog: pytest.LogCaptureFixture) -> None:
+    ce = make_objective("ce")
+    mlp, cnn = make_model("mlp", (1, 8, 8), C), make_model("small_cnn", (1, 8, 8), C)
+    assert resolve_cohort("auto", mlp, ce, "cpu")[0] == AUTO_COHORT
+    assert resolve_cohort("auto", cnn, ce, "cpu") == (1, 1)  # convolutions of unknown cost: sequential
+    assert resolve_cohort("auto", cnn, ce, "cpu", (1, 8, 8))[0] == AUTO_COHORT  # tiny convolutions gain
+    felix_cnn = make_model("felix_cnn", (3, 32, 32), 10)
+    assert conv_macs(felix_cnn, (3, 32, 32)) > 10**7
+    assert resolve_cohort("auto", felix_cnn, ce, "cpu", (3, 32, 32)) == (1, 1)  # large ones lose on CPU
+    assert resolve_cohort("auto", cnn, ce, "cuda")[0] == AUTO_COHORT
+    assert resolve_cohort(1, mlp, ce, "cuda") == (1, 1)
+    assert resolve_cohort(12, cnn, ce, "cpu") == (12, 2)
+    bn = nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.BatchNorm1d(8), nn.Linear(8, C))
+    with caplog.at_level(logging.WARNING, logger="felix.cohort"):
+        assert resolve_cohort(8, bn, ce, "cpu") == (1, 1)
+    assert "BatchNorm" in caplog.text or "buffers" in caplog.text
+    with pytest.raises(ValueError, match="cannot train in cohorts"):
+        CohortTrainer(bn, ce, TrainConfig(), C)
+
+
+# ---------------------------------------------------------------------------------- engine
+SIM: dict[str, Any] = {
+    "model": "mlp",
+    "partition": {"num_clients": 20, "alpha": 0.5},
+    "run": {"max_aggregations": 6, "stop_at_target": False},
+}
+
+
+def simulate(preset: str, cohort: int, over: dict[str, Any]) -> tuple[Any, int]:
+    cfg = resolve_config(None, preset, deep_merge(deep_merge(SIM, over), {"run": {"cohort": cohort}}))
+    built = build(cfg)
+    passes = 0
+    if built.sim.cohort is not None:
+        train = built.sim.cohort.train
+
+        def counted(tasks: list[CohortTask]) -> Any:
+            nonlocal passes
+            passes += 1
+            return train(tasks)
+
+        built.sim.cohort.train = counted  # type: ignore[method-assign]
+    built.sim.run()
+    return built, passes
+
+
+@pytest.mark.parametrize(("preset", "over"), [
+    # sync rounds with over-commitment: stragglers are cancelled after being trained early
+    ("fedavg", {"orchestrator": {"overcommit": 1.5, "agg_goal": 4},
+                "client": {"objective": "scaffold", "momentum": 0.5}}),
+    ("fedbuff", {"orchestrator": {"concurrency": 8, "agg_goal": 3},
+                 "client": {"objective": "federage", "objective_params": {"alpha": 0.5}}}),
+], ids=["sync-scaffold-cancelled", "async-federage"])
+def test_simulation_in_cohorts_matches_sequential(preset: str, over: dict[str, Any]) -> None:
+    seq, none = simulate(preset, 1, over)
+    coh, passes = simulate(preset, 8, over)
+    assert none == 0 and passes > 0
+    assert coh.orch.version == seq.orch.version == 6
+    assert largest_difference(coh.orch.weights, seq.orch.weights) < 1e-4
+    for a, b in zip(seq.sim.devices, coh.sim.devices):
+        assert sorted(a.state) == sorted(b.state)
+        for key in a.state:  # a cancelled task's state never reaches its client
+            assert largest_difference(a.state[key], b.state[key]) < 1e-4
+    if preset == "fedavg":
+        assert coh.orch.stats.train_cancelled > 0
+    assert [r.version for r in coh.recorder.rows] == [r.version for r in seq.recorder.rows]
+    # the same config and seed give the same run
+    again, _ = simulate(preset, 8, over)
+    assert np.array_equal(again.orch.weights, coh.orch.weights)
+
+
+def test_dafl_augmented_clients_train_in_cohorts() -> None:
+    table = [[8, 1, 2, 1, 1, 1, 1, 1], [1, 9, 1, 1, 1, 1, 1, 1], [1, 1, 1, 10, 1, 1, 1, 1],
+             [2, 1, 1, 1, 12, 1, 1, 1], [1, 1, 1, 1, 1, 20, 1, 1], [1, 2, 1, 1, 1, 1, 15, 1]]
+    over = {"dataset": {"name": "digits", "num_classes": 8}, "data_plan": "dafl", "trace": {"kind": "always"},
+            "partition": {"kind": "table", "num_clients": 6, "table": table},
+            "runtime": {"kind": "per_sample", "seconds_per_sample": 0.1},
+            "orchestrator": {"concurrency": 6, "agg_goal": 3, "task_timeout_s": None},
+            "client": {"batch_size": 8, "objective": "wce"}}
+    seq, _ = simulate("fedbuff", 1, over)
+    coh, passes = simulate("fedbuff", 6, over)
+    assert passes > 0 and coh.data_plan is not None and coh.data_plan.applier.samples.sum() > 0
+    assert largest_difference(coh.orch.weights, seq.orch.weights) < 1e-4
+
+
+def test_threads_and_precision_apply_to_every_build() -> None:
+    cfg = resolve_config(None, "fedbuff", deep_merge(SIM, {"run": {"threads": 2, "max_aggregations": 1,
+                                                                     "precision": "bf16", "cohort": 4}}))
+    built = build(cfg)
+    assert torch.get_num_threads() == 2
+    assert built.sim.trainer.autocast_dtype is torch.bfloat16
+    built.sim.run()
+    assert np.isfinite(built.orch.weights).all()
+
+
+def test_engine_speed_benchmark_prints_one_json_line(capsys: pytest.CaptureFixture[str]) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import engine_speed
+    finally:
+        sys.path.pop(0)
+    assert engine_speed.main(["--scenario", "default", "--aggregations", "2", "--warmup", "1",
+                              "--bare-repeats", "1", "--set", "model=mlp", "--cohort", "4", "--json"]) == 0
+    import json
+
+    line = json.loads(capsys.readouterr().out.strip())
+    assert line["updates"] > 0 and line["ratio_to_bare"] > 0 and line["cohort_size"] == 4
+    for key in ("wall_s", "updates_per_s", "virtual_h_per_wall_h", "bare_sequential_s"):
+        assert line[key] > 0
