@@ -35,9 +35,32 @@ def _compare(args: argparse.Namespace) -> int:
     strategies = [s.strip() for s in (args.strategies or ",".join(MAIN_STRATEGIES)).split(",") if s.strip()]
     out = Path(args.out or "runs/compare")
     print(f"felix compare: {', '.join(strategies)} -> {out}", file=sys.stderr)
-    doc = compare(args.config, strategies, parse_set(args.set), out, args.scenario, args.jobs, args.reference)
-    print((out / "comparison.md").read_text())
-    return 0 if doc["strategies"] else 1
+    doc = compare(args.config, strategies, parse_set(args.set), out, args.scenario, args.jobs, args.reference,
+                  backend=args.backend, address=args.address, force=args.force, gpus_per_run=args.gpus_per_run)
+    if doc["strategies"]:
+        print((out / "comparison.md").read_text())
+    return 0 if doc["strategies"] and not doc["failed"] else 1
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from felix.sweep import parse_grid, parse_seeds, sweep
+
+    strategies: list[str | None] = [s.strip() for s in (args.strategies or "").split(",") if s.strip()] or [None]
+    out = Path(args.out or "runs/sweep")
+    doc = sweep(args.config, args.scenario, parse_set(args.set), strategies, parse_grid(args.grid),
+                parse_seeds(args.seeds), out, backend=args.backend, jobs=args.jobs, address=args.address,
+                force=args.force, gpus_per_run=args.gpus_per_run)
+    print((out / "sweep.md").read_text())
+    return 0 if not doc["failed"] else 1
+
+
+def _add_backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=("local", "ray"), default="local",
+                   help="local: this process or --jobs processes; ray: one Ray task per run (docs/ray.md)")
+    p.add_argument("--address", help="ray: join the cluster at HOST:PORT (default: start a local, loopback-only instance)")
+    p.add_argument("--gpus-per-run", type=float, default=1.0,
+                   help="ray: GPU share of a run whose run.device is cuda; below 1 packs small runs on one GPU")
+    p.add_argument("--force", action="store_true", help="rerun runs whose summary.json already exists")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,9 +81,24 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--scenario", help="named scenario preset to start from")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     c.add_argument("--out", help="output folder (default runs/compare)")
-    c.add_argument("--jobs", type=int, default=1, help="strategies run in parallel processes")
+    c.add_argument("--jobs", type=int, help="local: strategies in parallel processes (default 1); "
+                   "ray without --address: CPUs of the local instance (default all)")
     c.add_argument("--reference", help="strategy the speed-ups are relative to (default felix)")
+    _add_backend_args(c)
     c.set_defaults(func=_compare)
+    w = sub.add_parser("sweep", help="one scenario over a grid of --set values, strategies and seeds")
+    w.add_argument("config", nargs="?", help="YAML scenario (default: the embedded offline scenario)")
+    w.add_argument("--scenario", help="named scenario preset to start from")
+    w.add_argument("--strategies", help="comma-separated presets (default: the config's own strategy)")
+    w.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
+                   help="a swept config key and its values (repeat for a product grid)")
+    w.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2 (default: the config's seed)")
+    w.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="fixed override for every run")
+    w.add_argument("--out", help="output folder (default runs/sweep)")
+    w.add_argument("--jobs", type=int, help="local: runs in parallel processes (default 1); "
+                   "ray without --address: CPUs of the local instance (default all)")
+    _add_backend_args(w)
+    w.set_defaults(func=_sweep)
     from felix import dafl_cli
 
     dafl_cli.add_parser(sub)

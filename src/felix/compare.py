@@ -7,47 +7,46 @@ from __future__ import annotations
 
 import json
 import sys
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from felix.config import Config
-from felix.experiment import resolve_config, run_config
-from felix.metrics.recorder import EvalRow
+from felix.config import Config, ConfigError
+from felix.experiment import resolve_config
 from felix.metrics.report import plot_curves
-
-
-def _one(cfg: Config, out_dir: Path | None) -> tuple[dict[str, Any], list[EvalRow]]:
-    """One strategy's run; in a worker process too, ``run.threads`` is applied by ``build``."""
-    res = run_config(cfg, out_dir, plots=False)
-    return res.summary, res.rows
+from felix.runs import RunSpec, close_backend, make_backend, run_all
 
 
 def compare(config_path: str | None, strategies: list[str], sets: dict[str, Any], out_dir: Path,
-            scenario: str | None = None, jobs: int = 1, reference: str | None = None) -> dict[str, Any]:
+            scenario: str | None = None, jobs: int | None = None, reference: str | None = None, backend: str = "local",
+            address: str | None = None, force: bool = False, gpus_per_run: float = 1.0) -> dict[str, Any]:
+    """Run every strategy (skipping those already finished under ``out_dir`` unless ``force``) on
+    ``backend`` (see ``felix.runs.make_backend``), then tabulate and plot those that succeeded."""
+    if reference is not None and reference not in strategies:
+        raise ConfigError(f"--reference {reference!r} is not one of the compared strategies {strategies}")
     configs = [resolve_config(config_path, s, sets, scenario) for s in strategies]
+    out_dir = out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    results: dict[str, tuple[dict[str, Any], list[EvalRow]]] = {}
-    if jobs > 1 and any(not str(c.run.device).startswith("cpu") for c in configs):
+    if backend == "local" and (jobs or 1) > 1 and any(not str(c.run.device).startswith("cpu") for c in configs):
         # Processes time-slicing one GPU each run several times slower: one process, one run at a
         # time, keeps the device busy (each run trains its clients in cohorts).
         print(f"felix compare: --jobs {jobs} ignored on {configs[0].run.device}: strategies run one after "
               "another in this process", file=sys.stderr)
         jobs = 1
-    if jobs <= 1:
-        for s, cfg in zip(strategies, configs):
-            results[s] = _one(cfg, out_dir / _slug(s))
-            _log_line(results[s][0])
-    else:
-        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
-            futs = {s: pool.submit(_one, cfg, out_dir / _slug(s)) for s, cfg in zip(strategies, configs)}
-            for s, f in futs.items():
-                results[s] = f.result()
-                _log_line(results[s][0])
+    specs = [RunSpec(s, cfg, out_dir / _slug(s)) for s, cfg in zip(strategies, configs)]
+    runner = make_backend(backend, jobs, address, gpus_per_run)
+    try:
+        outcome = run_all(specs, runner, force)
+    finally:
+        close_backend(runner)
+    results = {s: (o.summary, o.rows) for s, o in outcome.outputs.items()}
     summaries = {s: r[0] for s, r in results.items()}
-    ref = reference or ("felix" if "felix" in summaries else strategies[0])
-    doc = {"scenario": configs[0].name, "seed": configs[0].seed, "reference": ref, "strategies": summaries}
+    if not summaries:
+        return {"scenario": configs[0].name, "seed": configs[0].seed, "reference": None, "strategies": {},
+                "failed": outcome.failed}
+    wanted = reference or ("felix" if "felix" in summaries else None)
+    ref = wanted if wanted in summaries else next(iter(summaries))  # a failed reference falls back
+    doc = {"scenario": configs[0].name, "seed": configs[0].seed, "reference": ref, "strategies": summaries,
+           "failed": outcome.failed}
     (out_dir / "comparison.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     (out_dir / "comparison.md").write_text(markdown_table(summaries, ref, configs[0]))
     target = configs[0].run.target_accuracy
@@ -58,12 +57,6 @@ def compare(config_path: str | None, strategies: list[str], sets: dict[str, Any]
 
 def _slug(name: str) -> str:
     return name.replace("*", "-oracle").replace("+", "-")
-
-
-def _log_line(s: dict[str, Any]) -> None:
-    ttt = "-" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.0f}s"
-    print(f"  {s['strategy']:<22} time-to-target {ttt:>8}  final acc {s['final_accuracy']:.4f}  "
-          f"wall {s['wall_time_s']:.0f}s", flush=True)
 
 
 def _mb(n: int | None) -> str:

@@ -1,0 +1,55 @@
+"""Whole runs as Ray tasks: the ``ray`` backend of ``felix compare`` and ``felix sweep``.
+
+Each run is one task that calls the same run function as the local backends (``felix.runs.execute``)
+and returns its small output (summary and evaluation rows) to the driver, which stores it; nothing
+is written on the node that ran it. Ray's own retries are off (``max_retries=0``): ``felix.runs``
+retries a failed run once, whether its code raised or its worker or node died, and reports it after.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+from felix.config import ConfigError
+from felix.distributed.ray_runtime import Resources, session
+from felix.runs import RunFunction, RunOutput, RunSpec, execute
+
+
+class RayTaskBackend:
+    """Runs specs as Ray tasks with declared resources, on a local safe instance (``num_cpus`` CPUs,
+    default all) or on the cluster at ``address``. ``close`` stops a local instance it started."""
+
+    def __init__(self, address: str | None = None, num_cpus: int | None = None, gpus_per_run: float = 1.0,
+                 fn: RunFunction = execute) -> None:
+        self.gpus_per_run = gpus_per_run
+        self._stack = contextlib.ExitStack()
+        self.ray = self._stack.enter_context(session(address, num_cpus))
+        self._task = self.ray.remote(fn)
+        self._capacity = self.ray.cluster_resources()
+
+    def submit(self, spec: RunSpec) -> object:
+        run = spec.config.run
+        res = Resources.for_run(run.device, run.threads, self.gpus_per_run)
+        for name, need in (("CPU", res.num_cpus), ("GPU", res.num_gpus)):
+            if need > self._capacity.get(name, 0.0):
+                raise ConfigError(f"run {spec.key} needs {need:g} {name} (run.device {run.device!r}, run.threads "
+                                  f"{run.threads}) but the Ray cluster has {self._capacity.get(name, 0.0):g}")
+        if res.num_gpus:
+            # Ray hands the task its GPU share as the only visible device: 'cuda:N' would point past it.
+            spec = replace(spec, config=spec.config.model_copy(
+                update={"run": run.model_copy(update={"device": "cuda"})}))
+        return self._task.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_retries=0,
+                                  name=f"felix-run:{spec.key}").remote(spec)
+
+    def wait(self, handles: list[Any]) -> Iterator[tuple[object, RunOutput | BaseException]]:
+        ready, _ = self.ray.wait(handles, num_returns=1)
+        for ref in ready:
+            try:
+                yield ref, self.ray.get(ref)
+            except self.ray.exceptions.RayError as exc:  # task raised, worker crashed, node died
+                yield ref, exc
+
+    def close(self) -> None:
+        self._stack.close()
