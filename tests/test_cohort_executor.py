@@ -44,7 +44,8 @@ def one_thread():
 def test_shares_with_companions_train_as_the_whole_cohort(model_name: str, objective: str, params: dict[str, Any],
                                                           cfg: TrainConfig, actors: int) -> None:
     rng = np.random.default_rng(0)
-    datas = [ClientData(torch.randn(n, 1, 8, 8), torch.from_numpy(rng.integers(0, 6, n))) for n in SIZES]
+    g = torch.Generator().manual_seed(0)
+    datas = [ClientData(torch.randn(n, 1, 8, 8, generator=g), torch.from_numpy(rng.integers(0, 6, n))) for n in SIZES]
     model = make_model(model_name, (1, 8, 8), 6, seed=1)
     w = parameters_to_vector(model.parameters()).detach().numpy().copy()
     aux = {"scaffold_c": np.full(w.size, 0.01, np.float32)} if objective == "scaffold" else {}
@@ -68,7 +69,9 @@ def test_shares_with_companions_train_as_the_whole_cohort(model_name: str, objec
 def test_without_a_companion_a_lone_client_differs() -> None:
     """Why companions exist: a conv model's client trained alone does not get its cohort update."""
     rng = np.random.default_rng(0)
-    datas = [ClientData(torch.randn(16, 1, 8, 8), torch.from_numpy(rng.integers(0, 6, 16))) for _ in range(2)]
+    g = torch.Generator().manual_seed(0)
+    datas = [ClientData(torch.randn(64, 1, 8, 8, generator=g), torch.from_numpy(rng.integers(0, 6, 64)))
+             for _ in range(2)]
     model = make_model("small_cnn", (1, 8, 8), 6, seed=1)
     w = parameters_to_vector(model.parameters()).detach().numpy().copy()
     trainer = CohortTrainer(model, make_objective("ce"), TrainConfig(lr=0.05, batch_size=16), 6)
@@ -105,7 +108,7 @@ def test_generator_travels_as_seed_or_state() -> None:
 
 # ---------------------------------------------------------------------------------- on Ray
 TINY: dict[str, Any] = {
-    "model": "mlp",
+    "model": "small_cnn",  # convolutions: a lone client differs, the companions matter
     "partition": {"num_clients": 16, "alpha": 0.5},
     # over-committed sync rounds cancel stragglers trained early; SCAFFOLD sends aux and keeps state
     "orchestrator": {"overcommit": 1.5, "agg_goal": 6},
