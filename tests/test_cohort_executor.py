@@ -159,3 +159,38 @@ def test_ray_actors_give_the_local_cohort_run(local_ray: Any) -> None:
     assert {k: v for k, v in remote.summary.items() if k not in VARIES} == \
         {k: v for k, v in local.summary.items() if k not in VARIES}
     assert [(r.version, r.accuracy) for r in remote.rows] == [(r.version, r.accuracy) for r in local.rows]
+
+
+@pytest.mark.ray
+def test_executor_probes_and_ships_replaced_data_once(local_ray: Any) -> None:
+    from felix.distributed.cohort_executor import RayCohortExecutor
+
+    g = torch.Generator().manual_seed(3)
+    rng = np.random.default_rng(3)
+    datas = [ClientData(torch.randn(n, 1, 8, 8, generator=g), torch.from_numpy(rng.integers(0, 6, n)))
+             for n in (300, 20, 5, 70)]
+    replaced = ClientData(torch.randn(33, 1, 8, 8, generator=g), torch.from_numpy(rng.integers(0, 6, 33)))
+    model = make_model("small_cnn", (1, 8, 8), 6, seed=1)
+    w = parameters_to_vector(model.parameters()).detach().numpy().copy()
+    w.flags.writeable = False  # a model version, as the orchestrator hands it out: shipped once
+    cfg = TrainConfig(lr=0.05, batch_size=8)
+    local = CohortTrainer(copy.deepcopy(model), make_objective("ce"), cfg, 6)
+    executor = RayCohortExecutor(CohortTrainer(copy.deepcopy(model), make_objective("ce"), cfg, 6), datas, 2)
+    try:
+        probe_data = [*datas, replaced]
+        want = local.probe([w] * 5, probe_data)
+        got = executor.probe([w] * 5, probe_data)
+        assert [(u.loss, u.stat_utility, u.num_samples) for u in got] == \
+            [(u.loss, u.stat_utility, u.num_samples) for u in want]
+        used = torch.Generator().manual_seed(9)
+        torch.rand(3, generator=used)  # a generator already drawn from travels as its state
+
+        def tasks() -> list[CohortTask]:
+            gens = [torch.Generator().manual_seed(k) for k in range(4)] + [used.clone_state()]
+            return [CohortTask(w, d, {}, {}, gen) for d, gen in zip(probe_data, gens)]
+
+        for u, v in zip(local.train(tasks()), executor.train(tasks())):
+            assert np.array_equal(u.delta, v.delta) and u.loss == v.loss
+        assert len(executor._shipped) == 1 and len(executor._data_shipped) == 1  # one version, one replaced client
+    finally:
+        executor.close()
