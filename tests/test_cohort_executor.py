@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch.nn.utils import parameters_to_vector
 
-from felix.build import build
 from felix.client.cohort import CohortTask, CohortTrainer, batch_rows
 from felix.client.objectives import make_objective
 from felix.client.trainer import ClientData, TrainConfig
@@ -125,7 +124,7 @@ def local_ray():
 
     if ray.is_initialized():
         ray.shutdown()
-    ctx = ray_runtime.start_local(num_cpus=2)
+    ray_runtime.start_local(num_cpus=2)
     yield ray
     ray.shutdown()
 

@@ -157,6 +157,9 @@ class CohortActor:
         updates = self.trainer.train(tasks)
         return [(u, t.state) for u, t in zip(updates, tasks)]
 
+    def ready(self) -> bool:
+        return True
+
     def probe(self, specs: list[tuple[Ref, int | Ref]], refs: dict[int, Any]) -> list[ClientUpdate]:
         self._resolve(refs)
         return self.trainer.probe([self._value(w) for w, _ in specs], [self._data(d) for _, d in specs])
@@ -190,6 +193,7 @@ class RayCohortExecutor:
         self.actors = [cls.remote(model, trainer.objective, trainer.cfg, trainer.num_classes,
                                   "cuda" if gpu else str(trainer.device), trainer.autocast, threads, data_ref)
                        for _ in range(actors)]
+        self.ray.get([a.ready.remote() for a in self.actors])  # started (or failed) before the run, not in it
         log.info("run.executor ray: %d cohort actors (%s each)", actors, "1 GPU" if gpu else f"{per_cpu:g} CPUs")
 
     # ------------------------------------------------------------------ what travels
