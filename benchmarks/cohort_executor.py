@@ -9,7 +9,8 @@ in alternating order: the run with the local cohort path, and the same run with 
 over ``--actors`` actors (their start, inside ``build``, timed on its own). Both use ``run.threads = 1``
 and the same seed; it checks that the summaries are identical apart from wall time and the run
 settings, and prints per side the simulation's wall time and the seconds inside training (min and
-median over repeats), their ratio, and the load average: on a shared machine the ratio is what it is
+median over repeats), the median time of a cohort after the run's first (the actors' warm-up), the
+ratios, and the load average: on a shared machine the ratio is what it is
 at that load, not what an idle one would give.
 """
 from __future__ import annotations
@@ -26,6 +27,23 @@ from felix.config import deep_merge
 from felix.experiment import resolve_config, run_config
 
 VARIES = ("wall_time_s", "provenance")
+
+
+def time_cohorts(built: Any, into: list[float]) -> float:
+    """Wraps the run's cohort executor to time each cohort after the first (warm-up); returns now."""
+    train = built.sim.cohort.train
+    calls = [0]
+
+    def timed(tasks: list[Any]) -> Any:
+        t0 = time.perf_counter()
+        out = train(tasks)
+        calls[0] += 1
+        if calls[0] > 1:
+            into.append(time.perf_counter() - t0)
+        return out
+
+    built.sim.cohort.train = timed
+    return time.perf_counter()
 
 
 def main() -> None:
@@ -58,6 +76,7 @@ def main() -> None:
     walls: dict[str, list[float]] = {"local": [], "ray": []}
     trains: dict[str, list[float]] = {"local": [], "ray": []}
     builds: list[float] = []
+    cohorts: dict[str, list[float]] = {"local": [], "ray": []}  # seconds per cohort after a run's first
     summaries: dict[str, dict[str, Any]] = {}
     try:
         for r in range(args.repeats):
@@ -65,7 +84,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 built_at: list[float] = []
                 res = run_config(local_cfg if side == "local" else ray_cfg, plots=False,
-                                 prepare=lambda b, at=built_at: at.append(time.perf_counter()))
+                                 prepare=lambda b, at=built_at, s=side: at.append(time_cohorts(b, cohorts[s])))
                 if side == "ray":
                     builds.append(built_at[0] - t0)
                 outcome_wall = res.summary["wall_time_s"]
@@ -88,6 +107,8 @@ def main() -> None:
     print(f"Ray start-up {ray_start:.2f} s; {args.actors} actors' start (in build) {stats(builds)}")
     for side in ("local", "ray"):
         print(f"{side:5s} wall {stats(walls[side])} | training {stats(trains[side])}")
+    print(f"per cohort after the first: local median {statistics.median(cohorts['local']):.3f} s, ray median "
+          f"{statistics.median(cohorts['ray']):.3f} s ({len(cohorts['ray'])} cohorts)")
     print(f"ray / local wall: min {min(walls['ray']) / min(walls['local']):.2f}, median "
           f"{statistics.median(walls['ray']) / statistics.median(walls['local']):.2f}; training: min "
           f"{min(trains['ray']) / min(trains['local']):.2f}")
