@@ -193,3 +193,15 @@ def test_executor_probes_and_ships_replaced_data_once(local_ray: Any) -> None:
         assert len(executor._shipped) == 1 and len(executor._data_shipped) == 1  # one version, one replaced client
     finally:
         executor.close()
+
+
+@pytest.mark.ray
+def test_more_actors_than_the_cluster_holds_is_a_clear_error(local_ray: Any) -> None:
+    from felix.config import ConfigError
+    from felix.distributed.cohort_executor import RayCohortExecutor
+
+    model = make_model("mlp", (1, 8, 8), 6, seed=1)
+    trainer = CohortTrainer(model, make_objective("ce"), TrainConfig(), 6)
+    with pytest.raises(ConfigError, match="3 cohort actors of 1 CPUs each do not fit"):
+        RayCohortExecutor(trainer, [], actors=3)
+    assert local_ray.is_initialized()  # a Ray the caller started stays up

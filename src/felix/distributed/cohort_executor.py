@@ -50,7 +50,8 @@ PROBE_BATCH = 256  # CohortTrainer.probe's default chunk
 
 @dataclass(frozen=True)
 class Ref:
-    """A value an actor resolves from its cache, or fetches by ``ref`` when it is not there yet."""
+    """A large value by key: the actor takes it from its cache, or fetches it by the object reference
+    that comes with the call under the same key."""
 
     key: int
 
@@ -173,14 +174,22 @@ class RayCohortExecutor:
                  address: str | None = None, threads: int | None = 1) -> None:
         self._stack = contextlib.ExitStack()
         self.ray = self._stack.enter_context(session(address))
+        try:
+            self._start(trainer, datas, actors, threads)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _start(self, trainer: CohortTrainer, datas: list[ClientData], actors: int | None, threads: int | None) -> None:
         gpu = trainer.device.type == "cuda"
         capacity = self.ray.cluster_resources()
         per_cpu = float(threads or 1)
-        if actors is None:
-            actors = int(capacity.get("GPU", 0)) if gpu else int(capacity.get("CPU", 0) // per_cpu)
-        if actors < 1:
-            raise ConfigError(f"run.executor ray: the Ray cluster has no room for one cohort actor "
-                              f"({'a GPU' if gpu else f'{per_cpu:g} CPUs'}; it has {capacity})")
+        room = int(capacity.get("GPU", 0)) if gpu else int(capacity.get("CPU", 0) // per_cpu)
+        actors = room if actors is None else actors
+        if not 1 <= actors <= room:  # more would wait for resources forever
+            raise ConfigError(f"run.executor ray: {actors} cohort actors of {'1 GPU' if gpu else f'{per_cpu:g} CPUs'} "
+                              f"each do not fit the Ray cluster ({capacity.get('GPU', 0):g} GPUs, "
+                              f"{capacity.get('CPU', 0):g} CPUs)")
         self._ids: dict[int, int] = {id(d): k for k, d in enumerate(datas)}
         self._datas = datas  # keeps the indexed objects alive, so their ids stay theirs
         self._shipped: OrderedDict[int, tuple[Any, int, Any]] = OrderedDict()  # id(obj) -> (obj, key, ref)
