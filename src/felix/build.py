@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,9 +31,11 @@ from felix.data.partition import count_table_partition, dirichlet_partition
 from felix.data.plans import DataPlanRun, prepare_data_plan
 from felix.metrics.recorder import Recorder
 from felix.models import make_model
-from felix.sim.engine import SimSettings, Simulation, make_devices
+from felix.sim.engine import CohortExecutor, SimSettings, Simulation, make_devices
 from felix.sim.runtime import FELIX_HALFNORMAL_SCALE, halfnormal_runtimes, uniform_runtimes
 from felix.sim.traces import AvailabilityTrace, always_available, load_fedscale, load_mobiperf, slotted_churn
+
+log = logging.getLogger("felix.build")
 
 # Stream ids under the run seed: scenario streams never depend on the strategy.
 _PARTITION, _TRACE, _RUNTIME, _MODEL, _STRATEGY = range(5)
@@ -330,6 +333,17 @@ def build_cohort(cfg: Config, trainer: LocalTrainer,
     return cohort, size, min_k
 
 
+def build_executor(cfg: Config, cohort: CohortTrainer | None, datas: list[ClientData]) -> CohortExecutor | None:
+    """``run.executor``: the cohort trainer itself (local), or Ray actors training its cohorts."""
+    if cfg.run.executor == "local" or cohort is None:
+        if cfg.run.executor == "ray":
+            log.warning("run.executor ray: this run trains one client at a time (run.cohort), so no actors start")
+        return cohort
+    from felix.distributed.cohort_executor import RayCohortExecutor
+
+    return RayCohortExecutor(cohort, datas, cfg.run.ray_actors, cfg.run.ray_address, cfg.run.threads)
+
+
 def build_orchestrator(cfg: Config, weights: np.ndarray, trace: AvailabilityTrace | None) -> Orchestrator:
     o = cfg.orchestrator
     ocfg = OrchestratorConfig(
@@ -388,6 +402,7 @@ def build(cfg: Config) -> Built:
     runtimes = build_runtimes(cfg, [len(d) for d in pop.client_data])
     trainer = build_trainer(cfg, pop)
     cohort, cohort_size, min_cohort = build_cohort(cfg, trainer, tuple(pop.train.sample_shape))
+    executor = build_executor(cfg, cohort, pop.client_data)
     evaluate = make_evaluator(copy.deepcopy(pop.model), pop.test, cfg.run.device,
                               autocast_dtype=trainer.autocast_dtype)
     recorder = Recorder(evaluate, cfg.run.target_accuracy, cfg.run.target_window, cfg.run.eval_every)
@@ -401,5 +416,5 @@ def build(cfg: Config) -> Built:
                            stop_at_target=r.stop_at_target, eval_fraction=cfg.runtime.eval_fraction,
                            cohort_size=cohort_size, min_cohort=min_cohort)
     sim = Simulation(orch, devices, trainer, recorder, settings,
-                     augment=None if data_plan is None else data_plan.applier, cohort=cohort)
+                     augment=None if data_plan is None else data_plan.applier, cohort=executor)
     return Built(cfg, sim, orch, recorder, trace, pop, data_plan)

@@ -203,6 +203,13 @@ class RunCfg(_Strict):
     cohort: Literal["auto"] | Annotated[int, Field(ge=1)] = Field(
         "auto", description="clients trained together in one vectorised pass: 1 = one at a time; auto = "
         "vectorised on a GPU, and on a CPU for models without convolutions (felix.client.cohort)")
+    executor: Literal["local", "ray"] = Field(
+        "local", description="where cohorts train: local = in this process; ray = split over Ray actors "
+        "(felix.distributed.cohort_executor, extra felix-fl[ray]), with the same results")
+    ray_actors: int | None = Field(None, ge=1, description="cohort actors for executor ray (null: one per GPU "
+                                   "of the cluster, or one per run.threads CPUs)")
+    ray_address: str | None = Field(None, description="Ray cluster for executor ray (HOST:PORT or auto); "
+                                    "null: a safe local instance, or the one this process is already connected to")
     precision: Literal["fp32", "tf32", "bf16"] = Field(
         "fp32", description="GPU arithmetic: tf32 matmuls, or bf16 autocast of forward passes; fp32 by default")
 

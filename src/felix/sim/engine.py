@@ -25,11 +25,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from felix.client.cohort import CohortTask, CohortTrainer
+from felix.client.cohort import CohortTask
 from felix.client.trainer import ClientData, LocalTrainer
 from felix.core.commands import (
     CancelTask,
@@ -78,6 +79,21 @@ class SimDevice:
         return self.tier is Tier.AVL_TRAIN or (kind is TaskKind.EVAL and self.tier is Tier.AVL_EVAL)
 
 
+class CohortExecutor(Protocol):
+    """Where a cohort's tasks train (``run.executor``): in this process (:class:`~felix.client.cohort.CohortTrainer`) or on
+    Ray actors (:class:`felix.distributed.cohort_executor.RayCohortExecutor`). ``train`` returns one
+    update per task, in order, and writes each client's new objective state into its task."""
+
+    def train(self, tasks: list[CohortTask]) -> list[ClientUpdate]: ...
+
+    def probe(self, weights: list[np.ndarray], datas: list[ClientData]) -> list[ClientUpdate]: ...
+
+
+@runtime_checkable
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class SimSettings:
     seed: int = 0
@@ -115,7 +131,7 @@ class Simulation:
                  recorder: Recorder, settings: SimSettings,
                  on_train: Callable[[SimDevice, SimTask], None] | None = None,
                  augment: Callable[[SimDevice, tuple[int, ...]], float] | None = None,
-                 cohort: CohortTrainer | None = None) -> None:
+                 cohort: CohortExecutor | None = None) -> None:
         self.orch = orch
         self.devices = devices
         self.trainer = trainer
@@ -159,6 +175,22 @@ class Simulation:
             self.rec.bytes.add("up", "control", HEADER_BYTES + 8 * len(counts))
             self._deliver(ClientRegistered(0.0, dev.cid, len(dev.data), dev.tier, counts))
             self._schedule_tier(dev)
+        try:
+            self._loop()
+        finally:
+            if isinstance(self.cohort, _Closable):  # remote executors end their workers with the run
+                self.cohort.close()
+        if self._stop is None:
+            self._stop = "no_more_events"
+        last = self.rec.rows[-1]
+        if last.version != self.orch.version:
+            self.rec.record(self.now, self.orch.version, self.orch.weights)
+        if self.cfg.progress:
+            sys.stderr.write("\n")
+        return SimOutcome(self.now, time.perf_counter() - wall0, self._stop, self._rejected, self._train_seconds,
+                          self._unused)
+
+    def _loop(self) -> None:
         while self._heap and self._stop is None:
             t, _, kind, cid, token = heapq.heappop(self._heap)
             if t > self.cfg.max_time_s:
@@ -174,15 +206,6 @@ class Simulation:
                 self._wake_at = None
                 self._deliver(Tick(t))
             self._progress()
-        if self._stop is None:
-            self._stop = "no_more_events"
-        last = self.rec.rows[-1]
-        if last.version != self.orch.version:
-            self.rec.record(self.now, self.orch.version, self.orch.weights)
-        if self.cfg.progress:
-            sys.stderr.write("\n")
-        return SimOutcome(self.now, time.perf_counter() - wall0, self._stop, self._rejected, self._train_seconds,
-                          self._unused)
 
     def _progress(self) -> None:
         if self.cfg.progress and self.rec.rows and self.orch.version != self._shown:
