@@ -57,7 +57,7 @@ def test_staleness_is_versions_since_dispatch_and_fedbuff_downweights():
     tasks = dispatched(register(o, 2))
     o.handle(TaskFinished(1.0, tasks[0].client_id, tasks[0].task_id, upd(1.0)))  # version 1
     out = o.handle(TaskFinished(2.0, tasks[1].client_id, tasks[1].task_id, upd(1.0)))  # base 0 -> T=1
-    v = [c for c in out if isinstance(c, NewModelVersion)][0]
+    v = next(c for c in out if isinstance(c, NewModelVersion))
     assert v.report.staleness == (1,)
     assert o.stats.staleness == [0, 1]
 
@@ -70,7 +70,7 @@ def test_sync_overcommits_and_cancels_stragglers():
     out = o.handle(TaskFinished(2.0, tasks[1].client_id, tasks[1].task_id, upd(4.0, n=30)))
     cancels = [c for c in out if isinstance(c, CancelTask)]
     assert [c.task_id for c in cancels] == [tasks[2].task_id]
-    v = [c for c in out if isinstance(c, NewModelVersion)][0]
+    v = next(c for c in out if isinstance(c, NewModelVersion))
     # FedAvg by samples: (10*1 + 30*4) / 40 = 3.25
     np.testing.assert_allclose(v.weights, np.full(DIM, 3.25))
     assert len(dispatched(out)) == 3  # the next round starts in the same step

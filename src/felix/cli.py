@@ -63,6 +63,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    from felix.config import parse_set
     from felix.sweep import parse_grid, parse_seeds, sweep
 
     strategies: list[str | None] = [s.strip() for s in (args.strategies or "").split(",") if s.strip()] or [None]
