@@ -153,7 +153,7 @@ class ValidationCfg(_Strict):
     max_samples_factor: float = Field(1.0, ge=1, description="num_samples <= factor x the registered count "
                                       "(+ the data-plan row)")
     norm_policy: Literal["reject", "clip", "off"] = "reject"
-    norm_factor: float = Field(10.0, gt=1, description="norm bound: factor x median of recent accepted norms")
+    norm_factor: float = Field(30.0, gt=1, description="norm bound: factor x median of recent accepted norms")
     norm_window: int = Field(50, ge=1, description="distinct clients whose latest accepted norm forms the median")
     norm_min_history: int = Field(5, ge=1, description="clients needed before the median rule applies")
     warmup_factor: float = Field(1.0, ge=0, description="bound before that: factor x the model's norm (0: none)")
