@@ -54,6 +54,17 @@ class RunOutput:
     rows: list[EvalRow]
 
 
+def warm_process() -> None:
+    """Import the run stack and build one optimiser (the first construction in a process imports
+    ``torch._dynamo``: seconds of CPU), so that a fresh worker's first run costs what a warm
+    process's does. Ray backends run it once per worker when they start."""
+    import torch
+
+    import felix.experiment  # noqa: F401  (the imports are the point)
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+
 def execute(spec: RunSpec) -> RunOutput:
     """The run function every backend calls: simulate ``spec.config`` with ``run.threads`` torch
     threads (the same on every backend, so float reductions, hence summaries, match) and return its

@@ -14,12 +14,16 @@ from typing import Any
 
 from felix.config import ConfigError
 from felix.distributed.ray_runtime import Resources, session
-from felix.runs import RunFunction, RunOutput, RunSpec, execute
+from felix.runs import RunFunction, RunOutput, RunSpec, execute, warm_process
 
 
 class RayTaskBackend:
     """Runs specs as Ray tasks with declared resources, on a local safe instance (``num_cpus`` CPUs,
-    default all) or on the cluster at ``address``. ``close`` stops a local instance it started."""
+    default all) or on the cluster at ``address``. ``close`` stops a local instance it started.
+
+    On a local instance every worker is warmed first (``felix.runs.warm_process``: one task per CPU,
+    all at once, so each lands on its own worker), so runs do not each pay a fresh process's imports;
+    that cost belongs to start-up."""
 
     def __init__(self, address: str | None = None, num_cpus: int | None = None, gpus_per_run: float = 1.0,
                  fn: RunFunction = execute) -> None:
@@ -28,6 +32,9 @@ class RayTaskBackend:
         self.ray = self._stack.enter_context(session(address, num_cpus))
         self._task = self.ray.remote(fn)
         self._capacity = self.ray.cluster_resources()
+        if address is None:
+            warm = self.ray.remote(warm_process).options(num_cpus=1, max_retries=0, name="felix-warm-up")
+            self.ray.get([warm.remote() for _ in range(min(64, int(self._capacity.get("CPU", 1))))])
 
     def submit(self, spec: RunSpec) -> object:
         run = spec.config.run
