@@ -15,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from felix.aggregation.fedavg import FedBuffAggregator
 from felix.core.commands import NewModelVersion
 from felix.core.events import ClientRegistered, TaskFinished
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.types import ClientUpdate, Tier
-from felix.runtime import checkpoint as ckpt
-from felix.selection.random import RandomSelector
+from felix.deploy import checkpoint as ckpt
+from felix.strategies.aggregation.fedavg import FedBuffAggregator
+from felix.strategies.selection.random import RandomSelector
 
 
 def main() -> int:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from felix.config import deep_merge
-from felix.experiment import resolve_config, run_config
+from felix.engine.run import resolve_config, run_config
 
 VARIES = ("wall_time_s", "provenance")
 

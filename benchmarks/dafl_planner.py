@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
-from felix.data.dafl import DaflParams, phase1_steps, plan_dafl
-from felix.data.dafl_tables import DATASET_NAMES, partition
+from felix.strategies.dataplans.dafl import DaflParams, phase1_steps, plan_dafl
+from felix.strategies.dataplans.dafl_tables import DATASET_NAMES, partition
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from dafl_legacy import legacy_plan  # the previous planner, kept for the tests

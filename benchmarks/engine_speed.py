@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from felix.build import Built, build
 from felix.client.trainer import ClientData
 from felix.config import parse_set
-from felix.experiment import resolve_config
+from felix.engine.run import resolve_config
+from felix.scenario.build import Built, build
 
 
 def simulate(args: argparse.Namespace, aggregations: int,

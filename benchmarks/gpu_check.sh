@@ -33,9 +33,9 @@ import copy, json, time
 import numpy as np, torch
 from torch.nn.utils import parameters_to_vector
 from felix.client.cohort import CohortTask, CohortTrainer
-from felix.client.objectives import make_objective
+from felix.strategies.objectives import make_objective
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
-from felix.models import make_model
+from felix.scenario.models import make_model
 import os
 device = os.environ["DEVICE"]
 torch.backends.cuda.matmul.allow_tf32 = False

@@ -37,12 +37,15 @@ import numpy as np
 import yaml
 
 from felix.core.events import TierChanged
-from felix.experiment import resolve_config
-from felix.runtime.broker import MosquittoBroker, find_mosquitto
-from felix.runtime.client import MAX_CLIENTS_PER_PROCESS
-from felix.runtime.link import BrokerOptions
-from felix.runtime.server import ServeOptions, Server
-from felix.runtime.topics import SERVER_USER
+from felix.engine.run import resolve_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test broker fixture
+from broker import MosquittoBroker, find_mosquitto
+
+from felix.deploy.client import MAX_CLIENTS_PER_PROCESS
+from felix.deploy.link import BrokerOptions
+from felix.deploy.server import ServeOptions, Server
+from felix.deploy.topics import SERVER_USER
 
 
 def _config(path: Path, n: int, phase: str, slot_s: float, horizon_s: float) -> dict[str, Any]:
@@ -117,7 +120,7 @@ def run_phase(n: int, phase: str, window_s: float, processes: int, slot_s: float
         thread = threading.Thread(target=server.run, daemon=True, name="felix-loop")
         thread.start()
         emulate = subprocess.Popen(
-            [sys.executable, "-m", "felix.runtime", "emulate", str(cfg_path), "--clients", str(n), "--processes",
+            [sys.executable, "-m", "felix.deploy", "emulate", str(cfg_path), "--clients", str(n), "--processes",
              str(processes), "--broker", broker.address, "--run-id", "cap", "--credentials",
              str(broker.credentials_file), "--no-train", "--time-scale", "1", "--max-wall-s", str(window_s + 240)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

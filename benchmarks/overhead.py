@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from felix.build import build
-from felix.experiment import resolve_config
+from felix.engine.run import resolve_config
+from felix.scenario.build import build
 
 
 def main() -> None:

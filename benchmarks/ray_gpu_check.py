@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from felix.experiment import resolve_config
-from felix.runs import InlineBackend, RunOutput, RunSpec, execute, run_all
+from felix.engine.run import resolve_config
+from felix.experiments.runs import InlineBackend, RunOutput, RunSpec, execute, run_all
 
 
 def traced(spec: RunSpec) -> RunOutput:

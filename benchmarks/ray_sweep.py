@@ -4,7 +4,7 @@ workers (issue 14's acceptance), side by side and repeated.
 Run: ``PYTHONPATH=src python benchmarks/ray_sweep.py [--repeats 3] [--aggregations 150] [--clients 100] [--model small_cnn]``
 
 Per repeat, in alternating order (so a trend in the machine's load favours neither side): the
-six runs one by one in this process (``felix.runs.InlineBackend``; this process is warmed up first,
+six runs one by one in this process (``felix.experiments.runs.InlineBackend``; this process is warmed up first,
 so no imports or first-run costs: the kindest baseline for the sequential side), and a fresh local
 Ray instance with 2 CPUs (start-up timed on its own) running the same six specs as Ray tasks
 (``RayTaskBackend``), each in a fresh worker process. Both use ``run.threads = 1``. It checks that
@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from felix.experiment import resolve_config
-from felix.runs import InlineBackend, Outcome, RunOutput, RunSpec, run_all
+from felix.engine.run import resolve_config
+from felix.experiments.runs import InlineBackend, Outcome, RunOutput, RunSpec, run_all
 
 
 def noop(spec: RunSpec) -> RunOutput:
@@ -71,7 +71,7 @@ def main() -> None:
     def on_ray(root: Path) -> tuple[Outcome, float, float, list[float], float, float]:
         t = time.perf_counter()
         start_local(num_cpus=2)
-        backend = RayTaskBackend()  # warms each worker (felix.runs.warm_process): part of start-up
+        backend = RayTaskBackend()  # warms each worker (felix.experiments.runs.warm_process): part of start-up
         start_s = time.perf_counter() - t
         t = time.perf_counter()
         out = run_all(specs(root, args.aggregations, args.clients, args.model), backend, log=quiet)

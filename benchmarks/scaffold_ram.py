@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from felix.client import objectives
 from felix.experiments import federage
+from felix.strategies import objectives
 
 
 def main(argv: list[str] | None = None) -> int:

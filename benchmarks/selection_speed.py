@@ -34,13 +34,13 @@ from typing import Any
 import numpy as np
 
 import felix
-from felix.aggregation.fedavg import FedBuffAggregator
 from felix.core.client_map import ClientRecord
 from felix.core.commands import DispatchEval, DispatchTrain
 from felix.core.events import TaskFinished, Tick
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.types import ClientUpdate, Tier
-from felix.selection.tierselect import tierselect
+from felix.strategies.aggregation.fedavg import FedBuffAggregator
+from felix.strategies.selection.tierselect import tierselect
 
 DIM = 10  # model size: irrelevant to selection, kept tiny
 K = 30  # trainers per decision (the felix preset's concurrency)

@@ -58,10 +58,13 @@ import paho.mqtt.client as mqtt
 import yaml
 
 from felix.core.types import TaskKind, Tier
-from felix.runtime import checkpoint as ckpt
-from felix.runtime import wire
-from felix.runtime.broker import MosquittoBroker, find_mosquitto
-from felix.runtime.topics import SERVER_USER, Topics, client_user
+from felix.deploy import checkpoint as ckpt
+from felix.deploy import wire
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test broker fixture
+from broker import MosquittoBroker, find_mosquitto
+
+from felix.deploy.topics import SERVER_USER, Topics, client_user
 
 RUN = "soak"
 
@@ -272,7 +275,7 @@ class Soak:
 
     def _spawn(self, args: list[str], logname: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         with open(self.work / logname, "ab") as f:
-            return subprocess.Popen([sys.executable, "-m", "felix.runtime", "-v", *args], stdout=f,
+            return subprocess.Popen([sys.executable, "-m", "felix.deploy", "-v", *args], stdout=f,
                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1",
                                                                    **(env or {})})
 

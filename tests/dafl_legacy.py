@@ -8,7 +8,7 @@ import math
 import numpy as np
 from numpy.typing import NDArray
 
-from felix.data.dafl import P_RTOL, DaflParams
+from felix.strategies.dataplans.dafl import P_RTOL, DaflParams
 
 
 def legacy_plan(n_mat: NDArray[np.int64], params: DaflParams) -> NDArray[np.int64]:

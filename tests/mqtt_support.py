@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from broker import MosquittoBroker, find_mosquitto
 
 from felix.config import Config
-from felix.experiment import resolve_config
-from felix.runtime.broker import MosquittoBroker, find_mosquitto
-from felix.runtime.client import ClientHost, ClientOptions, credentials_from_map
-from felix.runtime.link import BrokerOptions
-from felix.runtime.server import ServeOptions, Server
-from felix.runtime.topics import SERVER_USER
+from felix.deploy.client import ClientHost, ClientOptions, credentials_from_map
+from felix.deploy.link import BrokerOptions
+from felix.deploy.server import ServeOptions, Server
+from felix.deploy.topics import SERVER_USER
+from felix.engine.run import resolve_config
 
 
 @pytest.fixture
@@ -131,10 +131,10 @@ def start_clients(cfg: Config, broker: MosquittoBroker, ids: list[int], time_sca
 
 
 def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    """``python -m felix.runtime ARGS`` with its output in ``log``."""
+    """``python -m felix.deploy ARGS`` with its output in ``log``."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "ab") as f:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen([sys.executable, "-m", "felix.runtime", "-v", *args], stdout=f,
+        return subprocess.Popen([sys.executable, "-m", "felix.deploy", "-v", *args], stdout=f,
                                 stderr=subprocess.STDOUT, env=env)
 
 

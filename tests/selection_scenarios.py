@@ -22,17 +22,17 @@ from typing import Any
 
 import numpy as np
 
-from felix.aggregation.fedavg import FedAvgAggregator, FedBuffAggregator
 from felix.core.commands import Command, DispatchEval, DispatchTrain, NewModelVersion
 from felix.core.events import ClientRegistered, TaskFailed, TaskFinished, Tick, TierChanged
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.policies import EvalSelector, TrainSelector
 from felix.core.types import ClientUpdate, Tier
 from felix.core.validation import UpdateValidator, ValidationConfig
-from felix.selection.oort import OortParams, OortSelector
-from felix.selection.random import RandomSelector
-from felix.selection.refl import ReflIPSParams, ReflIPSSelector
-from felix.selection.tierselect import TierSelectEvalParams, tierselect
+from felix.strategies.aggregation.fedavg import FedAvgAggregator, FedBuffAggregator
+from felix.strategies.selection.oort import OortParams, OortSelector
+from felix.strategies.selection.random import RandomSelector
+from felix.strategies.selection.refl import ReflIPSParams, ReflIPSSelector
+from felix.strategies.selection.tierselect import TierSelectEvalParams, tierselect
 
 DIM = 4
 HORIZON = 900.0  # seconds of virtual time

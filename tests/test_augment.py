@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from felix.data.augment import AUGMENTERS, Flip, Identity, RotateFlip, augment_client, get_augmenter, rotate
+from felix.strategies.dataplans.augment import (
+    AUGMENTERS,
+    Flip,
+    Identity,
+    RotateFlip,
+    augment_client,
+    get_augmenter,
+    rotate,
+)
 
 
 def _client(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

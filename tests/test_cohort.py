@@ -13,13 +13,13 @@ import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-from felix.build import build
 from felix.client.cohort import AUTO_COHORT, CohortTask, CohortTrainer, batch_rows, conv_macs, resolve_cohort
-from felix.client.objectives import make_objective
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
 from felix.config import deep_merge
-from felix.experiment import resolve_config
-from felix.models import make_model
+from felix.engine.run import resolve_config
+from felix.scenario.build import build
+from felix.scenario.models import make_model
+from felix.strategies.objectives import make_objective
 
 C = 6
 SIZES = [1, 3, 17, 40, 16, 65, 9]  # ragged: one sample to five batches, exact and short last batches

@@ -15,12 +15,12 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from felix.client.cohort import CohortTask, CohortTrainer, batch_rows
-from felix.client.objectives import make_objective
 from felix.client.trainer import ClientData, TrainConfig
 from felix.config import deep_merge
 from felix.distributed.cohort_executor import generator_seed, make_generator, split_shares
-from felix.experiment import resolve_config, run_config
-from felix.models import make_model
+from felix.engine.run import resolve_config, run_config
+from felix.scenario.models import make_model
+from felix.strategies.objectives import make_objective
 
 SIZES = [1, 3, 17, 40, 16, 65, 9, 33, 20]
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from felix.cli import main
-from felix.experiment import resolve_config
+from felix.engine.run import resolve_config
 from felix.presets import MAIN_STRATEGIES, STRATEGIES
 
 TINY = ["--set", "partition.num_clients=12", "--set", "model=mlp", "--set", "run.max_aggregations=3",
@@ -16,7 +16,7 @@ TINY = ["--set", "partition.num_clients=12", "--set", "model=mlp", "--set", "run
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_every_preset_validates_and_builds(name):
-    from felix.build import build_orchestrator, build_trace
+    from felix.scenario.build import build_orchestrator, build_trace
 
     cfg = resolve_config(None, name, {})
     import numpy as np

@@ -1,4 +1,4 @@
-"""``felix plan-augmentation`` / ``python -m felix.dafl_cli``."""
+"""``felix plan-augmentation`` / ``python -m felix.cli.dafl``."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from felix import dafl_cli
-from felix.data.dafl import DaflParams, plan_dafl, plan_local_balancing
+from felix.cli import dafl as dafl_cli
+from felix.strategies.dataplans.dafl import DaflParams, plan_dafl, plan_local_balancing
 
 SRC = Path(dafl_cli.__file__).resolve().parents[1]
 JSON_KEYS = {"I_before", "J_before", "I_after", "J_after", "added", "added_per_client", "plan_seconds"}
@@ -164,7 +164,7 @@ def test_runs_as_a_module(tmp_path: Path) -> None:
         "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
     }
     done = subprocess.run(
-        [sys.executable, "-m", "felix.dafl_cli", str(path), "--json"],
+        [sys.executable, "-m", "felix.cli.dafl", str(path), "--json"],
         capture_output=True,
         text=True,
         env=env,
@@ -173,7 +173,7 @@ def test_runs_as_a_module(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert JSON_KEYS <= set(json.loads(done.stdout))
     bad = subprocess.run(
-        [sys.executable, "-m", "felix.dafl_cli", str(tmp_path / "nope.csv")],
+        [sys.executable, "-m", "felix.cli.dafl", str(tmp_path / "nope.csv")],
         capture_output=True,
         text=True,
         env=env,
@@ -184,7 +184,7 @@ def test_runs_as_a_module(tmp_path: Path) -> None:
 
 def test_rule_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # D3 at lambda2 = 100: the float rule (default) reproduces the paper's 39,060, the exact rule 39,018.
-    from felix.data.dafl_tables import partition
+    from felix.strategies.dataplans.dafl_tables import partition
 
     rows = "\n".join(",".join(map(str, row)) for row in partition("D3").tolist())
     path = _write(tmp_path, "c1,c2,c3,c4,c5,c6,c7,c8\n" + rows + "\n")

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from felix.data.dafl_tables import partition
 from felix.experiments.dafl import add_parser, main, scale_table
 from felix.metrics.classification import class_metrics, confusion_matrix, f1_per_class, minority_classes
 from felix.metrics.convergence import convergence_round
+from felix.strategies.dataplans.dafl_tables import partition
 
 TINY = ["--dataset", "digits", "--model", "mlp", "--scale", "0.02", "--rounds", "7", "--batch-size", "16",
         "--threads", "1", "-q"]

@@ -7,9 +7,14 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from felix.data import imbalance as im
-from felix.data.dafl import DaflParams
-from felix.data.dafl_tables import DATASET_NAMES, TABLE_II_GLOBAL, TABLE_II_IMBALANCE, partition
+from felix.strategies.dataplans import imbalance as im
+from felix.strategies.dataplans.dafl import DaflParams
+from felix.strategies.dataplans.dafl_tables import (
+    DATASET_NAMES,
+    TABLE_II_GLOBAL,
+    TABLE_II_IMBALANCE,
+    partition,
+)
 
 # Paper defaults: alpha = lambda1 * zeta' / epsilon = 1 * 2 / 0.001 = 2000, beta = lambda2 * zeta = 100.
 TIME = {"zeta_prime": 2.0, "epsilon": 1e-3, "local_updates": 2, "smoothness": 1.0}

@@ -16,14 +16,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from felix.data.dafl import (
+from felix.strategies.dataplans.dafl import (
     P_RTOL,
     DaflParams,
     plan_dafl,
     plan_local_balancing,
 )
-from felix.data.dafl_tables import DATASET_NAMES, partition
-from felix.data.imbalance import global_class_imbalance, label_proportion_imbalance, local_class_imbalance
+from felix.strategies.dataplans.dafl_tables import DATASET_NAMES, partition
+from felix.strategies.dataplans.imbalance import (
+    global_class_imbalance,
+    label_proportion_imbalance,
+    local_class_imbalance,
+)
 
 # ---------------------------------------------------------------------------
 # Straightforward reference: Algorithm 1 read literally, every candidate's J and

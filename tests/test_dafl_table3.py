@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from dafl_legacy import legacy_plan
 
-from felix.data import dafl_kernel
-from felix.data.dafl import (
+from felix.strategies.dataplans import dafl_kernel
+from felix.strategies.dataplans.dafl import (
     MAX_COUNT,
     DaflParams,
     PlanTooLargeError,
@@ -20,8 +20,8 @@ from felix.data.dafl import (
     plan_dafl,
     plan_local_balancing,
 )
-from felix.data.dafl_tables import DATASET_NAMES, partition
-from felix.data.imbalance import global_class_imbalance
+from felix.strategies.dataplans.dafl_tables import DATASET_NAMES, partition
+from felix.strategies.dataplans.imbalance import global_class_imbalance
 
 # (partition, lambda2) -> (samples added, I after), rule "float" (the default), s = 1, tau = 1e-3.
 # Published in the paper's Table III and quoted in issue 13: D3 at 1e2 adds 39,060; D2 at 1e4 leaves

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from felix.build import build, build_runtimes
 from felix.config import ConfigError, deep_merge
-from felix.data.dafl import plan_dafl, plan_local_balancing
-from felix.data.plans import dafl_params, registered_counts
-from felix.experiment import resolve_config, run_config
+from felix.engine.run import resolve_config, run_config
+from felix.scenario.build import build, build_runtimes
+from felix.strategies.dataplans.dafl import plan_dafl, plan_local_balancing
+from felix.strategies.dataplans.plans import dafl_params, registered_counts
 
 # Client x class counts: every client skewed towards one class, one client nearly balanced.
 TABLE = [[8, 1, 2, 1, 1, 1, 1, 1], [1, 9, 1, 1, 1, 1, 1, 1], [1, 1, 1, 10, 1, 1, 1, 1],

@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from felix.build import build_orchestrator, build_population
 from felix.core.commands import Command, NewModelVersion, UpdateRejected
 from felix.core.events import ClientRegistered, Event, TaskFinished, Tick, TierChanged
 from felix.core.orchestrator import Orchestrator
 from felix.core.types import ClientUpdate, TaskKind, Tier
-from felix.experiment import resolve_config
-from felix.runtime import checkpoint as ckpt
-from felix.runtime import security
+from felix.deploy import checkpoint as ckpt
+from felix.deploy import security
+from felix.engine.run import resolve_config
+from felix.scenario.build import build_orchestrator, build_population
 
 N = 16
 
@@ -122,9 +122,9 @@ def test_checkpoint_cost_does_not_grow_with_history(tmp_path: Path) -> None:
     4.7 s at 100,000 applied updates: every applied and closed task id, re-encoded each time.)"""
     import time
 
-    from felix.aggregation.fedavg import FedBuffAggregator
     from felix.core.orchestrator import Knowledge, OrchestratorConfig
-    from felix.selection.random import RandomSelector
+    from felix.strategies.aggregation.fedavg import FedBuffAggregator
+    from felix.strategies.selection.random import RandomSelector
 
     n_clients, active, updates = 10_000, 200, 100_000
     orch = Orchestrator(OrchestratorConfig(agg_goal=50, concurrency=100, knowledge=Knowledge.TIERTRACK),

@@ -9,12 +9,12 @@ import pytest
 from mqtt_support import one_torch_thread  # noqa: F401  (a fixture)
 
 from felix.core.types import ClientUpdate, TaskKind, Tier
-from felix.experiment import resolve_config
-from felix.runtime import wire
-from felix.runtime.client import ClientHost, ClientOptions, Device, PendingTask
-from felix.runtime.link import BrokerOptions, Inbound
-from felix.runtime.topics import Topics
-from felix.sim.traces import DeviceTrace
+from felix.deploy import wire
+from felix.deploy.client import ClientHost, ClientOptions, Device, PendingTask
+from felix.deploy.link import BrokerOptions, Inbound
+from felix.deploy.topics import Topics
+from felix.engine.run import resolve_config
+from felix.scenario.traces import DeviceTrace
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SCALE = 0.2  # 1 config second = 200 ms: wide enough for a loaded machine's timer delays

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from broker import MosquittoBroker
 from mqtt_support import (
     load_config,
     needs_mosquitto,
@@ -21,8 +22,6 @@ from mqtt_support import (
     wait_until,
     write_config,
 )
-
-from felix.runtime.broker import MosquittoBroker
 
 pytestmark = needs_mosquitto
 SCALE = 0.04  # 1 config second = 40 ms: 10 s tasks take 0.4 s, a 60 s trace slot 2.4 s, the timeout 3.6 s
@@ -87,7 +86,7 @@ def test_churn_kills_and_broker_restart(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("bad", ["wrong-password", "unknown-user"])
 def test_bad_login_is_refused_with_a_clear_error(tmp_path: Path, bad: str) -> None:
-    from felix.runtime.link import BrokerOptions, LinkError, MqttLink
+    from felix.deploy.link import BrokerOptions, LinkError, MqttLink
 
     with MosquittoBroker(2, workdir=tmp_path / "broker") as broker:
         user = "client-0" if bad == "wrong-password" else "mallory"
@@ -103,7 +102,7 @@ def test_tls_option(tmp_path: Path) -> None:
 
     from mqtt_support import users
 
-    from felix.runtime.link import BrokerOptions, Connected, Inbound, LinkError, MqttLink
+    from felix.deploy.link import BrokerOptions, Connected, Inbound, LinkError, MqttLink
 
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed: cannot make test certificates")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import paho.mqtt.client as mqtt
+from broker import MosquittoBroker
 from mqtt_support import (
     broker_options,
     load_config,
@@ -30,10 +31,9 @@ from mqtt_support import (
     write_config,
 )
 
-from felix.runtime import wire
-from felix.runtime.broker import MosquittoBroker
-from felix.runtime.link import Connected, Inbound, MqttLink
-from felix.runtime.topics import Topics
+from felix.deploy import wire
+from felix.deploy.link import Connected, Inbound, MqttLink
+from felix.deploy.topics import Topics
 
 pytestmark = needs_mosquitto
 T = Topics("t")

@@ -8,6 +8,7 @@ import json
 import signal
 from pathlib import Path
 
+from broker import MosquittoBroker
 from mqtt_support import (
     load_config,
     needs_mosquitto,
@@ -20,8 +21,7 @@ from mqtt_support import (
     write_config,
 )
 
-from felix.runtime import checkpoint as ckpt
-from felix.runtime.broker import MosquittoBroker
+from felix.deploy import checkpoint as ckpt
 
 pytestmark = needs_mosquitto
 SCALE = 0.03

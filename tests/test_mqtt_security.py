@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
+from broker import MosquittoBroker
 from mqtt_support import (
     load_config,
     needs_mosquitto,
@@ -24,9 +25,8 @@ from mqtt_support import (
 )
 
 from felix.core.types import TaskKind, Tier
-from felix.runtime import wire
-from felix.runtime.broker import MosquittoBroker
-from felix.runtime.topics import Topics
+from felix.deploy import wire
+from felix.deploy.topics import Topics
 
 pytestmark = needs_mosquitto
 T = Topics("t")
@@ -300,7 +300,7 @@ def test_no_client_can_take_over_the_server_or_another_clients_id(tmp_path: Path
 def test_tls_name_mismatch_says_so(tmp_path: Path) -> None:
     """docs item of issue 11: a certificate that does not name the --broker host failed with only
     "no answer from the broker"; the error now says what is wrong and what to do."""
-    from felix.runtime.link import BrokerOptions, LinkError, MqttLink
+    from felix.deploy.link import BrokerOptions, LinkError, MqttLink
 
     with MosquittoBroker(1, workdir=tmp_path / "broker", tls=True) as broker:
         u = users(broker)

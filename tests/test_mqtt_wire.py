@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from felix.core.types import TaskKind, Tier
-from felix.runtime import wire
-from felix.runtime.topics import Topics, check_run_id, sanitize_run_id
-from felix.runtime.wire import ErrorCode, MessageError
+from felix.deploy import wire
+from felix.deploy.topics import Topics, check_run_id, sanitize_run_id
+from felix.deploy.wire import ErrorCode, MessageError
 
 ENV = {"run": "r1", "msg_id": "abcd-1", "sent_at": 1700000000.5}
 

@@ -10,7 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-from felix.client.objectives import (
+from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
+from felix.core.policies import reduce_aux
+from felix.core.types import BufferedUpdate, ClientUpdate
+from felix.strategies.objectives import (
     FedeRage,
     TaskContext,
     beta_step,
@@ -19,9 +22,6 @@ from felix.client.objectives import (
     max_risk_weight,
     risk_weight,
 )
-from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
-from felix.core.policies import reduce_aux
-from felix.core.types import BufferedUpdate, ClientUpdate
 
 
 def _ctx(model: nn.Module, num_classes: int = 2, lr: float = 0.1, aux_in: dict | None = None,
@@ -403,8 +403,8 @@ def test_scaffold_correction_moves_the_model_by_k_lr_ci() -> None:
 
 def test_run_config_trains_federage_on_full_batches() -> None:
     """A run config with the FedeRage objective gets drop_last (the fixed model mini-batch b)."""
-    from felix.build import build_population, build_trainer
     from felix.config import Config
+    from felix.scenario.build import build_population, build_trainer
 
     fr = Config.model_validate({"client": {"objective": "federage", "objective_params": {"alpha": 0.2}}})
     pop = build_population(fr)

@@ -7,14 +7,14 @@ import itertools
 import numpy as np
 import pytest
 
-from felix.aggregation.fedavg import FedBuffAggregator
 from felix.core.client_map import ClientMap, ClientRecord
 from felix.core.commands import Command, DispatchEval, DispatchTrain, NewModelVersion
 from felix.core.events import ClientRegistered, TaskFinished
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.policies import SelectionContext
 from felix.core.types import ClientUpdate, Tier
-from felix.selection.oort import OortParams, OortSelector, get_norm, weighted_sample
+from felix.strategies.aggregation.fedavg import FedBuffAggregator
+from felix.strategies.selection.oort import OortParams, OortSelector, get_norm, weighted_sample
 
 
 def rec(cid: int, util: float | None = None, last: int = -1, dur: float | None = None, n: int = 100,

@@ -4,13 +4,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from felix.aggregation.fedavg import FedAvgAggregator, FedBuffAggregator
 from felix.core.commands import CancelTask, DispatchTrain, NewModelVersion, UpdateRejected
 from felix.core.events import ClientRegistered, TaskFailed, TaskFinished, Tick, TierChanged
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.types import ClientUpdate, Tier
 from felix.core.validation import AuxDecl
-from felix.selection.random import RandomSelector
+from felix.strategies.aggregation.fedavg import FedAvgAggregator, FedBuffAggregator
+from felix.strategies.selection.random import RandomSelector
 
 DIM = 4
 

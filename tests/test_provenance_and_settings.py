@@ -6,8 +6,8 @@ import pytest
 
 from felix.config import ConfigError, load_yaml, parse_set, validate
 from felix.core.types import Tier
-from felix.experiment import resolve_config, run_config
-from felix.sim.traces import AvailabilityTrace, DeviceTrace
+from felix.engine.run import resolve_config, run_config
+from felix.scenario.traces import AvailabilityTrace, DeviceTrace
 
 
 @pytest.mark.parametrize("text", ["3_75", "3_50", "2", "failures_48h"])

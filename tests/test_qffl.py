@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from felix.aggregation.ips import IPSAggregator
-from felix.aggregation.qffl import QFFLAggregator
 from felix.core.types import BufferedUpdate, ClientUpdate
+from felix.strategies.aggregation.ips import IPSAggregator
+from felix.strategies.aggregation.qffl import QFFLAggregator
 
 
 def _item(cid: int, delta: list[float], loss: float, n: int = 10, aux: dict | None = None) -> BufferedUpdate:
@@ -75,8 +75,8 @@ def test_qffl_falls_back_to_the_data_loss_of_a_federage_client() -> None:
     from torch import nn
     from torch.nn.utils import parameters_to_vector
 
-    from felix.client.objectives import make_objective
     from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
+    from felix.strategies.objectives import make_objective
 
     g = torch.Generator().manual_seed(0)
     data = ClientData(torch.randn(16, 4, generator=g), torch.randint(0, 2, (16,), generator=g))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from felix.core.types import Tier
-from felix.sim.random_access import (
+from felix.scenario.random_access import (
     RandomAccessModel,
     beta_probabilities,
     correlate_with_rarity,
@@ -16,7 +16,7 @@ from felix.sim.random_access import (
     rarity_scores,
     two_level_probabilities,
 )
-from felix.sim.traces import DeviceTrace
+from felix.scenario.traces import DeviceTrace
 
 
 def test_ram_validates_and_is_immutable() -> None:

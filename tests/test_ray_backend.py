@@ -20,8 +20,8 @@ psutil = pytest.importorskip("psutil", reason='psutil is not installed: pip inst
 from felix.config import ConfigError
 from felix.distributed import ray_runtime
 from felix.distributed.ray_tasks import RayTaskBackend
-from felix.runs import InlineBackend, RunOutput, RunSpec, run_all
-from felix.sweep import sweep
+from felix.experiments.runs import InlineBackend, RunOutput, RunSpec, run_all
+from felix.experiments.sweep import sweep
 
 pytestmark = pytest.mark.ray
 

@@ -1,4 +1,4 @@
-"""Many runs, one implementation (felix.runs): the skip rule, retry-once-then-report, local
+"""Many runs, one implementation (felix.experiments.runs): the skip rule, retry-once-then-report, local
 backends, and `felix sweep` on the local backend. The Ray backend: tests/test_ray_backend.py."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from felix.cli import main
 from felix.config import ConfigError
 from felix.distributed.ray_runtime import Resources
-from felix.experiment import resolve_config
-from felix.runs import InlineBackend, ProcessBackend, RunOutput, RunSpec, execute, run_all
-from felix.sweep import parse_grid, parse_seeds, points
+from felix.engine.run import resolve_config
+from felix.experiments.runs import InlineBackend, ProcessBackend, RunOutput, RunSpec, execute, run_all
+from felix.experiments.sweep import parse_grid, parse_seeds, points
 
 TINY = {"partition": {"num_clients": 12}, "model": "mlp", "trace": {"kind": "always"},
         "run": {"max_aggregations": 3, "target_accuracy": 0.3, "target_window": 1, "stop_at_target": False},

@@ -15,18 +15,18 @@ import numpy as np
 import pytest
 from selection_scenarios import SCENARIOS, SEEDS, _build, run_scenario
 
-from felix.aggregation.fedavg import FedBuffAggregator
 from felix.core.client_map import ClientMap, ClientRecord
 from felix.core.commands import UpdateRejected
 from felix.core.events import ClientRegistered
 from felix.core.orchestrator import Orchestrator, OrchestratorConfig
 from felix.core.policies import SelectionContext
 from felix.core.types import Tier
-from felix.selection.oort import OortParams, OortSelector
-from felix.selection.random import RandomSelector
-from felix.selection.ranking import kth_largest, largest_first, smallest_first
-from felix.selection.refl import ReflIPSSelector
-from felix.selection.tierselect import TierSelectEval
+from felix.strategies.aggregation.fedavg import FedBuffAggregator
+from felix.strategies.selection.oort import OortParams, OortSelector
+from felix.strategies.selection.random import RandomSelector
+from felix.strategies.selection.ranking import kth_largest, largest_first, smallest_first
+from felix.strategies.selection.refl import ReflIPSSelector
+from felix.strategies.selection.tierselect import TierSelectEval
 
 FIXTURE = json.loads((Path(__file__).parent / "data" / "selection_fixture.json").read_text())
 CASES = [f"{name}/{seed}" for name in SCENARIOS for seed in SEEDS]

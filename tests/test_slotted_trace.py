@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from felix.core.types import Tier
-from felix.sim.traces import DeviceTrace, slotted_churn
+from felix.scenario.traces import DeviceTrace, slotted_churn
 
 
 @pytest.mark.parametrize("head_s", [0.0, 30.0])

@@ -7,12 +7,17 @@ import itertools
 import numpy as np
 import pytest
 
-from felix.aggregation.tierfuse import TierFuseAggregator, TierFuseParams, staleness_decay, utility_gain
 from felix.core.commands import Command, DispatchTrain, NewModelVersion
 from felix.core.events import ClientRegistered, TaskFinished
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.types import BufferedUpdate, ClientUpdate
-from felix.selection.random import RandomSelector
+from felix.strategies.aggregation.tierfuse import (
+    TierFuseAggregator,
+    TierFuseParams,
+    staleness_decay,
+    utility_gain,
+)
+from felix.strategies.selection.random import RandomSelector
 
 
 def item(staleness: int, utility: float = 0.0, loss: float = 0.0, delta: list[float] | None = None,

@@ -7,15 +7,15 @@ import itertools
 import numpy as np
 import pytest
 
-from felix.aggregation.tierfuse import TierFuseAggregator
 from felix.core.client_map import ClientMap, ClientRecord
 from felix.core.commands import Command, DispatchEval, DispatchTrain, NewModelVersion
 from felix.core.events import ClientRegistered, TaskFinished
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.policies import SelectionContext
 from felix.core.types import ClientUpdate, Tier
-from felix.selection.oort import OortParams, OortSelector
-from felix.selection.tierselect import TierSelectEval, TierSelectEvalParams, tierselect
+from felix.strategies.aggregation.tierfuse import TierFuseAggregator
+from felix.strategies.selection.oort import OortParams, OortSelector
+from felix.strategies.selection.tierselect import TierSelectEval, TierSelectEvalParams, tierselect
 
 
 def ctx_for(last_rounds: dict[int, int], round_: int) -> SelectionContext:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from felix.core.types import Tier
-from felix.sim.traces import (
+from felix.scenario.traces import (
     DeviceTrace,
     TraceError,
     always_available,

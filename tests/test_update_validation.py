@@ -6,11 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from felix.aggregation.fedavg import FedAvgAggregator, FedBuffAggregator
-from felix.aggregation.robust import RobustAggregator, weighted_median, weighted_trimmed_mean
-from felix.aggregation.tierfuse import TierFuseAggregator
-from felix.build import build_orchestrator
-from felix.client.objectives import FedeRage, Objective, Scaffold
 from felix.config import ConfigError, validate
 from felix.core.commands import DispatchEval, DispatchTrain, NewModelVersion, UpdateRejected
 from felix.core.events import ClientRegistered, TaskFinished, TierChanged
@@ -18,9 +13,14 @@ from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.policies import Aggregator
 from felix.core.types import BufferedUpdate, ClientUpdate, TaskKind, Tier
 from felix.core.validation import AuxDecl, UpdateValidator, ValidationConfig, aux_problem
-from felix.selection.oort import OortSelector
-from felix.selection.random import RandomSelector
-from felix.selection.tierselect import TierSelectEval
+from felix.scenario.build import build_orchestrator
+from felix.strategies.aggregation.fedavg import FedAvgAggregator, FedBuffAggregator
+from felix.strategies.aggregation.robust import RobustAggregator, weighted_median, weighted_trimmed_mean
+from felix.strategies.aggregation.tierfuse import TierFuseAggregator
+from felix.strategies.objectives import FedeRage, Objective, Scaffold
+from felix.strategies.selection.oort import OortSelector
+from felix.strategies.selection.random import RandomSelector
+from felix.strategies.selection.tierselect import TierSelectEval
 
 DIM = 50
 RNG = np.random.default_rng(7)

@@ -143,7 +143,7 @@ class AggregatorCfg(_Strict):
     params: dict[str, Any] = Field(default_factory=dict)
     robust: Literal["none", "median", "trimmed_mean"] = Field(
         "none", description="replace the weighted mean of the deltas by a coordinate-wise weighted median "
-        "or trimmed mean, keeping the aggregator's weights (felix.aggregation.robust)")
+        "or trimmed mean, keeping the aggregator's weights (felix.strategies.aggregation.robust)")
     trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="trimmed_mean: weight mass cut from each end")
 
 
@@ -187,7 +187,7 @@ class DaflCfg(_Strict):
     zeta_prime: float = Field(2.0, gt=0)
     local_updates: int = Field(2, ge=1, description="E in the time model's (E-1)^2 L^2CG^2 I term")
     smoothness: float = Field(1.0, ge=0, description="L^2 C G^2, set to 1 in the paper")
-    augmenter: str = Field("rotate_flip", description="felix.data.augment.AUGMENTERS name")
+    augmenter: str = Field("rotate_flip", description="felix.strategies.dataplans.augment.AUGMENTERS name")
 
 
 class RunCfg(_Strict):

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from felix.client.objectives import Objective, TaskContext
 from felix.client.trainer import ClientData, TrainConfig, autocast, oort_utility
 from felix.core.types import ClientUpdate
+from felix.strategies.objectives import Objective, TaskContext
 
 log = logging.getLogger("felix.cohort")
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from felix.client.objectives import Objective, TaskContext
 from felix.core.types import ClientUpdate
+from felix.strategies.objectives import Objective, TaskContext
 
 
 @dataclass(frozen=True)

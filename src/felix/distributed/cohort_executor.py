@@ -36,11 +36,11 @@ import torch
 from torch import nn
 
 from felix.client.cohort import CohortTask, CohortTrainer, batch_rows
-from felix.client.objectives import Objective
 from felix.client.trainer import ClientData, TrainConfig
 from felix.config import ConfigError
 from felix.core.types import ClientUpdate
 from felix.distributed.ray_runtime import session
+from felix.strategies.objectives import Objective
 
 log = logging.getLogger("felix.ray")
 

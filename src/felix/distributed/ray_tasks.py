@@ -1,8 +1,8 @@
 """Whole runs as Ray tasks: the ``ray`` backend of ``felix compare`` and ``felix sweep``.
 
-Each run is one task that calls the same run function as the local backends (``felix.runs.execute``)
+Each run is one task that calls the same run function as the local backends (``felix.experiments.runs.execute``)
 and returns its small output (summary and evaluation rows) to the driver, which stores it; nothing
-is written on the node that ran it. Ray's own retries are off (``max_retries=0``): ``felix.runs``
+is written on the node that ran it. Ray's own retries are off (``max_retries=0``): ``felix.experiments.runs``
 retries a failed run once, whether its code raised or its worker or node died, and reports it after.
 """
 from __future__ import annotations
@@ -14,14 +14,14 @@ from typing import Any
 
 from felix.config import ConfigError
 from felix.distributed.ray_runtime import Resources, session
-from felix.runs import RunFunction, RunOutput, RunSpec, execute, warm_process
+from felix.experiments.runs import RunFunction, RunOutput, RunSpec, execute, warm_process
 
 
 class RayTaskBackend:
     """Runs specs as Ray tasks with declared resources, on a local safe instance (``num_cpus`` CPUs,
     default all) or on the cluster at ``address``. ``close`` stops a local instance it started.
 
-    On a local instance every worker is warmed first (``felix.runs.warm_process``: one task per CPU,
+    On a local instance every worker is warmed first (``felix.experiments.runs.warm_process``: one task per CPU,
     all at once, so each lands on its own worker), so runs do not each pay a fresh process's imports;
     that cost belongs to start-up."""
 

@@ -51,14 +51,14 @@ import torch
 from numpy.typing import NDArray
 from torch.nn.utils import vector_to_parameters
 
-from felix.build import Built
 from felix.config import Config, ConfigError
 from felix.core.commands import NewModelVersion
-from felix.data.dafl_tables import DATASET_NAMES, partition
-from felix.data.datasets import ArrayDataset, DatasetError
-from felix.experiment import resolve_config, run_config
+from felix.engine.run import resolve_config, run_config
 from felix.metrics.classification import class_metrics, confusion_matrix, minority_classes
 from felix.metrics.convergence import convergence_round
+from felix.scenario.build import Built
+from felix.scenario.datasets import ArrayDataset, DatasetError
+from felix.strategies.dataplans.dafl_tables import DATASET_NAMES, partition
 
 __all__ = ["METHOD_NAMES", "add_parser", "main", "run", "scale_table"]
 

@@ -49,24 +49,24 @@ import numpy as np
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from felix.aggregation.fedavg import FedAvgAggregator
-from felix.aggregation.ips import IPSAggregator
-from felix.aggregation.qffl import QFFLAggregator
-from felix.client.objectives import FEDERAGE_STEP_RULES, make_objective
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
 from felix.core.policies import Aggregator
 from felix.core.types import BufferedUpdate
-from felix.data.datasets import load_dataset
-from felix.data.partition import dirichlet_partition
-from felix.models import make_model
-from felix.provenance import provenance
-from felix.sim.random_access import (
+from felix.metrics.provenance import provenance
+from felix.scenario.datasets import load_dataset
+from felix.scenario.models import make_model
+from felix.scenario.partition import dirichlet_partition
+from felix.scenario.random_access import (
     RandomAccessModel,
     beta_probabilities,
     correlate_with_rarity,
     rare_client_mask,
     two_level_probabilities,
 )
+from felix.strategies.aggregation.fedavg import FedAvgAggregator
+from felix.strategies.aggregation.ips import IPSAggregator
+from felix.strategies.aggregation.qffl import QFFLAggregator
+from felix.strategies.objectives import FEDERAGE_STEP_RULES, make_objective
 
 BASE_METHODS = ("fedavg", "fedprox", "scaffold", "qffl", "ips", "wce", "focal")
 DEFAULT_METHODS = "fedavg,fedprox,scaffold,qffl,ips,federage"
@@ -571,9 +571,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _configure(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("data and model")
-    d.add_argument("--dataset", default="fashion_mnist", help="dataset name for felix.data.datasets.load_dataset")
+    d.add_argument("--dataset", default="fashion_mnist", help="dataset name for felix.scenario.datasets.load_dataset")
     d.add_argument("--data-root", default=None, help="dataset folder (default: the loader's)")
-    d.add_argument("--model", default="small_cnn", help="felix.models name (small_cnn, mlp, felix_cnn)")
+    d.add_argument("--model", default="small_cnn", help="felix.scenario.models name (small_cnn, mlp, felix_cnn)")
     d.add_argument("--clients", type=int, default=100)
     d.add_argument("--head-per-class", type=int, default=3000, help="training samples of the most frequent class")
     d.add_argument("--imbalance", type=float, default=20.0, help="head/tail class-size ratio of the long tail")

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from felix.core.orchestrator import OrchestratorStats
+from felix.metrics.provenance import provenance
 from felix.metrics.recorder import EvalRow, Recorder
-from felix.provenance import provenance
 
 EVAL_COLUMNS = [f for f in EvalRow.__dataclass_fields__]
 

@@ -44,7 +44,7 @@ from felix.core.events import ClientRegistered, Event, TaskFinished, Tick, TierC
 from felix.core.orchestrator import Knowledge, Orchestrator
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.metrics.recorder import HEADER_BYTES, Recorder
-from felix.sim.traces import DeviceTrace
+from felix.scenario.traces import DeviceTrace
 
 log = logging.getLogger("felix.sim")
 

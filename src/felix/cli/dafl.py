@@ -5,7 +5,7 @@ planner is usable on its own: give it the counts as CSV and it prints how far
 the data is from balance (``I`` and ``J``), how many samples each client must
 add, and optionally writes the plan as a CSV of the same shape.
 
-Runs as ``python -m felix.dafl_cli COUNTS.csv ...`` too; :func:`add_parser`
+Runs as ``python -m felix.cli.dafl COUNTS.csv ...`` too; :func:`add_parser`
 and :func:`run` let the main ``felix`` command mount it.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from felix.data.dafl import (
+from felix.strategies.dataplans.dafl import (
     MAX_COUNT,
     MAX_STEPS,
     RULES,
@@ -73,8 +73,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Standalone entry point (``python -m felix.dafl_cli``)."""
-    parser = argparse.ArgumentParser(prog="python -m felix.dafl_cli", description=_DESCRIPTION)
+    """Standalone entry point (``python -m felix.cli.dafl``)."""
+    parser = argparse.ArgumentParser(prog="python -m felix.cli.dafl", description=_DESCRIPTION)
     _add_arguments(parser)
     return run(parser.parse_args(argv))
 

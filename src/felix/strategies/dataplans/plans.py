@@ -30,8 +30,8 @@ from numpy.typing import NDArray
 
 from felix.client.trainer import ClientData
 from felix.config import Config, ConfigError, DaflCfg
-from felix.data.augment import Augmenter, augment_client, get_augmenter
-from felix.data.dafl import AugmentationPlan, DaflParams, plan_dafl, plan_local_balancing
+from felix.strategies.dataplans.augment import Augmenter, augment_client, get_augmenter
+from felix.strategies.dataplans.dafl import AugmentationPlan, DaflParams, plan_dafl, plan_local_balancing
 
 __all__ = [
     "DataPlanRun",

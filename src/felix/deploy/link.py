@@ -40,7 +40,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-log = logging.getLogger("felix.runtime.link")
+log = logging.getLogger("felix.deploy.link")
 
 
 class LinkError(ConnectionError):

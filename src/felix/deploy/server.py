@@ -7,7 +7,7 @@ the config's seconds) and clients are real MQTT peers. Every ``Tick`` is deliver
 ``next_wakeup()``, so the 90 s task timers fire for real.
 
 One loop thread owns the orchestrator: paho's network thread only puts received messages on a
-queue (``felix.runtime.link``). For each message the loop checks, in order: the topic, the
+queue (``felix.deploy.link``). For each message the loop checks, in order: the topic, the
 header (``wire.decode``: magic, version, type, field types, sizes), that the header's client id
 is the topic's (the broker's ACL ties the topic to the login), the run id, and the message id
 (a byte-identical repeat is an at-least-once duplicate, counted and dropped; the same id with
@@ -51,7 +51,6 @@ from typing import Any
 
 import numpy as np
 
-from felix.build import build_orchestrator, build_population, build_trace, make_evaluator
 from felix.config import Config
 from felix.core.commands import (
     CancelTask,
@@ -64,16 +63,17 @@ from felix.core.commands import (
 from felix.core.events import ClientRegistered, Event, TaskFailed, TaskFinished, Tick, TierChanged
 from felix.core.orchestrator import Knowledge
 from felix.core.types import ClientUpdate, TaskKind
-from felix.data.plans import plan_augmentation
+from felix.deploy import checkpoint as ckpt
+from felix.deploy import wire
+from felix.deploy.checkpoint import AppliedLog, AppliedUpdate
+from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
+from felix.deploy.topics import ALLOWED, Topics
 from felix.metrics.recorder import ByteCounter, EvalRow, Recorder, TrainLossRow
 from felix.metrics.report import summary, write_run
-from felix.runtime import checkpoint as ckpt
-from felix.runtime import wire
-from felix.runtime.checkpoint import AppliedLog, AppliedUpdate
-from felix.runtime.link import BrokerOptions, Connected, Inbound, MqttLink
-from felix.runtime.topics import ALLOWED, Topics
+from felix.scenario.build import build_orchestrator, build_population, build_trace, make_evaluator
+from felix.strategies.dataplans.plans import plan_augmentation
 
-log = logging.getLogger("felix.runtime.server")
+log = logging.getLogger("felix.deploy.server")
 
 SEQ_PREFIXES_PER_CLIENT = 4  # message-id prefixes (incarnations, wills) whose sequence watermark is kept
 RESULT_DIGESTS = 65536  # results remembered by task id (digest) to tell a redelivery from a replay

@@ -1,7 +1,7 @@
 """``felix sweep``: one scenario over a grid of ``--set`` values, strategies and seeds.
 
-Every point of the grid is one run (a :class:`felix.runs.RunSpec`) on any backend of
-``felix.runs``; ``sweep.json`` keeps every run's summary and ``sweep.md`` tabulates them, run by run
+Every point of the grid is one run (a :class:`felix.experiments.runs.RunSpec`) on any backend of
+``felix.experiments.runs``; ``sweep.json`` keeps every run's summary and ``sweep.md`` tabulates them, run by run
 and as mean and spread over the seeds of each grid point.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 
 from felix.config import ConfigError, deep_merge, load_yaml, parse_set
-from felix.experiment import resolve_config
-from felix.runs import RunSpec, close_backend, make_backend, run_all
+from felix.engine.run import resolve_config
+from felix.experiments.runs import RunSpec, close_backend, make_backend, run_all
 
 
 @dataclass(frozen=True)

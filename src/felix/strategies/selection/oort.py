@@ -20,7 +20,7 @@ REFL also ships). ``reference/baselines.md`` lists both. One selection:
 Where our setting forces a choice the docstrings say why. The cost of a selection is linear in
 the candidate set, never in the population: the client fields come from the ClientMap's columns
 (one gather per field), the selector's own per-client state is kept in columns indexed by the
-same rows, and rankings use partitions (``felix.selection.ranking``) rather than full sorts.
+same rows, and rankings use partitions (``felix.strategies.selection.ranking``) rather than full sorts.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import numpy as np
 
 from felix.core.client_map import ClientMap, ClientRecord, ClientRows, ClientView
 from felix.core.policies import SelectionContext, TrainSelector
-from felix.selection.ranking import kth_largest, largest_first
+from felix.strategies.selection.ranking import kth_largest, largest_first
 
 Variant = Literal["oort", "fedscale"]
 Rounding = Literal["floor", "stochastic"]

@@ -9,21 +9,21 @@ from pathlib import Path
 
 #: Where the user errors (config, dataset, trace) are defined: one line on stderr and exit 2. Looked
 #: up only in modules already imported, so that a command that needs none of them stays light.
-USER_ERROR_TYPES = (("felix.config", "ConfigError"), ("felix.data.datasets", "DatasetError"),
-                    ("felix.sim.traces", "TraceError"))
+USER_ERROR_TYPES = (("felix.config", "ConfigError"), ("felix.scenario.datasets", "DatasetError"),
+                    ("felix.scenario.traces", "TraceError"))
 
 #: Subcommands mounted from their modules only when named on the command line, so that
 #: ``felix --help`` and ``felix plan-augmentation`` start without importing torch:
 #: command -> (module, function that mounts it on the subparsers, help line).
 LAZY_COMMANDS = {
-    "plan-augmentation": ("felix.dafl_cli", "add_parser", "plan DAFL augmentation from class counts"),
+    "plan-augmentation": ("felix.cli.dafl", "add_parser", "plan DAFL augmentation from class counts"),
     "federage-compare": ("felix.experiments.federage", "add_parser",
                          "FedeRage vs FedAvg/FedProx/SCAFFOLD/q-FFL/IPS under the RAM"),
     "dafl-experiment": ("felix.experiments.dafl", "add_parser", "the DAFL paper's Table IV/V experiment on the simulator"),
-    "serve": ("felix.runtime.cli", "add_parsers", "run the federated server over MQTT (deployment)"),
-    "client": ("felix.runtime.cli", "add_parsers", "run one (or a range of) federated client(s) over MQTT"),
-    "emulate": ("felix.runtime.cli", "add_parsers", "run many clients on this machine, driven by the config's trace"),
-    "mqtt-credentials": ("felix.runtime.cli", "add_parsers", "write a Mosquitto password file, ACL and client logins"),
+    "serve": ("felix.deploy.cli", "add_parsers", "run the federated server over MQTT (deployment)"),
+    "client": ("felix.deploy.cli", "add_parsers", "run one (or a range of) federated client(s) over MQTT"),
+    "emulate": ("felix.deploy.cli", "add_parsers", "run many clients on this machine, driven by the config's trace"),
+    "mqtt-credentials": ("felix.deploy.cli", "add_parsers", "write a Mosquitto password file, ACL and client logins"),
 }
 
 
@@ -33,7 +33,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def _run(args: argparse.Namespace) -> int:
     from felix.config import parse_set
-    from felix.experiment import resolve_config, run_config
+    from felix.engine.run import resolve_config, run_config
 
     cfg = resolve_config(args.config, args.preset, parse_set(args.set), args.scenario)
     out = Path(args.out or f"runs/{cfg.name}-{cfg.strategy}-s{cfg.seed}")
@@ -48,8 +48,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from felix.compare import compare
     from felix.config import parse_set
+    from felix.experiments.compare import compare
     from felix.presets import MAIN_STRATEGIES
 
     strategies = [s.strip() for s in (args.strategies or ",".join(MAIN_STRATEGIES)).split(",") if s.strip()]
@@ -64,7 +64,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     from felix.config import parse_set
-    from felix.sweep import parse_grid, parse_seeds, sweep
+    from felix.experiments.sweep import parse_grid, parse_seeds, sweep
 
     strategies: list[str | None] = [s.strip() for s in (args.strategies or "").split(",") if s.strip()] or [None]
     out = Path(args.out or "runs/sweep")

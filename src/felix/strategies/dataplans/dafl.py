@@ -27,7 +27,7 @@ well-defined integer matrix:
 
   - ``"float"`` (default; reproduces the paper's Table III, see ``docs/dafl.md``):
     ``J <= tau`` is decided on ``J = sum_c (n^(c)/n - 1/C)^2`` evaluated in
-    float64, in class order (``felix.data.imbalance.global_class_imbalance``, so
+    float64, in class order (``felix.strategies.dataplans.imbalance.global_class_imbalance``, so
     the reported ``J_after`` always passes the test), against the float ``tau``;
     the P of every candidate is evaluated (formula below) and the strict argmin
     wins, the first pair in row-major order (lowest client, then lowest class)
@@ -49,7 +49,7 @@ How P is evaluated. ``I = (1/n) sum_k Q_k / n_k - S2 / n^2`` with
 ``T_a`` after the move is ``max(old max, new row)``; the sum of the ``Q_k / n_k``
 is correctly rounded (``math.fsum``), so independent of summation order.
 
-Speed and bounds. The greedy loop runs compiled (:mod:`felix.data.dafl_kernel`,
+Speed and bounds. The greedy loop runs compiled (:mod:`felix.strategies.dataplans.dafl_kernel`,
 numba): 1-12 ms per Table II case. The work is bounded before it starts: a cell
 above ``MAX_COUNT`` is an error naming the cell; a matrix whose samples (with the
 additions) could exceed ``max_total_samples(C)`` is refused, because the exact
@@ -70,14 +70,14 @@ from typing import Any, Final, Literal
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from felix.data import dafl_kernel
-from felix.data.imbalance import (
+from felix.strategies.dataplans import dafl_kernel
+from felix.strategies.dataplans.imbalance import (
     MAX_COUNT,
     as_count_matrix,
     global_class_imbalance,
     label_proportion_imbalance,
 )
-from felix.data.imbalance import objective as _objective
+from felix.strategies.dataplans.imbalance import objective as _objective
 
 __all__ = [
     "MAX_COUNT",
@@ -227,7 +227,7 @@ class AugmentationPlan:
 def validate_counts(counts: ArrayLike) -> NDArray[np.int64]:
     """Check that ``N`` can be planned for, and return it as int64.
 
-    Beyond :func:`~felix.data.imbalance.as_count_matrix` (which names any cell
+    Beyond :func:`~felix.strategies.dataplans.imbalance.as_count_matrix` (which names any cell
     above ``MAX_COUNT``), every class needs at least one sample somewhere:
     augmentation cannot create a class, and without it the imbalance target is
     unreachable.

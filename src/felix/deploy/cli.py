@@ -1,7 +1,7 @@
 """The deployment subcommands: ``serve``, ``client``, ``emulate`` and ``mqtt-credentials``.
 
 ``add_parsers(subparsers)`` registers them on the ``felix`` command; ``main`` runs them on their
-own (``python -m felix.runtime ...``), which is also how ``emulate`` starts its worker processes.
+own (``python -m felix.deploy ...``), which is also how ``emulate`` starts its worker processes.
 Broker logins come from ``--username/--password``, from the environment
 (``FELIX_MQTT_USERNAME`` / ``FELIX_MQTT_PASSWORD``: keeps passwords out of ``ps``), or, for many
 clients, from a ``credentials.json`` written by ``mqtt-credentials``.
@@ -57,19 +57,19 @@ def _client_args(p: argparse.ArgumentParser) -> None:
 
 
 def _resolve(args: argparse.Namespace) -> Config:
-    from felix.experiment import resolve_config
+    from felix.engine.run import resolve_config
 
     return resolve_config(args.config, args.preset, parse_set(args.set), args.scenario)
 
 
 def _run_id(args: argparse.Namespace, cfg: Config) -> str:
-    from felix.runtime.topics import check_run_id, sanitize_run_id
+    from felix.deploy.topics import check_run_id, sanitize_run_id
 
     return check_run_id(args.run_id) if args.run_id else sanitize_run_id(f"{cfg.name}-{cfg.strategy}-s{cfg.seed}")
 
 
 def _broker_options(args: argparse.Namespace, default_user: str | None) -> Any:
-    from felix.runtime.link import BrokerOptions
+    from felix.deploy.link import BrokerOptions
 
     host, port = BrokerOptions.parse_address(args.broker)
     user = getattr(args, "username", None) or os.environ.get(ENV_USER) or default_user
@@ -84,10 +84,10 @@ def _guard(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
     """Turn the runtime's user-facing errors into one line and exit code 2."""
 
     def run(args: argparse.Namespace) -> int:
-        from felix.data.datasets import DatasetError
-        from felix.runtime.checkpoint import CheckpointError
-        from felix.runtime.link import LinkError
-        from felix.sim.traces import TraceError
+        from felix.deploy.checkpoint import CheckpointError
+        from felix.deploy.link import LinkError
+        from felix.scenario.datasets import DatasetError
+        from felix.scenario.traces import TraceError
 
         try:
             return func(args)
@@ -112,8 +112,8 @@ def _stop_on_signals(event: Any) -> Iterator[None]:
 
 # ---------------------------------------------------------------------- serve
 def _serve(args: argparse.Namespace) -> int:
-    from felix.runtime.server import ServeOptions, Server
-    from felix.runtime.topics import SERVER_USER
+    from felix.deploy.server import ServeOptions, Server
+    from felix.deploy.topics import SERVER_USER
 
     cfg = _resolve(args)
     run_id = _run_id(args, cfg)
@@ -154,8 +154,8 @@ def _parse_ids(args: argparse.Namespace) -> list[int]:
 def _client(args: argparse.Namespace) -> int:
     import torch
 
-    from felix.runtime.client import ClientHost, ClientOptions, credentials_from_map
-    from felix.runtime.security import load_credentials
+    from felix.deploy.client import ClientHost, ClientOptions, credentials_from_map
+    from felix.deploy.security import load_credentials
 
     cfg = _resolve(args)
     ids = _parse_ids(args)
@@ -175,13 +175,13 @@ def _client(args: argparse.Namespace) -> int:
                          max_wall_s=args.max_wall_s)
     traces = None
     if args.trace_shard:
-        from felix.runtime.client import load_trace_shard
+        from felix.deploy.client import load_trace_shard
 
         traces = load_trace_shard(args.trace_shard)
     host = ClientHost(cfg, ids, opts, creds, traces)
     with _stop_on_signals(host.stop_requested):
         done = host.run()
-    logging.getLogger("felix.runtime.client").info("clients %d-%d: %d tasks done", ids[0], ids[-1], done)
+    logging.getLogger("felix.deploy.client").info("clients %d-%d: %d tasks done", ids[0], ids[-1], done)
     if host.stop_requested.is_set():
         _exit_now(0)
     return 0
@@ -208,8 +208,8 @@ def _emulate(args: argparse.Namespace) -> int:
                          f"{cfg.partition.num_clients} clients")
     import tempfile
 
-    from felix.build import build_trace
-    from felix.runtime.client import MAX_CLIENTS_PER_PROCESS, save_trace_shard
+    from felix.deploy.client import MAX_CLIENTS_PER_PROCESS, save_trace_shard
+    from felix.scenario.build import build_trace
 
     t0 = args.t0 if args.t0 is not None else time.time()
     procs = min(max(args.processes, -(-args.clients // MAX_CLIENTS_PER_PROCESS)), args.clients)
@@ -217,7 +217,7 @@ def _emulate(args: argparse.Namespace) -> int:
         print(f"felix emulate: {procs} processes instead of {args.processes}: at most {MAX_CLIENTS_PER_PROCESS} "
               f"clients fit in one", file=sys.stderr)
     bounds = [first + (args.clients * k) // procs for k in range(procs + 1)]
-    base = [sys.executable, "-m", "felix.runtime"] + (["-v"] if getattr(args, "verbose", False) else []) + ["client"]
+    base = [sys.executable, "-m", "felix.deploy"] + (["-v"] if getattr(args, "verbose", False) else []) + ["client"]
     if args.config:
         base.append(args.config)
     for flag, value in (("--preset", args.preset), ("--scenario", args.scenario), ("--run-id", args.run_id),
@@ -285,7 +285,7 @@ def _wait_child(child: subprocess.Popen[bytes], stop: dict[str, Any]) -> int:
 
 # ---------------------------------------------------------------------- credentials
 def _credentials(args: argparse.Namespace) -> int:
-    from felix.runtime import security
+    from felix.deploy import security
 
     n = args.clients
     run_id = args.run_id
@@ -346,7 +346,7 @@ def add_parsers(subparsers: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m felix.runtime", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m felix.deploy", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log progress, rejections and reconnects")
     sub = p.add_subparsers(dest="command", required=True)
     add_parsers(sub)

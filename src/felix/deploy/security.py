@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from felix.runtime.topics import SERVER_USER, check_run_id, client_user
+from felix.deploy.topics import SERVER_USER, check_run_id, client_user
 
 PBKDF2_ITERATIONS = 1000
 _SALT_BYTES = 12

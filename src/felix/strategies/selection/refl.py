@@ -19,7 +19,7 @@ import numpy as np
 
 from felix.core.client_map import ClientRecord, ClientView
 from felix.core.policies import AvailabilityOracle, SelectionContext, TrainSelector
-from felix.selection.oort import OortSelector
+from felix.strategies.selection.oort import OortSelector
 
 
 @dataclass(frozen=True, slots=True)

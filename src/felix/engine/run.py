@@ -6,12 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from felix.build import Built, build
 from felix.config import Config, ConfigError, deep_merge, read_yaml, validate
-from felix.data.plans import plan_summary
 from felix.metrics.recorder import EvalRow
 from felix.metrics.report import summary, write_run
 from felix.presets import scenario_preset, strategy_preset
+from felix.scenario.build import Built, build
+from felix.strategies.dataplans.plans import plan_summary
 
 
 @dataclass

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from felix.runtime.wire import MsgType
+from felix.deploy.wire import MsgType
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from felix.runtime import security
+from felix.deploy import security
 
 MOSQUITTO_CANDIDATES = ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto", "/usr/bin/mosquitto")
 
@@ -102,7 +102,7 @@ def broker_config(port: int, password_file: Path, acl_file: Path, persistence_di
       persistence database only on a clean shutdown and at autosaves, so a ``kill -9`` loses
       what it acknowledged since the last one. Sessions and subscriptions come back from the
       last autosave; results the broker lost are published again by their clients after they
-      reconnect (``felix.runtime.client``) and the server drops the copies it already has;
+      reconnect (``felix.deploy.client``) and the server drops the copies it already has;
       a task the broker lost times out on the server and is given to another client.
     """
     tls_lines = [] if tls is None else [f"cafile {tls[0]}", f"certfile {tls[1]}", f"keyfile {tls[2]}"]

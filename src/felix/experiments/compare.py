@@ -11,16 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from felix.config import Config, ConfigError
-from felix.experiment import resolve_config
+from felix.engine.run import resolve_config
+from felix.experiments.runs import RunSpec, close_backend, make_backend, run_all
 from felix.metrics.report import plot_curves
-from felix.runs import RunSpec, close_backend, make_backend, run_all
 
 
 def compare(config_path: str | None, strategies: list[str], sets: dict[str, Any], out_dir: Path,
             scenario: str | None = None, jobs: int | None = None, reference: str | None = None, backend: str = "local",
             address: str | None = None, force: bool = False, gpus_per_run: float = 1.0) -> dict[str, Any]:
     """Run every strategy (skipping those already finished under ``out_dir`` unless ``force``) on
-    ``backend`` (see ``felix.runs.make_backend``), then tabulate and plot those that succeeded."""
+    ``backend`` (see ``felix.experiments.runs.make_backend``), then tabulate and plot those that succeeded."""
     if reference is not None and reference not in strategies:
         raise ConfigError(f"--reference {reference!r} is not one of the compared strategies {strategies}")
     configs = [resolve_config(config_path, s, sets, scenario) for s in strategies]

@@ -5,7 +5,7 @@ is oldest, so that the train selector ranks clients on fresh utilities rather th
 measured long ago (or never). It is rate-limited because every eval task occupies a client that
 could otherwise be picked to train, and costs a model download.
 
-The train path is plain Oort (``felix.selection.oort``) over the candidates the orchestrator
+The train path is plain Oort (``felix.strategies.selection.oort``) over the candidates the orchestrator
 passes; under ``knowledge=tiertrack`` those are the idle AVL_TRAIN clients not blocked by the
 rejoin rule, which is exactly TierSelect's train pool.
 """
@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from felix.core.policies import EvalSelector, SelectionContext
-from felix.selection.oort import OortParams, OortSelector
-from felix.selection.ranking import smallest_first
+from felix.strategies.selection.oort import OortParams, OortSelector
+from felix.strategies.selection.ranking import smallest_first
 
 
 @dataclass(frozen=True, slots=True)

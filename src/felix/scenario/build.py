@@ -20,22 +20,28 @@ import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from felix.client.cohort import CohortTrainer, resolve_cohort
-from felix.client.objectives import OBJECTIVES, Objective, make_objective
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig, autocast
 from felix.config import Config, ConfigError
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.policies import Aggregator, EvalSelector, TrainSelector
 from felix.core.validation import UpdateValidator, ValidationConfig
-from felix.data.datasets import ArrayDataset, first_classes, load_dataset
-from felix.data.partition import count_table_partition, dirichlet_partition
-from felix.data.plans import DataPlanRun, prepare_data_plan
 from felix.metrics.recorder import Recorder
-from felix.models import make_model
+from felix.scenario.datasets import ArrayDataset, first_classes, load_dataset
+from felix.scenario.models import make_model
+from felix.scenario.partition import count_table_partition, dirichlet_partition
+from felix.scenario.profiles import FELIX_HALFNORMAL_SCALE, halfnormal_runtimes, uniform_runtimes
+from felix.scenario.traces import (
+    AvailabilityTrace,
+    always_available,
+    load_fedscale,
+    load_mobiperf,
+    slotted_churn,
+)
 from felix.sim.engine import CohortExecutor, SimSettings, Simulation, make_devices
-from felix.sim.runtime import FELIX_HALFNORMAL_SCALE, halfnormal_runtimes, uniform_runtimes
-from felix.sim.traces import AvailabilityTrace, always_available, load_fedscale, load_mobiperf, slotted_churn
+from felix.strategies.dataplans.plans import DataPlanRun, prepare_data_plan
+from felix.strategies.objectives import OBJECTIVES, Objective, make_objective
 
-log = logging.getLogger("felix.build")
+log = logging.getLogger("felix.scenario.build")
 
 # Stream ids under the run seed: scenario streams never depend on the strategy.
 _PARTITION, _TRACE, _RUNTIME, _MODEL, _STRATEGY = range(5)
@@ -47,7 +53,7 @@ def _stream(seed: int, which: int) -> np.random.Generator:
 
 # ---------------------------------------------------------------------- policy registries
 def _random_selector(params: dict[str, Any], cfg: Config) -> TrainSelector:
-    from felix.selection.random import RandomSelector
+    from felix.strategies.selection.random import RandomSelector
 
     if params:
         raise ConfigError(f"selector 'random' takes no params, got {sorted(params)}")
@@ -55,14 +61,14 @@ def _random_selector(params: dict[str, Any], cfg: Config) -> TrainSelector:
 
 
 def _fedavg(cfg: Config) -> Aggregator:
-    from felix.aggregation.fedavg import FedAvgAggregator
+    from felix.strategies.aggregation.fedavg import FedAvgAggregator
 
     a = cfg.aggregator
     return FedAvgAggregator(a.server_lr, a.normalize, a.clip_norm, **a.params)
 
 
 def _fedbuff(cfg: Config) -> Aggregator:
-    from felix.aggregation.fedavg import FedBuffAggregator
+    from felix.strategies.aggregation.fedavg import FedBuffAggregator
 
     a = cfg.aggregator
     return FedBuffAggregator(a.server_lr, a.normalize, a.clip_norm, **a.params)
@@ -72,7 +78,7 @@ def _oort_params(params: dict[str, Any]) -> Any:
     """``base`` picks Oort's own defaults, the FeLiX authors' numbers or FedScale's; other keys override fields."""
     from dataclasses import replace
 
-    from felix.selection.oort import OortParams
+    from felix.strategies.selection.oort import OortParams
 
     params = dict(params)
     base = params.pop("base", "felix_authors")
@@ -83,7 +89,7 @@ def _oort_params(params: dict[str, Any]) -> Any:
 
 
 def _oort_selector(params: dict[str, Any], cfg: Config) -> TrainSelector:
-    from felix.selection.oort import OortSelector
+    from felix.strategies.selection.oort import OortSelector
 
     params = dict(params)
     reward_cap = params.pop("reward_cap", None)
@@ -93,7 +99,7 @@ def _oort_selector(params: dict[str, Any], cfg: Config) -> TrainSelector:
 
 
 def _refl_selector(params: dict[str, Any], cfg: Config) -> TrainSelector:
-    from felix.selection.refl import ReflIPSParams, ReflIPSSelector
+    from felix.strategies.selection.refl import ReflIPSParams, ReflIPSSelector
 
     params = dict(params)
     inner = params.pop("oort", None)
@@ -102,20 +108,20 @@ def _refl_selector(params: dict[str, Any], cfg: Config) -> TrainSelector:
 
 
 def _tierselect_eval(params: dict[str, Any], cfg: Config) -> EvalSelector:
-    from felix.selection.tierselect import TierSelectEval, TierSelectEvalParams
+    from felix.strategies.selection.tierselect import TierSelectEval, TierSelectEvalParams
 
     return TierSelectEval(cfg.orchestrator.agg_goal, TierSelectEvalParams(**params))
 
 
 def _tierfuse(cfg: Config) -> Aggregator:
-    from felix.aggregation.tierfuse import TierFuseAggregator, TierFuseParams
+    from felix.strategies.aggregation.tierfuse import TierFuseAggregator, TierFuseParams
 
     a = cfg.aggregator
     return TierFuseAggregator(TierFuseParams(**a.params), a.server_lr, a.normalize, a.clip_norm)
 
 
 def _refl_saa(cfg: Config) -> Aggregator:
-    from felix.aggregation.refl_saa import ReflSAAAggregator, ReflSAAParams
+    from felix.strategies.aggregation.refl_saa import ReflSAAAggregator, ReflSAAParams
 
     a = cfg.aggregator
     return ReflSAAAggregator(ReflSAAParams(**a.params), a.server_lr, a.clip_norm)
@@ -124,7 +130,7 @@ def _refl_saa(cfg: Config) -> Aggregator:
 def _qffl(cfg: Config) -> Aggregator:
     """q-FFL reads each client's loss at the received model from aux ``qffl_loss`` when a client
     sends it, else the mean local training loss (biased low; see QFFLAggregator)."""
-    from felix.aggregation.qffl import QFFLAggregator
+    from felix.strategies.aggregation.qffl import QFFLAggregator
 
     params = {"lipschitz": 1.0 / cfg.client.lr, **cfg.aggregator.params}
     return QFFLAggregator(**params)
@@ -355,7 +361,7 @@ def build_orchestrator(cfg: Config, weights: np.ndarray, trace: AvailabilityTrac
     eval_selector = _make(EVAL_SELECTORS, "eval_selector", cfg.eval_selector.name, dict(cfg.eval_selector.params), cfg)
     aggregator = _make(AGGREGATORS, "aggregator", cfg.aggregator.name, cfg)
     if cfg.aggregator.robust != "none":
-        from felix.aggregation.robust import RobustAggregator
+        from felix.strategies.aggregation.robust import RobustAggregator
 
         aggregator = RobustAggregator(aggregator, cfg.aggregator.robust, cfg.aggregator.trim_fraction)
     validator = build_validator(cfg, aggregator, int(weights.size))

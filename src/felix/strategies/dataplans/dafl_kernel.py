@@ -3,9 +3,9 @@
 Every greedy step depends on the previous one, so the only way to make the paper's 25-40k steps
 per 8 x 8 case cheap is to run the loop without the interpreter: the functions here are compiled
 by numba (``nopython``, no fast-math, so floating-point operations happen in the order written,
-without contraction into fused multiply-adds). :mod:`felix.data.dafl` validates the input, picks
+without contraction into fused multiply-adds). :mod:`felix.strategies.dataplans.dafl` validates the input, picks
 the rule and bounds the work; this module only plans. The state and formulas are those described
-in :mod:`felix.data.dafl`; the two rules (``RULE_FLOAT``, ``RULE_EXACT``) differ only where the
+in :mod:`felix.strategies.dataplans.dafl`; the two rules (``RULE_FLOAT``, ``RULE_EXACT``) differ only where the
 module docstring there says.
 
 Integers (class totals, ``n``, ``S2``, client sizes, ``Q_k``) are int64; the caller guarantees
@@ -22,7 +22,7 @@ from numba import njit, objmode
 
 __all__ = ["RULE_EXACT", "RULE_FLOAT", "fsum", "greedy", "j_float", "msum_add", "msum_round", "water_fill"]
 
-#: ``J <= tau`` in floating point, strict argmin of P (the default; see felix.data.dafl).
+#: ``J <= tau`` in floating point, strict argmin of P (the default; see felix.strategies.dataplans.dafl).
 RULE_FLOAT: Final = 0
 #: ``J <= tau`` in exact arithmetic, P ties within a relative ``P_RTOL``.
 RULE_EXACT: Final = 1
@@ -179,7 +179,7 @@ def greedy(counts: np.ndarray, s: int, tau: float, alpha: float, beta: float, ka
     samples, would be needed.
 
     P after adding ``s`` to ``(k, c)`` is ``width_k * (inner_k + slope * h_kc) + extra_k`` with
-    ``h_kc = x_kc / (n_k + s) - n^(c) / (n + s)`` (see felix.data.dafl for the derivation).
+    ``h_kc = x_kc / (n_k + s) - n^(c) / (n + s)`` (see felix.strategies.dataplans.dafl for the derivation).
     """
     rows, classes = counts.shape
     x = counts.astype(np.float64)  # N + A, exact while < 2**53

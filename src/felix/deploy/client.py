@@ -46,17 +46,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from felix.build import build_population, build_runtimes, build_trace, build_trainer
 from felix.client.trainer import ClientData, LocalTrainer
 from felix.config import Config
 from felix.core.types import ClientUpdate, TaskKind, Tier
-from felix.data.plans import PlanApplier, prepare_data_plan
-from felix.runtime import wire
-from felix.runtime.link import BrokerOptions, Connected, Inbound, MqttLink
-from felix.runtime.topics import ALLOWED, Topics, client_user
-from felix.sim.traces import DeviceTrace
+from felix.deploy import wire
+from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
+from felix.deploy.topics import ALLOWED, Topics, client_user
+from felix.scenario.build import build_population, build_runtimes, build_trace, build_trainer
+from felix.scenario.traces import DeviceTrace
+from felix.strategies.dataplans.plans import PlanApplier, prepare_data_plan
 
-log = logging.getLogger("felix.runtime.client")
+log = logging.getLogger("felix.deploy.client")
 
 _TIER, _DONE = 0, 1
 CONNECT_PARALLELISM = 16
