@@ -25,6 +25,7 @@ from felix.config import Config, ConfigError
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.policies import Aggregator, EvalSelector, TrainSelector
 from felix.core.validation import UpdateValidator, ValidationConfig
+from felix.engine.controller import RunController
 from felix.metrics.recorder import Recorder
 from felix.scenario.datasets import ArrayDataset, first_classes, load_dataset
 from felix.scenario.models import make_model
@@ -399,6 +400,7 @@ class Built:
     trace: AvailabilityTrace
     population: Population
     data_plan: DataPlanRun | None = None
+    controller: RunController | None = None
 
 
 def build(cfg: Config) -> Built:
@@ -417,10 +419,9 @@ def build(cfg: Config) -> Built:
     if data_plan is not None:
         orch.set_data_plan(data_plan.rows)
     devices = make_devices(pop.client_data, runtimes, trace.for_client)
-    r = cfg.run
-    settings = SimSettings(seed=cfg.seed, max_time_s=r.max_time_s, max_aggregations=r.max_aggregations,
-                           stop_at_target=r.stop_at_target, eval_fraction=cfg.runtime.eval_fraction,
+    settings = SimSettings(seed=cfg.seed, eval_fraction=cfg.runtime.eval_fraction,
                            cohort_size=cohort_size, min_cohort=min_cohort)
-    sim = Simulation(orch, devices, trainer, recorder, settings,
+    controller = RunController(cfg, orch, recorder)
+    sim = Simulation(orch, devices, trainer, controller, settings,
                      augment=None if data_plan is None else data_plan.applier, cohort=executor)
-    return Built(cfg, sim, orch, recorder, trace, pop, data_plan)
+    return Built(cfg, sim, orch, recorder, trace, pop, data_plan, controller)
