@@ -39,10 +39,11 @@ def resolve_config(config_path: str | None, preset: str | None, sets: dict[str, 
 
 
 def run_config(cfg: Config, out_dir: Path | None = None, progress: bool = False, plots: bool = True,
-               prepare: Callable[[Built], None] | None = None, interruptible: bool = False) -> RunResult:
+               prepare: Callable[[Built], None] | None = None, interruptible: bool = False,
+               live_dir: Path | None = None) -> RunResult:
     """Build and simulate ``cfg``; ``prepare`` may instrument the built run (e.g. wrap its
-    evaluator) before it starts. With ``out_dir`` the evaluations are appended to its
-    evaluations.csv as they happen. ``interruptible`` (the CLI's runs): SIGINT and SIGTERM end the
+    evaluator) before it starts. The evaluations are appended to ``live_dir`` (default ``out_dir``)
+    /evaluations.csv as they happen. ``interruptible`` (the CLI's runs): SIGINT and SIGTERM end the
     run after the event in hand, with ``stop_reason: interrupted`` and all it measured."""
     built = build(cfg)
     if prepare is not None:
@@ -51,8 +52,9 @@ def run_config(cfg: Config, out_dir: Path | None = None, progress: bool = False,
         built.sim.cfg = type(built.sim.cfg)(**{**built.sim.cfg.__dict__, "progress": True})
     ctl = built.controller
     assert ctl is not None
-    if out_dir is not None:
-        ctl.sink = EvalLog(out_dir / "evaluations.csv")  # evaluations land on disk as they happen
+    live = live_dir or out_dir
+    if live is not None:
+        ctl.sink = EvalLog(live / "evaluations.csv")  # evaluations land on disk as they happen
     with stop_on_signals(ctl.request_stop, enabled=interruptible):
         outcome = built.sim.run()
     summ = ctl.summary(outcome.virtual_time_s, outcome.wall_time_s, plan_summary(built.data_plan))

@@ -90,8 +90,11 @@ def execute(spec: RunSpec) -> RunOutput:
     threads = torch.get_num_threads()
     if spec.config.run.threads is not None:
         torch.set_num_threads(spec.config.run.threads)
+    # Evaluations go to the run's folder as they happen where the driver's output folder is reachable
+    # (this machine, or a shared file system); the driver rewrites the file whole when the run ends.
+    live = spec.out_dir if spec.out_dir.parent.is_dir() else None
     try:
-        res = run_config(spec.config, None, plots=False, interruptible=True)
+        res = run_config(spec.config, None, plots=False, interruptible=True, live_dir=live)
     finally:
         torch.set_num_threads(threads)
     return RunOutput(res.summary, res.rows)
@@ -288,7 +291,8 @@ def _reason(exc: BaseException) -> str:
 def _brief(s: dict[str, Any]) -> str:
     ttt = "-" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.0f}s"
     acc = "-" if s["final_accuracy"] is None else f"{s['final_accuracy']:.4f}"
-    return f"time-to-target {ttt}, final acc {acc}, wall {s['wall_time_s']:.1f}s"
+    stopped = " (interrupted)" if s["stop_reason"] == "interrupted" else ""
+    return f"time-to-target {ttt}, final acc {acc}, wall {s['wall_time_s']:.1f}s{stopped}"
 
 
 def make_backend(kind: str, jobs: int | None, address: str | None = None, gpus_per_run: float = 1.0,
