@@ -13,6 +13,7 @@ first few events and the strategy (random or Oort selection) sees different hist
 """
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from mqtt_support import (
     one_torch_thread,  # noqa: F401  (a fixture)
     start_clients,
     start_server,
+    wait_until,
     write_config,
 )
 
@@ -89,3 +91,33 @@ def test_both_shells_count_the_same_bytes(tmp_path: Path, strategy: str) -> None
     assert "wire_bytes_by_kind" not in s
     wire = m["wire_bytes_by_kind"]
     assert set(wire["down"]) == set(wire["up"]) == KINDS and wire["down"]["train"] > 0
+
+
+def test_interrupted_server_keeps_its_evaluations(tmp_path: Path) -> None:
+    """``felix serve`` on Ctrl-C / SIGTERM (its CLI sets ``stop_requested``): the run ends
+    ``interrupted``, with the evaluations it wrote as they happened."""
+    def rows() -> list[dict[str, str]]:
+        try:
+            with open(tmp_path / "out" / "evaluations.csv", newline="") as f:
+                return list(csv.DictReader(f))
+        except FileNotFoundError:
+            return []
+
+    path = write_config(tmp_path / "cfg.yaml", partition={"num_clients": CLIENTS}, trace={"kind": "always"})
+    cfg = load_config(path, {"strategy": "fedbuff", "orchestrator": {"agg_goal": 2, "concurrency": 3},
+                             "run": {"stop_at_target": False}})
+    with MosquittoBroker(CLIENTS, workdir=tmp_path / "broker") as broker:
+        server, thread = start_server(cfg, broker, tmp_path / "out", SCALE)
+        host, clients = start_clients(cfg, broker, list(range(CLIENTS)), SCALE)
+        try:
+            wait_until(lambda: len(rows()) >= 3, 60, "three evaluations on disk")
+            assert not (tmp_path / "out" / "summary.json").exists()
+            server.stop_requested.set()
+            m = thread.result(30)
+        finally:
+            server.stop_requested.set()
+            host.stop_requested.set()
+            clients.result(30)
+    assert m["stop_reason"] == "interrupted"
+    written = rows()
+    assert len(written) == m["evaluations"] >= 3 and int(written[-1]["version"]) == m["aggregations"]

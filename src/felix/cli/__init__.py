@@ -60,7 +60,7 @@ def _compare(args: argparse.Namespace) -> int:
                   backend=args.backend, address=args.address, force=args.force, gpus_per_run=args.gpus_per_run)
     if doc["strategies"]:
         print((out / "comparison.md").read_text())
-    if any(s["stop_reason"] == "interrupted" for s in doc["strategies"].values()):
+    if any(s.get("stop_reason") == "interrupted" for s in doc["strategies"].values()):
         return 130  # Ctrl-C / SIGTERM: the interrupted run is rerun next time (the finished ones are kept)
     return 0 if doc["strategies"] and not doc["failed"] else 1
 

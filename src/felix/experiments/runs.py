@@ -291,7 +291,7 @@ def _reason(exc: BaseException) -> str:
 def _brief(s: dict[str, Any]) -> str:
     ttt = "-" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.0f}s"
     acc = "-" if s["final_accuracy"] is None else f"{s['final_accuracy']:.4f}"
-    stopped = " (interrupted)" if s["stop_reason"] == "interrupted" else ""
+    stopped = " (interrupted)" if s.get("stop_reason") == "interrupted" else ""
     return f"time-to-target {ttt}, final acc {acc}, wall {s['wall_time_s']:.1f}s{stopped}"
 
 
