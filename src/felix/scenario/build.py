@@ -12,7 +12,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -43,6 +43,9 @@ from felix.strategies.dataplans.plans import DataPlanRun, prepare_data_plan
 from felix.strategies.objectives import OBJECTIVES, Objective, make_objective
 
 log = logging.getLogger("felix.scenario.build")
+
+if TYPE_CHECKING:
+    from felix.strategies.selection.oort import OortSelector
 
 # Stream ids under the run seed: scenario streams never depend on the strategy.
 _PARTITION, _TRACE, _RUNTIME, _MODEL, _STRATEGY = range(5)
@@ -89,7 +92,7 @@ def _oort_params(params: dict[str, Any]) -> Any:
     return replace(bases[base](), **params)
 
 
-def _oort_selector(params: dict[str, Any], cfg: Config) -> TrainSelector:
+def _oort_selector(params: dict[str, Any], cfg: Config) -> OortSelector:
     from felix.strategies.selection.oort import OortSelector
 
     params = dict(params)
