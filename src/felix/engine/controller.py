@@ -18,13 +18,15 @@ event on and returns the orchestrator's commands for the shell to carry out, and
   (:meth:`RunController.summary`), and saves/restores its measurements for
   the server's checkpoints (:meth:`RunController.state_dict`).
 
-It is sans-I/O apart from the injected evaluator and sink: time comes in as arguments.
+It is sans-I/O apart from the injected evaluator and sink (and :meth:`RunController.write_outputs`,
+which a shell calls at the end): time comes in as arguments.
 
 The byte model (modelled bytes, ``bytes_by_kind``): every message is ``HEADER_BYTES`` plus its
 payload, as the simulator has always modelled it: a model is 4 bytes a parameter, a training
 task also carries its aux arrays and its data-plan row (8 bytes a class), a registration its class
-counts (8 bytes a class), an evaluation result two numbers (16 bytes); a cancel is a bare header.
-Which client reports count: every message the orchestrator acts on. A tier report is such a
+counts (8 bytes a class), an evaluation result two numbers (16 bytes); a cancel and a client's
+failure report are bare headers. Which client messages count: every one the orchestrator acts on
+(events a shell derives itself, ticks or a restarted client's lost task, are no messages). A tier report is such a
 message only when the availability knowledge tracks tiers (``knowledge: tiertrack``, the FeLiX
 authors' TierTrack cost); under ``none`` and ``oracle`` the orchestrator ignores tier reports, so
 they are not part of the modelled protocol (the MQTT client still sends them: the server reports
@@ -33,7 +35,6 @@ the orchestrator sees them (transport errors, duplicates) are wire bytes only.
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
@@ -48,8 +49,6 @@ from felix.core.orchestrator import Knowledge, Orchestrator
 from felix.metrics.recorder import HEADER_BYTES, ByteCounter, EvalRow, Recorder, TrainLossRow
 from felix.metrics.report import summary as run_summary
 from felix.metrics.report import write_run
-
-log = logging.getLogger("felix.engine.controller")
 
 EVAL_RESULT_BYTES = HEADER_BYTES + 16  # an evaluation result: accuracy-style utility and loss
 
