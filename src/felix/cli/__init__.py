@@ -75,6 +75,8 @@ def _sweep(args: argparse.Namespace) -> int:
                 parse_seeds(args.seeds), out, backend=args.backend, jobs=args.jobs, address=args.address,
                 force=args.force, gpus_per_run=args.gpus_per_run)
     print((out / "sweep.md").read_text())
+    if any(r["summary"].get("stop_reason") == "interrupted" for r in doc["runs"]):
+        return 130  # Ctrl-C / SIGTERM: the interrupted runs are rerun next time
     return 0 if not doc["failed"] else 1
 
 
