@@ -195,7 +195,8 @@ class RunCfg(_Strict):
     target_window: int = Field(5, ge=1, description="K: mean of the last K evaluations must reach the target")
     max_time_s: float = Field(86400.0, gt=0)
     max_aggregations: int | None = Field(None, ge=1)
-    eval_every: int = Field(1, ge=0)
+    eval_every: int = Field(1, ge=0, description="evaluate every N-th model version (and the initial and final "
+                            "models); 0: no evaluation at all")
     stop_at_target: bool = True
     device: str = "cpu"
     threads: int | None = Field(1, ge=1, description="torch intra-op threads, applied to every run, compare "

@@ -12,7 +12,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from felix.config import Config, ConfigError
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.policies import Aggregator, EvalSelector, TrainSelector
 from felix.core.validation import UpdateValidator, ValidationConfig
+from felix.engine.controller import RunController
 from felix.metrics.recorder import Recorder
 from felix.scenario.datasets import ArrayDataset, first_classes, load_dataset
 from felix.scenario.models import make_model
@@ -42,6 +43,9 @@ from felix.strategies.dataplans.plans import DataPlanRun, prepare_data_plan
 from felix.strategies.objectives import OBJECTIVES, Objective, make_objective
 
 log = logging.getLogger("felix.scenario.build")
+
+if TYPE_CHECKING:
+    from felix.strategies.selection.oort import OortSelector
 
 # Stream ids under the run seed: scenario streams never depend on the strategy.
 _PARTITION, _TRACE, _RUNTIME, _MODEL, _STRATEGY = range(5)
@@ -88,7 +92,7 @@ def _oort_params(params: dict[str, Any]) -> Any:
     return replace(bases[base](), **params)
 
 
-def _oort_selector(params: dict[str, Any], cfg: Config) -> TrainSelector:
+def _oort_selector(params: dict[str, Any], cfg: Config) -> OortSelector:
     from felix.strategies.selection.oort import OortSelector
 
     params = dict(params)
@@ -399,6 +403,7 @@ class Built:
     trace: AvailabilityTrace
     population: Population
     data_plan: DataPlanRun | None = None
+    controller: RunController | None = None
 
 
 def build(cfg: Config) -> Built:
@@ -417,10 +422,9 @@ def build(cfg: Config) -> Built:
     if data_plan is not None:
         orch.set_data_plan(data_plan.rows)
     devices = make_devices(pop.client_data, runtimes, trace.for_client)
-    r = cfg.run
-    settings = SimSettings(seed=cfg.seed, max_time_s=r.max_time_s, max_aggregations=r.max_aggregations,
-                           stop_at_target=r.stop_at_target, eval_fraction=cfg.runtime.eval_fraction,
+    settings = SimSettings(seed=cfg.seed, eval_fraction=cfg.runtime.eval_fraction,
                            cohort_size=cohort_size, min_cohort=min_cohort)
-    sim = Simulation(orch, devices, trainer, recorder, settings,
+    controller = RunController(cfg, orch, recorder)
+    sim = Simulation(orch, devices, trainer, controller, settings,
                      augment=None if data_plan is None else data_plan.applier, cohort=executor)
-    return Built(cfg, sim, orch, recorder, trace, pop, data_plan)
+    return Built(cfg, sim, orch, recorder, trace, pop, data_plan, controller)

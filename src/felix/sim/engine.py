@@ -37,13 +37,12 @@ from felix.core.commands import (
     Command,
     DispatchEval,
     DispatchTrain,
-    NewModelVersion,
     UpdateRejected,
 )
 from felix.core.events import ClientRegistered, Event, TaskFinished, Tick, TierChanged
-from felix.core.orchestrator import Knowledge, Orchestrator
+from felix.core.orchestrator import Orchestrator
 from felix.core.types import ClientUpdate, TaskKind, Tier
-from felix.metrics.recorder import HEADER_BYTES, Recorder
+from felix.engine.controller import RunController
 from felix.scenario.traces import DeviceTrace
 
 log = logging.getLogger("felix.sim")
@@ -97,9 +96,6 @@ class _Closable(Protocol):
 @dataclass(frozen=True)
 class SimSettings:
     seed: int = 0
-    max_time_s: float = 86400.0
-    max_aggregations: int | None = None
-    stop_at_target: bool = True
     eval_fraction: float = 0.05  # an eval task takes this share of the client's training time
     progress: bool = False
     cohort_size: int = 1  # tasks trained together (1: each at its completion, sequentially)
@@ -127,8 +123,11 @@ class SimOutcome:
 
 
 class Simulation:
+    """The virtual-clock shell. Run control (evaluations, stop rules, byte accounting) is the
+    ``controller``'s (:mod:`felix.engine.controller`): every event goes through it."""
+
     def __init__(self, orch: Orchestrator, devices: list[SimDevice], trainer: LocalTrainer,
-                 recorder: Recorder, settings: SimSettings,
+                 controller: RunController, settings: SimSettings,
                  on_train: Callable[[SimDevice, SimTask], None] | None = None,
                  augment: Callable[[SimDevice, tuple[int, ...]], float] | None = None,
                  cohort: CohortExecutor | None = None) -> None:
@@ -139,20 +138,17 @@ class Simulation:
         self._trained: dict[int, _Trained] = {}  # by task id
         self._unused = 0
         self._probed: dict[int, _Trained] = {}
-        self.rec = recorder
+        self.ctl = controller
         self.cfg = settings
         self.now = 0.0
         self._heap: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
         self._wake_at: float | None = None
-        self._stop: str | None = None
         self._rejected: list[UpdateRejected] = []
         self._train_seconds = 0.0
         self._on_train = on_train
         self._augment = augment  # applies a data-plan row to a device, returns its virtual seconds
         self._shown = -1
-        self._model_bytes = 4 * int(orch.weights.size) + HEADER_BYTES
-        self._tiers_cost = orch.cfg.knowledge is Knowledge.TIERTRACK
 
     # ------------------------------------------------------------------ heap
     def _push(self, t: float, kind: int, cid: int = -1, token: int = 0) -> None:
@@ -160,7 +156,7 @@ class Simulation:
         heapq.heappush(self._heap, (t, self._seq, kind, cid, token))
 
     def _deliver(self, event: Event) -> None:
-        self._apply(self.orch.handle(event))
+        self._apply(self.ctl.handle(event))
         wake = self.orch.next_wakeup()
         if wake is not None and (self._wake_at is None or wake < self._wake_at or self._wake_at <= self.now):
             self._wake_at = max(wake, self.now)
@@ -169,10 +165,9 @@ class Simulation:
     # ------------------------------------------------------------------ run
     def run(self) -> SimOutcome:
         wall0 = time.perf_counter()
-        self.rec.record(0.0, 0, self.orch.weights)
+        self.ctl.start()
         for dev in self.devices:
             counts = tuple(int(c) for c in torch.bincount(dev.data.y, minlength=self.trainer.num_classes))
-            self.rec.bytes.add("up", "control", HEADER_BYTES + 8 * len(counts))
             self._deliver(ClientRegistered(0.0, dev.cid, len(dev.data), dev.tier, counts))
             self._schedule_tier(dev)
         try:
@@ -180,22 +175,18 @@ class Simulation:
         finally:
             if isinstance(self.cohort, _Closable):  # remote executors end their workers with the run
                 self.cohort.close()
-        if self._stop is None:
-            self._stop = "no_more_events"
-        last = self.rec.rows[-1]
-        if last.version != self.orch.version:
-            self.rec.record(self.now, self.orch.version, self.orch.weights)
+        self.ctl.stop("no_more_events")  # unless a stop rule ended the run
+        self.ctl.finish(self.now)
         if self.cfg.progress:
             sys.stderr.write("\n")
-        return SimOutcome(self.now, time.perf_counter() - wall0, self._stop, self._rejected, self._train_seconds,
-                          self._unused)
+        return SimOutcome(self.now, time.perf_counter() - wall0, self.ctl.stop_reason or "no_more_events",
+                          self._rejected, self._train_seconds, self._unused)
 
     def _loop(self) -> None:
-        while self._heap and self._stop is None:
+        while self._heap and self.ctl.stop_reason is None:
             t, _, kind, cid, token = heapq.heappop(self._heap)
-            if t > self.cfg.max_time_s:
-                self.now = self.cfg.max_time_s
-                self._stop = "max_time"
+            if self.ctl.past_time_limit(t):
+                self.now = self.ctl.max_time_s
                 break
             self.now = t
             if kind == _TIER:
@@ -208,9 +199,9 @@ class Simulation:
             self._progress()
 
     def _progress(self) -> None:
-        if self.cfg.progress and self.rec.rows and self.orch.version != self._shown:
+        if self.cfg.progress and self.ctl.rec.rows and self.orch.version != self._shown:
             self._shown = self.orch.version
-            r = self.rec.rows[-1]
+            r = self.ctl.rec.rows[-1]
             end = "\r" if sys.stderr.isatty() else "\n"
             if end == "\r" or self._shown % 50 == 0:
                 sys.stderr.write(f"  t={self.now:9.0f}s  version={self._shown:5d}  accuracy={r.accuracy:.4f}{end}")
@@ -218,7 +209,7 @@ class Simulation:
     # ------------------------------------------------------------------ devices
     def _schedule_tier(self, dev: SimDevice) -> None:
         nxt = dev.trace.next_change(self.now)
-        if nxt is not None and nxt[0] <= self.cfg.max_time_s:
+        if nxt is not None and nxt[0] <= self.ctl.max_time_s:
             self._push(nxt[0], _TIER, dev.cid)
 
     def _on_tier(self, dev: SimDevice) -> None:
@@ -237,8 +228,6 @@ class Simulation:
                 self._resume(dev)
         else:
             self._try_start(dev)
-        if self._tiers_cost:
-            self.rec.bytes.add("up", "control", HEADER_BYTES)
         self._deliver(TierChanged(self.now, dev.cid, new))
 
     def _resume(self, dev: SimDevice) -> None:
@@ -272,13 +261,11 @@ class Simulation:
                 dev.state.clear()
                 dev.state.update(done.state)
             self._train_seconds += time.perf_counter() - t0
-            self.rec.bytes.add("up", "train", self._model_bytes + aux_nbytes(upd.aux))
         else:
             probed = self._probed.pop(task.task_id, None)
             if probed is None or probed.data is not dev.data:
                 probed = self._probe_cohort(dev, task) if self.cohort is not None else None
             upd = probed.update if probed is not None else self.trainer.probe(task.weights, dev.data)
-            self.rec.bytes.add("up", "eval", HEADER_BYTES + 16)
         upd.duration = task.duration
         self._try_start(dev)
         self._deliver(TaskFinished(self.now, dev.cid, task.task_id, upd))
@@ -324,7 +311,6 @@ class Simulation:
         for cmd in commands:
             if isinstance(cmd, DispatchTrain):
                 dev = self.devices[cmd.client_id]
-                self.rec.bytes.add("down", "train", self._model_bytes + aux_nbytes(cmd.aux) + 8 * len(cmd.plan))
                 augment_s = 0.0
                 if cmd.plan and not dev.augmented and self._augment is not None:
                     dev.augmented = True  # augmentation (and its time) belongs to the first task with the row
@@ -335,20 +321,16 @@ class Simulation:
                 self._try_start(dev)
             elif isinstance(cmd, DispatchEval):
                 dev = self.devices[cmd.client_id]
-                self.rec.bytes.add("down", "eval", self._model_bytes)
                 dev.queue.append(SimTask(cmd.task_id, TaskKind.EVAL, cmd.weights, {},
                                          dev.runtime_s * self.cfg.eval_fraction))
                 self._try_start(dev)
             elif isinstance(cmd, CancelTask):
                 self._cancel(self.devices[cmd.client_id], cmd.task_id)
-            elif isinstance(cmd, NewModelVersion):
-                self._on_version(cmd)
             elif isinstance(cmd, UpdateRejected):
                 log.warning("rejected update from client %d task %d: %s", cmd.client_id, cmd.task_id, cmd.reason)
                 self._rejected.append(cmd)
 
     def _cancel(self, dev: SimDevice, task_id: int) -> None:
-        self.rec.bytes.add("down", "control", HEADER_BYTES)
         self._unused += self._trained.pop(task_id, None) is not None
         self._probed.pop(task_id, None)
         if dev.current is not None and dev.current.task_id == task_id:
@@ -358,19 +340,6 @@ class Simulation:
         else:
             dev.queue = deque(t for t in dev.queue if t.task_id != task_id)
 
-    def _on_version(self, cmd: NewModelVersion) -> None:
-        self.rec.on_aggregation(cmd)
-        if self.rec.due(cmd.version):
-            self.rec.record(self.now, cmd.version, cmd.weights)
-            if self.cfg.stop_at_target and self.rec.reached:
-                self._stop = "target_reached"
-        if self.cfg.max_aggregations is not None and cmd.version >= self.cfg.max_aggregations:
-            self._stop = self._stop or "max_aggregations"
-
 
 def make_devices(datas: list[ClientData], runtimes: np.ndarray, trace_for: Callable[[int], DeviceTrace]) -> list[SimDevice]:
     return [SimDevice(k, d, float(runtimes[k]), trace_for(k), trace_for(k).tier_at(0.0)) for k, d in enumerate(datas)]
-
-
-def aux_nbytes(aux: dict[str, np.ndarray]) -> int:
-    return sum(np.asarray(v).nbytes for v in aux.values())
