@@ -10,7 +10,7 @@ from felix.config import Config, ConfigError, deep_merge, read_yaml, validate
 from felix.metrics.recorder import EvalRow
 from felix.metrics.report import summary, write_run
 from felix.presets import scenario_preset, strategy_preset
-from felix.scenario.build import Built, build
+from felix.sim.build import Built, build
 from felix.strategies.dataplans.plans import plan_summary
 
 
@@ -38,10 +38,12 @@ def resolve_config(config_path: str | None, preset: str | None, sets: dict[str, 
 
 
 def run_config(cfg: Config, out_dir: Path | None = None, progress: bool = False, plots: bool = True,
-               prepare: Callable[[Built], None] | None = None) -> RunResult:
+               prepare: Callable[[Built], None] | None = None, **objects: Any) -> RunResult:
     """Build and simulate ``cfg``; ``prepare`` may instrument the built run (e.g. wrap its
-    evaluator) before it starts."""
-    built = build(cfg)
+    evaluator) before it starts. ``objects``: ``population``, ``model``, ``trace`` for
+    ``felix.sim.build.build`` (the Python API, felix.api)."""
+    built = build(cfg, **objects)
+    cfg = built.cfg  # a prepared population sets partition.num_clients
     if prepare is not None:
         prepare(built)
     if progress:
