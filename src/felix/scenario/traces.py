@@ -314,7 +314,7 @@ def make_trace(cfg: TraceCfg, num_clients: int, rng: np.random.Generator) -> Ava
     try:
         trace = fn(cfg, num_clients, rng, **cfg.params)
     except TypeError as exc:
-        raise ConfigError(f"trace.kind {cfg.kind!r}: {exc}") from None
+        raise ConfigError(f"trace.kind {cfg.kind!r}: {exc}; expected a {TRACES.signature}") from None
     if not isinstance(trace, AvailabilityTrace):
         raise TRACES.wrong(cfg.kind, f"returned a {type(trace).__name__}, not a felix.scenario.traces.AvailabilityTrace")
     return trace.shifted(cfg.offset_s)
