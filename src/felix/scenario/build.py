@@ -211,8 +211,8 @@ def make_evaluator(model: torch.nn.Module, test: ArrayDataset | None, device: st
     the evaluator raises ``ConfigError`` when called."""
     if test is None:
         def no_test_set(weights: np.ndarray) -> tuple[float, float]:
-            raise ConfigError("the dataset has no test set, so the global model cannot be evaluated; give the "
-                              "loader or the population a test set, or run without evaluations (run.eval_every: 0)")
+            raise ConfigError("the dataset has no test set, but the run evaluates the global model: give the "
+                              "loader or the population a test set")
 
         return no_test_set
     model = model.to(device)
