@@ -4,6 +4,7 @@ Python API (felix.api); BatchNorm buffers are aggregated or kept per client, wit
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -314,3 +315,11 @@ def test_scaffold_with_aggregated_buffers_is_refused():
     cfg = resolve_config(None, None, BYO_SETS(client={"objective": "scaffold"}))
     with pytest.raises(ConfigError, match="set client.buffers: local"):
         api.build(cfg)
+
+
+def test_the_python_api_doc_example_runs(capsys):
+    doc = (Path(__file__).parents[1] / "docs" / "python-api.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", doc, re.DOTALL)[0]
+    exec(compile(code, "docs/python-api.md", "exec"), {"__name__": "doc_example"})  # noqa: S102 - our own doc
+    accuracy, aggregations, clients = capsys.readouterr().out.split()
+    assert float(accuracy) > 0.5 and 0 < int(aggregations) <= 30 and clients == "20"
