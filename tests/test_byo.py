@@ -83,7 +83,10 @@ def too_few_parts(labels: np.ndarray, num_classes: int, cfg, rng: np.random.Gene
     return [np.arange(len(labels))]
 
 
-def churn(cfg, num_clients: int, rng: np.random.Generator, fraction: float = 0.2) -> AvailabilityTrace:
+def churn(cfg, num_clients: int, rng: np.random.Generator, fraction: float = 0.2,
+          class_counts: np.ndarray | None = None) -> AvailabilityTrace:
+    """Slotted churn; the clients' class counts arrive because the signature asks for them."""
+    assert class_counts is not None and class_counts.shape == (num_clients, NUM_CLASSES)
     return slotted_churn(num_clients, fraction, rng, slot_s=300.0, horizon_s=3000.0)
 
 

@@ -182,9 +182,14 @@ def partition_indices(cfg: Config, labels: np.ndarray, num_classes: int) -> list
     return partition(cfg.partition, labels, num_classes, _stream(cfg.seed, _PARTITION))
 
 
-def build_trace(cfg: Config) -> AvailabilityTrace:
-    """The scenario's availability, from ``trace.offset_s`` seconds into it."""
-    return make_trace(cfg.trace, cfg.partition.num_clients, _stream(cfg.seed, _TRACE))
+def build_trace(cfg: Config, population: Population | None = None) -> AvailabilityTrace:
+    """The scenario's availability, from ``trace.offset_s`` seconds into it; with the population,
+    a builder that asks for them gets the clients' class counts (felix.scenario.traces)."""
+    counts = None
+    if population is not None:
+        c = population.train.num_classes
+        counts = np.stack([d.class_counts(c).numpy() for d in population.client_data])
+    return make_trace(cfg.trace, cfg.partition.num_clients, _stream(cfg.seed, _TRACE), counts)
 
 
 def build_runtimes(cfg: Config, sizes: list[int] | None = None) -> np.ndarray:

@@ -8,9 +8,13 @@ clients unavailable). A trace with fewer devices than clients is reused round-ro
 AvailabilityTrace``: ``cfg`` the run's ``TraceCfg`` (path, series, slot settings), ``num_clients``
 the population size, ``rng`` the scenario's trace stream, ``params`` ``trace.params``. A config
 names it ``trace.kind: NAME`` or ``package.module:builder``; ``trace.offset_s`` is applied after.
+A builder that has a ``class_counts`` parameter also receives the clients' samples per class
+(``num_clients x num_classes``, or None where the trace is built without the population), for
+availability coupled to the data (the Random Access Model's rare clients).
 """
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import pickle
@@ -308,11 +312,18 @@ TRACES: Registry[TraceBuilder] = Registry(
     "-> AvailabilityTrace")
 
 
-def make_trace(cfg: TraceCfg, num_clients: int, rng: np.random.Generator) -> AvailabilityTrace:
+def make_trace(cfg: TraceCfg, num_clients: int, rng: np.random.Generator,
+               class_counts: np.ndarray | None = None) -> AvailabilityTrace:
     """The configured trace builder's trace, from ``cfg.offset_s`` seconds into it."""
     fn = TRACES.resolve(cfg.kind)
+    extra = dict(cfg.params)
     try:
-        trace = fn(cfg, num_clients, rng, **cfg.params)
+        if "class_counts" in inspect.signature(fn).parameters:
+            extra["class_counts"] = class_counts
+    except (TypeError, ValueError):  # a callable without a signature gets none
+        pass
+    try:
+        trace = fn(cfg, num_clients, rng, **extra)
     except TypeError as exc:
         raise ConfigError(f"trace.kind {cfg.kind!r}: {exc}; expected a {TRACES.signature}") from None
     if not isinstance(trace, AvailabilityTrace):

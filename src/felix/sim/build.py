@@ -93,7 +93,7 @@ def build(cfg: Config, population: Population | ClientDatasets | None = None,
     if pop.test is None and cfg.run.eval_every > 0:
         raise ConfigError(f"the dataset has no test set, but run.eval_every is {cfg.run.eval_every}: give it a "
                           "test set, or set run.eval_every: 0")
-    trace = build_trace(cfg) if trace is None else trace
+    trace = build_trace(cfg, pop) if trace is None else trace
     runtimes = build_runtimes(cfg, [len(d) for d in pop.client_data])
     trainer = build_trainer(cfg, pop)
     cohort, cohort_size, min_cohort = build_cohort(cfg, trainer, tuple(pop.train.sample_shape))
