@@ -94,10 +94,10 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, rng:
         for k, chunk in enumerate(np.split(idx, cuts)):
             parts[k].extend(chunk.tolist())
     sizes = np.array([len(p) for p in parts])
-    for short in np.flatnonzero(sizes < min_samples):
-        while len(parts[short]) < min_samples:
+    for k in np.flatnonzero(sizes < min_samples):
+        while len(parts[k]) < min_samples:
             donor = int(np.argmax([len(p) for p in parts]))
-            parts[short].append(parts[donor].pop())
+            parts[k].append(parts[donor].pop())
     return [np.sort(np.array(p, dtype=np.int64)) for p in parts]
 
 
