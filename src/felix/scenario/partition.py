@@ -94,7 +94,7 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, rng:
         for k, chunk in enumerate(np.split(idx, cuts)):
             parts[k].extend(chunk.tolist())
     sizes = np.array([len(p) for p in parts])
-    for k in np.flatnonzero(sizes < min_samples):
+    for k in np.flatnonzero(sizes < min_samples).tolist():
         while len(parts[k]) < min_samples:
             donor = int(np.argmax([len(p) for p in parts]))
             parts[k].append(parts[donor].pop())
