@@ -204,6 +204,11 @@ def test_python_api_runs_a_prepared_population_with_a_model_factory(tmp_path):
     built = api.build({"run": {"max_aggregations": 2}}, population=data, model=net)
     assert np.array_equal(built.population.initial_weights, ModelWeights(net, "aggregate").numpy())
     assert built.sim.run().stop_reason == "max_aggregations"
+    # A built Population (model included) is accepted as is; a second model is refused.
+    again = api.build({"run": {"max_aggregations": 1}}, population=built.population)
+    assert again.population is built.population and again.cfg.partition.num_clients == 5
+    with pytest.raises(ConfigError, match="not with a built Population"):
+        api.build({}, population=built.population, model=bn_net)
 
 
 def test_python_api_rejects_bad_populations():
