@@ -67,6 +67,11 @@ def blobs(root: str | None, download: bool, n: int = 120) -> tuple[ArrayDataset,
     return _blobs(n, 0), _blobs(60, 1)
 
 
+def blobs_in_float64(root: str | None, download: bool) -> tuple[ArrayDataset, ArrayDataset]:
+    train, test = blobs(root, download)
+    return ArrayDataset(train.x.double(), train.y, train.classes), test
+
+
 def blobs_without_test(root: str | None, download: bool) -> tuple[ArrayDataset, None]:
     return _blobs(60, 0), None
 
@@ -160,6 +165,11 @@ def test_entries_that_return_the_wrong_thing(sets, expect):
     with pytest.raises(ConfigError) as err:
         api.build(cfg)
     assert expect in str(err.value)
+
+
+def test_a_loader_returning_float64_samples_is_refused():
+    with pytest.raises(DatasetError, match="train set: x must be a float32 tensor"):
+        api.build(resolve_config(None, None, BYO_SETS(dataset={"name": "test_byo:blobs_in_float64", "params": {}})))
 
 
 def test_a_dataset_without_a_test_set_needs_eval_every_0():

@@ -100,14 +100,14 @@ def load_dataset(name: str, root: str | None = None, download: bool = False,
 
 
 def check_dataset(d: object, what: str) -> None:
-    """What the engine needs of a dataset: an ``ArrayDataset`` of float samples and int64 labels in
+    """What the engine needs of a dataset: an ``ArrayDataset`` of float32 samples and int64 labels in
     ``[0, len(classes))``, as many labels as samples, at least one sample."""
     if not isinstance(d, ArrayDataset):
         raise DatasetError(f"{what}: expected a felix.scenario.datasets.ArrayDataset, got {type(d).__name__}")
     if not isinstance(d.x, torch.Tensor) or not isinstance(d.y, torch.Tensor):
         raise DatasetError(f"{what}: x and y must be torch tensors")
-    if not d.x.is_floating_point() or d.x.ndim < 2:
-        raise DatasetError(f"{what}: x must be a float tensor N x (sample shape), got {d.x.dtype} {tuple(d.x.shape)}")
+    if d.x.dtype != torch.float32 or d.x.ndim < 2:
+        raise DatasetError(f"{what}: x must be a float32 tensor N x (sample shape), got {d.x.dtype} {tuple(d.x.shape)}")
     if d.y.dtype != torch.int64 or d.y.ndim != 1 or d.y.shape[0] != d.x.shape[0]:
         raise DatasetError(f"{what}: y must be an int64 vector of {d.x.shape[0]} labels, "
                            f"got {d.y.dtype} {tuple(d.y.shape)}")
