@@ -17,7 +17,7 @@ from felix.engine.controller import EVAL_RESULT_BYTES, downstream_bytes, upstrea
 from felix.engine.run import resolve_config, run_config
 from felix.experiments.runs import RunSpec
 from felix.metrics.recorder import HEADER_BYTES
-from felix.scenario.build import Built
+from felix.sim.build import Built
 
 SMALL = {
     "partition": {"num_clients": 12, "alpha": 0.5},

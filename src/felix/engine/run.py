@@ -11,7 +11,7 @@ from felix.engine.interrupt import stop_on_signals
 from felix.metrics.recorder import EvalRow
 from felix.metrics.report import EvalLog
 from felix.presets import scenario_preset, strategy_preset
-from felix.scenario.build import Built, build
+from felix.sim.build import Built, build
 from felix.strategies.dataplans.plans import plan_summary
 
 
@@ -40,12 +40,15 @@ def resolve_config(config_path: str | None, preset: str | None, sets: dict[str, 
 
 def run_config(cfg: Config, out_dir: Path | None = None, progress: bool = False, plots: bool = True,
                prepare: Callable[[Built], None] | None = None, interruptible: bool = False,
-               live_dir: Path | None = None) -> RunResult:
+               live_dir: Path | None = None, **objects: Any) -> RunResult:
     """Build and simulate ``cfg``; ``prepare`` may instrument the built run (e.g. wrap its
     evaluator) before it starts. The evaluations are appended to ``live_dir`` (default ``out_dir``)
     /evaluations.csv as they happen. ``interruptible`` (the CLI's runs): SIGINT and SIGTERM end the
-    run after the event in hand, with ``stop_reason: interrupted`` and all it measured."""
-    built = build(cfg)
+    run after the event in hand, with ``stop_reason: interrupted`` and all it measured.
+    ``objects``: ``population``, ``model``, ``trace`` for ``felix.sim.build.build`` (the Python
+    API, felix.api)."""
+    built = build(cfg, **objects)
+    cfg = built.cfg  # a prepared population sets partition.num_clients
     if prepare is not None:
         prepare(built)
     if progress:

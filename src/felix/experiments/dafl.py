@@ -56,8 +56,8 @@ from felix.core.commands import NewModelVersion
 from felix.engine.run import resolve_config, run_config
 from felix.metrics.classification import class_metrics, confusion_matrix, minority_classes
 from felix.metrics.convergence import convergence_round
-from felix.scenario.build import Built
 from felix.scenario.datasets import ArrayDataset, DatasetError
+from felix.sim.build import Built
 from felix.strategies.dataplans.dafl_tables import DATASET_NAMES, partition
 
 __all__ = ["METHOD_NAMES", "add_parser", "main", "run", "scale_table"]
@@ -171,6 +171,8 @@ def run_one(args: argparse.Namespace, table: NDArray[np.int64], method: Method, 
     else:
         at_version, conv_time = rec.train_losses[conv - 1].version, rec.train_losses[conv - 1].time_s
     model, test = copy.deepcopy(built.population.model), built.population.test
+    if test is None:
+        raise DatasetError(f"{cfg.dataset.name}: the DAFL experiment needs a test set")
     at = class_metrics(confusion_on_test(model, snapshots[at_version], test, cfg.run.device), minority)
     final = at if at_version == last else class_metrics(
         confusion_on_test(model, snapshots[last], test, cfg.run.device), minority)

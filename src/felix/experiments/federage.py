@@ -53,7 +53,7 @@ from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
 from felix.core.policies import Aggregator
 from felix.core.types import BufferedUpdate
 from felix.metrics.provenance import provenance
-from felix.scenario.datasets import load_dataset
+from felix.scenario.datasets import DatasetError, load_dataset
 from felix.scenario.models import make_model
 from felix.scenario.partition import dirichlet_partition
 from felix.scenario.random_access import (
@@ -190,6 +190,8 @@ def long_tail_indices(labels: np.ndarray, num_classes: int, head: int, imbalance
 
 def build_scenario(args: argparse.Namespace, seed: int) -> Scenario:
     train, test = load_dataset(args.dataset, root=args.data_root)
+    if test is None:
+        raise DatasetError(f"dataset {args.dataset!r} has no test set")
     rng = np.random.default_rng([seed, 0])
     labels = train.y.numpy()
     keep, order = long_tail_indices(labels, train.num_classes, args.head_per_class, args.imbalance, rng)
