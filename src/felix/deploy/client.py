@@ -3,9 +3,13 @@
 Each client (a ``Device``) has its own MQTT connection and login, its local partition
 (``build_population(cfg).client_data[cid]``: the simulator's partition for the same seed), its
 tier, replayed from the config's availability trace (device ``cid`` unless ``--trace-device``)
-with the trace's time compressed by ``time_scale``, and a queue of tasks. All clients of a
-process share one loop thread and one ``LocalTrainer`` (the simulator's), so tasks compute one at
-a time per process; paho's network threads only hand messages to the loop.
+with the trace's time compressed by ``time_scale``, and a queue of tasks: the shared device
+runner (:mod:`felix.engine.device`, the simulator's own), fed the trace time (clock / time_scale),
+whose timers this loop sets and whose released results it publishes. All clients of a process
+share one loop thread and one ``LocalTrainer`` (the simulator's), so tasks compute one at a time
+per process; paho's network threads only hand messages to the loop. The loop's clock is
+injectable (``ClientHost(clock=...)``), and ``handle`` / ``run_timers`` are its two steps, so
+tests drive the message handling in virtual time with a fake link.
 
 Protocol of a client:
 - waits for the server's retained STATUS, then sends REGISTER (sample and class counts, tier),

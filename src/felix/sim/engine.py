@@ -3,7 +3,10 @@
 Devices follow their availability trace and runtime; a device that leaves its tier mid-task
 pauses (its progress kept, as a checkpoint would) and resumes when it is back, so its update
 arrives late and stale, as on real devices. Local training really runs, in-process; only time is
-virtual.
+virtual. What a device does with its tasks (queue, pause and resume, cancel, durations, the data
+plan, task seeds) is the shared device runner's (:mod:`felix.engine.device`), the same code the
+MQTT client runs: this shell only turns the runner's timers into heap events and its released
+results into ``TaskFinished`` events, and trains.
 
 A training task's result depends only on its dispatched weights, its client's data, its client's
 objective state and its seed, so it may be computed at any moment before its completion event.
