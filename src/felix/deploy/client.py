@@ -209,8 +209,8 @@ class ClientHost:
         user, password = self._credentials(dev.cid)
         bopts = BrokerOptions(**{**self.opts.broker.__dict__, "username": user, "password": password})
         link = MqttLink(f"felix-{self.opts.run_id}-c{dev.cid}", bopts, self.topics.client_subscriptions(dev.cid),
-                        lambda item, cid=dev.cid: self.inbox.put((cid, item)))
-        link.set_will(lambda epoch, d=dev: (self.topics.state(d.cid), self._state_will(d, epoch)),
+                        lambda item: self.inbox.put((dev.cid, item)))  # dev: this call's own
+        link.set_will(lambda epoch: (self.topics.state(dev.cid), self._state_will(dev, epoch)),
                       self.opts.will_delay_s)
         link.start(fresh=True)
         dev.link = link
