@@ -301,3 +301,22 @@ def test_client_runs_an_eval_while_available_for_evaluation_only() -> None:
     assert [t.task_id for t in host.devices[0].queue] == [2, 3]
     _send(host, _cancel(2))  # a queued task is dropped
     assert [t.task_id for t in host.devices[0].queue] == [3]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_client_reports_a_failed_task_and_runs_the_next() -> None:
+    host, clock, link = _host(ALWAYS)
+    compute = host._compute
+
+    def flaky(dev: Device, task: Task) -> ClientUpdate:
+        if task.task_id == 1:
+            raise ValueError("broken weights")
+        return compute(dev, task)
+
+    host._compute = flaky  # type: ignore[method-assign]
+    _send(host, _train(host, 1))
+    _send(host, _train(host, 2))
+    _advance(host, clock, 20.0)
+    assert link.log() == [(4.0, "Failed", 1), (8.0, "Result", 2)] and host.tasks_done == 1
+    failed = link.sent[0][1]
+    assert isinstance(failed, wire.Failed) and "broken weights" in failed.reason
