@@ -5,13 +5,16 @@ New objectives register in ``OBJECTIVES``; every run config picks one by name.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_type_hints
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, create_model
 from torch import nn
 
 from felix.core.validation import AuxDecl
@@ -104,6 +107,25 @@ class Objective:
 
 
 OBJECTIVES: dict[str, type[Objective]] = {"ce": Objective}
+
+
+@functools.cache
+def objective_params_model(name: str) -> type[BaseModel]:
+    """The typed ``client.objective_params`` of objective ``name``: a strict pydantic model with the
+    keyword parameters of its constructor (types and defaults), so a misspelt key fails by name."""
+    try:
+        cls = OBJECTIVES[name]
+    except KeyError:
+        raise ValueError(f"unknown client objective {name!r}; choose one of {sorted(OBJECTIVES)}") from None
+    hints = get_type_hints(cls.__init__)
+    spec: dict[str, Any] = {}
+    for p in inspect.signature(cls.__init__).parameters.values():
+        if p.name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        spec[p.name] = (hints.get(p.name, Any), ... if p.default is p.empty else p.default)
+    model: type[BaseModel] = create_model(  # type: ignore[call-overload]
+        f"{cls.__name__}Params", __config__=ConfigDict(extra="forbid", frozen=True), **spec)
+    return model
 
 
 def make_objective(name: str, **params: Any) -> Objective:
