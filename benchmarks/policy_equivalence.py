@@ -20,7 +20,7 @@ PLANS = ("lb", "dafl")
 
 
 def _strip(summary: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in summary.items() if k != "wall_time_s"}
+    out = {k: v for k, v in summary.items() if k not in ("wall_time_s", "provenance")}  # wall clock, git state
     if "data_plan" in out:
         out["data_plan"] = {k: v for k, v in out["data_plan"].items() if k != "plan_seconds"}
         out["augmentation"] = {k: v for k, v in out["augmentation"].items() if "wall" not in k}
@@ -49,6 +49,7 @@ def write(out: Path) -> None:
 
 def compare(a: Path, b: Path) -> int:
     bad = 0
+    load = lambda p: _strip(json.loads(p.read_text()))  # noqa: E731
     names = sorted({p.name for p in a.glob("*.json")} | {p.name for p in b.glob("*.json")})
     for name in names:
         pa, pb = a / name, b / name
@@ -56,7 +57,7 @@ def compare(a: Path, b: Path) -> int:
             print(f"{name}: missing on one side")
             bad += 1
             continue
-        same = json.loads(pa.read_text()) == json.loads(pb.read_text())
+        same = load(pa) == load(pb)
         print(f"{name}: {'equal' if same else 'DIFFERENT'}")
         bad += not same
     return bad
