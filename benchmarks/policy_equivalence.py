@@ -47,9 +47,12 @@ def write(out: Path) -> None:
         print(name, summ["aggregations"], summ["final_accuracy"], summ["virtual_time_s"], flush=True)
 
 
+def _load(p: Path) -> dict[str, Any]:
+    return _strip(json.loads(p.read_text()))
+
+
 def compare(a: Path, b: Path) -> int:
     bad = 0
-    load = lambda p: _strip(json.loads(p.read_text()))  # noqa: E731
     names = sorted({p.name for p in a.glob("*.json")} | {p.name for p in b.glob("*.json")})
     for name in names:
         pa, pb = a / name, b / name
@@ -57,7 +60,7 @@ def compare(a: Path, b: Path) -> int:
             print(f"{name}: missing on one side")
             bad += 1
             continue
-        same = load(pa) == load(pb)
+        same = _load(pa) == _load(pb)
         print(f"{name}: {'equal' if same else 'DIFFERENT'}")
         bad += not same
     return bad

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from felix.core.client_map import ClientMap, ClientRecord
+from felix.core.client_map import ClientMap, ClientRecord, ClientView
 from felix.core.registry import NoParams, Registry
 from felix.core.types import Task, TaskKind, TaskState, Tier
 
@@ -43,19 +43,19 @@ class AvailabilityPolicy:
         """The tier the server acts on for a client that registers reporting ``reported``."""
         return reported
 
-    def on_tier(self, orch: Orchestrator, rec: ClientRecord, tier: Tier) -> None:
+    def on_tier(self, orch: Orchestrator, rec: ClientRecord | ClientView, tier: Tier) -> None:
         """``rec`` reported ``tier`` (already stored as ``rec.reported_tier``)."""
         orch.clients.set_tier(rec.client_id, tier)
 
-    def train_rows(self, clients: ClientMap) -> np.ndarray:
-        """Rows of the idle clients that may be picked to train (the orchestrator then applies the
-        rejoin and once-per-round rules)."""
+    def train_rows(self, clients: ClientMap, now: float) -> np.ndarray:
+        """Rows of the idle clients that may be picked to train at ``now`` (the orchestrator then
+        applies the rejoin and once-per-round rules)."""
         return clients.idle_rows(Tier.AVL_TRAIN)
 
     def on_timeout(self, orch: Orchestrator, task: Task) -> None:
         """``task`` ran past the task timeout (its slot is already freed)."""
 
-    def on_reply(self, orch: Orchestrator, rec: ClientRecord) -> None:
+    def on_reply(self, orch: Orchestrator, rec: ClientRecord | ClientView) -> None:
         """A result arrived from ``rec``: it is alive. A timeout may have marked it UN_AVL; its
         reported tier holds again."""
         if rec.tier is Tier.UN_AVL and rec.reported_tier is not Tier.UN_AVL:
@@ -83,10 +83,10 @@ class NoKnowledge(AvailabilityPolicy):
     def registered_tier(self, reported: Tier) -> Tier:
         return Tier.AVL_TRAIN
 
-    def on_tier(self, orch: Orchestrator, rec: ClientRecord, tier: Tier) -> None:
+    def on_tier(self, orch: Orchestrator, rec: ClientRecord | ClientView, tier: Tier) -> None:
         return
 
-    def train_rows(self, clients: ClientMap) -> np.ndarray:
+    def train_rows(self, clients: ClientMap, now: float) -> np.ndarray:
         return clients.idle_rows(*Tier)
 
 
@@ -107,7 +107,7 @@ class TierTrack(AvailabilityPolicy):
     def __init__(self, params: NoParams, cfg: OrchestratorConfig) -> None:
         super().__init__(cfg)
 
-    def on_tier(self, orch: Orchestrator, rec: ClientRecord, tier: Tier) -> None:
+    def on_tier(self, orch: Orchestrator, rec: ClientRecord | ClientView, tier: Tier) -> None:
         orch.clients.set_tier(rec.client_id, tier)
         if rec.in_flight is None:
             return

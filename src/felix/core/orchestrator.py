@@ -75,12 +75,11 @@ class OrchestratorConfig:
     knowledge_params: Any = None  # the availability policy's parameters
 
     def __post_init__(self) -> None:
-        if self.mode not in ROUND_POLICIES:
-            raise ValueError(f"mode must be one of {ROUND_POLICIES.names()}, not {self.mode!r}")
+        ROUND_POLICIES.entry(self.mode)  # a registered name or import path, else a RegistryError naming the key
         if self.knowledge in set(Knowledge):
             object.__setattr__(self, "knowledge", Knowledge(self.knowledge))
-        elif self.knowledge not in AVAILABILITY:
-            raise ValueError(f"knowledge must be one of {AVAILABILITY.names()}, not {self.knowledge!r}")
+        else:
+            AVAILABILITY.entry(str(self.knowledge))
         if self.agg_goal < 1:
             raise ValueError("agg_goal must be at least 1")
         if self.overcommit < 1.0:
@@ -426,7 +425,7 @@ class Orchestrator:
         sync mode nobody trains twice in one round. One vectorised filter over the idle set.
         """
         m = self.clients
-        rows = self.availability.train_rows(m)
+        rows = self.availability.train_rows(m, self.now)
         keep = m.column("blocked_round")[rows] != self.round
         if self.rounds.one_task_per_round:
             keep &= m.column("selected_round")[rows] != self.round

@@ -160,7 +160,8 @@ def reduce_aux(buffer: Sequence[BufferedUpdate], norm_w: np.ndarray) -> dict[str
     out: dict[str, np.ndarray] = {}
     for key in keys:
         if key.startswith("sum:"):
-            out[key] = sum(np.asarray(b.update.aux[key], dtype=np.float64) for b in buffer if key in b.update.aux)
+            out[key] = np.asarray(sum(np.asarray(b.update.aux[key], dtype=np.float64) for b in buffer
+                                      if key in b.update.aux))
             continue
         ws = [(w, b.update.aux[key]) for w, b in zip(norm_w, buffer) if key in b.update.aux]
         total = sum(w for w, _ in ws)
