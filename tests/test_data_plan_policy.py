@@ -7,9 +7,9 @@ import pytest
 from felix.config import ConfigError, DaflCfg
 from felix.core.commands import DispatchTrain, NewModelVersion
 from felix.core.dataplan import DATA_PLANS
-from felix.core.events import ClientRegistered, TaskFinished, Tick
+from felix.core.events import ClientRegistered, TaskFinished, Tick, TierChanged
 from felix.core.orchestrator import Orchestrator, OrchestratorConfig
-from felix.core.types import ClientUpdate
+from felix.core.types import ClientUpdate, Tier
 from felix.strategies.aggregation.fedavg import FedBuffAggregator
 from felix.strategies.dataplans.dafl import plan_local_balancing
 from felix.strategies.dataplans.policy import PlannedDataPlan, PlanSetup
@@ -90,3 +90,14 @@ def test_no_plan_holds_nothing() -> None:
     assert not o.data_plan.pending and o.data_plan.info() == {}
     sent = [c for c in register(o, 0, 0.0, COUNTS[0]) if isinstance(c, DispatchTrain)]
     assert len(sent) == 1 and sent[0].plan == ()
+
+
+def test_a_held_task_whose_client_leaves_is_never_sent() -> None:
+    o = make(knowledge="tiertrack")
+    register(o, 0, 0.0, COUNTS[0])
+    (held,) = (t for t in o.tasks() if t.client_id == 0)
+    o.handle(TierChanged(1.0, 0, Tier.UN_AVL))  # TierTrack frees its slot at once
+    register(o, 1, 2.0, COUNTS[1])
+    sent = [c for c in register(o, 2, 3.0, COUNTS[2]) if isinstance(c, DispatchTrain)]
+    assert held.task_id not in {c.task_id for c in sent} and sent
+    assert held.task_id not in {t.task_id for t in o.tasks()}  # closed, not left open forever

@@ -490,7 +490,11 @@ class Orchestrator:
         held, self._held = self._held, []
         for tid in held:
             task = self._tasks.get(tid)
-            if task is None or not task.holds_slot:
+            if task is None:
+                continue
+            if not task.holds_slot:  # it lost its slot while held (its client left): never sent, so closed
+                self._tasks.pop(tid)
+                self._close(tid, TaskState.CANCELLED)
                 continue
             task.base_version = self.version
             self._start_timer(task)
