@@ -25,6 +25,8 @@ from felix.core.policies import AGGREGATORS, TRAIN_SELECTORS, Aggregator, Select
 from felix.core.rounds import ROUND_POLICIES, RoundPolicy
 from felix.core.types import BufferedUpdate, ClientUpdate, Task, Tier
 from felix.engine.run import resolve_config, run_config
+from felix.scenario.build import build_objective
+from felix.strategies.objectives import Objective
 
 
 class _Params(BaseModel):
@@ -161,6 +163,28 @@ class TimeoutCooldown(AvailabilityPolicy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.until = dict(zip(state["client"].tolist(), state["until"].tolist(), strict=True))
+
+
+# ---------------------------------------------------------------------- an objective (by import path)
+class ScaledCE(Objective):
+    """Cross-entropy times ``scale``: its constructor's keywords are its typed parameters."""
+
+    name = "scaled_ce"
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale
+
+    def batch_loss(self, logits: torch.Tensor, y: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return self.scale * super().batch_loss(logits, y, ctx)
+
+
+def test_an_objective_by_import_path_with_typed_parameters() -> None:
+    over = {"client": {"objective": "test_extending:ScaledCE", "objective_params": {"scale": "2.5"}}}
+    objective = build_objective(resolve_config(None, None, deep_merge(TINY, over)))
+    assert isinstance(objective, ScaledCE) and objective.scale == 2.5
+    over["client"]["objective_params"] = {"scale": 1.0, "shift": 1.0}
+    with pytest.raises(ConfigError, match=r"client\.objective_params\.shift: unknown key"):
+        build_objective(resolve_config(None, None, deep_merge(TINY, over)))
 
 
 # ---------------------------------------------------------------------- runs

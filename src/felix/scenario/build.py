@@ -44,7 +44,7 @@ from felix.scenario.traces import (
 from felix.sim.engine import CohortExecutor, SimSettings, Simulation, make_devices
 from felix.strategies.dataplans.plans import DataPlanRun, build_data_plan, prepare_data_plan
 from felix.strategies.dataplans.policy import PlannedDataPlan
-from felix.strategies.objectives import OBJECTIVES, Objective, make_objective, objective_params_model
+from felix.strategies.objectives import Objective, make_objective, objective_class, objective_params_model
 
 log = logging.getLogger("felix.scenario.build")
 
@@ -302,10 +302,9 @@ def build_orchestrator(cfg: Config, weights: np.ndarray,
 def build_validator(cfg: Config, aggregator: Aggregator, num_params: int) -> UpdateValidator:
     """Update validation with the aux entries the configured objective and aggregator declare."""
     try:
-        objective = OBJECTIVES[cfg.client.objective]
-    except KeyError:
-        raise ConfigError(f"client.objective: unknown objective {cfg.client.objective!r}; "
-                          f"choose one of {sorted(OBJECTIVES)}") from None
+        objective = objective_class(cfg.client.objective)
+    except ValueError as exc:
+        raise ConfigError(f"client.objective: {exc}") from None
     v = cfg.validation
     try:
         c = cfg.client
