@@ -18,9 +18,9 @@ from felix.strategies.selection.random import RandomSelector
 COUNTS = [[6, 1, 1], [1, 5, 2], [2, 2, 4]]
 
 
-def make(on_error: str = "raise", counts_ok: bool = True, **kw) -> Orchestrator:
+def make(on_error: str = "raise", **kw) -> Orchestrator:
     policy = DATA_PLANS.create("lb", DaflCfg(), PlanSetup(3, on_error))  # type: ignore[arg-type]
-    cfg = OrchestratorConfig(mode="async", agg_goal=1, concurrency=2, task_timeout_s=30.0, **kw)
+    cfg = OrchestratorConfig(**{"mode": "async", "agg_goal": 1, "concurrency": 2, "task_timeout_s": 30.0, **kw})
     return Orchestrator(cfg, np.zeros(2, np.float32), RandomSelector(), FedBuffAggregator(),
                         np.random.default_rng(0), data_plan=policy)
 
@@ -101,3 +101,16 @@ def test_a_held_task_whose_client_leaves_is_never_sent() -> None:
     sent = [c for c in register(o, 2, 3.0, COUNTS[2]) if isinstance(c, DispatchTrain)]
     assert held.task_id not in {c.task_id for c in sent} and sent
     assert held.task_id not in {t.task_id for t in o.tasks()}  # closed, not left open forever
+
+
+def test_the_policies_state_survives_a_checkpoint_file(tmp_path) -> None:
+    from felix.deploy.checkpoint import load_checkpoint, save_checkpoint
+
+    o = make(mode="sync", overcommit=1.0, agg_goal=2)
+    for c in range(3):
+        register(o, c, float(c), COUNTS[c])
+    save_checkpoint(tmp_path / "ck.safetensors", o.state_dict())
+    restored = make(mode="sync", overcommit=1.0, agg_goal=2)
+    restored.load_state_dict(load_checkpoint(tmp_path / "ck.safetensors"))
+    assert restored.plans == o.plans and restored.data_plan.info() == o.data_plan.info()
+    assert restored.rounds.state_dict() == o.rounds.state_dict() and restored.rounds.state_dict()["round_active"]
