@@ -114,3 +114,15 @@ def test_the_policies_state_survives_a_checkpoint_file(tmp_path) -> None:
     restored.load_state_dict(load_checkpoint(tmp_path / "ck.safetensors"))
     assert restored.plans == o.plans and restored.data_plan.info() == o.data_plan.info()
     assert restored.rounds.state_dict() == o.rounds.state_dict() and restored.rounds.state_dict()["round_active"]
+
+
+def test_the_core_and_its_registered_policies_import_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom felix.core.dataplan import DATA_PLANS\nfrom felix.core.orchestrator import Orchestrator\n"
+            "from felix.core.policies import AGGREGATORS, EVAL_SELECTORS, TRAIN_SELECTORS\n"
+            "for r in (DATA_PLANS, AGGREGATORS, EVAL_SELECTORS, TRAIN_SELECTORS): r.names()\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False", out.stderr
