@@ -153,8 +153,10 @@ def test_train_loss_is_the_aggregation_weighted_mean() -> None:
 
 
 def test_planner_settings_come_from_the_dafl_section() -> None:
-    cfg = config(data_plan="dafl", dafl={"lambda2": 1e4, "step": 2})
+    cfg = config(data_plan="dafl", dafl={"lambda2": 1e4, "step": 2}, run={"max_aggregations": 1})
     b = build(cfg)
+    assert b.data_plan is not None and b.data_plan.plan is None  # planned when the clients register
+    b.sim.run()
     assert dafl_params(cfg.dafl).lambda2 == 1e4
     assert b.data_plan is not None and np.all(b.data_plan.plan.A % 2 == 0)
     assert b.data_plan.plan.A.tolist() == plan_dafl(TABLE, dafl_params(cfg.dafl)).A.tolist()
@@ -167,8 +169,9 @@ def test_planner_settings_come_from_the_dafl_section() -> None:
     ({"dataset": {"name": "digits", "num_classes": 11}}, "dataset.num_classes is 11 but digits has 10"),
 ])
 def test_bad_settings_fail_with_a_clear_message(over: dict[str, Any], needle: str) -> None:
+    # An impossible plan shows when the clients have registered (the run's start), the rest at build.
     with pytest.raises(ConfigError, match=needle):
-        build(config(**over))
+        run_config(config(**over), None, plots=False)
 
 
 def test_unknown_dafl_key_is_rejected() -> None:

@@ -151,7 +151,8 @@ class RuntimeCfg(_Strict):
 
 
 class OrchestratorCfg(_Strict):
-    mode: Literal["sync", "async"] = "async"
+    mode: str = Field("async", description="round policy: sync | async, or a registered name or import path "
+                      "(felix.core.rounds.ROUND_POLICIES); its parameters in mode_params")
     agg_goal: int = Field(10, ge=1)
     concurrency: int = Field(30, ge=1)
     overcommit: float = Field(1.3, ge=1)
@@ -160,10 +161,17 @@ class OrchestratorCfg(_Strict):
     task_timeout_s: float | None = Field(90.0, gt=0)
     accept_late: bool = True
     max_staleness: int | None = Field(None, ge=0)
-    knowledge: Literal["none", "oracle", "tiertrack"] = "none"
+    knowledge: str = Field("none", description="availability policy: none | oracle | tiertrack, or a registered "
+                           "name or import path (felix.core.availability.AVAILABILITY); parameters in knowledge_params")
+    mode_params: dict[str, Any] = Field(default_factory=dict, description="the round policy's typed parameters")
+    knowledge_params: dict[str, Any] = Field(default_factory=dict,
+                                             description="the availability policy's typed parameters")
 
 
 class PolicyCfg(_Strict):
+    """A policy by registered name or import path; ``params`` is validated against the policy's own
+    parameter model when the run is built (``felix.core.registry``)."""
+
     name: str
     params: dict[str, Any] = Field(default_factory=dict)
 
@@ -284,7 +292,8 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     whole, so a strategy preset never inherits another selector's parameters."""
     out = copy.deepcopy(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("params", "objective_params", "model_params"):
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in (
+                "params", "objective_params", "model_params", "mode_params", "knowledge_params"):
             out[k] = deep_merge(out[k], v)
         else:
             out[k] = copy.deepcopy(v)

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from felix.core.availability import AVAILABILITY, AvailabilityPolicy
 from felix.core.client_map import ClientMap, ClientRecord
 from felix.core.commands import (
     AggregationReport,
@@ -24,6 +25,7 @@ from felix.core.commands import (
     NewModelVersion,
     UpdateRejected,
 )
+from felix.core.dataplan import DataPlanPolicy
 from felix.core.events import ClientRegistered, Event, TaskFailed, TaskFinished, Tick, TierChanged
 from felix.core.policies import (
     Aggregator,
@@ -32,6 +34,7 @@ from felix.core.policies import (
     SelectionContext,
     TrainSelector,
 )
+from felix.core.rounds import ROUND_POLICIES, RoundPolicy
 from felix.core.types import BufferedUpdate, ClientUpdate, Task, TaskKind, TaskState, Tier
 from felix.core.validation import UpdateValidator, ValidationConfig
 
@@ -43,14 +46,8 @@ _STATES = tuple(TaskState)
 
 
 class Knowledge(str, Enum):
-    """What the server knows of availability (DESIGN.md's second axis).
-
-    NONE: every registered client looks available; trouble shows only as a timeout.
-    ORACLE: tier reports filter selection (they stand for reading the trace), but in-flight tasks
-    are not interrupted: the oracle baselines know who is online, not who just left.
-    TIERTRACK: client-reported tiers filter selection *and* free the slot of a client that leaves
-    (UN_AVL, or AVL_TRAIN -> AVL_EVAL) at once; a timeout marks a silent client UN_AVL.
-    """
+    """The built-in availability policies' names (``felix.core.availability`` has their behaviour);
+    ``OrchestratorConfig.knowledge`` also takes the name of any other registered policy."""
 
     NONE = "none"
     ORACLE = "oracle"
@@ -59,7 +56,12 @@ class Knowledge(str, Enum):
 
 @dataclass(frozen=True, slots=True)
 class OrchestratorConfig:
-    mode: str = "async"  # "sync" rounds or "async" buffered
+    """The round policy (``mode``) and availability policy (``knowledge``) are registered names
+    (``felix.core.rounds.ROUND_POLICIES``, ``felix.core.availability.AVAILABILITY``), with their own
+    parameters in ``mode_params`` / ``knowledge_params``; the fields between are the settings the
+    built-in round policies share."""
+
+    mode: str = "async"  # "sync" rounds or "async" buffered, or another registered round policy
     agg_goal: int = 10
     concurrency: int = 30  # async: training tasks kept in flight
     overcommit: float = 1.3  # sync: clients selected per round = ceil(agg_goal * overcommit)
@@ -68,15 +70,18 @@ class OrchestratorConfig:
     task_timeout_s: float | None = 90.0
     accept_late: bool = True  # aggregate replies of timed-out / interrupted tasks (stale)
     max_staleness: int | None = None  # discard updates staler than this (versions)
-    knowledge: Knowledge = Knowledge.NONE
+    knowledge: Knowledge | str = Knowledge.NONE
+    mode_params: Any = None  # the round policy's parameters (a mapping or its pydantic model)
+    knowledge_params: Any = None  # the availability policy's parameters
 
     def __post_init__(self) -> None:
-        if self.mode not in ("sync", "async"):
-            raise ValueError(f"mode must be 'sync' or 'async', not {self.mode!r}")
+        ROUND_POLICIES.entry(self.mode)  # a registered name or import path, else a RegistryError naming the key
+        if self.knowledge in set(Knowledge):
+            object.__setattr__(self, "knowledge", Knowledge(self.knowledge))
+        else:
+            AVAILABILITY.entry(str(self.knowledge))
         if self.agg_goal < 1:
             raise ValueError("agg_goal must be at least 1")
-        if self.mode == "async" and self.concurrency < 1:
-            raise ValueError("concurrency must be at least 1")
         if self.overcommit < 1.0:
             raise ValueError("overcommit must be >= 1.0")
         for name in ("deadline_s", "task_timeout_s"):
@@ -119,7 +124,12 @@ class Orchestrator:
         eval_selector: EvalSelector | None = None,
         oracle: AvailabilityOracle | None = None,
         validator: UpdateValidator | None = None,
+        data_plan: DataPlanPolicy | None = None,
+        round_policy: RoundPolicy | None = None,
+        availability: AvailabilityPolicy | None = None,
     ) -> None:
+        """The round and availability policies default to those the config names, with
+        ``mode_params`` / ``knowledge_params``; pass objects to use others."""
         if initial_weights.ndim != 1:
             raise ValueError("initial_weights must be a flat parameter vector")
         self.cfg = config
@@ -128,6 +138,10 @@ class Orchestrator:
         self.eval_selector = eval_selector or EvalSelector()
         self.rng = rng
         self.oracle = oracle
+        self.rounds = round_policy or ROUND_POLICIES.create(config.mode, config.mode_params, config)
+        knowledge = config.knowledge.value if isinstance(config.knowledge, Knowledge) else config.knowledge
+        self.availability = availability or AVAILABILITY.create(knowledge, config.knowledge_params, config)
+        self.data_plan = data_plan or DataPlanPolicy()
         # Without one from the shell (``build_orchestrator`` makes it from the config, norms included),
         # samples are bounded and no aux entry is admitted; the norm bound needs the clients' local
         # schedule, which only the config knows, so a bare orchestrator leaves it off.
@@ -146,9 +160,7 @@ class Orchestrator:
         self._next_task = 1
         self._timers: list[tuple[float, int]] = []
         self._buffer: list[BufferedUpdate] = []
-        self._round_active = False
-        self._round_deadline: float | None = None
-        self._round_received = 0
+        self._held: list[int] = []  # training tasks assigned while the data plan is pending, not yet sent
         self._evals_this_round = 0
         self._probe_dropped: set[int] = set()  # clients whose eval task dropped this round: not probed again in it
         self._train_in_flight = 0
@@ -175,8 +187,9 @@ class Orchestrator:
                 break
             heapq.heappop(self._timers)
         times = [self._timers[0][0]] if self._timers else []
-        if self._round_deadline is not None:
-            times.append(self._round_deadline)
+        deadline = self.rounds.wakeup()
+        if deadline is not None:
+            times.append(deadline)
         return min(times) if times else None
 
     def handle(self, event: Event) -> list[Command]:
@@ -209,16 +222,19 @@ class Orchestrator:
         if not (-(2**63) <= ev.client_id < 2**63 and ev.num_samples < 2**63):  # the ClientMap's int64 columns
             self._reject(ev.client_id, 0, "client id or sample count beyond 64 bits at registration", out)
             return
-        tier = ev.tier if self.cfg.knowledge is not Knowledge.NONE else Tier.AVL_TRAIN
         self.clients.add(
             ClientRecord(
                 client_id=ev.client_id,
                 num_samples=ev.num_samples,
-                tier=tier,
+                tier=self.availability.registered_tier(ev.tier),
                 reported_tier=ev.tier,
                 class_counts=tuple(ev.class_counts),
             )
         )
+        rows = self.data_plan.on_registered(self.clients, self.now)
+        if rows is not None:
+            self.plans = dict(rows)
+            self._send_held(out)
 
     def _on_tier(self, ev: TierChanged, out: list[Command]) -> None:
         if ev.client_id not in self.clients:
@@ -226,15 +242,7 @@ class Orchestrator:
             return
         rec = self.clients[ev.client_id]
         rec.reported_tier = ev.tier
-        if self.cfg.knowledge is Knowledge.NONE:
-            return
-        self.clients.set_tier(ev.client_id, ev.tier)
-        if self.cfg.knowledge is not Knowledge.TIERTRACK or rec.in_flight is None:
-            return
-        task = self._tasks[rec.in_flight]
-        leaves = ev.tier is Tier.UN_AVL or (ev.tier is Tier.AVL_EVAL and task.kind is TaskKind.TRAIN)
-        if leaves:
-            self._release(task, TaskState.INTERRUPTED)
+        self.availability.on_tier(self, rec, ev.tier)
 
     def _on_finished(self, ev: TaskFinished, out: list[Command]) -> None:
         valid = self._validate(ev, out)
@@ -247,9 +255,7 @@ class Orchestrator:
             self._free_slot(task)
         self._tasks.pop(task.task_id)
         self._close(task.task_id, TaskState.DONE)
-        if rec.tier is Tier.UN_AVL and rec.reported_tier is not Tier.UN_AVL:
-            # A timeout had marked it UN_AVL; the reply proves it alive in its reported tier.
-            self.clients.set_tier(rec.client_id, rec.reported_tier)
+        self.availability.on_reply(self, rec)
         rec.stat_utility = float(upd.stat_utility)
         rec.last_utility_round = self.round
         ctx = self._ctx()
@@ -271,14 +277,7 @@ class Orchestrator:
         self._buffer.append(
             BufferedUpdate(rec.client_id, task.task_id, task.base_version, self.now, upd, staleness)
         )
-        if self.cfg.mode == "async":
-            if len(self._buffer) >= self.cfg.agg_goal:
-                self._aggregate(out)
-        else:
-            if task.round == self.round and self._round_active:
-                self._round_received += 1
-            if self._round_active and self._round_received >= self.cfg.agg_goal:
-                self._end_round(out)
+        self.rounds.on_buffered(self, task, out)
 
     def _on_failed(self, ev: TaskFailed, out: list[Command]) -> None:
         task = self._tasks.get(ev.task_id)
@@ -394,12 +393,10 @@ class Orchestrator:
             if task is None or not task.holds_slot:
                 continue
             self._release(task, TaskState.TIMED_OUT)
-            if self.cfg.knowledge is Knowledge.TIERTRACK:
-                self.clients.set_tier(task.client_id, Tier.UN_AVL)
+            self.availability.on_timeout(self, task)
             if not self.cfg.accept_late:
                 self._cancel(task, "timed out", out)
-        if self._round_deadline is not None and self._round_deadline <= self.now:
-            self._end_round(out)
+        self.rounds.on_timers(self, out)
 
     def _compact_timers(self) -> None:
         """Drop the timers of tasks that no longer hold a slot (they would fire as no-ops), so the
@@ -428,19 +425,14 @@ class Orchestrator:
         sync mode nobody trains twice in one round. One vectorised filter over the idle set.
         """
         m = self.clients
-        rows = m.idle_rows(*Tier) if self.cfg.knowledge is Knowledge.NONE else m.idle_rows(Tier.AVL_TRAIN)
+        rows = self.availability.train_rows(m, self.now)
         keep = m.column("blocked_round")[rows] != self.round
-        if self.cfg.mode == "sync":
+        if self.rounds.one_task_per_round:
             keep &= m.column("selected_round")[rows] != self.round
         return m.ids[rows[keep]]
 
     def _fill(self, out: list[Command]) -> None:
-        if self.cfg.mode == "async":
-            need = self.cfg.concurrency - self._train_in_flight
-        else:
-            if not self._round_active:
-                self._start_round()
-            need = self._sync_need()
+        need = self.rounds.need(self)
         if need > 0:
             candidates = self._train_candidates()
             if len(candidates):
@@ -464,10 +456,9 @@ class Orchestrator:
         self._next_task += 1
         self._tasks[task.task_id] = task
         self.clients.set_in_flight(cid, task.task_id)
-        if self.cfg.task_timeout_s is not None:
-            heapq.heappush(self._timers, (self.now + self.cfg.task_timeout_s, task.task_id))
-            if len(self._timers) > 2 * len(self._tasks) + 64:
-                self._compact_timers()
+        held = kind is TaskKind.TRAIN and self.data_plan.pending
+        if not held:
+            self._start_timer(task)
         if kind is TaskKind.TRAIN:
             self._train_in_flight += 1
             self.stats.train_dispatched += 1
@@ -477,37 +468,75 @@ class Orchestrator:
                 self.stats.utility_age_at_selection.append(self.round - rec.last_utility_round)
             else:
                 self.stats.never_explored_at_selection += 1
-            out.append(DispatchTrain(task.task_id, cid, self.version, self._theta, self.aux, self.plans.get(cid, ())))
+            if held:
+                self._held.append(task.task_id)
+            else:
+                out.append(DispatchTrain(task.task_id, cid, self.version, self._theta, self.aux,
+                                         self.plans.get(cid, ())))
         else:
             self._evals_this_round += 1
             self.stats.eval_dispatched += 1
             out.append(DispatchEval(task.task_id, cid, self.version, self._theta))
 
-    # ------------------------------------------------------------------ sync rounds
-    def _start_round(self) -> None:
-        self.round += 1
-        self.stats.rounds_started += 1
-        self._round_active = True
-        self._round_received = 0
+    def _start_timer(self, task: Task) -> None:
+        if self.cfg.task_timeout_s is not None:
+            heapq.heappush(self._timers, (self.now + self.cfg.task_timeout_s, task.task_id))
+            if len(self._timers) > 2 * len(self._tasks) + 64:
+                self._compact_timers()
+
+    def _send_held(self, out: list[Command]) -> None:
+        """The data plan exists: send the training tasks held for it, in the order they were
+        assigned, each with its row and the current model; their timeouts start now."""
+        held, self._held = self._held, []
+        for tid in held:
+            task = self._tasks.get(tid)
+            if task is None:
+                continue
+            if not task.holds_slot:  # it lost its slot while held (its client left): never sent, so closed
+                self._tasks.pop(tid)
+                self._close(tid, TaskState.CANCELLED)
+                continue
+            task.base_version = self.version
+            self._start_timer(task)
+            out.append(DispatchTrain(tid, task.client_id, self.version, self._theta, self.aux,
+                                     self.plans.get(task.client_id, ())))
+
+    # ------------------------------------------------------------------ the round and availability policies' API
+    @property
+    def buffered(self) -> int:
+        """Updates waiting in the aggregation buffer."""
+        return len(self._buffer)
+
+    @property
+    def train_in_flight(self) -> int:
+        """Training tasks holding a slot."""
+        return self._train_in_flight
+
+    def task(self, task_id: int) -> Task:
+        """An open task by id."""
+        return self._tasks[task_id]
+
+    def round_tasks(self, round_: int) -> list[Task]:
+        """The open training tasks of round ``round_`` (a list: the caller may cancel them)."""
+        return [t for t in self._tasks.values() if t.round == round_ and t.kind is TaskKind.TRAIN]
+
+    def start_round(self, round_: int) -> None:
+        """Number the round ``round_``; the eval-probe budget and the probe rejoin rule restart."""
+        self.round = round_
         self._evals_this_round = 0
         self._probe_dropped.clear()
-        self._round_deadline = None if self.cfg.deadline_s is None else self.now + self.cfg.deadline_s
 
-    def _sync_need(self) -> int:
-        """Keep ceil(agg_goal * overcommit) of this round's tasks arrived or outstanding: the
-        over-selection at the start, and a top-up for tasks that failed, timed out or left."""
-        outstanding = sum(1 for t in self._tasks.values()
-                          if t.round == self.round and t.holds_slot and t.kind is TaskKind.TRAIN)
-        return math.ceil(self.cfg.agg_goal * self.cfg.overcommit) - self._round_received - outstanding
+    def aggregate(self, out: list[Command]) -> None:
+        """Apply the buffer now (a new model version), or reject what cannot be aggregated."""
+        self._aggregate(out)
 
-    def _end_round(self, out: list[Command]) -> None:
-        if self.cfg.cancel_stragglers:
-            for task in [t for t in self._tasks.values() if t.round == self.round and t.kind is TaskKind.TRAIN]:
-                self._cancel(task, "round ended", out)
-        self._round_active = False
-        self._round_deadline = None
-        if self._buffer:
-            self._aggregate(out)
+    def cancel(self, task: Task, reason: str, out: list[Command]) -> None:
+        """Withdraw ``task``: the client is told, and a late reply is rejected."""
+        self._cancel(task, reason, out)
+
+    def release(self, task: Task, state: TaskState) -> None:
+        """``task`` loses its slot (it left or timed out); a late reply may still be accepted."""
+        self._release(task, state)
 
     # ------------------------------------------------------------------ aggregation
     def _aggregate(self, out: list[Command]) -> None:
@@ -522,10 +551,7 @@ class Orchestrator:
         self._theta = _frozen(theta.astype(np.float32, copy=False))
         self.aux.update(aux)
         self.version += 1
-        if self.cfg.mode == "async":
-            self.round = self.version
-            self._evals_this_round = 0
-            self._probe_dropped.clear()
+        self.rounds.on_aggregated(self)
         st = self.stats
         st.updates_applied += len(buffer)
         st.aggregation_times.append(self.now)
@@ -608,8 +634,8 @@ class Orchestrator:
                  "aux": {k: np.asarray(v) for k, v in b.update.aux.items()}}
                 for b in self._buffer
             ],
-            "round_active": self._round_active, "round_deadline": self._round_deadline,
-            "round_received": self._round_received, "evals_this_round": self._evals_this_round,
+            "held": np.array(self._held, dtype=np.int64),
+            "evals_this_round": self._evals_this_round,
             "probe_dropped": np.array(sorted(self._probe_dropped), dtype=np.int64),
             "train_in_flight": self._train_in_flight,
             "rng": self.rng.bit_generator.state,
@@ -620,6 +646,9 @@ class Orchestrator:
             "eval_selector": self.eval_selector.state_dict(),
             "aggregator": self.aggregator.state_dict(),
             "validator": self.validator.state_dict(),
+            "round_policy": self.rounds.state_dict(),
+            "availability": self.availability.state_dict(),
+            "data_plan": self.data_plan.state_dict(),
         }
 
     def _stat_array(self, name: str) -> np.ndarray:
@@ -664,10 +693,7 @@ class Orchestrator:
                            int(b["staleness"]))
             for b in state["buffer"]
         ]
-        self._round_active = bool(state["round_active"])
-        rd = state["round_deadline"]
-        self._round_deadline = None if rd is None else float(rd)
-        self._round_received = int(state["round_received"])
+        self._held = np.asarray(state["held"]).tolist()
         self._evals_this_round = int(state["evals_this_round"])
         self._probe_dropped = set(np.asarray(state["probe_dropped"]).tolist())
         self._train_in_flight = int(state["train_in_flight"])
@@ -682,6 +708,9 @@ class Orchestrator:
         self.eval_selector.load_state_dict(state["eval_selector"])
         self.aggregator.load_state_dict(state["aggregator"])
         self.validator.load_state_dict(state["validator"])
+        self.rounds.load_state_dict(state["round_policy"])
+        self.availability.load_state_dict(state["availability"])
+        self.data_plan.load_state_dict(state["data_plan"])
 
 
 _LIST_STATS = frozenset({"aggregation_times", "staleness", "agg_weights", "utility_age_at_selection"})

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from felix.core.client_map import ClientMap, ClientRecord, ClientView
+from felix.core.registry import NoParams, Registry
 from felix.core.types import BufferedUpdate, Tier
 from felix.core.validation import AuxDecl
 
@@ -131,6 +132,22 @@ class Aggregator:
             step += np.float32(wi) * delta
         new_theta = theta + np.float32(self.server_lr) * step
         return new_theta, norm_w, reduce_aux(buffer, norm_w)
+
+
+# The registries of each kind (``felix.core.registry``): a strategy module registers its factories
+# next to its classes; the modules listed here are the built-in ones, imported on the first lookup.
+TRAIN_SELECTORS: Registry[TrainSelector] = Registry("selector", modules=(
+    "felix.strategies.selection.random", "felix.strategies.selection.oort", "felix.strategies.selection.refl"))
+EVAL_SELECTORS: Registry[EvalSelector] = Registry("eval_selector", modules=("felix.strategies.selection.tierselect",))
+AGGREGATORS: Registry[Aggregator] = Registry("aggregator", modules=(
+    "felix.strategies.aggregation.fedavg", "felix.strategies.aggregation.tierfuse",
+    "felix.strategies.aggregation.refl_saa", "felix.strategies.aggregation.qffl"))
+
+
+@EVAL_SELECTORS.register("none", params=NoParams)
+def _no_eval(params: NoParams, ctx: Any) -> EvalSelector:
+    """No forward-pass probes."""
+    return EvalSelector()
 
 
 def reduce_aux(buffer: Sequence[BufferedUpdate], norm_w: np.ndarray) -> dict[str, np.ndarray]:

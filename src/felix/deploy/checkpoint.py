@@ -34,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save
 
 FORMAT = "felix-checkpoint"
-VERSION = "2"
+VERSION = "3"  # 3: the orchestrator's policies (round, availability, data plan) and the run controller in the state
 _STATE_KEY = "__state__"
 RESUME_TASK_ID_STRIDE = 1 << 32
 

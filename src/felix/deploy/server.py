@@ -62,7 +62,6 @@ from felix.core.commands import (
     UpdateRejected,
 )
 from felix.core.events import ClientRegistered, Event, TaskFailed, TaskFinished, Tick, TierChanged
-from felix.core.orchestrator import Knowledge
 from felix.core.types import ClientUpdate, TaskKind
 from felix.deploy import checkpoint as ckpt
 from felix.deploy import wire
@@ -73,7 +72,6 @@ from felix.engine.controller import RunController
 from felix.metrics.recorder import EvalRow, Recorder
 from felix.metrics.report import EvalLog
 from felix.scenario.build import build_orchestrator, build_population, build_trace, make_evaluator
-from felix.strategies.dataplans.plans import plan_augmentation
 
 log = logging.getLogger("felix.deploy.server")
 
@@ -147,10 +145,9 @@ class Server:
         # registered count bounds every later result's num_samples, its weight and its norm bound).
         self.partition_sizes = [len(d) for d in pop.client_data]
         self.num_params = int(pop.initial_weights.size)
-        knowledge = Knowledge(cfg.orchestrator.knowledge)
         # The oracle baselines read the trace on the server's clock (clients replay it on theirs).
-        trace = build_trace(cfg) if knowledge is Knowledge.ORACLE else None
-        self.orch = build_orchestrator(cfg, pop.initial_weights, trace)
+        # A data plan the registered counts make impossible is logged and training goes on without it.
+        self.orch = build_orchestrator(cfg, pop.initial_weights, lambda: build_trace(cfg), plan_errors="skip")
         r = cfg.run
         rec = Recorder(make_evaluator(copy.deepcopy(pop.model), pop.test, r.device), r.target_accuracy,
                        r.target_window, r.eval_every)
@@ -421,25 +418,15 @@ class Server:
         self._deliver(TierChanged(now, cid, msg.tier))
 
     def _maybe_plan(self) -> None:
-        """The data plan (``data_plan: lb | dafl``), as DAFL's server makes it: from the class counts
-        the clients registered with, once the whole population has registered. From then on every
-        training task carries its client's row; a client augments on the first task bringing it.
-        (The simulator knows the counts at build time, so its tasks carry rows from the start.)"""
-        if self.cfg.data_plan == "none" or self.plan_info is not None or len(self.orch.clients) < self.num_clients:
+        """Note the data plan (``data_plan: lb | dafl``) when the orchestrator's data-plan policy has
+        just made it (it plans once the whole population has registered, and holds the training
+        tasks assigned before that until then; ``felix.strategies.dataplans.policy``)."""
+        info = self.orch.data_plan.info()
+        if self.plan_info is not None or not info:
             return
-        counts = np.array([self.orch.clients[c].class_counts for c in range(self.num_clients)], dtype=np.int64)
-        try:
-            plan = plan_augmentation(self.cfg.data_plan, counts, self.cfg.dafl)
-        except ValueError as exc:
-            log.error("data plan %r impossible, training without it: %s", self.cfg.data_plan, exc)
-            self.plan_info = {"method": self.cfg.data_plan, "error": str(exc)}
-            return
-        self.orch.set_data_plan({k: tuple(int(v) for v in row) for k, row in enumerate(plan.A)})
-        self.plan_info = {"method": plan.method, "I_before": plan.I_before, "J_before": plan.J_before,
-                          "I_after": plan.I_after, "J_after": plan.J_after, "added": plan.added,
-                          "added_per_client": list(plan.added_per_client), "plan_seconds": plan.plan_seconds,
-                          "planned_at_s": self.now()}
-        log.info("data plan %s: %d samples to add across the clients", plan.method, plan.added)
+        self.plan_info = {**info, "planned_at_s": self.now()}
+        if "error" not in info:
+            log.info("data plan %s: %d samples to add across the clients", info["method"], info["added"])
 
     def _on_state(self, msg: wire.State) -> None:
         self.stats.tier_messages += 1

@@ -45,7 +45,7 @@ import numpy as np
 from felix.config import Config
 from felix.core.commands import CancelTask, Command, DispatchEval, DispatchTrain, NewModelVersion
 from felix.core.events import ClientRegistered, Event, TaskFailed, TaskFinished, TierChanged
-from felix.core.orchestrator import Knowledge, Orchestrator
+from felix.core.orchestrator import Orchestrator
 from felix.metrics.recorder import HEADER_BYTES, ByteCounter, EvalRow, Recorder, TrainLossRow
 from felix.metrics.report import summary as run_summary
 from felix.metrics.report import write_run
@@ -108,7 +108,7 @@ class RunController:
         self.max_aggregations = r.max_aggregations
         self.stop_at_target = r.stop_at_target
         self.model_bytes = 4 * int(orch.weights.size) + HEADER_BYTES
-        self.tier_reports = orch.cfg.knowledge is Knowledge.TIERTRACK
+        self.tier_reports = orch.availability.tier_reports_sent
         # What really crossed the wire (the MQTT server's encoded payloads), beside the model.
         self.wire: ByteCounter | None = ByteCounter() if measure_wire else None
         self._stop: str | None = None

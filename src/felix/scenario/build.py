@@ -19,30 +19,32 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
 from torch import nn
 
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig, autocast
 from felix.client.weights import ModelWeights, model_vector, weights_for
 from felix.config import Config, ConfigError, deep_merge, validate
-from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
-from felix.core.policies import Aggregator, EvalSelector, TrainSelector
+from felix.core.availability import AVAILABILITY
+from felix.core.orchestrator import Orchestrator, OrchestratorConfig
+from felix.core.policies import AGGREGATORS, EVAL_SELECTORS, TRAIN_SELECTORS, Aggregator
+from felix.core.registry import Registry, RegistryError
+from felix.core.rounds import ROUND_POLICIES
 from felix.core.validation import UpdateValidator, ValidationConfig
 from felix.scenario.datasets import ArrayDataset, DatasetError, check_dataset, first_classes, load_dataset
 from felix.scenario.models import ModelFactory, check_model, make_model
 from felix.scenario.partition import partition
 from felix.scenario.profiles import FELIX_HALFNORMAL_SCALE, halfnormal_runtimes, uniform_runtimes
 from felix.scenario.traces import AvailabilityTrace, make_trace
-from felix.strategies.objectives import OBJECTIVES, Objective, make_objective
+from felix.strategies.dataplans.plans import build_data_plan
+from felix.strategies.objectives import Objective, make_objective, objective_class, objective_params_model
 
 log = logging.getLogger("felix.scenario.build")
-
-if TYPE_CHECKING:
-    from felix.strategies.selection.oort import OortSelector
 
 # Stream ids under the run seed: scenario streams never depend on the strategy.
 _PARTITION, _TRACE, _RUNTIME, _MODEL, _STRATEGY = range(5)
@@ -52,118 +54,13 @@ def _stream(seed: int, which: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, which]))
 
 
-# ---------------------------------------------------------------------- policy registries
-def _random_selector(params: dict[str, Any], cfg: Config) -> TrainSelector:
-    from felix.strategies.selection.random import RandomSelector
-
-    if params:
-        raise ConfigError(f"selector 'random' takes no params, got {sorted(params)}")
-    return RandomSelector()
-
-
-def _fedavg(cfg: Config) -> Aggregator:
-    from felix.strategies.aggregation.fedavg import FedAvgAggregator
-
-    a = cfg.aggregator
-    return FedAvgAggregator(a.server_lr, a.normalize, a.clip_norm, **a.params)
-
-
-def _fedbuff(cfg: Config) -> Aggregator:
-    from felix.strategies.aggregation.fedavg import FedBuffAggregator
-
-    a = cfg.aggregator
-    return FedBuffAggregator(a.server_lr, a.normalize, a.clip_norm, **a.params)
-
-
-def _oort_params(params: dict[str, Any]) -> Any:
-    """``base`` picks Oort's own defaults, the FeLiX authors' numbers or FedScale's; other keys override fields."""
-    from dataclasses import replace
-
-    from felix.strategies.selection.oort import OortParams
-
-    params = dict(params)
-    base = params.pop("base", "felix_authors")
-    bases = {"oort": OortParams, "felix_authors": OortParams.felix_authors, "fedscale": OortParams.fedscale}
-    if base not in bases:
-        raise ConfigError(f"selector.params.base must be one of {sorted(bases)}, not {base!r}")
-    return replace(bases[base](), **params)
-
-
-def _oort_selector(params: dict[str, Any], cfg: Config) -> OortSelector:
-    from felix.strategies.selection.oort import OortSelector
-
-    params = dict(params)
-    reward_cap = params.pop("reward_cap", None)
-    if reward_cap is None and cfg.client.max_steps is not None:
-        reward_cap = cfg.client.max_steps * cfg.client.batch_size
-    return OortSelector(_oort_params(params), reward_cap=reward_cap)
-
-
-def _refl_selector(params: dict[str, Any], cfg: Config) -> TrainSelector:
-    from felix.strategies.selection.refl import ReflIPSParams, ReflIPSSelector
-
-    params = dict(params)
-    inner = params.pop("oort", None)
-    oort = None if inner is None else _oort_selector(inner, cfg)
-    return ReflIPSSelector(ReflIPSParams(**params), oort)
-
-
-def _tierselect_eval(params: dict[str, Any], cfg: Config) -> EvalSelector:
-    from felix.strategies.selection.tierselect import TierSelectEval, TierSelectEvalParams
-
-    return TierSelectEval(cfg.orchestrator.agg_goal, TierSelectEvalParams(**params))
-
-
-def _tierfuse(cfg: Config) -> Aggregator:
-    from felix.strategies.aggregation.tierfuse import TierFuseAggregator, TierFuseParams
-
-    a = cfg.aggregator
-    return TierFuseAggregator(TierFuseParams(**a.params), a.server_lr, a.normalize, a.clip_norm)
-
-
-def _refl_saa(cfg: Config) -> Aggregator:
-    from felix.strategies.aggregation.refl_saa import ReflSAAAggregator, ReflSAAParams
-
-    a = cfg.aggregator
-    return ReflSAAAggregator(ReflSAAParams(**a.params), a.server_lr, a.clip_norm)
-
-
-def _qffl(cfg: Config) -> Aggregator:
-    """q-FFL reads each client's loss at the received model from aux ``qffl_loss`` when a client
-    sends it, else the mean local training loss (biased low; see QFFLAggregator)."""
-    from felix.strategies.aggregation.qffl import QFFLAggregator
-
-    params = {"lipschitz": 1.0 / cfg.client.lr, **cfg.aggregator.params}
-    return QFFLAggregator(**params)
-
-
-SELECTORS: dict[str, Callable[[dict[str, Any], Config], TrainSelector]] = {
-    "random": _random_selector,
-    "oort": _oort_selector,
-    "refl_ips": _refl_selector,
-}
-EVAL_SELECTORS: dict[str, Callable[[dict[str, Any], Config], EvalSelector]] = {
-    "none": lambda params, cfg: EvalSelector(),
-    "tierselect": _tierselect_eval,
-}
-AGGREGATORS: dict[str, Callable[[Config], Aggregator]] = {
-    "fedavg": _fedavg,
-    "fedbuff": _fedbuff,
-    "tierfuse": _tierfuse,
-    "refl_saa": _refl_saa,
-    "qffl": _qffl,
-}
-
-
-def _make(registry: dict[str, Callable[..., Any]], kind: str, name: str, *args: Any) -> Any:
-    if name not in registry:
-        raise ConfigError(f"{kind}.name: unknown {kind} {name!r}; choose one of {sorted(registry)}")
+# ---------------------------------------------------------------------- policies
+def _create(registry: Registry[Any], name: str, params: Any, where: str, ctx: Any) -> Any:
+    """A policy from its registry (``felix.core.registry``), its errors as ``ConfigError``."""
     try:
-        return registry[name](*args)
-    except (TypeError, ValueError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(f"{kind} {name!r}: {exc}") from None
+        return registry.create(name, params, ctx, where=where)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 # ---------------------------------------------------------------------- scenario parts
@@ -375,12 +272,22 @@ def build_population(cfg: Config, data: ClientDatasets | None = None,
 
 
 def build_objective(cfg: Config) -> Objective:
+    """The client objective, its ``objective_params`` validated against the objective's own typed
+    parameters (``objective_params_model``): a misspelt key fails with its dotted path."""
     c = cfg.client
     params = dict(c.objective_params)
     if c.objective == "scaffold":
         params.setdefault("num_clients", cfg.partition.num_clients)  # SCAFFOLD's N
     try:
-        return make_objective(c.objective, **params)
+        typed = objective_params_model(c.objective).model_validate(params)
+    except ValueError as exc:
+        if not isinstance(exc, ValidationError):
+            raise ConfigError(f"client.objective: {exc}") from None
+        raise ConfigError("; ".join(
+            f"client.objective_params.{'.'.join(str(x) for x in e['loc'])}: "
+            f"{'unknown key' if e['type'] == 'extra_forbidden' else e['msg']}" for e in exc.errors())) from None
+    try:
+        return make_objective(c.objective, **typed.model_dump(exclude_unset=True))
     except ValueError as exc:
         raise ConfigError(f"client: {exc}") from None
 
@@ -404,35 +311,51 @@ def build_trainer(cfg: Config, pop: Population) -> LocalTrainer:
                         apply_precision(cfg))
 
 
-def build_orchestrator(cfg: Config, weights: np.ndarray, trace: AvailabilityTrace | None) -> Orchestrator:
+def build_orchestrator(cfg: Config, weights: np.ndarray,
+                       trace: AvailabilityTrace | Callable[[], AvailabilityTrace] | None,
+                       plan_errors: str = "raise") -> Orchestrator:
+    """The orchestrator with the config's policies, each looked up in its registry by name (or
+    import path) with its parameters validated. ``trace`` (or a function making it, called only
+    then) is the oracle of an availability policy that reads one; ``plan_errors`` as
+    ``PlanSetup.on_error``."""
     o = cfg.orchestrator
-    ocfg = OrchestratorConfig(
-        mode=o.mode, agg_goal=o.agg_goal, concurrency=o.concurrency, overcommit=o.overcommit,
-        deadline_s=o.deadline_s, cancel_stragglers=o.cancel_stragglers, task_timeout_s=o.task_timeout_s,
-        accept_late=o.accept_late, max_staleness=o.max_staleness, knowledge=Knowledge(o.knowledge),
-    )
-    selector = _make(SELECTORS, "selector", cfg.selector.name, dict(cfg.selector.params), cfg)
-    eval_selector = _make(EVAL_SELECTORS, "eval_selector", cfg.eval_selector.name, dict(cfg.eval_selector.params), cfg)
-    aggregator = _make(AGGREGATORS, "aggregator", cfg.aggregator.name, cfg)
+    try:
+        ocfg = OrchestratorConfig(
+            mode=o.mode, agg_goal=o.agg_goal, concurrency=o.concurrency, overcommit=o.overcommit,
+            deadline_s=o.deadline_s, cancel_stragglers=o.cancel_stragglers, task_timeout_s=o.task_timeout_s,
+            accept_late=o.accept_late, max_staleness=o.max_staleness, knowledge=o.knowledge,
+            mode_params=o.mode_params, knowledge_params=o.knowledge_params,
+        )
+        rounds = ROUND_POLICIES.create(o.mode, o.mode_params, ocfg, where="orchestrator.mode_params")
+        availability = AVAILABILITY.create(o.knowledge, o.knowledge_params, ocfg, where="orchestrator.knowledge_params")
+    except RegistryError as exc:
+        raise ConfigError(str(exc)) from None
+    except ValueError as exc:
+        raise ConfigError(f"orchestrator: {exc}") from None
+    selector = _create(TRAIN_SELECTORS, cfg.selector.name, cfg.selector.params, "selector.params", cfg)
+    eval_selector = _create(EVAL_SELECTORS, cfg.eval_selector.name, cfg.eval_selector.params,
+                            "eval_selector.params", cfg)
+    aggregator = _create(AGGREGATORS, cfg.aggregator.name, cfg.aggregator.params, "aggregator.params", cfg)
     if cfg.aggregator.robust != "none":
         from felix.strategies.aggregation.robust import RobustAggregator
 
         aggregator = RobustAggregator(aggregator, cfg.aggregator.robust, cfg.aggregator.trim_fraction)
     validator = build_validator(cfg, aggregator, int(weights.size))
-    if ocfg.knowledge is Knowledge.ORACLE and trace is None:
-        raise ConfigError("orchestrator.knowledge 'oracle' needs an availability trace")
-    oracle = trace if ocfg.knowledge is Knowledge.ORACLE else None
+    oracle = None
+    if availability.needs_oracle:
+        oracle = trace() if callable(trace) else trace
+        if oracle is None:
+            raise ConfigError(f"orchestrator.knowledge {o.knowledge!r} needs an availability trace")
     return Orchestrator(ocfg, weights, selector, aggregator, _stream(cfg.seed, _STRATEGY), eval_selector, oracle,
-                        validator)
+                        validator, build_data_plan(cfg, plan_errors), rounds, availability)
 
 
 def build_validator(cfg: Config, aggregator: Aggregator, num_params: int) -> UpdateValidator:
     """Update validation with the aux entries the configured objective and aggregator declare."""
     try:
-        objective = OBJECTIVES[cfg.client.objective]
-    except KeyError:
-        raise ConfigError(f"client.objective: unknown objective {cfg.client.objective!r}; "
-                          f"choose one of {sorted(OBJECTIVES)}") from None
+        objective = objective_class(cfg.client.objective)
+    except ValueError as exc:
+        raise ConfigError(f"client.objective: {exc}") from None
     v = cfg.validation
     try:
         c = cfg.client

@@ -36,6 +36,7 @@ from felix.scenario.models import ModelFactory
 from felix.scenario.traces import AvailabilityTrace
 from felix.sim.engine import CohortExecutor, SimSettings, Simulation, make_devices
 from felix.strategies.dataplans.plans import DataPlanRun, prepare_data_plan
+from felix.strategies.dataplans.policy import PlannedDataPlan
 
 log = logging.getLogger("felix.sim.build")
 
@@ -104,9 +105,8 @@ def build(cfg: Config, population: Population | ClientDatasets | None = None,
                               autocast_dtype=trainer.autocast_dtype)
     recorder = Recorder(evaluate, cfg.run.target_accuracy, cfg.run.target_window, cfg.run.eval_every)
     orch = build_orchestrator(cfg, pop.initial_weights, trace)
-    data_plan = prepare_data_plan(cfg, pop.client_data, pop.train.num_classes, runtimes)
-    if data_plan is not None:
-        orch.set_data_plan(data_plan.rows)
+    data_plan = prepare_data_plan(cfg, pop.client_data, pop.train.num_classes, runtimes,
+                                  orch.data_plan if isinstance(orch.data_plan, PlannedDataPlan) else None)
     devices = make_devices(pop.client_data, runtimes, trace.for_client)
     settings = SimSettings(seed=cfg.seed, eval_fraction=cfg.runtime.eval_fraction,
                            cohort_size=cohort_size, min_cohort=min_cohort)

@@ -1,17 +1,23 @@
 """Client objectives: what a local step minimises. One object per client task, hooks at the points
 where published methods differ (the batch loss, the gradient before the step, state after it).
 
-New objectives register in ``OBJECTIVES``; every run config picks one by name.
+New objectives register in ``OBJECTIVES``; every run config picks one by name (or gives an import
+path to an ``Objective`` subclass); ``client.objective_params`` is validated against the keyword
+parameters of its constructor (``objective_params_model``).
 """
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_type_hints
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, create_model
 from torch import nn
 
 from felix.core.validation import AuxDecl
@@ -106,11 +112,41 @@ class Objective:
 OBJECTIVES: dict[str, type[Objective]] = {"ce": Objective}
 
 
+@functools.cache
+def objective_params_model(name: str) -> type[BaseModel]:
+    """The typed ``client.objective_params`` of objective ``name``: a strict pydantic model with the
+    keyword parameters of its constructor (types and defaults), so a misspelt key fails by name."""
+    cls = objective_class(name)
+    hints = get_type_hints(cls.__init__)
+    spec: dict[str, Any] = {}
+    for p in inspect.signature(cls.__init__).parameters.values():
+        if p.name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        spec[p.name] = (hints.get(p.name, Any), ... if p.default is p.empty else p.default)
+    model: type[BaseModel] = create_model(  # type: ignore[call-overload]
+        f"{cls.__name__}Params", __config__=ConfigDict(extra="forbid", frozen=True), **spec)
+    return model
+
+
+def objective_class(name: str) -> type[Objective]:
+    """A registered objective, or an ``Objective`` subclass by import path (``mypkg.losses:MyLoss``)."""
+    if name in OBJECTIVES:
+        return OBJECTIVES[name]
+    if ":" in name:
+        mod_name, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(mod_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"cannot import client objective {name!r} ({exc})") from None
+        if not (isinstance(cls, type) and issubclass(cls, Objective)):
+            raise ValueError(f"client objective {name!r} is not an Objective subclass")
+        return cls
+    raise ValueError(f"unknown client objective {name!r}; choose one of {sorted(OBJECTIVES)} "
+                     f"or give an import path 'package.module:Class'")
+
+
 def make_objective(name: str, **params: Any) -> Objective:
-    try:
-        cls = OBJECTIVES[name]
-    except KeyError:
-        raise ValueError(f"unknown client objective {name!r}; choose one of {sorted(OBJECTIVES)}") from None
+    cls = objective_class(name)
     try:
         return cls(**params)
     except TypeError as exc:

@@ -1,9 +1,12 @@
 """Sample-weighted FedAvg and staleness-weighted FedBuff, the classic sync and async aggregators."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from felix.core.policies import Aggregator
+from felix.core.policies import AGGREGATORS, Aggregator
+from felix.core.registry import NoParams
 from felix.core.types import BufferedUpdate
 
 
@@ -23,3 +26,15 @@ class FedBuffAggregator(Aggregator):
 
     def weight(self, item: BufferedUpdate) -> float:
         return 1.0 / float(np.sqrt(1.0 + item.staleness))
+
+
+@AGGREGATORS.register("fedavg", params=NoParams)
+def _fedavg(params: NoParams, cfg: Any) -> FedAvgAggregator:
+    a = cfg.aggregator
+    return FedAvgAggregator(a.server_lr, a.normalize, a.clip_norm)
+
+
+@AGGREGATORS.register("fedbuff", params=NoParams)
+def _fedbuff(params: NoParams, cfg: Any) -> FedBuffAggregator:
+    a = cfg.aggregator
+    return FedBuffAggregator(a.server_lr, a.normalize, a.clip_norm)

@@ -18,10 +18,12 @@ falls back to ``update.loss`` otherwise.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict
 
-from felix.core.policies import Aggregator, reduce_aux
+from felix.core.policies import AGGREGATORS, Aggregator, reduce_aux
 from felix.core.types import BufferedUpdate
 from felix.core.validation import AuxDecl
 
@@ -77,3 +79,20 @@ class QFFLAggregator(Aggregator):
         norm_w = fq / fq.sum()
         aux = {k: v for k, v in reduce_aux(buffer, norm_w).items() if k != self.loss_key}
         return new_theta, norm_w, aux
+
+
+class QFFLParams(BaseModel):
+    """``aggregator.params`` of ``qffl``: ``lipschitz`` defaults to ``1 / client.lr``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    q: float
+    lipschitz: float | None = None
+    loss_key: str = "qffl_loss"
+
+
+@AGGREGATORS.register("qffl", params=QFFLParams)
+def _qffl(params: QFFLParams, cfg: Any) -> QFFLAggregator:
+    """q-FFL reads each client's loss at the received model from aux ``qffl_loss`` when a client
+    sends it, else the mean local training loss (biased low; see QFFLAggregator)."""
+    lipschitz = params.lipschitz if params.lipschitz is not None else 1.0 / cfg.client.lr
+    return QFFLAggregator(params.q, lipschitz, params.loss_key)

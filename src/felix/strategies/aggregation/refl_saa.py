@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from felix.core.policies import Aggregator
+from felix.core.policies import AGGREGATORS, Aggregator
+from felix.core.registry import params_from_dataclass
 from felix.core.types import BufferedUpdate
 
 
@@ -108,3 +110,12 @@ class ReflSAAAggregator(Aggregator):
             1.0 - np.exp(-rel[stale]) / p.scale_coff
         )
         return base * factor
+
+
+ReflSAAModel = params_from_dataclass(ReflSAAParams, "ReflSAAModel")
+
+
+@AGGREGATORS.register("refl_saa", params=ReflSAAModel)
+def _refl_saa(params: Any, cfg: Any) -> ReflSAAAggregator:
+    a = cfg.aggregator
+    return ReflSAAAggregator(ReflSAAParams(**params.model_dump()), a.server_lr, a.clip_norm)

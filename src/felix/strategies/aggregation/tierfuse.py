@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
-from felix.core.policies import Aggregator
+from felix.core.policies import AGGREGATORS, Aggregator
+from felix.core.registry import params_from_dataclass
 from felix.core.types import BufferedUpdate
 
 
@@ -111,3 +112,12 @@ class TierFuseAggregator(Aggregator):
         if buffer and not self.weights(buffer).any():
             return theta.copy(), np.zeros(len(buffer)), {}
         return super().aggregate(theta, buffer)
+
+
+TierFuseModel = params_from_dataclass(TierFuseParams, "TierFuseModel")
+
+
+@AGGREGATORS.register("tierfuse", params=TierFuseModel)
+def _tierfuse(params: Any, cfg: Any) -> TierFuseAggregator:
+    a = cfg.aggregator
+    return TierFuseAggregator(TierFuseParams(**params.model_dump()), a.server_lr, a.normalize, a.clip_norm)

@@ -5,9 +5,8 @@ The flow is the DAFL paper's (Sec. IV-B): clients report their class counts when
 (``ClientRegistered.class_counts``); the server computes the augmentation matrix ``A`` (DAFL's
 Algorithm 1, or local balancing) and sends row ``k`` to client ``k`` with its training tasks
 (``DispatchTrain.plan``); a client augments its own data the first time a task brings its row.
-In the simulator the counts are known when the run is built, so :func:`prepare_data_plan`
-computes exactly what the server would from the registrations (:func:`registered_counts` is the
-engine's own bincount), and the orchestrator carries the rows from the first task on.
+The server side is the orchestrator's data-plan policy (:mod:`felix.strategies.dataplans.policy`),
+the same in the simulator and the MQTT server; this module holds the client side and the summary.
 
 Time. The paper's model charges ``zeta`` per augmented sample and ``zeta'`` per trained sample,
 in relative units. The simulator turns them into seconds with each client's own per-sample
@@ -29,14 +28,17 @@ import torch
 from numpy.typing import NDArray
 
 from felix.client.trainer import ClientData
-from felix.config import Config, ConfigError, DaflCfg
+from felix.config import Config, ConfigError
+from felix.core.dataplan import DATA_PLANS
 from felix.strategies.dataplans.augment import Augmenter, augment_client, get_augmenter
-from felix.strategies.dataplans.dafl import AugmentationPlan, DaflParams, plan_dafl, plan_local_balancing
+from felix.strategies.dataplans.dafl import AugmentationPlan
+from felix.strategies.dataplans.policy import PlannedDataPlan, PlanSetup, dafl_params, plan_augmentation
 
 __all__ = [
     "DataPlanRun",
     "PlanApplier",
     "PlanClient",
+    "build_data_plan",
     "client_seed",
     "dafl_params",
     "plan_augmentation",
@@ -52,22 +54,6 @@ _AUGMENT_STREAM: Final = 101
 def registered_counts(datas: Sequence[ClientData], num_classes: int) -> NDArray[np.int64]:
     """The client x class count matrix the server assembles from the clients' registrations."""
     return np.stack([np.bincount(d.y.numpy(), minlength=num_classes) for d in datas]).astype(np.int64)
-
-
-def dafl_params(cfg: DaflCfg) -> DaflParams:
-    """The planner's parameters from the config's ``dafl`` section."""
-    return DaflParams(lambda1=cfg.lambda1, lambda2=cfg.lambda2, tau=cfg.tau, epsilon=cfg.epsilon, step=cfg.step,
-                      zeta=cfg.zeta, zeta_prime=cfg.zeta_prime, local_updates=cfg.local_updates,
-                      smoothness=cfg.smoothness)
-
-
-def plan_augmentation(method: str, counts: NDArray[np.int64], cfg: DaflCfg) -> AugmentationPlan:
-    """What the server computes for ``data_plan`` ``method`` from the count matrix."""
-    if method == "dafl":
-        return plan_dafl(counts, dafl_params(cfg))
-    if method == "lb":
-        return plan_local_balancing(counts, cfg.tau, step=cfg.step)
-    raise ValueError(f"unknown data plan {method!r}; expected 'lb' or 'dafl'")
 
 
 def client_seed(run_seed: int, client_id: int) -> int:
@@ -147,29 +133,43 @@ class PlanApplier:
         }
 
 
+def build_data_plan(cfg: Config, on_error: str = "raise") -> PlannedDataPlan | None:
+    """The server's data-plan policy for ``cfg.data_plan`` (None for ``none``): it plans once the
+    whole population (``partition.num_clients``) has registered; ``on_error`` as ``PlanSetup``."""
+    if cfg.data_plan == "none":
+        return None
+    setup = PlanSetup(cfg.partition.num_clients, "skip" if on_error == "skip" else "raise")
+    try:
+        policy = DATA_PLANS.create(cfg.data_plan, cfg.dafl, setup, where="dafl")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    assert isinstance(policy, PlannedDataPlan)
+    return policy
+
+
 @dataclass
 class DataPlanRun:
-    """A run's data plan: the server's decision and the clients' application of it."""
+    """A run's data plan: the server's policy (its plan, once made) and the clients' application of it."""
 
-    plan: AugmentationPlan
+    policy: PlannedDataPlan
     applier: PlanApplier
 
     @property
-    def rows(self) -> dict[int, tuple[int, ...]]:
-        """Client id -> its row of ``A``: the paper sends every client its row, zeros included."""
-        return {k: tuple(int(v) for v in row) for k, row in enumerate(self.plan.A)}
+    def plan(self) -> AugmentationPlan | None:
+        """The plan, once every client has registered (None before, or if it failed)."""
+        return self.policy.plan
 
 
 def prepare_data_plan(cfg: Config, client_data: Sequence[ClientData], num_classes: int,
-                      runtimes: NDArray[np.float64]) -> DataPlanRun | None:
-    """Plan as the server would from the registrations, and set up the clients' side; None for
-    ``data_plan: none``. Planner errors (a class no client holds; for LB, a client missing a
-    class) become ``ConfigError``."""
+                      runtimes: NDArray[np.float64], policy: PlannedDataPlan | None = None) -> DataPlanRun | None:
+    """Set up the clients' side of ``cfg.data_plan`` beside the server's ``policy`` (a fresh one
+    when not given: the deployment's clients use only the applier); None for ``data_plan: none``."""
     if cfg.data_plan == "none":
         return None
+    policy = policy or build_data_plan(cfg)
+    assert policy is not None
     counts = registered_counts(client_data, num_classes)
     try:
-        plan = plan_augmentation(cfg.data_plan, counts, cfg.dafl)
         sizes = counts.sum(axis=1)
         if cfg.runtime.kind == "per_sample":
             per_sample = np.full(len(sizes), cfg.runtime.seconds_per_sample)
@@ -179,7 +179,7 @@ def prepare_data_plan(cfg: Config, client_data: Sequence[ClientData], num_classe
                                      per_sample, cfg.runtime.kind == "per_sample")
     except ValueError as exc:
         raise ConfigError(f"data_plan {cfg.data_plan!r}: {exc}") from None
-    return DataPlanRun(plan, applier)
+    return DataPlanRun(policy, applier)
 
 
 def plan_summary(run: DataPlanRun | None) -> dict[str, Any]:
@@ -188,10 +188,4 @@ def plan_summary(run: DataPlanRun | None) -> dict[str, Any]:
     ``plan_seconds`` is the server's measured planning time (wall clock, not virtual time)."""
     if run is None:
         return {}
-    p = run.plan
-    return {
-        "data_plan": {"method": p.method, "I_before": p.I_before, "J_before": p.J_before, "I_after": p.I_after,
-                      "J_after": p.J_after, "added": p.added, "added_per_client": list(p.added_per_client),
-                      "plan_seconds": p.plan_seconds},
-        "augmentation": run.applier.summary(),
-    }
+    return {"data_plan": run.policy.info(), "augmentation": run.applier.summary()}

@@ -27,13 +27,14 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
 from felix.core.client_map import ClientMap, ClientRecord, ClientRows, ClientView
-from felix.core.policies import SelectionContext, TrainSelector
+from felix.core.policies import TRAIN_SELECTORS, SelectionContext, TrainSelector
+from felix.core.registry import params_from_dataclass
 from felix.strategies.selection.ranking import kth_largest, largest_first
 
 Variant = Literal["oort", "fedscale"]
@@ -563,3 +564,27 @@ class OortSelector(TrainSelector):
         self._n_explored = int(self._seen[:, _EXPLORED].sum())
         self._sorted_durations = sorted(known.tolist())
         self._watch_rows = np.flatnonzero(self._watched).tolist()
+
+
+OORT_BASES = {"oort": OortParams, "felix_authors": OortParams.felix_authors, "fedscale": OortParams.fedscale}
+#: ``selector.params`` of ``oort``: ``base`` picks Oort's own defaults, the FeLiX authors' numbers or
+#: FedScale's; the ``OortParams`` fields given override it; ``reward_cap`` defaults to the clients'
+#: ``max_steps x batch_size`` when they have a step bound.
+OortSelectorParams = params_from_dataclass(
+    OortParams, "OortSelectorParams", base=(Literal["oort", "felix_authors", "fedscale"], "felix_authors"),
+    reward_cap=(int | None, None))
+
+
+def oort_params(params: Any) -> OortParams:
+    """The ``OortParams`` of validated ``OortSelectorParams``: the base's, with the keys given replaced."""
+    given = params.model_dump(exclude_unset=True)
+    given.pop("reward_cap", None)
+    return replace(OORT_BASES[given.pop("base", params.base)](), **given)
+
+
+@TRAIN_SELECTORS.register("oort", params=OortSelectorParams)
+def make_oort(params: Any, cfg: Any) -> OortSelector:
+    reward_cap = params.reward_cap
+    if reward_cap is None and cfg is not None and cfg.client.max_steps is not None:
+        reward_cap = cfg.client.max_steps * cfg.client.batch_size
+    return OortSelector(oort_params(params), reward_cap=reward_cap)

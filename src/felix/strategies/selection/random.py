@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from felix.core.policies import SelectionContext, TrainSelector
+from felix.core.policies import TRAIN_SELECTORS, SelectionContext, TrainSelector
+from felix.core.registry import NoParams
 
 
 class RandomSelector(TrainSelector):
@@ -25,3 +26,8 @@ class RandomSelector(TrainSelector):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             raise ValueError(f"the random selector has no state, got keys {sorted(state)}")
+
+
+@TRAIN_SELECTORS.register("random", params=NoParams)
+def _random(params: NoParams, cfg: Any) -> RandomSelector:
+    return RandomSelector()

@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from felix.core.client_map import ClientRecord, ClientView
-from felix.core.policies import AvailabilityOracle, SelectionContext, TrainSelector
-from felix.strategies.selection.oort import OortSelector
+from felix.core.policies import TRAIN_SELECTORS, AvailabilityOracle, SelectionContext, TrainSelector
+from felix.core.registry import params_from_dataclass
+from felix.strategies.selection.oort import OortSelector, OortSelectorParams, make_oort
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,3 +150,16 @@ def _sample(items: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
     if n <= 0:
         return np.empty(0, dtype=np.int64)
     return items[rng.choice(items.size, size=n, replace=False)]
+
+
+#: ``selector.params`` of ``refl_ips``: the ``ReflIPSParams`` fields, and ``oort`` (Oort's parameters,
+#: as for ``selector: oort``) to rank the priority clients with Oort instead of at random.
+ReflSelectorParams = params_from_dataclass(ReflIPSParams, "ReflSelectorParams",
+                                           oort=(OortSelectorParams | None, None))
+
+
+@TRAIN_SELECTORS.register("refl_ips", params=ReflSelectorParams)
+def _refl_ips(params: Any, cfg: Any) -> ReflIPSSelector:
+    fields = params.model_dump(exclude={"oort"})
+    oort = None if params.oort is None else make_oort(params.oort, cfg)
+    return ReflIPSSelector(ReflIPSParams(**fields), oort)

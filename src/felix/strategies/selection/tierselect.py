@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from felix.core.policies import EvalSelector, SelectionContext
+from felix.core.policies import EVAL_SELECTORS, EvalSelector, SelectionContext
+from felix.core.registry import params_from_dataclass
 from felix.strategies.selection.oort import OortParams, OortSelector
 from felix.strategies.selection.ranking import smallest_first
 
@@ -99,3 +100,12 @@ def tierselect(
     """
     params = replace(OortParams.felix_authors(), **oort_overrides)
     return OortSelector(params, reward_cap=reward_cap), TierSelectEval(agg_goal, eval_params)
+
+
+TierSelectEvalModel = params_from_dataclass(TierSelectEvalParams, "TierSelectEvalModel")
+
+
+@EVAL_SELECTORS.register("tierselect", params=TierSelectEvalModel)
+def _tierselect_eval(params: Any, cfg: Any) -> TierSelectEval:
+    """The eval path sized by the run's ``orchestrator.agg_goal``."""
+    return TierSelectEval(cfg.orchestrator.agg_goal, TierSelectEvalParams(**params.model_dump()))

@@ -1,0 +1,154 @@
+"""Name -> factory registries for the strategy policies, each living next to its base class.
+
+A policy module registers its factory with a decorator, next to the class it builds::
+
+    @TRAIN_SELECTORS.register("oort", params=OortSelectorParams)
+    def _oort(params: OortSelectorParams, ctx: Any) -> OortSelector: ...
+
+and a config picks it by name (``selector: {name: oort, params: {...}}``) or by import path
+(``selector: {name: "mypkg.selectors:make_mine"}``). ``params`` is a pydantic model: the config's
+untyped ``params`` mapping is validated against it, so a misspelt key fails with its dotted path
+(``selector.params.foo: unknown key``). ``ctx`` is whatever the builder passes along (the run
+config); the registry never looks at it.
+
+The built-in policies' modules are imported on the first lookup (``modules``), so importing the
+core stays cheap and a registry never depends on import order.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from dataclasses import MISSING, dataclass, fields, is_dataclass
+from typing import Any, Generic, TypeVar, get_type_hints
+
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+
+T = TypeVar("T")
+
+
+class RegistryError(ValueError):
+    """An unknown policy name, an import path that does not resolve, or parameters that do not validate."""
+
+
+class NoParams(BaseModel):
+    """The parameter model of a policy that takes none."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def params_from_dataclass(dc: type, name: str | None = None, **extra: Any) -> type[BaseModel]:
+    """A strict pydantic model with the fields (types, defaults) of the parameter dataclass ``dc``,
+    plus ``extra`` fields given as ``name=(type, default)``: one source of truth for the defaults."""
+    if not is_dataclass(dc):
+        raise TypeError(f"{dc!r} is not a dataclass")
+    hints = get_type_hints(dc)
+    spec: dict[str, Any] = {}
+    for f in fields(dc):
+        default = f.default if f.default is not MISSING else (
+            f.default_factory() if f.default_factory is not MISSING else ...)
+        spec[f.name] = (hints[f.name], default)
+    spec.update(extra)
+    model: type[BaseModel] = create_model(  # type: ignore[call-overload]
+        name or f"{dc.__name__}Model", __config__=ConfigDict(extra="forbid", frozen=True), **spec)
+    return model
+
+
+@dataclass(frozen=True)
+class Entry(Generic[T]):
+    name: str
+    factory: Callable[[Any, Any], T]
+    params: type[BaseModel]
+
+
+class Registry(Generic[T]):
+    """Policies of one kind. ``kind`` names them in errors, ``key`` is the config key that holds
+    the name (default ``<kind>.name``)."""
+
+    def __init__(self, kind: str, modules: Iterable[str] = (), key: str | None = None) -> None:
+        self.kind = kind
+        self.key = key or f"{kind}.name"
+        self._modules = tuple(modules)
+        self._loaded = False
+        self._entries: dict[str, Entry[T]] = {}
+
+    def register(self, name: str, params: type[BaseModel] = NoParams) -> Callable[[Any], Any]:
+        """Decorator: register ``factory(params, ctx) -> policy`` (a function or a class) under ``name``."""
+
+        def deco(factory: Any) -> Any:
+            old = self._entries.get(name)
+            if old is not None and old.factory is not factory:
+                raise RegistryError(f"{self.kind} {name!r} is registered twice")
+            self._entries[name] = Entry(name, factory, params)
+            return factory
+
+        return deco
+
+    def names(self) -> list[str]:
+        self._load()
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str):
+            return False
+        try:
+            self.entry(name)
+        except RegistryError:
+            return False
+        return True
+
+    def entry(self, name: str) -> Entry[T]:
+        """The entry of a registered name, or of a ``pkg.module:attr`` import path (registered by
+        importing its module, or a plain factory whose ``Params`` attribute, if any, is its model)."""
+        self._load()
+        if name in self._entries:
+            return self._entries[name]
+        if ":" not in name:
+            raise RegistryError(f"{self.key}: unknown {self.kind} {name!r}; choose one of {self.names()} "
+                                f"or give an import path 'package.module:factory'")
+        mod_name, _, attr = name.partition(":")
+        try:
+            obj = getattr(importlib.import_module(mod_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise RegistryError(f"{self.key}: cannot import {name!r} ({exc})") from None
+        for e in self._entries.values():
+            if e.factory is obj:
+                return e
+        if not callable(obj):
+            raise RegistryError(f"{self.key}: {name!r} is not callable")
+        params = getattr(obj, "Params", NoParams)
+        if not (isinstance(params, type) and issubclass(params, BaseModel)):
+            raise RegistryError(f"{self.key}: {name!r}.Params is not a pydantic model")
+        return Entry(name, obj, params)
+
+    def parse(self, name: str, raw: dict[str, Any] | BaseModel | None, where: str | None = None) -> BaseModel:
+        """Validate ``raw`` against ``name``'s parameter model; errors name the key under ``where``
+        (default ``<kind>.params``)."""
+        entry = self.entry(name)
+        if isinstance(raw, entry.params):
+            return raw
+        where = where or f"{self.kind}.params"
+        try:
+            return entry.params.model_validate(dict(raw or {}))
+        except ValidationError as exc:
+            lines = []
+            for err in exc.errors():
+                loc = ".".join(str(x) for x in (where, *err["loc"]))
+                lines.append(f"{loc}: {'unknown key' if err['type'] == 'extra_forbidden' else err['msg']}")
+            raise RegistryError(f"{self.kind} {name!r}: " + "; ".join(lines)) from None
+
+    def create(self, name: str, raw: dict[str, Any] | BaseModel | None, ctx: Any = None,
+               where: str | None = None) -> T:
+        """Build the policy ``name`` with validated parameters; its own ValueErrors name the policy."""
+        params = self.parse(name, raw, where)
+        try:
+            return self.entry(name).factory(params, ctx)
+        except RegistryError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise RegistryError(f"{self.kind} {name!r}: {exc}") from None
+
+    def _load(self) -> None:
+        if not self._loaded:
+            self._loaded = True
+            for m in self._modules:
+                importlib.import_module(m)

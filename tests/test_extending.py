@@ -1,0 +1,273 @@
+"""Extending felix without editing it: a selector, an aggregator, a round policy and an availability
+policy, each defined and registered in this file only, run through a config by name (and one by
+import path), with typed parameters that fail by key.
+
+This is the worked example of docs/architecture.md ("Policies"): each new policy is one class (or
+factory) plus its registration next to it.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from felix.config import ConfigError, deep_merge
+from felix.core.availability import AVAILABILITY, AvailabilityPolicy
+from felix.core.client_map import ClientMap
+from felix.core.commands import Command, NewModelVersion
+from felix.core.events import ClientRegistered, TaskFinished, Tick
+from felix.core.orchestrator import Orchestrator, OrchestratorConfig
+from felix.core.policies import AGGREGATORS, TRAIN_SELECTORS, Aggregator, SelectionContext, TrainSelector
+from felix.core.rounds import ROUND_POLICIES, RoundPolicy
+from felix.core.types import BufferedUpdate, ClientUpdate, Task, Tier
+from felix.engine.run import resolve_config, run_config
+from felix.scenario.build import build_objective
+from felix.strategies.objectives import Objective
+
+
+class _Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ---------------------------------------------------------------------- a selector
+class FewestUpdatesParams(_Params):
+    tie_break: str = "lowest_id"
+
+
+class FewestUpdates(TrainSelector):
+    """Pick the clients that contributed least so far (a fairness baseline)."""
+
+    name = "fewest_updates"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def select(self, candidates: Sequence[int] | np.ndarray, k: int, ctx: SelectionContext) -> list[int]:
+        self.calls += 1
+        ids = np.asarray(candidates, dtype=np.int64)
+        done = ctx.clients.column("times_updated")[ctx.clients.rows_of(ids)]
+        return [int(c) for c in ids[np.lexsort((ids, done))][:k]]
+
+
+@TRAIN_SELECTORS.register("fewest_updates", params=FewestUpdatesParams)
+def make_fewest_updates(params: FewestUpdatesParams, cfg: Any) -> FewestUpdates:
+    return FewestUpdates()
+
+
+# ---------------------------------------------------------------------- an aggregator
+class PowerParams(_Params):
+    power: float = 0.5
+
+
+class SamplePowerAggregator(Aggregator):
+    """Weight an update by ``num_samples ** power``: between FedAvg (1) and uniform (0)."""
+
+    name = "sample_power"
+
+    def __init__(self, power: float, server_lr: float) -> None:
+        super().__init__(server_lr=server_lr)
+        self.power = power
+
+    def weight(self, item: BufferedUpdate) -> float:
+        return float(item.update.num_samples) ** self.power
+
+
+@AGGREGATORS.register("sample_power", params=PowerParams)
+def make_sample_power(params: PowerParams, cfg: Any) -> SamplePowerAggregator:
+    return SamplePowerAggregator(params.power, cfg.aggregator.server_lr)
+
+
+# ---------------------------------------------------------------------- a round policy
+class SemiAsyncParams(_Params):
+    period_s: float = 30.0
+    min_updates: int = 1
+
+
+@ROUND_POLICIES.register("semi_async", params=SemiAsyncParams)
+class SemiAsyncRounds(RoundPolicy):
+    """Async dispatch (``concurrency`` in flight), but the buffer closes at ``agg_goal`` updates or
+    every ``period_s`` seconds with at least ``min_updates`` in it, whichever comes first."""
+
+    name = "semi_async"
+
+    def __init__(self, params: SemiAsyncParams, cfg: OrchestratorConfig) -> None:
+        super().__init__(cfg)
+        self.params = params
+        self.next_close: float | None = None
+        self.closed_by_timer = 0
+
+    def need(self, orch: Orchestrator) -> int:
+        if self.next_close is None:
+            self.next_close = orch.now + self.params.period_s
+        return self.cfg.concurrency - orch.train_in_flight
+
+    def on_buffered(self, orch: Orchestrator, task: Task, out: list[Command]) -> None:
+        if orch.buffered >= self.cfg.agg_goal:
+            orch.aggregate(out)
+
+    def on_aggregated(self, orch: Orchestrator) -> None:
+        orch.start_round(orch.version)
+        self.next_close = orch.now + self.params.period_s
+
+    def on_timers(self, orch: Orchestrator, out: list[Command]) -> None:
+        if self.next_close is None or orch.now < self.next_close:
+            return
+        if orch.buffered >= self.params.min_updates:
+            self.closed_by_timer += 1
+            orch.aggregate(out)  # on_aggregated moves the next close
+        else:
+            self.next_close = orch.now + self.params.period_s
+
+    def wakeup(self) -> float | None:
+        return self.next_close
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"next_close": self.next_close, "closed_by_timer": self.closed_by_timer}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.next_close = state["next_close"]
+        self.closed_by_timer = int(state["closed_by_timer"])
+
+
+# ---------------------------------------------------------------------- an availability policy
+class CooldownParams(_Params):
+    cooldown_s: float = 120.0
+
+
+@AVAILABILITY.register("cooldown", params=CooldownParams)
+class TimeoutCooldown(AvailabilityPolicy):
+    """A small availability predictor: trust reported tiers (as the oracle baselines do), and
+    predict that a client that timed out stays away for ``cooldown_s`` seconds."""
+
+    name = "cooldown"
+
+    def __init__(self, params: CooldownParams, cfg: OrchestratorConfig) -> None:
+        super().__init__(cfg)
+        self.cooldown_s = params.cooldown_s
+        self.until: dict[int, float] = {}
+
+    def train_rows(self, clients: ClientMap, now: float) -> np.ndarray:
+        rows = clients.idle_rows(Tier.AVL_TRAIN)
+        away = [c for c, t in self.until.items() if t > now]
+        return rows if not away else rows[~np.isin(clients.ids_of(rows), away)]
+
+    def on_timeout(self, orch: Orchestrator, task: Task) -> None:
+        self.until[task.client_id] = orch.now + self.cooldown_s
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"client": np.fromiter(self.until, dtype=np.int64), "until": np.array(list(self.until.values()))}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.until = dict(zip(state["client"].tolist(), state["until"].tolist(), strict=True))
+
+
+# ---------------------------------------------------------------------- an objective (by import path)
+class ScaledCE(Objective):
+    """Cross-entropy times ``scale``: its constructor's keywords are its typed parameters."""
+
+    name = "scaled_ce"
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale
+
+    def batch_loss(self, logits: torch.Tensor, y: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return self.scale * super().batch_loss(logits, y, ctx)
+
+
+def test_an_objective_by_import_path_with_typed_parameters() -> None:
+    over = {"client": {"objective": "test_extending:ScaledCE", "objective_params": {"scale": "2.5"}}}
+    objective = build_objective(resolve_config(None, None, deep_merge(TINY, over)))
+    assert isinstance(objective, ScaledCE) and objective.scale == 2.5
+    over["client"]["objective_params"] = {"scale": 1.0, "shift": 1.0}
+    with pytest.raises(ConfigError, match=r"client\.objective_params\.shift: unknown key"):
+        build_objective(resolve_config(None, None, deep_merge(TINY, over)))
+
+
+# ---------------------------------------------------------------------- runs
+TINY: dict[str, Any] = {
+    "model": "mlp",
+    "dataset": {"name": "digits"},
+    "partition": {"num_clients": 12, "alpha": 0.5},
+    "trace": {"kind": "slotted", "unavailable_fraction": 0.3, "slot_s": 40.0},
+    "runtime": {"kind": "uniform", "low_s": 5.0, "high_s": 60.0},
+    "orchestrator": {"mode": "semi_async", "mode_params": {"period_s": 20.0}, "knowledge": "cooldown",
+                     "knowledge_params": {"cooldown_s": 50.0}, "agg_goal": 4, "concurrency": 5,
+                     "task_timeout_s": 30.0},
+    "selector": {"name": "fewest_updates", "params": {}},
+    "aggregator": {"name": "test_extending:make_sample_power", "server_lr": 1.0, "params": {"power": 0.5}},
+    "eval_selector": {"name": "none"},
+    "run": {"max_aggregations": 6, "stop_at_target": False},
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_new_policies_run_through_a_config() -> None:
+    res = run_config(resolve_config(None, None, TINY), None, plots=False)
+    orch = res.built.orch
+    assert isinstance(orch.selector, FewestUpdates) and orch.selector.calls > 0
+    assert isinstance(orch.aggregator, SamplePowerAggregator) and orch.aggregator.power == 0.5
+    assert isinstance(orch.rounds, SemiAsyncRounds) and isinstance(orch.availability, TimeoutCooldown)
+    assert res.summary["aggregations"] == 6 and np.isfinite(res.summary["final_accuracy"])
+    # The period closed some buffers before agg_goal updates arrived, and the timeouts fed the predictor.
+    assert orch.rounds.closed_by_timer > 0 and orch.availability.until
+    assert res.summary["updates_applied"] < 6 * 4
+    # Fewest-updates spreads the work: every client that ever became available contributed.
+    assert (orch.clients.column("times_updated") > 0).sum() >= 8
+    again = run_config(resolve_config(None, None, TINY), None, plots=False).summary
+    assert {k: v for k, v in again.items() if k not in ("wall_time_s", "provenance")} == \
+           {k: v for k, v in res.summary.items() if k not in ("wall_time_s", "provenance")}
+
+
+def test_policy_state_is_checkpointed() -> None:
+    res = run_config(resolve_config(None, None, deep_merge(TINY, {"run": {"max_aggregations": 3}})), None,
+                     plots=False)
+    state = res.built.orch.state_dict()
+    assert state["round_policy"]["closed_by_timer"] == res.built.orch.rounds.closed_by_timer
+    cfg = res.built.orch.cfg
+    fresh = Orchestrator(cfg, np.zeros_like(res.built.orch.weights), FewestUpdates(),
+                         SamplePowerAggregator(0.5, 1.0), np.random.default_rng(0))
+    fresh.load_state_dict(state)
+    assert isinstance(fresh.rounds, SemiAsyncRounds) and fresh.rounds.next_close == res.built.orch.rounds.next_close
+    assert isinstance(fresh.availability, TimeoutCooldown)
+    assert fresh.availability.until == res.built.orch.availability.until
+
+
+def test_semi_async_closes_a_partial_buffer_on_its_period() -> None:
+    cfg = OrchestratorConfig(mode="semi_async", agg_goal=3, concurrency=2, task_timeout_s=None,
+                             mode_params={"period_s": 10.0})
+    o = Orchestrator(cfg, np.zeros(2, np.float32), FewestUpdates(), SamplePowerAggregator(1.0, 1.0),
+                     np.random.default_rng(0))
+    out = o.handle(ClientRegistered(0.0, 0, 10)) + o.handle(ClientRegistered(0.0, 1, 10))
+    tasks = [c for c in out if c.__class__.__name__ == "DispatchTrain"]
+    assert len(tasks) == 2 and o.next_wakeup() == 10.0
+    update = ClientUpdate(10, 1.0, 0.5, 1.0, np.ones(2, np.float32))
+    assert not [c for c in o.handle(TaskFinished(4.0, 0, tasks[0].task_id, update)) if isinstance(c, NewModelVersion)]
+    versions = [c for c in o.handle(Tick(10.0)) if isinstance(c, NewModelVersion)]
+    assert len(versions) == 1 and versions[0].report.client_ids == (0,)  # one update, below agg_goal
+    assert o.next_wakeup() == 20.0
+
+
+@pytest.mark.parametrize(("over", "needle"), [
+    ({"selector": {"name": "fewest_updates", "params": {"foo": 1}}}, "selector.params.foo: unknown key"),
+    ({"aggregator": {"name": "sample_power", "params": {"power": "strong"}}}, "aggregator.params.power"),
+    ({"orchestrator": {"mode_params": {"period": 1}}}, "orchestrator.mode_params.period: unknown key"),
+    ({"orchestrator": {"knowledge": "psychic"}}, "unknown availability policy 'psychic'"),
+    ({"orchestrator": {"mode": "no_such_module:rounds"}}, "cannot import 'no_such_module:rounds'"),
+    ({"selector": {"name": "oort", "params": {"bse": "fedscale"}}}, "selector.params.bse: unknown key"),
+    ({"selector": {"name": "refl_ips", "params": {"oort": {"cut_off": 1}}}}, "selector.params.oort.cut_off"),
+    ({"client": {"objective": "fedprox", "objective_params": {"nu": 1}}}, "client.objective_params.nu: unknown key"),
+])
+def test_bad_policy_parameters_name_the_key(over: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("(", r"\(")):
+        run_config(resolve_config(None, None, deep_merge(TINY, over)), None, plots=False)
