@@ -30,6 +30,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     drop_last: bool = False
     optimizer: str = "sgd"  # "sgd" or "adam"
+    probe_loss_key: str | None = None  # send the loss at the received model as this aux entry (q-FFL's F_k)
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.batch_size < 1 or self.epochs < 1:
@@ -104,6 +105,7 @@ class LocalTrainer:
               aux_in: dict[str, np.ndarray], generator: torch.Generator) -> ClientUpdate:
         """Run the local epochs; the utility comes from the losses seen in the first epoch."""
         cfg = self.cfg
+        received_loss = None if cfg.probe_loss_key is None else self.probe(weights, data).loss
         flat = self.load(weights)
         n = len(data)
         ctx = TaskContext(
@@ -159,6 +161,8 @@ class LocalTrainer:
                 loss_sum += loss.detach()
                 batches += 1
         self.objective.end(ctx)
+        if cfg.probe_loss_key is not None:
+            ctx.aux_out[cfg.probe_loss_key] = np.array(received_loss, dtype=np.float64)
         with torch.no_grad():
             delta = (parameters_to_vector(self._params) - flat).cpu().numpy()
         return ClientUpdate(

@@ -52,6 +52,13 @@ def run_config(cfg: Config, out_dir: Path | None = None, progress: bool = False,
                    {"scenario": cfg.name, "num_clients": cfg.partition.num_clients,
                     "num_params": int(built.population.initial_weights.size), **plan_summary(built.data_plan)},
                    run_settings=cfg.run.model_dump())
+    rec = built.recorder
+    if rec.converge is not None:
+        at = rec.converged_at
+        summ["convergence"] = {"round": rec.converged_round, "version": None if at is None else at.version,
+                               "time_s": None if at is None else at.time_s}
+    if rec.per_client is not None:
+        summ["per_client"] = rec.per_client(built.orch.weights)
     if out_dir is not None:
         write_run(out_dir, summ, built.recorder.rows, plots)
         (out_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")

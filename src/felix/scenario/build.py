@@ -24,12 +24,22 @@ from felix.client.trainer import ClientData, LocalTrainer, TrainConfig, autocast
 from felix.config import Config, ConfigError
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.policies import Aggregator, EvalSelector, TrainSelector
+from felix.core.types import Tier
 from felix.core.validation import UpdateValidator, ValidationConfig
+from felix.metrics.per_client import PerClientSetup, make_per_client_eval
 from felix.metrics.recorder import Recorder
 from felix.scenario.datasets import ArrayDataset, first_classes, load_dataset
+from felix.scenario.long_tail import long_tail_indices, rare_clients_partition
 from felix.scenario.models import make_model
 from felix.scenario.partition import count_table_partition, dirichlet_partition
 from felix.scenario.profiles import FELIX_HALFNORMAL_SCALE, halfnormal_runtimes, uniform_runtimes
+from felix.scenario.random_access import (
+    RandomAccessModel,
+    beta_probabilities,
+    correlate_with_rarity,
+    participation_trace,
+    two_level_probabilities,
+)
 from felix.scenario.traces import (
     AvailabilityTrace,
     always_available,
@@ -178,8 +188,29 @@ def _dataset(name: str, root: str | None, download: bool, limit: int | None,
 
 
 def partition_indices(cfg: Config, labels: np.ndarray, num_classes: int) -> list[np.ndarray]:
+    """Each client's training-sample indices; with ``partition.imbalance > 1`` the split is of a
+    long-tailed subset of the training set (``felix.scenario.long_tail``)."""
     p = cfg.partition
     rng = _stream(cfg.seed, _PARTITION)
+    if p.imbalance == 1 and p.kind != "rare_clients":
+        return _split(cfg, labels, num_classes, rng)
+    keep = np.arange(len(labels))
+    if p.imbalance > 1:
+        head = p.head_per_class or int(np.bincount(labels, minlength=num_classes).max())
+        keep, _ = long_tail_indices(labels, num_classes, head, p.imbalance, rng)
+    try:
+        if p.kind == "rare_clients":
+            parts = rare_clients_partition(labels[keep], p.num_clients, p.rare_fraction, p.rare_classes, p.alpha,
+                                           rng, p.min_samples)
+        else:
+            parts = _split(cfg, labels[keep], num_classes, rng)
+    except ValueError as exc:
+        raise ConfigError(f"partition: {exc}") from None
+    return [keep[ix] for ix in parts]
+
+
+def _split(cfg: Config, labels: np.ndarray, num_classes: int, rng: np.random.Generator) -> list[np.ndarray]:
+    p = cfg.partition
     if p.kind == "dirichlet":
         return dirichlet_partition(labels, p.num_clients, p.alpha, rng, p.min_samples)
     if p.kind == "iid":
@@ -195,14 +226,63 @@ def partition_indices(cfg: Config, labels: np.ndarray, num_classes: int) -> list
         raise ConfigError(f"partition.table: {exc}") from None
 
 
-def build_trace(cfg: Config) -> AvailabilityTrace:
-    """The scenario's availability, from ``trace.offset_s`` seconds into it."""
-    return _base_trace(cfg).shifted(cfg.trace.offset_s)
+def build_trace(cfg: Config, class_counts: np.ndarray | None = None) -> AvailabilityTrace:
+    """The scenario's availability, from ``trace.offset_s`` seconds into it. ``class_counts``
+    (clients x classes) is needed by a Random Access Model coupled to data rarity."""
+    return _base_trace(cfg, class_counts).shifted(cfg.trace.offset_s)
 
 
-def _base_trace(cfg: Config) -> AvailabilityTrace:
+def ram_probabilities(cfg: Config, class_counts: np.ndarray | None,
+                      rng: np.random.Generator | None = None) -> np.ndarray:
+    """``trace.kind: ram``: each client's participation probability p_i (``trace.ram``)."""
+    r, n = cfg.trace.ram, cfg.partition.num_clients
+    rng = _stream(cfg.seed, _TRACE) if rng is None else rng
+    try:
+        if r.coupling == "rare_clients":
+            n_rare = round(cfg.partition.rare_fraction * n)  # the last clients hold the rare classes
+            return np.array([r.p_frequent] * (n - n_rare) + [r.p_rare] * n_rare)
+        if r.p_dist == "beta":
+            p = beta_probabilities(n, rng, r.a, r.b, r.p_min, r.p_max)
+        else:
+            p = two_level_probabilities(n, rng, r.frequent_fraction, r.p_frequent, r.p_rare)
+        if r.coupling == "none":
+            return p
+        if class_counts is None:
+            raise ConfigError("trace.ram.coupling 'rarity' needs the clients' class counts (build_trace(cfg, counts))")
+        return correlate_with_rarity(p, class_counts)
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"trace.ram: {exc}") from None
+
+
+def _ram_trace(cfg: Config, class_counts: np.ndarray | None) -> AvailabilityTrace:
+    """One RAM draw per slot of ``trace.slot_s`` over ``trace.horizon_s`` (the p and the draws
+    come from the scenario's trace stream: the same for every strategy)."""
+    t = cfg.trace
+    rng = _stream(cfg.seed, _TRACE)
+    p = ram_probabilities(cfg, class_counts, rng)
+    rounds = int(t.horizon_s // t.slot_s)
+    return participation_trace(RandomAccessModel(p).draw_rounds(rounds, rng), t.slot_s)
+
+
+def participation_shares(cfg: Config, trace: AvailabilityTrace, class_counts: np.ndarray,
+                         samples: int = 200) -> np.ndarray:
+    """Per client, how likely it is to take part: the RAM's p_i under ``trace.kind: ram``, else
+    the share of ``samples`` evenly spaced instants of the run at which its trace lets it train."""
+    if cfg.trace.kind == "ram":
+        return ram_probabilities(cfg, class_counts)
+    end = min(cfg.run.max_time_s, cfg.trace.horizon_s)
+    instants = (np.arange(samples) + 0.5) * end / samples
+    return np.array([np.mean([trace.for_client(c).tier_at(float(t)) is Tier.AVL_TRAIN for t in instants])
+                     for c in range(len(class_counts))])
+
+
+def _base_trace(cfg: Config, class_counts: np.ndarray | None = None) -> AvailabilityTrace:
     t = cfg.trace
     n = cfg.partition.num_clients
+    if t.kind == "ram":
+        return _ram_trace(cfg, class_counts)
     if t.kind == "always":
         return always_available(1)
     if t.kind == "slotted":
@@ -316,7 +396,8 @@ def build_trainer(cfg: Config, pop: Population) -> LocalTrainer:
     apply_threads(cfg)
     c = cfg.client
     try:
-        tcfg = TrainConfig(c.lr, c.batch_size, c.epochs, c.max_steps, c.momentum, c.weight_decay, c.drop_last, c.optimizer)
+        tcfg = TrainConfig(c.lr, c.batch_size, c.epochs, c.max_steps, c.momentum, c.weight_decay, c.drop_last, c.optimizer,
+                           "qffl_loss" if c.probe_loss else None)
     except ValueError as exc:
         raise ConfigError(f"client: {exc}") from None
     objective = build_objective(cfg)
@@ -330,7 +411,7 @@ def build_cohort(cfg: Config, trainer: LocalTrainer,
                  sample_shape: tuple[int, ...]) -> tuple[CohortTrainer | None, int, int]:
     """The cohort trainer ``run.cohort`` asks for (None: sequential), its size and smallest cohort."""
     size, min_k = resolve_cohort(cfg.run.cohort, trainer.model, trainer.objective, cfg.run.device, sample_shape)
-    if size == 1:
+    if size == 1 or cfg.client.probe_loss:  # the received-model loss is measured by the sequential trainer
         return None, 1, 1
     # Its own objective instance: the sequential trainer's keeps per-task attributes.
     objective = build_objective(cfg)
@@ -390,6 +471,16 @@ def build_validator(cfg: Config, aggregator: Aggregator, num_params: int) -> Upd
     return UpdateValidator(vcfg, spec)
 
 
+def per_client_setup(cfg: Config, trace: AvailabilityTrace, class_counts: np.ndarray) -> PerClientSetup:
+    """The federation facts ``run.per_client_eval`` reports against: participation (rare clients)
+    and the tail classes (under ``partition.kind: rare_clients`` the rare clients' classes, else
+    the rarest 30% of classes by global training count)."""
+    totals = class_counts.sum(axis=0)
+    n_tail = cfg.partition.rare_classes if cfg.partition.kind == "rare_clients" else max(1, len(totals) * 3 // 10)
+    tail = np.sort(np.argsort(totals, kind="stable")[:n_tail])
+    return PerClientSetup(class_counts, participation_shares(cfg, trace, class_counts), tail, cfg.run.rare_p)
+
+
 @dataclass
 class Built:
     cfg: Config
@@ -404,7 +495,8 @@ class Built:
 def build(cfg: Config) -> Built:
     apply_threads(cfg)
     pop = build_population(cfg)
-    trace = build_trace(cfg)
+    counts = np.stack([d.class_counts(pop.train.num_classes).numpy() for d in pop.client_data])
+    trace = build_trace(cfg, counts)
     runtimes = build_runtimes(cfg, [len(d) for d in pop.client_data])
     trainer = build_trainer(cfg, pop)
     cohort, cohort_size, min_cohort = build_cohort(cfg, trainer, tuple(pop.train.sample_shape))
@@ -412,6 +504,11 @@ def build(cfg: Config) -> Built:
     evaluate = make_evaluator(copy.deepcopy(pop.model), pop.test, cfg.run.device,
                               autocast_dtype=trainer.autocast_dtype)
     recorder = Recorder(evaluate, cfg.run.target_accuracy, cfg.run.target_window, cfg.run.eval_every)
+    if cfg.run.per_client_eval:
+        recorder.per_client = make_per_client_eval(copy.deepcopy(pop.model), pop.test, cfg.run.device,
+                                                   per_client_setup(cfg, trace, counts), trainer.autocast_dtype)
+    if cfg.run.converge_threshold is not None:
+        recorder.converge = (cfg.run.converge_threshold, cfg.run.converge_patience)
     orch = build_orchestrator(cfg, pop.initial_weights, trace)
     data_plan = prepare_data_plan(cfg, pop.client_data, pop.train.num_classes, runtimes)
     if data_plan is not None:

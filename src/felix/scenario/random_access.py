@@ -7,7 +7,8 @@ joins with its own probability ``p_i``, independently of the others and of past 
 The generators build the setting the paper targets: a few frequent and many rare clients, with
 the rare ones holding the globally rare classes, so that data and availability heterogeneity are
 coupled. ``participation_to_events`` turns a round-based draw into the per-device availability
-event list the trace-driven simulator reads, one slot of ``slot_s`` seconds per round.
+event list the trace-driven simulator reads, one slot of ``slot_s`` seconds per round, and
+``participation_trace`` into the ``AvailabilityTrace`` of ``trace.kind: ram``.
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from felix.core.types import Tier
+from felix.scenario.traces import AvailabilityTrace, DeviceTrace
 
 
 @dataclass(frozen=True)
@@ -175,3 +179,12 @@ def participation_to_events(participation: np.ndarray, slot_s: float) -> dict[in
             evs.append((float(rounds) * slot_s, "UN_AVL"))
         events[c] = evs
     return events
+
+
+def participation_trace(participation: np.ndarray, slot_s: float) -> AvailabilityTrace:
+    """The availability trace of a RAM draw (``trace.kind: ram``): client ``c`` follows device
+    ``c``, available to train in exactly the slots of the rounds it was drawn for."""
+    events = participation_to_events(participation, slot_s)
+    devices = tuple(DeviceTrace.from_events([(t, Tier[name]) for t, name in evs[1:]], initial=Tier[evs[0][1]])
+                    for _, evs in sorted(events.items()))
+    return AvailabilityTrace(devices, f"ram({participation.shape[0]} rounds of {slot_s:g} s)")

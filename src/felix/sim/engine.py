@@ -366,6 +366,8 @@ class Simulation:
                 self._stop = "target_reached"
         if self.cfg.max_aggregations is not None and cmd.version >= self.cfg.max_aggregations:
             self._stop = self._stop or "max_aggregations"
+        if self.rec.converged_at is not None:
+            self._stop = self._stop or "converged"
 
 
 def make_devices(datas: list[ClientData], runtimes: np.ndarray, trace_for: Callable[[int], DeviceTrace]) -> list[SimDevice]:
