@@ -8,12 +8,13 @@ strategy preset <- the variant's overrides <- ``--set``; each run goes through
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from felix.config import Config, ConfigError, deep_merge, read_yaml, validate
+from felix.config import Config, ConfigError, deep_merge, parse_set, read_yaml, validate
 from felix.engine.run import run_config
 from felix.presets import scenario_preset, strategy_preset
 
@@ -106,3 +107,37 @@ def run_comparison(comp: Comparison, out: Path | None, seeds: list[int] | None =
             print(f"{comp.name}: {v} seed {seed} done ({res.summary['wall_time_s']:.0f} s)", file=sys.stderr,
                   flush=True)
     return results
+
+
+def add_arguments(p: argparse.ArgumentParser, default_file: Path, default_out: str) -> None:
+    """The flags of a command that runs one shipped comparison file."""
+    p.add_argument("--file", type=Path, default=default_file, help="comparison file (default: %(default)s)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default: the file's)")
+    p.add_argument("--variants", default=None, help="comma list of the file's variants (default: all)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override applied to every run, e.g. --set trace.horizon_s=1200 (repeatable)")
+    p.add_argument("--out", default=default_out, help="output folder (default: %(default)s)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no per-run progress lines")
+
+
+def run_from_args(args: argparse.Namespace) -> tuple[Comparison, list[dict[str, Any]], dict[str, Any]]:
+    """Load ``--file``, run the selected variants and seeds; returns the comparison, the results
+    and the settings to record (file, seeds, variants, overrides)."""
+    comp = load_comparison(args.file)
+    variants = None if args.variants is None else [v.strip() for v in args.variants.split(",") if v.strip()]
+    if variants is not None:
+        unknown = [v for v in variants if v not in comp.variants]
+        if unknown or not variants:
+            raise ConfigError(f"--variants: {unknown[0] if unknown else 'none given'!r} is not a variant of "
+                              f"{comp.source}; choose from {', '.join(comp.variants)}")
+    sets = parse_set(args.set)
+    results = run_comparison(comp, Path(args.out) / "runs", args.seeds, variants, sets, args.quiet)
+    settings = {"file": str(args.file), "seeds": args.seeds or comp.seeds, "variants": variants or list(comp.variants),
+                "set": args.set, "command": " ".join(sys.argv)}
+    return comp, results, settings
+
+
+def error_exit(command: str, exc: Exception) -> int:
+    """Bad input (file, override, dataset) as one line on stderr and exit status 2."""
+    print(f"{command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+    return 2
