@@ -33,7 +33,6 @@ from numpy.typing import NDArray
 
 from felix.config import ConfigError
 from felix.experiments.shipped import COMPARISONS, add_arguments, error_exit, run_from_args
-from felix.metrics.provenance import provenance
 from felix.scenario.datasets import DatasetError
 from felix.strategies.dataplans.dafl_tables import DATASET_NAMES, partition
 
@@ -133,7 +132,6 @@ def run(args: argparse.Namespace) -> int:
             args.set = [case_override(args.case, args.scale), *args.set]
         elif args.scale != 1.0:
             raise ValueError("--scale applies to --case (the file's table is already scaled)")
-        prov = provenance()
         comp, results, settings = run_from_args(args)
     except (ConfigError, DatasetError, ValueError) as exc:
         return error_exit(COMMAND, exc)
@@ -151,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     header = f"# DAFL experiment: {case} (seeds {' '.join(map(str, settings['seeds']))})\n\n"
     (out / "dafl_table.md").write_text(header + table + note)
     (out / "dafl_results.json").write_text(json.dumps(
-        {"comparison": comp.name, "settings": settings, "provenance": prov,
+        {"comparison": comp.name, "settings": settings, "provenance": results[0]["summary"]["provenance"],
          "summary": summarise(rows, methods), "runs": rows}, indent=1) + "\n")
     print(table + note)
     return 0

@@ -27,7 +27,6 @@ import numpy as np
 
 from felix.config import ConfigError
 from felix.experiments.shipped import COMPARISONS, add_arguments, error_exit, run_from_args
-from felix.metrics.provenance import provenance
 from felix.scenario.datasets import DatasetError
 
 COMMAND = "federage-compare"
@@ -143,12 +142,12 @@ def _rounded(value: Any, digits: int = 5) -> Any:
 def run(args: argparse.Namespace) -> int:
     """Run the comparison file; write the table, the JSON and the plot under ``--out``."""
     try:
-        prov = provenance()  # the code as it was when the runs started
         comp, results, settings = run_from_args(args)
         runs = method_runs(results)
     except (ConfigError, DatasetError, ValueError) as exc:
         return error_exit(COMMAND, exc)
     out = Path(args.out)
+    prov = results[0]["summary"]["provenance"]  # the first run's: commit, torch, its threads and run settings
     doc = {"comparison": comp.name, "reference": comp.reference, "settings": settings, "provenance": prov,
            "summary": summarise(runs), "runs": _rounded(runs)}
     report = report_markdown(doc)
