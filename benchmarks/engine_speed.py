@@ -29,7 +29,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from felix.client.trainer import ClientData
 from felix.config import parse_set
 from felix.engine.run import resolve_config
-from felix.scenario.build import Built, build
+from felix.sim.build import Built, build
 
 
 def simulate(args: argparse.Namespace, aggregations: int,

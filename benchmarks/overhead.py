@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from felix.engine.run import resolve_config
-from felix.scenario.build import build
+from felix.sim.build import build
 
 
 def main() -> None:

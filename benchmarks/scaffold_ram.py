@@ -25,7 +25,7 @@ from felix.client.trainer import LocalTrainer
 from felix.config import parse_set
 from felix.engine.run import run_config
 from felix.experiments.shipped import COMPARISONS, load_comparison, variant_config
-from felix.scenario.build import Built
+from felix.sim.build import Built
 from felix.strategies import objectives
 
 COUPLED = ["model=small_cnn", "partition.kind=dirichlet", "partition.imbalance=20", "trace.ram.p_dist=beta",

@@ -17,8 +17,8 @@ from felix.client.cohort import AUTO_COHORT, CohortTask, CohortTrainer, batch_ro
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
 from felix.config import deep_merge
 from felix.engine.run import resolve_config
-from felix.scenario.build import build
 from felix.scenario.models import make_model
+from felix.sim.build import build
 from felix.strategies.objectives import make_objective
 
 C = 6

@@ -108,12 +108,13 @@ def test_federage_trains_on_full_model_batches_only() -> None:
 
 
 def test_rare_clients_scenario_holds_rare_classes_at_rare_clients() -> None:
-    from felix.scenario.build import build_population, per_client_setup, ram_probabilities
+    from felix.scenario.build import _stream, build_population, per_client_setup
+    from felix.scenario.random_access import ram_probabilities
 
     cfg = variant_config(load_comparison(COMPARISONS / "federage.yaml"), "fedavg", 0, small_sets())
     pop = build_population(cfg)
     counts = np.stack([d.class_counts(10).numpy() for d in pop.client_data])
-    p = ram_probabilities(cfg, counts)
+    p = ram_probabilities(cfg.trace, 8, _stream(0, 1), counts)
     rare = p <= 0.3
     assert rare.tolist() == [False] * 6 + [True] * 2  # the last quarter: the rare classes' holders
     setup = per_client_setup(cfg, None, counts)  # type: ignore[arg-type]  # a RAM needs no trace here

@@ -10,9 +10,10 @@ from mqtt_support import one_torch_thread  # noqa: F401  (a fixture)
 
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
-from felix.deploy.client import ClientHost, ClientOptions, Device, PendingTask
+from felix.deploy.client import ClientHost, ClientOptions, Device
 from felix.deploy.link import BrokerOptions, Inbound
 from felix.deploy.topics import Topics
+from felix.engine.device import Task
 from felix.engine.run import resolve_config
 from felix.scenario.traces import DeviceTrace
 
@@ -65,7 +66,7 @@ def test_interrupted_task_pauses_and_resumes() -> None:
     started: list[float] = []  # trace time at which the computation of a task starts
     compute = host._compute
 
-    def timed(d: Device, task: PendingTask) -> ClientUpdate:
+    def timed(d: Device, task: Task) -> ClientUpdate:
         started.append(host.trace_time())
         return compute(d, task)
 

@@ -8,7 +8,7 @@ from felix.config import parse_set
 from felix.engine.run import resolve_config, run_config
 from felix.metrics.per_client import PerClientSetup, per_client_metrics
 
-TINY = ["partition.num_clients=8", "run.max_aggregations=2", "run.eval_every=0", "client.max_steps=2", "model=mlp",
+TINY = ["partition.num_clients=8", "run.max_aggregations=2", "client.max_steps=2", "model=mlp",
         "orchestrator.agg_goal=2", "orchestrator.concurrency=4"]
 
 

@@ -9,8 +9,8 @@ from felix.config import ConfigError, deep_merge, parse_set, validate
 from felix.core.commands import NewModelVersion
 from felix.core.types import Tier
 from felix.engine.run import run_config
-from felix.scenario.build import _stream, build_population, build_trace, ram_probabilities
-from felix.scenario.random_access import RandomAccessModel, participation_trace
+from felix.scenario.build import _stream, build_population, build_trace
+from felix.scenario.random_access import RandomAccessModel, participation_trace, ram_probabilities
 
 #: 10 digits clients, sync rounds of one 60 s RAM slot, every drawn client trains.
 RAM_RUN = {
@@ -47,7 +47,7 @@ def test_sync_ram_rounds_train_exactly_the_drawn_clients() -> None:
     pop = build_population(cfg)
     counts = np.stack([d.class_counts(10).numpy() for d in pop.client_data])
     rng = _stream(cfg.seed, 1)  # the trace stream: the p, then the draws
-    p = ram_probabilities(cfg, counts, rng)
+    p = ram_probabilities(cfg.trace, 10, rng, counts)
     draws = RandomAccessModel(p).draw_rounds(6, rng)
     applied: list[tuple[float, tuple[int, ...]]] = []
 
@@ -66,9 +66,10 @@ def test_ram_probabilities_and_coupling() -> None:
     counts = np.zeros((10, 3), dtype=np.int64)
     counts[:, 0] = 10
     counts[7:, 2] = 1  # clients 7-9 hold the globally rarest class
-    p = ram_probabilities(cfg, counts)
+    p = ram_probabilities(cfg.trace, 10, np.random.default_rng(0), counts)
     assert sorted(p) == [0.1] * 5 + [0.6] * 5 and (p[7:] == 0.1).all()
-    free = ram_probabilities(cfg_of(**{"trace.ram.coupling": "none", "trace.ram.p_dist": "two_level"}), None)
+    free = ram_probabilities(cfg_of(**{"trace.ram.coupling": "none", "trace.ram.p_dist": "two_level"}).trace, 10,
+                             np.random.default_rng(0))
     assert set(free) == {0.05, 0.5}
     with pytest.raises(ConfigError, match="needs the clients' class counts"):
         build_trace(cfg)

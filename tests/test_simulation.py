@@ -60,7 +60,7 @@ def test_sync_without_deadline_stalls_when_selected_clients_vanish():
                 runtime={"kind": "constant", "constant_s": 40.0},
                 orchestrator={"agg_goal": 20, "overcommit": 1.0})
     res = run_config(cfg, None, plots=False)
-    from felix.scenario.build import build
+    from felix.sim.build import build
     b = build(cfg)
     for dev in b.sim.devices[:10]:
         dev.trace = DeviceTrace.from_events([(0, Tier.AVL_TRAIN), (30, Tier.UN_AVL)])
@@ -73,7 +73,7 @@ def test_paused_training_resumes_and_arrives_late():
     cfg = small(runtime={"kind": "constant", "constant_s": 40.0}, run={"max_aggregations": 1},
                 orchestrator={"concurrency": 1, "agg_goal": 1, "task_timeout_s": None},
                 partition={"num_clients": 1})
-    from felix.scenario.build import build
+    from felix.sim.build import build
     b = build(cfg)
     dev: SimDevice = b.sim.devices[0]
     dev.trace = DeviceTrace.from_events([(0, Tier.AVL_TRAIN), (10, Tier.UN_AVL), (100, Tier.AVL_TRAIN)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -55,18 +56,37 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Yaml12Loader)  # a SafeLoader subclass
 
 
+def _registered(module: str, registry: str, value: str) -> str:
+    """A scenario part given as a registered name or an import path, checked against its registry
+    (``felix.scenario.registry``). The registry's module is imported only here, when a config is
+    validated: it may import torch, which merely importing this module must not."""
+    reg = getattr(importlib.import_module(module), registry)
+    try:
+        return str(reg.check(value))
+    except ConfigError as exc:
+        raise ValueError(str(exc).removeprefix(f"{reg.key}: ")) from None
+
+
 class DatasetCfg(_Strict):
-    name: Literal["digits", "fashion_mnist", "cifar10"] = "digits"
+    name: str = Field("digits", description="a registered dataset (felix.scenario.datasets.DATASETS: digits, "
+                      "fashion_mnist, cifar10) or an import path 'package.module:loader' (docs/python-api.md)")
     root: str | None = None
     download: bool = False
     per_class_limit: int | None = Field(None, ge=1)
     test_limit: int | None = Field(None, ge=1, description="evaluate on N test samples, the first of each class in equal shares")
     num_classes: int | None = Field(None, ge=2, description="keep only the first N classes (label order), "
                                     "train and test, e.g. the first 8 CIFAR-10 classes of the DAFL paper")
+    params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the loader")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return _registered("felix.scenario.datasets", "DATASETS", v)
 
 
 class PartitionCfg(_Strict):
-    kind: Literal["dirichlet", "iid", "table", "rare_clients"] = "dirichlet"
+    kind: str = Field("dirichlet", description="a registered partitioner (felix.scenario.partition.PARTITIONERS: "
+                      "dirichlet, iid, table) or an import path 'package.module:partitioner'")
     num_clients: int = Field(100, ge=1)
     alpha: float = Field(0.5, gt=0)
     min_samples: int = Field(1, ge=1)
@@ -79,6 +99,12 @@ class PartitionCfg(_Strict):
     rare_classes: int = Field(2, ge=1, description="rare_clients: the tail classes held only by the rare clients")
     rare_fraction: float = Field(0.25, gt=0, lt=1, description="rare_clients: share of clients (the last ones) "
                                  "that hold the rare classes")
+    params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the partitioner")
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, v: str) -> str:
+        return _registered("felix.scenario.partition", "PARTITIONERS", v)
 
     @model_validator(mode="after")
     def _table(self) -> PartitionCfg:
@@ -110,8 +136,9 @@ class RamCfg(_Strict):
     p_rare: float = Field(0.05, gt=0, le=1)
     coupling: Literal["rarity", "rare_clients", "none"] = Field(
         "rarity", description="rarity: the same p values reassigned so the clients with the globally rarest "
-        "data get the lowest p; rare_clients (two_level, partition.kind rare_clients): exactly the clients "
-        "holding the rare classes join with p_rare, the others with p_frequent; none: p independent of the data")
+        "data get the lowest p; rare_clients (two_level, partition.kind rare_clients): the last "
+        "(1 - frequent_fraction) of the clients, who hold the rare classes, join with p_rare, the others with "
+        "p_frequent; none: p independent of the data")
 
     @model_validator(mode="after")
     def _ranges(self) -> RamCfg:
@@ -123,7 +150,8 @@ class RamCfg(_Strict):
 
 
 class TraceCfg(_Strict):
-    kind: Literal["always", "slotted", "mobiperf", "fedscale", "ram"] = "always"
+    kind: str = Field("always", description="a registered trace (felix.scenario.traces.TRACES: always, slotted, "
+                      "mobiperf, fedscale) or an import path 'package.module:builder'")
     path: str | None = None
     series: Literal["2", "3_50", "3_75", "failures_48h"] = "3_50"
     unavailable_fraction: float = Field(0.1, ge=0, lt=1)
@@ -132,6 +160,12 @@ class TraceCfg(_Strict):
     offset_s: float = Field(0.0, ge=0, description="start this many seconds into the trace (e.g. past an "
                             "all-available head); the run's time 0 is the trace's offset_s")
     ram: RamCfg = RamCfg()
+    params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the trace builder")
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, v: str) -> str:
+        return _registered("felix.scenario.traces", "TRACES", v)
 
     @field_validator("series", mode="before")
     @classmethod
@@ -217,6 +251,10 @@ class ClientCfg(_Strict):
     optimizer: Literal["sgd", "adam"] = "sgd"
     objective: str = "ce"
     objective_params: dict[str, Any] = Field(default_factory=dict)
+    buffers: Literal["aggregate", "local"] = Field(
+        "aggregate", description="model buffers (BatchNorm running statistics): aggregate = sent with the "
+        "weights and averaged by the server like parameters; local = kept per client, never sent, and the "
+        "global model is evaluated with the buffers its factory made (felix.client.trainer)")
     probe_loss: bool = Field(False, description="before training, measure the loss at the received model over "
                              "the client's data (one forward pass) and send it as aux qffl_loss: the F_k q-FFL "
                              "needs (aggregator qffl only; trains one client at a time)")
@@ -245,7 +283,8 @@ class RunCfg(_Strict):
     target_window: int = Field(5, ge=1, description="K: mean of the last K evaluations must reach the target")
     max_time_s: float = Field(86400.0, gt=0)
     max_aggregations: int | None = Field(None, ge=1)
-    eval_every: int = Field(1, ge=0)
+    eval_every: int = Field(1, ge=0, description="evaluate every N-th model version (and the initial and final "
+                            "models); 0: no evaluation at all")
     stop_at_target: bool = True
     device: str = "cpu"
     threads: int | None = Field(1, ge=1, description="torch intra-op threads, applied to every run, compare "
@@ -277,7 +316,9 @@ class Config(_Strict):
     name: str = "run"
     strategy: str = "custom"
     seed: int = 0
-    model: Literal["felix_cnn", "small_cnn", "mlp"] = "small_cnn"
+    model: str = Field("small_cnn", description="a registered model (felix.scenario.models.MODELS: felix_cnn, "
+                       "small_cnn, mlp) or an import path 'package.module:factory' (docs/python-api.md)")
+    model_params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the model factory")
     data_plan: Literal["none", "lb", "dafl"] = "none"
     dafl: DaflCfg = DaflCfg()
     dataset: DatasetCfg = DatasetCfg()
@@ -292,11 +333,20 @@ class Config(_Strict):
     client: ClientCfg = ClientCfg()
     run: RunCfg = RunCfg()
 
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str) -> str:
+        return _registered("felix.scenario.models", "MODELS", v)
+
     @model_validator(mode="after")
-    def _probe_loss(self) -> Config:
-        t = self.trace
-        if t.kind == "ram" and t.ram.coupling == "rare_clients" and self.partition.kind != "rare_clients":
-            raise ValueError("trace.ram.coupling 'rare_clients' needs partition.kind 'rare_clients'")
+    def _ram_and_probe_loss(self) -> Config:
+        t, p = self.trace, self.partition
+        if t.kind == "ram" and t.ram.coupling == "rare_clients":
+            n_rare = p.num_clients - round(t.ram.frequent_fraction * p.num_clients)
+            if p.kind != "rare_clients" or n_rare != round(p.rare_fraction * p.num_clients):
+                raise ValueError("trace.ram.coupling 'rare_clients' gives p_rare to the last (1 - frequent_fraction) "
+                                 "of the clients: it needs partition.kind 'rare_clients' with the same number of "
+                                 f"rare clients ({n_rare} here)")
         if self.client.probe_loss and self.aggregator.name != "qffl":
             raise ValueError(f"client.probe_loss sends aux qffl_loss, which only aggregator 'qffl' reads "
                              f"(aggregator is {self.aggregator.name!r})")
@@ -308,7 +358,7 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     whole, so a strategy preset never inherits another selector's parameters."""
     out = copy.deepcopy(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("params", "objective_params"):
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("params", "objective_params", "model_params"):
             out[k] = deep_merge(out[k], v)
         else:
             out[k] = copy.deepcopy(v)
@@ -358,6 +408,6 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
         lines = []
         for err in exc.errors():
             loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
             lines.append(f"  {loc}: {msg}")
         raise ConfigError(f"{source}: invalid configuration\n" + "\n".join(lines)) from None

@@ -38,13 +38,14 @@ def _run(args: argparse.Namespace) -> int:
     cfg = resolve_config(args.config, args.preset, parse_set(args.set), args.scenario)
     out = Path(args.out or f"runs/{cfg.name}-{cfg.strategy}-s{cfg.seed}")
     print(f"felix run: {cfg.name} / {cfg.strategy} (seed {cfg.seed}) -> {out}", file=sys.stderr)
-    res = run_config(cfg, out, progress=not args.quiet)
+    res = run_config(cfg, out, progress=not args.quiet, interruptible=True)  # Ctrl-C: summary "interrupted"
     s = res.summary
     ttt = "not reached" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.0f} s"
-    print(f"target {s['target_accuracy']:.2f}: {ttt}; final accuracy {s['final_accuracy']:.4f} after "
+    final = "-" if s["final_accuracy"] is None else f"{s['final_accuracy']:.4f}"  # None: run.eval_every 0
+    print(f"target {s['target_accuracy']:.2f}: {ttt}; final accuracy {final} after "
           f"{s['aggregations']} aggregations, {s['virtual_time_s']:.0f} virtual s, {s['wall_time_s']:.1f} wall s, "
           f"{(s['bytes_down'] + s['bytes_up']) / 1e6:.1f} MB ({s['stop_reason']})")
-    return 0
+    return 130 if s["stop_reason"] == "interrupted" else 0
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -59,6 +60,8 @@ def _compare(args: argparse.Namespace) -> int:
                   backend=args.backend, address=args.address, force=args.force, gpus_per_run=args.gpus_per_run)
     if doc["strategies"]:
         print((out / "comparison.md").read_text())
+    if any(s.get("stop_reason") == "interrupted" for s in doc["strategies"].values()):
+        return 130  # Ctrl-C / SIGTERM: the interrupted run is rerun next time (the finished ones are kept)
     return 0 if doc["strategies"] and not doc["failed"] else 1
 
 
@@ -72,6 +75,8 @@ def _sweep(args: argparse.Namespace) -> int:
                 parse_seeds(args.seeds), out, backend=args.backend, jobs=args.jobs, address=args.address,
                 force=args.force, gpus_per_run=args.gpus_per_run)
     print((out / "sweep.md").read_text())
+    if any(r["summary"].get("stop_reason") == "interrupted" for r in doc["runs"]):
+        return 130  # Ctrl-C / SIGTERM: the interrupted runs are rerun next time
     return 0 if not doc["failed"] else 1
 
 

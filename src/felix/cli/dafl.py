@@ -146,10 +146,10 @@ def read_counts(path: Path) -> CountsTable:
                 raise CountsError(f"{where}: count {value} is above the maximum {MAX_COUNT}")
             counts[i, j] = value
     clients = tuple(row[0] for _, row in body) if has_ids else None
-    for i in np.flatnonzero(counts.sum(axis=1) == 0):
+    for i in np.flatnonzero(counts.sum(axis=1) == 0).tolist():
         name = f"client {clients[i]!r}" if clients else f"client {i}"
         raise CountsError(f"{path}: row {body[i][0]} ({name}) has no samples")
-    for j in np.flatnonzero(counts.sum(axis=0) == 0):
+    for j in np.flatnonzero(counts.sum(axis=0) == 0).tolist():
         raise CountsError(
             f"{path}: column {j + 1 + has_ids} ({classes[j] or 'unnamed'}) has no samples on any client, "
             f"so augmentation cannot balance it"

@@ -1,7 +1,9 @@
 """Local work on one client: a training task and a forward-pass eval task.
 
 Shared by the simulation engine and the MQTT client so both shells train identically. Weights
-travel as flat float32 vectors; the model here is only a workspace they are loaded into.
+travel as flat float32 vectors; the model here is only a workspace they are loaded into. Which
+buffers travel with the parameters and which are kept per client is ``TrainConfig.buffers``
+(:mod:`felix.client.weights`): nothing of one client's task is left in the workspace for the next.
 """
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from felix.client.weights import BUFFER_MODES, ModelWeights
 from felix.core.types import ClientUpdate
 from felix.strategies.objectives import Objective, TaskContext
 
@@ -30,6 +32,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     drop_last: bool = False
     optimizer: str = "sgd"  # "sgd" or "adam"
+    buffers: str = "aggregate"  # model buffers: "aggregate" (travel with the weights) or "local" (per client)
     probe_loss_key: str | None = None  # send the loss at the received model as this aux entry (q-FFL's F_k)
 
     def __post_init__(self) -> None:
@@ -37,6 +40,8 @@ class TrainConfig:
             raise ValueError("client lr must be > 0, batch_size >= 1 and epochs >= 1")
         if self.optimizer not in ("sgd", "adam"):
             raise ValueError(f"optimizer must be 'sgd' or 'adam', not {self.optimizer!r}")
+        if self.buffers not in BUFFER_MODES:
+            raise ValueError(f"buffers must be one of {BUFFER_MODES}, not {self.buffers!r}")
 
 
 @dataclass
@@ -87,18 +92,21 @@ class LocalTrainer:
         self.num_classes = num_classes
         self.device = device
         self.autocast_dtype = autocast_dtype
-        self._params = [p for p in self.model.parameters()]
+        self.weights = ModelWeights(self.model, cfg.buffers)
+        self._params = self.weights.params
         # Hooks the objective does not override are not called at all.
         kind = type(objective)
         self._before = kind.before_step is not Objective.before_step
         self._after = kind.after_step is not Objective.after_step
 
     def load(self, weights: np.ndarray) -> torch.Tensor:
+        """Load the received vector (parameters, and buffers under ``aggregate``) into the
+        workspace; the kept buffers are reset to the factory's values (a task sets its own)."""
         flat = torch.from_numpy(np.array(weights, dtype=np.float32, copy=True)).to(self.device)
-        with torch.no_grad():
-            # vector_to_parameters makes the parameters views of its input: give it its own copy
-            # so that ``flat`` keeps the received weights for the delta.
-            vector_to_parameters(flat.clone(), self._params)
+        # The parameters become views of the loaded vector: give it its own copy so that ``flat``
+        # keeps the received weights for the delta.
+        self.weights.load(flat.clone())
+        self.weights.set_kept(None)
         return flat
 
     def train(self, weights: np.ndarray, data: ClientData, state: dict[str, Any],
@@ -107,10 +115,12 @@ class LocalTrainer:
         cfg = self.cfg
         received_loss = None if cfg.probe_loss_key is None else self.probe(weights, data).loss
         flat = self.load(weights)
+        self.weights.begin_task(state)
         n = len(data)
+        num_params = self.weights.num_params
         ctx = TaskContext(
             model=self.model,
-            global_params=flat,
+            global_params=flat if num_params == flat.numel() else flat[:num_params],
             lr=cfg.lr,
             num_classes=self.num_classes,
             class_counts=data.class_counts(self.num_classes),
@@ -161,10 +171,11 @@ class LocalTrainer:
                 loss_sum += loss.detach()
                 batches += 1
         self.objective.end(ctx)
+        self.weights.end_task(state)
         if cfg.probe_loss_key is not None:
             ctx.aux_out[cfg.probe_loss_key] = np.array(received_loss, dtype=np.float64)
         with torch.no_grad():
-            delta = (parameters_to_vector(self._params) - flat).cpu().numpy()
+            delta = (self.weights.vector() - flat).cpu().numpy()
         return ClientUpdate(
             num_samples=n,
             stat_utility=oort_utility(float(sq_sum.cpu()), seen, n),
@@ -176,7 +187,8 @@ class LocalTrainer:
 
     @torch.no_grad()
     def probe(self, weights: np.ndarray, data: ClientData, batch_size: int = 256) -> ClientUpdate:
-        """TierSelect's eval task: one forward pass, reply with the statistical utility only."""
+        """TierSelect's eval task: one forward pass, reply with the statistical utility only (kept
+        buffers at the factory's values, as the global model is evaluated)."""
         self.load(weights)
         self.model.eval()
         x, y = data.on(self.device)

@@ -143,7 +143,11 @@ def reduce_aux(buffer: Sequence[BufferedUpdate], norm_w: np.ndarray) -> dict[str
     out: dict[str, np.ndarray] = {}
     for key in keys:
         if key.startswith("sum:"):
-            out[key] = sum(np.asarray(b.update.aux[key], dtype=np.float64) for b in buffer if key in b.update.aux)
+            parts = [np.asarray(b.update.aux[key], dtype=np.float64) for b in buffer if key in b.update.aux]
+            total = parts[0].copy()
+            for p in parts[1:]:
+                total += p
+            out[key] = total
             continue
         ws = [(w, b.update.aux[key]) for w, b in zip(norm_w, buffer) if key in b.update.aux]
         total = sum(w for w, _ in ws)

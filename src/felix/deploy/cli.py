@@ -131,8 +131,8 @@ def _serve(args: argparse.Namespace) -> int:
     with _stop_on_signals(server.stop_requested):
         s = server.run()
     ttt = "not reached" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.0f} s"
-    final = s["final_accuracy"]
-    print(f"target {s['target_accuracy']:.2f}: {ttt}; final accuracy {final:.4f} after {s['aggregations']} "
+    final = "-" if s["final_accuracy"] is None else f"{s['final_accuracy']:.4f}"  # None: run.eval_every 0
+    print(f"target {s['target_accuracy']:.2f}: {ttt}; final accuracy {final} after {s['aggregations']} "
           f"aggregations, {s['virtual_time_s']:.0f} s ({s['wall_time_s']:.1f} wall s), "
           f"{(s['bytes_down'] + s['bytes_up']) / 1e6:.1f} MB, {s['transport']['duplicates']} duplicates, "
           f"{s['transport']['rejected']} rejected ({s['stop_reason']})", file=sys.stderr)

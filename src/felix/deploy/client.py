@@ -3,9 +3,13 @@
 Each client (a ``Device``) has its own MQTT connection and login, its local partition
 (``build_population(cfg).client_data[cid]``: the simulator's partition for the same seed), its
 tier, replayed from the config's availability trace (device ``cid`` unless ``--trace-device``)
-with the trace's time compressed by ``time_scale``, and a queue of tasks. All clients of a
-process share one loop thread and one ``LocalTrainer`` (the simulator's), so tasks compute one at
-a time per process; paho's network threads only hand messages to the loop.
+with the trace's time compressed by ``time_scale``, and a queue of tasks: the shared device
+runner (:mod:`felix.engine.device`, the simulator's own), fed the trace time (clock / time_scale),
+whose timers this loop sets and whose released results it publishes. All clients of a process
+share one loop thread and one ``LocalTrainer`` (the simulator's), so tasks compute one at a time
+per process; paho's network threads only hand messages to the loop. The loop's clock is
+injectable (``ClientHost(clock=...)``), and ``handle`` / ``run_timers`` are its two steps, so
+tests drive the message handling in virtual time with a fake link.
 
 Protocol of a client:
 - waits for the server's retained STATUS, then sends REGISTER (sample and class counts, tier),
@@ -46,12 +50,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from felix.client.trainer import ClientData, LocalTrainer
+from felix.client.trainer import LocalTrainer
 from felix.config import Config
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
 from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
 from felix.deploy.topics import ALLOWED, Topics, client_user
+from felix.engine.device import DeviceRunner, Step, Task, TaskRules, task_seed
 from felix.scenario.build import build_population, build_runtimes, build_trace, build_trainer
 from felix.scenario.traces import DeviceTrace
 from felix.strategies.dataplans.plans import PlanApplier, prepare_data_plan
@@ -88,45 +93,23 @@ class ClientOptions:
             raise ValueError(f"runtime must be 'profile' or 'compute', not {self.runtime!r}")
 
 
-@dataclass
-class PendingTask:
-    task_id: int
-    kind: TaskKind
-    version: int
-    weights: np.ndarray
-    aux: dict[str, np.ndarray]
-    duration_s: float  # config seconds of work (profile mode); 0 in compute mode
+@dataclass(eq=False)
+class Device(DeviceRunner[bytes]):
+    """A deployed client: the shared task runner (times in trace seconds; results are encoded
+    RESULT messages), its trace, and its MQTT connection."""
 
-
-@dataclass
-class Device:
-    cid: int
-    data: ClientData
-    runtime_s: float
-    trace: DeviceTrace
-    tier: Tier
-    link: MqttLink | None = None  # set when connected (anything with publish(topic, payload))
-    incarnation: str = field(default_factory=lambda: secrets.token_hex(4))
+    trace: DeviceTrace = field(kw_only=True)
+    link: MqttLink | None = field(default=None, kw_only=True)  # set when connected (anything with publish())
+    incarnation: str = field(default_factory=lambda: secrets.token_hex(4), kw_only=True)
     ids: wire.MsgIds = field(init=False)
-    session: str | None = None  # the server session it registered with
-    state: dict[str, Any] = field(default_factory=dict)  # objective state across tasks (as in the simulator)
-    queue: deque[PendingTask] = field(default_factory=deque)
-    current: PendingTask | None = None
-    started_at: float | None = None  # monotonic time the current task (re)started; None while paused
-    remaining: float = 0.0  # config seconds of work left on the current task
-    token: int = 0
-    seen: set[int] = field(default_factory=set)
-    held: list[tuple[TaskKind, bytes]] = field(default_factory=list)  # results waiting for a tier that allows sending
-    sent: deque[tuple[float, bytes]] = field(default_factory=lambda: deque(maxlen=RESEND_MAX))  # recent results
-    finished: bool = False
-    connections: int = 0
-    augmented: bool = False  # applied its data-plan row (once, on the first task bringing it)
+    session: str | None = field(default=None, kw_only=True)  # the server session it registered with
+    sent: deque[tuple[float, bytes]] = field(default_factory=lambda: deque(maxlen=RESEND_MAX),
+                                             kw_only=True)  # recent results (clock time, payload)
+    finished: bool = field(default=False, kw_only=True)
+    connections: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
         self.ids = wire.MsgIds(self.incarnation)
-
-    def can_run(self, kind: TaskKind) -> bool:
-        return self.tier is Tier.AVL_TRAIN or (kind is TaskKind.EVAL and self.tier is Tier.AVL_EVAL)
 
 
 class ClientHost:
@@ -134,9 +117,11 @@ class ClientHost:
 
     def __init__(self, cfg: Config, client_ids: list[int], opts: ClientOptions,
                  credentials: Callable[[int], tuple[str | None, str | None]],
-                 traces: dict[int, DeviceTrace] | None = None) -> None:
+                 traces: dict[int, DeviceTrace] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``traces``: each client's availability trace, when the caller has them (``felix emulate``
-        builds the population's trace once and hands each worker its share); else built here."""
+        builds the population's trace once and hands each worker its share); else built here.
+        ``clock``: monotonic seconds (a test's fake clock drives the client in virtual time)."""
         n = cfg.partition.num_clients
         bad = [c for c in client_ids if not 0 <= c < n]
         if bad:
@@ -161,13 +146,16 @@ class ClientHost:
         # The simulator's client side of a data plan (lb / dafl): same augmentation, seeds and time charge.
         plan = prepare_data_plan(cfg, pop.client_data, pop.train.num_classes, runtimes)
         self.plan_applier: PlanApplier | None = None if plan is None else plan.applier
+        self.rules = TaskRules(eval_fraction=cfg.runtime.eval_fraction, compute=opts.runtime == "compute",
+                               augment=self.plan_applier)
+        self._clock = clock
         t0 = opts.t0 if opts.t0 is not None else time.time()
-        self._mono_t0 = time.monotonic() - (time.time() - t0)
+        self._mono_t0 = clock() - (time.time() - t0)
         self.devices: dict[int, Device] = {}
         for cid in client_ids:
             dt = traces[cid]
-            self.devices[cid] = Device(cid, pop.client_data[cid], float(runtimes[cid]), dt,
-                                       dt.tier_at(self.trace_time()))
+            self.devices[cid] = Device(cid, pop.client_data[cid], float(runtimes[cid]),
+                                       dt.tier_at(self.trace_time()), trace=dt)
         self._credentials = credentials
         self.inbox: queue.SimpleQueue[tuple[int, Inbound | Connected]] = queue.SimpleQueue()
         self._heap: list[tuple[float, int, int, int, int]] = []
@@ -178,7 +166,7 @@ class ClientHost:
     # ------------------------------------------------------------------ time
     def trace_time(self, mono: float | None = None) -> float:
         """Config seconds since the trace's start."""
-        return ((time.monotonic() if mono is None else mono) - self._mono_t0) / self.opts.time_scale
+        return ((self._clock() if mono is None else mono) - self._mono_t0) / self.opts.time_scale
 
     def _mono_at(self, trace_t: float) -> float:
         return self._mono_t0 + trace_t * self.opts.time_scale
@@ -190,7 +178,7 @@ class ClientHost:
     # ------------------------------------------------------------------ run
     def run(self) -> int:
         """Connect every client, then serve tasks until all are finished; returns tasks completed."""
-        deadline = None if self.opts.max_wall_s is None else time.monotonic() + self.opts.max_wall_s
+        deadline = None if self.opts.max_wall_s is None else self._clock() + self.opts.max_wall_s
         try:
             # Connections wait for the broker's answers: open a process's many links side by side.
             with ThreadPoolExecutor(max_workers=CONNECT_PARALLELISM) as pool:
@@ -221,37 +209,54 @@ class ClientHost:
         user, password = self._credentials(dev.cid)
         bopts = BrokerOptions(**{**self.opts.broker.__dict__, "username": user, "password": password})
         link = MqttLink(f"felix-{self.opts.run_id}-c{dev.cid}", bopts, self.topics.client_subscriptions(dev.cid),
-                        lambda item, cid=dev.cid: self.inbox.put((cid, item)))
-        link.set_will(lambda epoch, d=dev: (self.topics.state(d.cid), self._state_will(d, epoch)),
+                        lambda item: self.inbox.put((dev.cid, item)))  # dev: this call's own
+        link.set_will(lambda epoch: (self.topics.state(dev.cid), self._state_will(dev, epoch)),
                       self.opts.will_delay_s)
         link.start(fresh=True)
         dev.link = link
 
     def serve(self, deadline: float | None) -> None:
         """The loop: messages from the inbox, tier changes and task completions from the timer heap."""
-        for dev in self.devices.values():
-            self._schedule_tier(dev)
+        self.start_timers()
         while not all(d.finished for d in self.devices.values()) and not self.stop_requested.is_set():
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and self._clock() > deadline:
                 log.warning("clients %s: stopping at the wall-time limit", sorted(self.devices))
                 break
-            timeout = 0.25 if not self._heap else min(0.25, max(0.0, self._heap[0][0] - time.monotonic()))
+            nxt = self.next_timer()
+            timeout = 0.25 if nxt is None else min(0.25, max(0.0, nxt - self._clock()))
             try:
                 cid, item = self.inbox.get(timeout=timeout)
-                self._on_item(self.devices[cid], item)
+                self.handle(cid, item)
             except queue.Empty:
                 pass
-            while self._heap and self._heap[0][0] <= time.monotonic():
-                _, _, kind, cid, token = heapq.heappop(self._heap)
-                dev = self.devices[cid]
-                if dev.finished:
-                    continue
-                if kind == _TIER:
-                    self._on_tier(dev)
-                elif token == dev.token:
-                    self._on_done(dev)
+            self.run_timers()
+
+    def start_timers(self) -> None:
+        """Schedule every client's next tier change (the loop's first step)."""
+        for dev in self.devices.values():
+            self._schedule_tier(dev)
+
+    def next_timer(self) -> float | None:
+        """The clock time of the earliest pending timer (tier change or task completion)."""
+        return self._heap[0][0] if self._heap else None
+
+    def run_timers(self) -> None:
+        """Fire the timers that are due by the clock."""
+        while self._heap and self._heap[0][0] <= self._clock():
+            _, _, kind, cid, token = heapq.heappop(self._heap)
+            dev = self.devices[cid]
+            if dev.finished:
+                continue
+            if kind == _TIER:
+                self._on_tier(dev)
+            else:
+                self._on_done(dev, token)
 
     # ------------------------------------------------------------------ messages
+    def handle(self, cid: int, item: Inbound | Connected) -> None:
+        """One item from a client's link (a message or a reconnection), as the loop takes it."""
+        self._on_item(self.devices[cid], item)
+
     def _on_item(self, dev: Device, item: Inbound | Connected) -> None:
         if isinstance(item, Connected):
             dev.connections += 1
@@ -286,26 +291,28 @@ class ClientHost:
             return
         if isinstance(msg, wire.Cancel):
             self._cancel(dev, msg.task)
-        elif isinstance(msg, (wire.TrainTask, wire.EvalTask)):
-            if msg.task in dev.seen:
-                return  # a redelivery (QoS 1): the task runs once
-            dev.seen.add(msg.task)
-            kind = TaskKind.TRAIN if isinstance(msg, wire.TrainTask) else TaskKind.EVAL
-            augment_s = 0.0
-            if isinstance(msg, wire.TrainTask) and msg.plan and not dev.augmented and self.plan_applier is not None:
-                # As in the simulator: the first task bringing the row augments (and takes that long);
-                # the applier may also rescale a per-sample runtime to the grown data.
-                dev.augmented = True
-                augment_s = self.plan_applier(dev, msg.plan)  # type: ignore[arg-type]  # duck-types a SimDevice
-                log.info("client %d: augmented %d samples by its data plan", dev.cid, sum(msg.plan))
-            if self.opts.runtime == "compute":
-                dur = 0.0
-            else:
-                dur = augment_s + dev.runtime_s * (1.0 if kind is TaskKind.TRAIN else self.cfg.runtime.eval_fraction)
-            aux = dict(msg.aux) if isinstance(msg, wire.TrainTask) else {}
-            dev.queue.append(PendingTask(msg.task, kind, msg.version, msg.weights, aux, dur))
-            log.info("client %d: task %d (%s) received", dev.cid, msg.task, kind.value)
-            self._try_start(dev)
+        elif isinstance(msg, wire.TrainTask):
+            self._receive(dev, msg.task, TaskKind.TRAIN, msg.version, msg.weights, msg.aux, msg.plan)
+        elif isinstance(msg, wire.EvalTask):
+            self._receive(dev, msg.task, TaskKind.EVAL, msg.version, msg.weights, {}, ())
+
+    def _receive(self, dev: Device, task_id: int, kind: TaskKind, version: int, weights: np.ndarray,
+                 aux: dict[str, np.ndarray], plan: tuple[int, ...]) -> None:
+        step = dev.receive(self.trace_time(), task_id, kind, weights, self.rules, aux=aux, version=version,
+                           plan=plan)
+        if step is None:
+            return  # a redelivery (QoS 1), or a task cancelled already: it runs once, or not at all
+        log.info("client %d: task %d (%s) received", dev.cid, task_id, kind.value)
+        self._follow(dev, step)
+
+    def _follow(self, dev: Device, step: Step[bytes] | None) -> None:
+        """Do what the device's runner asks: set its completion timer, publish its released results."""
+        if step is None:
+            return
+        if step.timer is not None:
+            self._push(self._mono_at(step.timer.at), _DONE, dev.cid, step.timer.token)
+        for held in step.released:
+            self._publish_result(dev, held.result)
 
     def _env(self, dev: Device) -> dict[str, Any]:
         return {"run": self.opts.run_id, "msg_id": dev.ids.next(), "sent_at": time.time()}
@@ -340,50 +347,21 @@ class ClientHost:
         self._refresh_tier(dev)
 
     def _refresh_tier(self, dev: Device) -> None:
-        new = dev.trace.tier_at(self.trace_time())
-        if new is dev.tier:
-            return
-        dev.tier = new
-        if dev.session is not None:
+        now = self.trace_time()
+        step = dev.set_tier(now, dev.trace.tier_at(now))
+        if step is not None and dev.session is not None:
             self._send_state(dev)
-        task = dev.current
-        if task is not None:
-            if dev.started_at is not None and not dev.can_run(task.kind):  # pause, keep the progress
-                dev.remaining -= (time.monotonic() - dev.started_at) / self.opts.time_scale
-                dev.started_at = None
-                dev.token += 1
-            elif dev.started_at is None and dev.can_run(task.kind):
-                self._resume(dev)
-        self._flush_held(dev)
-        self._try_start(dev)
+        self._follow(dev, step)
 
     # ------------------------------------------------------------------ tasks
-    def _try_start(self, dev: Device) -> None:
-        if dev.current is None and dev.queue and dev.can_run(dev.queue[0].kind):
-            dev.current = dev.queue.popleft()
-            dev.remaining = dev.current.duration_s
-            self._resume(dev)
-
-    def _resume(self, dev: Device) -> None:
-        dev.started_at = time.monotonic()
-        dev.token += 1
-        self._push(dev.started_at + max(0.0, dev.remaining) * self.opts.time_scale, _DONE, dev.cid, dev.token)
-
     def _cancel(self, dev: Device, task_id: int) -> None:
-        dev.seen.add(task_id)  # a TRAIN that arrives after its CANCEL is not run
-        if dev.current is not None and dev.current.task_id == task_id:
-            dev.current, dev.started_at = None, None
-            dev.token += 1
-            self._try_start(dev)
-        else:
-            dev.queue = deque(t for t in dev.queue if t.task_id != task_id)
+        self._follow(dev, dev.cancel(self.trace_time(), task_id))
 
-    def _on_done(self, dev: Device) -> None:
-        task = dev.current
+    def _on_done(self, dev: Device, token: int) -> None:
+        task = dev.complete(token)
         if task is None:
             return
-        dev.current, dev.started_at = None, None
-        t0 = time.perf_counter()
+        t0 = self._clock()
         try:
             upd = self._compute(dev, task)
         except Exception as exc:  # a broken task must not take the other clients of the process down
@@ -391,47 +369,36 @@ class ClientHost:
             fail = wire.Failed(**self._env(dev), client=dev.cid, incarnation=dev.incarnation, task=task.task_id,
                                reason=f"{type(exc).__name__}: {exc}"[:wire.MAX_STR])
             self._publish_result(dev, wire.encode(fail))
-            self._try_start(dev)
+            self._follow(dev, dev.advance(self.trace_time()))
             return
-        spent = time.perf_counter() - t0
-        upd.duration = task.duration_s if self.opts.runtime == "profile" else spent / self.opts.time_scale
+        spent = self._clock() - t0
+        upd.duration = task.duration if self.opts.runtime == "profile" else spent / self.opts.time_scale
         msg = wire.Result(**self._env(dev), client=dev.cid, incarnation=dev.incarnation, task=task.task_id,
                           kind=task.kind, version=task.version, num_samples=upd.num_samples,
                           stat_utility=upd.stat_utility, loss=upd.loss, duration=upd.duration,
                           delta=upd.delta if task.kind is TaskKind.TRAIN else None,
                           aux=upd.aux if task.kind is TaskKind.TRAIN else {})
-        dev.held.append((task.kind, wire.encode(msg)))
         self.tasks_done += 1
         self._refresh_tier(dev)  # the tier may have changed while computing
-        self._flush_held(dev)
-        self._try_start(dev)
+        self._follow(dev, dev.finish(self.trace_time(), task, wire.encode(msg)))  # sent now, or held
 
-    def _compute(self, dev: Device, task: PendingTask) -> ClientUpdate:
+    def _compute(self, dev: Device, task: Task) -> ClientUpdate:
         if self.opts.no_train:
             delta = np.zeros(task.weights.size, np.float32) if task.kind is TaskKind.TRAIN else None
             return ClientUpdate(len(dev.data), 1.0, 1.0, 0.0, delta)
         if task.kind is TaskKind.TRAIN:
-            gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + task.task_id)  # as the simulator
+            gen = torch.Generator().manual_seed(task_seed(self.cfg.seed, task.task_id))  # as the simulator
             return self.trainer.train(task.weights, dev.data, dev.state, task.aux, gen)
         return self.trainer.probe(task.weights, dev.data)
 
-    def _flush_held(self, dev: Device) -> None:
-        keep = []
-        for kind, payload in dev.held:
-            if dev.can_run(kind):
-                self._publish_result(dev, payload)
-            else:
-                keep.append((kind, payload))
-        dev.held = keep
-
     def _publish_result(self, dev: Device, payload: bytes) -> None:
         self._publish(dev, self.topics.result(dev.cid), payload)
-        dev.sent.append((time.monotonic(), payload))
+        dev.sent.append((self._clock(), payload))
 
     def _resend_recent(self, dev: Device) -> None:
         """Publish the recent results again (same bytes, same message ids): what the broker lost
         in a crash reaches the server, what the server has is dropped there as a duplicate."""
-        horizon = time.monotonic() - RESEND_WINDOW_S
+        horizon = self._clock() - RESEND_WINDOW_S
         while dev.sent and dev.sent[0][0] < horizon:
             dev.sent.popleft()
         for _, payload in dev.sent:

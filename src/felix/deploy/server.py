@@ -1,7 +1,8 @@
 """The deployment shell around the orchestrator: wall clock, MQTT, evaluation, checkpoints.
 
-It mirrors the simulation engine (``felix.sim.engine``): the same ``build_orchestrator`` and
-``Recorder``, the same command handling and byte accounting, but time is the wall clock
+It mirrors the simulation engine (``felix.sim.engine``): the same ``build_orchestrator`` and the
+same run controller (``felix.engine.controller``: evaluations, stop rules, the modelled byte
+accounting and the summary; the server adds the real wire bytes it saw), but time is the wall clock
 (``time.monotonic()`` since the start, divided by ``--time-scale`` so that an emulated run keeps
 the config's seconds) and clients are real MQTT peers. Every ``Tick`` is delivered at
 ``next_wakeup()``, so the 90 s task timers fire for real.
@@ -45,7 +46,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +69,9 @@ from felix.deploy import wire
 from felix.deploy.checkpoint import AppliedLog, AppliedUpdate
 from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
 from felix.deploy.topics import ALLOWED, Topics
-from felix.metrics.recorder import ByteCounter, EvalRow, Recorder, TrainLossRow
-from felix.metrics.report import summary, write_run
+from felix.engine.controller import RunController
+from felix.metrics.recorder import EvalRow, Recorder
+from felix.metrics.report import EvalLog
 from felix.scenario.build import build_orchestrator, build_population, build_trace, make_evaluator
 from felix.strategies.dataplans.plans import plan_augmentation
 
@@ -150,8 +152,11 @@ class Server:
         trace = build_trace(cfg) if knowledge is Knowledge.ORACLE else None
         self.orch = build_orchestrator(cfg, pop.initial_weights, trace)
         r = cfg.run
-        self.rec = Recorder(make_evaluator(copy.deepcopy(pop.model), pop.test, r.device), r.target_accuracy,
-                            r.target_window, r.eval_every)
+        rec = Recorder(make_evaluator(copy.deepcopy(pop.model), pop.test, r.device), r.target_accuracy,
+                       r.target_window, r.eval_every)
+        sink = None if opts.out_dir is None else EvalLog(opts.out_dir / "evaluations.csv")
+        self.ctl = RunController(cfg, self.orch, rec, sink, measure_wire=True)
+        self.ctl.on_evaluation.append(_log_evaluation)
         self.max_bytes = opts.max_message_bytes or (8 * self.num_params + (1 << 20))
         self.stats = TransportStats()
         self.applied = AppliedLog(None if opts.checkpoint is None else ckpt.applied_log_path(opts.checkpoint))
@@ -164,8 +169,7 @@ class Server:
         self.ids = wire.MsgIds(f"s{self.session}")
         self.life = 0
         self.inbox: queue.SimpleQueue[Inbound | Connected] = queue.SimpleQueue()
-        self.stop_requested = threading.Event()
-        self._stop: str | None = None
+        self.stop_requested = threading.Event()  # Ctrl-C / SIGTERM (felix serve) or a test: stop cleanly
         self._pending_acks: list[tuple[int, int, int, int]] = []  # (mid, qos, epoch, bytes): not yet acknowledged
         self._pending_bytes = 0
         self._checkpoint_due = False  # a new version (or the end) since the last checkpoint
@@ -191,12 +195,11 @@ class Server:
         """Serve until the target, ``max_time_s``, ``max_aggregations`` or ``stop_requested``."""
         self.link.start(fresh=not self.opts.resume)
         self._mono0 = time.monotonic()
-        if not self.rec.rows:
-            self.rec.record(0.0, 0, self.orch.weights)
+        self.ctl.start()
         log.info("serving run %s (session %s, life %d) on %s:%d", self.opts.run_id, self.session, self.life,
                  self.opts.broker.host, self.opts.broker.port)
         last_status = time.monotonic()
-        while self._stop is None:
+        while self.ctl.stop_reason is None:
             wake = self.orch.next_wakeup()
             now = self.now()
             timeout = 0.25 if wake is None else min(0.25, max(0.0, (wake - now) * self.opts.time_scale))
@@ -210,13 +213,12 @@ class Server:
                 self.handle_inbound(item)
             now = self.now()
             wake = self.orch.next_wakeup()
-            if wake is not None and wake <= now and self._stop is None:
-                self._deliver(Tick(now))
+            if wake is not None and wake <= now and self.ctl.stop_reason is None:
+                self._deliver(Tick(now), from_client=False)
             self._commit()
-            if now >= self.cfg.run.max_time_s and self._stop is None:
-                self._stop = "max_time"
-            if self.stop_requested.is_set() and self._stop is None:
-                self._stop = "interrupted"
+            self.ctl.past_time_limit(now)
+            if self.stop_requested.is_set():
+                self.ctl.request_stop()
             if time.monotonic() - last_status >= self.opts.status_every_s:
                 last_status = time.monotonic()
                 self._log_status()
@@ -224,34 +226,31 @@ class Server:
 
     def _log_status(self) -> None:
         o = self.orch
-        acc = self.rec.rows[-1].accuracy if self.rec.rows else float("nan")
+        rows = self.ctl.rec.rows
+        acc = rows[-1].accuracy if rows else float("nan")
         log.info("t=%.0fs version=%d accuracy=%.4f clients=%d in-flight=%d msgs-in=%d dup=%d rejected=%d",
                  self.now(), o.version, acc, len(o.clients), sum(t.holds_slot for t in o.tasks()),
                  self.stats.messages_in, self.stats.duplicates, self.stats.rejected)
 
     def _finish(self) -> dict[str, Any]:
         now = self.now()
-        if self.rec.rows and self.rec.rows[-1].version != self.orch.version:
-            self.rec.record(now, self.orch.version, self.orch.weights)
+        self.ctl.finish(now)
         if self.opts.checkpoint is not None:
             self._checkpoint_due = True  # the final state: --resume after an interruption continues here
         self._commit(force=True)
-        if self._stop != "interrupted":
+        if self.ctl.stop_reason != "interrupted":
             self._publish_status("finished")  # retained: clients stop; an interrupted run waits for --resume
         self.link.close()
         self.applied.sync()
         summ = self.summary(now)
         if self.opts.out_dir is not None:
             self.write_outputs(summ)
-        log.info("stopped (%s) at version %d after %.1f s", self._stop, self.orch.version, now)
+        log.info("stopped (%s) at version %d after %.1f s", self.ctl.stop_reason, self.orch.version, now)
         return summ
 
     def summary(self, now: float) -> dict[str, Any]:
         wall = self._prior_wall + (time.monotonic() - self._mono0)
         extra = {
-            "scenario": self.cfg.name,
-            "num_clients": self.num_clients,
-            "num_params": self.num_params,
             "rejected_by_reason": dict(sorted(self.stats.rejected_by_reason.items())),
             "transport": {**{k: v for k, v in asdict(self.stats).items() if k != "rejected_by_reason"},
                           "latency_p50_ms": _ms(self.latency, 50), "latency_p95_ms": _ms(self.latency, 95)},
@@ -262,14 +261,12 @@ class Server:
         }
         if self.plan_info is not None:
             extra["data_plan"] = self.plan_info
-        return summary(self.cfg.strategy, self.cfg.seed, self.rec, self.orch.stats, self.orch.version, now, wall,
-                       self._stop or "running", extra)
+        return self.ctl.summary(now, wall, extra)
 
     def write_outputs(self, summ: dict[str, Any]) -> None:
         out = self.opts.out_dir
         assert out is not None
-        write_run(out, summ, self.rec.rows, self.opts.plots)
-        (out / "config.json").write_text(self.cfg.model_dump_json(indent=2) + "\n")
+        self.ctl.write_outputs(out, summ, self.opts.plots)
         self.applied.write_csv(out / "applied_updates.csv")
 
     # ------------------------------------------------------------------ inbound
@@ -315,7 +312,7 @@ class Server:
         try:
             msg = wire.decode(m.payload, self.max_bytes, self.orch.validator.aux_spec)
         except wire.MessageError as exc:
-            self.rec.bytes.add("up", "control", len(m.payload))
+            self.ctl.count_wire("up", "control", len(m.payload))
             self._reject(cid, 0, f"transport: {exc.code.value}", exc.detail)
             return
         self._count_up(msg, len(m.payload))
@@ -348,7 +345,7 @@ class Server:
 
     def _count_up(self, msg: wire.Message, n: int) -> None:
         kind = msg.kind.value if isinstance(msg, wire.Result) else "control"
-        self.rec.bytes.add("up", kind, n)
+        self.ctl.count_wire("up", kind, n)
 
     def _first_delivery(self, cid: int, msg: wire.Message, payload: bytes) -> bool:
         """Duplicate check; True if the message is new (or a replay the orchestrator will refuse).
@@ -420,7 +417,7 @@ class Server:
             self.incarnations[cid] = msg.incarnation
             held = self.orch.clients[cid].in_flight
             if held is not None:
-                self._deliver(TaskFailed(now, cid, held, "client restarted"))
+                self._deliver(TaskFailed(now, cid, held, "client restarted"), from_client=False)
         self._deliver(TierChanged(now, cid, msg.tier))
 
     def _maybe_plan(self) -> None:
@@ -470,9 +467,11 @@ class Server:
         return self._deliver(TaskFinished(self.now(), msg.client, msg.task, upd))
 
     # ------------------------------------------------------------------ orchestrator
-    def _deliver(self, event: Event) -> bool:
-        """Hand an event to the orchestrator and carry out its commands; False if it was rejected."""
-        commands = self.orch.handle(event)
+    def _deliver(self, event: Event, from_client: bool = True) -> bool:
+        """Hand an event to the orchestrator (through the run controller) and carry out its
+        commands; False if it was rejected. ``from_client``: the event is a client's message (its
+        modelled bytes count), not one the server derived (a tick, a restart's lost task)."""
+        commands = self.ctl.handle(event, from_client)
         rejected = any(isinstance(c, UpdateRejected) for c in commands)
         if isinstance(event, (TaskFinished, TaskFailed)) and not rejected:
             self.shadow.pop(event.task_id, None)
@@ -531,8 +530,6 @@ class Server:
             self.shadow.pop(cmd.task_id, None)
             self._send(cmd.client_id, wire.Cancel(**self._env(), client=cmd.client_id, task=cmd.task_id,
                                                   reason=cmd.reason), "control")
-        elif isinstance(cmd, NewModelVersion):
-            self._on_version(cmd)
         elif isinstance(cmd, UpdateRejected):
             self._reject(cmd.client_id, cmd.task_id, cmd.reason)
 
@@ -543,22 +540,11 @@ class Server:
         payload = wire.encode(msg)
         self.link.publish(self.topics.task(cid), payload)
         self.stats.messages_out += 1
-        self.rec.bytes.add("down", kind, len(payload))
+        self.ctl.count_wire("down", kind, len(payload))
 
     def _publish_status(self, state: str) -> None:
         msg = wire.Status(**self._env(), session=self.session, state=state)
         self.link.publish(self.topics.status, wire.encode(msg), retain=True)
-
-    def _on_version(self, cmd: NewModelVersion) -> None:
-        self.rec.on_aggregation(cmd)
-        if self.rec.due(cmd.version):
-            row = self.rec.record(cmd.time, cmd.version, cmd.weights)
-            log.info("version %d at t=%.1fs: accuracy %.4f", cmd.version, cmd.time, row.accuracy)
-            if self.cfg.run.stop_at_target and self.rec.reached:
-                self._stop = "target_reached"
-        m = self.cfg.run.max_aggregations
-        if m is not None and cmd.version >= m:
-            self._stop = self._stop or "max_aggregations"
 
     def _ack(self, items: list[tuple[int, int, int, int]]) -> None:
         for mid, qos, epoch, _ in items:
@@ -567,7 +553,6 @@ class Server:
     # ------------------------------------------------------------------ checkpoints
     def _shell_state(self) -> dict[str, Any]:
         """The shell's part of a checkpoint, explicit and columnar like ``Orchestrator.state_dict``."""
-        r = self.rec
         marks = [(c, p, n) for c, m in self.seq_marks.items() for p, n in m.items()]
         digests = self.result_digests
         sh = self.shadow
@@ -575,10 +560,7 @@ class Server:
             "config_digest": self.config_digest, "run_id": self.opts.run_id, "life": self.life,
             "now": self.now(),
             "wall_unix": time.time(), "wall_elapsed": self._prior_wall + (time.monotonic() - self._mono0),
-            "recorder": {"rows": _columns(r.rows, EvalRow), "train_losses": _columns(r.train_losses, TrainLossRow),
-                         "bytes_down": dict(r.bytes.down), "bytes_up": dict(r.bytes.up),
-                         "time_to_target": r.time_to_target, "bytes_to_target": r.bytes_to_target,
-                         "version_at_target": r.version_at_target},
+            "controller": self.ctl.state_dict(),
             "plan_info": self.plan_info,
             "stats": asdict(self.stats),
             "applied": self.applied.position(),
@@ -635,13 +617,7 @@ class Server:
         log.info("resumed from %s at version %d (life %d, %.1f s down)", path, self.orch.version, self.life, down)
 
     def _load_shell(self, shell: dict[str, Any]) -> None:
-        rs = shell["recorder"]
-        self.rec.rows = _rows(rs["rows"], EvalRow)
-        self.rec.train_losses = _rows(rs["train_losses"], TrainLossRow)
-        self.rec.bytes = ByteCounter(dict(rs["bytes_down"]), dict(rs["bytes_up"]))
-        self.rec.time_to_target = rs["time_to_target"]
-        self.rec.bytes_to_target = rs["bytes_to_target"]
-        self.rec.version_at_target = rs["version_at_target"]
+        self.ctl.load_state_dict(shell["controller"])
         self.plan_info = shell["plan_info"]
         self.stats = TransportStats(**shell["stats"])
         sm = shell["seq_marks"]
@@ -665,14 +641,6 @@ def _digest(msg_id: str, payload: bytes) -> bytes:
             + hashlib.blake2b(payload, digest_size=8).digest())
 
 
-def _columns(rows: list[Any], cls: type) -> dict[str, np.ndarray]:
-    """Rows of a flat numeric dataclass as one float64 array per field (exact for ints below 2**53)."""
-    return {f.name: np.array([getattr(r, f.name) for r in rows], dtype=np.float64) for f in fields(cls)}
 
-
-def _rows(cols: dict[str, np.ndarray], cls: type) -> list[Any]:
-    names = [f.name for f in fields(cls)]
-    ints = {f.name for f in fields(cls) if f.type in ("int", int)}
-    lists = [np.asarray(cols[k]).tolist() for k in names]
-    return [cls(**{k: int(v) if k in ints else float(v) for k, v in zip(names, vals, strict=True)})
-            for vals in zip(*lists, strict=True)]
+def _log_evaluation(row: EvalRow) -> None:
+    log.info("version %d at t=%.1fs: accuracy %.4f", row.version, row.time_s, row.accuracy)

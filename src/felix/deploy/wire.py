@@ -43,7 +43,7 @@ MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_STR = 256
 MAX_LIST = 65536
-DTYPES = {"<f4": np.dtype("<f4"), "<f8": np.dtype("<f8"), "<i8": np.dtype("<i8")}
+DTYPES: dict[str, np.dtype[Any]] = {"<f4": np.dtype("<f4"), "<f8": np.dtype("<f8"), "<i8": np.dtype("<i8")}
 
 
 class MsgType(str, Enum):
@@ -292,6 +292,7 @@ def _arrays_of(msg: Message) -> list[tuple[str, np.ndarray]]:
 
 def _le(a: np.ndarray) -> np.ndarray:
     arr = np.asarray(a)
+    want: np.dtype[Any]
     if arr.dtype.kind == "f":
         want = np.dtype("<f4") if arr.dtype.itemsize <= 4 else np.dtype("<f8")
     elif arr.dtype.kind in "iub":

@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from felix.config import Config, ConfigError, deep_merge, read_yaml, validate
+from felix.engine.interrupt import stop_on_signals
 from felix.metrics.recorder import EvalRow
-from felix.metrics.report import summary, write_run
+from felix.metrics.report import EvalLog
 from felix.presets import scenario_preset, strategy_preset
-from felix.scenario.build import Built, build
+from felix.sim.build import Built, build
 from felix.strategies.dataplans.plans import plan_summary
 
 
@@ -38,30 +39,30 @@ def resolve_config(config_path: str | None, preset: str | None, sets: dict[str, 
 
 
 def run_config(cfg: Config, out_dir: Path | None = None, progress: bool = False, plots: bool = True,
-               prepare: Callable[[Built], None] | None = None) -> RunResult:
+               prepare: Callable[[Built], None] | None = None, interruptible: bool = False,
+               live_dir: Path | None = None, **objects: Any) -> RunResult:
     """Build and simulate ``cfg``; ``prepare`` may instrument the built run (e.g. wrap its
-    evaluator) before it starts."""
-    built = build(cfg)
+    evaluator) before it starts. The evaluations are appended to ``live_dir`` (default ``out_dir``)
+    /evaluations.csv as they happen. ``interruptible`` (the CLI's runs): SIGINT and SIGTERM end the
+    run after the event in hand, with ``stop_reason: interrupted`` and all it measured.
+    ``objects``: ``population``, ``model``, ``trace`` for ``felix.sim.build.build`` (the Python
+    API, felix.api)."""
+    built = build(cfg, **objects)
+    cfg = built.cfg  # a prepared population sets partition.num_clients
     if prepare is not None:
         prepare(built)
     if progress:
         built.sim.cfg = type(built.sim.cfg)(**{**built.sim.cfg.__dict__, "progress": True})
-    outcome = built.sim.run()
-    summ = summary(cfg.strategy, cfg.seed, built.recorder, built.orch.stats, built.orch.version,
-                   outcome.virtual_time_s, outcome.wall_time_s, outcome.stop_reason,
-                   {"scenario": cfg.name, "num_clients": cfg.partition.num_clients,
-                    "num_params": int(built.population.initial_weights.size), **plan_summary(built.data_plan)},
-                   run_settings=cfg.run.model_dump())
-    rec = built.recorder
-    if rec.converge is not None:
-        at = rec.converged_at
-        summ["convergence"] = {"round": rec.converged_round, "version": None if at is None else at.version,
-                               "time_s": None if at is None else at.time_s}
-    if rec.per_client is not None:
-        summ["per_client"] = rec.per_client(built.orch.weights)
+    ctl = built.controller
+    assert ctl is not None
+    live = live_dir or out_dir
+    if live is not None:
+        ctl.sink = EvalLog(live / "evaluations.csv")  # evaluations land on disk as they happen
+    with stop_on_signals(ctl.request_stop, enabled=interruptible):
+        outcome = built.sim.run()
+    summ = ctl.summary(outcome.virtual_time_s, outcome.wall_time_s, plan_summary(built.data_plan))
     if out_dir is not None:
-        write_run(out_dir, summ, built.recorder.rows, plots)
-        (out_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
+        ctl.write_outputs(out_dir, summ, plots)
     return RunResult(summ, built.recorder.rows, built)
 
 

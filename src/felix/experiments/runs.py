@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from felix.config import Config, ConfigError
+from felix.engine.interrupt import ignore_stop_signals, stop_on_signals
 from felix.metrics.recorder import EvalRow
 from felix.metrics.report import write_run
 
@@ -43,7 +45,14 @@ class RunSpec:
 
     @property
     def done(self) -> bool:
-        return (self.out_dir / "summary.json").exists()
+        """A summary exists and its run was not interrupted (an interrupted run is done again)."""
+        path = self.out_dir / "summary.json"
+        if not path.exists():
+            return False
+        try:
+            return json.loads(path.read_text()).get("stop_reason") != "interrupted"
+        except (OSError, ValueError, AttributeError):
+            return True  # unreadable: ``load`` says so, with the way out (--force)
 
 
 @dataclass(frozen=True)
@@ -81,8 +90,11 @@ def execute(spec: RunSpec) -> RunOutput:
     threads = torch.get_num_threads()
     if spec.config.run.threads is not None:
         torch.set_num_threads(spec.config.run.threads)
+    # Evaluations go to the run's folder as they happen where the driver's output folder is reachable
+    # (this machine, or a shared file system); the driver rewrites the file whole when the run ends.
+    live = spec.out_dir if spec.out_dir.parent.is_dir() else None
     try:
-        res = run_config(spec.config, None, plots=False)
+        res = run_config(spec.config, None, plots=False, interruptible=True, live_dir=live)
     finally:
         torch.set_num_threads(threads)
     return RunOutput(res.summary, res.rows)
@@ -141,6 +153,9 @@ class InlineBackend:
     def submit(self, spec: RunSpec) -> object:
         return self._Call(spec)
 
+    def cancel(self, handle: object) -> bool:
+        return True  # a call starts only in ``wait``
+
     def wait(self, handles: list[object]) -> Iterator[tuple[object, RunOutput | BaseException]]:
         h = handles[0]
         assert isinstance(h, self._Call)
@@ -164,8 +179,20 @@ class ProcessBackend:
                 return self.pool.submit(self.fn, spec)
             except BrokenProcessPool:
                 self.pool.shutdown(wait=False, cancel_futures=True)
-        self.pool = ProcessPoolExecutor(self.jobs, mp_context=get_context("spawn"))
+        self.pool = ProcessPoolExecutor(self.jobs, mp_context=get_context("spawn"), initializer=ignore_stop_signals)
         return self.pool.submit(self.fn, spec)
+
+    def cancel(self, handle: object) -> bool:
+        """Drop a run that has not started (True); a running one goes on."""
+        return handle.cancel()  # type: ignore[attr-defined]
+
+    def interrupt(self) -> None:
+        """Ask the runs in the workers to stop (SIGTERM: each ends ``interrupted``, see felix.engine.interrupt)."""
+        for proc in list(getattr(self.pool, "_processes", None) or {}):
+            try:
+                os.kill(proc, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
     def wait(self, handles: list[object]) -> Iterator[tuple[object, RunOutput | BaseException]]:
         futs: list[Future[RunOutput]] = handles  # type: ignore[assignment]
@@ -214,24 +241,42 @@ def run_all(specs: list[RunSpec], backend: Backend, force: bool = False,
         if s.key not in outputs:
             attempts[s.key] = 1
             pending[backend.submit(s)] = s
-    while pending:
-        for handle, result in backend.wait(list(pending)):
-            spec = pending.pop(handle)
-            if isinstance(result, BaseException):
-                reason = _reason(result)
-                if attempts[spec.key] < MAX_ATTEMPTS:
-                    attempts[spec.key] += 1
-                    say(f"run {spec.key} failed ({reason}); retrying once")
-                    pending[backend.submit(spec)] = spec
+    stopping = False  # Ctrl-C / SIGTERM, or a run came back interrupted: no new run starts
+
+    def interrupt() -> None:
+        nonlocal stopping
+        stopping = True
+        forward = getattr(backend, "interrupt", None)
+        if forward is not None:
+            forward()
+
+    with stop_on_signals(interrupt):
+        while pending:
+            if stopping:
+                interrupt()  # again: a run a worker took from its queue since then stops too
+                cancel = getattr(backend, "cancel", None)
+                for h in [h for h in pending if cancel is not None and cancel(h)]:
+                    say(f"run {pending.pop(h).key} not started (interrupted)")
+                if not pending:
+                    break
+            for handle, result in backend.wait(list(pending)):
+                spec = pending.pop(handle)
+                if isinstance(result, BaseException):
+                    reason = _reason(result)
+                    if attempts[spec.key] < MAX_ATTEMPTS and not stopping:
+                        attempts[spec.key] += 1
+                        say(f"run {spec.key} failed ({reason}); retrying once")
+                        pending[backend.submit(spec)] = spec
+                        continue
+                    failed[spec.key] = reason
+                    finished += 1
+                    say(f"done {finished}/{total}: {spec.key} FAILED twice ({reason})")
                     continue
-                failed[spec.key] = reason
+                store(spec, result)
+                outputs[spec.key] = result
                 finished += 1
-                say(f"done {finished}/{total}: {spec.key} FAILED twice ({reason})")
-                continue
-            store(spec, result)
-            outputs[spec.key] = result
-            finished += 1
-            say(f"done {finished}/{total}: {spec.key} {_brief(result.summary)}")
+                say(f"done {finished}/{total}: {spec.key} {_brief(result.summary)}")
+                stopping = stopping or result.summary.get("stop_reason") == "interrupted"
     ordered = {s.key: outputs[s.key] for s in specs if s.key in outputs}
     return Outcome(ordered, failed, skipped)
 
@@ -246,7 +291,8 @@ def _reason(exc: BaseException) -> str:
 def _brief(s: dict[str, Any]) -> str:
     ttt = "-" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.0f}s"
     acc = "-" if s["final_accuracy"] is None else f"{s['final_accuracy']:.4f}"
-    return f"time-to-target {ttt}, final acc {acc}, wall {s['wall_time_s']:.1f}s"
+    stopped = " (interrupted)" if s.get("stop_reason") == "interrupted" else ""
+    return f"time-to-target {ttt}, final acc {acc}, wall {s['wall_time_s']:.1f}s{stopped}"
 
 
 def make_backend(kind: str, jobs: int | None, address: str | None = None, gpus_per_run: float = 1.0,

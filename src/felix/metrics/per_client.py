@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 from numpy.typing import NDArray
-from torch.nn.utils import vector_to_parameters
 
 from felix.client.trainer import autocast
+from felix.client.weights import weights_for
 from felix.metrics.classification import class_metrics, confusion_matrix, minority_classes
 from felix.scenario.datasets import ArrayDataset
 from felix.scenario.random_access import rare_client_mask
@@ -55,7 +55,9 @@ def confusion_on_test(model: torch.nn.Module, weights: np.ndarray, test: ArrayDa
                       batch_size: int = 1000, autocast_dtype: torch.dtype | None = None) -> NDArray[np.int64]:
     """The confusion matrix of ``weights`` (loaded into ``model``) on the test set."""
     model = model.to(device)
-    vector_to_parameters(torch.from_numpy(np.array(weights, dtype=np.float32)).to(device), list(model.parameters()))
+    layout = weights_for(model, int(np.asarray(weights).size))  # parameters, with or without the buffers
+    layout.load(torch.from_numpy(np.array(weights, dtype=np.float32)).to(device))
+    layout.set_kept(None)
     model.eval()
     preds = []
     for s in range(0, len(test), batch_size):

@@ -72,7 +72,7 @@ class Recorder:
         if window < 1:
             raise ValueError("target window must be >= 1")
         if eval_every < 0:
-            raise ValueError("eval_every must be >= 0 (0: only the initial and final model)")
+            raise ValueError("eval_every must be >= 0 (0: no evaluation at all)")
         self.evaluate = evaluate
         self.target = target
         self.window = window

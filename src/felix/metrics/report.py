@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from felix.metrics.recorder import EvalRow, Recorder
 EVAL_COLUMNS = [f for f in EvalRow.__dataclass_fields__]
 
 
-def _pct(values: list[float] | np.ndarray, q: float) -> float | None:
+def _pct(values: Sequence[float] | np.ndarray, q: float) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
 
@@ -89,13 +90,30 @@ def summary(strategy: str, seed: int, rec: Recorder, stats: OrchestratorStats, v
 def write_run(out_dir: Path, summ: dict[str, Any], rows: list[EvalRow], plots: bool = True) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(summ, indent=2, sort_keys=True) + "\n")
-    with open(out_dir / "evaluations.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=EVAL_COLUMNS)
-        w.writeheader()
-        for r in rows:
-            w.writerow(asdict(r))
+    EvalLog(out_dir / "evaluations.csv").reset(rows)
     if plots:
         plot_curves(out_dir, {summ["strategy"]: rows}, summ["target_accuracy"])
+
+
+class EvalLog:
+    """``evaluations.csv`` written as the evaluations happen (the run controller's sink), so that a
+    run stopped by a signal, or killed, still leaves what it measured. ``reset`` rewrites the file
+    from the rows given (a fresh run: none; a resumed one: those restored); ``write_run`` rewrites
+    it whole at the end, so no row is ever written twice."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def reset(self, rows: list[EvalRow]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=EVAL_COLUMNS)
+            w.writeheader()
+            w.writerows(asdict(r) for r in rows)
+
+    def append(self, row: EvalRow) -> None:
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=EVAL_COLUMNS).writerow(asdict(row))
 
 
 def plot_curves(out_dir: Path, curves: dict[str, list[EvalRow]], target: float | None, prefix: str = "") -> list[Path]:

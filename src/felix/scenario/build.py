@@ -1,4 +1,10 @@
-"""Turn a validated ``Config`` into a ready simulation: data, population, traces, policies.
+"""Turn a validated ``Config`` into a run's parts: data, population, traces, runtimes, trainer,
+policies. Shared by the simulator (``felix.sim.build`` assembles a simulation from these) and the
+MQTT deployment, so nothing here imports either shell.
+
+The population comes from the config (a registered or imported dataset, split by a partitioner)
+or prepared by the caller (``ClientDatasets``: each client's samples and a test set; see
+docs/python-api.md).
 
 The scenario's random streams (partition, traces, runtimes, model init) are derived from the
 seed independently of the strategy's stream, so every strategy of a comparison sees exactly the
@@ -9,49 +15,39 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch import nn
 
-from felix.client.cohort import CohortTrainer, resolve_cohort
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig, autocast
-from felix.config import Config, ConfigError
+from felix.client.weights import ModelWeights, model_vector, weights_for
+from felix.config import Config, ConfigError, deep_merge, validate
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.policies import Aggregator, EvalSelector, TrainSelector
 from felix.core.types import Tier
 from felix.core.validation import UpdateValidator, ValidationConfig
 from felix.metrics.per_client import PerClientSetup, make_per_client_eval
 from felix.metrics.recorder import Recorder
-from felix.scenario.datasets import ArrayDataset, first_classes, load_dataset
-from felix.scenario.long_tail import long_tail_indices, rare_clients_partition
-from felix.scenario.models import make_model
-from felix.scenario.partition import count_table_partition, dirichlet_partition
+from felix.scenario.datasets import ArrayDataset, DatasetError, check_dataset, first_classes, load_dataset
+from felix.scenario.long_tail import long_tail_indices
+from felix.scenario.models import ModelFactory, check_model, make_model
+from felix.scenario.partition import partition
 from felix.scenario.profiles import FELIX_HALFNORMAL_SCALE, halfnormal_runtimes, uniform_runtimes
-from felix.scenario.random_access import (
-    RandomAccessModel,
-    beta_probabilities,
-    correlate_with_rarity,
-    participation_trace,
-    two_level_probabilities,
-)
-from felix.scenario.traces import (
-    AvailabilityTrace,
-    always_available,
-    load_fedscale,
-    load_mobiperf,
-    slotted_churn,
-)
-from felix.sim.engine import CohortExecutor, SimSettings, Simulation, make_devices
-from felix.strategies.dataplans.plans import DataPlanRun, prepare_data_plan
+from felix.scenario.random_access import ram_probabilities
+from felix.scenario.traces import AvailabilityTrace, make_trace
 from felix.strategies.objectives import OBJECTIVES, Objective, make_objective
 
 log = logging.getLogger("felix.scenario.build")
+
+if TYPE_CHECKING:
+    from felix.strategies.selection.oort import OortSelector
 
 # Stream ids under the run seed: scenario streams never depend on the strategy.
 _PARTITION, _TRACE, _RUNTIME, _MODEL, _STRATEGY = range(5)
@@ -98,7 +94,7 @@ def _oort_params(params: dict[str, Any]) -> Any:
     return replace(bases[base](), **params)
 
 
-def _oort_selector(params: dict[str, Any], cfg: Config) -> TrainSelector:
+def _oort_selector(params: dict[str, Any], cfg: Config) -> OortSelector:
     from felix.strategies.selection.oort import OortSelector
 
     params = dict(params)
@@ -178,92 +174,40 @@ def _make(registry: dict[str, Callable[..., Any]], kind: str, name: str, *args: 
 # ---------------------------------------------------------------------- scenario parts
 @functools.lru_cache(maxsize=4)
 def _dataset(name: str, root: str | None, download: bool, limit: int | None,
-             num_classes: int | None = None) -> tuple[ArrayDataset, ArrayDataset]:
-    train, test = load_dataset(name, root, download, limit)
+             num_classes: int | None = None, params: str = "{}") -> tuple[ArrayDataset, ArrayDataset | None]:
+    """Load (cached: a comparison's runs share one copy); ``params`` is ``dataset.params`` as JSON."""
+    train, test = load_dataset(name, root, download, limit, json.loads(params))
     if num_classes is not None:
         if num_classes > train.num_classes:
             raise ConfigError(f"dataset.num_classes is {num_classes} but {name} has {train.num_classes} classes")
-        train, test = first_classes(train, num_classes), first_classes(test, num_classes)
+        train = first_classes(train, num_classes)
+        test = None if test is None else first_classes(test, num_classes)
     return train, test
 
 
 def partition_indices(cfg: Config, labels: np.ndarray, num_classes: int) -> list[np.ndarray]:
-    """Each client's training-sample indices; with ``partition.imbalance > 1`` the split is of a
-    long-tailed subset of the training set (``felix.scenario.long_tail``)."""
+    """Each client's training-set indices, from the configured partitioner and the partition stream."""
     p = cfg.partition
     rng = _stream(cfg.seed, _PARTITION)
-    if p.imbalance == 1 and p.kind != "rare_clients":
-        return _split(cfg, labels, num_classes, rng)
-    keep = np.arange(len(labels))
-    if p.imbalance > 1:
-        head = p.head_per_class or int(np.bincount(labels, minlength=num_classes).max())
-        keep, _ = long_tail_indices(labels, num_classes, head, p.imbalance, rng)
+    if p.imbalance == 1:
+        return partition(p, labels, num_classes, rng)
+    # A long tail first (partition.imbalance): the split is of the kept subset.
+    head = p.head_per_class or int(np.bincount(labels, minlength=num_classes).max())
     try:
-        if p.kind == "rare_clients":
-            parts = rare_clients_partition(labels[keep], p.num_clients, p.rare_fraction, p.rare_classes, p.alpha,
-                                           rng, p.min_samples)
-        else:
-            parts = _split(cfg, labels[keep], num_classes, rng)
+        keep, _ = long_tail_indices(labels, num_classes, head, p.imbalance, rng)
     except ValueError as exc:
         raise ConfigError(f"partition: {exc}") from None
-    return [keep[ix] for ix in parts]
+    return [keep[ix] for ix in partition(p, labels[keep], num_classes, rng)]
 
 
-def _split(cfg: Config, labels: np.ndarray, num_classes: int, rng: np.random.Generator) -> list[np.ndarray]:
-    p = cfg.partition
-    if p.kind == "dirichlet":
-        return dirichlet_partition(labels, p.num_clients, p.alpha, rng, p.min_samples)
-    if p.kind == "iid":
-        return [np.sort(s) for s in np.array_split(rng.permutation(len(labels)), p.num_clients)]
-    table = np.array(p.table, dtype=np.int64)
-    if table.shape[1] != num_classes:
-        raise ConfigError(f"partition.table has {table.shape[1]} classes, the dataset {num_classes}")
-    if table.shape[0] != p.num_clients:
-        raise ConfigError(f"partition.table has {table.shape[0]} rows but partition.num_clients is {p.num_clients}")
-    try:
-        return count_table_partition(labels, table, rng)
-    except ValueError as exc:
-        raise ConfigError(f"partition.table: {exc}") from None
-
-
-def build_trace(cfg: Config, class_counts: np.ndarray | None = None) -> AvailabilityTrace:
-    """The scenario's availability, from ``trace.offset_s`` seconds into it. ``class_counts``
-    (clients x classes) is needed by a Random Access Model coupled to data rarity."""
-    return _base_trace(cfg, class_counts).shifted(cfg.trace.offset_s)
-
-
-def ram_probabilities(cfg: Config, class_counts: np.ndarray | None,
-                      rng: np.random.Generator | None = None) -> np.ndarray:
-    """``trace.kind: ram``: each client's participation probability p_i (``trace.ram``)."""
-    r, n = cfg.trace.ram, cfg.partition.num_clients
-    rng = _stream(cfg.seed, _TRACE) if rng is None else rng
-    try:
-        if r.coupling == "rare_clients":
-            n_rare = round(cfg.partition.rare_fraction * n)  # the last clients hold the rare classes
-            return np.array([r.p_frequent] * (n - n_rare) + [r.p_rare] * n_rare)
-        if r.p_dist == "beta":
-            p = beta_probabilities(n, rng, r.a, r.b, r.p_min, r.p_max)
-        else:
-            p = two_level_probabilities(n, rng, r.frequent_fraction, r.p_frequent, r.p_rare)
-        if r.coupling == "none":
-            return p
-        if class_counts is None:
-            raise ConfigError("trace.ram.coupling 'rarity' needs the clients' class counts (build_trace(cfg, counts))")
-        return correlate_with_rarity(p, class_counts)
-    except ValueError as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(f"trace.ram: {exc}") from None
-
-
-def _ram_trace(cfg: Config, class_counts: np.ndarray | None) -> AvailabilityTrace:
-    """One RAM draw per slot of ``trace.slot_s`` over ``trace.horizon_s`` (the p and the draws
-    come from the scenario's trace stream: the same for every strategy)."""
-    t = cfg.trace
-    rng = _stream(cfg.seed, _TRACE)
-    p = ram_probabilities(cfg, class_counts, rng)
-    rounds = int(t.horizon_s // t.slot_s)
-    return participation_trace(RandomAccessModel(p).draw_rounds(rounds, rng), t.slot_s)
+def build_trace(cfg: Config, population: Population | None = None) -> AvailabilityTrace:
+    """The scenario's availability, from ``trace.offset_s`` seconds into it; with the population,
+    a builder that asks for them gets the clients' class counts (felix.scenario.traces)."""
+    counts = None
+    if population is not None:
+        c = population.train.num_classes
+        counts = np.stack([d.class_counts(c).numpy() for d in population.client_data])
+    return make_trace(cfg.trace, cfg.partition.num_clients, _stream(cfg.seed, _TRACE), counts)
 
 
 def participation_shares(cfg: Config, trace: AvailabilityTrace, class_counts: np.ndarray,
@@ -271,25 +215,11 @@ def participation_shares(cfg: Config, trace: AvailabilityTrace, class_counts: np
     """Per client, how likely it is to take part: the RAM's p_i under ``trace.kind: ram``, else
     the share of ``samples`` evenly spaced instants of the run at which its trace lets it train."""
     if cfg.trace.kind == "ram":
-        return ram_probabilities(cfg, class_counts)
+        return ram_probabilities(cfg.trace, len(class_counts), _stream(cfg.seed, _TRACE), class_counts)
     end = min(cfg.run.max_time_s, cfg.trace.horizon_s)
     instants = (np.arange(samples) + 0.5) * end / samples
     return np.array([np.mean([trace.for_client(c).tier_at(float(t)) is Tier.AVL_TRAIN for t in instants])
                      for c in range(len(class_counts))])
-
-
-def _base_trace(cfg: Config, class_counts: np.ndarray | None = None) -> AvailabilityTrace:
-    t = cfg.trace
-    n = cfg.partition.num_clients
-    if t.kind == "ram":
-        return _ram_trace(cfg, class_counts)
-    if t.kind == "always":
-        return always_available(1)
-    if t.kind == "slotted":
-        return slotted_churn(n, t.unavailable_fraction, _stream(cfg.seed, _TRACE), t.slot_s, t.horizon_s)
-    if t.kind == "mobiperf":
-        return load_mobiperf(t.path, t.series)  # type: ignore[arg-type]
-    return load_fedscale(t.path)  # type: ignore[arg-type]
 
 
 def build_runtimes(cfg: Config, sizes: list[int] | None = None) -> np.ndarray:
@@ -308,17 +238,30 @@ def build_runtimes(cfg: Config, sizes: list[int] | None = None) -> np.ndarray:
     return uniform_runtimes(n, rng, r.low_s, r.high_s)
 
 
-def make_evaluator(model: torch.nn.Module, test: ArrayDataset, device: str, batch_size: int = 1000,
+def make_evaluator(model: torch.nn.Module, test: ArrayDataset | None, device: str, batch_size: int = 1000,
                    autocast_dtype: torch.dtype | None = None) -> Callable[[np.ndarray], tuple[float, float]]:
     """The global model's test accuracy and loss. The test set is copied to ``device`` once; the
-    sums stay there, one transfer per evaluation."""
+    sums stay there, one transfer per evaluation. ``model`` must carry its factory's buffers: a
+    parameters-only vector (``client.buffers: local``) is evaluated with them. Without a test set,
+    the evaluator raises ``ConfigError`` when called."""
+    if test is None:
+        def no_test_set(weights: np.ndarray) -> tuple[float, float]:
+            raise ConfigError("the dataset has no test set, but the run evaluates the global model: give the "
+                              "loader or the population a test set")
+
+        return no_test_set
     model = model.to(device)
-    params = list(model.parameters())
+    layouts: dict[int, ModelWeights] = {}
     x, y = test.x.to(device), test.y.to(device)
 
     @torch.no_grad()
     def evaluate(weights: np.ndarray) -> tuple[float, float]:
-        vector_to_parameters(torch.from_numpy(np.array(weights, dtype=np.float32)).to(device), params)
+        size = int(np.asarray(weights).size)
+        if size not in layouts:
+            layouts[size] = weights_for(model, size)
+        layout = layouts[size]
+        layout.load(torch.from_numpy(np.array(weights, dtype=np.float32)).to(device))
+        layout.set_kept(None)
         model.eval()
         correct = torch.zeros((), dtype=torch.long, device=device)
         loss = torch.zeros((), device=device)
@@ -352,33 +295,110 @@ def apply_precision(cfg: Config) -> torch.dtype | None:
 
 @dataclass
 class Population:
-    """The scenario side of a run, shared by the simulator and the deployment's server/clients."""
+    """The scenario side of a run, shared by the simulator and the deployment's server/clients.
+    ``initial_weights`` is the model's vector as it travels (``client.buffers``); ``test`` is None
+    for a dataset without a test set; ``model`` keeps its factory's buffers."""
 
     train: ArrayDataset
-    test: ArrayDataset
+    test: ArrayDataset | None
     client_data: list[ClientData]
     initial_weights: np.ndarray
     model: torch.nn.Module
 
 
-def build_population(cfg: Config) -> Population:
+@dataclass
+class ClientDatasets:
+    """A prepared population's data: each client's samples, the test set (None: none) and the
+    class names. Build one with :meth:`from_arrays`, which checks it."""
+
+    clients: list[ClientData]
+    test: ArrayDataset | None
+    classes: list[str]
+
+    @classmethod
+    def from_arrays(cls, clients: Sequence[Any], test: Any = None,
+                    classes: int | Sequence[str] | None = None) -> ClientDatasets:
+        """``clients``: one ``(x, y)`` pair (tensors or numpy arrays), ``ClientData`` or
+        ``ArrayDataset`` per client, x of shape N x (sample shape), y integer labels; ``test``
+        likewise, or None. ``classes``: their names, their number, or None (max label + 1).
+        ``DatasetError`` says what does not fit."""
+        if not clients:
+            raise DatasetError("a population needs at least one client")
+        pairs = [_pair(c, f"client {k}") for k, c in enumerate(clients)]
+        test_pair = None if test is None else _pair(test, "test set")
+        if classes is None:
+            classes = 1 + max(int(y.max()) for _, y in pairs + ([test_pair] if test_pair else []) if y.numel())
+        names = [str(c) for c in range(classes)] if isinstance(classes, int) else [str(c) for c in classes]
+        shape = tuple(pairs[0][0].shape[1:])
+        for k, (x, y) in enumerate(pairs):
+            check_dataset(ArrayDataset(x, y, names), f"client {k}")
+            if tuple(x.shape[1:]) != shape:
+                raise DatasetError(f"client {k}: samples of shape {tuple(x.shape[1:])}, client 0's are {shape}")
+        test_set = None
+        if test_pair is not None:
+            test_set = ArrayDataset(test_pair[0], test_pair[1], names)
+            check_dataset(test_set, "test set")
+            if test_set.sample_shape != shape:
+                raise DatasetError(f"test set: samples of shape {test_set.sample_shape}, the clients' are {shape}")
+        return cls([ClientData(x, y) for x, y in pairs], test_set, names)
+
+
+def _pair(d: Any, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(d, (ClientData, ArrayDataset)):
+        x, y = d.x, d.y
+    elif isinstance(d, (tuple, list)) and len(d) == 2:
+        x, y = d
+    else:
+        raise DatasetError(f"{what}: expected an (x, y) pair, ClientData or ArrayDataset, got {type(d).__name__}")
+    try:
+        xt = torch.as_tensor(x, dtype=torch.float32)
+        yt = torch.as_tensor(y)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise DatasetError(f"{what}: x and y must be arrays or tensors ({exc})") from None
+    if yt.is_floating_point() or yt.dtype == torch.bool:
+        raise DatasetError(f"{what}: labels must be integers, got {yt.dtype}")
+    return xt, yt.to(torch.int64)
+
+
+def fit_config(cfg: Config, num_clients: int) -> Config:
+    """``cfg`` with ``partition.num_clients`` set to a prepared population's size (runtimes, traces
+    and the summary count clients from it); the config written with the run says what ran."""
+    if cfg.partition.num_clients == num_clients:
+        return cfg
+    log.info("partition.num_clients %d -> %d: the size of the prepared population", cfg.partition.num_clients,
+             num_clients)
+    return validate(deep_merge(cfg.model_dump(), {"partition": {"num_clients": num_clients}}), "prepared population")
+
+
+def build_population(cfg: Config, data: ClientDatasets | None = None,
+                     model: nn.Module | ModelFactory | None = None) -> Population:
+    """The clients' data, the test set and the initial model. ``data`` replaces the configured
+    dataset and partition (``dataset.test_limit`` still applies); ``model`` replaces ``cfg.model``:
+    a factory (seeded by the run's model stream, as the registered ones) or a module, whose current
+    weights are then the initial ones."""
     d = cfg.dataset
-    train, test = _dataset(d.name, d.root, d.download, d.per_class_limit, d.num_classes)
-    if d.test_limit is not None and d.test_limit < len(test):
+    if data is None:
+        train, test = _dataset(d.name, d.root, d.download, d.per_class_limit, d.num_classes,
+                               json.dumps(d.params, sort_keys=True, default=str))
+        parts = partition_indices(cfg, train.y.numpy(), train.num_classes)
+        datas = [ClientData(train.x[torch.as_tensor(ix)], train.y[torch.as_tensor(ix)]) for ix in parts]
+    else:
+        datas, test = data.clients, data.test
+        train = ArrayDataset(torch.cat([c.x for c in datas]), torch.cat([c.y for c in datas]), data.classes)
+    if test is not None and d.test_limit is not None and d.test_limit < len(test):
         # Folder datasets list the test set class by class: take a class-balanced subset, not a prefix.
         per_class = -(-d.test_limit // test.num_classes)
         y = test.y.numpy()
         keep = np.sort(np.concatenate([np.flatnonzero(y == c)[:per_class] for c in range(test.num_classes)]))
         test = test.subset(keep[: d.test_limit] if len(keep) > d.test_limit else keep)
-    parts = partition_indices(cfg, train.y.numpy(), train.num_classes)
-    datas = [ClientData(train.x[torch.as_tensor(ix)], train.y[torch.as_tensor(ix)]) for ix in parts]
-    seed = int(_stream(cfg.seed, _MODEL).integers(2**31))
-    try:
-        model = make_model(cfg.model, train.sample_shape, train.num_classes, seed=seed)
-    except ValueError as exc:
-        raise ConfigError(f"model: {exc}") from None
-    weights = parameters_to_vector(model.parameters()).detach().numpy().copy()
-    return Population(train, test, datas, weights, model)
+    if isinstance(model, nn.Module):
+        check_model(model, type(model).__name__)
+        net = copy.deepcopy(model)
+    else:
+        seed = int(_stream(cfg.seed, _MODEL).integers(2**31))
+        net = make_model(cfg.model if model is None else model, train.sample_shape, train.num_classes, seed=seed,
+                         params=cfg.model_params)
+    return Population(train, test, datas, model_vector(net, cfg.client.buffers), net)
 
 
 def build_objective(cfg: Config) -> Objective:
@@ -397,38 +417,18 @@ def build_trainer(cfg: Config, pop: Population) -> LocalTrainer:
     c = cfg.client
     try:
         tcfg = TrainConfig(c.lr, c.batch_size, c.epochs, c.max_steps, c.momentum, c.weight_decay, c.drop_last, c.optimizer,
-                           "qffl_loss" if c.probe_loss else None)
+                           c.buffers, "qffl_loss" if c.probe_loss else None)
     except ValueError as exc:
         raise ConfigError(f"client: {exc}") from None
+    w = ModelWeights(pop.model, c.buffers)
+    if w.size != w.num_params and c.objective == "scaffold":
+        raise ConfigError("client.objective 'scaffold' keeps control variates of the parameters only: with a "
+                          "model that has buffers, set client.buffers: local")
     objective = build_objective(cfg)
     if getattr(objective, "fixed_batch", False) and not tcfg.drop_last:
         tcfg = dataclasses.replace(tcfg, drop_last=True)  # FedeRage's model mini-batch b is fixed
     return LocalTrainer(copy.deepcopy(pop.model), objective, tcfg, pop.train.num_classes, cfg.run.device,
                         apply_precision(cfg))
-
-
-def build_cohort(cfg: Config, trainer: LocalTrainer,
-                 sample_shape: tuple[int, ...]) -> tuple[CohortTrainer | None, int, int]:
-    """The cohort trainer ``run.cohort`` asks for (None: sequential), its size and smallest cohort."""
-    size, min_k = resolve_cohort(cfg.run.cohort, trainer.model, trainer.objective, cfg.run.device, sample_shape)
-    if size == 1 or cfg.client.probe_loss:  # the received-model loss is measured by the sequential trainer
-        return None, 1, 1
-    # Its own objective instance: the sequential trainer's keeps per-task attributes.
-    objective = build_objective(cfg)
-    cohort = CohortTrainer(copy.deepcopy(trainer.model), objective, trainer.cfg, trainer.num_classes,
-                           cfg.run.device, trainer.autocast_dtype)
-    return cohort, size, min_k
-
-
-def build_executor(cfg: Config, cohort: CohortTrainer | None, datas: list[ClientData]) -> CohortExecutor | None:
-    """``run.executor``: the cohort trainer itself (local), or Ray actors training its cohorts."""
-    if cfg.run.executor == "local" or cohort is None:
-        if cfg.run.executor == "ray":
-            log.warning("run.executor ray: this run trains one client at a time (run.cohort), so no actors start")
-        return cohort
-    from felix.distributed.cohort_executor import RayCohortExecutor
-
-    return RayCohortExecutor(cohort, datas, cfg.run.ray_actors, cfg.run.ray_address, cfg.run.threads)
 
 
 def build_orchestrator(cfg: Config, weights: np.ndarray, trace: AvailabilityTrace | None) -> Orchestrator:
@@ -481,43 +481,15 @@ def per_client_setup(cfg: Config, trace: AvailabilityTrace, class_counts: np.nda
     return PerClientSetup(class_counts, participation_shares(cfg, trace, class_counts), tail, cfg.run.rare_p)
 
 
-@dataclass
-class Built:
-    cfg: Config
-    sim: Simulation
-    orch: Orchestrator
-    recorder: Recorder
-    trace: AvailabilityTrace
-    population: Population
-    data_plan: DataPlanRun | None = None
-
-
-def build(cfg: Config) -> Built:
-    apply_threads(cfg)
-    pop = build_population(cfg)
-    counts = np.stack([d.class_counts(pop.train.num_classes).numpy() for d in pop.client_data])
-    trace = build_trace(cfg, counts)
-    runtimes = build_runtimes(cfg, [len(d) for d in pop.client_data])
-    trainer = build_trainer(cfg, pop)
-    cohort, cohort_size, min_cohort = build_cohort(cfg, trainer, tuple(pop.train.sample_shape))
-    executor = build_executor(cfg, cohort, pop.client_data)
-    evaluate = make_evaluator(copy.deepcopy(pop.model), pop.test, cfg.run.device,
-                              autocast_dtype=trainer.autocast_dtype)
-    recorder = Recorder(evaluate, cfg.run.target_accuracy, cfg.run.target_window, cfg.run.eval_every)
+def attach_run_measures(cfg: Config, recorder: Recorder, pop: Population, trace: AvailabilityTrace,
+                        autocast_dtype: torch.dtype | None = None) -> None:
+    """The run measures a config may switch on, on ``recorder`` (any shell): ``run.per_client_eval``
+    (felix.metrics.per_client) and ``run.converge_threshold`` (the DAFL paper's stop rule)."""
     if cfg.run.per_client_eval:
+        if pop.test is None:
+            raise ConfigError("run.per_client_eval needs a test set")
+        counts = np.stack([d.class_counts(pop.train.num_classes).numpy() for d in pop.client_data])
         recorder.per_client = make_per_client_eval(copy.deepcopy(pop.model), pop.test, cfg.run.device,
-                                                   per_client_setup(cfg, trace, counts), trainer.autocast_dtype)
+                                                   per_client_setup(cfg, trace, counts), autocast_dtype)
     if cfg.run.converge_threshold is not None:
         recorder.converge = (cfg.run.converge_threshold, cfg.run.converge_patience)
-    orch = build_orchestrator(cfg, pop.initial_weights, trace)
-    data_plan = prepare_data_plan(cfg, pop.client_data, pop.train.num_classes, runtimes)
-    if data_plan is not None:
-        orch.set_data_plan(data_plan.rows)
-    devices = make_devices(pop.client_data, runtimes, trace.for_client)
-    r = cfg.run
-    settings = SimSettings(seed=cfg.seed, max_time_s=r.max_time_s, max_aggregations=r.max_aggregations,
-                           stop_at_target=r.stop_at_target, eval_fraction=cfg.runtime.eval_fraction,
-                           cohort_size=cohort_size, min_cohort=min_cohort)
-    sim = Simulation(orch, devices, trainer, recorder, settings,
-                     augment=None if data_plan is None else data_plan.applier, cohort=executor)
-    return Built(cfg, sim, orch, recorder, trace, pop, data_plan)

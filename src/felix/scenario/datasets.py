@@ -4,6 +4,10 @@ Three sources per dataset where it makes sense: a local folder or archive (what 
 users have), the standard download (torchvision, for users with internet), and for the default
 scenario a dataset bundled inside an installed package (scikit-learn's 8x8 digits), so that
 ``felix run`` works with no download at all.
+
+``DATASETS`` is the dataset registry: a loader is ``loader(root: str | None, download: bool,
+**params) -> (train, test)`` returning two ``ArrayDataset`` (``test`` may be None, see
+felix.scenario.build); a config names it ``dataset.name: NAME`` or ``package.module:loader``.
 """
 from __future__ import annotations
 
@@ -12,11 +16,16 @@ import hashlib
 import os
 import struct
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+
+from felix.config import ConfigError
+from felix.scenario.registry import Registry
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 FASHION_CLASSES = ["t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "boot"]
@@ -57,17 +66,58 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FELIX_CACHE", Path.home() / ".cache" / "felix-fl"))
 
 
+DatasetLoader = Callable[..., tuple[ArrayDataset, "ArrayDataset | None"]]
+DATASETS: Registry[DatasetLoader] = Registry(
+    "dataset", "dataset.name", "dataset loader(root: str | None, download: bool, **params) -> "
+    "(train: ArrayDataset, test: ArrayDataset | None)")
+
+
 def load_dataset(name: str, root: str | None = None, download: bool = False,
-                 per_class_limit: int | None = None) -> tuple[ArrayDataset, ArrayDataset]:
-    """Return (train, test). ``per_class_limit`` keeps the first N images of each class per split,
-    which keeps CPU-sized experiments quick to load without changing the class balance."""
-    loaders = {"digits": _load_digits, "fashion_mnist": _load_fashion, "cifar10": _load_cifar10}
-    if name not in loaders:
-        raise DatasetError(f"unknown dataset {name!r}; choose one of {sorted(loaders)}")
-    train, test = loaders[name](root, download)
+                 per_class_limit: int | None = None,
+                 params: dict[str, Any] | None = None) -> tuple[ArrayDataset, ArrayDataset | None]:
+    """Return (train, test); ``test`` is None only for a loader that has no test set.
+    ``per_class_limit`` keeps the first N images of each class per split, which keeps CPU-sized
+    experiments quick to load without changing the class balance."""
+    loader = DATASETS.resolve(name)
+    try:
+        out = loader(root, download, **(params or {}))
+    except TypeError as exc:
+        raise ConfigError(f"dataset.name: loader {name!r} cannot be called as loader(root, download, "
+                          f"**dataset.params): {exc}") from None
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise DATASETS.wrong(name, f"returned a {type(out).__name__}, not a (train, test) pair")
+    train, test = out
+    check_dataset(train, f"dataset {name!r} train set")
+    if test is not None:
+        check_dataset(test, f"dataset {name!r} test set")
+        if test.sample_shape != train.sample_shape or test.classes != train.classes:
+            raise DatasetError(f"dataset {name!r}: the test set's samples {test.sample_shape} / classes "
+                               f"{test.num_classes} differ from the train set's {train.sample_shape} / {train.num_classes}")
     if per_class_limit is not None:
-        train, test = (_limit(d, per_class_limit) for d in (train, test))
+        train = _limit(train, per_class_limit)
+        test = None if test is None else _limit(test, per_class_limit)
     return train, test
+
+
+def check_dataset(d: object, what: str) -> None:
+    """What the engine needs of a dataset: an ``ArrayDataset`` of float32 samples and int64 labels in
+    ``[0, len(classes))``, as many labels as samples, at least one sample."""
+    if not isinstance(d, ArrayDataset):
+        raise DatasetError(f"{what}: expected a felix.scenario.datasets.ArrayDataset, got {type(d).__name__}")
+    if not isinstance(d.x, torch.Tensor) or not isinstance(d.y, torch.Tensor):
+        raise DatasetError(f"{what}: x and y must be torch tensors")
+    if d.x.dtype != torch.float32 or d.x.ndim < 2:
+        raise DatasetError(f"{what}: x must be a float32 tensor N x (sample shape), got {d.x.dtype} {tuple(d.x.shape)}")
+    if d.y.dtype != torch.int64 or d.y.ndim != 1 or d.y.shape[0] != d.x.shape[0]:
+        raise DatasetError(f"{what}: y must be an int64 vector of {d.x.shape[0]} labels, "
+                           f"got {d.y.dtype} {tuple(d.y.shape)}")
+    if len(d) == 0:
+        raise DatasetError(f"{what}: no samples")
+    if not d.classes or not all(isinstance(c, str) for c in d.classes):
+        raise DatasetError(f"{what}: classes must be a non-empty list of class names")
+    lo, hi = int(d.y.min()), int(d.y.max())
+    if lo < 0 or hi >= d.num_classes:
+        raise DatasetError(f"{what}: labels span [{lo}, {hi}] but there are {d.num_classes} classes")
 
 
 def _limit(d: ArrayDataset, n: int) -> ArrayDataset:
@@ -94,6 +144,7 @@ def _normalise(x_uint8: np.ndarray) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- digits (bundled)
+@DATASETS.register("digits")
 def _load_digits(root: str | None, download: bool) -> tuple[ArrayDataset, ArrayDataset]:
     from sklearn.datasets import load_digits
 
@@ -137,6 +188,7 @@ def _find(root: Path, stem: str) -> Path:
     raise DatasetError(f"{root}: missing {stem}[.gz] (Fashion-MNIST idx files)")
 
 
+@DATASETS.register("fashion_mnist")
 def _load_fashion(root: str | None, download: bool) -> tuple[ArrayDataset, ArrayDataset]:
     base = Path(root or FASHION_DEFAULT_ROOT)
     if not base.is_dir():
@@ -157,6 +209,7 @@ def _load_fashion(root: str | None, download: bool) -> tuple[ArrayDataset, Array
 
 
 # ---------------------------------------------------------------------- CIFAR-10
+@DATASETS.register("cifar10")
 def _load_cifar10(root: str | None, download: bool) -> tuple[ArrayDataset, ArrayDataset]:
     if root is None:
         if download:

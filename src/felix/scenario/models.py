@@ -1,9 +1,21 @@
-"""Models used by the presets. Parameters only (no BatchNorm buffers), so a flat float32 vector
-is the whole model state that travels between server and clients."""
+"""Models used by the presets, and the model registry (``MODELS``).
+
+The built-in models have parameters only; a user's model may have buffers (BatchNorm running
+statistics), which travel with the weights or stay on the clients by ``client.buffers``
+(felix.client.trainer). A model factory is ``factory(sample_shape, num_classes, **model_params)``
+and returns a ``torch.nn.Module`` with float32 parameters; the config names it ``model: NAME`` or
+``model: package.module:factory``.
+"""
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
+
+from felix.config import ConfigError
+from felix.scenario.registry import Registry
 
 
 class FelixCifarCNN(nn.Module):
@@ -53,21 +65,60 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-MODELS = ("felix_cnn", "small_cnn", "mlp")
+ModelFactory = Callable[..., nn.Module]
+MODELS: Registry[ModelFactory] = Registry(
+    "model", "model", "model factory(sample_shape: tuple[int, ...], num_classes: int, **model_params) -> torch.nn.Module")
 
 
-def make_model(name: str, in_shape: tuple[int, ...], num_classes: int, seed: int = 0) -> nn.Module:
-    """Build a model with seeded initial weights (the run's seed decides the starting point)."""
+@MODELS.register("felix_cnn")
+def felix_cnn(sample_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    if tuple(sample_shape) != (3, 32, 32):
+        raise ValueError(f"felix_cnn expects 3x32x32 images, got {sample_shape}")
+    return FelixCifarCNN(sample_shape[0], num_classes)
+
+
+@MODELS.register("small_cnn")
+def small_cnn(sample_shape: tuple[int, ...], num_classes: int, width: int = 16) -> nn.Module:
+    if len(sample_shape) != 3:
+        raise ValueError(f"small_cnn expects C x H x W inputs, got {sample_shape}")
+    return SmallCNN(tuple(sample_shape), num_classes, width)  # type: ignore[arg-type]
+
+
+@MODELS.register("mlp")
+def mlp(sample_shape: tuple[int, ...], num_classes: int, hidden: int = 64) -> nn.Module:
+    return MLP(tuple(sample_shape), num_classes, hidden)
+
+
+def make_model(name: str | ModelFactory, in_shape: tuple[int, ...], num_classes: int, seed: int = 0,
+               params: dict[str, Any] | None = None) -> nn.Module:
+    """Build a model with seeded initial weights (the run's seed decides the starting point).
+
+    ``name`` is a registered name, an import path (``MODELS.resolve``) or a factory itself. The
+    factory runs under a forked torch RNG seeded with ``seed``, so it needs no seed of its own.
+    Raises ``ConfigError`` for a factory that fails on these inputs or does not return a module
+    with float parameters.
+    """
+    ref = name if isinstance(name, str) else getattr(name, "__qualname__", repr(name))
+    factory = MODELS.resolve(name) if isinstance(name, str) else name
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if name == "felix_cnn":
-            if tuple(in_shape) != (3, 32, 32):
-                raise ValueError(f"felix_cnn expects 3x32x32 images, got {in_shape}")
-            return FelixCifarCNN(in_shape[0], num_classes)
-        if name == "small_cnn":
-            if len(in_shape) != 3:
-                raise ValueError(f"small_cnn expects C x H x W inputs, got {in_shape}")
-            return SmallCNN(tuple(in_shape), num_classes)  # type: ignore[arg-type]
-        if name == "mlp":
-            return MLP(tuple(in_shape), num_classes)
-    raise ValueError(f"unknown model {name!r}; choose one of {list(MODELS)}")
+        try:
+            model = factory(tuple(in_shape), num_classes, **(params or {}))
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"model: {ref!r} on {tuple(in_shape)} inputs and {num_classes} classes: {exc}") from None
+    check_model(model, ref)
+    return model
+
+
+def check_model(model: object, ref: str) -> None:
+    """A model felix can ship as a flat float32 vector: a module with float parameters."""
+    if not isinstance(model, nn.Module):
+        raise MODELS.wrong(ref, f"returned a {type(model).__name__}, not a torch.nn.Module")
+    params = list(model.parameters())
+    if not params:
+        raise MODELS.wrong(ref, "returned a module without parameters")
+    bad = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
+    if bad:
+        raise MODELS.wrong(ref, f"has parameters of dtype {', '.join(bad)}; felix ships float32 weights")

@@ -1,7 +1,84 @@
-"""How the training set is split over clients: Dirichlet label skew, or an explicit count table."""
+"""How the training set is split over clients: Dirichlet label skew, IID, or an explicit count table.
+
+``PARTITIONERS`` is the partitioner registry. A partitioner is
+``partitioner(labels, num_classes, cfg, rng, **params) -> list[np.ndarray]``: ``labels`` the
+training set's int labels, ``cfg`` the run's ``PartitionCfg`` (``num_clients``, ``alpha``, ...),
+``rng`` the scenario's partition stream, ``params`` ``partition.params``; it returns one array of
+training-set indices per client (``cfg.num_clients`` of them). A config names it
+``partition.kind: NAME`` or ``package.module:partitioner``.
+"""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+from felix.config import ConfigError
+from felix.scenario.registry import Registry
+
+if TYPE_CHECKING:
+    from felix.config import PartitionCfg
+
+Partitioner = Callable[..., list[np.ndarray]]
+PARTITIONERS: Registry[Partitioner] = Registry(
+    "partitioner", "partition.kind", "partitioner(labels: np.ndarray, num_classes: int, cfg: PartitionCfg, "
+    "rng: np.random.Generator, **params) -> list[np.ndarray] (one index array per client)")
+
+
+def partition(cfg: PartitionCfg, labels: np.ndarray, num_classes: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Split ``labels``' indices over ``cfg.num_clients`` clients with the configured partitioner,
+    checking what it returns (one int index array per client, every index in range)."""
+    fn = PARTITIONERS.resolve(cfg.kind)
+    try:
+        parts = fn(labels, num_classes, cfg, rng, **cfg.params)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"partition.kind {cfg.kind!r}: {exc}") from None
+    if not isinstance(parts, (list, tuple)) or len(parts) != cfg.num_clients:
+        got = f"{len(parts)} parts" if isinstance(parts, (list, tuple)) else f"a {type(parts).__name__}"
+        raise PARTITIONERS.wrong(cfg.kind, f"returned {got} for {cfg.num_clients} clients")
+    out = []
+    for k, p in enumerate(parts):
+        a = np.asarray(p)
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise PARTITIONERS.wrong(cfg.kind, f"gave client {k} a {a.dtype} array of shape {a.shape}, not int indices")
+        if a.size and (a.min() < 0 or a.max() >= len(labels)):
+            raise PARTITIONERS.wrong(cfg.kind, f"gave client {k} indices outside [0, {len(labels)})")
+        out.append(a.astype(np.int64))
+    return out
+
+
+@PARTITIONERS.register("dirichlet")
+def _dirichlet(labels: np.ndarray, num_classes: int, cfg: PartitionCfg, rng: np.random.Generator) -> list[np.ndarray]:
+    return dirichlet_partition(labels, cfg.num_clients, cfg.alpha, rng, cfg.min_samples)
+
+
+@PARTITIONERS.register("iid")
+def _iid(labels: np.ndarray, num_classes: int, cfg: PartitionCfg, rng: np.random.Generator) -> list[np.ndarray]:
+    return [np.sort(s) for s in np.array_split(rng.permutation(len(labels)), cfg.num_clients)]
+
+
+@PARTITIONERS.register("table")
+def _table(labels: np.ndarray, num_classes: int, cfg: PartitionCfg, rng: np.random.Generator) -> list[np.ndarray]:
+    table = np.array(cfg.table, dtype=np.int64)
+    if table.shape[1] != num_classes:
+        raise ConfigError(f"partition.table has {table.shape[1]} classes, the dataset {num_classes}")
+    if table.shape[0] != cfg.num_clients:
+        raise ConfigError(f"partition.table has {table.shape[0]} rows but partition.num_clients is {cfg.num_clients}")
+    try:
+        return count_table_partition(labels, table, rng)
+    except ValueError as exc:
+        raise ConfigError(f"partition.table: {exc}") from None
+
+
+@PARTITIONERS.register("rare_clients")
+def _rare_clients(labels: np.ndarray, num_classes: int, cfg: PartitionCfg, rng: np.random.Generator) -> list[np.ndarray]:
+    from felix.scenario.long_tail import rare_clients_partition  # it builds on this module
+
+    return rare_clients_partition(labels, cfg.num_clients, cfg.rare_fraction, cfg.rare_classes, cfg.alpha, rng,
+                                  cfg.min_samples)
 
 
 def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, rng: np.random.Generator,
@@ -25,7 +102,7 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, rng:
         for k, chunk in enumerate(np.split(idx, cuts)):
             parts[k].extend(chunk.tolist())
     sizes = np.array([len(p) for p in parts])
-    for k in np.flatnonzero(sizes < min_samples):
+    for k in np.flatnonzero(sizes < min_samples).tolist():
         while len(parts[k]) < min_samples:
             donor = int(np.argmax([len(p) for p in parts]))
             parts[k].append(parts[donor].pop())

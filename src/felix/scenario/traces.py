@@ -3,19 +3,34 @@
 Readers for the FeLiX/MobiPerf event format and FedScale's client_behave_trace, and generators
 for the synthetic settings of the FeLiX paper (always available; 600 s slots with a fraction of
 clients unavailable). A trace with fewer devices than clients is reused round-robin.
+
+``TRACES`` is the trace registry. A trace builder is ``builder(cfg, num_clients, rng, **params) ->
+AvailabilityTrace``: ``cfg`` the run's ``TraceCfg`` (path, series, slot settings), ``num_clients``
+the population size, ``rng`` the scenario's trace stream, ``params`` ``trace.params``. A config
+names it ``trace.kind: NAME`` or ``package.module:builder``; ``trace.offset_s`` is applied after.
+A builder that has a ``class_counts`` parameter also receives the clients' samples per class
+(``num_clients x num_classes``, or None where the trace is built without the population), for
+availability coupled to the data (the Random Access Model's rare clients).
 """
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import pickle
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from felix.config import ConfigError
 from felix.core.types import Tier
+from felix.scenario.registry import Registry
+
+if TYPE_CHECKING:
+    from felix.config import TraceCfg
 
 MOBIPERF_SERIES = {
     "2": "avl_events_2_state",
@@ -288,3 +303,61 @@ def load_fedscale(path: str | Path) -> AvailabilityTrace:
             events += [(float(a), Tier.AVL_TRAIN), (float(b), Tier.UN_AVL)]
         out.append(DeviceTrace.from_events(events, period=float(finish), initial=Tier.UN_AVL))
     return AvailabilityTrace(tuple(out), f"{path.name}:fedscale")
+
+
+# ---------------------------------------------------------------------- registry
+TraceBuilder = Callable[..., AvailabilityTrace]
+TRACES: Registry[TraceBuilder] = Registry(
+    "trace", "trace.kind", "trace builder(cfg: TraceCfg, num_clients: int, rng: np.random.Generator, **params) "
+    "-> AvailabilityTrace")
+
+
+def make_trace(cfg: TraceCfg, num_clients: int, rng: np.random.Generator,
+               class_counts: np.ndarray | None = None) -> AvailabilityTrace:
+    """The configured trace builder's trace, from ``cfg.offset_s`` seconds into it."""
+    fn = TRACES.resolve(cfg.kind)
+    extra = dict(cfg.params)
+    try:
+        if "class_counts" in inspect.signature(fn).parameters:
+            extra["class_counts"] = class_counts
+    except (TypeError, ValueError):  # a callable without a signature gets none
+        pass
+    try:
+        trace = fn(cfg, num_clients, rng, **extra)
+    except TypeError as exc:
+        raise ConfigError(f"trace.kind {cfg.kind!r}: {exc}; expected a {TRACES.signature}") from None
+    if not isinstance(trace, AvailabilityTrace):
+        raise TRACES.wrong(cfg.kind, f"returned a {type(trace).__name__}, not a felix.scenario.traces.AvailabilityTrace")
+    return trace.shifted(cfg.offset_s)
+
+
+@TRACES.register("always")
+def _always(cfg: TraceCfg, num_clients: int, rng: np.random.Generator) -> AvailabilityTrace:
+    return always_available(1)
+
+
+@TRACES.register("slotted")
+def _slotted(cfg: TraceCfg, num_clients: int, rng: np.random.Generator) -> AvailabilityTrace:
+    return slotted_churn(num_clients, cfg.unavailable_fraction, rng, cfg.slot_s, cfg.horizon_s)
+
+
+@TRACES.register("mobiperf")
+def _mobiperf(cfg: TraceCfg, num_clients: int, rng: np.random.Generator) -> AvailabilityTrace:
+    if cfg.path is None:
+        raise ConfigError("trace.kind 'mobiperf' needs trace.path")
+    return load_mobiperf(cfg.path, cfg.series)
+
+
+@TRACES.register("fedscale")
+def _fedscale(cfg: TraceCfg, num_clients: int, rng: np.random.Generator) -> AvailabilityTrace:
+    if cfg.path is None:
+        raise ConfigError("trace.kind 'fedscale' needs trace.path")
+    return load_fedscale(cfg.path)
+
+
+@TRACES.register("ram")
+def _ram(cfg: TraceCfg, num_clients: int, rng: np.random.Generator,
+         class_counts: np.ndarray | None = None) -> AvailabilityTrace:
+    from felix.scenario.random_access import ram_trace  # it builds on this module
+
+    return ram_trace(cfg, num_clients, rng, class_counts)

@@ -1,0 +1,222 @@
+"""The device runner: one client's task queue as a sans-I/O state machine, shared by both shells.
+
+The simulator (:mod:`felix.sim.engine`) and the MQTT client (:mod:`felix.deploy.client`) drive the
+same :class:`DeviceRunner`: they tell it what happened (a task arrived, the tier changed, a
+completion timer fired, a task was cancelled, a result was computed) with the time ``now`` in
+config seconds (the simulator's virtual clock; the client's trace time, wall time / ``time_scale``)
+and do what it answers (:class:`Step`): set a completion timer, send results. It reads no clock,
+does no I/O and imports no torch, so its behaviour is tested directly, in virtual time.
+
+The rules (the FeLiX authors' clients, and the simulator's model of a checkpointed device):
+- tasks run one at a time, in arrival order; training runs only in ``AVL_TRAIN``, an eval in
+  ``AVL_TRAIN`` or ``AVL_EVAL``;
+- a task whose tier stops allowing it pauses, keeping its progress, and resumes when the tier
+  allows it again; every (re)start draws a new token, so a completion timer set before a pause or
+  a cancel is recognised as stale;
+- a task id is run once: a redelivered task (MQTT QoS 1) and a task that arrives after its cancel
+  are ignored;
+- a result finished while the tier forbids sending it (``compute`` timing, where a task lasts as
+  long as its computation and the tier may change meanwhile) is held until the tier allows;
+- the data-plan row (DAFL / LB) is applied once, by the first TRAIN task carrying one, and its
+  augmentation time is added to that task's duration.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import numpy as np
+
+from felix.core.types import TaskKind, Tier
+
+if TYPE_CHECKING:
+    from felix.client.trainer import ClientData
+    from felix.strategies.dataplans.plans import PlanClient
+
+log = logging.getLogger("felix.engine.device")
+
+R = TypeVar("R")
+
+TASK_SEED_STRIDE = 1_000_003
+
+
+def task_seed(run_seed: int, task_id: int) -> int:
+    """The seed of a training task's generator: the same task trains the same way in either shell."""
+    return run_seed * TASK_SEED_STRIDE + task_id
+
+
+def can_run(tier: Tier, kind: TaskKind) -> bool:
+    """Training needs ``AVL_TRAIN``; an eval also runs in ``AVL_EVAL``."""
+    return tier is Tier.AVL_TRAIN or (kind is TaskKind.EVAL and tier is Tier.AVL_EVAL)
+
+
+@dataclass
+class Task:
+    task_id: int
+    kind: TaskKind
+    weights: np.ndarray
+    aux: dict[str, np.ndarray]  # a copy: the server's dict changes at every aggregation
+    duration: float  # config seconds of work (0 under compute timing: the computation's own time)
+    version: int = 0  # the model version it was dispatched with
+
+
+@dataclass(frozen=True)
+class TaskRules:
+    """How a shell times its tasks and applies data plans (one object for all of its devices)."""
+
+    eval_fraction: float = 0.05  # an eval takes this share of the client's training time
+    compute: bool = False  # a task lasts as long as its computation (the deployment's ``runtime: compute``)
+    augment: Callable[[PlanClient, Sequence[int]], float] | None = None
+    """Applies a data-plan row to the device (``PlanApplier``: changes its ``data`` and perhaps its
+    ``runtime_s``) and returns the augmentation's virtual seconds."""
+
+
+@dataclass(frozen=True)
+class Timer:
+    """Complete the current task at config time ``at`` by calling ``complete(at, token)``; a token
+    changed since (a pause or a cancel) makes the call a no-op."""
+
+    at: float
+    token: int
+
+
+@dataclass(frozen=True)
+class Held(Generic[R]):
+    task: Task
+    result: R
+
+
+@dataclass
+class Step(Generic[R]):
+    """What the shell must do after a runner call: set ``timer``; send ``released`` now, in order."""
+
+    timer: Timer | None = None
+    released: list[Held[R]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class DeviceRunner(Generic[R]):
+    """One device's tasks (``R``: the shell's result type, sent when released). The shells'
+    devices extend it with what only they need (the trace; the MQTT link and session)."""
+
+    cid: int
+    data: ClientData
+    runtime_s: float  # config seconds of one training task
+    tier: Tier
+    state: dict[str, Any] = field(default_factory=dict)  # objective state kept between the client's tasks
+    queue: deque[Task] = field(default_factory=deque)
+    current: Task | None = None
+    started_at: float | None = None  # when the current task (re)started; None while paused
+    remaining: float = 0.0  # config seconds of work left on the current task when it (re)started
+    token: int = 0
+    seen: set[int] = field(default_factory=set)  # task ids received or cancelled: each runs at most once
+    held: list[Held[R]] = field(default_factory=list)  # results waiting for a tier that allows sending
+    augmented: bool = False  # applied its data-plan row (once, on the first task bringing it)
+
+    def can_run(self, kind: TaskKind) -> bool:
+        return can_run(self.tier, kind)
+
+    @property
+    def running(self) -> Task | None:
+        """The task whose clock runs now (not paused), for the simulator's cohorts."""
+        return self.current if self.started_at is not None else None
+
+    @property
+    def due_at(self) -> float | None:
+        """When the running task completes (None while idle or paused)."""
+        return None if self.started_at is None else self.started_at + self.remaining
+
+    # ------------------------------------------------------------------ inputs
+    def receive(self, now: float, task_id: int, kind: TaskKind, weights: np.ndarray, rules: TaskRules, *,
+                aux: dict[str, np.ndarray] | None = None, version: int = 0,
+                plan: Sequence[int] = ()) -> Step[R] | None:
+        """A task arrived; None when its id was seen before (a redelivery, or cancelled already)."""
+        if task_id in self.seen:
+            return None
+        self.seen.add(task_id)
+        augment_s = 0.0
+        if kind is TaskKind.TRAIN and plan and not self.augmented and rules.augment is not None:
+            self.augmented = True  # augmentation (and its time) belongs to the first task with the row
+            augment_s = rules.augment(self, plan)
+            log.debug("client %d: applied its data-plan row (%d samples, %.1f s)", self.cid, sum(plan),
+                      augment_s)
+        if rules.compute:
+            duration = 0.0
+        elif kind is TaskKind.TRAIN:
+            duration = augment_s + self.runtime_s  # the runtime after augmentation (it may follow the data)
+        else:
+            duration = self.runtime_s * rules.eval_fraction
+        self.queue.append(Task(task_id, kind, weights, dict(aux or {}), duration, version))
+        return Step(self._try_start(now))
+
+    def set_tier(self, now: float, tier: Tier) -> Step[R] | None:
+        """The device's tier is ``tier`` from ``now``; None when that is no change. A change pauses
+        or resumes the current task, releases held results the tier now allows, and may start the
+        next task."""
+        if tier is self.tier:
+            return None
+        self.tier = tier
+        step: Step[R] = Step()
+        task = self.current
+        if task is not None:
+            if self.started_at is not None and not self.can_run(task.kind):  # pause, keep the progress
+                self.remaining -= now - self.started_at
+                self.started_at = None
+                self.token += 1
+            elif self.started_at is None and self.can_run(task.kind):
+                step.timer = self._resume(now)
+        else:
+            step.timer = self._try_start(now)
+        step.released = self._release()
+        return step
+
+    def complete(self, token: int) -> Task | None:
+        """A completion timer fired: the finished task for the shell to compute (then :meth:`finish`),
+        or None when the timer is stale."""
+        if token != self.token or self.current is None:
+            return None
+        task, self.current, self.started_at = self.current, None, None
+        return task
+
+    def finish(self, now: float, task: Task, result: R) -> Step[R]:
+        """``task``'s result is ready: sent now if the tier allows it, else held; the next task may start."""
+        self.held.append(Held(task, result))
+        return Step(self._try_start(now), self._release())
+
+    def advance(self, now: float) -> Step[R]:
+        """Start the next queued task if the device is idle and its tier allows it (after a failed task)."""
+        return Step(self._try_start(now))
+
+    def cancel(self, now: float, task_id: int) -> Step[R]:
+        """Drop a queued or running task; a delivery of it that comes later is not run."""
+        self.seen.add(task_id)
+        if self.current is not None and self.current.task_id == task_id:
+            self.current, self.started_at = None, None
+            self.token += 1
+            return Step(self._try_start(now))
+        self.queue = deque(t for t in self.queue if t.task_id != task_id)
+        return Step()
+
+    # ------------------------------------------------------------------ internals
+    def _try_start(self, now: float) -> Timer | None:
+        if self.current is None and self.queue and self.can_run(self.queue[0].kind):
+            self.current = self.queue.popleft()
+            self.remaining = self.current.duration
+            return self._resume(now)
+        return None
+
+    def _resume(self, now: float) -> Timer:
+        self.started_at = now
+        self.token += 1
+        return Timer(now + max(0.0, self.remaining), self.token)
+
+    def _release(self) -> list[Held[R]]:
+        if not self.held:
+            return []
+        out = [h for h in self.held if self.can_run(h.task.kind)]
+        if out:
+            self.held = [h for h in self.held if not self.can_run(h.task.kind)]
+        return out
