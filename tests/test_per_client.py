@@ -60,3 +60,16 @@ def test_any_run_can_report_per_client_measures() -> None:
     assert len(pc["rare_clients"]) == 2  # slotted churn: the lowest-availability quarter by rank
     assert {k: v for k, v in on.items() if k not in ("per_client", "wall_time_s", "provenance")} == \
         {k: v for k, v in plain.items() if k not in ("wall_time_s", "provenance")}
+
+
+def test_the_mqtt_server_reports_the_same_measures() -> None:
+    """The deployment's server attaches per-client evaluation and the convergence rule as the
+    simulator does: its run controller's summary has both sections (no broker needed to build it)."""
+    from felix.deploy.link import BrokerOptions
+    from felix.deploy.server import ServeOptions, Server
+
+    cfg = resolve_config(None, None, parse_set([*TINY, "run.per_client_eval=true", "run.converge_threshold=0.01"]))
+    server = Server(cfg, ServeOptions(BrokerOptions("127.0.0.1", 1, "felix-server", "x"), "t"))
+    summ = server.ctl.summary(0.0, 0.0)
+    assert len(summ["per_client"]["client_acc"]) == 8
+    assert summ["convergence"] == {"round": None, "version": None, "time_s": None}

@@ -72,7 +72,13 @@ from felix.deploy.topics import ALLOWED, Topics
 from felix.engine.controller import RunController
 from felix.metrics.recorder import EvalRow, Recorder
 from felix.metrics.report import EvalLog
-from felix.scenario.build import build_orchestrator, build_population, build_trace, make_evaluator
+from felix.scenario.build import (
+    attach_run_measures,
+    build_orchestrator,
+    build_population,
+    build_trace,
+    make_evaluator,
+)
 from felix.strategies.dataplans.plans import plan_augmentation
 
 log = logging.getLogger("felix.deploy.server")
@@ -154,6 +160,8 @@ class Server:
         r = cfg.run
         rec = Recorder(make_evaluator(copy.deepcopy(pop.model), pop.test, r.device), r.target_accuracy,
                        r.target_window, r.eval_every)
+        if r.per_client_eval or r.converge_threshold is not None:  # the same run measures as the simulator
+            attach_run_measures(cfg, rec, pop, trace if trace is not None else build_trace(cfg, pop))
         sink = None if opts.out_dir is None else EvalLog(opts.out_dir / "evaluations.csv")
         self.ctl = RunController(cfg, self.orch, rec, sink, measure_wire=True)
         self.ctl.on_evaluation.append(_log_evaluation)
