@@ -86,7 +86,7 @@ class DatasetCfg(_Strict):
 
 class PartitionCfg(_Strict):
     kind: str = Field("dirichlet", description="a registered partitioner (felix.scenario.partition.PARTITIONERS: "
-                      "dirichlet, iid, table) or an import path 'package.module:partitioner'")
+                      "dirichlet, iid, table, rare_clients) or an import path 'package.module:partitioner'")
     num_clients: int = Field(100, ge=1)
     alpha: float = Field(0.5, gt=0)
     min_samples: int = Field(1, ge=1)
@@ -151,7 +151,7 @@ class RamCfg(_Strict):
 
 class TraceCfg(_Strict):
     kind: str = Field("always", description="a registered trace (felix.scenario.traces.TRACES: always, slotted, "
-                      "mobiperf, fedscale) or an import path 'package.module:builder'")
+                      "mobiperf, fedscale, ram) or an import path 'package.module:builder'")
     path: str | None = None
     series: Literal["2", "3_50", "3_75", "failures_48h"] = "3_50"
     unavailable_fraction: float = Field(0.1, ge=0, lt=1)
