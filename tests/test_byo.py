@@ -144,7 +144,7 @@ def test_yaml_file_with_import_paths(tmp_path):
     ({"model": "test_byo:nothing_here"}, "module 'test_byo' has no attribute 'nothing_here'"),
     ({"model": "test_byo:NUM_CLASSES"}, "is a int, not callable"),
     ({"dataset": {"name": "mnist9"}}, "unknown dataset 'mnist9'; registered: cifar10, digits, fashion_mnist"),
-    ({"partition": {"kind": "pathological"}}, "unknown partitioner 'pathological'; registered: dirichlet, iid, table"),
+    ({"partition": {"kind": "pathological"}}, "unknown partitioner 'pathological'; registered: dirichlet, iid, rare_clients, table"),
     ({"trace": {"kind": "weekly"}}, "unknown trace 'weekly'; registered: always,"),
 ])
 def test_bad_names_and_paths_are_config_errors(sets, expect):

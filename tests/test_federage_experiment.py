@@ -1,4 +1,6 @@
-"""End-to-end smoke run of ``felix federage-compare`` on the bundled 8x8 digits (seconds on CPU)."""
+"""``felix federage-compare``: the shipped comparison file run by the one engine, end to end on the
+bundled 8x8 digits (seconds on CPU), and the engine options it relies on (RAM trace, rare-clients
+partition, FedeRage's fixed mini-batch)."""
 from __future__ import annotations
 
 import argparse
@@ -10,32 +12,59 @@ import pytest
 import torch
 
 from felix.cli import main as felix_main
-from felix.experiments.federage import Method, add_parser, local_steps, main, parse_federage, train_config
+from felix.experiments.federage import add_parser, main, paired_delta_table
+from felix.experiments.shipped import COMPARISONS, load_comparison, variant_config
 
-SMALL = ["--dataset", "digits", "--model", "mlp", "--clients", "8", "--rounds", "3", "--head-per-class", "60",
-         "--imbalance", "5", "--batch-size", "8", "--max-steps", "2", "--federage", "0.5:0.5", "--q", "1", "-q"]
+VARIANTS = ["fedavg", "fedprox", "scaffold", "qffl", "federage-paper-a0.1-g0.5", "federage-capped-a0.1-g0.5",
+            "federage-capped-a0.5-g0.5"]
+#: The shipped scenario at digits size: 8 clients (2 rare), 3 RAM rounds of 60 s.
+SMALL_SETS = ["dataset.name=digits", "partition.num_clients=8", "partition.head_per_class=60",
+              "partition.min_samples=8", "orchestrator.agg_goal=8", "trace.horizon_s=180", "run.max_time_s=180",
+              "client.batch_size=8", "client.max_steps=2", "trace.ram.p_frequent=0.6", "trace.ram.p_rare=0.3",
+              "run.rare_p=0.3"]
+SMALL = [a for s in SMALL_SETS for a in ("--set", s)] + ["--seeds", "0", "-q"]
+
+
+def small_sets() -> dict:
+    from felix.config import parse_set
+
+    return parse_set(SMALL_SETS)
+
+
+def test_the_file_lists_the_methods_of_the_old_catalogue() -> None:
+    comp = load_comparison(COMPARISONS / "federage.yaml")
+    assert list(comp.variants) == VARIANTS and comp.seeds == [0, 1, 2] and comp.reference == "fedavg"
+    cfgs = {v: variant_config(comp, v, 0) for v in VARIANTS}
+    assert cfgs["fedavg"].trace.kind == "ram" and cfgs["fedavg"].orchestrator.mode == "sync"
+    assert cfgs["scaffold"].client.objective == "scaffold"
+    assert cfgs["qffl"].aggregator.name == "qffl" and cfgs["qffl"].client.probe_loss
+    assert cfgs["fedprox"].client.objective_params == {"mu": 0.01}
+    fr = cfgs["federage-paper-a0.1-g0.5"].client
+    assert fr.objective == "federage" and fr.objective_params["step_rule"] == "paper"
+    assert all(c.run.per_client_eval for c in cfgs.values())
 
 
 def test_federage_compare_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert main(SMALL + ["--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "federage_compare.json").read_text())
-    names = [r["method"] for r in doc["summary"]]
-    assert names == ["fedavg", "fedprox(mu=0.01)", "scaffold", "qffl(q=1)",
-                     "fedavg-ips(oracle)", "federage-capped(a=0.5,g=0.5)"]
+    assert [r["method"] for r in doc["summary"]] == VARIANTS
     for row in doc["summary"]:
         assert 0.0 <= row["worst_client_acc"] <= row["bottom10_acc"] <= row["mean_client_acc"] <= 1.0
-    assert len(doc["runs"][0][0]["client_acc"]) == 8
-    assert "paired_overhead" in doc["scenarios"][0]
+        assert 0.0 <= row["minority_f1"] <= 1.0 and 0.0 <= row["macro_f1"] <= 1.0
+    run0 = doc["runs"][0][0]
+    assert len(run0["client_acc"]) == 8 and run0["rare_clients"] == [6, 7] and len(run0["per_class_acc"]) == 10
+    assert run0["aggregations"] >= 1
     prov = doc["provenance"]
-    assert prov["torch"] == torch.__version__ and prov["run"]["torch_threads_per_process"] == 1
+    assert prov["torch"] == torch.__version__
     assert prov["git"] is None or len(prov["git"]["commit"]) == 40
-    assert all(row["finite_seeds"] == 1 for row in doc["summary"])  # 3 rounds: even SCAFFOLD stays finite
+    assert all(row["finite_seeds"] == 1 for row in doc["summary"])
     assert "| fedavg |" in (tmp_path / "federage_compare.md").read_text()
     assert (tmp_path / "client_accuracy.png").stat().st_size > 0
+    assert (tmp_path / "runs" / "scaffold" / "seed-0" / "summary.json").exists()
 
 
 def test_deterministic_by_seed(tmp_path: Path) -> None:
-    args = SMALL + ["--methods", "fedavg,federage"]
+    args = SMALL + ["--variants", "fedavg,federage-capped-a0.1-g0.5"]
     main(args + ["--out", str(tmp_path / "a")])
     main(args + ["--out", str(tmp_path / "b")])
     a, b = (json.loads((tmp_path / d / "federage_compare.json").read_text())["runs"] for d in "ab")
@@ -45,85 +74,61 @@ def test_deterministic_by_seed(tmp_path: Path) -> None:
 def test_add_parser_registers_the_subcommand() -> None:
     parser = argparse.ArgumentParser(prog="felix")
     add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["federage-compare", "--rounds", "5", "--methods", "fedavg"])
-    assert args.command == "federage-compare" and args.rounds == 5 and callable(args.func)
-
-
-def test_bad_arguments_are_reported(capsys) -> None:
-    assert main(SMALL + ["--methods", "nope"]) == 2
-    assert "unknown method 'nope'" in capsys.readouterr().err
-    assert main(SMALL + ["--federage", "0.5"]) == 2
+    args = parser.parse_args(["federage-compare", "--seeds", "0", "1", "--variants", "fedavg"])
+    assert args.command == "federage-compare" and args.seeds == [0, 1] and callable(args.func)
+    assert args.file == COMPARISONS / "federage.yaml"
 
 
 @pytest.mark.parametrize("bad, message", [
-    (["--federage", "0:0.5"], "federage alpha must lie in (0, 1]"),
-    (["--methods", "fedavg,fedavgg"], "unknown method 'fedavgg'"),
-    (["--federage", "0.1:0.5:exact"], "step rule must be one of"),
-    (["--rare-p", "2"], "--rare-p must lie in [0, 1]"),
+    (["--variants", "fedavg,fedavgg"], "'fedavgg' is not a variant"),
+    (["--variants", "federage-capped-a0.1-g0.5", "--set", "client.objective_params={alpha: 0, gamma: 0.5}"],
+     "federage alpha must lie in (0, 1]"),
+    (["--set", "client.objective_params={alpha: 0.1, gamma: 0.5, step_rule: exact}",
+      "--variants", "federage-paper-a0.1-g0.5"], "step_rule must be one of"),
+    (["--set", "run.rare_p=2"], "run.rare_p"),
+    (["--set", "trace.ram.p_rare=0.9"], "need p_rare <= p_frequent"),
 ])
-def test_felix_cli_answers_bad_input_without_a_traceback(bad: list[str], message: str, capsys) -> None:
-    assert felix_main(["federage-compare", *SMALL, *bad]) == 2
+def test_felix_cli_answers_bad_input_without_a_traceback(bad: list[str], message: str, capsys,
+                                                         tmp_path: Path) -> None:
+    assert felix_main(["federage-compare", *SMALL, "--out", str(tmp_path), *bad]) == 2
     err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
-    assert err.startswith("federage-compare: error:")
-
-
-def test_parse_federage_rules() -> None:
-    assert parse_federage("0.5:0.5, 0.1:1:paper", "normalised") == [(0.5, 0.5, "normalised"), (0.1, 1.0, "paper")]
-    assert parse_federage("0.2:0.5", "paper") == [(0.2, 0.5, "paper")]
+    assert message in err and "Traceback" not in err, err
+    assert err.startswith("federage-compare: error:") and err.count("\n") == 1
 
 
 def test_federage_trains_on_full_model_batches_only() -> None:
     """FedeRage fixes the model mini-batch b (drop_last); the baselines keep the short last batch."""
-    args = argparse.Namespace(lr=0.05, batch_size=16, epochs=2, max_steps=None)
-    fr = train_config(args, Method("f", "federage", {"alpha": 0.2, "gamma": 0.5}))
-    ce = train_config(args, Method("c", "ce"))
-    assert fr.drop_last and not ce.drop_last
-    assert local_steps(40, fr) == 4 and local_steps(40, ce) == 6  # 2 epochs of 2 (+1 short) batches
-    assert not train_config(args, Method("f", "federage", {"fixed_batch": False})).drop_last
+    from felix.scenario.build import build_population, build_trainer
 
-
-def test_rare_clients_survive_ties(tmp_path) -> None:
-    """Two participation levels with 75%+ frequent clients: only the rare level counts as rare."""
-    out = tmp_path / "tl"
-    assert main(SMALL + ["--methods", "fedavg", "--p-dist", "two-level", "--frequent-fraction", "0.75",
-                         "--p-frequent", "0.3", "--p-rare", "0.03", "--out", str(out)]) == 0
-    sc = json.loads((out / "federage_compare.json").read_text())["scenarios"][0]
-    assert sc["rare_clients"] == 2 and sc["rare_client_p_max"] == pytest.approx(0.03)  # 8 clients: a quarter
-    assert np.isfinite(sc["p_max"])
+    comp = load_comparison(COMPARISONS / "federage.yaml")
+    fr = variant_config(comp, "federage-capped-a0.1-g0.5", 0, small_sets())
+    ce = variant_config(comp, "fedavg", 0, small_sets())
+    pop = build_population(ce)
+    assert build_trainer(fr, pop).cfg.drop_last and not build_trainer(ce, pop).cfg.drop_last
 
 
 def test_rare_clients_scenario_holds_rare_classes_at_rare_clients() -> None:
-    from felix.experiments.federage import _configure, build_scenario
+    from felix.scenario.build import _stream, build_population, per_client_setup
+    from felix.scenario.random_access import ram_probabilities
 
-    parser = argparse.ArgumentParser()
-    _configure(parser)
-    args = parser.parse_args(SMALL + ["--scenario", "rare-clients", "--p-frequent", "0.3", "--p-rare", "0.03"])
-    sc = build_scenario(args, seed=0)
-    rare = sc.probabilities <= 0.03
-    assert rare.sum() == 2 and sc.rare_p == 0.03 and len(sc.rare_classes) == 2
-    assert set(sc.rare_classes) == set(sc.class_order[-2:].tolist())
-    held = sc.counts[:, sc.rare_classes].sum(axis=1)
+    cfg = variant_config(load_comparison(COMPARISONS / "federage.yaml"), "fedavg", 0, small_sets())
+    pop = build_population(cfg)
+    counts = np.stack([d.class_counts(10).numpy() for d in pop.client_data])
+    p = ram_probabilities(cfg.trace, 8, _stream(0, 1), counts)
+    rare = p <= 0.3
+    assert rare.tolist() == [False] * 6 + [True] * 2  # the last quarter: the rare classes' holders
+    setup = per_client_setup(cfg, None, counts)  # type: ignore[arg-type]  # a RAM needs no trace here
+    tail = setup.tail_classes
+    assert len(tail) == 2 and set(tail) == set(np.argsort(counts.sum(axis=0))[:2])
+    held = counts[:, tail].sum(axis=1)
     assert (held[~rare] == 0).all() and (held[rare] > 0).all()  # only rare clients hold the rare classes
-    assert sc.counts[rare].sum() > held[rare].sum()  # and a share of the common classes too
-    assert (sc.counts.sum(axis=1) >= 8).all()
-
-
-@pytest.mark.slow
-def test_parallel_seeds_match_serial(tmp_path: Path) -> None:
-    args = SMALL + ["--methods", "fedavg,federage", "--seeds", "0", "1", "--overhead-tasks", "0"]
-    assert main(args + ["--out", str(tmp_path / "serial")]) == 0
-    assert main(args + ["--jobs", "2", "--out", str(tmp_path / "par")]) == 0
-    a, b = (json.loads((tmp_path / d / "federage_compare.json").read_text()) for d in ("serial", "par"))
-    for ra, rb in zip(a["runs"], b["runs"]):  # everything but the wall-clock timings
-        assert [(r["method"], r["client_acc"], r["server_beta"]) for r in ra] == \
-            [(r["method"], r["client_acc"], r["server_beta"]) for r in rb]
-    assert a["summary"][0]["mean_client_acc_std"] > 0
+    assert counts[rare].sum() > held[rare].sum()  # and a share of the common classes too
+    assert (counts.sum(axis=1) >= 8).all()
+    totals = counts.sum(axis=0)
+    assert totals.max() == 60 and totals.min() == 12  # long tail: head 60, head/tail 5
 
 
 def test_paired_delta_table() -> None:
-    from felix.experiments.federage import paired_delta_table
-
     def res(name: str, acc: float) -> dict:
         return {"method": name, "mean_client_acc": acc, "bottom10_acc": acc, "rare_client_acc": acc,
                 "tail_class_acc": acc, "global_acc": acc}
@@ -133,3 +138,11 @@ def test_paired_delta_table() -> None:
     # differences +0.05, -0.01, +0.02: mean +0.020, sample std 0.030, ahead on 2 of 3 seeds
     assert "| x | +0.020 ± 0.030 (2/3) |" in table and "| fedavg |" not in table
     assert paired_delta_table(runs, reference="nope") == ""
+
+
+@pytest.mark.slow
+def test_three_seeds_give_a_spread(tmp_path: Path) -> None:
+    args = [a for a in SMALL if a not in ("--seeds", "0")] + ["--seeds", "0", "1", "2", "--variants", "fedavg,scaffold"]
+    assert main(args + ["--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "federage_compare.json").read_text())
+    assert len(doc["runs"]) == 3 and doc["summary"][0]["mean_client_acc_std"] > 0

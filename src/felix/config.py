@@ -86,11 +86,19 @@ class DatasetCfg(_Strict):
 
 class PartitionCfg(_Strict):
     kind: str = Field("dirichlet", description="a registered partitioner (felix.scenario.partition.PARTITIONERS: "
-                      "dirichlet, iid, table) or an import path 'package.module:partitioner'")
+                      "dirichlet, iid, table, rare_clients) or an import path 'package.module:partitioner'")
     num_clients: int = Field(100, ge=1)
     alpha: float = Field(0.5, gt=0)
     min_samples: int = Field(1, ge=1)
     table: list[list[int]] | None = None
+    imbalance: float = Field(1.0, ge=1, description="make the training set long-tailed before the split: the "
+                             "class ranked r of a random order keeps head_per_class * imbalance^(-r/(C-1)) "
+                             "samples (1: keep every sample)")
+    head_per_class: int | None = Field(None, ge=1, description="samples kept of the head class when imbalance "
+                                       "> 1 (null: the dataset's largest class)")
+    rare_classes: int = Field(2, ge=1, description="rare_clients: the tail classes held only by the rare clients")
+    rare_fraction: float = Field(0.25, gt=0, lt=1, description="rare_clients: share of clients (the last ones) "
+                                 "that hold the rare classes")
     params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the partitioner")
 
     @field_validator("kind")
@@ -105,12 +113,45 @@ class PartitionCfg(_Strict):
                 raise ValueError("partition.kind 'table' needs partition.table (clients x classes counts)")
             if len({len(r) for r in self.table}) != 1:
                 raise ValueError("partition.table rows must all have the same number of classes")
+        if self.kind == "rare_clients" and not 1 <= round(self.rare_fraction * self.num_clients) < self.num_clients:
+            raise ValueError(f"partition.kind 'rare_clients' needs 1 <= round(rare_fraction x num_clients) < "
+                             f"num_clients, got {round(self.rare_fraction * self.num_clients)} of {self.num_clients}")
+        return self
+
+
+class RamCfg(_Strict):
+    """The Random Access Model (``trace.kind: ram``; felix.scenario.random_access): client i is
+    available for a whole slot of ``trace.slot_s`` seconds with its own probability p_i, drawn
+    independently per slot, for ``horizon_s / slot_s`` slots. The p_i are hidden from the strategy."""
+
+    p_dist: Literal["beta", "two_level"] = Field("beta", description="beta: p ~ Beta(a, b) clipped to "
+                                                 "[p_min, p_max]; two_level: frequent_fraction of clients at "
+                                                 "p_frequent, the rest at p_rare")
+    a: float = Field(0.5, gt=0)
+    b: float = Field(3.0, gt=0)
+    p_min: float = Field(0.02, gt=0, le=1)
+    p_max: float = Field(0.9, gt=0, le=1)
+    frequent_fraction: float = Field(0.2, ge=0, le=1)
+    p_frequent: float = Field(0.5, gt=0, le=1)
+    p_rare: float = Field(0.05, gt=0, le=1)
+    coupling: Literal["rarity", "rare_clients", "none"] = Field(
+        "rarity", description="rarity: the same p values reassigned so the clients with the globally rarest "
+        "data get the lowest p; rare_clients (two_level, partition.kind rare_clients): the last "
+        "(1 - frequent_fraction) of the clients, who hold the rare classes, join with p_rare, the others with "
+        "p_frequent; none: p independent of the data")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> RamCfg:
+        if self.p_min > self.p_max:
+            raise ValueError(f"trace.ram: need p_min <= p_max, got {self.p_min} > {self.p_max}")
+        if self.p_rare > self.p_frequent:
+            raise ValueError(f"trace.ram: need p_rare <= p_frequent, got {self.p_rare} > {self.p_frequent}")
         return self
 
 
 class TraceCfg(_Strict):
     kind: str = Field("always", description="a registered trace (felix.scenario.traces.TRACES: always, slotted, "
-                      "mobiperf, fedscale) or an import path 'package.module:builder'")
+                      "mobiperf, fedscale, ram) or an import path 'package.module:builder'")
     path: str | None = None
     series: Literal["2", "3_50", "3_75", "failures_48h"] = "3_50"
     unavailable_fraction: float = Field(0.1, ge=0, lt=1)
@@ -118,6 +159,7 @@ class TraceCfg(_Strict):
     horizon_s: float = Field(86400.0, gt=0)
     offset_s: float = Field(0.0, ge=0, description="start this many seconds into the trace (e.g. past an "
                             "all-available head); the run's time 0 is the trace's offset_s")
+    ram: RamCfg = RamCfg()
     params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the trace builder")
 
     @field_validator("kind")
@@ -135,6 +177,12 @@ class TraceCfg(_Strict):
     def _path(self) -> TraceCfg:
         if self.kind in ("mobiperf", "fedscale") and not self.path:
             raise ValueError(f"trace.kind {self.kind!r} needs trace.path")
+        if self.kind == "ram" and self.ram.coupling == "rare_clients" and self.ram.p_dist != "two_level":
+            raise ValueError("trace.ram.coupling 'rare_clients' gives the rare clients p_rare: it needs "
+                             "trace.ram.p_dist 'two_level'")
+        if self.kind == "ram" and self.horizon_s < self.slot_s:
+            raise ValueError(f"trace.kind 'ram' draws horizon_s / slot_s rounds: horizon_s ({self.horizon_s:g}) "
+                             f"must be at least slot_s ({self.slot_s:g})")
         return self
 
 
@@ -215,6 +263,9 @@ class ClientCfg(_Strict):
         "aggregate", description="model buffers (BatchNorm running statistics): aggregate = sent with the "
         "weights and averaged by the server like parameters; local = kept per client, never sent, and the "
         "global model is evaluated with the buffers its factory made (felix.client.trainer)")
+    probe_loss: bool = Field(False, description="before training, measure the loss at the received model over "
+                             "the client's data (one forward pass) and send it as aux qffl_loss: the F_k q-FFL "
+                             "needs (aggregator qffl only; trains one client at a time)")
 
 
 class DaflCfg(_Strict):
@@ -258,6 +309,15 @@ class RunCfg(_Strict):
                                     "null: a safe local instance, or the one this process is already connected to")
     precision: Literal["fp32", "tf32", "bf16"] = Field(
         "fp32", description="GPU arithmetic: tf32 matmuls, or bf16 autocast of forward passes; fp32 by default")
+    per_client_eval: bool = Field(False, description="evaluate the final global model per client and per class "
+                                  "(felix.metrics.per_client): mean, worst, bottom-10%, rare-client and per-class "
+                                  "accuracy, macro and minority F1, in the summary's per_client section")
+    rare_p: float | None = Field(None, ge=0, le=1, description="per_client_eval: rare clients are those with "
+                                 "participation p <= rare_p (null: the lowest-p quarter by rank)")
+    converge_threshold: float | None = Field(None, gt=0, description="stop when the training loss changes by "
+                                             "less than this for converge_patience consecutive aggregations "
+                                             "(the DAFL paper's convergence rule; null: no such stop)")
+    converge_patience: int = Field(5, ge=1)
 
 
 class Config(_Strict):
@@ -285,6 +345,20 @@ class Config(_Strict):
     @classmethod
     def _model(cls, v: str) -> str:
         return _registered("felix.scenario.models", "MODELS", v)
+
+    @model_validator(mode="after")
+    def _ram_and_probe_loss(self) -> Config:
+        t, p = self.trace, self.partition
+        if t.kind == "ram" and t.ram.coupling == "rare_clients":
+            n_rare = p.num_clients - round(t.ram.frequent_fraction * p.num_clients)
+            if p.kind != "rare_clients" or n_rare != round(p.rare_fraction * p.num_clients):
+                raise ValueError("trace.ram.coupling 'rare_clients' gives p_rare to the last (1 - frequent_fraction) "
+                                 "of the clients: it needs partition.kind 'rare_clients' with the same number of "
+                                 f"rare clients ({n_rare} here)")
+        if self.client.probe_loss and self.aggregator.name != "qffl":
+            raise ValueError(f"client.probe_loss sends aux qffl_loss, which only aggregator 'qffl' reads "
+                             f"(aggregator is {self.aggregator.name!r})")
+        return self
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

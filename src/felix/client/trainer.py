@@ -33,6 +33,7 @@ class TrainConfig:
     drop_last: bool = False
     optimizer: str = "sgd"  # "sgd" or "adam"
     buffers: str = "aggregate"  # model buffers: "aggregate" (travel with the weights) or "local" (per client)
+    probe_loss_key: str | None = None  # send the loss at the received model as this aux entry (q-FFL's F_k)
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.batch_size < 1 or self.epochs < 1:
@@ -112,6 +113,7 @@ class LocalTrainer:
               aux_in: dict[str, np.ndarray], generator: torch.Generator) -> ClientUpdate:
         """Run the local epochs; the utility comes from the losses seen in the first epoch."""
         cfg = self.cfg
+        received_loss = None if cfg.probe_loss_key is None else self.probe(weights, data).loss
         flat = self.load(weights)
         self.weights.begin_task(state)
         n = len(data)
@@ -170,6 +172,8 @@ class LocalTrainer:
                 batches += 1
         self.objective.end(ctx)
         self.weights.end_task(state)
+        if cfg.probe_loss_key is not None:
+            ctx.aux_out[cfg.probe_loss_key] = np.array(received_loss, dtype=np.float64)
         with torch.no_grad():
             delta = (self.weights.vector() - flat).cpu().numpy()
         return ClientUpdate(

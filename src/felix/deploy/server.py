@@ -71,7 +71,13 @@ from felix.deploy.topics import ALLOWED, Topics
 from felix.engine.controller import RunController
 from felix.metrics.recorder import EvalRow, Recorder
 from felix.metrics.report import EvalLog
-from felix.scenario.build import build_orchestrator, build_population, build_trace, make_evaluator
+from felix.scenario.build import (
+    attach_run_measures,
+    build_orchestrator,
+    build_population,
+    build_trace,
+    make_evaluator,
+)
 
 log = logging.getLogger("felix.deploy.server")
 
@@ -147,10 +153,12 @@ class Server:
         self.num_params = int(pop.initial_weights.size)
         # The oracle baselines read the trace on the server's clock (clients replay it on theirs).
         # A data plan the registered counts make impossible is logged and training goes on without it.
-        self.orch = build_orchestrator(cfg, pop.initial_weights, lambda: build_trace(cfg), plan_errors="skip")
+        self.orch = build_orchestrator(cfg, pop.initial_weights, lambda: build_trace(cfg, pop), plan_errors="skip")
         r = cfg.run
         rec = Recorder(make_evaluator(copy.deepcopy(pop.model), pop.test, r.device), r.target_accuracy,
                        r.target_window, r.eval_every)
+        if r.per_client_eval or r.converge_threshold is not None:  # the same run measures as the simulator
+            attach_run_measures(cfg, rec, pop, build_trace(cfg, pop))
         sink = None if opts.out_dir is None else EvalLog(opts.out_dir / "evaluations.csv")
         self.ctl = RunController(cfg, self.orch, rec, sink, measure_wire=True)
         self.ctl.on_evaluation.append(_log_evaluation)

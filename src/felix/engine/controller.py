@@ -175,6 +175,8 @@ class RunController:
                 self.stop("target_reached")
         if self.max_aggregations is not None and cmd.version >= self.max_aggregations:
             self.stop("max_aggregations")
+        if self.rec.converged_at is not None:  # run.converge_threshold: the DAFL paper's rule
+            self.stop("converged")
 
     def _record(self, time_s: float, version: int, weights: np.ndarray) -> EvalRow:
         row = self.rec.record(time_s, version, weights)
@@ -200,8 +202,16 @@ class RunController:
                                   "num_params": int(self.orch.weights.size)}
         if self.wire is not None:
             common["wire_bytes_by_kind"] = {"down": dict(self.wire.down), "up": dict(self.wire.up)}
-        return run_summary(c.strategy, c.seed, self.rec, self.orch.stats, self.orch.version, now, wall_s,
-                       self._stop or "running", {**common, **(extra or {})}, run_settings=c.run.model_dump())
+        summ = run_summary(c.strategy, c.seed, self.rec, self.orch.stats, self.orch.version, now, wall_s,
+                           self._stop or "running", {**common, **(extra or {})}, run_settings=c.run.model_dump())
+        rec = self.rec
+        if rec.converge is not None:
+            at = rec.converged_at
+            summ["convergence"] = {"round": rec.converged_round, "version": None if at is None else at.version,
+                                   "time_s": None if at is None else at.time_s}
+        if rec.per_client is not None:  # run.per_client_eval: the final model, client by client
+            summ["per_client"] = rec.per_client(self.orch.weights)
+        return summ
 
     def write_outputs(self, out_dir: Path, summ: dict[str, Any], plots: bool) -> None:
         """summary.json, evaluations.csv (rewritten whole: no row twice), plots and config.json."""

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from felix.core.commands import NewModelVersion
+from felix.metrics.convergence import convergence_round
 
 # Every message carries a typed header; the deployment's real encoder has this size order too.
 HEADER_BYTES = 64
@@ -83,6 +85,12 @@ class Recorder:
         self.train_losses: list[TrainLossRow] = []
         # Called with every new model version (an experiment may keep the weights it will evaluate).
         self.aggregation_hooks: list[Callable[[NewModelVersion], None]] = []
+        # run.per_client_eval: the final model's per-client measures (felix.metrics.per_client).
+        self.per_client: Callable[[np.ndarray], dict[str, Any]] | None = None
+        # run.converge_threshold / converge_patience: the DAFL paper's training-loss rule.
+        self.converge: tuple[float, int] | None = None
+        self.converged_at: TrainLossRow | None = None
+        self.converged_round: int | None = None
 
     def due(self, version: int) -> bool:
         return self.eval_every > 0 and version % self.eval_every == 0
@@ -107,6 +115,10 @@ class Recorder:
             w = np.asarray(report.weights, dtype=np.float64)
             loss = float(w @ losses / w.sum()) if w.shape == losses.shape and w.sum() > 0 else float(losses.mean())
             self.train_losses.append(TrainLossRow(cmd.version, cmd.time, loss))
+            if self.converge is not None and self.converged_at is None:
+                r = convergence_round([row.loss for row in self.train_losses], *self.converge)
+                if r is not None:
+                    self.converged_round, self.converged_at = r, self.train_losses[r - 1]
         for hook in self.aggregation_hooks:
             hook(cmd)
 

@@ -35,11 +35,16 @@ from felix.core.orchestrator import Orchestrator, OrchestratorConfig
 from felix.core.policies import AGGREGATORS, EVAL_SELECTORS, TRAIN_SELECTORS, Aggregator
 from felix.core.registry import Registry, RegistryError
 from felix.core.rounds import ROUND_POLICIES
+from felix.core.types import Tier
 from felix.core.validation import UpdateValidator, ValidationConfig
+from felix.metrics.per_client import PerClientSetup, make_per_client_eval
+from felix.metrics.recorder import Recorder
 from felix.scenario.datasets import ArrayDataset, DatasetError, check_dataset, first_classes, load_dataset
+from felix.scenario.long_tail import long_tail_indices
 from felix.scenario.models import ModelFactory, check_model, make_model
 from felix.scenario.partition import partition
 from felix.scenario.profiles import FELIX_HALFNORMAL_SCALE, halfnormal_runtimes, uniform_runtimes
+from felix.scenario.random_access import ram_probabilities
 from felix.scenario.traces import AvailabilityTrace, make_trace
 from felix.strategies.dataplans.plans import build_data_plan
 from felix.strategies.objectives import Objective, make_objective, objective_class, objective_params_model
@@ -79,7 +84,17 @@ def _dataset(name: str, root: str | None, download: bool, limit: int | None,
 
 def partition_indices(cfg: Config, labels: np.ndarray, num_classes: int) -> list[np.ndarray]:
     """Each client's training-set indices, from the configured partitioner and the partition stream."""
-    return partition(cfg.partition, labels, num_classes, _stream(cfg.seed, _PARTITION))
+    p = cfg.partition
+    rng = _stream(cfg.seed, _PARTITION)
+    if p.imbalance == 1:
+        return partition(p, labels, num_classes, rng)
+    # A long tail first (partition.imbalance): the split is of the kept subset.
+    head = p.head_per_class or int(np.bincount(labels, minlength=num_classes).max())
+    try:
+        keep, _ = long_tail_indices(labels, num_classes, head, p.imbalance, rng)
+    except ValueError as exc:
+        raise ConfigError(f"partition: {exc}") from None
+    return [keep[ix] for ix in partition(p, labels[keep], num_classes, rng)]
 
 
 def build_trace(cfg: Config, population: Population | None = None) -> AvailabilityTrace:
@@ -90,6 +105,18 @@ def build_trace(cfg: Config, population: Population | None = None) -> Availabili
         c = population.train.num_classes
         counts = np.stack([d.class_counts(c).numpy() for d in population.client_data])
     return make_trace(cfg.trace, cfg.partition.num_clients, _stream(cfg.seed, _TRACE), counts)
+
+
+def participation_shares(cfg: Config, trace: AvailabilityTrace, class_counts: np.ndarray,
+                         samples: int = 200) -> np.ndarray:
+    """Per client, how likely it is to take part: the RAM's p_i under ``trace.kind: ram``, else
+    the share of ``samples`` evenly spaced instants of the run at which its trace lets it train."""
+    if cfg.trace.kind == "ram":
+        return ram_probabilities(cfg.trace, len(class_counts), _stream(cfg.seed, _TRACE), class_counts)
+    end = min(cfg.run.max_time_s, cfg.trace.horizon_s)
+    instants = (np.arange(samples) + 0.5) * end / samples
+    return np.array([np.mean([trace.for_client(c).tier_at(float(t)) is Tier.AVL_TRAIN for t in instants])
+                     for c in range(len(class_counts))])
 
 
 def build_runtimes(cfg: Config, sizes: list[int] | None = None) -> np.ndarray:
@@ -297,7 +324,7 @@ def build_trainer(cfg: Config, pop: Population) -> LocalTrainer:
     c = cfg.client
     try:
         tcfg = TrainConfig(c.lr, c.batch_size, c.epochs, c.max_steps, c.momentum, c.weight_decay, c.drop_last, c.optimizer,
-                           c.buffers)
+                           c.buffers, "qffl_loss" if c.probe_loss else None)
     except ValueError as exc:
         raise ConfigError(f"client: {exc}") from None
     w = ModelWeights(pop.model, c.buffers)
@@ -365,3 +392,27 @@ def build_validator(cfg: Config, aggregator: Aggregator, num_params: int) -> Upd
         raise ConfigError(f"validation: {exc}") from None
     spec = {**objective.declared_aux(num_params), **aggregator.declared_aux(num_params)}
     return UpdateValidator(vcfg, spec)
+
+
+def per_client_setup(cfg: Config, trace: AvailabilityTrace, class_counts: np.ndarray) -> PerClientSetup:
+    """The federation facts ``run.per_client_eval`` reports against: participation (rare clients)
+    and the tail classes (under ``partition.kind: rare_clients`` the rare clients' classes, else
+    the rarest 30% of classes by global training count)."""
+    totals = class_counts.sum(axis=0)
+    n_tail = cfg.partition.rare_classes if cfg.partition.kind == "rare_clients" else max(1, len(totals) * 3 // 10)
+    tail = np.sort(np.argsort(totals, kind="stable")[:n_tail])
+    return PerClientSetup(class_counts, participation_shares(cfg, trace, class_counts), tail, cfg.run.rare_p)
+
+
+def attach_run_measures(cfg: Config, recorder: Recorder, pop: Population, trace: AvailabilityTrace,
+                        autocast_dtype: torch.dtype | None = None) -> None:
+    """The run measures a config may switch on, on ``recorder`` (any shell): ``run.per_client_eval``
+    (felix.metrics.per_client) and ``run.converge_threshold`` (the DAFL paper's stop rule)."""
+    if cfg.run.per_client_eval:
+        if pop.test is None:
+            raise ConfigError("run.per_client_eval needs a test set")
+        counts = np.stack([d.class_counts(pop.train.num_classes).numpy() for d in pop.client_data])
+        recorder.per_client = make_per_client_eval(copy.deepcopy(pop.model), pop.test, cfg.run.device,
+                                                   per_client_setup(cfg, trace, counts), autocast_dtype)
+    if cfg.run.converge_threshold is not None:
+        recorder.converge = (cfg.run.converge_threshold, cfg.run.converge_patience)

@@ -7,14 +7,22 @@ joins with its own probability ``p_i``, independently of the others and of past 
 The generators build the setting the paper targets: a few frequent and many rare clients, with
 the rare ones holding the globally rare classes, so that data and availability heterogeneity are
 coupled. ``participation_to_events`` turns a round-based draw into the per-device availability
-event list the trace-driven simulator reads, one slot of ``slot_s`` seconds per round.
+event list the trace-driven simulator reads, one slot of ``slot_s`` seconds per round, and
+``participation_trace`` into the ``AvailabilityTrace`` of ``trace.kind: ram``.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from felix.core.types import Tier
+from felix.scenario.traces import AvailabilityTrace, DeviceTrace
+
+if TYPE_CHECKING:
+    from felix.config import TraceCfg
 
 
 @dataclass(frozen=True)
@@ -175,3 +183,47 @@ def participation_to_events(participation: np.ndarray, slot_s: float) -> dict[in
             evs.append((float(rounds) * slot_s, "UN_AVL"))
         events[c] = evs
     return events
+
+
+def participation_trace(participation: np.ndarray, slot_s: float) -> AvailabilityTrace:
+    """The availability trace of a RAM draw (``trace.kind: ram``): client ``c`` follows device
+    ``c``, available to train in exactly the slots of the rounds it was drawn for."""
+    events = participation_to_events(participation, slot_s)
+    devices = tuple(DeviceTrace.from_events([(t, Tier[name]) for t, name in evs[1:]], initial=Tier[evs[0][1]])
+                    for _, evs in sorted(events.items()))
+    return AvailabilityTrace(devices, f"ram({participation.shape[0]} rounds of {slot_s:g} s)")
+
+
+def ram_probabilities(cfg: TraceCfg, num_clients: int, rng: np.random.Generator,
+                      class_counts: np.ndarray | None = None) -> np.ndarray:
+    """``trace.kind: ram``: each client's participation probability p_i (``trace.ram``), drawn
+    from ``rng`` (the scenario's trace stream) and placed by ``trace.ram.coupling``."""
+    from felix.config import ConfigError
+
+    r = cfg.ram
+    if r.coupling == "rare_clients":  # the last clients hold the rare classes (partition.kind rare_clients)
+        n_rare = num_clients - round(r.frequent_fraction * num_clients)
+        return np.array([r.p_frequent] * (num_clients - n_rare) + [r.p_rare] * n_rare)
+    try:
+        if r.p_dist == "beta":
+            p = beta_probabilities(num_clients, rng, r.a, r.b, r.p_min, r.p_max)
+        else:
+            p = two_level_probabilities(num_clients, rng, r.frequent_fraction, r.p_frequent, r.p_rare)
+        if r.coupling == "none":
+            return p
+        if class_counts is None:
+            raise ConfigError("trace.ram.coupling 'rarity' needs the clients' class counts (a trace built with "
+                              "the population)")
+        return correlate_with_rarity(p, class_counts)
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"trace.ram: {exc}") from None
+
+
+def ram_trace(cfg: TraceCfg, num_clients: int, rng: np.random.Generator,
+              class_counts: np.ndarray | None = None) -> AvailabilityTrace:
+    """The trace of ``trace.kind: ram``: the p_i, then one draw per slot of ``trace.slot_s`` over
+    ``trace.horizon_s``, both from the scenario's trace stream (the same for every strategy)."""
+    p = ram_probabilities(cfg, num_clients, rng, class_counts)
+    return participation_trace(RandomAccessModel(p).draw_rounds(int(cfg.horizon_s // cfg.slot_s), rng), cfg.slot_s)

@@ -353,3 +353,11 @@ def _fedscale(cfg: TraceCfg, num_clients: int, rng: np.random.Generator) -> Avai
     if cfg.path is None:
         raise ConfigError("trace.kind 'fedscale' needs trace.path")
     return load_fedscale(cfg.path)
+
+
+@TRACES.register("ram")
+def _ram(cfg: TraceCfg, num_clients: int, rng: np.random.Generator,
+         class_counts: np.ndarray | None = None) -> AvailabilityTrace:
+    from felix.scenario.random_access import ram_trace  # it builds on this module
+
+    return ram_trace(cfg, num_clients, rng, class_counts)

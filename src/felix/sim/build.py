@@ -23,6 +23,7 @@ from felix.scenario.build import (
     ClientDatasets,
     Population,
     apply_threads,
+    attach_run_measures,
     build_objective,
     build_orchestrator,
     build_population,
@@ -45,7 +46,7 @@ def build_cohort(cfg: Config, trainer: LocalTrainer,
                  sample_shape: tuple[int, ...]) -> tuple[CohortTrainer | None, int, int]:
     """The cohort trainer ``run.cohort`` asks for (None: sequential), its size and smallest cohort."""
     size, min_k = resolve_cohort(cfg.run.cohort, trainer.model, trainer.objective, cfg.run.device, sample_shape)
-    if size == 1:
+    if size == 1 or cfg.client.probe_loss:  # the received-model loss is measured by the sequential trainer
         return None, 1, 1
     # Its own objective instance: the sequential trainer's keeps per-task attributes.
     objective = build_objective(cfg)
@@ -104,6 +105,7 @@ def build(cfg: Config, population: Population | ClientDatasets | None = None,
     evaluate = make_evaluator(copy.deepcopy(pop.model), pop.test, cfg.run.device,
                               autocast_dtype=trainer.autocast_dtype)
     recorder = Recorder(evaluate, cfg.run.target_accuracy, cfg.run.target_window, cfg.run.eval_every)
+    attach_run_measures(cfg, recorder, pop, trace, trainer.autocast_dtype)
     orch = build_orchestrator(cfg, pop.initial_weights, trace)
     data_plan = prepare_data_plan(cfg, pop.client_data, pop.train.num_classes, runtimes,
                                   orch.data_plan if isinstance(orch.data_plan, PlannedDataPlan) else None)

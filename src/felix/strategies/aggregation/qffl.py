@@ -12,8 +12,8 @@ Lipschitz estimate of the gradient (the reference code uses ``1 / client_lr``):
 reference implementation computes it. The trainer's ``ClientUpdate.loss`` is the mean loss along
 the local trajectory (lower than ``F_k`` and already partly optimised away), so the aggregator
 reads ``update.aux[loss_key]`` when a client supplies it (e.g. the forward pass of
-``LocalTrainer.probe`` at the received weights, as ``felix.experiments.federage`` does) and only
-falls back to ``update.loss`` otherwise.
+``LocalTrainer.probe`` at the received weights: ``client.probe_loss: true``) and only falls back
+to ``update.loss`` otherwise.
 """
 from __future__ import annotations
 

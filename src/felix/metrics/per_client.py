@@ -1,0 +1,111 @@
+"""Per-client and per-class evaluation of a global model (``run.per_client_eval``).
+
+One pass over the (balanced) global test set gives the confusion matrix; from it come the
+per-class accuracy and F1, macro F1 and the minority-class F1 (``felix.metrics.classification``,
+the DAFL paper's measures). A client's accuracy is the per-class test accuracy reweighted to the
+client's training label mix, ``sum_c pi_ic acc_c`` (FedeRage's experiment: the paper does not
+say how per-client test sets are formed, and this holds no client data out of training). Over
+clients: the mean, the worst, the bottom 10%, the spread and the *rare clients*, those least
+likely to take part (``rare_client_mask`` of their participation probability: the Random Access
+Model's p under ``trace.kind: ram``, else the share of the run each client's trace has it
+available). Tail classes: the rarest classes by global training count.
+
+Measured on the final model of a run (the summary's ``per_client`` section), not on every
+evaluation: it costs one more pass over the test set.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+from felix.client.trainer import autocast
+from felix.client.weights import weights_for
+from felix.metrics.classification import class_metrics, confusion_matrix, minority_classes
+from felix.scenario.datasets import ArrayDataset
+from felix.scenario.random_access import rare_client_mask
+
+__all__ = ["PerClientSetup", "confusion_on_test", "make_per_client_eval", "per_client_metrics"]
+
+
+@dataclass(frozen=True)
+class PerClientSetup:
+    """What the per-client measures need to know about the federation."""
+
+    class_counts: NDArray[np.int64]  # clients x classes: training samples, before any augmentation
+    participation: NDArray[np.float64]  # per client: probability (or share of time) of taking part
+    tail_classes: NDArray[np.intp]  # the classes whose mean accuracy is the tail-class column
+    rare_p: float | None = None  # rare clients: p <= rare_p (None: the lowest-p quarter by rank)
+
+    def __post_init__(self) -> None:
+        counts = np.asarray(self.class_counts)
+        if counts.ndim != 2 or (counts.sum(axis=1) <= 0).any():
+            raise ValueError("per-client evaluation needs a clients x classes count matrix with data on every row")
+        if np.shape(self.participation) != (counts.shape[0],):
+            raise ValueError(f"{np.size(self.participation)} participation values for {counts.shape[0]} clients")
+
+
+@torch.no_grad()
+def confusion_on_test(model: torch.nn.Module, weights: np.ndarray, test: ArrayDataset, device: str,
+                      batch_size: int = 1000, autocast_dtype: torch.dtype | None = None) -> NDArray[np.int64]:
+    """The confusion matrix of ``weights`` (loaded into ``model``) on the test set."""
+    model = model.to(device)
+    layout = weights_for(model, int(np.asarray(weights).size))  # parameters, with or without the buffers
+    layout.load(torch.from_numpy(np.array(weights, dtype=np.float32)).to(device))
+    layout.set_kept(None)
+    model.eval()
+    preds = []
+    for s in range(0, len(test), batch_size):
+        with autocast(device, autocast_dtype):
+            preds.append(model(test.x[s:s + batch_size].to(device)).float().argmax(1).cpu())
+    return confusion_matrix(test.y.numpy(), torch.cat(preds).numpy(), test.num_classes)
+
+
+def per_client_metrics(cm: NDArray[np.int64], setup: PerClientSetup) -> dict[str, Any]:
+    """Every per-client and per-class measure from the test confusion matrix ``cm``."""
+    cm = np.asarray(cm)
+    counts = np.asarray(setup.class_counts, dtype=np.float64)
+    if cm.shape != (counts.shape[1], counts.shape[1]):
+        raise ValueError(f"confusion matrix {cm.shape} for {counts.shape[1]} classes")
+    per_class_n = cm.sum(axis=1)
+    acc_c = np.divide(np.diag(cm), per_class_n, out=np.zeros(cm.shape[0]), where=per_class_n > 0)
+    minority = minority_classes(counts.sum(axis=0))
+    cls = class_metrics(cm, minority)
+    acc = (counts / counts.sum(axis=1, keepdims=True)) @ acc_c
+    rare = rare_client_mask(setup.participation, setup.rare_p)
+    k = max(1, math.ceil(0.1 * len(acc)))
+    return {
+        "mean_client_acc": float(acc.mean()),
+        "worst_client_acc": float(acc.min()),
+        "bottom10_acc": float(np.sort(acc)[:k].mean()),
+        "rare_client_acc": float(acc[rare].mean()),
+        "std_client_acc": float(acc.std()),
+        "global_acc": cls.accuracy,
+        "tail_class_acc": float(acc_c[setup.tail_classes].mean()),
+        "macro_f1": cls.macro_f1,
+        "minority_f1": cls.minority_f1,
+        "per_class_acc": [float(v) for v in acc_c],
+        "per_class_f1": list(cls.per_class_f1),
+        "client_acc": [float(v) for v in acc],
+        "rare_clients": [int(i) for i in np.flatnonzero(rare)],
+        "tail_classes": [int(c) for c in setup.tail_classes],
+        "minority_classes": [int(c) for c in minority],
+    }
+
+
+def make_per_client_eval(model: torch.nn.Module, test: ArrayDataset, device: str, setup: PerClientSetup,
+                         autocast_dtype: torch.dtype | None = None) -> Callable[[np.ndarray], dict[str, Any]]:
+    """``weights -> per_client_metrics``, plus whether the weights are finite (a diverged model
+    predicts one class, so its accuracies alone can hide the blow-up)."""
+    def evaluate(weights: np.ndarray) -> dict[str, Any]:
+        out = per_client_metrics(confusion_on_test(model, weights, test, device, autocast_dtype=autocast_dtype),
+                                 setup)
+        out["finite_model"] = bool(np.isfinite(weights).all())
+        return out
+
+    return evaluate
