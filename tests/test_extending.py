@@ -263,7 +263,7 @@ def test_semi_async_closes_a_partial_buffer_on_its_period() -> None:
     ({"aggregator": {"name": "sample_power", "params": {"power": "strong"}}}, "aggregator.params.power"),
     ({"orchestrator": {"mode_params": {"period": 1}}}, "orchestrator.mode_params.period: unknown key"),
     ({"orchestrator": {"knowledge": "psychic"}}, "unknown availability policy 'psychic'"),
-    ({"orchestrator": {"mode": "no_such_module:rounds"}}, "cannot import 'no_such_module:rounds'"),
+    ({"orchestrator": {"mode": "no_such_module:rounds"}}, "cannot import module 'no_such_module' for 'no_such_module:rounds'"),
     ({"selector": {"name": "oort", "params": {"bse": "fedscale"}}}, "selector.params.bse: unknown key"),
     ({"selector": {"name": "refl_ips", "params": {"oort": {"cut_off": 1}}}}, "selector.params.oort.cut_off"),
     ({"client": {"objective": "fedprox", "objective_params": {"nu": 1}}}, "client.objective_params.nu: unknown key"),

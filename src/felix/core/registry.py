@@ -53,6 +53,25 @@ def params_from_dataclass(dc: type, name: str | None = None, **extra: Any) -> ty
     return model
 
 
+def import_object(ref: str) -> Any:
+    """The object an import path ``package.module:attr`` (or ``attr.sub``) names: the one place
+    both kinds of registry (these policies, and ``felix.scenario.registry``'s scenario parts)
+    resolve a user's own code. ``RegistryError`` says why it does not resolve."""
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise RegistryError(f"{ref!r} is not an import path 'package.module:attribute'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - whatever the user's module raises is reported as a config error
+        raise RegistryError(f"cannot import module {module_name!r} for {ref!r} ({type(exc).__name__}: {exc})") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise RegistryError(f"module {module_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
 @dataclass(frozen=True)
 class Entry(Generic[T]):
     name: str
@@ -105,11 +124,10 @@ class Registry(Generic[T]):
         if ":" not in name:
             raise RegistryError(f"{self.key}: unknown {self.kind} {name!r}; choose one of {self.names()} "
                                 f"or give an import path 'package.module:factory'")
-        mod_name, _, attr = name.partition(":")
         try:
-            obj = getattr(importlib.import_module(mod_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise RegistryError(f"{self.key}: cannot import {name!r} ({exc})") from None
+            obj = import_object(name)
+        except RegistryError as exc:
+            raise RegistryError(f"{self.key}: {exc}") from None
         for e in self._entries.values():
             if e.factory is obj:
                 return e

@@ -10,11 +10,11 @@ path that fails says why and what was expected.
 """
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from felix.config import ConfigError
+from felix.core.registry import RegistryError, import_object
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -59,21 +59,11 @@ class Registry(Generic[F]):
             except KeyError:
                 raise ConfigError(f"{self.key}: unknown {self.kind} {ref!r}; registered: {', '.join(self.names())}, "
                                   f"or give an import path 'package.module:function' to a {self.signature}") from None
-        module_name, _, attr = ref.partition(":")
         expected = f"expected 'package.module:function' naming a {self.signature}"
-        if not module_name or not attr:
-            raise ConfigError(f"{self.key}: {ref!r} is not an import path; {expected}")
         try:
-            module = importlib.import_module(module_name)
-        except Exception as exc:  # noqa: BLE001 - whatever the user's module raises is reported as a config error
-            raise ConfigError(f"{self.key}: cannot import module {module_name!r} for {ref!r} "
-                              f"({type(exc).__name__}: {exc}); {expected}") from None
-        obj: Any = module
-        for part in attr.split("."):
-            try:
-                obj = getattr(obj, part)
-            except AttributeError:
-                raise ConfigError(f"{self.key}: module {module_name!r} has no attribute {attr!r}; {expected}") from None
+            obj = import_object(ref)
+        except RegistryError as exc:
+            raise ConfigError(f"{self.key}: {exc}; {expected}") from None
         if not callable(obj):
             raise ConfigError(f"{self.key}: {ref!r} is a {type(obj).__name__}, not callable; {expected}")
         return obj  # type: ignore[no-any-return]
