@@ -26,7 +26,8 @@ from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.policies import Aggregator, EvalSelector, TrainSelector
 from felix.core.validation import UpdateValidator, ValidationConfig
 from felix.metrics.recorder import Recorder
-from felix.scenario.datasets import ArrayDataset, first_classes, load_dataset
+from felix.scenario.datasets import ArrayDataset, DatasetError, first_classes, load_dataset
+from felix.scenario.locations import dataset_root, trace_file
 from felix.scenario.models import make_model
 from felix.scenario.partition import count_table_partition, dirichlet_partition
 from felix.scenario.profiles import FELIX_HALFNORMAL_SCALE, halfnormal_runtimes, uniform_runtimes
@@ -208,8 +209,8 @@ def _base_trace(cfg: Config) -> AvailabilityTrace:
     if t.kind == "slotted":
         return slotted_churn(n, t.unavailable_fraction, _stream(cfg.seed, _TRACE), t.slot_s, t.horizon_s)
     if t.kind == "mobiperf":
-        return load_mobiperf(t.path, t.series)  # type: ignore[arg-type]
-    return load_fedscale(t.path)  # type: ignore[arg-type]
+        return load_mobiperf(trace_file(t.path), t.series)  # type: ignore[arg-type]
+    return load_fedscale(trace_file(t.path))  # type: ignore[arg-type]
 
 
 def build_runtimes(cfg: Config, sizes: list[int] | None = None) -> np.ndarray:
@@ -281,9 +282,22 @@ class Population:
     model: torch.nn.Module
 
 
+def _root(root: str | None, download: bool) -> str | None:
+    """``dataset.root`` as found (a relative one under $FELIX_DATA); a missing one is an error unless
+    the dataset may be downloaded."""
+    if root is None:
+        return None
+    try:
+        return str(dataset_root(root))
+    except DatasetError:
+        if download:
+            return root
+        raise
+
+
 def build_population(cfg: Config) -> Population:
     d = cfg.dataset
-    train, test = _dataset(d.name, d.root, d.download, d.per_class_limit, d.num_classes)
+    train, test = _dataset(d.name, _root(d.root, d.download), d.download, d.per_class_limit, d.num_classes)
     if d.test_limit is not None and d.test_limit < len(test):
         # Folder datasets list the test set class by class: take a class-balanced subset, not a prefix.
         per_class = -(-d.test_limit // test.num_classes)
