@@ -16,7 +16,7 @@ The ``description:`` key of every file is documentation, not a setting.
 from __future__ import annotations
 
 import copy
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ def _files(kind: str) -> list[Path]:
     return sorted(folder.glob("*.yaml"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _strategies() -> dict[str, tuple[dict[str, Any], str]]:
     """preset name -> (the config tree it sets, its description)."""
     out: dict[str, tuple[dict[str, Any], str]] = {}
@@ -56,7 +56,7 @@ def _strategies() -> dict[str, tuple[dict[str, Any], str]]:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _scenarios() -> dict[str, tuple[dict[str, Any], str]]:
     out: dict[str, tuple[dict[str, Any], str]] = {}
     for f in _files("scenarios"):

@@ -43,7 +43,13 @@ class RunSpec:
 
     @property
     def done(self) -> bool:
-        return (self.out_dir / "summary.json").exists()
+        """Finished: a summary exists and the run was not interrupted (an interrupted run, or an
+        unreadable summary, is run again)."""
+        try:
+            summary = json.loads((self.out_dir / "summary.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(summary, dict) and summary.get("stop_reason") != "interrupted"
 
 
 @dataclass(frozen=True)
