@@ -69,14 +69,14 @@ def _compare(args: argparse.Namespace) -> int:
               file=sys.stderr)
         doc = run_comparison(comp, parse_set(args.set), out, seeds, targets, listed or None, args.jobs,
                              backend=args.backend, address=args.address, force=args.force,
-                             gpus_per_run=args.gpus_per_run)
+                             gpus_per_run=args.gpus_per_run, argv=args.argv)
     else:
         strategies = listed or list(MAIN_STRATEGIES)
         out = Path(args.out or "runs/compare")
         print(f"felix compare: {', '.join(strategies)} -> {out}", file=sys.stderr)
         doc = compare(args.config, strategies, parse_set(args.set), out, args.scenario, args.jobs, args.reference,
                       backend=args.backend, address=args.address, force=args.force, gpus_per_run=args.gpus_per_run,
-                      seeds=seeds, targets=targets)
+                      seeds=seeds, targets=targets, argv=args.argv)
     if doc["strategies"]:
         print((out / "comparison.md").read_text())
     return 0 if doc["strategies"] and not doc["failed"] else 1
@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(_command(argv))
     args = parser.parse_args(argv)
+    args.argv = ["felix", *argv]  # recorded by commands that write a manifest
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))

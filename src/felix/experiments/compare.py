@@ -113,7 +113,7 @@ def parse_comparison(doc: dict[str, Any], source: str, default_name: str = "comp
 def load_comparison(path_or_name: str) -> Comparison:
     """A comparison file by path, or a shipped one by name (``configs/comparisons/<name>.yaml``)."""
     p = Path(path_or_name)
-    if not p.exists() and p.suffix not in (".yaml", ".yml") and "/" not in path_or_name:
+    if not p.is_file() and p.suffix not in (".yaml", ".yml") and "/" not in path_or_name:
         p = comparison_file(path_or_name)
     return parse_comparison(read_yaml(p), str(p), p.stem)
 
@@ -122,7 +122,7 @@ def is_comparison_file(path: str) -> bool:
     """Whether ``path`` names a comparison (a file with ``variants``, or a shipped name) rather than
     a run config."""
     p = Path(path)
-    if p.exists():
+    if p.is_file():
         return "variants" in read_yaml(p)
     return p.suffix not in (".yaml", ".yml") and "/" not in path
 
