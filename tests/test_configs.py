@@ -77,6 +77,12 @@ def test_every_scenario_validates_with_every_strategy(scenario: str) -> None:
     assert "shared/" not in raw
 
 
+def test_a_scenario_file_is_a_run_config() -> None:
+    cfg = resolve_config(str(CONFIG_DIR / "scenarios" / "felix-cpu-90.yaml"), "felix", {})
+    assert cfg.description.startswith("The CPU-sized FeLiX reproduction")
+    assert cfg.model_copy(update={"description": ""}) == resolve_config(None, "felix", {}, "felix-cpu-90")
+
+
 @pytest.mark.parametrize("name", ["felix-cpu-100", "felix-cpu-90", "felix-cpu-50", "felix-cpu-mobiperf"])
 def test_shipped_comparisons_resolve(name: str) -> None:
     comp = load_comparison(name)

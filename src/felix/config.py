@@ -216,6 +216,7 @@ class RunCfg(_Strict):
 
 class Config(_Strict):
     name: str = "run"
+    description: str = Field("", description="what the config runs; documentation only (configs/ files have one)")
     strategy: str = "custom"
     seed: int = 0
     model: Literal["felix_cnn", "small_cnn", "mlp"] = "small_cnn"
