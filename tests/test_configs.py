@@ -15,7 +15,13 @@ import pytest
 from felix.cli import main
 from felix.config import ConfigError
 from felix.engine.run import resolve_config
-from felix.experiments.compare import load_comparison, on_the_fly, parse_comparison, variant_config
+from felix.experiments.compare import (
+    expand_dotted,
+    load_comparison,
+    on_the_fly,
+    parse_comparison,
+    variant_config,
+)
 from felix.presets import (
     CONFIG_DIR,
     comparison_names,
@@ -118,6 +124,8 @@ def test_comparison_file_errors_name_the_file() -> None:
         parse_comparison({"variants": {"a": {}}, "seeds": [0, 0]}, "x.yaml")
     with pytest.raises(ConfigError, match="targets must be"):
         parse_comparison({"variants": {"a": {}}, "targets": [80]}, "x.yaml")
+    assert expand_dotted({"selector.params.a": 1, "selector": {"params.b": 2, "name": "oort"}}) == {
+        "selector": {"params": {"a": 1, "b": 2}, "name": "oort"}}
     comp = parse_comparison({"variants": {"a": {"client.lr": 0.2, "strategy": "fedbuff"}},
                              "base": {"scenario": "default", "client": {"epochs": 2}}}, "x.yaml")
     cfg = variant_config(comp, "a", {})

@@ -101,12 +101,6 @@ def comparison_file(name: str) -> Path:
     return f
 
 
-def describe(kind: str, name: str) -> str:
-    """The ``description:`` of a shipped strategy preset or scenario."""
-    table = _strategies() if kind == "strategy" else _scenarios()
-    return table[name][1] if name in table else ""
-
-
 def __getattr__(attr: str) -> Any:
     """``STRATEGIES`` / ``SCENARIOS``: name -> config tree, read from the files on first use."""
     if attr == "STRATEGIES":

@@ -52,19 +52,27 @@ class Comparison:
 
 
 def expand_dotted(tree: dict[str, Any]) -> dict[str, Any]:
-    """``{"client.objective": "ce"}`` -> ``{"client": {"objective": "ce"}}``, at every level."""
+    """``{"client.objective": "ce"}`` -> ``{"client": {"objective": "ce"}}``, at every level; keys
+    that meet (``client.lr`` and ``client: {epochs: 2}``) merge."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict):
             value = expand_dotted(value)
         parts = str(key).split(".")
-        node: dict[str, Any] = {}
-        leaf = node
+        node = out
         for p in parts[:-1]:
-            leaf = leaf.setdefault(p, {})
-        leaf[parts[-1]] = value
-        out = deep_merge(out, node)
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: {p} is set both as a value and as a section")
+        node[parts[-1]] = _merged(node[parts[-1]], value) if parts[-1] in node else value
     return out
+
+
+def _merged(a: Any, b: Any) -> Any:
+    """Two expanded trees as one (every nested mapping merged key by key; otherwise ``b``)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {**a, **{k: _merged(a[k], v) if k in a else v for k, v in b.items()}}
+    return b
 
 
 def _check_seeds(seeds: object, source: str) -> list[int]:
