@@ -24,7 +24,8 @@ import torch
 from felix.client.trainer import LocalTrainer
 from felix.config import parse_set
 from felix.engine.run import run_config
-from felix.experiments.shipped import COMPARISONS, load_comparison, variant_config
+from felix.experiments.compare import load_comparison, variant_config
+from felix.experiments.shipped import COMPARISONS
 from felix.sim.build import Built
 from felix.strategies import objectives
 
@@ -37,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override (repeatable)")
     args = parser.parse_args(argv)
-    cfg = variant_config(load_comparison(COMPARISONS / "federage.yaml"), "scaffold", args.seed,
-                         parse_set(COUPLED + args.set))
+    cfg = variant_config(load_comparison(COMPARISONS / "federage.yaml"), "scaffold",
+                         parse_set(COUPLED + args.set), args.seed)
     torch.set_num_threads(cfg.run.threads or 1)
     slot = cfg.trace.slot_s
     tasks: list[dict[str, Any]] = []

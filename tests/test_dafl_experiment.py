@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from felix.experiments.compare import load_comparison, variant_config
 from felix.experiments.dafl import add_parser, main, scale_table
-from felix.experiments.shipped import COMPARISONS, load_comparison, variant_config
+from felix.experiments.shipped import COMPARISONS
 from felix.metrics.classification import class_metrics, confusion_matrix, f1_per_class, minority_classes
 from felix.metrics.convergence import convergence_round
 from felix.strategies.dataplans.dafl_tables import partition
@@ -86,7 +87,7 @@ def test_scaling_keeps_every_pair_the_paper_has() -> None:
 def test_the_file_is_the_old_experiment_setting() -> None:
     comp = load_comparison(COMPARISONS / "dafl-table4.yaml")
     assert list(comp.variants) == METHODS and comp.seeds == [0, 1, 2]
-    cfgs = {m: variant_config(comp, m, 0) for m in METHODS}
+    cfgs = {m: variant_config(comp, m, {}, 0) for m in METHODS}
     nic = cfgs["NIC"]
     assert nic.partition.table == scale_table(partition("D2"), 0.1).tolist()
     assert nic.orchestrator.mode == "sync" and nic.orchestrator.agg_goal == 8 and nic.orchestrator.overcommit == 1
@@ -106,7 +107,7 @@ def test_the_engine_stops_at_convergence() -> None:
     comp = load_comparison(COMPARISONS / "dafl-table4.yaml")
     sets = parse_set(TINY[TINY.index("--set") + 1::2][:4] + ["run.converge_threshold=100", "run.converge_patience=2",
                                                               f"partition.table={scale_table(partition('D2'), 0.02).tolist()}"])
-    res = run_config(variant_config(comp, "NIC", 0, sets))
+    res = run_config(variant_config(comp, "NIC", sets, 0))
     s = res.summary
     assert s["stop_reason"] == "converged" and s["aggregations"] == 3
     assert s["convergence"] == {"round": 3, "version": 3, "time_s": res.built.recorder.train_losses[2].time_s}

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from felix.cli import main as felix_main
+from felix.experiments.compare import load_comparison, variant_config
 from felix.experiments.federage import add_parser, main, paired_delta_table
-from felix.experiments.shipped import COMPARISONS, load_comparison, variant_config
+from felix.experiments.shipped import COMPARISONS
 
 VARIANTS = ["fedavg", "fedprox", "scaffold", "qffl", "federage-paper-a0.1-g0.5", "federage-capped-a0.1-g0.5",
             "federage-capped-a0.5-g0.5"]
@@ -34,7 +35,7 @@ def small_sets() -> dict:
 def test_the_file_lists_the_methods_of_the_old_catalogue() -> None:
     comp = load_comparison(COMPARISONS / "federage.yaml")
     assert list(comp.variants) == VARIANTS and comp.seeds == [0, 1, 2] and comp.reference == "fedavg"
-    cfgs = {v: variant_config(comp, v, 0) for v in VARIANTS}
+    cfgs = {v: variant_config(comp, v, {}, 0) for v in VARIANTS}
     assert cfgs["fedavg"].trace.kind == "ram" and cfgs["fedavg"].orchestrator.mode == "sync"
     assert cfgs["scaffold"].client.objective == "scaffold"
     assert cfgs["qffl"].aggregator.name == "qffl" and cfgs["qffl"].client.probe_loss
@@ -101,8 +102,8 @@ def test_federage_trains_on_full_model_batches_only() -> None:
     from felix.scenario.build import build_population, build_trainer
 
     comp = load_comparison(COMPARISONS / "federage.yaml")
-    fr = variant_config(comp, "federage-capped-a0.1-g0.5", 0, small_sets())
-    ce = variant_config(comp, "fedavg", 0, small_sets())
+    fr = variant_config(comp, "federage-capped-a0.1-g0.5", small_sets(), 0)
+    ce = variant_config(comp, "fedavg", small_sets(), 0)
     pop = build_population(ce)
     assert build_trainer(fr, pop).cfg.drop_last and not build_trainer(ce, pop).cfg.drop_last
 
@@ -111,7 +112,7 @@ def test_rare_clients_scenario_holds_rare_classes_at_rare_clients() -> None:
     from felix.scenario.build import _stream, build_population, per_client_setup
     from felix.scenario.random_access import ram_probabilities
 
-    cfg = variant_config(load_comparison(COMPARISONS / "federage.yaml"), "fedavg", 0, small_sets())
+    cfg = variant_config(load_comparison(COMPARISONS / "federage.yaml"), "fedavg", small_sets(), 0)
     pop = build_population(cfg)
     counts = np.stack([d.class_counts(10).numpy() for d in pop.client_data])
     p = ram_probabilities(cfg.trace, 8, _stream(0, 1), counts)

@@ -322,6 +322,7 @@ class RunCfg(_Strict):
 
 class Config(_Strict):
     name: str = "run"
+    description: str = Field("", description="what the config runs; documentation only (configs/ files have one)")
     strategy: str = "custom"
     seed: int = 0
     model: str = Field("small_cnn", description="a registered model (felix.scenario.models.MODELS: felix_cnn, "

@@ -5,7 +5,9 @@ import argparse
 import importlib
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 #: Where the user errors (config, dataset, trace) are defined: one line on stderr and exit 2. Looked
 #: up only in modules already imported, so that a command that needs none of them stays light.
@@ -49,20 +51,50 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from felix.config import parse_set
-    from felix.experiments.compare import compare
+    from felix.config import ConfigError, parse_set
+    from felix.experiments.compare import compare, is_comparison_file, load_comparison, run_comparison
     from felix.presets import MAIN_STRATEGIES
 
-    strategies = [s.strip() for s in (args.strategies or ",".join(MAIN_STRATEGIES)).split(",") if s.strip()]
-    out = Path(args.out or "runs/compare")
-    print(f"felix compare: {', '.join(strategies)} -> {out}", file=sys.stderr)
-    doc = compare(args.config, strategies, parse_set(args.set), out, args.scenario, args.jobs, args.reference,
-                  backend=args.backend, address=args.address, force=args.force, gpus_per_run=args.gpus_per_run)
+    listed = [s.strip() for s in (args.strategies or "").split(",") if s.strip()]
+    seeds, targets = _numbers(args.seeds, int, "--seeds"), _numbers(args.targets, float, "--targets")
+    if args.config is not None and is_comparison_file(args.config):
+        comp = load_comparison(args.config)
+        if args.scenario is not None:
+            comp = replace(comp, base={**comp.base, "scenario": args.scenario})
+        if args.reference is not None:
+            if args.reference not in comp.variants:
+                raise ConfigError(f"--reference {args.reference!r} is not one of the variants {list(comp.variants)}")
+            comp = replace(comp, reference=args.reference)
+        out = Path(args.out or f"runs/{comp.name}")
+        print(f"felix compare: {comp.name} ({comp.source}): {', '.join(listed or comp.variants)} -> {out}",
+              file=sys.stderr)
+        doc = run_comparison(comp, parse_set(args.set), out, seeds, targets, listed or None, args.jobs,
+                             backend=args.backend, address=args.address, force=args.force,
+                             gpus_per_run=args.gpus_per_run, argv=args.argv)
+    else:
+        strategies = listed or list(MAIN_STRATEGIES)
+        out = Path(args.out or "runs/compare")
+        print(f"felix compare: {', '.join(strategies)} -> {out}", file=sys.stderr)
+        doc = compare(args.config, strategies, parse_set(args.set), out, args.scenario, args.jobs, args.reference,
+                      backend=args.backend, address=args.address, force=args.force, gpus_per_run=args.gpus_per_run,
+                      seeds=seeds, targets=targets, argv=args.argv)
     if doc["strategies"]:
         print((out / "comparison.md").read_text())
     if any(s.get("stop_reason") == "interrupted" for s in doc["strategies"].values()):
         return 130  # Ctrl-C / SIGTERM: the interrupted run is rerun next time (the finished ones are kept)
     return 0 if doc["strategies"] and not doc["failed"] else 1
+
+
+def _numbers(items: list[str] | None, kind: type, flag: str) -> list[Any] | None:
+    """``--seeds 0 1 2`` or ``--seeds 0,1,2`` (the same for --targets) as numbers; None if not given."""
+    from felix.config import ConfigError
+
+    if items is None:
+        return None
+    try:
+        return [kind(x) for item in items for x in item.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} expects {kind.__name__} values, got {' '.join(items)!r}") from None
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -103,15 +135,24 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     r.add_argument("--out", help="output folder (default runs/<name>-<strategy>-s<seed>)")
     r.add_argument("-q", "--quiet", action="store_true", help="no live progress line")
     r.set_defaults(func=_run)
-    c = sub.add_parser("compare", help="run several strategies on the same scenario and tabulate them")
-    c.add_argument("config", nargs="?", help="YAML scenario (default: the embedded offline scenario)")
-    c.add_argument("--strategies", help="comma-separated presets (default: the seven main ones)")
-    c.add_argument("--scenario", help="named scenario preset to start from")
+    c = sub.add_parser("compare", help="run the variants of a comparison (or several strategies) over seeds "
+                       "on the same scenario and tabulate them")
+    c.add_argument("config", nargs="?", help="a comparison file or the name of a shipped one (configs/comparisons/; "
+                   "docs/configs.md), or a YAML scenario to compare --strategies on (default: the embedded "
+                   "offline scenario)")
+    c.add_argument("--strategies", help="comma-separated presets (default: the seven main ones); with a "
+                   "comparison file, the variants to run (default: all)")
+    c.add_argument("--scenario", help="named scenario preset to start from (replaces a comparison's base scenario)")
+    c.add_argument("--seeds", nargs="+", metavar="SEED", help="seeds of every variant, e.g. --seeds 0 1 2 "
+                   "(default: the comparison file's, else the config's seed)")
+    c.add_argument("--targets", nargs="+", metavar="ACC", help="accuracy targets of the tables, e.g. --targets "
+                   "0.78 0.80 0.82; runs stop at the highest (default: the file's, else run.target_accuracy)")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     c.add_argument("--out", help="output folder (default runs/compare)")
     c.add_argument("--jobs", type=int, help="local: strategies in parallel processes (default 1); "
                    "ray without --address: CPUs of the local instance (default all)")
-    c.add_argument("--reference", help="strategy the speed-ups are relative to (default felix)")
+    c.add_argument("--reference", help="strategy (variant) the speed-ups are relative to (default: the file's, "
+                   "else felix)")
     _add_backend_args(c)
     c.set_defaults(func=_compare)
     w = sub.add_parser("sweep", help="one scenario over a grid of --set values, strategies and seeds")
@@ -145,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(_command(argv))
     args = parser.parse_args(argv)
+    args.argv = ["felix", *argv]  # recorded by commands that write a manifest
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))

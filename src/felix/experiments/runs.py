@@ -45,14 +45,13 @@ class RunSpec:
 
     @property
     def done(self) -> bool:
-        """A summary exists and its run was not interrupted (an interrupted run is done again)."""
-        path = self.out_dir / "summary.json"
-        if not path.exists():
-            return False
+        """Finished: a summary exists and the run was not interrupted (an interrupted run, or an
+        unreadable summary, is run again)."""
         try:
-            return json.loads(path.read_text()).get("stop_reason") != "interrupted"
-        except (OSError, ValueError, AttributeError):
-            return True  # unreadable: ``load`` says so, with the way out (--force)
+            summary = json.loads((self.out_dir / "summary.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(summary, dict) and summary.get("stop_reason") != "interrupted"
 
 
 @dataclass(frozen=True)

@@ -45,12 +45,14 @@ def first_hits(rows: Sequence[EvalRow], targets: Sequence[float], window: int) -
 
 @dataclass(frozen=True)
 class Spread:
-    """Mean and sample standard deviation over the seeds that have a value; ``n`` of ``of``."""
+    """Mean, sample standard deviation and range over the seeds that have a value; ``n`` of ``of``."""
 
     mean: float | None
     std: float | None
     n: int
     of: int
+    min: float | None = None
+    max: float | None = None
 
     @classmethod
     def of_values(cls, values: Sequence[float | None]) -> Spread:
@@ -58,13 +60,19 @@ class Spread:
         if not got:
             return cls(None, None, 0, len(values))
         std = float(np.std(got, ddof=1)) if len(got) > 1 else 0.0
-        return cls(float(np.mean(got)), std, len(got), len(values))
+        return cls(float(np.mean(got)), std, len(got), len(values), min(got), max(got))
 
     def text(self, fmt: str = ".0f", scale: float = 1.0) -> str:
+        """``mean ± std``, then ``(n/m reached)`` when some seeds have no value, then ``[min-max]``
+        when more than one has."""
         if self.mean is None:
             return f"not reached (0/{self.of})"
         s = f"{self.mean / scale:{fmt}} ± {(self.std or 0.0) / scale:{fmt}}"
-        return s if self.n == self.of else f"{s} ({self.n}/{self.of} reached)"
+        if self.n != self.of:
+            s += f" ({self.n}/{self.of} reached)"
+        if self.n > 1 and self.min is not None and self.max is not None:
+            s += f" [{self.min / scale:{fmt}}-{self.max / scale:{fmt}}]"
+        return s
 
 
 @dataclass(frozen=True)
@@ -87,8 +95,9 @@ def compare_seeds(curves: Curves, targets: Sequence[float], window: int, referen
     for s, by_seed in hits.items():
         out[s] = {}
         for t in targets:
-            times = [h[t].time_s if h[t] else None for h in by_seed.values()]
-            nbytes = [float(h[t].bytes_total) if h[t] else None for h in by_seed.values()]
+            at_t = [h[t] for h in by_seed.values()]
+            times = [x.time_s if x else None for x in at_t]
+            nbytes = [float(x.bytes_total) if x else None for x in at_t]
             ratios: list[float | None] = []
             for seed, h in by_seed.items():
                 ref = hits[reference].get(seed, {}).get(t)
@@ -145,28 +154,8 @@ def plot_comparison(out_dir: Path, curves: Curves, stats: dict[str, dict[float, 
     paths: list[Path] = []
 
     fig, ax = plt.subplots(figsize=(7.5, 4.4))
-    grid = np.linspace(0.0, xmax, 400)
-    for s, runs in curves.items():
-        ys = []
-        for rows in runs.values():
-            if not rows:
-                continue
-            t = np.array([r.time_s for r in rows])
-            a = np.array([r.accuracy for r in rows])
-            # the accuracy in force at each grid time (step function); after a run ends, its last value
-            ys.append(a[np.clip(np.searchsorted(t, grid, side="right") - 1, 0, len(a) - 1)])
-        if not ys:
-            continue
-        y = np.vstack(ys)
-        line, = ax.plot(grid / 3600, y.mean(0), lw=1.4, label=f"{s} ({len(ys)} seeds)")
-        ax.fill_between(grid / 3600, y.min(0), y.max(0), color=line.get_color(), alpha=0.18, lw=0)
-    for t in targets:
-        ax.axhline(t, color="grey", ls="--", lw=0.7)
-    ax.set_xlim(0, xmax / 3600)
+    _accuracy_panel(ax, curves, stats, "time_s", xmax, 3600.0)
     ax.set_xlabel("virtual time (h); band: min-max over seeds")
-    ax.set_ylabel("test accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(out_dir / f"{prefix}accuracy_vs_time.png")
     fig.savefig(paths[-1], dpi=110)
@@ -174,17 +163,21 @@ def plot_comparison(out_dir: Path, curves: Curves, stats: dict[str, dict[float, 
 
     names = list(stats)
     width = 0.8 / max(1, len(targets))
-    for key, ylabel, scale, fname in (("time_s", "time to target (h)", 3600.0, "time_to_target.png"),
+    longest = max((a.time_s.mean or 0.0) + (a.time_s.std or 0.0) for p in stats.values() for a in p.values())
+    hours = longest > 3 * 3600.0
+    for key, ylabel, scale, fname in (("time_s", "time to target " + ("(h)" if hours else "(s)"),
+                                       3600.0 if hours else 1.0, "time_to_target.png"),
                                       ("bytes_total", "MB to target", 1e6, "bytes_to_target.png")):
         fig, ax = plt.subplots(figsize=(7.5, 4.2))
+        ax.set_title("mean ± std over seeds; k/n: seeds that reached it; n.r.: not reached", fontsize=8)
         tops = [(getattr(a, key).mean or 0.0) + (getattr(a, key).std or 0.0) for p in stats.values() for a in p.values()]
         cap = max(tops) / scale if max(tops) > 0 else 1.0
-        for j, t in enumerate(targets):
+        for j, target in enumerate(targets):
             xs = np.arange(len(names)) + (j - (len(targets) - 1) / 2) * width
-            vals = [getattr(stats[n][t], key) for n in names]
+            vals = [getattr(stats[n][target], key) for n in names]
             means = [v.mean / scale if v.mean is not None else 0.0 for v in vals]
             errs = [(v.std or 0.0) / scale if v.mean is not None else 0.0 for v in vals]
-            ax.bar(xs, means, width, yerr=errs, capsize=2, label=f"target {t:g}")
+            ax.bar(xs, means, width, yerr=errs, capsize=2, label=f"target {target:g}")
             for x, v in zip(xs, vals):
                 if v.mean is None:
                     ax.text(x, 0, "n.r.", ha="center", va="bottom", fontsize=6, rotation=90)
@@ -192,10 +185,75 @@ def plot_comparison(out_dir: Path, curves: Curves, stats: dict[str, dict[float, 
                     ax.text(x, v.mean / scale, f"{v.n}/{v.of}", ha="center", va="bottom", fontsize=6)
         ax.set_xticks(np.arange(len(names)), names, rotation=30, ha="right")
         ax.set_ylim(0, cap * 1.15)
-        ax.set_ylabel(ylabel + " (mean ± std over seeds; n.r.: not reached)")
+        ax.set_ylabel(ylabel)
         ax.legend(fontsize=7)
         fig.tight_layout()
         paths.append(out_dir / f"{prefix}{fname}")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths
+
+
+def _reached_label(name: str, runs: dict[int, list[EvalRow]], per_t: dict[float, StrategyAtTarget]) -> str:
+    """Legend text: the seed count, and how many seeds reached the highest target when not all did."""
+    top = per_t[max(per_t)].time_s
+    label = f"{name} ({len(runs)} seeds)"
+    return label if top.n == top.of else f"{name} ({top.n}/{top.of} seeds reached {max(per_t):g})"
+
+
+def _accuracy_panel(ax: Any, curves: Curves, stats: dict[str, dict[float, StrategyAtTarget]], xkey: str,
+                    xmax: float, scale: float) -> None:
+    """Mean accuracy over seeds against ``xkey`` (time_s or bytes_total) up to ``xmax``, with a
+    min-max band; each run holds its last accuracy after it ends. A strategy that did not reach the
+    highest target on every seed says so in the legend."""
+    grid = np.linspace(0.0, xmax, 400)
+    for s, runs in curves.items():
+        ys = []
+        for rows in runs.values():
+            if not rows:
+                continue
+            x = np.array([getattr(r, xkey) for r in rows], dtype=float)
+            a = np.array([r.accuracy for r in rows])
+            # the accuracy in force at each grid point (step function); after a run ends, its last value
+            ys.append(a[np.clip(np.searchsorted(x, grid, side="right") - 1, 0, len(a) - 1)])
+        if not ys:
+            continue
+        y = np.vstack(ys)
+        line, = ax.plot(grid / scale, y.mean(0), lw=1.4, label=_reached_label(s, runs, stats[s]))
+        ax.fill_between(grid / scale, y.min(0), y.max(0), color=line.get_color(), alpha=0.18, lw=0)
+    targets = list(next(iter(stats.values())))
+    for target in targets:
+        ax.axhline(target, color="grey", ls="--", lw=0.7)
+    ax.set_xlim(0, xmax / scale)
+    # The race is decided near the targets: start the accuracy axis 0.2 below the lowest.
+    ax.set_ylim(bottom=max(0.0, min(targets) - 0.2))
+    ax.set_ylabel("test accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def bytes_axis_limit(stats: dict[str, dict[float, StrategyAtTarget]], curves: Curves) -> float:
+    """Like ``time_axis_limit``, in bytes: twice the largest mean bytes to a reached target."""
+    reached = [a.bytes_total.mean for per_t in stats.values() for a in per_t.values() if a.bytes_total.mean is not None]
+    if reached:
+        return 2.0 * max(reached)
+    return float(max((rows[-1].bytes_total for runs in curves.values() for rows in runs.values() if rows),
+                     default=1))
+
+
+def plot_accuracy_vs_bytes(out_dir: Path, curves: Curves, stats: dict[str, dict[float, StrategyAtTarget]],
+                           prefix: str = "comparison_") -> Path:
+    """Accuracy against total bytes (mean over seeds, min-max band), zoomed like the time plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    _accuracy_panel(ax, curves, stats, "bytes_total", bytes_axis_limit(stats, curves), 1e6)
+    ax.set_xlabel("total bytes (MB); band: min-max over seeds")
+    fig.tight_layout()
+    path = out_dir / f"{prefix}accuracy_vs_bytes.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -40,6 +40,7 @@ from felix.core.validation import UpdateValidator, ValidationConfig
 from felix.metrics.per_client import PerClientSetup, make_per_client_eval
 from felix.metrics.recorder import Recorder
 from felix.scenario.datasets import ArrayDataset, DatasetError, check_dataset, first_classes, load_dataset
+from felix.scenario.locations import dataset_root
 from felix.scenario.long_tail import long_tail_indices
 from felix.scenario.models import ModelFactory, check_model, make_model
 from felix.scenario.partition import partition
@@ -267,6 +268,19 @@ def fit_config(cfg: Config, num_clients: int) -> Config:
     return validate(deep_merge(cfg.model_dump(), {"partition": {"num_clients": num_clients}}), "prepared population")
 
 
+def _root(root: str | None, download: bool) -> str | None:
+    """``dataset.root`` as found (a relative one under $FELIX_DATA); a missing one is an error unless
+    the dataset may be downloaded."""
+    if root is None:
+        return None
+    try:
+        return str(dataset_root(root))
+    except DatasetError:
+        if download:
+            return root
+        raise
+
+
 def build_population(cfg: Config, data: ClientDatasets | None = None,
                      model: nn.Module | ModelFactory | None = None) -> Population:
     """The clients' data, the test set and the initial model. ``data`` replaces the configured
@@ -275,7 +289,7 @@ def build_population(cfg: Config, data: ClientDatasets | None = None,
     weights are then the initial ones."""
     d = cfg.dataset
     if data is None:
-        train, test = _dataset(d.name, d.root, d.download, d.per_class_limit, d.num_classes,
+        train, test = _dataset(d.name, _root(d.root, d.download), d.download, d.per_class_limit, d.num_classes,
                                json.dumps(d.params, sort_keys=True, default=str))
         parts = partition_indices(cfg, train.y.numpy(), train.num_classes)
         datas = [ClientData(train.x[torch.as_tensor(ix)], train.y[torch.as_tensor(ix)]) for ix in parts]

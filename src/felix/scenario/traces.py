@@ -27,6 +27,7 @@ import numpy as np
 
 from felix.config import ConfigError
 from felix.core.types import Tier
+from felix.scenario.locations import trace_file
 from felix.scenario.registry import Registry
 
 if TYPE_CHECKING:
@@ -345,14 +346,14 @@ def _slotted(cfg: TraceCfg, num_clients: int, rng: np.random.Generator) -> Avail
 def _mobiperf(cfg: TraceCfg, num_clients: int, rng: np.random.Generator) -> AvailabilityTrace:
     if cfg.path is None:
         raise ConfigError("trace.kind 'mobiperf' needs trace.path")
-    return load_mobiperf(cfg.path, cfg.series)
+    return load_mobiperf(trace_file(cfg.path), cfg.series)
 
 
 @TRACES.register("fedscale")
 def _fedscale(cfg: TraceCfg, num_clients: int, rng: np.random.Generator) -> AvailabilityTrace:
     if cfg.path is None:
         raise ConfigError("trace.kind 'fedscale' needs trace.path")
-    return load_fedscale(cfg.path)
+    return load_fedscale(trace_file(cfg.path))
 
 
 @TRACES.register("ram")

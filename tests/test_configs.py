@@ -1,0 +1,267 @@
+"""Configs as data (issue 9, deliverable 6) and comparison files run by `felix compare` (deliverable 5;
+issue 12 items 1-3): the shipped YAML presets, scenarios and comparisons, the data and trace
+location settings, and the multi-seed, multi-target comparison with its manifest and plots."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from felix.cli import main
+from felix.config import ConfigError
+from felix.engine.run import resolve_config
+from felix.experiments.compare import (
+    expand_dotted,
+    load_comparison,
+    on_the_fly,
+    parse_comparison,
+    variant_config,
+)
+from felix.presets import (
+    CONFIG_DIR,
+    comparison_names,
+    scenario_names,
+    scenario_preset,
+    slug,
+    strategy_names,
+    strategy_preset,
+)
+from felix.scenario.datasets import DatasetError
+from felix.scenario.locations import dataset_root, trace_file
+from felix.scenario.traces import TraceError
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_TRACE = ROOT / ".." / "shared" / "traces" / "mobiperf-300.json"
+
+TINY = {"partition": {"num_clients": 12}, "model": "mlp", "trace": {"kind": "always"},
+        "run": {"max_aggregations": 3, "target_window": 1, "stop_at_target": False},
+        "orchestrator": {"concurrency": 4, "agg_goal": 2}}
+
+
+# ------------------------------------------------------------------ the shipped files
+def test_configs_folder_is_the_package_data() -> None:
+    assert (ROOT / "configs").resolve() == CONFIG_DIR
+    assert {"felix", "oort-async*", "refl*", "oort-async+tiertrack"} <= set(strategy_names())
+    assert {"default", "felix-cpu-100", "felix-cpu-90", "felix-cpu-50", "felix-cpu-mobiperf",
+            "felix-cifar10"} <= set(scenario_names())
+    assert {"felix-cpu-100", "felix-cpu-90", "felix-cpu-50", "felix-cpu-mobiperf"} <= set(comparison_names())
+    for f in (CONFIG_DIR / "strategies").glob("*.yaml"):
+        assert "*" not in f.name and "+" not in f.name
+
+
+def test_strategy_presets_by_paper_name_or_file_name() -> None:
+    assert strategy_preset("oort-async*") == strategy_preset("oort-async-oracle")
+    assert strategy_preset("oort-async*")["orchestrator"]["knowledge"] == "oracle"
+    assert slug("oort-async+tiertrack") == "oort-async-tiertrack"
+    # A caller that mutates what it got does not change the preset.
+    strategy_preset("felix")["aggregator"]["name"] = "x"
+    assert strategy_preset("felix")["aggregator"]["name"] == "tierfuse"
+
+
+def test_unknown_names_list_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match=r"unknown strategy preset 'nope'.*'felix'"):
+        strategy_preset("nope")
+    with pytest.raises(ConfigError, match=r"unknown scenario 'nope'.*'felix-cpu-90'"):
+        scenario_preset("nope")
+    with pytest.raises(ConfigError, match=r"unknown comparison 'nope'.*'felix-cpu-mobiperf'"):
+        load_comparison("nope")
+
+
+@pytest.mark.parametrize("scenario", ["default", "felix-cpu-100", "felix-cpu-90", "felix-cpu-50",
+                                      "felix-cpu-mobiperf", "felix-cifar10"])
+def test_every_scenario_validates_with_every_strategy(scenario: str) -> None:
+    for strategy in strategy_names():
+        cfg = resolve_config(None, strategy, {}, scenario)
+        assert cfg.strategy == strategy
+    # Data and trace files are named relative to $FELIX_DATA / $FELIX_TRACES, not to a checkout.
+    raw = json.dumps(scenario_preset(scenario))
+    assert "shared/" not in raw
+
+
+def test_a_scenario_file_is_a_run_config() -> None:
+    cfg = resolve_config(str(CONFIG_DIR / "scenarios" / "felix-cpu-90.yaml"), "felix", {})
+    assert cfg.description.startswith("The CPU-sized FeLiX reproduction")
+    assert cfg.model_copy(update={"description": ""}) == resolve_config(None, "felix", {}, "felix-cpu-90")
+
+
+@pytest.mark.parametrize("name", ["felix-cpu-100", "felix-cpu-90", "felix-cpu-50", "felix-cpu-mobiperf"])
+def test_shipped_comparisons_resolve(name: str) -> None:
+    comp = load_comparison(name)
+    assert comp.reference == "felix" and comp.seeds == [0, 1, 2] and comp.targets == [0.78, 0.8, 0.82]
+    assert list(comp.variants) == ["fedbuff", "oort", "oort*", "oort-async", "oort-async*", "refl*", "felix"]
+    for v in comp.variants:
+        cfg = variant_config(comp, v, {}, 2, max(comp.targets))
+        assert (cfg.name, cfg.strategy, cfg.seed, cfg.run.target_accuracy) == (name, v, 2, 0.82)
+        # The variant is exactly its strategy preset on the scenario (plus the comparison's base).
+        plain = resolve_config(None, v, {"seed": 2, "run": {"target_accuracy": 0.82},
+                                         "trace": {"offset_s": cfg.trace.offset_s}}, name)
+        assert cfg == plain
+    # The MobiPerf comparison starts past the trace's all-available head (issue 12).
+    assert variant_config(comp, "felix", {}).trace.offset_s == (300.0 if name.endswith("mobiperf") else 0.0)
+
+
+def test_on_the_fly_comparison_is_the_old_compare() -> None:
+    """`felix compare --strategies ...` builds the configs `felix run --preset` builds, so a seed
+    reproduces the same runs (and finished runs of the old form are still recognised)."""
+    sets = {"client": {"lr": 0.1}}
+    for scenario in (None, "felix-cpu-50"):
+        comp = on_the_fly(None, ["fedbuff", "oort*"], scenario, None)
+        for s in ("fedbuff", "oort*"):
+            assert variant_config(comp, s, sets) == resolve_config(None, s, sets, scenario)
+
+
+def test_comparison_file_errors_name_the_file() -> None:
+    with pytest.raises(ConfigError, match=r"x.yaml: unknown key\(s\) \['variant'\]"):
+        parse_comparison({"variant": {}}, "x.yaml")
+    with pytest.raises(ConfigError, match="reference 'c' is not one of the variants"):
+        parse_comparison({"variants": {"a": {}, "b": None}, "reference": "c"}, "x.yaml")
+    with pytest.raises(ConfigError, match="seeds must be"):
+        parse_comparison({"variants": {"a": {}}, "seeds": [0, 0]}, "x.yaml")
+    with pytest.raises(ConfigError, match="targets must be"):
+        parse_comparison({"variants": {"a": {}}, "targets": [80]}, "x.yaml")
+    assert expand_dotted({"selector.params.a": 1, "selector": {"params.b": 2, "name": "oort"}}) == {
+        "selector": {"params": {"a": 1, "b": 2}, "name": "oort"}}
+    comp = parse_comparison({"variants": {"a": {"client.lr": 0.2, "strategy": "fedbuff"}},
+                             "base": {"scenario": "default", "client": {"epochs": 2}}}, "x.yaml")
+    cfg = variant_config(comp, "a", {})
+    assert (cfg.client.lr, cfg.client.epochs, cfg.strategy) == (0.2, 2, "fedbuff")
+    with pytest.raises(ConfigError, match=r"x.yaml, variant a: invalid configuration\n  client.lr"):
+        variant_config(parse_comparison({"variants": {"a": {"client.lr": -1}}}, "x.yaml"), "a", {})
+
+
+# ------------------------------------------------------------------ data and trace locations
+def test_relative_trace_paths_resolve_under_felix_traces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    (folder / "t.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FELIX_TRACES", str(folder))
+    assert trace_file("t.json") == folder / "t.json"
+    assert trace_file("traces/t.json") == Path("traces/t.json")  # found from the working directory first
+    with pytest.raises(TraceError, match=r"trace file 'u.json' not found.*FELIX_TRACES=.*set FELIX_TRACES"):
+        trace_file("u.json")
+    monkeypatch.delenv("FELIX_TRACES")
+    monkeypatch.setenv("FELIX_DATA", str(tmp_path / "data"))
+    with pytest.raises(TraceError, match=r"under .*data/traces \(the default; \$FELIX_TRACES is not set\)"):
+        trace_file("t.json")
+    with pytest.raises(DatasetError, match=r"dataset root 'c.tar.gz' not found.*FELIX_DATA="):
+        dataset_root("c.tar.gz")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "c.tar.gz").write_bytes(b"")
+    assert dataset_root("c.tar.gz") == tmp_path / "data" / "c.tar.gz"
+
+
+@pytest.mark.skipif(not SHARED_TRACE.exists(), reason="needs the MobiPerf trace at ../shared/traces")
+def test_shipped_mobiperf_scenario_finds_its_trace_under_felix_traces(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path) -> None:
+    from felix.scenario.build import build_trace
+
+    cfg = resolve_config(None, "felix", {"trace": {"offset_s": 300.0}}, "felix-cpu-mobiperf")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FELIX_TRACES", str(SHARED_TRACE.parent.resolve()))
+    trace = build_trace(cfg)
+    assert len(trace.devices) == 300
+    # Past the all-available head: most devices are not available for training at time 0.
+    assert sum(d.tier_at(0.0) == 2 for d in trace.devices) < 100
+    monkeypatch.setenv("FELIX_TRACES", str(tmp_path))
+    with pytest.raises(TraceError, match="FELIX_TRACES"):
+        build_trace(cfg)
+
+
+def test_run_from_another_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    sets = [a for k, v in (("run.max_aggregations", 2), ("partition.num_clients", 8), ("model", "mlp"))
+            for a in ("--set", f"{k}={v}")]
+    assert main(["run", "--scenario", "default", "--preset", "oort-async*", "-q", "--out", "r", *sets]) == 0
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert (s["strategy"], s["aggregations"]) == ("oort-async*", 2)
+
+
+# ------------------------------------------------------------------ felix compare FILE
+def _write_comparison(path: Path, **extra: object) -> Path:
+    doc = {"name": "tiny", "description": "two variants on a tiny digits run",
+           "base": {"scenario": "default", **TINY},
+           "variants": {"fedbuff": {"strategy": "fedbuff"}, "felix-lr": {"strategy": "felix", "client.lr": 0.1}},
+           "reference": "felix-lr", **extra}
+    path.write_text(json.dumps(doc))  # JSON is YAML
+    return path
+
+
+def test_compare_file_over_seeds_and_targets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = _write_comparison(tmp_path / "tiny.yaml", seeds=[5])
+    out = tmp_path / "out"
+    argv = ["compare", str(f), "--seeds", "0", "1", "--targets", "0.15,0.1", "--out", str(out)]
+    assert main(argv) == 0
+    doc = json.loads((out / "comparison.json").read_text())
+    assert (doc["seeds"], doc["targets"], doc["reference"]) == ([0, 1], [0.1, 0.15], "felix-lr")
+    assert set(doc["runs"]) == {"fedbuff", "felix-lr"} and set(doc["runs"]["fedbuff"]) == {"0", "1"}
+    for variant in ("fedbuff", "felix-lr"):
+        for target in ("0.1", "0.15"):
+            st = doc["stats"][variant][target]
+            assert st["time_s"]["of"] == 2 and {"mean", "std", "min", "max", "n"} <= set(st["time_s"])
+    # The reference's speed-up over itself is 1 on every seed where it reached the target.
+    ref = doc["stats"]["felix-lr"]["0.1"]["speedup_of_reference"]
+    assert ref["n"] == 0 or ref["mean"] == 1.0
+    summ = json.loads((out / "felix-lr" / "seed-1" / "summary.json").read_text())
+    assert summ["seed"] == 1 and summ["target_accuracy"] == 0.15  # runs stop at (and report) the highest target
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["command"] == ["felix", *argv]
+    assert manifest["ended_utc"] and manifest["provenance"]["torch"] and manifest["devices"] == ["cpu"]
+    run = manifest["runs"]["felix-lr/seed=1"]
+    assert run["status"] == "ran" and run["config"]["client"]["lr"] == 0.1 and run["folder"] == "felix-lr/seed-1"
+    md = (out / "comparison.md").read_text()
+    assert "two variants on a tiny digits run" in md and "| fedbuff |" in md and "## Seed 1" in md
+    for png in ("accuracy_vs_time", "accuracy_vs_bytes", "time_to_target", "bytes_to_target", "bytes"):
+        assert (out / f"comparison_{png}.png").stat().st_size > 1000
+    assert "done 4/4" in capsys.readouterr().err
+
+    # Rerun: finished runs are read back; an interrupted one is run again.
+    p = out / "fedbuff" / "seed-0" / "summary.json"
+    p.write_text(json.dumps({**json.loads(p.read_text()), "stop_reason": "interrupted"}))
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "3 finished before, not rerun" in err and "done 4/4: fedbuff/seed=0" in err
+    assert json.loads(p.read_text())["stop_reason"] != "interrupted"
+    statuses = [r["status"] for r in json.loads((out / "manifest.json").read_text())["runs"].values()]
+    assert sorted(statuses) == ["finished before (not rerun)"] * 3 + ["ran"]
+    # Same seeds, same numbers.
+    assert json.loads((out / "comparison.json").read_text())["stats"] == doc["stats"]
+
+
+def test_compare_file_only_some_variants_and_bad_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = _write_comparison(tmp_path / "tiny.yaml")
+    out = tmp_path / "o"
+    assert main(["compare", str(f), "--strategies", "fedbuff", "--out", str(out)]) == 0
+    doc = json.loads((out / "comparison.json").read_text())
+    assert set(doc["runs"]) == {"fedbuff"} and doc["reference"] == "fedbuff"  # the reference did not run
+    assert (out / "fedbuff" / "summary.json").exists()  # no seeds asked for: the single-seed layout
+    assert main(["compare", str(f), "--strategies", "nope", "--out", str(out)]) == 2
+    assert main(["compare", str(f), "--seeds", "x", "--out", str(out)]) == 2
+    assert main(["compare", "no-such-comparison"]) == 2
+    err = capsys.readouterr().err
+    assert "no variant(s) ['nope']" in err and "--seeds expects int" in err and "unknown comparison" in err
+
+
+# ------------------------------------------------------------------ packaging
+@pytest.mark.slow
+def test_wheel_ships_the_configs(tmp_path: Path) -> None:
+    """An installed wheel (not only the editable checkout) finds the shipped configs."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(ROOT)], check=True, timeout=300, capture_output=True)
+    wheel = next(tmp_path.glob("felix_fl-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for kind in ("strategies", "scenarios", "comparisons"):
+        shipped = {f"felix/configs/{kind}/{p.name}" for p in (CONFIG_DIR / kind).glob("*.yaml")}
+        assert shipped and shipped <= names
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    code = "import felix.presets as p; print(p.CONFIG_DIR, len(p.strategy_names()), p.strategy_preset('oort*'))"
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(site), "PATH": ""},
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert str(site) in res.stdout and "oracle" in res.stdout
+    shutil.rmtree(site)
