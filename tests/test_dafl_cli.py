@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from felix.cli import dafl as dafl_cli
@@ -219,3 +220,20 @@ def test_felix_plan_augmentation_does_not_import_torch(tmp_path: Path) -> None:
     )
     done = subprocess.run([sys.executable, "-c", help_probe], capture_output=True, text=True, env=env, check=False)
     assert done.returncode == 0, done.stderr
+
+
+def test_small_tables_plan_interpreted_with_the_same_result(tmp_path: Path) -> None:
+    """A small table is planned without numba's start-up (the CLI sets NUMBA_DISABLE_JIT in its
+    own process), a large one with the kernel; the interpreted plan equals the compiled one."""
+    from felix.strategies.dataplans.dafl import interpreted_is_faster
+
+    rng = np.random.default_rng(3)
+    counts = np.stack([rng.multinomial(300, rng.dirichlet(np.full(6, 0.3))) for _ in range(12)]).astype(np.int64)
+    assert interpreted_is_faster(counts)
+    assert not interpreted_is_faster(np.array([[100_000, 1]] * 1000, dtype=np.int64))
+    path = tmp_path / "counts.csv"
+    path.write_text("client," + ",".join(f"c{j}" for j in range(6)) + "\n"
+                    + "".join(f"{k}," + ",".join(map(str, row)) + "\n" for k, row in enumerate(counts)))
+    out = subprocess.run([sys.executable, "-m", "felix", "plan-augmentation", str(path), "--json"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert np.array_equal(np.array(json.loads(out.stdout)["A"]), plan_dafl(counts, DaflParams()).A)

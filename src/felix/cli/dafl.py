@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from felix.strategies.dataplans.dafl import (
     RULES,
     AugmentationPlan,
     DaflParams,
+    interpreted_is_faster,
     plan_dafl,
     plan_local_balancing,
 )
@@ -83,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
     """Plan, report, and write ``--out``; user errors become one line on stderr and exit code 2."""
     try:
         table = read_counts(Path(args.counts))
+        if "numba" not in sys.modules and interpreted_is_faster(table.counts, args.step, args.tau):
+            # A small table plans faster interpreted than numba starts: this process plans once.
+            os.environ.setdefault("NUMBA_DISABLE_JIT", "1")
         if args.method == "lb":
             plan = plan_local_balancing(table.counts, args.tau, step=args.step, rule=args.rule,
                                         max_steps=args.max_steps)

@@ -65,12 +65,12 @@ import functools
 import math
 import time
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Final, Literal
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from felix.strategies.dataplans import dafl_kernel
 from felix.strategies.dataplans.imbalance import (
     MAX_COUNT,
     as_count_matrix,
@@ -103,7 +103,6 @@ RULES: Final = ("float", "exact")
 #: Default bound on greedy steps per plan (about 1-3 s of CPU at 1000 clients x 100 classes).
 MAX_STEPS: Final = 10_000_000
 
-_RULE_CODES: Final = {"float": dafl_kernel.RULE_FLOAT, "exact": dafl_kernel.RULE_EXACT}
 
 
 class PlanTooLargeError(ValueError):
@@ -248,15 +247,15 @@ def plan_dafl(counts: ArrayLike, params: DaflParams | None = None, *, max_steps:
     params = DaflParams() if params is None else params
     _check_max_steps(max_steps)
     n_mat = validate_counts(counts)
-    rule = _RULE_CODES[params.rule]
-    _load_kernel()
+    kernel = _load_kernel()
+    rule = _rule_code(kernel, params.rule)
     start = time.perf_counter()
     totals = n_mat.sum(axis=0)
     phase1 = phase1_steps(totals, params.step, params.tau, rule=params.rule, max_steps=max_steps)
     limit = max_total_samples(n_mat.shape[1])
     _check_total(int(totals.sum()) + phase1 * params.step, limit, "after Phase 1")
     rows = np.flatnonzero(n_mat.sum(axis=1) > 0)
-    added = dafl_kernel.greedy(
+    added = kernel.greedy(
         n_mat[rows], params.step, params.tau, params.lambda1 * params.zeta_prime / params.epsilon,
         params.lambda2 * params.zeta, params.drift_weight, rule, P_RTOL, max_steps, limit,
     )
@@ -290,7 +289,8 @@ def _water_fill(totals: NDArray[np.int64], step: int, tau: float, rule: str, max
             f"use a step of at least {-(-lower * step // max_steps):,} samples"
         )
     _check_total(max(n0, needed), limit, "after balancing")
-    events = dafl_kernel.water_fill(totals, step, tau, _RULE_CODES[rule], max_steps, limit)
+    kernel = _load_kernel()
+    events = kernel.water_fill(totals, step, tau, _rule_code(kernel, rule), max_steps, limit)
     if events[0] < 0:
         raise PlanTooLargeError(
             f"balancing these counts to J <= {tau:g} needs more than {max_steps:,} greedy steps of {step} "
@@ -339,12 +339,37 @@ def plan_local_balancing(
 
 
 @functools.cache
-def _load_kernel() -> None:
-    """Load (or, the first time after installation, compile) the kernel once per process, on a
-    trivial matrix, so that ``plan_seconds`` measures planning and not numba's start-up."""
+def _load_kernel() -> ModuleType:
+    """The numba kernel, imported on first use (so that importing this module, e.g. for the CLI's
+    parser, costs no numba start-up), then loaded (or, the first time after installation,
+    compiled) once per process on a trivial matrix, so that ``plan_seconds`` measures planning and
+    not numba's start-up."""
+    from felix.strategies.dataplans import dafl_kernel
+
     dafl_kernel.greedy(np.ones((1, 2), dtype=np.int64), 1, 1e-3, 1.0, 1.0, 1.0, dafl_kernel.RULE_FLOAT, P_RTOL,
                        1, 4)
     dafl_kernel.water_fill(np.ones(2, dtype=np.int64), 1, 1e-3, dafl_kernel.RULE_FLOAT, 1, 4)
+    return dafl_kernel
+
+
+def _rule_code(kernel: ModuleType, rule: str) -> int:
+    return int(kernel.RULE_FLOAT if rule == "float" else kernel.RULE_EXACT)
+
+
+def interpreted_is_faster(counts: NDArray[np.int64], step: int = 1, tau: float = 1e-3) -> bool:
+    """Whether planning ``counts`` in the interpreter (numba's ``NUMBA_DISABLE_JIT``) would beat
+    numba's start-up (0.5-1 s to load the cached kernel). The greedy visits every cell once per
+    step (about 0.2 us a visit interpreted); its steps are estimated as twice the water-fill's lower
+    bound on the samples balance needs (``_water_fill``), and up to about 3 million visits (well
+    under a second) count as small. Only a process that plans once may act on it (the CLI)."""
+    n = np.asarray(counts, dtype=np.int64)
+    if n.ndim != 2 or n.size == 0 or n.sum() == 0:
+        return True
+    k, c = n.shape
+    totals = n.sum(axis=0)
+    needed = math.ceil(int(totals.max()) / (1.0 / c + math.sqrt(max(tau, 0.0))))
+    steps = 2 * max(0, needed - int(totals.sum())) // max(1, step)
+    return k * c * steps <= 3_000_000
 
 
 def _check_step(step: int, tau: float) -> None:
