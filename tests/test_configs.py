@@ -4,6 +4,7 @@ location settings, and the multi-seed, multi-target comparison with its manifest
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -36,7 +37,7 @@ from felix.scenario.locations import dataset_root, trace_file
 from felix.scenario.traces import TraceError
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_TRACE = ROOT / ".." / "shared" / "traces" / "mobiperf-300.json"
+SHARED_TRACE = Path(os.environ.get("FELIX_TRACES", ROOT / ".." / "shared" / "traces")) / "mobiperf-300.json"
 
 TINY = {"partition": {"num_clients": 12}, "model": "mlp", "trace": {"kind": "always"},
         "run": {"max_aggregations": 3, "target_window": 1, "stop_at_target": False},
@@ -156,7 +157,7 @@ def test_relative_trace_paths_resolve_under_felix_traces(tmp_path: Path, monkeyp
     assert dataset_root("c.tar.gz") == tmp_path / "data" / "c.tar.gz"
 
 
-@pytest.mark.skipif(not SHARED_TRACE.exists(), reason="needs the MobiPerf trace at ../shared/traces")
+@pytest.mark.skipif(not SHARED_TRACE.exists(), reason="needs the MobiPerf trace (FELIX_TRACES or ../shared/traces)")
 def test_shipped_mobiperf_scenario_finds_its_trace_under_felix_traces(monkeypatch: pytest.MonkeyPatch,
                                                                         tmp_path: Path) -> None:
     from felix.scenario.build import build_trace

@@ -1,6 +1,6 @@
 """Class-imbalance measures and the DAFL time model.
 
-DAFL (``/work/shared/papers/dafl.md``) plans augmentation from nothing but the
+DAFL (the DAFL paper) plans augmentation from nothing but the
 client x class count matrix ``N`` (K clients, C classes) that the clients share
 with the server, so every quantity here is a pure function of ``N`` and of the
 augmentation matrix ``A`` (same shape). Equation numbers refer to the paper.
