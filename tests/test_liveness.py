@@ -103,3 +103,16 @@ def test_late_reply_of_the_latest_timed_out_task_is_still_applied() -> None:
     assert d2.client_id == 0 and d2.task_id != d.task_id
     out = o.handle(TaskFinished(wake + 1.0, 0, d.task_id, upd()))  # the first task's late reply
     assert [c for c in out if isinstance(c, NewModelVersion)]
+
+
+def test_a_client_keeps_one_slotless_task_and_a_restart_frees_it() -> None:
+    o = make(concurrency=1, agg_goal=1, task_timeout_s=10.0)
+    (d,) = trains(register(o, 1))
+    o.handle(Tick(11.0))
+    (d2,) = trains(o.handle(Tick(o.next_wakeup() or 0.0)))
+    out = o.handle(Tick(32.0))  # d2 (dispatched at 21) times out too: d (which the device runs first) stays open
+    assert [(c.task_id, c.client_id) for c in out if isinstance(c, CancelTask)] == [(d2.task_id, 0)]
+    assert o.late_task(0) == d.task_id and {t.task_id for t in o.tasks()} >= {d.task_id}
+    o.handle(TaskFailed(33.0, 0, d.task_id, "client restarted"))  # what the MQTT shell sends on a restart
+    assert o.late_task(0) is None and d.task_id not in {t.task_id for t in o.tasks()}
+    assert o.stats.train_dropped == 2  # counted once each, when they lost their slots

@@ -215,7 +215,7 @@ class Orchestrator:
         self._fire_timers(out)
         self._fill(out)
         for task in self._expired:
-            out.append(CancelTask(task.task_id, task.client_id, "superseded by a later task that lost its slot"))
+            out.append(CancelTask(task.task_id, task.client_id, "lost its slot behind an older one still open"))
         self._expired.clear()
         return out
 
@@ -292,14 +292,14 @@ class Orchestrator:
         if task is None or task.client_id != ev.client_id:
             self._reject(ev.client_id, ev.task_id, f"failure report for a task it does not hold ({ev.reason})", out)
             return
-        if task.holds_slot:
+        if task.holds_slot:  # a task that lost its slot earlier was counted as dropped then
             self._free_slot(task)
-        if task.kind is TaskKind.TRAIN:
-            self.stats.train_dropped += 1
-            self.clients[task.client_id].times_dropped += 1
-            self.clients[task.client_id].blocked_round = task.round
-        else:
-            self._probe_dropped.add(task.client_id)
+            if task.kind is TaskKind.TRAIN:
+                self.stats.train_dropped += 1
+                self.clients[task.client_id].times_dropped += 1
+                self.clients[task.client_id].blocked_round = task.round
+            else:
+                self._probe_dropped.add(task.client_id)
         self._tasks.pop(task.task_id)
         self._close(task.task_id, TaskState.CANCELLED)
 
@@ -385,19 +385,22 @@ class Orchestrator:
     def _release(self, task: Task, state: TaskState) -> None:
         """A task loses its slot mid-way; its late reply may still come (and be accepted).
 
-        Each client keeps at most one such task open: an older one is closed (and cancelled with
-        the next event's commands), so open tasks are bounded by the population, not the run's
-        history. The older is the one a device that restarted or vanished will never answer.
+        Each client keeps at most one such task open, so open tasks are bounded by the population,
+        not the run's history: when the client already has one, this newer task is closed (and
+        cancelled with the event's commands). A device runs its tasks in order, so the newer one
+        has not started (the older holds the progress); a device that restarted has its old task
+        failed by the shell (``late_task``), so it never blocks the newer ones.
         """
         self._free_slot(task)
         task.state = state
         old = self._late.get(task.client_id)
         prev = None if old is None or old == task.task_id else self._tasks.get(old)
-        if prev is not None and not prev.holds_slot:
-            self._tasks.pop(prev.task_id)
-            self._close(prev.task_id, TaskState.CANCELLED)
-            self._expired.append(prev)
-        self._late[task.client_id] = task.task_id
+        if self.cfg.accept_late and prev is not None and not prev.holds_slot:
+            self._tasks.pop(task.task_id)
+            self._close(task.task_id, TaskState.CANCELLED)
+            self._expired.append(task)
+        else:
+            self._late[task.client_id] = task.task_id
         rec = self.clients[task.client_id]
         if task.kind is TaskKind.TRAIN:
             self.stats.train_dropped += 1
@@ -547,6 +550,12 @@ class Orchestrator:
     def train_in_flight(self) -> int:
         """Training tasks holding a slot."""
         return self._train_in_flight
+
+    def late_task(self, client_id: int) -> int | None:
+        """The id of the client's open task that lost its slot (awaiting a late reply), if any."""
+        tid = self._late.get(client_id)
+        task = None if tid is None else self._tasks.get(tid)
+        return None if task is None or task.holds_slot else tid
 
     def task(self, task_id: int) -> Task:
         """An open task by id."""

@@ -426,6 +426,9 @@ class Server:
             held = self.orch.clients[cid].in_flight
             if held is not None:
                 self._deliver(TaskFailed(now, cid, held, "client restarted"), from_client=False)
+            late = self.orch.late_task(cid)  # a task it lost the slot of: no late reply will come either
+            if late is not None:
+                self._deliver(TaskFailed(now, cid, late, "client restarted"), from_client=False)
         self._deliver(TierChanged(now, cid, msg.tier))
 
     def _maybe_plan(self) -> None:
