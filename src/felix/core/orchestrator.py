@@ -193,7 +193,7 @@ class Orchestrator:
         deadline = self.rounds.wakeup()
         if deadline is not None:
             times.append(deadline)
-        if self._rejoin_at is not None:
+        if self._rejoin_at is not None and self._rejoin_at > self.now:  # one due now is taken by _fill
             times.append(self._rejoin_at)
         return min(times) if times else None
 
