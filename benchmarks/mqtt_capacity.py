@@ -88,6 +88,22 @@ def _thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
+def _tree_cpu(root: int) -> float:
+    """CPU seconds of process ``root`` and its direct children (the broker; emulate and its workers)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(proc.name) == root or int(fields[1]) == root:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 class _Timed:
     """Wraps ``Orchestrator.handle`` to time tier events (which trigger the selection)."""
 
@@ -136,9 +152,12 @@ def run_phase(n: int, phase: str, window_s: float, processes: int, slot_s: float
             server.latency.clear()
             timed.times.clear()
             cpu0 = _thread_cpu(os.getpid())
+            broker_pid = broker._proc.pid if broker._proc is not None else -1
+            others0 = (_tree_cpu(broker_pid), _tree_cpu(emulate.pid))
             time.sleep(window_s)
             dt = time.monotonic() - t0
             cpu1 = _thread_cpu(os.getpid())
+            others1 = (_tree_cpu(broker_pid), _tree_cpu(emulate.pid))
             s1 = server.stats
             lat = np.array(server.latency) * 1000.0
             sel = np.array(timed.times) * 1000.0
@@ -152,7 +171,8 @@ def run_phase(n: int, phase: str, window_s: float, processes: int, slot_s: float
                 "tier_event_p50_ms": float(np.percentile(sel, 50)) if sel.size else float("nan"),
                 "tier_event_p95_ms": float(np.percentile(sel, 95)) if sel.size else float("nan"),
                 "versions": float(server.orch.version),
-                "threads": ", ".join(f"{k.split('/')[0]} {100 * v:.0f}%" for v, k in busy[:3]),
+                "threads": ", ".join(f"{k.split('/')[0]} {100 * v:.0f}%" for v, k in busy[:3])
+                + f"; broker {100 * (others1[0] - others0[0]) / dt:.0f}%, clients {100 * (others1[1] - others0[1]) / dt:.0f}%",
             }
         finally:
             emulate.send_signal(signal.SIGTERM)
@@ -172,6 +192,7 @@ def main() -> int:
     p.add_argument("--processes", type=int, default=2, help="emulate worker processes (more above 250 clients each)")
     p.add_argument("--slot", type=float, default=0.25, help="trace slot (s) of the tier phase")
     p.add_argument("--horizon", type=float, default=3600.0, help="trace horizon (s) of the tier phase (repeats)")
+    p.add_argument("--tiers-only", action="store_true", help="only the tier phase (no round trips)")
     args = p.parse_args()
     import torch
 
@@ -189,6 +210,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="felix-capacity-") as tmp:
         for n in args.clients:
             tiers = run_phase(n, "tiers", args.window, args.processes, args.slot, Path(tmp), horizon_s=args.horizon)
+            if args.tiers_only:
+                print(f"{n:>7} tiers: offered {_offered_tier_rate(n, args.slot):.1f}/s, handled "
+                      f"{tiers['tier_per_s']:.1f}/s, delay p50/p95 {tiers['lat_p50_ms']:.1f}/{tiers['lat_p95_ms']:.1f} ms, "
+                      f"tier event p50/p95 {tiers['tier_event_p50_ms']:.3f}/{tiers['tier_event_p95_ms']:.3f} ms; "
+                      f"busiest threads [{tiers['threads']}]", flush=True)
+                continue
             trips = run_phase(n, "trips", args.window, args.processes, args.slot, Path(tmp))
             ck = run_phase(n, "trips", args.window, args.processes, args.slot, Path(tmp), checkpoint=True)
             procs = max(args.processes, -(-n // MAX_CLIENTS_PER_PROCESS))  # as felix emulate does

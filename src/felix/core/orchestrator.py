@@ -164,6 +164,9 @@ class Orchestrator:
         self._evals_this_round = 0
         self._probe_dropped: set[int] = set()  # clients whose eval task dropped this round: not probed again in it
         self._train_in_flight = 0
+        self._late: dict[int, int] = {}  # client -> its task that lost its slot and may still answer late
+        self._expired: list[Task] = []  # such tasks closed since the last event: their cancels go out with it
+        self._rejoin_at: float | None = None  # when blocked clients may train again (the stall rule)
         self._stat_arrays: dict[str, np.ndarray] = {}  # state_dict's converted statistics lists
 
     # ------------------------------------------------------------------ public API
@@ -190,6 +193,8 @@ class Orchestrator:
         deadline = self.rounds.wakeup()
         if deadline is not None:
             times.append(deadline)
+        if self._rejoin_at is not None and self._rejoin_at > self.now:  # one due now is taken by _fill
+            times.append(self._rejoin_at)
         return min(times) if times else None
 
     def handle(self, event: Event) -> list[Command]:
@@ -209,6 +214,9 @@ class Orchestrator:
             raise TypeError(f"not an orchestrator event: {event!r}")
         self._fire_timers(out)
         self._fill(out)
+        for task in self._expired:
+            out.append(CancelTask(task.task_id, task.client_id, "lost its slot behind an older one still open"))
+        self._expired.clear()
         return out
 
     # ------------------------------------------------------------------ events
@@ -284,14 +292,14 @@ class Orchestrator:
         if task is None or task.client_id != ev.client_id:
             self._reject(ev.client_id, ev.task_id, f"failure report for a task it does not hold ({ev.reason})", out)
             return
-        if task.holds_slot:
+        if task.holds_slot:  # a task that lost its slot earlier was counted as dropped then
             self._free_slot(task)
-        if task.kind is TaskKind.TRAIN:
-            self.stats.train_dropped += 1
-            self.clients[task.client_id].times_dropped += 1
-            self.clients[task.client_id].blocked_round = task.round
-        else:
-            self._probe_dropped.add(task.client_id)
+            if task.kind is TaskKind.TRAIN:
+                self.stats.train_dropped += 1
+                self.clients[task.client_id].times_dropped += 1
+                self.clients[task.client_id].blocked_round = task.round
+            else:
+                self._probe_dropped.add(task.client_id)
         self._tasks.pop(task.task_id)
         self._close(task.task_id, TaskState.CANCELLED)
 
@@ -361,7 +369,9 @@ class Orchestrator:
         self._closed[task_id] = state
         if len(self._closed) < CLOSED_COMPACT_AT:
             return
-        mark = min(self._tasks, default=self._next_task)
+        # Tasks that lost their slot stay open below the mark (they are looked up in ``_tasks``
+        # first), so a client that never answers does not pin the mark and grow ``_closed``.
+        mark = min((t for t, task in self._tasks.items() if task.holds_slot), default=self._next_task)
         if mark > self._closed_below:
             self._closed_below = mark
             self._closed = {t: s for t, s in self._closed.items() if t >= mark}
@@ -373,9 +383,24 @@ class Orchestrator:
             self._train_in_flight -= 1
 
     def _release(self, task: Task, state: TaskState) -> None:
-        """A task loses its slot mid-way; its late reply may still come (and be accepted)."""
+        """A task loses its slot mid-way; its late reply may still come (and be accepted).
+
+        Each client keeps at most one such task open, so open tasks are bounded by the population,
+        not the run's history: when the client already has one, this newer task is closed (and
+        cancelled with the event's commands). A device runs its tasks in order, so the newer one
+        has not started (the older holds the progress); a device that restarted has its old task
+        failed by the shell (``late_task``), so it never blocks the newer ones.
+        """
         self._free_slot(task)
         task.state = state
+        old = self._late.get(task.client_id)
+        prev = None if old is None or old == task.task_id else self._tasks.get(old)
+        if self.cfg.accept_late and prev is not None and not prev.holds_slot:
+            self._tasks.pop(task.task_id)
+            self._close(task.task_id, TaskState.CANCELLED)
+            self._expired.append(task)
+        else:
+            self._late[task.client_id] = task.task_id
         rec = self.clients[task.client_id]
         if task.kind is TaskKind.TRAIN:
             self.stats.train_dropped += 1
@@ -423,13 +448,27 @@ class Orchestrator:
 
         The rejoin rule: a client that dropped its task this round is not picked again in it; in
         sync mode nobody trains twice in one round. One vectorised filter over the idle set.
+
+        The stall rule: when no training task holds a slot and the rejoin rule leaves nobody to pick,
+        no reply, timer or new version could ever lift it (async rounds follow the version), so the
+        blocked clients may train again ``task_timeout_s`` later (at once without a timeout); until
+        then ``next_wakeup`` returns that time.
         """
         m = self.clients
         rows = self.availability.train_rows(m, self.now)
-        keep = m.column("blocked_round")[rows] != self.round
+        fresh = np.ones(len(rows), dtype=bool)
         if self.rounds.one_task_per_round:
-            keep &= m.column("selected_round")[rows] != self.round
-        return m.ids[rows[keep]]
+            fresh = m.column("selected_round")[rows] != self.round
+        keep = fresh & (m.column("blocked_round")[rows] != self.round)
+        if keep.any() or self._train_in_flight > 0 or not fresh.any():
+            self._rejoin_at = None
+            return m.ids[rows[keep]]
+        if self._rejoin_at is None:
+            self._rejoin_at = self.now + (self.cfg.task_timeout_s or 0.0)
+        if self.now < self._rejoin_at:
+            return m.ids[rows[keep]]
+        self._rejoin_at = None
+        return m.ids[rows[fresh]]
 
     def _fill(self, out: list[Command]) -> None:
         need = self.rounds.need(self)
@@ -511,6 +550,12 @@ class Orchestrator:
     def train_in_flight(self) -> int:
         """Training tasks holding a slot."""
         return self._train_in_flight
+
+    def late_task(self, client_id: int) -> int | None:
+        """The id of the client's open task that lost its slot (awaiting a late reply), if any."""
+        tid = self._late.get(client_id)
+        task = None if tid is None else self._tasks.get(tid)
+        return None if task is None or task.holds_slot else tid
 
     def task(self, task_id: int) -> Task:
         """An open task by id."""
@@ -679,6 +724,9 @@ class Orchestrator:
         for i, tid in enumerate(t["task_id"]):
             self._tasks[tid] = Task(tid, t["client_id"][i], _KINDS[t["kind"][i]], t["base_version"][i],
                                     t["round"][i], t["dispatched_at"][i], _STATES[t["state"][i]])
+        self._late = {task.client_id: tid for tid, task in sorted(self._tasks.items()) if not task.holds_slot}
+        self._expired = []
+        self._rejoin_at = None
         self._closed = {tid: _STATES[s] for tid, s in zip(np.asarray(state["closed_ids"]).tolist(),
                                                           np.asarray(state["closed_state"]).tolist(), strict=True)}
         self._closed_below = int(state["closed_below"])

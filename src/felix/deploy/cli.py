@@ -124,7 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
     opts = ServeOptions(broker=_broker_options(args, SERVER_USER), run_id=run_id, out_dir=out, checkpoint=ckpt,
                         resume=args.resume, time_scale=args.time_scale, max_message_bytes=args.max_message_bytes,
                         plots=args.plots, max_pending_bytes=args.max_pending_bytes,
-                        checkpoint_interval_s=args.checkpoint_interval)
+                        max_inbox_bytes=args.max_inbox_bytes, checkpoint_interval_s=args.checkpoint_interval)
     print(f"felix serve: {cfg.name} / {cfg.strategy} (seed {cfg.seed}), run {run_id} on {args.broker} -> {out}",
           file=sys.stderr)
     server = Server(cfg, opts)
@@ -314,6 +314,9 @@ def add_parsers(subparsers: Any) -> None:
     s.add_argument("--max-message-bytes", type=int, help="largest inbound message (default: 2x model + 1 MiB)")
     s.add_argument("--max-pending-bytes", type=int, default=64 << 20,
                    help="inbound bytes handled but not yet acknowledged before a checkpoint is forced (default 64 MiB)")
+    s.add_argument("--max-inbox-bytes", type=int, default=64 << 20,
+                   help="inbound bytes received but not yet handled; when reached, reading from the broker waits "
+                        "(default 64 MiB)")
     s.add_argument("--checkpoint-interval", type=float, default=0.2,
                    help="wall seconds between checkpoints at most; one covers every aggregation since the last")
     s.add_argument("--plots", action="store_true", help="also write the accuracy plots")

@@ -33,14 +33,15 @@ message's effect is applied at once; only its broker packet id waits), and when 
 ``max_pending_bytes`` of inbound payload or ``max_pending_messages`` the server takes a
 checkpoint at once (the back-pressure: a flood costs checkpoints, not memory). Checkpoints are
 grouped (at most one per ``checkpoint_interval_s``, 0.2 s): one covers every aggregation since
-the last, so their cost does not grow with the aggregation rate.
+the last, so their cost does not grow with the aggregation rate. Messages wait for the loop in
+a bounded inbox (``max_inbox_bytes`` / ``max_inbox_messages``, :mod:`felix.deploy.inbox`): when it
+is full paho's network thread waits, and TCP flow control pushes back on the broker.
 """
 from __future__ import annotations
 
 import copy
 import hashlib
 import logging
-import queue
 import re
 import secrets
 import threading
@@ -66,6 +67,7 @@ from felix.core.types import ClientUpdate, TaskKind
 from felix.deploy import checkpoint as ckpt
 from felix.deploy import wire
 from felix.deploy.checkpoint import AppliedLog, AppliedUpdate
+from felix.deploy.inbox import Inbox
 from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
 from felix.deploy.topics import ALLOWED, Topics
 from felix.engine.controller import RunController
@@ -121,6 +123,8 @@ class ServeOptions:
     max_message_bytes: int | None = None  # default: twice the model plus 1 MiB
     max_pending_bytes: int = 64 << 20  # inbound payload bytes handled but not yet acknowledged
     max_pending_messages: int = 10000  # ... and messages: reaching either forces a checkpoint
+    max_inbox_bytes: int = 64 << 20  # inbound payload bytes received but not yet handled ...
+    max_inbox_messages: int = 50000  # ... and messages: reaching either blocks paho's network thread
     checkpoint_interval_s: float = 0.2  # wall seconds between checkpoints at most (group commit)
     plots: bool = False
     status_every_s: float = 10.0
@@ -173,7 +177,7 @@ class Server:
         self.session = secrets.token_hex(6)
         self.ids = wire.MsgIds(f"s{self.session}")
         self.life = 0
-        self.inbox: queue.SimpleQueue[Inbound | Connected] = queue.SimpleQueue()
+        self.inbox = Inbox(opts.max_inbox_bytes, opts.max_inbox_messages)
         self.stop_requested = threading.Event()  # Ctrl-C / SIGTERM (felix serve) or a test: stop cleanly
         self._pending_acks: list[tuple[int, int, int, int]] = []  # (mid, qos, epoch, bytes): not yet acknowledged
         self._pending_bytes = 0
@@ -208,10 +212,7 @@ class Server:
             wake = self.orch.next_wakeup()
             now = self.now()
             timeout = 0.25 if wake is None else min(0.25, max(0.0, (wake - now) * self.opts.time_scale))
-            try:
-                item = self.inbox.get(timeout=timeout)
-            except queue.Empty:
-                item = None
+            item = self.inbox.get(timeout=timeout)
             if isinstance(item, Connected):
                 self._on_connected(item)
             elif item is not None:
@@ -245,6 +246,7 @@ class Server:
         self._commit(force=True)
         if self.ctl.stop_reason != "interrupted":
             self._publish_status("finished")  # retained: clients stop; an interrupted run waits for --resume
+        self.inbox.close()  # a network thread blocked on a full inbox must not block the join
         self.link.close()
         self.applied.sync()
         summ = self.summary(now)
@@ -258,7 +260,8 @@ class Server:
         extra = {
             "rejected_by_reason": dict(sorted(self.stats.rejected_by_reason.items())),
             "transport": {**{k: v for k, v in asdict(self.stats).items() if k != "rejected_by_reason"},
-                          "latency_p50_ms": _ms(self.latency, 50), "latency_p95_ms": _ms(self.latency, 95)},
+                          "latency_p50_ms": _ms(self.latency, 50), "latency_p95_ms": _ms(self.latency, 95),
+                          "inbox_full_waits": self.inbox.full_waits},
             "deployment": {"run_id": self.opts.run_id, "time_scale": self.opts.time_scale, "lives": self.life + 1,
                            "broker": f"{self.opts.broker.host}:{self.opts.broker.port}",
                            "tls": self.opts.broker.tls_ca is not None,
@@ -423,6 +426,9 @@ class Server:
             held = self.orch.clients[cid].in_flight
             if held is not None:
                 self._deliver(TaskFailed(now, cid, held, "client restarted"), from_client=False)
+            late = self.orch.late_task(cid)  # a task it lost the slot of: no late reply will come either
+            if late is not None:
+                self._deliver(TaskFailed(now, cid, late, "client restarted"), from_client=False)
         self._deliver(TierChanged(now, cid, msg.tier))
 
     def _maybe_plan(self) -> None:

@@ -1,0 +1,88 @@
+"""The server's inbox: messages from paho's network thread to the server loop, bounded.
+
+paho calls ``on_message`` on its own thread and the loop handles messages one at a time; with an
+unbounded queue between them a flood (or a loop slower than the broker) holds every payload in
+memory until the process runs out of it, before any acknowledgement-based back-pressure applies.
+Here ``put`` blocks the network thread while ``max_bytes`` of payload or ``max_messages`` are
+queued: paho stops reading its socket, TCP flow control stops the broker, and the broker keeps
+(or, past its own limits, drops) what it cannot deliver; the server's memory stays flat. One
+message larger than ``max_bytes`` is still admitted into an empty inbox, so nothing deadlocks.
+
+``close`` (before the link's network thread is joined) wakes a blocked ``put``, which then drops
+its item: an unacknowledged QoS 1 message is redelivered to the next session by the broker.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from felix.deploy.link import Connected, Inbound
+
+
+class Inbox:
+    """A FIFO bounded by payload bytes and by count; ``Connected`` notices bypass the bound."""
+
+    def __init__(self, max_bytes: int, max_messages: int) -> None:
+        if max_bytes < 1 or max_messages < 1:
+            raise ValueError("the inbox bounds must be positive")
+        self.max_bytes = max_bytes
+        self.max_messages = max_messages
+        self._items: deque[Inbound | Connected] = deque()
+        self._bytes = 0
+        self._messages = 0
+        self._closed = False
+        self._cond = threading.Condition()
+        self.full_waits = 0  # puts that had to wait for room (back-pressure reached the network thread)
+        self.dropped = 0  # puts abandoned by close()
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, item: Inbound | Connected) -> None:
+        """Queue ``item``; an ``Inbound`` waits while the inbox is full (never after ``close``)."""
+        with self._cond:
+            if isinstance(item, Inbound):
+                size = len(item.payload)
+                if self._full(size):
+                    self.full_waits += 1
+                    while self._full(size) and not self._closed:
+                        self._cond.wait(0.5)
+                if self._closed:
+                    self.dropped += 1
+                    return
+                self._bytes += size
+                self._messages += 1
+            self._items.append(item)
+            self._cond.notify_all()
+
+    def get(self, timeout: float) -> Inbound | Connected | None:
+        """The oldest item, or None after ``timeout`` seconds without one."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._items:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            item = self._items.popleft()
+            if isinstance(item, Inbound):
+                self._bytes -= len(item.payload)
+                self._messages -= 1
+            self._cond.notify_all()
+            return item
+
+    def close(self) -> None:
+        """Stop accepting: blocked and later ``put`` calls drop their message and return."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _full(self, size: int) -> bool:
+        if self._messages == 0:
+            return False
+        return self._bytes + size > self.max_bytes or self._messages >= self.max_messages
