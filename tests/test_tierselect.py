@@ -132,3 +132,27 @@ def test_value_order_probes_high_utility_long_unmeasured_clients_first():
     assert TierSelectEval(10).select([0, 1, 2, 3, 4], 15, c) == [4, 2, 0, 1]  # the paper's stalest first
     with pytest.raises(ValueError):
         TierSelectEvalParams(order="random")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_eval_utility_scale_multiplies_eval_utilities_only(scale):
+    """One AVL_TRAIN and one AVL_EVAL client: the eval reply's utility is scaled, the training one's not."""
+    cfg = OrchestratorConfig(mode="async", agg_goal=1, concurrency=1, knowledge=Knowledge.TIERTRACK,
+                             eval_utility_scale=scale)
+    train_sel, eval_sel = tierselect(1, TierSelectEvalParams(staleness_threshold=0))
+    orch = Orchestrator(cfg, np.zeros(3, np.float32), train_sel, TierFuseAggregator(), np.random.default_rng(0),
+                        eval_selector=eval_sel)
+    cmds = orch.handle(ClientRegistered(0.0, 0, 10, Tier.AVL_TRAIN)) + orch.handle(
+        ClientRegistered(0.0, 1, 10, Tier.AVL_EVAL))
+    tasks = {type(c): c for c in cmds if isinstance(c, (DispatchTrain, DispatchEval))}
+    ev, tr = tasks[DispatchEval], tasks[DispatchTrain]
+    assert (ev.client_id, tr.client_id) == (1, 0)
+    orch.handle(TaskFinished(1.0, 1, ev.task_id, ClientUpdate(10, 40.0, 1.0, 0.05)))
+    orch.handle(TaskFinished(2.0, 0, tr.task_id, ClientUpdate(10, 40.0, 1.0, 2.0, delta=np.ones(3, np.float32))))
+    assert orch.clients[1].stat_utility == pytest.approx(40.0 * scale)
+    assert orch.clients[0].stat_utility == pytest.approx(40.0)
+
+
+def test_eval_utility_scale_must_be_positive():
+    with pytest.raises(ValueError):
+        OrchestratorConfig(eval_utility_scale=0.0)
