@@ -94,7 +94,8 @@ def test_a_scenario_file_is_a_run_config() -> None:
 def test_shipped_comparisons_resolve(name: str) -> None:
     comp = load_comparison(name)
     assert comp.reference == "felix" and comp.seeds == [0, 1, 2] and comp.targets == [0.78, 0.8, 0.82]
-    assert list(comp.variants) == ["fedbuff", "oort", "oort*", "oort-async", "oort-async*", "refl*", "felix"]
+    assert list(comp.variants) == ["fedbuff", "oort", "oort*", "oort-async", "oort-async*", "refl*", "felix",
+                                   "felix-plus"]
     for v in comp.variants:
         cfg = variant_config(comp, v, {}, 2, max(comp.targets))
         assert (cfg.name, cfg.strategy, cfg.seed, cfg.run.target_accuracy) == (name, v, 2, 0.82)
@@ -104,6 +105,22 @@ def test_shipped_comparisons_resolve(name: str) -> None:
         assert cfg == plain
     # The MobiPerf comparison starts past the trace's all-available head (issue 12).
     assert variant_config(comp, "felix", {}).trace.offset_s == (300.0 if name.endswith("mobiperf") else 0.0)
+
+
+@pytest.mark.parametrize("trace", ["100", "90", "50", "mobiperf"])
+def test_ablation_comparisons_change_one_axis_each(trace: str) -> None:
+    """Each sensitivity is FeLiX with one setting changed; the ablations are their presets."""
+    comp = load_comparison(f"felix-ablations-{trace}")
+    felix = variant_config(comp, "felix", {})
+    assert variant_config(comp, "felix-no-eval", {}).eval_selector.name == "none"
+    assert variant_config(comp, "felix-no-tierfuse", {}).aggregator.name == "fedbuff"
+    assert not variant_config(comp, "felix-probe-measured", {}).eval_selector.params["include_unmeasured"]
+    assert variant_config(comp, "felix-tierfuse-loss", {}).aggregator.params["utility"] == "loss"
+    scaled = variant_config(comp, "felix-eval-train-scale", {})
+    assert scaled.orchestrator.eval_utility_scale == 0.8 != felix.orchestrator.eval_utility_scale
+    assert scaled.model_copy(update={"orchestrator": felix.orchestrator, "strategy": "felix"}) == felix.model_copy(
+        update={"strategy": "felix"})
+    assert felix.trace.offset_s == (300.0 if trace == "mobiperf" else 0.0)
 
 
 def test_on_the_fly_comparison_is_the_old_compare() -> None:

@@ -144,3 +144,25 @@ def test_tierfuse_produces_versions_inside_the_orchestrator():
     for v in versions:
         assert sum(v.report.weights) == pytest.approx(1.0)
     assert not np.allclose(orch.weights, 0.0)
+
+
+def test_buffer_mean_scale_weights_utility_relative_to_the_buffer():
+    # Oort-scale utilities 100, 300, 200 (mean 200) -> relative L 0.5, 1.5, 1.0; b = 1, no cap:
+    # beta = 1.5 - 1/(1 + L) = 0.8333, 1.1, 1.0; w = 0.4 * 1 + 0.6 * beta at T = 0
+    p = TierFuseParams(b=1.0, cap_beta=False, utility_scale="buffer_mean")
+    buf = [item(0, 100.0), item(0, 300.0), item(0, 200.0)]
+    assert TierFuseAggregator(p).weights(buf) == pytest.approx([0.4 + 0.6 * (1.5 - 1 / 1.5), 0.4 + 0.6 * 1.1,
+                                                                 0.4 + 0.6 * 1.0])
+    # the absolute scale saturates beta at these utilities: all three weights nearly equal
+    w_abs = TierFuseAggregator(TierFuseParams(b=1.0, cap_beta=False)).weights(buf)
+    assert np.ptp(w_abs) < 0.01 < np.ptp(TierFuseAggregator(p).weights(buf))
+    # scaling every utility by the same factor leaves the relative weights unchanged
+    scaled = [item(0, 10.0 * u) for u in (100.0, 300.0, 200.0)]
+    assert TierFuseAggregator(p).weights(scaled) == pytest.approx(TierFuseAggregator(p).weights(buf))
+
+
+def test_buffer_mean_scale_with_no_positive_utility_reads_every_update_as_average():
+    p = TierFuseParams(b=1.0, cap_beta=False, utility_scale="buffer_mean")
+    assert TierFuseAggregator(p).weights([item(0, 0.0), item(0, -1.0)]) == pytest.approx([0.4 + 0.6] * 2)
+    with pytest.raises(ValueError):
+        TierFuseParams(utility_scale="median")  # type: ignore[arg-type]

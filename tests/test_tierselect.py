@@ -115,3 +115,44 @@ def test_tierselect_dispatches_rate_limited_evals_under_tiertrack():
     assert {c.client_id for c in evals} >= set(range(10, 20))  # every AVL_EVAL client was probed
     assert all(c.client_id < 10 for c in log if isinstance(c, DispatchTrain))  # only AVL_TRAIN trains
     assert all(orch.clients[c].explored for c in range(10, 20))  # eval utilities reached the ClientMap
+
+
+def test_value_order_probes_high_utility_long_unmeasured_clients_first():
+    m = ClientMap()
+    # (utility, last measured round) at round 50, threshold 35: values 2*40=80, 5*36=180, 1*45=45; 3 too fresh
+    for cid, (u, last) in {0: (2.0, 10), 1: (5.0, 14), 2: (1.0, 5), 3: (9.0, 40), 4: (None, -1)}.items():
+        m.add(ClientRecord(client_id=cid, num_samples=10, tier=Tier.AVL_EVAL, reported_tier=Tier.AVL_EVAL,
+                           stat_utility=u, last_utility_round=last))
+    c = SelectionContext(now=0.0, round=50, clients=m, rng=np.random.default_rng(0))
+    value = TierSelectEval(10, TierSelectEvalParams(order="value"))
+    assert value.select([0, 1, 2, 3, 4], 15, c) == [4, 1, 0, 2]  # never measured first, then by value
+    assert value.select([4, 3, 2, 1, 0], 2, c) == [4, 1]
+    measured_only = TierSelectEval(10, TierSelectEvalParams(order="value", include_unmeasured=False))
+    assert measured_only.select([0, 1, 2, 3, 4], 2, c) == [1, 0]
+    assert TierSelectEval(10).select([0, 1, 2, 3, 4], 15, c) == [4, 2, 0, 1]  # the paper's stalest first
+    with pytest.raises(ValueError):
+        TierSelectEvalParams(order="random")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_eval_utility_scale_multiplies_eval_utilities_only(scale):
+    """One AVL_TRAIN and one AVL_EVAL client: the eval reply's utility is scaled, the training one's not."""
+    cfg = OrchestratorConfig(mode="async", agg_goal=1, concurrency=1, knowledge=Knowledge.TIERTRACK,
+                             eval_utility_scale=scale)
+    train_sel, eval_sel = tierselect(1, TierSelectEvalParams(staleness_threshold=0))
+    orch = Orchestrator(cfg, np.zeros(3, np.float32), train_sel, TierFuseAggregator(), np.random.default_rng(0),
+                        eval_selector=eval_sel)
+    cmds = orch.handle(ClientRegistered(0.0, 0, 10, Tier.AVL_TRAIN)) + orch.handle(
+        ClientRegistered(0.0, 1, 10, Tier.AVL_EVAL))
+    tasks = {type(c): c for c in cmds if isinstance(c, (DispatchTrain, DispatchEval))}
+    ev, tr = tasks[DispatchEval], tasks[DispatchTrain]
+    assert (ev.client_id, tr.client_id) == (1, 0)
+    orch.handle(TaskFinished(1.0, 1, ev.task_id, ClientUpdate(10, 40.0, 1.0, 0.05)))
+    orch.handle(TaskFinished(2.0, 0, tr.task_id, ClientUpdate(10, 40.0, 1.0, 2.0, delta=np.ones(3, np.float32))))
+    assert orch.clients[1].stat_utility == pytest.approx(40.0 * scale)
+    assert orch.clients[0].stat_utility == pytest.approx(40.0)
+
+
+def test_eval_utility_scale_must_be_positive():
+    with pytest.raises(ValueError):
+        OrchestratorConfig(eval_utility_scale=0.0)

@@ -209,6 +209,8 @@ class OrchestratorCfg(_Strict):
     task_timeout_s: float | None = Field(90.0, gt=0)
     accept_late: bool = True
     max_staleness: int | None = Field(None, ge=0)
+    eval_utility_scale: float = Field(1.0, gt=0, description="multiplies the statistical utility an eval task "
+                                      "reports, to put it on the training utilities' scale (1: as measured)")
     knowledge: str = Field("none", description="availability policy: none | oracle | tiertrack, or a registered "
                            "name or import path (felix.core.availability.AVAILABILITY); parameters in knowledge_params")
     mode_params: dict[str, Any] = Field(default_factory=dict, description="the round policy's typed parameters")

@@ -70,6 +70,10 @@ class OrchestratorConfig:
     task_timeout_s: float | None = 90.0
     accept_late: bool = True  # aggregate replies of timed-out / interrupted tasks (stale)
     max_staleness: int | None = None  # discard updates staler than this (versions)
+    # An eval task's utility is a full forward pass on the received model; a training task's is
+    # measured during SGD, so it is lower. This factor puts eval utilities on the training scale
+    # (1.0: as measured, the paper), so Oort does not favour clients merely for having been probed.
+    eval_utility_scale: float = 1.0
     knowledge: Knowledge | str = Knowledge.NONE
     mode_params: Any = None  # the round policy's parameters (a mapping or its pydantic model)
     knowledge_params: Any = None  # the availability policy's parameters
@@ -90,6 +94,8 @@ class OrchestratorConfig:
                 raise ValueError(f"{name} must be positive or null")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError("max_staleness must be >= 0 or null")
+        if not self.eval_utility_scale > 0:
+            raise ValueError("eval_utility_scale must be > 0")
 
 
 @dataclass(slots=True)
@@ -264,7 +270,8 @@ class Orchestrator:
         self._tasks.pop(task.task_id)
         self._close(task.task_id, TaskState.DONE)
         self.availability.on_reply(self, rec)
-        rec.stat_utility = float(upd.stat_utility)
+        scale = self.cfg.eval_utility_scale if task.kind is TaskKind.EVAL else 1.0
+        rec.stat_utility = float(upd.stat_utility) * scale
         rec.last_utility_round = self.round
         ctx = self._ctx()
         if task.kind is TaskKind.EVAL:

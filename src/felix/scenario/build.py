@@ -365,6 +365,7 @@ def build_orchestrator(cfg: Config, weights: np.ndarray,
             mode=o.mode, agg_goal=o.agg_goal, concurrency=o.concurrency, overcommit=o.overcommit,
             deadline_s=o.deadline_s, cancel_stragglers=o.cancel_stragglers, task_timeout_s=o.task_timeout_s,
             accept_late=o.accept_late, max_staleness=o.max_staleness, knowledge=o.knowledge,
+            eval_utility_scale=o.eval_utility_scale,
             mode_params=o.mode_params, knowledge_params=o.knowledge_params,
         )
         rounds = ROUND_POLICIES.create(o.mode, o.mode_params, ocfg, where="orchestrator.mode_params")

@@ -34,6 +34,12 @@ class TierFuseParams:
 
     ``cap_beta``: the paper's min(., 1); the authors' code omits it (beta up to 1.5).
 
+    ``utility_scale``: ``"absolute"`` (default, the paper and the authors) feeds L as measured;
+    ``"buffer_mean"`` divides each L by the mean L of the buffer being aggregated, so that beta
+    sees how much more (or less) informative an update is than its peers rather than the absolute
+    size of Oort's |D|-scaled utility, which saturates beta (weight CV 0.055, issue 12). Pair it
+    with a larger ``b`` (and ``cap_beta: false``) for beta to separate clients around L = 1.
+
     ``t_max``: the paper's safeguard, "updates older than T_max are clipped or dropped". We drop
     them: their weight is 0, so they neither move the model nor count in the normaliser. (Clamping
     T at T_max would instead *raise* their weight, the opposite of a safeguard.) ``None``: off,
@@ -46,6 +52,7 @@ class TierFuseParams:
     cap_beta: bool = True
     utility: Literal["stat_utility", "loss"] = "stat_utility"
     t_max: int | None = None
+    utility_scale: Literal["absolute", "buffer_mean"] = "absolute"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.sigma <= 1.0:
@@ -54,6 +61,8 @@ class TierFuseParams:
             raise ValueError(f"a and b must be >= 0, not a={self.a}, b={self.b}")
         if self.utility not in ("stat_utility", "loss"):
             raise ValueError(f"utility must be 'stat_utility' or 'loss', not {self.utility!r}")
+        if self.utility_scale not in ("absolute", "buffer_mean"):
+            raise ValueError(f"utility_scale must be 'absolute' or 'buffer_mean', not {self.utility_scale!r}")
         if self.t_max is not None and self.t_max < 0:
             raise ValueError(f"t_max must be >= 0 versions, or None, not {self.t_max}")
 
@@ -95,14 +104,26 @@ class TierFuseAggregator(Aggregator):
             raise ValueError(f"clip_norm must be > 0 or None, not {clip_norm}")
         self.params = params if params is not None else TierFuseParams()
 
-    def weight(self, item: BufferedUpdate) -> float:
+    def weight(self, item: BufferedUpdate, utility_mean: float = 1.0) -> float:
+        """One update's w; ``utility_mean`` divides L under ``utility_scale="buffer_mean"``."""
         p = self.params
         if p.t_max is not None and item.staleness > p.t_max:
             return 0.0
         utility = float(getattr(item.update, p.utility))
+        if p.utility_scale == "buffer_mean":
+            utility = utility / utility_mean if utility_mean > 0 else 1.0
         return p.sigma * staleness_decay(item.staleness, p.a) + (1.0 - p.sigma) * utility_gain(
             utility, p.b, p.cap_beta
         )
+
+    def weights(self, buffer: Sequence[BufferedUpdate]) -> np.ndarray:
+        """The weights of one buffer; under ``"buffer_mean"`` L is relative to the buffer's mean
+        (over the non-negative utilities, as beta reads a negative one as 0)."""
+        p = self.params
+        mean = 1.0
+        if p.utility_scale == "buffer_mean" and buffer:
+            mean = float(np.mean([max(float(getattr(b.update, p.utility)), 0.0) for b in buffer]))
+        return np.array([self.weight(b, mean) for b in buffer], dtype=np.float64)
 
     def aggregate(
         self, theta: np.ndarray, buffer: Sequence[BufferedUpdate]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -31,17 +31,27 @@ class TierSelectEvalParams:
     (``last_utility_round == -1``) may be probed. The paper's eval selector "probes stale or
     unobserved clients" (§3.1, §3.3), so they are eligible and rank stalest of all; the authors'
     fork skips them (``PROP_LAST_EVAL_ROUND is None``), which ``False`` reproduces.
+
+    ``order``: ``"stalest"`` (default, the paper) probes the oldest utility first. ``"value"``
+    probes first the eligible clients whose re-measurement is worth most to Oort's exploit step:
+    last measured utility x rounds since it was measured (a high-utility client whose value has
+    had long to drift), so the eval budget, and its model downloads, go to clients Oort may pick
+    rather than to low-utility ones it will not. Never-measured clients (when included) come first,
+    as their value is unknown. Ties break by client id.
     """
 
     eval_goal_factor: float = 1.5
     staleness_threshold: int = 35  # rounds (versions) a utility must have aged to be re-measured
     include_unmeasured: bool = True
+    order: Literal["stalest", "value"] = "stalest"
 
     def __post_init__(self) -> None:
         if self.eval_goal_factor < 0:
             raise ValueError(f"eval_goal_factor must be >= 0, not {self.eval_goal_factor}")
         if self.staleness_threshold < 0:
             raise ValueError(f"staleness_threshold must be >= 0 rounds, not {self.staleness_threshold}")
+        if self.order not in ("stalest", "value"):
+            raise ValueError(f"order must be 'stalest' or 'value', not {self.order!r}")
 
 
 class TierSelectEval(EvalSelector):
@@ -73,6 +83,11 @@ class TierSelectEval(EvalSelector):
         if self.params.include_unmeasured:
             eligible |= ~measured
         idx = np.flatnonzero(eligible)
+        if self.params.order == "value":
+            util = ctx.clients.column("stat_utility")[ctx.clients.rows_of(ids)][idx]
+            value = np.where(last[idx] >= 0, np.nan_to_num(util, nan=0.0) * (ctx.round - last[idx]), np.inf)
+            order = np.lexsort((ids[idx], -value))[:budget]  # primary key: the largest value; then id
+            return [int(c) for c in ids[idx[order]]]
         if (np.diff(ids) > 0).all():  # the orchestrator's id-ordered candidates: a stable rank breaks ties by id
             order = smallest_first(last[idx], budget)
         else:
