@@ -6,6 +6,7 @@ and every open task is answered with a small update until ``--updates`` are appl
 50 per aggregation). Reported: min / median / max of ``--repeats`` checkpoints, and
 ``state_dict()`` alone. Run: ``python benchmarks/checkpoint_cost.py [--updates 100000 --clients 10000]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,13 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=10_000)
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
-    orch = Orchestrator(OrchestratorConfig(agg_goal=50, concurrency=100, knowledge=Knowledge.TIERTRACK),
-                        np.zeros(64, np.float32), RandomSelector(), FedBuffAggregator(), np.random.default_rng(0))
+    orch = Orchestrator(
+        OrchestratorConfig(agg_goal=50, concurrency=100, knowledge=Knowledge.TIERTRACK),
+        np.zeros(64, np.float32),
+        RandomSelector(),
+        FedBuffAggregator(),
+        np.random.default_rng(0),
+    )
     for c in range(args.clients):
         orch.handle(ClientRegistered(0.0, c, 30, Tier.AVL_TRAIN if c < 200 else Tier.UN_AVL, (15, 15)))
     with tempfile.TemporaryDirectory(prefix="felix-ckcost-") as tmp:
@@ -46,7 +52,9 @@ def main() -> int:
                 for cmd in orch.handle(TaskFinished(t, task.client_id, task.task_id, upd)):
                     if isinstance(cmd, NewModelVersion):
                         r = cmd.report
-                        for tid, cid, st, w in zip(r.task_ids, r.client_ids, r.staleness, r.weights, strict=True):
+                        for tid, cid, st, w in zip(
+                            r.task_ids, r.client_ids, r.staleness, r.weights, strict=True
+                        ):
                             log.append(ckpt.AppliedUpdate(cmd.version, tid, cid, st, w, t))
         times = []
         for _ in range(args.repeats):
@@ -59,9 +67,11 @@ def main() -> int:
         t_state = time.perf_counter() - t0
         log.close()
     ms = np.array(sorted(times)) * 1000
-    print(f"{orch.stats.updates_applied} applied updates, {len(orch.clients)} clients, snapshot {size / 1e6:.1f} MB: "
-          f"checkpoint min {ms[0]:.1f} ms, median {np.median(ms):.1f} ms, max {ms[-1]:.1f} ms "
-          f"(state_dict alone {t_state * 1000:.1f} ms)")
+    print(
+        f"{orch.stats.updates_applied} applied updates, {len(orch.clients)} clients, snapshot {size / 1e6:.1f} MB: "
+        f"checkpoint min {ms[0]:.1f} ms, median {np.median(ms):.1f} ms, max {ms[-1]:.1f} ms "
+        f"(state_dict alone {t_state * 1000:.1f} ms)"
+    )
     return 0
 
 

@@ -13,6 +13,7 @@ median over repeats), the median time of a cohort after the run's first (the act
 ratios, and the load average: on a shared machine the ratio is what it is
 at that load, not what an idle one would give.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,12 +64,16 @@ def main() -> None:
     from felix.distributed import ray_runtime
 
     base: dict[str, Any] = {
-        "model": args.model, "partition": {"num_clients": args.clients},
+        "model": args.model,
+        "partition": {"num_clients": args.clients},
         "orchestrator": {"agg_goal": args.goal},
         "client": {"epochs": args.epochs, "batch_size": args.batch_size},
-        "run": {"max_aggregations": args.aggregations, "stop_at_target": False, "cohort": 64, "threads": 1}}
+        "run": {"max_aggregations": args.aggregations, "stop_at_target": False, "cohort": 64, "threads": 1},
+    }
     local_cfg = resolve_config(None, "fedavg", base)
-    ray_cfg = resolve_config(None, "fedavg", deep_merge(base, {"run": {"executor": "ray", "ray_actors": args.actors}}))
+    ray_cfg = resolve_config(
+        None, "fedavg", deep_merge(base, {"run": {"executor": "ray", "ray_actors": args.actors}})
+    )
     t0 = time.perf_counter()
     ray_runtime.start_local(num_cpus=2)
     ray_start = time.perf_counter() - t0
@@ -80,20 +85,28 @@ def main() -> None:
     summaries: dict[str, dict[str, Any]] = {}
     try:
         for r in range(args.repeats):
-            for side in (("local", "ray") if r % 2 == 0 else ("ray", "local")):
+            for side in ("local", "ray") if r % 2 == 0 else ("ray", "local"):
                 t0 = time.perf_counter()
                 built_at: list[float] = []
-                res = run_config(local_cfg if side == "local" else ray_cfg, plots=False,
-                                 prepare=lambda b, at=built_at, s=side: at.append(time_cohorts(b, cohorts[s])))
+                res = run_config(
+                    local_cfg if side == "local" else ray_cfg,
+                    plots=False,
+                    prepare=lambda b, at=built_at, s=side: at.append(time_cohorts(b, cohorts[s])),
+                )
                 if side == "ray":
                     builds.append(built_at[0] - t0)
                 outcome_wall = res.summary["wall_time_s"]
                 walls[side].append(outcome_wall)
                 trains[side].append(res.built.sim._train_seconds)
                 summaries[side] = {k: v for k, v in res.summary.items() if k not in VARIES}
-                print(f"repeat {r} {side:5s}: wall {outcome_wall:7.2f} s, training {trains[side][-1]:7.2f} s", flush=True)
+                print(
+                    f"repeat {r} {side:5s}: wall {outcome_wall:7.2f} s, training {trains[side][-1]:7.2f} s",
+                    flush=True,
+                )
             if summaries["local"] != summaries["ray"]:
-                diff = sorted(k for k in summaries["local"] if summaries["local"][k] != summaries["ray"].get(k))
+                diff = sorted(
+                    k for k in summaries["local"] if summaries["local"][k] != summaries["ray"].get(k)
+                )
                 raise SystemExit(f"summaries differ in {diff}")
     finally:
         ray.shutdown()
@@ -101,17 +114,23 @@ def main() -> None:
     def stats(xs: list[float]) -> str:
         return f"min {min(xs):7.2f}  median {statistics.median(xs):7.2f}"
 
-    print(f"\n{args.model}, {args.clients} clients, FedAvg {args.goal} per round, {args.epochs} epochs of batch "
-          f"{args.batch_size}, {args.aggregations} aggregations, "
-          f"{args.repeats} repeats; summaries identical (apart from wall time)")
+    print(
+        f"\n{args.model}, {args.clients} clients, FedAvg {args.goal} per round, {args.epochs} epochs of batch "
+        f"{args.batch_size}, {args.aggregations} aggregations, "
+        f"{args.repeats} repeats; summaries identical (apart from wall time)"
+    )
     print(f"Ray start-up {ray_start:.2f} s; {args.actors} actors' start (in build) {stats(builds)}")
     for side in ("local", "ray"):
         print(f"{side:5s} wall {stats(walls[side])} | training {stats(trains[side])}")
-    print(f"per cohort after the first: local median {statistics.median(cohorts['local']):.3f} s, ray median "
-          f"{statistics.median(cohorts['ray']):.3f} s ({len(cohorts['ray'])} cohorts)")
-    print(f"ray / local wall: min {min(walls['ray']) / min(walls['local']):.2f}, median "
-          f"{statistics.median(walls['ray']) / statistics.median(walls['local']):.2f}; training: min "
-          f"{min(trains['ray']) / min(trains['local']):.2f}")
+    print(
+        f"per cohort after the first: local median {statistics.median(cohorts['local']):.3f} s, ray median "
+        f"{statistics.median(cohorts['ray']):.3f} s ({len(cohorts['ray'])} cohorts)"
+    )
+    print(
+        f"ray / local wall: min {min(walls['ray']) / min(walls['local']):.2f}, median "
+        f"{statistics.median(walls['ray']) / statistics.median(walls['local']):.2f}; training: min "
+        f"{min(trains['ray']) / min(trains['local']):.2f}"
+    )
     print(f"load average {os.getloadavg()}, {os.cpu_count()} CPUs")
 
 

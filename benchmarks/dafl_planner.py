@@ -77,10 +77,14 @@ def cpu_seconds(fn, repeats: int) -> tuple[float, object]:  # type: ignore[no-un
 
 
 def table_ii(repeats: int) -> None:
-    print("Table II partitions, paper settings (tau = epsilon = 1e-3, lambda1 = 1, s = 1); CPU ms, min of "
-          f"{repeats}")
-    print(f"{'case':<12} {'old ms':>8} {'exact ms':>9} {'float ms':>9} {'speed-up':>9} {'identical':>9} "
-          f"{'added (exact)':>13} {'added (float)':>13} {'I after (float)':>15}")
+    print(
+        "Table II partitions, paper settings (tau = epsilon = 1e-3, lambda1 = 1, s = 1); CPU ms, min of "
+        f"{repeats}"
+    )
+    print(
+        f"{'case':<12} {'old ms':>8} {'exact ms':>9} {'float ms':>9} {'speed-up':>9} {'identical':>9} "
+        f"{'added (exact)':>13} {'added (float)':>13} {'I after (float)':>15}"
+    )
     plan_dafl([[2, 1], [1, 1]])  # load the compiled kernel
     worst = 0.0
     for lambda2 in (1e2, 1e3, 1e4):
@@ -92,17 +96,22 @@ def table_ii(repeats: int) -> None:
             float_s, flt = cpu_seconds(partial(plan_dafl, counts, DaflParams(lambda2=lambda2)), repeats)
             same = exact.A.tolist() == old.tolist()  # type: ignore[union-attr]
             worst = max(worst, exact_s, float_s)
-            print(f"{name} {lambda2:<9g} {1e3 * old_s:>8.1f} {1e3 * exact_s:>9.1f} {1e3 * float_s:>9.1f} "
-                  f"{old_s / max(exact_s, 1e-9):>8.0f}x {'yes' if same else 'NO':>9} "
-                  f"{exact.added:>13,} {flt.added:>13,} {flt.I_after:>15.4f}", flush=True)  # type: ignore[union-attr]
+            print(
+                f"{name} {lambda2:<9g} {1e3 * old_s:>8.1f} {1e3 * exact_s:>9.1f} {1e3 * float_s:>9.1f} "
+                f"{old_s / max(exact_s, 1e-9):>8.0f}x {'yes' if same else 'NO':>9} "
+                f"{exact.added:>13,} {flt.added:>13,} {flt.I_after:>15.4f}",
+                flush=True,
+            )  # type: ignore[union-attr]
     print(f"slowest compiled case: {1e3 * worst:.1f} ms CPU (aim: 50 ms)")
 
 
 def scaling(seed: int, budget: float) -> None:
     print()
     print(f"Dirichlet-skewed random matrices (seed {seed}), lambda2 = 100, tau = 1e-3, rule float")
-    print(f"{'K':>5} {'C':>4} {'n':>8} {'s':>5} {'steps':>9} {'added':>9} {'J0':>7} {'I0':>7} {'I_after':>7} "
-          f"{'cpu_s':>8} {'us/step':>7}")
+    print(
+        f"{'K':>5} {'C':>4} {'n':>8} {'s':>5} {'steps':>9} {'added':>9} {'J0':>7} {'I0':>7} {'I_after':>7} "
+        f"{'cpu_s':>8} {'us/step':>7}"
+    )
     for clients in (8, 100, 1000):
         for classes in (8, 100):
             counts = skewed_counts(clients, classes, seed)
@@ -112,20 +121,29 @@ def scaling(seed: int, budget: float) -> None:
                 if estimate <= budget:
                     cpu, plan = cpu_seconds(partial(plan_dafl, counts, params, max_steps=10**9), 1)
                     steps = plan.added // step  # type: ignore[union-attr]
-                    print(f"{clients:>5} {classes:>4} {int(counts.sum()):>8} {step:>5} {steps:>9,} "
-                          f"{plan.added:>9,} {plan.J_before:>7.4f} {plan.I_before:>7.4f} "  # type: ignore[union-attr]
-                          f"{plan.I_after:>7.4f} {cpu:>8.3f} {1e6 * cpu / max(steps, 1):>7.2f}",  # type: ignore[union-attr]
-                          flush=True)
+                    print(
+                        f"{clients:>5} {classes:>4} {int(counts.sum()):>8} {step:>5} {steps:>9,} "
+                        f"{plan.added:>9,} {plan.J_before:>7.4f} {plan.I_before:>7.4f} "  # type: ignore[union-attr]
+                        f"{plan.I_after:>7.4f} {cpu:>8.3f} {1e6 * cpu / max(steps, 1):>7.2f}",  # type: ignore[union-attr]
+                        flush=True,
+                    )
                     break
-                print(f"{clients:>5} {classes:>4} {int(counts.sum()):>8} {step:>5} {phase1:>9,}  skipped: "
-                      f"~{estimate:.0f} s CPU estimated for Phase 1 alone (budget {budget:g} s)", flush=True)
+                print(
+                    f"{clients:>5} {classes:>4} {int(counts.sum()):>8} {step:>5} {phase1:>9,}  skipped: "
+                    f"~{estimate:.0f} s CPU estimated for Phase 1 alone (budget {budget:g} s)",
+                    flush=True,
+                )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget", type=float, default=30.0, help="largest estimated seconds per configuration")
+    parser.add_argument(
+        "--budget", type=float, default=30.0, help="largest estimated seconds per configuration"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random count matrices")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per Table II case (min is shown)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed repeats per Table II case (min is shown)"
+    )
     parser.add_argument("--skip-table-ii", action="store_true", help="only the scaling part")
     args = parser.parse_args()
     if not args.skip_table_ii:

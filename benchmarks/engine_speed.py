@@ -13,6 +13,7 @@ of the scenario); the bare loop is training only. Evaluations are not part of th
 (``cpu_ratio_to_bare``) come too: on a machine shared with other work they are steadier than wall time.
 ``--cohort`` sets ``run.cohort`` (auto, 1 or N); ``run.threads`` applies as in any run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,9 @@ from felix.engine.run import resolve_config
 from felix.sim.build import Built, build
 
 
-def simulate(args: argparse.Namespace, aggregations: int,
-             cohort: str | None = None) -> tuple[Built, Any, list[tuple[ClientData, int, np.ndarray]]]:
+def simulate(
+    args: argparse.Namespace, aggregations: int, cohort: str | None = None
+) -> tuple[Built, Any, list[tuple[ClientData, int, np.ndarray]]]:
     sets = parse_set(args.set)
     run = sets.setdefault("run", {})
     run.update({"max_aggregations": aggregations, "stop_at_target": False})
@@ -74,7 +76,7 @@ def bare_loop(built: Built, tasks: list[tuple[ClientData, int, np.ndarray]]) -> 
             for s in range(0, stop, c.batch_size):
                 if c.max_steps is not None and steps >= c.max_steps:
                     break
-                idx = order[s:s + c.batch_size]
+                idx = order[s : s + c.batch_size]
                 loss = F.cross_entropy(model(x[idx]), y[idx])
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -96,20 +98,32 @@ def engine(args: argparse.Namespace, aggregations: int, cohort: str | None) -> d
     aggs = built.orch.version
     wall = out.wall_time_s
     return {
-        "scenario": cfg.name, "strategy": cfg.strategy, "seed": cfg.seed, "device": cfg.run.device,
-        "threads": torch.get_num_threads(), "cohort_setting": cfg.run.cohort, "cohort_size": sim.cfg.cohort_size,
-        "precision": cfg.run.precision, "model": cfg.model, "torch": torch.__version__,
-        "aggregations": aggs, "updates": len(tasks), "wall_s": round(wall, 3),
-        "train_s": round(out.train_seconds, 3), "trained_unused": out.trained_unused,
+        "scenario": cfg.name,
+        "strategy": cfg.strategy,
+        "seed": cfg.seed,
+        "device": cfg.run.device,
+        "threads": torch.get_num_threads(),
+        "cohort_setting": cfg.run.cohort,
+        "cohort_size": sim.cfg.cohort_size,
+        "precision": cfg.run.precision,
+        "model": cfg.model,
+        "torch": torch.__version__,
+        "aggregations": aggs,
+        "updates": len(tasks),
+        "wall_s": round(wall, 3),
+        "train_s": round(out.train_seconds, 3),
+        "trained_unused": out.trained_unused,
         "wall_per_aggregation_s": round(wall / max(aggs, 1), 5),
         "aggregations_per_s": round(aggs / wall, 3) if wall else None,
         "updates_per_s": round(len(tasks) / wall, 2) if wall else None,
         "virtual_s": round(out.virtual_time_s, 1),
         "virtual_h_per_wall_h": round(out.virtual_time_s / wall, 1) if wall else None,
         "final_accuracy": built.recorder.rows[-1].accuracy,
-        "bare_sequential_s": round(bare, 3), "ratio_to_bare": round(wall / bare, 3) if bare else None,
+        "bare_sequential_s": round(bare, 3),
+        "ratio_to_bare": round(wall / bare, 3) if bare else None,
         # Process CPU seconds: less sensitive than wall time to other load on a shared machine.
-        "cpu_s": round(sim_cpu, 3), "bare_cpu_s": round(bare_cpu, 3),
+        "cpu_s": round(sim_cpu, 3),
+        "bare_cpu_s": round(bare_cpu, 3),
         "cpu_ratio_to_bare": round(sim_cpu / bare_cpu, 3) if bare_cpu else None,
     }
 
@@ -118,15 +132,30 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenario", default="felix-cpu-100")
     ap.add_argument("--preset", default="felix")
-    ap.add_argument("--aggregations", default="300",
-                    help="aggregations per run; a comma-separated list pairs with --cohort's list")
+    ap.add_argument(
+        "--aggregations",
+        default="300",
+        help="aggregations per run; a comma-separated list pairs with --cohort's list",
+    )
     ap.add_argument("--warmup", type=int, default=5, help="aggregations of an untimed first run")
-    ap.add_argument("--cohort", help="run.cohort: auto, 1 (sequential) or N (default: the config's); a "
-                    "comma-separated list runs each in turn in this process, one JSON line each")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, as felix run")
-    ap.add_argument("--bare-repeats", type=int, default=2, help="the bare loop's time is the best of this many")
-    ap.add_argument("--selection", nargs=2, type=int, metavar=("REGISTERED", "AVAILABLE"),
-                    help="time one selection decision at this population size instead")
+    ap.add_argument(
+        "--cohort",
+        help="run.cohort: auto, 1 (sequential) or N (default: the config's); a "
+        "comma-separated list runs each in turn in this process, one JSON line each",
+    )
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override, as felix run"
+    )
+    ap.add_argument(
+        "--bare-repeats", type=int, default=2, help="the bare loop's time is the best of this many"
+    )
+    ap.add_argument(
+        "--selection",
+        nargs=2,
+        type=int,
+        metavar=("REGISTERED", "AVAILABLE"),
+        help="time one selection decision at this population size instead",
+    )
     ap.add_argument("--repeats", type=int, default=20, help="selection decisions timed (--selection)")
     ap.add_argument("--json", action="store_true", help="one JSON line instead of text")
     args = ap.parse_args(argv)
@@ -134,11 +163,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from selection_speed import measure_selection  # benchmarks/selection_speed.py
         except ImportError:
-            print("engine_speed: selection benchmark not available in this build "
-                  "(benchmarks/selection_speed.py with measure_selection is missing)", file=sys.stderr)
+            print(
+                "engine_speed: selection benchmark not available in this build "
+                "(benchmarks/selection_speed.py with measure_selection is missing)",
+                file=sys.stderr,
+            )
             return 2
-        report(measure_selection(registered=args.selection[0], available=args.selection[1], repeats=args.repeats),
-               args.json)
+        report(
+            measure_selection(
+                registered=args.selection[0], available=args.selection[1], repeats=args.repeats
+            ),
+            args.json,
+        )
         return 0
     cohorts: list[str | None] = list(args.cohort.split(",")) if args.cohort else [None]
     aggs = [int(a) for a in str(args.aggregations).split(",")]

@@ -20,6 +20,7 @@ Everything (broker, server, clients) shares this machine's cores, so the figures
 whole stack on one box. Run:
 ``python benchmarks/mqtt_capacity.py [--clients 50 100 200 400 800] [--horizon 120]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,16 +51,25 @@ from felix.deploy.topics import SERVER_USER
 
 def _config(path: Path, n: int, phase: str, slot_s: float, horizon_s: float) -> dict[str, Any]:
     doc: dict[str, Any] = {
-        "name": f"capacity-{phase}", "strategy": "custom", "seed": 0, "model": "mlp",
+        "name": f"capacity-{phase}",
+        "strategy": "custom",
+        "seed": 0,
+        "model": "mlp",
         "dataset": {"name": "digits"},
         "partition": {"kind": "iid", "num_clients": n},
         "runtime": {"kind": "constant", "constant_s": 0.01},
-        "selector": {"name": "random"}, "eval_selector": {"name": "none"},
+        "selector": {"name": "random"},
+        "eval_selector": {"name": "none"},
         "aggregator": {"name": "fedbuff"},
         "run": {"target_accuracy": 1.0, "eval_every": 0, "max_time_s": 1e6},
     }
     if phase == "tiers":
-        doc["trace"] = {"kind": "slotted", "unavailable_fraction": 0.5, "slot_s": slot_s, "horizon_s": horizon_s}
+        doc["trace"] = {
+            "kind": "slotted",
+            "unavailable_fraction": 0.5,
+            "slot_s": slot_s,
+            "horizon_s": horizon_s,
+        }
         doc["orchestrator"] = {"mode": "async", "agg_goal": 10, "concurrency": 1, "knowledge": "tiertrack"}
     else:
         doc["trace"] = {"kind": "always"}
@@ -120,26 +130,59 @@ class _Timed:
         return out
 
 
-def run_phase(n: int, phase: str, window_s: float, processes: int, slot_s: float, work: Path,
-              checkpoint: bool = False, horizon_s: float = 3600.0) -> dict[str, Any]:
+def run_phase(
+    n: int,
+    phase: str,
+    window_s: float,
+    processes: int,
+    slot_s: float,
+    work: Path,
+    checkpoint: bool = False,
+    horizon_s: float = 3600.0,
+) -> dict[str, Any]:
     cfg_path = work / f"{phase}-{n}.yaml"
     _config(cfg_path, n, phase, slot_s, horizon_s)
     cfg = resolve_config(str(cfg_path), None, {})
     tag = f"{phase}-{n}{'-ck' if checkpoint else ''}"
     with MosquittoBroker(n, workdir=work / f"broker-{tag}") as broker:
         users = yaml.safe_load(broker.credentials_file.read_text())
-        opts = ServeOptions(BrokerOptions("127.0.0.1", broker.port, SERVER_USER, users[SERVER_USER]), run_id="cap",
-                            status_every_s=1e9, checkpoint=work / f"ck-{tag}.safetensors" if checkpoint else None)
+        opts = ServeOptions(
+            BrokerOptions("127.0.0.1", broker.port, SERVER_USER, users[SERVER_USER]),
+            run_id="cap",
+            status_every_s=1e9,
+            checkpoint=work / f"ck-{tag}.safetensors" if checkpoint else None,
+        )
         server = Server(cfg, opts)
         timed = _Timed(server.orch.handle)
         server.orch.handle = timed  # type: ignore[method-assign]
         thread = threading.Thread(target=server.run, daemon=True, name="felix-loop")
         thread.start()
         emulate = subprocess.Popen(
-            [sys.executable, "-m", "felix.deploy", "emulate", str(cfg_path), "--clients", str(n), "--processes",
-             str(processes), "--broker", broker.address, "--run-id", "cap", "--credentials",
-             str(broker.credentials_file), "--no-train", "--time-scale", "1", "--max-wall-s", str(window_s + 240)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                sys.executable,
+                "-m",
+                "felix.deploy",
+                "emulate",
+                str(cfg_path),
+                "--clients",
+                str(n),
+                "--processes",
+                str(processes),
+                "--broker",
+                broker.address,
+                "--run-id",
+                "cap",
+                "--credentials",
+                str(broker.credentials_file),
+                "--no-train",
+                "--time-scale",
+                "1",
+                "--max-wall-s",
+                str(window_s + 240),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             deadline = time.monotonic() + 180
             while len(server.orch.clients) < n:
@@ -189,9 +232,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, nargs="+", default=[50, 100, 200, 400, 800])
     p.add_argument("--window", type=float, default=10.0, help="measurement window per run, seconds")
-    p.add_argument("--processes", type=int, default=2, help="emulate worker processes (more above 250 clients each)")
+    p.add_argument(
+        "--processes", type=int, default=2, help="emulate worker processes (more above 250 clients each)"
+    )
     p.add_argument("--slot", type=float, default=0.25, help="trace slot (s) of the tier phase")
-    p.add_argument("--horizon", type=float, default=3600.0, help="trace horizon (s) of the tier phase (repeats)")
+    p.add_argument(
+        "--horizon", type=float, default=3600.0, help="trace horizon (s) of the tier phase (repeats)"
+    )
     p.add_argument("--tiers-only", action="store_true", help="only the tier phase (no round trips)")
     args = p.parse_args()
     import torch
@@ -201,32 +248,44 @@ def main() -> int:
         print("mosquitto is not installed (apt-get install mosquitto)", file=sys.stderr)
         return 2
     print(f"{os.cpu_count()} CPUs; window {args.window:.0f} s; tier trace slot {args.slot} s; no training\n")
-    header = (f"{'clients':>7} {'procs':>5} | {'tier offered/s':>14} {'handled/s':>9} {'p50 ms':>7} {'p95 ms':>7} "
-              f"{'event ms p50/p95':>16} | {'round trips/s':>13} {'p50 ms':>7} {'p95 ms':>7} | "
-              f"{'with --checkpoint':>17} {'ckpt/s':>6} {'ratio':>5}")
+    header = (
+        f"{'clients':>7} {'procs':>5} | {'tier offered/s':>14} {'handled/s':>9} {'p50 ms':>7} {'p95 ms':>7} "
+        f"{'event ms p50/p95':>16} | {'round trips/s':>13} {'p50 ms':>7} {'p95 ms':>7} | "
+        f"{'with --checkpoint':>17} {'ckpt/s':>6} {'ratio':>5}"
+    )
     print(header)
     print("-" * len(header))
     threads = []
     with tempfile.TemporaryDirectory(prefix="felix-capacity-") as tmp:
         for n in args.clients:
-            tiers = run_phase(n, "tiers", args.window, args.processes, args.slot, Path(tmp), horizon_s=args.horizon)
+            tiers = run_phase(
+                n, "tiers", args.window, args.processes, args.slot, Path(tmp), horizon_s=args.horizon
+            )
             if args.tiers_only:
-                print(f"{n:>7} tiers: offered {_offered_tier_rate(n, args.slot):.1f}/s, handled "
-                      f"{tiers['tier_per_s']:.1f}/s, delay p50/p95 {tiers['lat_p50_ms']:.1f}/{tiers['lat_p95_ms']:.1f} ms, "
-                      f"tier event p50/p95 {tiers['tier_event_p50_ms']:.3f}/{tiers['tier_event_p95_ms']:.3f} ms; "
-                      f"busiest threads [{tiers['threads']}]", flush=True)
+                print(
+                    f"{n:>7} tiers: offered {_offered_tier_rate(n, args.slot):.1f}/s, handled "
+                    f"{tiers['tier_per_s']:.1f}/s, delay p50/p95 {tiers['lat_p50_ms']:.1f}/{tiers['lat_p95_ms']:.1f} ms, "
+                    f"tier event p50/p95 {tiers['tier_event_p50_ms']:.3f}/{tiers['tier_event_p95_ms']:.3f} ms; "
+                    f"busiest threads [{tiers['threads']}]",
+                    flush=True,
+                )
                 continue
             trips = run_phase(n, "trips", args.window, args.processes, args.slot, Path(tmp))
             ck = run_phase(n, "trips", args.window, args.processes, args.slot, Path(tmp), checkpoint=True)
             procs = max(args.processes, -(-n // MAX_CLIENTS_PER_PROCESS))  # as felix emulate does
             ratio = ck["results_per_s"] / max(1e-9, trips["results_per_s"])
-            print(f"{n:>7} {procs:>5} | {_offered_tier_rate(n, args.slot):>14.1f} {tiers['tier_per_s']:>9.1f} "
-                  f"{tiers['lat_p50_ms']:>7.1f} {tiers['lat_p95_ms']:>7.1f} "
-                  f"{tiers['tier_event_p50_ms']:>7.3f}/{tiers['tier_event_p95_ms']:<8.3f} | "
-                  f"{trips['results_per_s']:>13.1f} {trips['lat_p50_ms']:>7.1f} {trips['lat_p95_ms']:>7.1f} | "
-                  f"{ck['results_per_s']:>17.1f} {ck['checkpoints_per_s']:>6.1f} {ratio:>5.2f}", flush=True)
-            threads.append(f"{n:>7}: tiers [{tiers['threads']}]; trips [{trips['threads']}]; "
-                           f"trips+checkpoint [{ck['threads']}]")
+            print(
+                f"{n:>7} {procs:>5} | {_offered_tier_rate(n, args.slot):>14.1f} {tiers['tier_per_s']:>9.1f} "
+                f"{tiers['lat_p50_ms']:>7.1f} {tiers['lat_p95_ms']:>7.1f} "
+                f"{tiers['tier_event_p50_ms']:>7.3f}/{tiers['tier_event_p95_ms']:<8.3f} | "
+                f"{trips['results_per_s']:>13.1f} {trips['lat_p50_ms']:>7.1f} {trips['lat_p95_ms']:>7.1f} | "
+                f"{ck['results_per_s']:>17.1f} {ck['checkpoints_per_s']:>6.1f} {ratio:>5.2f}",
+                flush=True,
+            )
+            threads.append(
+                f"{n:>7}: tiers [{tiers['threads']}]; trips [{trips['threads']}]; "
+                f"trips+checkpoint [{ck['threads']}]"
+            )
     print("\nbusiest threads of this process (server loop, paho network thread; CPU share of one core):")
     print("\n".join(threads))
     return 0

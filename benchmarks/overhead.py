@@ -7,6 +7,7 @@ Aim: ratio under 1.10. Everything the simulator adds (event heap, orchestrator, 
 byte counting, weight copies) is overhead; global-model evaluation is reported separately
 through --eval-every (0: only the initial and final model are evaluated).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads, as run.threads (default 1)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+
     def simulate(aggregations: int):
-        cfg = resolve_config(None, args.preset, {"run": {"max_aggregations": aggregations, "stop_at_target": False,
-                                                          "eval_every": args.eval_every}}, args.scenario)
+        cfg = resolve_config(
+            None,
+            args.preset,
+            {
+                "run": {
+                    "max_aggregations": aggregations,
+                    "stop_at_target": False,
+                    "eval_every": args.eval_every,
+                }
+            },
+            args.scenario,
+        )
         built = build(cfg)
         tasks: list[tuple[int, int, np.ndarray]] = []
         built.sim._on_train = lambda dev, task: tasks.append((dev.cid, task.task_id, task.weights))
@@ -59,7 +71,7 @@ def main() -> None:
             for _ in range(c.epochs):
                 order = torch.randperm(len(y), generator=gen)
                 for s in range(0, len(y), c.batch_size):
-                    idx = order[s:s + c.batch_size]
+                    idx = order[s : s + c.batch_size]
                     loss = F.cross_entropy(model(x[idx]), y[idx])
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
@@ -68,8 +80,10 @@ def main() -> None:
         return time.perf_counter() - t0
 
     bare = min(replay(), replay())
-    print(f"scenario {cfg.name}, strategy {cfg.strategy}: {len(tasks)} client updates, "
-          f"{built.orch.version} aggregations, {out.virtual_time_s:.0f} virtual s")
+    print(
+        f"scenario {cfg.name}, strategy {cfg.strategy}: {len(tasks)} client updates, "
+        f"{built.orch.version} aggregations, {out.virtual_time_s:.0f} virtual s"
+    )
     print(f"simulator wall {sim_wall:.2f} s (of which inside local training {out.train_seconds:.2f} s)")
     print(f"bare PyTorch loop {bare:.2f} s")
     print(f"ratio simulator / bare = {sim_wall / bare:.3f}")

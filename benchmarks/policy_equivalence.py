@@ -7,6 +7,7 @@ and write each summary without its wall-clock fields, so that two trees can be c
 Used to check that moving the round, availability and data-plan decisions into policies changed
 no result.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,13 +15,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
-PRESETS = ("fedavg", "oort", "oort*", "oort-async", "oort-async*", "refl*", "felix", "fedbuff",
-           "felix-no-eval", "felix-no-tierfuse", "oort-async+tiertrack")
+PRESETS = (
+    "fedavg",
+    "oort",
+    "oort*",
+    "oort-async",
+    "oort-async*",
+    "refl*",
+    "felix",
+    "fedbuff",
+    "felix-no-eval",
+    "felix-no-tierfuse",
+    "oort-async+tiertrack",
+)
 PLANS = ("lb", "dafl")
 
 
 def _strip(summary: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in summary.items() if k not in ("wall_time_s", "provenance")}  # wall clock, git state
+    out = {
+        k: v for k, v in summary.items() if k not in ("wall_time_s", "provenance")
+    }  # wall clock, git state
     if "data_plan" in out:
         out["data_plan"] = {k: v for k, v in out["data_plan"].items() if k != "plan_seconds"}
         out["augmentation"] = {k: v for k, v in out["augmentation"].items() if "wall" not in k}
@@ -38,12 +52,24 @@ def write(out: Path) -> None:
     runs: list[tuple[str, str, list[str]]] = [(p, p, ["run.max_aggregations=40"]) for p in PRESETS]
     for plan in PLANS:
         for preset in ("fedavg", "fedbuff", "felix"):
-            runs.append((f"{preset}-{plan}", preset, ["run.max_aggregations=10", f"data_plan={plan}",
-                                                     "partition.num_clients=20", "partition.kind=iid"]))
+            runs.append(
+                (
+                    f"{preset}-{plan}",
+                    preset,
+                    [
+                        "run.max_aggregations=10",
+                        f"data_plan={plan}",
+                        "partition.num_clients=20",
+                        "partition.kind=iid",
+                    ],
+                )
+            )
     for name, preset, sets in runs:
         cfg = resolve_config(None, preset, parse_set(sets))
         summ = run_config(cfg, None, plots=False).summary
-        (out / f"{name.replace('*', '_star')}.json").write_text(json.dumps(_strip(summ), indent=1, sort_keys=True))
+        (out / f"{name.replace('*', '_star')}.json").write_text(
+            json.dumps(_strip(summ), indent=1, sort_keys=True)
+        )
         print(name, summ["aggregations"], summ["final_accuracy"], summ["virtual_time_s"], flush=True)
 
 

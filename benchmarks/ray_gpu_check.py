@@ -9,6 +9,7 @@ and its start/end time; then how many runs overlapped on one GPU, and whether ev
 the same run done in this process on ``cuda`` (apart from wall time; GPU kernels may not be
 bit-reproducible, in which case the largest accuracy difference is printed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,14 @@ def traced(spec: RunSpec) -> RunOutput:
 
     t0 = time.time()
     out = execute(spec)
-    out.summary["_trace"] = {"gpu_ids": [str(g) for g in ray.get_gpu_ids()], "t0": t0, "t1": time.time(),
-                             "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                             "device": spec.config.run.device, "torch_sees": torch.cuda.device_count()}
+    out.summary["_trace"] = {
+        "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        "t0": t0,
+        "t1": time.time(),
+        "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "device": spec.config.run.device,
+        "torch_sees": torch.cuda.device_count(),
+    }
     return out
 
 
@@ -44,11 +50,24 @@ def main() -> None:
     from felix.distributed.ray_tasks import RayTaskBackend
 
     with tempfile.TemporaryDirectory() as tmp:
+
         def specs(root: str) -> list[RunSpec]:
-            return [RunSpec(f"s{seed}", resolve_config(None, "fedbuff", {
-                "seed": seed, "partition": {"num_clients": 50},
-                "run": {"device": "cuda", "max_aggregations": 30, "stop_at_target": False}}), Path(tmp) / root / f"s{seed}")
-                for seed in range(args.runs)]
+            return [
+                RunSpec(
+                    f"s{seed}",
+                    resolve_config(
+                        None,
+                        "fedbuff",
+                        {
+                            "seed": seed,
+                            "partition": {"num_clients": 50},
+                            "run": {"device": "cuda", "max_aggregations": 30, "stop_at_target": False},
+                        },
+                    ),
+                    Path(tmp) / root / f"s{seed}",
+                )
+                for seed in range(args.runs)
+            ]
 
         start_local()
         print("cluster:", ray.cluster_resources())
@@ -70,8 +89,12 @@ def main() -> None:
         a = {x: v for x, v in par.outputs[k].summary.items() if x != "wall_time_s"}
         b = {x: v for x, v in seq.outputs[k].summary.items() if x != "wall_time_s"}
         diffs.append((a == b, abs(a["final_accuracy"] - b["final_accuracy"])))
-    print("summaries identical to the in-process cuda runs:", [d[0] for d in diffs],
-          "largest final-accuracy difference:", max(d[1] for d in diffs))
+    print(
+        "summaries identical to the in-process cuda runs:",
+        [d[0] for d in diffs],
+        "largest final-accuracy difference:",
+        max(d[1] for d in diffs),
+    )
 
 
 if __name__ == "__main__":

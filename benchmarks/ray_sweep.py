@@ -15,6 +15,7 @@ its own compute: worker start, imports, first-run warm-up, scheduling, transfers
 worker's CPU seconds over the sequential CPU seconds (the ratio an otherwise idle 2-core machine
 would see, start-up aside); a no-op run's round trip on warm workers; and the load average.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,16 +31,25 @@ from felix.experiments.runs import InlineBackend, Outcome, RunOutput, RunSpec, r
 
 
 def noop(spec: RunSpec) -> RunOutput:
-    return RunOutput({"strategy": spec.key, "time_to_target_s": None, "final_accuracy": None, "wall_time_s": 0.0}, [])
+    return RunOutput(
+        {"strategy": spec.key, "time_to_target_s": None, "final_accuracy": None, "wall_time_s": 0.0}, []
+    )
 
 
 def specs(root: Path, aggregations: int, clients: int, model: str = "small_cnn") -> list[RunSpec]:
     out = []
     for strategy in ("fedbuff", "felix"):
         for seed in (0, 1, 2):
-            cfg = resolve_config(None, strategy, {
-                "seed": seed, "model": model, "partition": {"num_clients": clients},
-                "run": {"max_aggregations": aggregations, "stop_at_target": False, "threads": 1}})
+            cfg = resolve_config(
+                None,
+                strategy,
+                {
+                    "seed": seed,
+                    "model": model,
+                    "partition": {"num_clients": clients},
+                    "run": {"max_aggregations": aggregations, "stop_at_target": False, "threads": 1},
+                },
+            )
             out.append(RunSpec(f"{strategy}/seed={seed}", cfg, root / f"{strategy}-s{seed}"))
     return out
 
@@ -71,7 +81,9 @@ def main() -> None:
     def on_ray(root: Path) -> tuple[Outcome, float, float, list[float], float, float]:
         t = time.perf_counter()
         start_local(num_cpus=2)
-        backend = RayTaskBackend()  # warms each worker (felix.experiments.runs.warm_process): part of start-up
+        backend = (
+            RayTaskBackend()
+        )  # warms each worker (felix.experiments.runs.warm_process): part of start-up
         start_s = time.perf_counter() - t
         t = time.perf_counter()
         out = run_all(specs(root, args.aggregations, args.clients, args.model), backend, log=quiet)
@@ -107,25 +119,59 @@ def main() -> None:
                 seq, seq_s, seq_cpu = sequential(Path(tmp) / "seq")
             load1 = os.getloadavg()[0]
         assert not seq.failed and not par.failed
-        same = all(strip(seq.outputs[k].summary) == strip(par.outputs[k].summary) and
-                   seq.outputs[k].rows == par.outputs[k].rows for k in seq.outputs)
+        same = all(
+            strip(seq.outputs[k].summary) == strip(par.outputs[k].summary)
+            and seq.outputs[k].rows == par.outputs[k].rows
+            for k in seq.outputs
+        )
         overhead = (2 * ray_s - seq_s) / 6
         cpu_overhead = (sum(workers) + other - seq_cpu) / 6
-        rows.append((seq_s, ray_s, start_s, ray_s / seq_s, (ray_s + start_s) / seq_s, overhead, cpu_overhead,
-                     max(workers) / seq_cpu, noop_ms))
-        print(f"repeat {rep}: sequential {seq_s:.1f}s ({seq_cpu:.1f} CPU s), ray {ray_s:.1f}s + start-up "
-              f"{start_s:.1f}s, ratio {ray_s / seq_s:.2f} (with start-up {(ray_s + start_s) / seq_s:.2f}); "
-              f"ray CPU s: workers {' + '.join(f'{w:.1f}' for w in workers)}, ray's own processes {other:.1f}; "
-              f"per-run overhead {overhead:.2f} worker-s wall, {cpu_overhead:.2f} CPU-s; busiest worker's CPU / "
-              f"sequential CPU {max(workers) / seq_cpu:.2f}; no-op run {noop_ms:.0f} ms; "
-              f"summaries identical: {same}; load {load0:.1f} -> {load1:.1f}", flush=True)
+        rows.append(
+            (
+                seq_s,
+                ray_s,
+                start_s,
+                ray_s / seq_s,
+                (ray_s + start_s) / seq_s,
+                overhead,
+                cpu_overhead,
+                max(workers) / seq_cpu,
+                noop_ms,
+            )
+        )
+        print(
+            f"repeat {rep}: sequential {seq_s:.1f}s ({seq_cpu:.1f} CPU s), ray {ray_s:.1f}s + start-up "
+            f"{start_s:.1f}s, ratio {ray_s / seq_s:.2f} (with start-up {(ray_s + start_s) / seq_s:.2f}); "
+            f"ray CPU s: workers {' + '.join(f'{w:.1f}' for w in workers)}, ray's own processes {other:.1f}; "
+            f"per-run overhead {overhead:.2f} worker-s wall, {cpu_overhead:.2f} CPU-s; busiest worker's CPU / "
+            f"sequential CPU {max(workers) / seq_cpu:.2f}; no-op run {noop_ms:.0f} ms; "
+            f"summaries identical: {same}; load {load0:.1f} -> {load1:.1f}",
+            flush=True,
+        )
         if not same:
-            diff = {k: [x for x in seq.outputs[k].summary if x != "wall_time_s" and
-                        seq.outputs[k].summary[x] != par.outputs[k].summary.get(x)] for k in seq.outputs}
-            raise SystemExit(f"Ray and sequential summaries differ (do not commit while this runs: provenance "
-                             f"records the commit): {diff}")
-    names = ("sequential s", "ray s", "ray start-up s", "ratio", "ratio with start-up", "overhead wall s/run",
-             "overhead CPU s/run", "busiest worker CPU/seq", "no-op run ms")
+            diff = {
+                k: [
+                    x
+                    for x in seq.outputs[k].summary
+                    if x != "wall_time_s" and seq.outputs[k].summary[x] != par.outputs[k].summary.get(x)
+                ]
+                for k in seq.outputs
+            }
+            raise SystemExit(
+                f"Ray and sequential summaries differ (do not commit while this runs: provenance "
+                f"records the commit): {diff}"
+            )
+    names = (
+        "sequential s",
+        "ray s",
+        "ray start-up s",
+        "ratio",
+        "ratio with start-up",
+        "overhead wall s/run",
+        "overhead CPU s/run",
+        "busiest worker CPU/seq",
+        "no-op run ms",
+    )
     for i, name in enumerate(names):
         xs = [r[i] for r in rows]
         print(f"{name:>22}: min {min(xs):.2f}  median {statistics.median(xs):.2f}  max {max(xs):.2f}")

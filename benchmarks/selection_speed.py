@@ -22,6 +22,7 @@ above), so the same script times older checkouts: ``PYTHONPATH=/path/to/src``.
     python benchmarks/selection_speed.py 1000000 10000 --json
     python benchmarks/selection_speed.py 100000 10000 --async-events 200 --json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,10 +58,17 @@ def build(registered: int, available: int, seed: int = 0, shuffled: bool = False
         raise ValueError(f"need 0 < available <= registered, got {available} / {registered}")
     rng = np.random.default_rng(seed)
     train, ev = tierselect(10, reward_cap=320)
-    cfg = OrchestratorConfig(mode="async", agg_goal=10, concurrency=K, task_timeout_s=None,
-                             knowledge=Knowledge.TIERTRACK)
-    orch = Orchestrator(cfg, np.zeros(DIM, np.float32), train, FedBuffAggregator(),
-                        np.random.default_rng(seed + 1), eval_selector=ev)
+    cfg = OrchestratorConfig(
+        mode="async", agg_goal=10, concurrency=K, task_timeout_s=None, knowledge=Knowledge.TIERTRACK
+    )
+    orch = Orchestrator(
+        cfg,
+        np.zeros(DIM, np.float32),
+        train,
+        FedBuffAggregator(),
+        np.random.default_rng(seed + 1),
+        eval_selector=ev,
+    )
     avail = np.zeros(registered, dtype=bool)
     avail[rng.choice(registered, size=available, replace=False)] = True
     explored = rng.random(registered) < 0.5
@@ -73,10 +81,18 @@ def build(registered: int, available: int, seed: int = 0, shuffled: bool = False
         c = int(c)
         tier = Tier.AVL_TRAIN if avail[c] else Tier.UN_AVL
         e = bool(explored[c])
-        orch.clients.add(ClientRecord(
-            client_id=c, num_samples=int(samples[c]), tier=tier, reported_tier=tier,
-            stat_utility=float(util[c]) if e else None, last_utility_round=int(last[c]) if e else -1,
-            last_duration=float(dur[c]) if e else None, times_updated=int(e)))
+        orch.clients.add(
+            ClientRecord(
+                client_id=c,
+                num_samples=int(samples[c]),
+                tier=tier,
+                reported_tier=tier,
+                stat_utility=float(util[c]) if e else None,
+                last_utility_round=int(last[c]) if e else -1,
+                last_duration=float(dur[c]) if e else None,
+                times_updated=int(e),
+            )
+        )
     orch.round = orch.version = ROUND
     return orch
 
@@ -89,7 +105,9 @@ def _decision(orch: Orchestrator) -> tuple[float, float]:
     return time.perf_counter() - t0, time.thread_time() - c0
 
 
-def measure_selection(registered: int, available: int, repeats: int = 50, shuffled: bool = False) -> dict[str, Any]:
+def measure_selection(
+    registered: int, available: int, repeats: int = 50, shuffled: bool = False
+) -> dict[str, Any]:
     """Median / min wall time of one train-selection decision (ms); see the module doc."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, not {repeats}")
@@ -98,13 +116,24 @@ def measure_selection(registered: int, available: int, repeats: int = 50, shuffl
     setup_s = time.perf_counter() - t0
     _decision(orch)  # warm-up: the first decision also folds the candidates into the selector
     wall, cpu = zip(*(_decision(orch) for _ in range(repeats)), strict=True)
-    return {"registered": registered, "available": available, "k": K, "repeats": repeats, "shuffled": shuffled,
-            "selection_ms_median": 1e3 * statistics.median(wall), "selection_ms_min": 1e3 * min(wall),
-            "selection_cpu_ms_median": 1e3 * statistics.median(cpu), "selection_cpu_ms_min": 1e3 * min(cpu),
-            "setup_s": round(setup_s, 2), "felix_src": felix.__file__}
+    return {
+        "registered": registered,
+        "available": available,
+        "k": K,
+        "repeats": repeats,
+        "shuffled": shuffled,
+        "selection_ms_median": 1e3 * statistics.median(wall),
+        "selection_ms_min": 1e3 * min(wall),
+        "selection_cpu_ms_median": 1e3 * statistics.median(cpu),
+        "selection_cpu_ms_min": 1e3 * min(cpu),
+        "setup_s": round(setup_s, 2),
+        "felix_src": felix.__file__,
+    }
 
 
-def measure_async_slot(registered: int, available: int, events: int = 200, shuffled: bool = False) -> dict[str, Any]:
+def measure_async_slot(
+    registered: int, available: int, events: int = 200, shuffled: bool = False
+) -> dict[str, Any]:
     """Median / min wall time (ms) of ``Orchestrator.handle`` for one finished training task (async)."""
     if events < 1:
         raise ValueError(f"events must be >= 1, not {events}")
@@ -124,9 +153,13 @@ def measure_async_slot(registered: int, available: int, events: int = 200, shuff
     while len(ms) < events:
         cid, tid, train = pending.pop(0)
         now += 1.0
-        upd = ClientUpdate(num_samples=50, stat_utility=float(rng.uniform(1, 100)), loss=1.0,
-                           duration=float(rng.uniform(5, 60)),
-                           delta=rng.standard_normal(DIM).astype(np.float32) if train else None)
+        upd = ClientUpdate(
+            num_samples=50,
+            stat_utility=float(rng.uniform(1, 100)),
+            loss=1.0,
+            duration=float(rng.uniform(5, 60)),
+            delta=rng.standard_normal(DIM).astype(np.float32) if train else None,
+        )
         ev = TaskFinished(now, cid, tid, upd)
         t0, c0 = time.perf_counter(), time.thread_time()
         cmds = orch.handle(ev)
@@ -134,10 +167,16 @@ def measure_async_slot(registered: int, available: int, events: int = 200, shuff
             ms.append(1e3 * (time.perf_counter() - t0))
             cpu.append(1e3 * (time.thread_time() - c0))
         note(cmds)
-    return {"registered": registered, "available": available, "events": events,
-            "async_slot_ms_median": statistics.median(ms), "async_slot_ms_min": min(ms),
-            "async_slot_cpu_ms_median": statistics.median(cpu), "versions": orch.version,
-            "felix_src": felix.__file__}
+    return {
+        "registered": registered,
+        "available": available,
+        "events": events,
+        "async_slot_ms_median": statistics.median(ms),
+        "async_slot_ms_min": min(ms),
+        "async_slot_cpu_ms_median": statistics.median(cpu),
+        "versions": orch.version,
+        "felix_src": felix.__file__,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,18 +184,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("registered", type=int)
     ap.add_argument("available", type=int)
     ap.add_argument("--repeats", type=int, default=50, help="timed decisions (after one warm-up)")
-    ap.add_argument("--async-events", type=int, default=0,
-                    help="also time this many async freed-slot events (0 = skip)")
-    ap.add_argument("--shuffled-ids", action="store_true",
-                    help="register clients in a random order (ids are not rows, as under MQTT)")
+    ap.add_argument(
+        "--async-events", type=int, default=0, help="also time this many async freed-slot events (0 = skip)"
+    )
+    ap.add_argument(
+        "--shuffled-ids",
+        action="store_true",
+        help="register clients in a random order (ids are not rows, as under MQTT)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     args = ap.parse_args(argv)
     try:
         out = measure_selection(args.registered, args.available, args.repeats, args.shuffled_ids)
         if args.async_events:
             a = measure_async_slot(args.registered, args.available, args.async_events, args.shuffled_ids)
-            out.update({k: a[k] for k in ("events", "async_slot_ms_median", "async_slot_ms_min",
-                                          "async_slot_cpu_ms_median")})
+            out.update(
+                {
+                    k: a[k]
+                    for k in (
+                        "events",
+                        "async_slot_ms_median",
+                        "async_slot_ms_min",
+                        "async_slot_cpu_ms_median",
+                    )
+                }
+            )
     except ValueError as exc:
         print(f"selection_speed: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ sizes), the dispatched task counts and the tier messages the server received.
 
     PYTHONPATH=src python benchmarks/shell_bytes.py
 """
+
 from __future__ import annotations
 
 import json
@@ -31,11 +32,19 @@ def main() -> None:
     for strategy in ("fedbuff", "felix"):
         with tempfile.TemporaryDirectory() as d:
             tmp = Path(d)
-            path = write_config(tmp / "cfg.yaml", partition={"num_clients": CLIENTS},
-                                trace={"kind": "slotted", "unavailable_fraction": 0.3, "slot_s": 20.0})
-            cfg = load_config(path, {"strategy": strategy, "orchestrator": {"agg_goal": 2, "concurrency": 3},
-                                     "run": {"max_aggregations": 6, "stop_at_target": False,
-                                             "target_accuracy": 1.0}})
+            path = write_config(
+                tmp / "cfg.yaml",
+                partition={"num_clients": CLIENTS},
+                trace={"kind": "slotted", "unavailable_fraction": 0.3, "slot_s": 20.0},
+            )
+            cfg = load_config(
+                path,
+                {
+                    "strategy": strategy,
+                    "orchestrator": {"agg_goal": 2, "concurrency": 3},
+                    "run": {"max_aggregations": 6, "stop_at_target": False, "target_accuracy": 1.0},
+                },
+            )
             sim = run_config(cfg, None, plots=False).summary
             with MosquittoBroker(CLIENTS, workdir=tmp / "broker") as broker:
                 server, thread = start_server(cfg, broker, tmp / "out", SCALE)
@@ -48,10 +57,19 @@ def main() -> None:
                     host.stop_requested.set()
         for shell, s in (("sim", sim), ("mqtt", mqtt)):
             diag = s["diagnostics"]
-            print(strategy, shell, json.dumps({
-                "bytes_by_kind": s["bytes_by_kind"], "wire_bytes_by_kind": s.get("wire_bytes_by_kind"),
-                "train_dispatched": diag["train_dispatched"], "eval_dispatched": diag["eval_dispatched"],
-                "tier_messages": s.get("transport", {}).get("tier_messages")}))
+            print(
+                strategy,
+                shell,
+                json.dumps(
+                    {
+                        "bytes_by_kind": s["bytes_by_kind"],
+                        "wire_bytes_by_kind": s.get("wire_bytes_by_kind"),
+                        "train_dispatched": diag["train_dispatched"],
+                        "eval_dispatched": diag["eval_dispatched"],
+                        "tier_messages": s.get("transport", {}).get("tier_messages"),
+                    }
+                ),
+            )
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ The JSON line:
 ``--quick`` is a few minutes (fewer kills, 1,000 fuzzed messages); ``--tiny`` is the test suite's
 version. Run: ``python benchmarks/soak.py [--quick]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,9 +83,15 @@ class Plan:
 
 
 PLANS = {
-    "full": Plan(clients=200, groups=8, client_kills=100, broker_kills=5, server_kills=5, fuzz=10_000, duration_s=600),
-    "quick": Plan(clients=60, groups=6, client_kills=20, broker_kills=2, server_kills=2, fuzz=1_000, duration_s=150),
-    "tiny": Plan(clients=12, groups=2, client_kills=6, broker_kills=1, server_kills=1, fuzz=150, duration_s=40),
+    "full": Plan(
+        clients=200, groups=8, client_kills=100, broker_kills=5, server_kills=5, fuzz=10_000, duration_s=600
+    ),
+    "quick": Plan(
+        clients=60, groups=6, client_kills=20, broker_kills=2, server_kills=2, fuzz=1_000, duration_s=150
+    ),
+    "tiny": Plan(
+        clients=12, groups=2, client_kills=6, broker_kills=1, server_kills=1, fuzz=150, duration_s=40
+    ),
 }
 
 
@@ -104,7 +111,11 @@ def rss_mb(pid: int) -> float | None:
 
 def write_config(path: Path, n: int) -> None:
     doc = {
-        "name": "soak", "strategy": "felix", "seed": 0, "model": "mlp", "dataset": {"name": "digits"},
+        "name": "soak",
+        "strategy": "felix",
+        "seed": 0,
+        "model": "mlp",
+        "dataset": {"name": "digits"},
         "partition": {"kind": "dirichlet", "num_clients": n, "alpha": 0.5},
         "trace": {"kind": "slotted", "unavailable_fraction": 0.2, "slot_s": 60.0, "horizon_s": 3600.0},
         "runtime": {"kind": "constant", "constant_s": 20.0},
@@ -120,8 +131,16 @@ class Fuzzer:
     """A raw paho client holding a valid login (client ``cid``): genuine messages as seeds, their
     mutations, and poisoned answers to the tasks it gets."""
 
-    def __init__(self, port: int, password: str, cid: int, n_fuzz: int, duration_s: float, seed: int,
-                 poison: str = "all") -> None:
+    def __init__(
+        self,
+        port: int,
+        password: str,
+        cid: int,
+        n_fuzz: int,
+        duration_s: float,
+        seed: int,
+        poison: str = "all",
+    ) -> None:
         self.topics = Topics(RUN)
         self.cid = cid
         self.rng = random.Random(seed)
@@ -135,10 +154,14 @@ class Fuzzer:
         self.seq = 0
         self.session: str | None = None
         self.stop = threading.Event()
-        self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"felix-{RUN}-c{cid}", protocol=mqtt.MQTTv5)
+        self.c = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2, client_id=f"felix-{RUN}-c{cid}", protocol=mqtt.MQTTv5
+        )
         self.c.username_pw_set(client_user(cid), password)
         self.c.reconnect_delay_set(0.25, 2)
-        self.c.on_connect = lambda c, u, f, rc, p: c.subscribe([(self.topics.task(cid), 1), (self.topics.status, 1)])
+        self.c.on_connect = lambda c, u, f, rc, p: c.subscribe(
+            [(self.topics.task(cid), 1), (self.topics.status, 1)]
+        )
         self.c.on_message = self._on_message
         self.c.connect_async("127.0.0.1", port)
         self.c.loop_start()
@@ -158,16 +181,35 @@ class Fuzzer:
             return
         if isinstance(msg, wire.Status) and msg.session != self.session:
             self.session = msg.session
-            reg = wire.encode(wire.Register(**self._env(), client=self.cid, incarnation="fz", num_samples=30,
-                                            tier=Tier.AVL_TRAIN, class_counts=(3,) * 10))
+            reg = wire.encode(
+                wire.Register(
+                    **self._env(),
+                    client=self.cid,
+                    incarnation="fz",
+                    num_samples=30,
+                    tier=Tier.AVL_TRAIN,
+                    class_counts=(3,) * 10,
+                )
+            )
             self.seeds.append(reg)
             self._publish(self.topics.register(self.cid), reg)
         elif isinstance(msg, wire.TrainTask):
             self._answer(msg)
         elif isinstance(msg, wire.EvalTask):
-            res = wire.Result(**self._env(), client=self.cid, incarnation="fz", task=msg.task, kind=TaskKind.EVAL,
-                              version=msg.version, num_samples=30, stat_utility=1.0, loss=1.0, duration=1.0,
-                              delta=None, aux={})
+            res = wire.Result(
+                **self._env(),
+                client=self.cid,
+                incarnation="fz",
+                task=msg.task,
+                kind=TaskKind.EVAL,
+                version=msg.version,
+                num_samples=30,
+                stat_utility=1.0,
+                loss=1.0,
+                duration=1.0,
+                delta=None,
+                aux={},
+            )
             self._publish(self.topics.result(self.cid), wire.encode(res))
 
     def _answer(self, task: wire.TrainTask) -> None:
@@ -178,7 +220,7 @@ class Fuzzer:
         if kind == 0:
             fields["delta"] = np.full(n, 3e38, np.float32)  # finite, huge
         elif kind == 1:
-            fields["num_samples"] = 2 ** 40
+            fields["num_samples"] = 2**40
             fields["delta"] = np.full(n, 1.0, np.float32)
         elif kind == 2:
             fields["delta"] = np.random.default_rng(task.task).normal(0, 1e6, n).astype(np.float32)
@@ -188,8 +230,18 @@ class Fuzzer:
         if kind < 4:
             self.poisoned.add(task.task)
             self.poison_attempts += 1
-        res = wire.Result(**self._env(), client=self.cid, incarnation="fz", task=task.task, kind=TaskKind.TRAIN,
-                          version=task.version, stat_utility=1.0, loss=0.5, duration=1.0, **fields)
+        res = wire.Result(
+            **self._env(),
+            client=self.cid,
+            incarnation="fz",
+            task=task.task,
+            kind=TaskKind.TRAIN,
+            version=task.version,
+            stat_utility=1.0,
+            loss=0.5,
+            duration=1.0,
+            **fields,
+        )
         payload = wire.encode(res)
         if kind == 4:
             self.seeds.append(payload)
@@ -210,15 +262,32 @@ class Fuzzer:
         if op in (3, 4):  # rewrite a header field
             try:
                 _, version, hlen = struct.unpack_from("<4sHI", data)
-                doc = json.loads(data[10:10 + hlen])
+                doc = json.loads(data[10 : 10 + hlen])
             except (struct.error, ValueError):
                 return bytes(b)
-            key = r.choice(sorted(doc)) if op == 3 or not doc else r.choice(["client", "task", "num_samples",
-                                                                            "version", "msg_id", "kind", "tier"])
-            doc[key] = r.choice([-1, 0, 2 ** 63, 2 ** 40, "x" * r.randint(0, 300), None, [1, 2], 1e308, "NaN",
-                                 r.randint(0, 10 ** 6), {"$a": "a0"}, True])
+            key = (
+                r.choice(sorted(doc))
+                if op == 3 or not doc
+                else r.choice(["client", "task", "num_samples", "version", "msg_id", "kind", "tier"])
+            )
+            doc[key] = r.choice(
+                [
+                    -1,
+                    0,
+                    2**63,
+                    2**40,
+                    "x" * r.randint(0, 300),
+                    None,
+                    [1, 2],
+                    1e308,
+                    "NaN",
+                    r.randint(0, 10**6),
+                    {"$a": "a0"},
+                    True,
+                ]
+            )
             h = json.dumps(doc).encode()
-            return struct.pack("<4sHI", data[:4], version, len(h)) + h + data[10 + hlen:]
+            return struct.pack("<4sHI", data[:4], version, len(h)) + h + data[10 + hlen :]
         if op == 5:  # an altered replay: same message id, other content
             return bytes(b[:-1]) + bytes([(b[-1] + 1) % 256]) if b else bytes(b)
         return bytes(b)  # a verbatim replay
@@ -264,20 +333,35 @@ class Soak:
         self.durable: set[int] = set()  # task ids applied and checkpointed by lives that were killed
         self.t0 = time.time()
         size = plan.clients // plan.groups
-        self.groups = [(g * size, (g + 1) * size - 1 if g < plan.groups - 1 else plan.clients - 1)
-                       for g in range(plan.groups)]
+        self.groups = [
+            (g * size, (g + 1) * size - 1 if g < plan.groups - 1 else plan.clients - 1)
+            for g in range(plan.groups)
+        ]
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.rss_start: float | None = None
         self.rss_end: float | None = None
 
     def _common(self) -> list[str]:
-        return [str(self.cfg), "--broker", self.broker.address, "--run-id", RUN, "--time-scale", str(self.plan.scale)]
+        return [
+            str(self.cfg),
+            "--broker",
+            self.broker.address,
+            "--run-id",
+            RUN,
+            "--time-scale",
+            str(self.plan.scale),
+        ]
 
-    def _spawn(self, args: list[str], logname: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, args: list[str], logname: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         with open(self.work / logname, "ab") as f:
-            return subprocess.Popen([sys.executable, "-m", "felix.deploy", "-v", *args], stdout=f,
-                                    stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                                                   **(env or {})})
+            return subprocess.Popen(
+                [sys.executable, "-m", "felix.deploy", "-v", *args],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            )
 
     def start_server(self, resume: bool) -> None:
         args = ["serve", *self._common(), "--out", str(self.out), "--checkpoint", str(self.ck)]
@@ -289,8 +373,19 @@ class Soak:
 
     def start_group(self, g: int) -> None:
         lo, hi = self.groups[g]
-        self.procs[g] = self._spawn(["client", *self._common(), "--credentials", str(self.broker.credentials_file),
-                                     "--ids", f"{lo}-{hi}", "--t0", repr(self.t0)], f"clients-{g}.log")
+        self.procs[g] = self._spawn(
+            [
+                "client",
+                *self._common(),
+                "--credentials",
+                str(self.broker.credentials_file),
+                "--ids",
+                f"{lo}-{hi}",
+                "--t0",
+                repr(self.t0),
+            ],
+            f"clients-{g}.log",
+        )
 
     def wait_serving(self, timeout: float = 120.0) -> None:
         """Wait until the current server life logs that it serves (it imports torch and loads the
@@ -337,8 +432,15 @@ class Soak:
         self.start_server(resume=False)
         for g in range(len(self.groups)):
             self.start_group(g)
-        fz = Fuzzer(self.broker.port, self.users[client_user(p.clients)], p.clients, p.fuzz, p.duration_s * 0.8,
-                    fuzzer_seed, self.poison)
+        fz = Fuzzer(
+            self.broker.port,
+            self.users[client_user(p.clients)],
+            p.clients,
+            p.fuzz,
+            p.duration_s * 0.8,
+            fuzzer_seed,
+            self.poison,
+        )
         deadline = time.monotonic() + 180
         while not self.ck.exists():  # warm: the first version is checkpointed
             if time.monotonic() > deadline:
@@ -351,8 +453,11 @@ class Soak:
         started = time.monotonic()
         # Events at evenly spaced times over the run (after a warm-up fifth), in a shuffled order.
         group_size = self.groups[0][1] - self.groups[0][0] + 1
-        events = (["client"] * -(-p.client_kills // group_size) + ["broker"] * p.broker_kills
-                  + ["server"] * p.server_kills)
+        events = (
+            ["client"] * -(-p.client_kills // group_size)
+            + ["broker"] * p.broker_kills
+            + ["server"] * p.server_kills
+        )
         self.rng.shuffle(events)
         at = [p.duration_s * (0.2 + 0.75 * (i + 1) / (len(events) + 1)) for i in range(len(events))]
         fz.thread.start()
@@ -416,11 +521,16 @@ class Soak:
             shell = doc["shell"]
             with open(ckpt.applied_log_path(self.ck), newline="") as f:
                 final = [int(r["task_id"]) for r in csv.DictReader(f)][: int(shell["applied"]["count"])]
-            summ = {"wall_time_s": shell["wall_elapsed"], "transport": shell["stats"],
-                    "aggregations": doc["orchestrator"]["version"]}
+            summ = {
+                "wall_time_s": shell["wall_elapsed"],
+                "transport": shell["stats"],
+                "aggregations": doc["orchestrator"]["version"],
+            }
         wall = max(1e-9, float(summ["wall_time_s"]))
         t = summ["transport"]
-        crashed_logs = sum("Traceback" in p.read_text(errors="replace") for p in self.work.glob("server-*.log"))
+        crashed_logs = sum(
+            "Traceback" in p.read_text(errors="replace") for p in self.work.glob("server-*.log")
+        )
         out = {
             "acked_lost": len(self.durable - set(final)),
             "applied_twice": len(final) - len(set(final)),
@@ -431,22 +541,30 @@ class Soak:
             "tier_msgs_per_s": round(t["tier_messages"] / wall, 1),
             "round_trips_per_s": round(t["results"] / wall, 1),
         }
-        log(f"lives {self.lives}, clients killed {killed_clients}, fuzzed {fz.sent}, poisoning attempts "
+        log(
+            f"lives {self.lives}, clients killed {killed_clients}, fuzzed {fz.sent}, poisoning attempts "
             f"{fz.poison_attempts}, updates applied {len(final)}, aggregations {summ['aggregations']}, "
-            f"rejected {t['rejected']}, duplicates {t['duplicates']}, durable-before-kill {len(self.durable)}")
+            f"rejected {t['rejected']}, duplicates {t['duplicates']}, durable-before-kill {len(self.durable)}"
+        )
         return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = ap.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="a few minutes: fewer kills, 1,000 fuzzed messages")
+    size.add_argument(
+        "--quick", action="store_true", help="a few minutes: fewer kills, 1,000 fuzzed messages"
+    )
     size.add_argument("--tiny", action="store_true", help="the test suite's version (about a minute)")
     ap.add_argument("--duration", type=float, help="seconds of soak (default: the plan's)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--poison", choices=("all", "no-aux", "none"), default="all",
-                    help="poisoning attempts: all kinds; all but aux injection (to exercise the rest on a "
-                         "build whose server still dies of it); none")
+    ap.add_argument(
+        "--poison",
+        choices=("all", "no-aux", "none"),
+        default="all",
+        help="poisoning attempts: all kinds; all but aux injection (to exercise the rest on a "
+        "build whose server still dies of it); none",
+    )
     ap.add_argument("--keep", help="keep the run's files (logs, outputs) in this folder")
     args = ap.parse_args(argv)
     if find_mosquitto() is None:

@@ -5,6 +5,7 @@ password file and ACL), and persistence on so that a restart keeps the persisten
 their queued QoS 1 messages (what the broker-restart test exercises). A production broker is
 configured by hand from the same pieces; docs/deployment.md lists the settings that matter.
 """
+
 from __future__ import annotations
 
 import getpass
@@ -73,12 +74,55 @@ def make_test_ca(folder: Path) -> tuple[Path, Path, Path]:
     ca, ca_key = folder / "ca.pem", folder / "ca.key"
     cert, key, csr = folder / "broker.pem", folder / "broker.key", folder / "broker.csr"
     steps = [
-        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=felix-test-ca",
-         "-keyout", str(ca_key), "-out", str(ca)],
-        [openssl, "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-addext",
-         "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(csr)],
-        [openssl, "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
-         "-days", "2", "-copy_extensions", "copy", "-out", str(cert)],
+        [
+            openssl,
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=felix-test-ca",
+            "-keyout",
+            str(ca_key),
+            "-out",
+            str(ca),
+        ],
+        [
+            openssl,
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(csr),
+        ],
+        [
+            openssl,
+            "x509",
+            "-req",
+            "-in",
+            str(csr),
+            "-CA",
+            str(ca),
+            "-CAkey",
+            str(ca_key),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-copy_extensions",
+            "copy",
+            "-out",
+            str(cert),
+        ],
     ]
     for cmd in steps:
         done = subprocess.run(cmd, capture_output=True, timeout=30, check=False)
@@ -87,8 +131,15 @@ def make_test_ca(folder: Path) -> tuple[Path, Path, Path]:
     return ca, cert, key
 
 
-def broker_config(port: int, password_file: Path, acl_file: Path, persistence_dir: Path, log_file: Path,
-                  max_message_bytes: int, tls: tuple[Path, Path, Path] | None = None) -> str:
+def broker_config(
+    port: int,
+    password_file: Path,
+    acl_file: Path,
+    persistence_dir: Path,
+    log_file: Path,
+    max_message_bytes: int,
+    tls: tuple[Path, Path, Path] | None = None,
+) -> str:
     """The mosquitto.conf text. The queue and in-flight limits matter for a federated server:
 
     - ``max_queued_messages``: messages kept for a disconnected persistent session (a server
@@ -106,34 +157,36 @@ def broker_config(port: int, password_file: Path, acl_file: Path, persistence_di
       a task the broker lost times out on the server and is given to another client.
     """
     tls_lines = [] if tls is None else [f"cafile {tls[0]}", f"certfile {tls[1]}", f"keyfile {tls[2]}"]
-    return "\n".join([
-        f"listener {port} 127.0.0.1",
-        *tls_lines,
-        # Started as root, Mosquitto would switch to user 'mosquitto', which cannot read our files.
-        f"user {getpass.getuser()}",
-        "allow_anonymous false",
-        # The client id is the login: no client can claim the server's id (or another client's) and
-        # take over its session; reconnecting under one's own login disturbs no one else.
-        "use_username_as_clientid true",
-        f"password_file {password_file}",
-        f"acl_file {acl_file}",
-        "persistence true",
-        f"persistence_location {persistence_dir}/",
-        "autosave_interval 5",
-        "autosave_on_changes false",
-        "max_inflight_messages 0",
-        "set_tcp_nodelay true",
-        "max_queued_messages 1000000",
-        "max_queued_bytes 0",
-        f"max_packet_size {max_message_bytes + 65536}",
-        "persistent_client_expiration 1d",
-        f"log_dest file {log_file}",
-        "log_type error",
-        "log_type warning",
-        "log_type notice",
-        "connection_messages false",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"listener {port} 127.0.0.1",
+            *tls_lines,
+            # Started as root, Mosquitto would switch to user 'mosquitto', which cannot read our files.
+            f"user {getpass.getuser()}",
+            "allow_anonymous false",
+            # The client id is the login: no client can claim the server's id (or another client's) and
+            # take over its session; reconnecting under one's own login disturbs no one else.
+            "use_username_as_clientid true",
+            f"password_file {password_file}",
+            f"acl_file {acl_file}",
+            "persistence true",
+            f"persistence_location {persistence_dir}/",
+            "autosave_interval 5",
+            "autosave_on_changes false",
+            "max_inflight_messages 0",
+            "set_tcp_nodelay true",
+            "max_queued_messages 1000000",
+            "max_queued_bytes 0",
+            f"max_packet_size {max_message_bytes + 65536}",
+            "persistent_client_expiration 1d",
+            f"log_dest file {log_file}",
+            "log_type error",
+            "log_type warning",
+            "log_type notice",
+            "connection_messages false",
+            "",
+        ]
+    )
 
 
 class MosquittoBroker:
@@ -144,8 +197,15 @@ class MosquittoBroker:
     starts it again on the same port, so clients reconnect to the same address.
     """
 
-    def __init__(self, num_clients: int, run_id: str | None = None, workdir: str | Path | None = None,
-                 max_message_bytes: int = 64 * 1024 * 1024, binary: str | None = None, tls: bool = False) -> None:
+    def __init__(
+        self,
+        num_clients: int,
+        run_id: str | None = None,
+        workdir: str | Path | None = None,
+        max_message_bytes: int = 64 * 1024 * 1024,
+        binary: str | None = None,
+        tls: bool = False,
+    ) -> None:
         self.binary = binary or find_mosquitto()
         if self.binary is None:
             raise BrokerError("mosquitto is not installed (apt-get install mosquitto)")
@@ -159,8 +219,17 @@ class MosquittoBroker:
         (self.dir / "db").mkdir(exist_ok=True)
         certs = make_test_ca(self.dir) if tls else None
         self.ca_file = certs[0] if certs else None  # clients verify the broker against it (--tls-ca)
-        self.conf.write_text(broker_config(self.port, self.creds.password_file, self.creds.acl_file, self.dir / "db",
-                                           self.log_file, max_message_bytes, certs))
+        self.conf.write_text(
+            broker_config(
+                self.port,
+                self.creds.password_file,
+                self.creds.acl_file,
+                self.dir / "db",
+                self.log_file,
+                max_message_bytes,
+                certs,
+            )
+        )
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -175,19 +244,23 @@ class MosquittoBroker:
         if self._proc is not None and self._proc.poll() is None:
             return
         raise_open_file_limit()  # the broker inherits it
-        self._proc = subprocess.Popen([self.binary, "-c", str(self.conf)], stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE)
+        self._proc = subprocess.Popen(
+            [self.binary, "-c", str(self.conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
-                raise BrokerError(f"mosquitto exited with code {self._proc.returncode}: {err.strip()}"
-                                  f"\n{self._log_tail()}")
+                raise BrokerError(
+                    f"mosquitto exited with code {self._proc.returncode}: {err.strip()}\n{self._log_tail()}"
+                )
             if _port_open(self.port):
                 return
             time.sleep(0.05)
         self.stop()
-        raise BrokerError(f"mosquitto did not listen on 127.0.0.1:{self.port} within {timeout} s\n{self._log_tail()}")
+        raise BrokerError(
+            f"mosquitto did not listen on 127.0.0.1:{self.port} within {timeout} s\n{self._log_tail()}"
+        )
 
     def stop(self, timeout: float = 10.0) -> None:
         proc, self._proc = self._proc, None
@@ -237,6 +310,7 @@ class MosquittoBroker:
         self.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()

@@ -226,5 +226,3 @@ class _Greedy(_GreedySetup):
             np.maximum(self.aug_if_grown, self.beta * self.max_aug, out=self.extra)
         else:
             self.extra[k] = max(self.aug_if_grown[k], self.beta * self.max_aug)
-
-

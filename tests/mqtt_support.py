@@ -3,6 +3,7 @@
 Everything is bounded in time: threads and processes are joined or killed with timeouts, and
 ``wait_until`` fails with a message instead of hanging.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,10 @@ def one_torch_thread() -> Iterator[None]:
 
 needs_mosquitto = [
     pytest.mark.mqtt,
-    pytest.mark.skipif(find_mosquitto() is None,
-                       reason="mosquitto broker not installed (/usr/sbin/mosquitto; apt-get install mosquitto)"),
+    pytest.mark.skipif(
+        find_mosquitto() is None,
+        reason="mosquitto broker not installed (/usr/sbin/mosquitto; apt-get install mosquitto)",
+    ),
     pytest.mark.usefixtures("one_torch_thread"),
 ]
 
@@ -49,7 +52,10 @@ needs_mosquitto = [
 def write_config(path: Path, **sections: Any) -> Path:
     """A small digits run: MLP, slotted churn, constant 10 s runtimes (compressed by the time scale)."""
     doc: dict[str, Any] = {
-        "name": "mqtt-test", "strategy": "felix", "seed": 3, "model": "mlp",
+        "name": "mqtt-test",
+        "strategy": "felix",
+        "seed": 3,
+        "model": "mlp",
         "dataset": {"name": "digits"},
         "partition": {"kind": "dirichlet", "num_clients": 24, "alpha": 0.5},
         "trace": {"kind": "slotted", "unavailable_fraction": 0.2, "slot_s": 60.0, "horizon_s": 3600.0},
@@ -110,20 +116,33 @@ class Background(threading.Thread):
         return self.value
 
 
-def start_server(cfg: Config, broker: MosquittoBroker, out: Path, time_scale: float,
-                 checkpoint: Path | None = None) -> tuple[Server, Background]:
-    opts = ServeOptions(broker_options(broker), run_id="t", out_dir=out, checkpoint=checkpoint, time_scale=time_scale,
-                        status_every_s=1e9)
+def start_server(
+    cfg: Config, broker: MosquittoBroker, out: Path, time_scale: float, checkpoint: Path | None = None
+) -> tuple[Server, Background]:
+    opts = ServeOptions(
+        broker_options(broker),
+        run_id="t",
+        out_dir=out,
+        checkpoint=checkpoint,
+        time_scale=time_scale,
+        status_every_s=1e9,
+    )
     server = Server(cfg, opts)
     thread = Background(server.run, "server")
     thread.start()
     return server, thread
 
 
-def start_clients(cfg: Config, broker: MosquittoBroker, ids: list[int], time_scale: float,
-                  **opts: Any) -> tuple[ClientHost, Background]:
-    o = ClientOptions(broker=BrokerOptions("127.0.0.1", broker.port, reconnect_max_s=1.0), run_id="t",
-                      time_scale=time_scale, max_wall_s=90.0, **opts)
+def start_clients(
+    cfg: Config, broker: MosquittoBroker, ids: list[int], time_scale: float, **opts: Any
+) -> tuple[ClientHost, Background]:
+    o = ClientOptions(
+        broker=BrokerOptions("127.0.0.1", broker.port, reconnect_max_s=1.0),
+        run_id="t",
+        time_scale=time_scale,
+        max_wall_s=90.0,
+        **opts,
+    )
     host = ClientHost(cfg, ids, o, credentials_from_map(users(broker)))
     thread = Background(host.run, "clients")
     thread.start()
@@ -134,8 +153,9 @@ def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     """``python -m felix.deploy ARGS`` with its output in ``log``."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "ab") as f:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen([sys.executable, "-m", "felix.deploy", "-v", *args], stdout=f,
-                                stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(
+            [sys.executable, "-m", "felix.deploy", "-v", *args], stdout=f, stderr=subprocess.STDOUT, env=env
+        )
 
 
 def reap(*procs: subprocess.Popen[bytes], timeout: float = 10.0) -> list[int | None]:

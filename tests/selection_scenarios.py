@@ -10,6 +10,7 @@ orchestrator's event API is used, so the same driver ran on both.
 Regenerate (only when a selection is *meant* to change):
 ``PYTHONPATH=src python tests/selection_scenarios.py > tests/data/selection_fixture.json``.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -79,59 +80,99 @@ def tier_schedule(ids: list[int], rng: np.random.Generator) -> dict[int, list[tu
     return out
 
 
-def _build(name: str, oracle: ScheduleOracle) -> tuple[OrchestratorConfig, TrainSelector, EvalSelector | None]:
+def _build(
+    name: str, oracle: ScheduleOracle
+) -> tuple[OrchestratorConfig, TrainSelector, EvalSelector | None]:
     if name == "felix-async":
         train, ev = tierselect(4, TierSelectEvalParams(staleness_threshold=3), reward_cap=64, pacer_step=2)
-        cfg = OrchestratorConfig(mode="async", agg_goal=4, concurrency=8, task_timeout_s=25.0,
-                                 knowledge=Knowledge.TIERTRACK)
+        cfg = OrchestratorConfig(
+            mode="async", agg_goal=4, concurrency=8, task_timeout_s=25.0, knowledge=Knowledge.TIERTRACK
+        )
         return cfg, train, ev
     if name == "oort-async-oracle":
-        params = OortParams(exploration_factor=0.6, exploration_min=0.1, pacer_step=3, round_threshold=15.0,
-                            rounding="stochastic", blacklist_rounds=4, blacklist_max_len=0.05)
-        cfg = OrchestratorConfig(mode="async", agg_goal=3, concurrency=6, task_timeout_s=25.0,
-                                 knowledge=Knowledge.ORACLE)
+        params = OortParams(
+            exploration_factor=0.6,
+            exploration_min=0.1,
+            pacer_step=3,
+            round_threshold=15.0,
+            rounding="stochastic",
+            blacklist_rounds=4,
+            blacklist_max_len=0.05,
+        )
+        cfg = OrchestratorConfig(
+            mode="async", agg_goal=3, concurrency=6, task_timeout_s=25.0, knowledge=Knowledge.ORACLE
+        )
         return cfg, OortSelector(params), None
     if name == "oort-sync-none":
-        cfg = OrchestratorConfig(mode="sync", agg_goal=5, overcommit=1.4, deadline_s=30.0, task_timeout_s=20.0,
-                                 knowledge=Knowledge.NONE)
+        cfg = OrchestratorConfig(
+            mode="sync",
+            agg_goal=5,
+            overcommit=1.4,
+            deadline_s=30.0,
+            task_timeout_s=20.0,
+            knowledge=Knowledge.NONE,
+        )
         return cfg, OortSelector(OortParams(pacer_step=2, round_threshold=50.0)), None
     if name == "fedscale-blacklist":
         params = replace(OortParams.fedscale(), blacklist_rounds=2, blacklist_max_len=0.1, pacer_step=2)
-        cfg = OrchestratorConfig(mode="sync", agg_goal=5, overcommit=1.3, task_timeout_s=25.0,
-                                 knowledge=Knowledge.TIERTRACK)
+        cfg = OrchestratorConfig(
+            mode="sync", agg_goal=5, overcommit=1.3, task_timeout_s=25.0, knowledge=Knowledge.TIERTRACK
+        )
         return cfg, OortSelector(params, reward_cap=50), None
     if name == "refl-oort":
         oort = OortSelector(replace(OortParams.fedscale(), blacklist_rounds=3), reward_cap=40)
-        cfg = OrchestratorConfig(mode="sync", agg_goal=5, overcommit=1.3, deadline_s=40.0, task_timeout_s=30.0,
-                                 knowledge=Knowledge.ORACLE)
+        cfg = OrchestratorConfig(
+            mode="sync",
+            agg_goal=5,
+            overcommit=1.3,
+            deadline_s=40.0,
+            task_timeout_s=30.0,
+            knowledge=Knowledge.ORACLE,
+        )
         return cfg, ReflIPSSelector(ReflIPSParams(time_window=60.0, prohibit_reselect=2), oort), None
     if name == "refl-random":
-        cfg = OrchestratorConfig(mode="sync", agg_goal=4, overcommit=1.5, task_timeout_s=30.0,
-                                 knowledge=Knowledge.TIERTRACK)
+        cfg = OrchestratorConfig(
+            mode="sync", agg_goal=4, overcommit=1.5, task_timeout_s=30.0, knowledge=Knowledge.TIERTRACK
+        )
         return cfg, ReflIPSSelector(ReflIPSParams(time_window=50.0, avail_probability=0.0)), None
     if name == "random-async":
-        cfg = OrchestratorConfig(mode="async", agg_goal=4, concurrency=7, task_timeout_s=25.0,
-                                 knowledge=Knowledge.TIERTRACK)
+        cfg = OrchestratorConfig(
+            mode="async", agg_goal=4, concurrency=7, task_timeout_s=25.0, knowledge=Knowledge.TIERTRACK
+        )
         return cfg, RandomSelector(), None
     raise KeyError(name)
 
 
 SEEDS = (0, 1)
-SCENARIOS = ("felix-async", "oort-async-oracle", "oort-sync-none", "fedscale-blacklist", "refl-oort",
-             "refl-random", "random-async")
+SCENARIOS = (
+    "felix-async",
+    "oort-async-oracle",
+    "oort-sync-none",
+    "fedscale-blacklist",
+    "refl-oort",
+    "refl-random",
+    "random-async",
+)
 
 
 def _selector_state(sel: TrainSelector) -> dict[str, Any]:
     oort = getattr(sel, "oort", None) if not isinstance(sel, OortSelector) else sel
     if oort is None:
         return {}
-    return {"exploration": oort.exploration, "round_threshold": oort.round_threshold,
-            "preferred_duration": None if not np.isfinite(oort.preferred_duration) else oort.preferred_duration,
-            "exploited": oort.exploit_history[-1] if oort.exploit_history else None}
+    return {
+        "exploration": oort.exploration,
+        "round_threshold": oort.round_threshold,
+        "preferred_duration": None if not np.isfinite(oort.preferred_duration) else oort.preferred_duration,
+        "exploited": oort.exploit_history[-1] if oort.exploit_history else None,
+    }
 
 
-def run_scenario(name: str, seed: int = 0, n_clients: int = 60,
-                 hook: Callable[[Orchestrator, int], Orchestrator] | None = None) -> dict[str, Any]:
+def run_scenario(
+    name: str,
+    seed: int = 0,
+    n_clients: int = 60,
+    hook: Callable[[Orchestrator, int], Orchestrator] | None = None,
+) -> dict[str, Any]:
     """Drive scenario ``name``; returns the dispatch log (kinds, clients in order) and selector states.
 
     ``hook(orch, events_handled)`` may return a replacement orchestrator before each event (used to
@@ -143,11 +184,18 @@ def run_scenario(name: str, seed: int = 0, n_clients: int = 60,
     oracle = ScheduleOracle(schedule)
     cfg, train, ev = _build(name, oracle)
     agg = FedBuffAggregator() if cfg.mode == "async" else FedAvgAggregator()
-    orch = Orchestrator(cfg, np.zeros(DIM, np.float32), train, agg, np.random.default_rng(seed + 100),
-                        eval_selector=ev, oracle=oracle,
-                        # The synthetic shell's sample counts are not its clients' registrations, and the
-                        # recorded dispatches predate update validation: bound nothing here.
-                        validator=UpdateValidator(ValidationConfig(max_samples_factor=1e9, norm_policy="off")))
+    orch = Orchestrator(
+        cfg,
+        np.zeros(DIM, np.float32),
+        train,
+        agg,
+        np.random.default_rng(seed + 100),
+        eval_selector=ev,
+        oracle=oracle,
+        # The synthetic shell's sample counts are not its clients' registrations, and the
+        # recorded dispatches predate update validation: bound nothing here.
+        validator=UpdateValidator(ValidationConfig(max_samples_factor=1e9, norm_policy="off")),
+    )
     heap: list[tuple[float, int, str, tuple[Any, ...]]] = []
     seq = itertools.count()
     log: dict[str, Any] = {"kinds": "", "clients": [], "states": []}
@@ -163,9 +211,13 @@ def run_scenario(name: str, seed: int = 0, n_clients: int = 60,
                 if train_task and shell_rng.random() < 0.08:
                     heapq.heappush(heap, (now + dur / 2, next(seq), "fail", (c.client_id, c.task_id)))
                     continue
-                upd = ClientUpdate(num_samples=5 + c.client_id % 50, stat_utility=float(shell_rng.uniform(0.5, 80)),
-                                   loss=1.0, duration=round(dur, 2),
-                                   delta=shell_rng.standard_normal(DIM).astype(np.float32) if train_task else None)
+                upd = ClientUpdate(
+                    num_samples=5 + c.client_id % 50,
+                    stat_utility=float(shell_rng.uniform(0.5, 80)),
+                    loss=1.0,
+                    duration=round(dur, 2),
+                    delta=shell_rng.standard_normal(DIM).astype(np.float32) if train_task else None,
+                )
                 heapq.heappush(heap, (now + dur, next(seq), "done", (c.client_id, c.task_id, upd)))
             elif isinstance(c, NewModelVersion):
                 log["states"].append([c.version, _selector_state(orch.selector)])

@@ -1,6 +1,7 @@
 """Bring your own model and data (issue 9, deliverable 8): a model, a dataset, a partitioner and a
 trace defined in this file run through the config (import paths ``test_byo:...``) and through the
 Python API (felix.api); BatchNorm buffers are aggregated or kept per client, without leaking."""
+
 from __future__ import annotations
 
 import copy
@@ -81,15 +82,23 @@ def shards(labels: np.ndarray, num_classes: int, cfg, rng: np.random.Generator) 
     order = np.argsort(labels, kind="stable")
     pieces = np.array_split(order, 2 * cfg.num_clients)
     perm = rng.permutation(len(pieces))
-    return [np.sort(np.concatenate([pieces[perm[2 * k]], pieces[perm[2 * k + 1]]])) for k in range(cfg.num_clients)]
+    return [
+        np.sort(np.concatenate([pieces[perm[2 * k]], pieces[perm[2 * k + 1]]]))
+        for k in range(cfg.num_clients)
+    ]
 
 
 def too_few_parts(labels: np.ndarray, num_classes: int, cfg, rng: np.random.Generator) -> list[np.ndarray]:
     return [np.arange(len(labels))]
 
 
-def churn(cfg, num_clients: int, rng: np.random.Generator, fraction: float = 0.2,
-          class_counts: np.ndarray | None = None) -> AvailabilityTrace:
+def churn(
+    cfg,
+    num_clients: int,
+    rng: np.random.Generator,
+    fraction: float = 0.2,
+    class_counts: np.ndarray | None = None,
+) -> AvailabilityTrace:
     """Slotted churn; the clients' class counts arrive because the signature asks for them."""
     assert class_counts is not None and class_counts.shape == (num_clients, NUM_CLASSES)
     return slotted_churn(num_clients, fraction, rng, slot_s=300.0, horizon_s=3000.0)
@@ -101,7 +110,8 @@ def not_a_trace(cfg, num_clients: int, rng: np.random.Generator) -> list:
 
 def BYO_SETS(**extra: object) -> dict:
     sets = {
-        "model": "test_byo:bn_net", "model_params": {"hidden": 8},
+        "model": "test_byo:bn_net",
+        "model_params": {"hidden": 8},
         "dataset": {"name": "test_byo:blobs", "params": {"n": 120}},
         "partition": {"kind": "test_byo:shards", "num_clients": 6},
         "trace": {"kind": "test_byo:churn", "params": {"fraction": 0.2}},
@@ -132,21 +142,32 @@ def test_import_paths_run_through_the_config():
 
 def test_yaml_file_with_import_paths(tmp_path):
     f = tmp_path / "byo.yaml"
-    f.write_text("model: test_byo:bn_net\ndataset: {name: test_byo:blobs}\npartition: {kind: iid, num_clients: 4}\n"
-                 "run: {max_aggregations: 2}\norchestrator: {concurrency: 2, agg_goal: 2}\n")
+    f.write_text(
+        "model: test_byo:bn_net\ndataset: {name: test_byo:blobs}\npartition: {kind: iid, num_clients: 4}\n"
+        "run: {max_aggregations: 2}\norchestrator: {concurrency: 2, agg_goal: 2}\n"
+    )
     res = api.run(f)
     assert res.summary["aggregations"] == 2 and isinstance(res.built.population.model, BNNet)
 
 
-@pytest.mark.parametrize(("sets", "expect"), [
-    ({"model": "resnet9000"}, "unknown model 'resnet9000'; registered: felix_cnn, mlp, small_cnn"),
-    ({"model": "no_such_pkg.nets:make"}, "cannot import module 'no_such_pkg.nets'"),
-    ({"model": "test_byo:nothing_here"}, "module 'test_byo' has no attribute 'nothing_here'"),
-    ({"model": "test_byo:NUM_CLASSES"}, "is a int, not callable"),
-    ({"dataset": {"name": "mnist9"}}, "unknown dataset 'mnist9'; registered: cifar10, digits, fashion_mnist"),
-    ({"partition": {"kind": "pathological"}}, "unknown partitioner 'pathological'; registered: dirichlet, iid, rare_clients, table"),
-    ({"trace": {"kind": "weekly"}}, "unknown trace 'weekly'; registered: always,"),
-])
+@pytest.mark.parametrize(
+    ("sets", "expect"),
+    [
+        ({"model": "resnet9000"}, "unknown model 'resnet9000'; registered: felix_cnn, mlp, small_cnn"),
+        ({"model": "no_such_pkg.nets:make"}, "cannot import module 'no_such_pkg.nets'"),
+        ({"model": "test_byo:nothing_here"}, "module 'test_byo' has no attribute 'nothing_here'"),
+        ({"model": "test_byo:NUM_CLASSES"}, "is a int, not callable"),
+        (
+            {"dataset": {"name": "mnist9"}},
+            "unknown dataset 'mnist9'; registered: cifar10, digits, fashion_mnist",
+        ),
+        (
+            {"partition": {"kind": "pathological"}},
+            "unknown partitioner 'pathological'; registered: dirichlet, iid, rare_clients, table",
+        ),
+        ({"trace": {"kind": "weekly"}}, "unknown trace 'weekly'; registered: always,"),
+    ],
+)
 def test_bad_names_and_paths_are_config_errors(sets, expect):
     with pytest.raises(ConfigError) as err:
         resolve_config(None, None, sets)
@@ -154,12 +175,24 @@ def test_bad_names_and_paths_are_config_errors(sets, expect):
     assert "expected" in str(err.value) or "registered" in str(err.value)
 
 
-@pytest.mark.parametrize(("sets", "expect"), [
-    ({"model": "test_byo:not_a_model"}, "returned a str, not a torch.nn.Module; expected a model factory"),
-    ({"model_params": {"depth": 3}}, "unexpected keyword argument 'depth'"),
-    ({"partition": {"kind": "test_byo:too_few_parts"}}, "returned 1 parts for 6 clients; expected a partitioner"),
-    ({"trace": {"kind": "test_byo:not_a_trace", "params": {}}}, "returned a list, not a felix.scenario.traces.AvailabilityTrace"),
-])
+@pytest.mark.parametrize(
+    ("sets", "expect"),
+    [
+        (
+            {"model": "test_byo:not_a_model"},
+            "returned a str, not a torch.nn.Module; expected a model factory",
+        ),
+        ({"model_params": {"depth": 3}}, "unexpected keyword argument 'depth'"),
+        (
+            {"partition": {"kind": "test_byo:too_few_parts"}},
+            "returned 1 parts for 6 clients; expected a partitioner",
+        ),
+        (
+            {"trace": {"kind": "test_byo:not_a_trace", "params": {}}},
+            "returned a list, not a felix.scenario.traces.AvailabilityTrace",
+        ),
+    ],
+)
 def test_entries_that_return_the_wrong_thing(sets, expect):
     cfg = resolve_config(None, None, BYO_SETS(**sets))
     with pytest.raises(ConfigError) as err:
@@ -169,7 +202,9 @@ def test_entries_that_return_the_wrong_thing(sets, expect):
 
 def test_a_loader_returning_float64_samples_is_refused():
     with pytest.raises(DatasetError, match="train set: x must be a float32 tensor"):
-        api.build(resolve_config(None, None, BYO_SETS(dataset={"name": "test_byo:blobs_in_float64", "params": {}})))
+        api.build(
+            resolve_config(None, None, BYO_SETS(dataset={"name": "test_byo:blobs_in_float64", "params": {}}))
+        )
 
 
 def test_a_dataset_without_a_test_set_needs_eval_every_0():
@@ -181,17 +216,27 @@ def test_a_dataset_without_a_test_set_needs_eval_every_0():
 
 
 def test_scenario_build_and_the_deployment_do_not_import_the_simulator():
-    code = ("import sys, felix.scenario.build, felix.deploy.server, felix.deploy.client\n"
-            "sim = sorted(m for m in sys.modules if m.startswith('felix.sim'))\n"
-            "assert not sim, sim\n")
+    code = (
+        "import sys, felix.scenario.build, felix.deploy.server, felix.deploy.client\n"
+        "sim = sorted(m for m in sys.modules if m.startswith('felix.sim'))\n"
+        "assert not sim, sim\n"
+    )
     src = str(Path(__file__).parents[1] / "src")
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
-                         env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr
 
 
 # ---------------------------------------------------------------------- through the Python API
-def _arrays(seed: int, clients: int = 5) -> tuple[list[tuple[np.ndarray, np.ndarray]], tuple[np.ndarray, np.ndarray]]:
+def _arrays(
+    seed: int, clients: int = 5
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], tuple[np.ndarray, np.ndarray]]:
     d = _blobs(30 * clients, seed)
     x, y = d.x.numpy(), d.y.numpy()
     parts = [(x[k::clients], y[k::clients]) for k in range(clients)]
@@ -202,9 +247,18 @@ def _arrays(seed: int, clients: int = 5) -> tuple[list[tuple[np.ndarray, np.ndar
 def test_python_api_runs_a_prepared_population_with_a_model_factory(tmp_path):
     parts, test = _arrays(3)
     data = api.population(parts, test=test)
-    res = api.run({"strategy": "fedavg", "orchestrator": {"agg_goal": 3, "overcommit": 1.0},
-                   "client": {"batch_size": 10}, "run": {"max_aggregations": 4, "stop_at_target": False}},
-                  population=data, model=bn_net, trace=always_available(), out_dir=tmp_path / "run")
+    res = api.run(
+        {
+            "strategy": "fedavg",
+            "orchestrator": {"agg_goal": 3, "overcommit": 1.0},
+            "client": {"batch_size": 10},
+            "run": {"max_aggregations": 4, "stop_at_target": False},
+        },
+        population=data,
+        model=bn_net,
+        trace=always_available(),
+        out_dir=tmp_path / "run",
+    )
     assert res.built.cfg.partition.num_clients == 5 and res.summary["num_clients"] == 5
     assert res.built.population.client_data[0] is data.clients[0]
     assert res.summary["aggregations"] == 4 and res.summary["final_accuracy"] > 0.6
@@ -238,9 +292,15 @@ def test_registered_model_by_name_in_process():
     def tiny(sample_shape: tuple[int, ...], num_classes: int) -> nn.Module:
         return nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(sample_shape)), num_classes))
 
-    cfg = api.config({"model": "test_byo_tiny", "dataset": {"name": "test_byo:blobs"},
-                      "partition": {"num_clients": 3}, "run": {"max_aggregations": 1},
-                      "orchestrator": {"concurrency": 2, "agg_goal": 1}})
+    cfg = api.config(
+        {
+            "model": "test_byo_tiny",
+            "dataset": {"name": "test_byo:blobs"},
+            "partition": {"num_clients": 3},
+            "run": {"max_aggregations": 1},
+            "orchestrator": {"concurrency": 2, "agg_goal": 1},
+        }
+    )
     assert api.run(cfg).summary["aggregations"] == 1
     with pytest.raises(ValueError, match="already registered"):
         MODELS.register("test_byo_tiny")(bn_net)
@@ -248,8 +308,12 @@ def test_registered_model_by_name_in_process():
 
 # ---------------------------------------------------------------------- BatchNorm buffers
 def _trainer(model: nn.Module, buffers: str) -> LocalTrainer:
-    return LocalTrainer(copy.deepcopy(model), make_objective("ce"), TrainConfig(lr=0.1, batch_size=8, buffers=buffers),
-                        NUM_CLASSES)
+    return LocalTrainer(
+        copy.deepcopy(model),
+        make_objective("ce"),
+        TrainConfig(lr=0.1, batch_size=8, buffers=buffers),
+        NUM_CLASSES,
+    )
 
 
 def _client(shift: float, seed: int) -> ClientData:
@@ -281,7 +345,7 @@ def test_aggregate_ships_float_buffers_and_resets_counters():
     t = _trainer(model, "aggregate")
     state: dict = {}
     upd = t.train(w.numpy(), _client(5.0, 1), state, {}, torch.Generator().manual_seed(1))
-    assert upd.delta.shape == (w.size,) and np.abs(upd.delta[w.num_params:]).max() > 0.1
+    assert upd.delta.shape == (w.size,) and np.abs(upd.delta[w.num_params :]).max() > 0.1
     assert BUFFERS_KEY not in state
     t.train(w.numpy(), _client(5.0, 1), state, {}, torch.Generator().manual_seed(1))
     assert int(t.model.bn.num_batches_tracked) == 3  # 24 samples / 8: counted from 0 again
@@ -291,11 +355,11 @@ def test_aggregate_mode_moves_the_servers_buffers():
     cfg = resolve_config(None, "fedbuff", BYO_SETS(run={"max_aggregations": 2}))
     built = api.build(cfg)
     w = ModelWeights(built.population.model, "aggregate")
-    start = built.orch.weights[w.num_params:].copy()
+    start = built.orch.weights[w.num_params :].copy()
     assert np.allclose(start[:8], 0.0) and np.allclose(start[8:], 1.0)  # BatchNorm's initial mean / var
     built.sim.run()
     theta = built.orch.weights
-    assert np.abs(theta[w.num_params:w.num_params + 8]).max() > 0.1  # the clients' averaged running means
+    assert np.abs(theta[w.num_params : w.num_params + 8]).max() > 0.1  # the clients' averaged running means
     # the global model is evaluated with those statistics
     assert built.recorder.rows[-1].accuracy > 0.6
 
@@ -308,7 +372,9 @@ def test_local_mode_keeps_each_clients_buffers():
     a_state: dict = {}
     t.train(w.numpy(), _client(5.0, 1), a_state, {}, torch.Generator().manual_seed(1))
     saved = a_state[BUFFERS_KEY]
-    assert len(saved) == 3 and np.abs(saved[0]).max() > 0.1 and int(saved[2]) == 3  # a's statistics, 3 batches
+    assert (
+        len(saved) == 3 and np.abs(saved[0]).max() > 0.1 and int(saved[2]) == 3
+    )  # a's statistics, 3 batches
     t.train(w.numpy(), _client(-3.0, 2), {}, {}, torch.Generator().manual_seed(2))
     # a's next task starts from a's buffers, not from b's (nor the factory's)
     t.weights.begin_task(a_state)

@@ -1,6 +1,7 @@
 """A model with BatchNorm buffers over MQTT: with ``client.buffers: aggregate`` the weight vector
 carries the running statistics, so the wire format, the byte accounting and the update validator
 all see the longer vector; the server's statistics move with the clients' updates."""
+
 from __future__ import annotations
 
 import sys
@@ -29,10 +30,15 @@ SCALE = 0.02
 
 @pytest.mark.parametrize("mode", ["aggregate", "local"])
 def test_batchnorm_model_over_mqtt(tmp_path: Path, mode: str) -> None:
-    cfg_path = write_config(tmp_path / "cfg.yaml", model="test_byo:bn_net",
-                            dataset={"name": "test_byo:blobs"}, partition={"kind": "iid", "num_clients": 6},
-                            trace={"kind": "always"}, client={"buffers": mode, "batch_size": 8},
-                            run={"max_aggregations": 3, "stop_at_target": False})
+    cfg_path = write_config(
+        tmp_path / "cfg.yaml",
+        model="test_byo:bn_net",
+        dataset={"name": "test_byo:blobs"},
+        partition={"kind": "iid", "num_clients": 6},
+        trace={"kind": "always"},
+        client={"buffers": mode, "batch_size": 8},
+        run={"max_aggregations": 3, "stop_at_target": False},
+    )
     cfg = load_config(cfg_path, {"orchestrator": {"agg_goal": 2, "concurrency": 4}})
     with MosquittoBroker(6, workdir=tmp_path / "broker") as broker:
         server, thread = start_server(cfg, broker, tmp_path / "out", SCALE)
@@ -48,5 +54,5 @@ def test_batchnorm_model_over_mqtt(tmp_path: Path, mode: str) -> None:
     assert summ["num_params"] == w.size == (w.num_params + 16 if mode == "aggregate" else w.num_params)
     theta = server.orch.weights
     if mode == "aggregate":
-        assert np.abs(theta[w.num_params:w.num_params + 8]).max() > 0.1  # the averaged running means
+        assert np.abs(theta[w.num_params : w.num_params + 8]).max() > 0.1  # the averaged running means
     assert summ["final_accuracy"] is not None

@@ -1,4 +1,5 @@
 """Cohort training (felix.client.cohort): the same results as training each client alone."""
+
 from __future__ import annotations
 
 import copy
@@ -23,12 +24,19 @@ from felix.strategies.objectives import make_objective
 
 C = 6
 SIZES = [1, 3, 17, 40, 16, 65, 9]  # ragged: one sample to five batches, exact and short last batches
-OBJECTIVES = [("ce", {}), ("wce", {}), ("focal", {"gamma": 2.0}), ("fedprox", {"mu": 0.1}),
-              ("scaffold", {"num_clients": 7}), ("federage", {"alpha": 0.3, "gamma": 0.5, "beta_init": 1.8})]
+OBJECTIVES = [
+    ("ce", {}),
+    ("wce", {}),
+    ("focal", {"gamma": 2.0}),
+    ("fedprox", {"mu": 0.1}),
+    ("scaffold", {"num_clients": 7}),
+    ("federage", {"alpha": 0.3, "gamma": 0.5, "beta_init": 1.8}),
+]
 OPTIMISERS = {
     "sgd-2-epochs": TrainConfig(lr=0.05, batch_size=16, epochs=2),
-    "momentum-wd-max-steps": TrainConfig(lr=0.05, batch_size=16, epochs=2, momentum=0.9, weight_decay=1e-3,
-                                         max_steps=3),
+    "momentum-wd-max-steps": TrainConfig(
+        lr=0.05, batch_size=16, epochs=2, momentum=0.9, weight_decay=1e-3, max_steps=3
+    ),
     "adam-drop-last": TrainConfig(lr=0.01, batch_size=16, optimizer="adam", drop_last=True),
 }
 TOL = 1e-5  # fp32 on CPU; measured differences are about 1e-7
@@ -54,26 +62,41 @@ def largest_difference(a: Any, b: Any) -> float:
 @pytest.mark.parametrize("model_name", ["mlp", "small_cnn"])
 @pytest.mark.parametrize("opt", list(OPTIMISERS))
 @pytest.mark.parametrize(("objective", "params"), OBJECTIVES, ids=[o for o, _ in OBJECTIVES])
-def test_cohort_trains_every_client_exactly_as_alone(model_name: str, opt: str, objective: str,
-                                                      params: dict[str, Any]) -> None:
+def test_cohort_trains_every_client_exactly_as_alone(
+    model_name: str, opt: str, objective: str, params: dict[str, Any]
+) -> None:
     cfg = OPTIMISERS[opt]
     model = make_model(model_name, (1, 8, 8), C, seed=1)
     w0 = parameters_to_vector(model.parameters()).detach().numpy()
     rng = np.random.default_rng(2)
     weights = [w0 + 0.01 * rng.standard_normal(w0.size).astype(np.float32) for _ in SIZES]
-    aux = {"scaffold_c": 0.01 * rng.standard_normal(w0.size).astype(np.float32)} if objective == "scaffold" else {}
+    aux = (
+        {"scaffold_c": 0.01 * rng.standard_normal(w0.size).astype(np.float32)}
+        if objective == "scaffold"
+        else {}
+    )
     if objective == "federage":
         aux = {"federage_beta": np.array(1.5)}
-    start_state = ({"scaffold_ci": 0.01 * rng.standard_normal(w0.size).astype(np.float32)}
-                   if objective == "scaffold" else {})
+    start_state = (
+        {"scaffold_ci": 0.01 * rng.standard_normal(w0.size).astype(np.float32)}
+        if objective == "scaffold"
+        else {}
+    )
     data = clients()
     alone = LocalTrainer(copy.deepcopy(model), make_objective(objective, **params), cfg, C)
     together = CohortTrainer(copy.deepcopy(model), make_objective(objective, **params), cfg, C)
     s_alone = [dict(start_state) for _ in SIZES]
     s_together = [dict(start_state) for _ in SIZES]
-    seq = [alone.train(weights[k], d, s_alone[k], aux, torch.Generator().manual_seed(k)) for k, d in enumerate(data)]
-    coh = together.train([CohortTask(weights[k], d, s_together[k], aux, torch.Generator().manual_seed(k))
-                          for k, d in enumerate(data)])
+    seq = [
+        alone.train(weights[k], d, s_alone[k], aux, torch.Generator().manual_seed(k))
+        for k, d in enumerate(data)
+    ]
+    coh = together.train(
+        [
+            CohortTask(weights[k], d, s_together[k], aux, torch.Generator().manual_seed(k))
+            for k, d in enumerate(data)
+        ]
+    )
     worst = 0.0
     for a, b, sa, sb in zip(seq, coh, s_alone, s_together):
         assert a.delta is not None and b.delta is not None
@@ -159,13 +182,27 @@ def simulate(preset: str, cohort: int, over: dict[str, Any]) -> tuple[Any, int]:
     return built, passes
 
 
-@pytest.mark.parametrize(("preset", "over"), [
-    # sync rounds with over-commitment: stragglers are cancelled after being trained early
-    ("fedavg", {"orchestrator": {"overcommit": 1.5, "agg_goal": 4},
-                "client": {"objective": "scaffold", "momentum": 0.5}}),
-    ("fedbuff", {"orchestrator": {"concurrency": 8, "agg_goal": 3},
-                 "client": {"objective": "federage", "objective_params": {"alpha": 0.5}}}),
-], ids=["sync-scaffold-cancelled", "async-federage"])
+@pytest.mark.parametrize(
+    ("preset", "over"),
+    [
+        # sync rounds with over-commitment: stragglers are cancelled after being trained early
+        (
+            "fedavg",
+            {
+                "orchestrator": {"overcommit": 1.5, "agg_goal": 4},
+                "client": {"objective": "scaffold", "momentum": 0.5},
+            },
+        ),
+        (
+            "fedbuff",
+            {
+                "orchestrator": {"concurrency": 8, "agg_goal": 3},
+                "client": {"objective": "federage", "objective_params": {"alpha": 0.5}},
+            },
+        ),
+    ],
+    ids=["sync-scaffold-cancelled", "async-federage"],
+)
 def test_simulation_in_cohorts_matches_sequential(preset: str, over: dict[str, Any]) -> None:
     seq, none = simulate(preset, 1, over)
     coh, passes = simulate(preset, 8, over)
@@ -185,13 +222,23 @@ def test_simulation_in_cohorts_matches_sequential(preset: str, over: dict[str, A
 
 
 def test_dafl_augmented_clients_train_in_cohorts() -> None:
-    table = [[8, 1, 2, 1, 1, 1, 1, 1], [1, 9, 1, 1, 1, 1, 1, 1], [1, 1, 1, 10, 1, 1, 1, 1],
-             [2, 1, 1, 1, 12, 1, 1, 1], [1, 1, 1, 1, 1, 20, 1, 1], [1, 2, 1, 1, 1, 1, 15, 1]]
-    over = {"dataset": {"name": "digits", "num_classes": 8}, "data_plan": "dafl", "trace": {"kind": "always"},
-            "partition": {"kind": "table", "num_clients": 6, "table": table},
-            "runtime": {"kind": "per_sample", "seconds_per_sample": 0.1},
-            "orchestrator": {"concurrency": 6, "agg_goal": 3, "task_timeout_s": None},
-            "client": {"batch_size": 8, "objective": "wce"}}
+    table = [
+        [8, 1, 2, 1, 1, 1, 1, 1],
+        [1, 9, 1, 1, 1, 1, 1, 1],
+        [1, 1, 1, 10, 1, 1, 1, 1],
+        [2, 1, 1, 1, 12, 1, 1, 1],
+        [1, 1, 1, 1, 1, 20, 1, 1],
+        [1, 2, 1, 1, 1, 1, 15, 1],
+    ]
+    over = {
+        "dataset": {"name": "digits", "num_classes": 8},
+        "data_plan": "dafl",
+        "trace": {"kind": "always"},
+        "partition": {"kind": "table", "num_clients": 6, "table": table},
+        "runtime": {"kind": "per_sample", "seconds_per_sample": 0.1},
+        "orchestrator": {"concurrency": 6, "agg_goal": 3, "task_timeout_s": None},
+        "client": {"batch_size": 8, "objective": "wce"},
+    }
     seq, _ = simulate("fedbuff", 1, over)
     coh, passes = simulate("fedbuff", 6, over)
     assert passes > 0 and coh.data_plan is not None and coh.data_plan.applier.samples.sum() > 0
@@ -199,8 +246,11 @@ def test_dafl_augmented_clients_train_in_cohorts() -> None:
 
 
 def test_threads_and_precision_apply_to_every_build() -> None:
-    cfg = resolve_config(None, "fedbuff", deep_merge(SIM, {"run": {"threads": 2, "max_aggregations": 1,
-                                                                     "precision": "bf16", "cohort": 4}}))
+    cfg = resolve_config(
+        None,
+        "fedbuff",
+        deep_merge(SIM, {"run": {"threads": 2, "max_aggregations": 1, "precision": "bf16", "cohort": 4}}),
+    )
     built = build(cfg)
     assert torch.get_num_threads() == 2
     assert built.sim.trainer.autocast_dtype is torch.bfloat16
@@ -214,8 +264,26 @@ def test_engine_speed_benchmark_prints_one_json_line(capsys: pytest.CaptureFixtu
         import engine_speed
     finally:
         sys.path.pop(0)
-    assert engine_speed.main(["--scenario", "default", "--aggregations", "2", "--warmup", "1",
-                              "--bare-repeats", "1", "--set", "model=mlp", "--cohort", "4", "--json"]) == 0
+    assert (
+        engine_speed.main(
+            [
+                "--scenario",
+                "default",
+                "--aggregations",
+                "2",
+                "--warmup",
+                "1",
+                "--bare-repeats",
+                "1",
+                "--set",
+                "model=mlp",
+                "--cohort",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     import json
 
     line = json.loads(capsys.readouterr().out.strip())

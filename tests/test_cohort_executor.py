@@ -4,6 +4,7 @@ the run the local cohort path gives, bit for bit.
 The identity rests on one property of the cohort trainer, checked here without Ray: a client's update
 does not depend on which other clients share its vectorised pass. The Ray test runs one tiny
 simulation both ways on one local Ray instance with two CPU actors."""
+
 from __future__ import annotations
 
 import copy
@@ -34,17 +35,25 @@ def one_thread():
 
 
 @pytest.mark.parametrize("model_name", ["mlp", "small_cnn"])
-@pytest.mark.parametrize(("objective", "params", "cfg"), [
-    ("ce", {}, TrainConfig(lr=0.05, batch_size=16, epochs=2, momentum=0.9)),
-    ("scaffold", {"num_clients": 9}, TrainConfig(lr=0.01, batch_size=16, optimizer="adam")),
-    ("federage", {"alpha": 0.3}, TrainConfig(lr=0.05, batch_size=8, max_steps=3)),
-], ids=["ce-momentum", "scaffold-adam", "federage-max-steps"])
+@pytest.mark.parametrize(
+    ("objective", "params", "cfg"),
+    [
+        ("ce", {}, TrainConfig(lr=0.05, batch_size=16, epochs=2, momentum=0.9)),
+        ("scaffold", {"num_clients": 9}, TrainConfig(lr=0.01, batch_size=16, optimizer="adam")),
+        ("federage", {"alpha": 0.3}, TrainConfig(lr=0.05, batch_size=8, max_steps=3)),
+    ],
+    ids=["ce-momentum", "scaffold-adam", "federage-max-steps"],
+)
 @pytest.mark.parametrize("actors", [2, 3])
-def test_shares_with_companions_train_as_the_whole_cohort(model_name: str, objective: str, params: dict[str, Any],
-                                                          cfg: TrainConfig, actors: int) -> None:
+def test_shares_with_companions_train_as_the_whole_cohort(
+    model_name: str, objective: str, params: dict[str, Any], cfg: TrainConfig, actors: int
+) -> None:
     rng = np.random.default_rng(0)
     g = torch.Generator().manual_seed(0)
-    datas = [ClientData(torch.randn(n, 1, 8, 8, generator=g), torch.from_numpy(rng.integers(0, 6, n))) for n in SIZES]
+    datas = [
+        ClientData(torch.randn(n, 1, 8, 8, generator=g), torch.from_numpy(rng.integers(0, 6, n)))
+        for n in SIZES
+    ]
     model = make_model(model_name, (1, 8, 8), 6, seed=1)
     w = parameters_to_vector(model.parameters()).detach().numpy().copy()
     aux = {"scaffold_c": np.full(w.size, 0.01, np.float32)} if objective == "scaffold" else {}
@@ -69,12 +78,16 @@ def test_without_a_companion_a_lone_client_differs() -> None:
     """Why companions exist: a conv model's client trained alone does not get its cohort update."""
     rng = np.random.default_rng(0)
     g = torch.Generator().manual_seed(0)
-    datas = [ClientData(torch.randn(64, 1, 8, 8, generator=g), torch.from_numpy(rng.integers(0, 6, 64)))
-             for _ in range(2)]
+    datas = [
+        ClientData(torch.randn(64, 1, 8, 8, generator=g), torch.from_numpy(rng.integers(0, 6, 64)))
+        for _ in range(2)
+    ]
     model = make_model("small_cnn", (1, 8, 8), 6, seed=1)
     w = parameters_to_vector(model.parameters()).detach().numpy().copy()
     trainer = CohortTrainer(model, make_objective("ce"), TrainConfig(lr=0.05, batch_size=16), 6)
-    pair = trainer.train([CohortTask(w, d, {}, {}, torch.Generator().manual_seed(k)) for k, d in enumerate(datas)])
+    pair = trainer.train(
+        [CohortTask(w, d, {}, {}, torch.Generator().manual_seed(k)) for k, d in enumerate(datas)]
+    )
     alone = trainer.train([CohortTask(w, datas[0], {}, {}, torch.Generator().manual_seed(0))])
     with_itself = trainer.train([CohortTask(w, datas[0], {}, {}, torch.Generator().manual_seed(0))] * 2)
     assert np.array_equal(with_itself[0].delta, pair[0].delta)
@@ -102,7 +115,9 @@ def test_generator_travels_as_seed_or_state() -> None:
     torch.randperm(10, generator=used)
     state = generator_seed(used)
     assert isinstance(state, torch.Tensor)
-    assert torch.equal(torch.randperm(50, generator=make_generator(state)), torch.randperm(50, generator=used))
+    assert torch.equal(
+        torch.randperm(50, generator=make_generator(state)), torch.randperm(50, generator=used)
+    )
 
 
 # ---------------------------------------------------------------------------------- on Ray
@@ -155,8 +170,9 @@ def test_ray_actors_give_the_local_cohort_run(local_ray: Any) -> None:
     for a, b in zip(local.built.sim.devices, built.sim.devices):
         assert sorted(a.state) == sorted(b.state)
         assert all(np.array_equal(np.asarray(a.state[k]), np.asarray(b.state[k])) for k in a.state)
-    assert {k: v for k, v in remote.summary.items() if k not in VARIES} == \
-        {k: v for k, v in local.summary.items() if k not in VARIES}
+    assert {k: v for k, v in remote.summary.items() if k not in VARIES} == {
+        k: v for k, v in local.summary.items() if k not in VARIES
+    }
     assert [(r.version, r.accuracy) for r in remote.rows] == [(r.version, r.accuracy) for r in local.rows]
 
 
@@ -166,8 +182,10 @@ def test_executor_probes_and_ships_replaced_data_once(local_ray: Any) -> None:
 
     g = torch.Generator().manual_seed(3)
     rng = np.random.default_rng(3)
-    datas = [ClientData(torch.randn(n, 1, 8, 8, generator=g), torch.from_numpy(rng.integers(0, 6, n)))
-             for n in (300, 20, 5, 70)]
+    datas = [
+        ClientData(torch.randn(n, 1, 8, 8, generator=g), torch.from_numpy(rng.integers(0, 6, n)))
+        for n in (300, 20, 5, 70)
+    ]
     replaced = ClientData(torch.randn(33, 1, 8, 8, generator=g), torch.from_numpy(rng.integers(0, 6, 33)))
     model = make_model("small_cnn", (1, 8, 8), 6, seed=1)
     w = parameters_to_vector(model.parameters()).detach().numpy().copy()
@@ -179,8 +197,9 @@ def test_executor_probes_and_ships_replaced_data_once(local_ray: Any) -> None:
         probe_data = [*datas, replaced]
         want = local.probe([w] * 5, probe_data)
         got = executor.probe([w] * 5, probe_data)
-        assert [(u.loss, u.stat_utility, u.num_samples) for u in got] == \
-            [(u.loss, u.stat_utility, u.num_samples) for u in want]
+        assert [(u.loss, u.stat_utility, u.num_samples) for u in got] == [
+            (u.loss, u.stat_utility, u.num_samples) for u in want
+        ]
         used = torch.Generator().manual_seed(9)
         torch.rand(3, generator=used)  # a generator already drawn from travels as its state
 
@@ -190,7 +209,9 @@ def test_executor_probes_and_ships_replaced_data_once(local_ray: Any) -> None:
 
         for u, v in zip(local.train(tasks()), executor.train(tasks())):
             assert np.array_equal(u.delta, v.delta) and u.loss == v.loss
-        assert len(executor._shipped) == 1 and len(executor._data_shipped) == 1  # one version, one replaced client
+        assert (
+            len(executor._shipped) == 1 and len(executor._data_shipped) == 1
+        )  # one version, one replaced client
     finally:
         executor.close()
 

@@ -1,4 +1,5 @@
 """`felix compare` and the strategy presets of the FeLiX paper's Table 1."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,26 @@ from felix.cli import main
 from felix.engine.run import resolve_config
 from felix.presets import MAIN_STRATEGIES, STRATEGIES
 
-TINY = ["--set", "partition.num_clients=12", "--set", "model=mlp", "--set", "run.max_aggregations=3",
-        "--set", "run.target_accuracy=0.3", "--set", "run.target_window=1", "--set", "run.stop_at_target=false", "--set", "orchestrator.concurrency=4",
-        "--set", "orchestrator.agg_goal=2", "--set", "trace.kind=always"]
+TINY = [
+    "--set",
+    "partition.num_clients=12",
+    "--set",
+    "model=mlp",
+    "--set",
+    "run.max_aggregations=3",
+    "--set",
+    "run.target_accuracy=0.3",
+    "--set",
+    "run.target_window=1",
+    "--set",
+    "run.stop_at_target=false",
+    "--set",
+    "orchestrator.concurrency=4",
+    "--set",
+    "orchestrator.agg_goal=2",
+    "--set",
+    "trace.kind=always",
+]
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
@@ -28,14 +46,26 @@ def test_every_preset_validates_and_builds(name):
 def test_table1_axes():
     felix = resolve_config(None, "felix", {})
     assert (felix.orchestrator.mode, felix.orchestrator.knowledge) == ("async", "tiertrack")
-    assert (felix.selector.name, felix.eval_selector.name, felix.aggregator.name) == ("oort", "tierselect", "tierfuse")
+    assert (felix.selector.name, felix.eval_selector.name, felix.aggregator.name) == (
+        "oort",
+        "tierselect",
+        "tierfuse",
+    )
     assert felix.aggregator.server_lr == 0.3
     oort = resolve_config(None, "oort", {})
-    assert (oort.orchestrator.mode, oort.orchestrator.knowledge, oort.orchestrator.task_timeout_s) == ("sync", "none", None)
+    assert (oort.orchestrator.mode, oort.orchestrator.knowledge, oort.orchestrator.task_timeout_s) == (
+        "sync",
+        "none",
+        None,
+    )
     assert resolve_config(None, "oort*", {}).orchestrator.knowledge == "oracle"
     assert resolve_config(None, "oort-async*", {}).orchestrator.knowledge == "oracle"
     refl = resolve_config(None, "refl*", {})
-    assert (refl.selector.name, refl.aggregator.name, refl.orchestrator.knowledge) == ("refl_ips", "refl_saa", "oracle")
+    assert (refl.selector.name, refl.aggregator.name, refl.orchestrator.knowledge) == (
+        "refl_ips",
+        "refl_saa",
+        "oracle",
+    )
     assert resolve_config(None, "felix-no-tierfuse", {}).aggregator.name == "fedbuff"
     assert resolve_config(None, "felix-no-eval", {}).eval_selector.name == "none"
     assert len(MAIN_STRATEGIES) == 7
@@ -51,12 +81,19 @@ def test_compare_runs_strategies_on_the_same_scenario(tmp_path, capsys):
     for s in summaries.values():
         assert s["aggregations"] == 3
     # Same partition and initial model: the version-0 evaluation is identical for all strategies.
-    first = {(out / name / "evaluations.csv").read_text().splitlines()[1] for name in ("fedbuff", "felix", "oort-oracle")}
+    first = {
+        (out / name / "evaluations.csv").read_text().splitlines()[1]
+        for name in ("fedbuff", "felix", "oort-oracle")
+    }
     assert len(first) == 1
     md = (out / "comparison.md").read_text()
     assert "| felix |" in md and "speed-up of felix" in md
-    for png in ("comparison_accuracy_vs_time.png", "comparison_accuracy_vs_bytes.png",
-                "comparison_time_to_target.png", "comparison_bytes.png"):
+    for png in (
+        "comparison_accuracy_vs_time.png",
+        "comparison_accuracy_vs_bytes.png",
+        "comparison_time_to_target.png",
+        "comparison_bytes.png",
+    ):
         assert (out / png).stat().st_size > 1000
     assert summaries["felix"]["bytes_by_kind"]["down"]["eval"] >= 0
     assert summaries["fedbuff"]["bytes_by_kind"]["down"]["eval"] == 0  # no eval tasks without TierSelect

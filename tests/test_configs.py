@@ -1,6 +1,7 @@
 """Configs as data (issue 9, deliverable 6) and comparison files run by `felix compare` (deliverable 5;
 issue 12 items 1-3): the shipped YAML presets, scenarios and comparisons, the data and trace
 location settings, and the multi-seed, multi-target comparison with its manifest and plots."""
+
 from __future__ import annotations
 
 import json
@@ -39,17 +40,27 @@ from felix.scenario.traces import TraceError
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_TRACE = Path(os.environ.get("FELIX_TRACES", ROOT / ".." / "shared" / "traces")) / "mobiperf-300.json"
 
-TINY = {"partition": {"num_clients": 12}, "model": "mlp", "trace": {"kind": "always"},
-        "run": {"max_aggregations": 3, "target_window": 1, "stop_at_target": False},
-        "orchestrator": {"concurrency": 4, "agg_goal": 2}}
+TINY = {
+    "partition": {"num_clients": 12},
+    "model": "mlp",
+    "trace": {"kind": "always"},
+    "run": {"max_aggregations": 3, "target_window": 1, "stop_at_target": False},
+    "orchestrator": {"concurrency": 4, "agg_goal": 2},
+}
 
 
 # ------------------------------------------------------------------ the shipped files
 def test_configs_folder_is_the_package_data() -> None:
     assert (ROOT / "configs").resolve() == CONFIG_DIR
     assert {"felix", "oort-async*", "refl*", "oort-async+tiertrack"} <= set(strategy_names())
-    assert {"default", "felix-cpu-100", "felix-cpu-90", "felix-cpu-50", "felix-cpu-mobiperf",
-            "felix-cifar10"} <= set(scenario_names())
+    assert {
+        "default",
+        "felix-cpu-100",
+        "felix-cpu-90",
+        "felix-cpu-50",
+        "felix-cpu-mobiperf",
+        "felix-cifar10",
+    } <= set(scenario_names())
     assert {"felix-cpu-100", "felix-cpu-90", "felix-cpu-50", "felix-cpu-mobiperf"} <= set(comparison_names())
     for f in (CONFIG_DIR / "strategies").glob("*.yaml"):
         assert "*" not in f.name and "+" not in f.name
@@ -73,8 +84,10 @@ def test_unknown_names_list_the_known_ones() -> None:
         load_comparison("nope")
 
 
-@pytest.mark.parametrize("scenario", ["default", "felix-cpu-100", "felix-cpu-90", "felix-cpu-50",
-                                      "felix-cpu-mobiperf", "felix-cifar10"])
+@pytest.mark.parametrize(
+    "scenario",
+    ["default", "felix-cpu-100", "felix-cpu-90", "felix-cpu-50", "felix-cpu-mobiperf", "felix-cifar10"],
+)
 def test_every_scenario_validates_with_every_strategy(scenario: str) -> None:
     for strategy in strategy_names():
         cfg = resolve_config(None, strategy, {}, scenario)
@@ -94,14 +107,26 @@ def test_a_scenario_file_is_a_run_config() -> None:
 def test_shipped_comparisons_resolve(name: str) -> None:
     comp = load_comparison(name)
     assert comp.reference == "felix" and comp.seeds == [0, 1, 2] and comp.targets == [0.78, 0.8, 0.82]
-    assert list(comp.variants) == ["fedbuff", "oort", "oort*", "oort-async", "oort-async*", "refl*", "felix",
-                                   "felix-plus"]
+    assert list(comp.variants) == [
+        "fedbuff",
+        "oort",
+        "oort*",
+        "oort-async",
+        "oort-async*",
+        "refl*",
+        "felix",
+        "felix-plus",
+    ]
     for v in comp.variants:
         cfg = variant_config(comp, v, {}, 2, max(comp.targets))
         assert (cfg.name, cfg.strategy, cfg.seed, cfg.run.target_accuracy) == (name, v, 2, 0.82)
         # The variant is exactly its strategy preset on the scenario (plus the comparison's base).
-        plain = resolve_config(None, v, {"seed": 2, "run": {"target_accuracy": 0.82},
-                                         "trace": {"offset_s": cfg.trace.offset_s}}, name)
+        plain = resolve_config(
+            None,
+            v,
+            {"seed": 2, "run": {"target_accuracy": 0.82}, "trace": {"offset_s": cfg.trace.offset_s}},
+            name,
+        )
         assert cfg == plain
     # The MobiPerf comparison starts past the trace's all-available head (issue 12).
     assert variant_config(comp, "felix", {}).trace.offset_s == (300.0 if name.endswith("mobiperf") else 0.0)
@@ -118,8 +143,9 @@ def test_ablation_comparisons_change_one_axis_each(trace: str) -> None:
     assert variant_config(comp, "felix-tierfuse-loss", {}).aggregator.params["utility"] == "loss"
     scaled = variant_config(comp, "felix-eval-train-scale", {})
     assert scaled.orchestrator.eval_utility_scale == 0.8 != felix.orchestrator.eval_utility_scale
-    assert scaled.model_copy(update={"orchestrator": felix.orchestrator, "strategy": "felix"}) == felix.model_copy(
-        update={"strategy": "felix"})
+    assert scaled.model_copy(
+        update={"orchestrator": felix.orchestrator, "strategy": "felix"}
+    ) == felix.model_copy(update={"strategy": "felix"})
     assert felix.trace.offset_s == (300.0 if trace == "mobiperf" else 0.0)
 
 
@@ -143,9 +169,15 @@ def test_comparison_file_errors_name_the_file() -> None:
     with pytest.raises(ConfigError, match="targets must be"):
         parse_comparison({"variants": {"a": {}}, "targets": [80]}, "x.yaml")
     assert expand_dotted({"selector.params.a": 1, "selector": {"params.b": 2, "name": "oort"}}) == {
-        "selector": {"params": {"a": 1, "b": 2}, "name": "oort"}}
-    comp = parse_comparison({"variants": {"a": {"client.lr": 0.2, "strategy": "fedbuff"}},
-                             "base": {"scenario": "default", "client": {"epochs": 2}}}, "x.yaml")
+        "selector": {"params": {"a": 1, "b": 2}, "name": "oort"}
+    }
+    comp = parse_comparison(
+        {
+            "variants": {"a": {"client.lr": 0.2, "strategy": "fedbuff"}},
+            "base": {"scenario": "default", "client": {"epochs": 2}},
+        },
+        "x.yaml",
+    )
     cfg = variant_config(comp, "a", {})
     assert (cfg.client.lr, cfg.client.epochs, cfg.strategy) == (0.2, 2, "fedbuff")
     with pytest.raises(ConfigError, match=r"x.yaml, variant a: invalid configuration\n  client.lr"):
@@ -153,7 +185,9 @@ def test_comparison_file_errors_name_the_file() -> None:
 
 
 # ------------------------------------------------------------------ data and trace locations
-def test_relative_trace_paths_resolve_under_felix_traces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_relative_trace_paths_resolve_under_felix_traces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder = tmp_path / "traces"
     folder.mkdir()
     (folder / "t.json").write_text("{}")
@@ -174,9 +208,12 @@ def test_relative_trace_paths_resolve_under_felix_traces(tmp_path: Path, monkeyp
     assert dataset_root("c.tar.gz") == tmp_path / "data" / "c.tar.gz"
 
 
-@pytest.mark.skipif(not SHARED_TRACE.exists(), reason="needs the MobiPerf trace (FELIX_TRACES or ../shared/traces)")
-def test_shipped_mobiperf_scenario_finds_its_trace_under_felix_traces(monkeypatch: pytest.MonkeyPatch,
-                                                                        tmp_path: Path) -> None:
+@pytest.mark.skipif(
+    not SHARED_TRACE.exists(), reason="needs the MobiPerf trace (FELIX_TRACES or ../shared/traces)"
+)
+def test_shipped_mobiperf_scenario_finds_its_trace_under_felix_traces(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     from felix.scenario.build import build_trace
 
     cfg = resolve_config(None, "felix", {"trace": {"offset_s": 300.0}}, "felix-cpu-mobiperf")
@@ -193,8 +230,11 @@ def test_shipped_mobiperf_scenario_finds_its_trace_under_felix_traces(monkeypatc
 
 def test_run_from_another_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    sets = [a for k, v in (("run.max_aggregations", 2), ("partition.num_clients", 8), ("model", "mlp"))
-            for a in ("--set", f"{k}={v}")]
+    sets = [
+        a
+        for k, v in (("run.max_aggregations", 2), ("partition.num_clients", 8), ("model", "mlp"))
+        for a in ("--set", f"{k}={v}")
+    ]
     assert main(["run", "--scenario", "default", "--preset", "oort-async*", "-q", "--out", "r", *sets]) == 0
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert (s["strategy"], s["aggregations"]) == ("oort-async*", 2)
@@ -202,10 +242,14 @@ def test_run_from_another_working_directory(tmp_path: Path, monkeypatch: pytest.
 
 # ------------------------------------------------------------------ felix compare FILE
 def _write_comparison(path: Path, **extra: object) -> Path:
-    doc = {"name": "tiny", "description": "two variants on a tiny digits run",
-           "base": {"scenario": "default", **TINY},
-           "variants": {"fedbuff": {"strategy": "fedbuff"}, "felix-lr": {"strategy": "felix", "client.lr": 0.1}},
-           "reference": "felix-lr", **extra}
+    doc = {
+        "name": "tiny",
+        "description": "two variants on a tiny digits run",
+        "base": {"scenario": "default", **TINY},
+        "variants": {"fedbuff": {"strategy": "fedbuff"}, "felix-lr": {"strategy": "felix", "client.lr": 0.1}},
+        "reference": "felix-lr",
+        **extra,
+    }
     path.write_text(json.dumps(doc))  # JSON is YAML
     return path
 
@@ -226,12 +270,16 @@ def test_compare_file_over_seeds_and_targets(tmp_path: Path, capsys: pytest.Capt
     ref = doc["stats"]["felix-lr"]["0.1"]["speedup_of_reference"]
     assert ref["n"] == 0 or ref["mean"] == 1.0
     summ = json.loads((out / "felix-lr" / "seed-1" / "summary.json").read_text())
-    assert summ["seed"] == 1 and summ["target_accuracy"] == 0.15  # runs stop at (and report) the highest target
+    assert (
+        summ["seed"] == 1 and summ["target_accuracy"] == 0.15
+    )  # runs stop at (and report) the highest target
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["command"] == ["felix", *argv]
     assert manifest["ended_utc"] and manifest["provenance"]["torch"] and manifest["devices"] == ["cpu"]
     run = manifest["runs"]["felix-lr/seed=1"]
-    assert run["status"] == "ran" and run["config"]["client"]["lr"] == 0.1 and run["folder"] == "felix-lr/seed-1"
+    assert (
+        run["status"] == "ran" and run["config"]["client"]["lr"] == 0.1 and run["folder"] == "felix-lr/seed-1"
+    )
     md = (out / "comparison.md").read_text()
     assert "two variants on a tiny digits run" in md and "| fedbuff |" in md and "## Seed 1" in md
     for png in ("accuracy_vs_time", "accuracy_vs_bytes", "time_to_target", "bytes_to_target", "bytes"):
@@ -251,7 +299,9 @@ def test_compare_file_over_seeds_and_targets(tmp_path: Path, capsys: pytest.Capt
     assert json.loads((out / "comparison.json").read_text())["stats"] == doc["stats"]
 
 
-def test_compare_file_only_some_variants_and_bad_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_compare_file_only_some_variants_and_bad_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     f = _write_comparison(tmp_path / "tiny.yaml")
     out = tmp_path / "o"
     assert main(["compare", str(f), "--strategies", "fedbuff", "--out", str(out)]) == 0
@@ -269,8 +319,23 @@ def test_compare_file_only_some_variants_and_bad_flags(tmp_path: Path, capsys: p
 @pytest.mark.slow
 def test_wheel_ships_the_configs(tmp_path: Path) -> None:
     """An installed wheel (not only the editable checkout) finds the shipped configs."""
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(ROOT)], check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     wheel = next(tmp_path.glob("felix_fl-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     for kind in ("strategies", "scenarios", "comparisons"):
@@ -278,8 +343,17 @@ def test_wheel_ships_the_configs(tmp_path: Path) -> None:
         assert shipped and shipped <= names
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    code = "import felix.presets as p; print(p.CONFIG_DIR, len(p.strategy_names()), p.strategy_preset('oort*'))"
-    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(site), "PATH": ""},
-                         capture_output=True, text=True, timeout=60, check=True)
+    code = (
+        "import felix.presets as p; print(p.CONFIG_DIR, len(p.strategy_names()), p.strategy_preset('oort*'))"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(site), "PATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert str(site) in res.stdout and "oracle" in res.stdout
     shutil.rmtree(site)

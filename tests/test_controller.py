@@ -1,5 +1,6 @@
 """The run controller (felix.engine.controller): eval cadence, stop rules, the byte model, live
 evaluations.csv, checkpoint state, and the rerun rule for interrupted runs."""
+
 from __future__ import annotations
 
 import csv
@@ -37,8 +38,10 @@ def test_byte_model_per_message() -> None:
     assert upstream_bytes(TaskFinished(0.0, 1, 2, upd), model, False) == ("train", model + 12)
     probe = ClientUpdate(10, 1.0, 0.5, 1.0)
     assert upstream_bytes(TaskFinished(0.0, 1, 2, probe), model, False) == ("eval", EVAL_RESULT_BYTES)
-    assert upstream_bytes(ClientRegistered(0.0, 1, 10, Tier.AVL_TRAIN, (5, 5, 0)), model, False) == \
-        ("control", HEADER_BYTES + 24)
+    assert upstream_bytes(ClientRegistered(0.0, 1, 10, Tier.AVL_TRAIN, (5, 5, 0)), model, False) == (
+        "control",
+        HEADER_BYTES + 24,
+    )
     # Tier reports are part of the modelled protocol only when the orchestrator tracks tiers.
     assert upstream_bytes(TierChanged(0.0, 1, Tier.UN_AVL), model, False) is None
     assert upstream_bytes(TierChanged(0.0, 1, Tier.UN_AVL), model, True) == ("control", HEADER_BYTES)
@@ -63,8 +66,11 @@ def _count_events(built: Built, seen: dict[str, int]) -> None:
 @pytest.mark.parametrize("knowledge", ["none", "tiertrack"])
 def test_tier_reports_cost_bytes_only_under_tiertrack(knowledge: str) -> None:
     seen: dict[str, int] = {}
-    cfg = small(trace={"kind": "slotted", "unavailable_fraction": 0.3, "slot_s": 5.0},
-                orchestrator={"knowledge": knowledge}, run={"max_aggregations": 6})
+    cfg = small(
+        trace={"kind": "slotted", "unavailable_fraction": 0.3, "slot_s": 5.0},
+        orchestrator={"knowledge": knowledge},
+        run={"max_aggregations": 6},
+    )
     s = run_config(cfg, None, plots=False, prepare=lambda b: _count_events(b, seen)).summary
     registrations = cfg.partition.num_clients * (HEADER_BYTES + 8 * 10)
     tiers = seen.get("TierChanged", 0)
@@ -98,7 +104,9 @@ def test_evaluations_csv_is_written_as_evaluations_happen(tmp_path: Path) -> Non
     on_disk: list[int] = []
 
     def watch(built: Built) -> None:
-        def read(cmd) -> None:  # the hook runs before the version is evaluated: the file holds the earlier ones
+        def read(
+            cmd,
+        ) -> None:  # the hook runs before the version is evaluated: the file holds the earlier ones
             with open(tmp_path / "evaluations.csv") as f:
                 on_disk.append(len(list(csv.DictReader(f))))
 
@@ -112,9 +120,14 @@ def test_evaluations_csv_is_written_as_evaluations_happen(tmp_path: Path) -> Non
 
 
 def test_stop_rules_first_reason_wins_and_interrupt() -> None:
-    res = run_config(small(run={"max_aggregations": 50}), None, plots=False,
-                     prepare=lambda b: b.recorder.aggregation_hooks.append(
-                         lambda cmd: cmd.version == 2 and b.controller.request_stop()))
+    res = run_config(
+        small(run={"max_aggregations": 50}),
+        None,
+        plots=False,
+        prepare=lambda b: b.recorder.aggregation_hooks.append(
+            lambda cmd: cmd.version == 2 and b.controller.request_stop()
+        ),
+    )
     s = res.summary
     assert s["stop_reason"] == "interrupted" and s["aggregations"] == 2
     assert [r.version for r in res.rows] == [0, 1, 2]  # everything measured so far

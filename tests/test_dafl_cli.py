@@ -121,8 +121,14 @@ def test_id_column_detected_from_non_integer_cells(tmp_path: Path) -> None:
         ("a,b\n1,-2\n3,4\n", "row 2, column 2 (b): negative count -2"),
         ("client,a,b\nc1,0,0\nc2,3,4\n", "row 2 (client 'c1') has no samples"),
         ("a,b\n0,2\n0,4\n", "column 1 (a) has no samples on any client"),
-        ("a,b\n1,9223372036854775808\n3,4\n", "row 2, column 2 (b): count 9223372036854775808 is above the maximum"),
-        ("a,b\n1,9223372036854775807\n3,4\n", "row 2, column 2 (b): count 9223372036854775807 is above the maximum"),
+        (
+            "a,b\n1,9223372036854775808\n3,4\n",
+            "row 2, column 2 (b): count 9223372036854775808 is above the maximum",
+        ),
+        (
+            "a,b\n1,9223372036854775807\n3,4\n",
+            "row 2, column 2 (b): count 9223372036854775807 is above the maximum",
+        ),
         ("a,b\n1000000000000,2\n3,4\n", "row 2, column 1 (a): count 1000000000000 is above the maximum"),
         ("a,b\n100000000,1\n1,1\n", "needs at least 88,103,302 greedy steps"),
     ],
@@ -208,8 +214,9 @@ def test_felix_plan_augmentation_does_not_import_torch(tmp_path: Path) -> None:
         "heavy = [m for m in ('torch', 'sklearn') if m in sys.modules]; "
         "print('heavy', heavy, file=sys.stderr); sys.exit(code or (3 if heavy else 0))"
     )
-    done = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, env=env,
-                          check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(path)], capture_output=True, text=True, env=env, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["added"] == 1
     help_probe = (
@@ -218,7 +225,9 @@ def test_felix_plan_augmentation_does_not_import_torch(tmp_path: Path) -> None:
         "assert 'plan-augmentation' in out.getvalue() and 'dafl-experiment' in out.getvalue()\n"
         "sys.exit(3 if 'torch' in sys.modules else 0)"
     )
-    done = subprocess.run([sys.executable, "-c", help_probe], capture_output=True, text=True, env=env, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", help_probe], capture_output=True, text=True, env=env, check=False
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -228,12 +237,23 @@ def test_small_tables_plan_interpreted_with_the_same_result(tmp_path: Path) -> N
     from felix.strategies.dataplans.dafl import interpreted_is_faster
 
     rng = np.random.default_rng(3)
-    counts = np.stack([rng.multinomial(300, rng.dirichlet(np.full(6, 0.3))) for _ in range(12)]).astype(np.int64)
+    counts = np.stack([rng.multinomial(300, rng.dirichlet(np.full(6, 0.3))) for _ in range(12)]).astype(
+        np.int64
+    )
     assert interpreted_is_faster(counts)
     assert not interpreted_is_faster(np.array([[100_000, 1]] * 1000, dtype=np.int64))
     path = tmp_path / "counts.csv"
-    path.write_text("client," + ",".join(f"c{j}" for j in range(6)) + "\n"
-                    + "".join(f"{k}," + ",".join(map(str, row)) + "\n" for k, row in enumerate(counts)))
-    out = subprocess.run([sys.executable, "-m", "felix", "plan-augmentation", str(path), "--json"],
-                         capture_output=True, text=True, timeout=120, check=True)
+    path.write_text(
+        "client,"
+        + ",".join(f"c{j}" for j in range(6))
+        + "\n"
+        + "".join(f"{k}," + ",".join(map(str, row)) + "\n" for k, row in enumerate(counts))
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "felix", "plan-augmentation", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert np.array_equal(np.array(json.loads(out.stdout)["A"]), plan_dafl(counts, DaflParams()).A)

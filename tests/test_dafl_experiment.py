@@ -1,6 +1,7 @@
 """The DAFL experiment: its metrics (convergence rule, minority F1), the engine's convergence stop,
 and ``felix dafl-experiment`` (the shipped comparison file) end to end on the bundled digits (a
 scaled Table II partition, a few rounds)."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,23 @@ from felix.strategies.dataplans.dafl_tables import partition
 
 METHODS = ["NIC", "WCEL", "LB", "FedProx", "Focal", "DAFL"]
 #: The shipped file on digits: D2 scaled by 0.02, an MLP, at most 7 rounds.
-TINY = ["--case", "D2", "--scale", "0.02", "--set", "dataset.name=digits", "--set", "dataset.root=null",
-        "--set", "model=mlp", "--set", "run.max_aggregations=7", "--set", "client.batch_size=16", "-q"]
+TINY = [
+    "--case",
+    "D2",
+    "--scale",
+    "0.02",
+    "--set",
+    "dataset.name=digits",
+    "--set",
+    "dataset.root=null",
+    "--set",
+    "model=mlp",
+    "--set",
+    "run.max_aggregations=7",
+    "--set",
+    "client.batch_size=16",
+    "-q",
+]
 
 
 # ---------------------------------------------------------------------- convergence rule
@@ -90,10 +106,18 @@ def test_the_file_is_the_old_experiment_setting() -> None:
     cfgs = {m: variant_config(comp, m, {}, 0) for m in METHODS}
     nic = cfgs["NIC"]
     assert nic.partition.table == scale_table(partition("D2"), 0.1).tolist()
-    assert nic.orchestrator.mode == "sync" and nic.orchestrator.agg_goal == 8 and nic.orchestrator.overcommit == 1
+    assert (
+        nic.orchestrator.mode == "sync"
+        and nic.orchestrator.agg_goal == 8
+        and nic.orchestrator.overcommit == 1
+    )
     assert nic.dataset.num_classes == 8 and nic.client.batch_size == 64 and nic.client.epochs == 2
     assert nic.run.converge_threshold == 0.01 and nic.run.converge_patience == 5 and nic.run.per_client_eval
-    assert (cfgs["LB"].data_plan, cfgs["DAFL"].data_plan, cfgs["WCEL"].client.objective) == ("lb", "dafl", "wce")
+    assert (cfgs["LB"].data_plan, cfgs["DAFL"].data_plan, cfgs["WCEL"].client.objective) == (
+        "lb",
+        "dafl",
+        "wce",
+    )
     assert cfgs["Focal"].client.objective_params == {"gamma": 2.0}
     assert cfgs["FedProx"].client.objective_params == {"mu": 0.01}
 
@@ -105,8 +129,14 @@ def test_the_engine_stops_at_convergence() -> None:
     from felix.engine.run import run_config
 
     comp = load_comparison(COMPARISONS / "dafl-table4.yaml")
-    sets = parse_set(TINY[TINY.index("--set") + 1::2][:4] + ["run.converge_threshold=100", "run.converge_patience=2",
-                                                              f"partition.table={scale_table(partition('D2'), 0.02).tolist()}"])
+    sets = parse_set(
+        TINY[TINY.index("--set") + 1 :: 2][:4]
+        + [
+            "run.converge_threshold=100",
+            "run.converge_patience=2",
+            f"partition.table={scale_table(partition('D2'), 0.02).tolist()}",
+        ]
+    )
     res = run_config(variant_config(comp, "NIC", sets, 0))
     s = res.summary
     assert s["stop_reason"] == "converged" and s["aggregations"] == 3
@@ -134,8 +164,15 @@ def test_experiment_writes_table_iv(tmp_path: Path) -> None:
     assert by[("DAFL", 0)]["augmentation_s"] > 0
     assert by[("DAFL", 0)]["added"] == by[("DAFL", 1)]["added"]  # the plan depends on the counts only
     table = (tmp_path / "dafl_table.md").read_text()
-    for needle in ("| Metric | Method | D2 |", "| Rounds | NIC |", "| Minority F1 | NIC |", "|  | DAFL |",
-                   "| Macro F1 |", "| Added samples |", "training-loss change < 0.01 for 5"):
+    for needle in (
+        "| Metric | Method | D2 |",
+        "| Rounds | NIC |",
+        "| Minority F1 | NIC |",
+        "|  | DAFL |",
+        "| Macro F1 |",
+        "| Added samples |",
+        "training-loss change < 0.01 for 5",
+    ):
         assert needle in table
     assert (tmp_path / "runs" / "DAFL" / "seed-1" / "summary.json").exists()
 
@@ -153,21 +190,26 @@ def test_experiment_is_deterministic(tmp_path: Path) -> None:
 def test_add_parser_registers_the_subcommand() -> None:
     parser = argparse.ArgumentParser(prog="felix")
     add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["dafl-experiment", "--case", "D3", "--scale", "0.1", "--variants", "NIC,DAFL",
-                              "--seeds", "0", "1"])
+    args = parser.parse_args(
+        ["dafl-experiment", "--case", "D3", "--scale", "0.1", "--variants", "NIC,DAFL", "--seeds", "0", "1"]
+    )
     assert args.command == "dafl-experiment" and args.scale == 0.1 and args.case == "D3"
     assert args.seeds == [0, 1] and args.file == COMPARISONS / "dafl-table4.yaml" and callable(args.func)
 
 
-@pytest.mark.parametrize(("extra", "needle"), [
-    (["--variants", "NIC,magic"], "'magic' is not a variant"),
-    (["--case", "D9"], "unknown partition 'D9'"),
-    (["--scale", "-1"], "--scale must be"),
-    (["--set", "run.max_aggregations=0"], "run.max_aggregations"),
-    (["--scale", "1"], "the table asks for"),  # digits has too few images for the full partition
-])
-def test_bad_arguments_are_one_line_errors(extra: list[str], needle: str, capsys: pytest.CaptureFixture[str],
-                                           tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--variants", "NIC,magic"], "'magic' is not a variant"),
+        (["--case", "D9"], "unknown partition 'D9'"),
+        (["--scale", "-1"], "--scale must be"),
+        (["--set", "run.max_aggregations=0"], "run.max_aggregations"),
+        (["--scale", "1"], "the table asks for"),  # digits has too few images for the full partition
+    ],
+)
+def test_bad_arguments_are_one_line_errors(
+    extra: list[str], needle: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     assert main(TINY + ["--out", str(tmp_path)] + extra) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1, err

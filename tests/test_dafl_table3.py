@@ -28,12 +28,24 @@ from felix.strategies.dataplans.imbalance import global_class_imbalance
 # I = .0798 and D5 at 1e4 I = .0703. The other cells are the plans the float rule gives; the exact
 # rule gives the same counts and I except D3 at 1e2 (39,018, I .0558; see test_rules_differ_on_d3).
 TABLE_III = {
-    ("D1", 1e2): (24909, 0.0001), ("D1", 1e3): (24909, 0.0001), ("D1", 1e4): (24909, 0.0001),
-    ("D2", 1e2): (24913, 0.1479), ("D2", 1e3): (24913, 0.1479), ("D2", 1e4): (24911, 0.0798),
-    ("D3", 1e2): (39060, 0.0558), ("D3", 1e3): (3080, 0.2836), ("D3", 1e4): (7, 0.3492),
-    ("D4", 1e2): (24085, 0.0817), ("D4", 1e3): (24085, 0.0817), ("D4", 1e4): (24080, 0.0472),
-    ("D5", 1e2): (21014, 0.1349), ("D5", 1e3): (21014, 0.1349), ("D5", 1e4): (21015, 0.0703),
-    ("D6", 1e2): (18368, 0.1653), ("D6", 1e3): (18367, 0.1653), ("D6", 1e4): (18367, 0.1260),
+    ("D1", 1e2): (24909, 0.0001),
+    ("D1", 1e3): (24909, 0.0001),
+    ("D1", 1e4): (24909, 0.0001),
+    ("D2", 1e2): (24913, 0.1479),
+    ("D2", 1e3): (24913, 0.1479),
+    ("D2", 1e4): (24911, 0.0798),
+    ("D3", 1e2): (39060, 0.0558),
+    ("D3", 1e3): (3080, 0.2836),
+    ("D3", 1e4): (7, 0.3492),
+    ("D4", 1e2): (24085, 0.0817),
+    ("D4", 1e3): (24085, 0.0817),
+    ("D4", 1e4): (24080, 0.0472),
+    ("D5", 1e2): (21014, 0.1349),
+    ("D5", 1e3): (21014, 0.1349),
+    ("D5", 1e4): (21015, 0.0703),
+    ("D6", 1e2): (18368, 0.1653),
+    ("D6", 1e3): (18367, 0.1653),
+    ("D6", 1e4): (18367, 0.1260),
 }
 
 
@@ -110,7 +122,10 @@ def test_exact_rule_plans_like_the_old_planner(seed: int) -> None:
             smoothness=float(rng.choice([1.0, 1.0, 25.0])),
             rule="exact",
         )
-        assert plan_dafl(counts, params).A.tolist() == legacy_plan(counts, params).tolist(), (counts.tolist(), params)
+        assert plan_dafl(counts, params).A.tolist() == legacy_plan(counts, params).tolist(), (
+            counts.tolist(),
+            params,
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -165,7 +180,9 @@ def reference_float(counts: np.ndarray, prm: DaflParams) -> np.ndarray:
     n = int(totals.sum())
     ratio = [float(int((r * r).sum())) / float(int(r.sum())) for r in m]
     imbalance = math.fsum(ratio) / float(n) - float(int((totals * totals).sum())) / float(n * n)
-    current = alpha * float(int(m.sum(axis=1).max())) * (1.0 + kappa * imbalance) + beta * float(int(a.sum(axis=1).max()))
+    current = alpha * float(int(m.sum(axis=1).max())) * (1.0 + kappa * imbalance) + beta * float(
+        int(a.sum(axis=1).max())
+    )
     while True:
         feasible = []
         for c in range(x.shape[1]):
@@ -197,7 +214,9 @@ def test_float_rule_matches_reference(seed: int) -> None:
             local_updates=int(rng.choice([2, 2, 1, 3])),
         )
         assert plan_dafl(counts, params).A.tolist() == reference_float(counts, params).tolist(), (
-            counts.tolist(), params)
+            counts.tolist(),
+            params,
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -227,7 +246,9 @@ def test_counts_above_the_maximum_name_the_cell(big: float) -> None:
 def test_1e8_is_refused_up_front_and_planned_with_a_larger_step() -> None:
     counts = [[10**8, 1], [1, 1]]
     start = time.process_time()
-    with pytest.raises(PlanTooLargeError, match="at least 88,103,302 greedy steps of 1 samples.*step of at least 9"):
+    with pytest.raises(
+        PlanTooLargeError, match="at least 88,103,302 greedy steps of 1 samples.*step of at least 9"
+    ):
         plan_dafl(counts)
     with pytest.raises(PlanTooLargeError, match="client 0: balancing"):
         plan_local_balancing(counts)

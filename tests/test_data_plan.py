@@ -1,4 +1,5 @@
 """``data_plan: lb | dafl`` in simulated runs, on the bundled digits (8 clients, 8 classes, MLP)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -15,9 +16,16 @@ from felix.strategies.dataplans.dafl import plan_dafl, plan_local_balancing
 from felix.strategies.dataplans.plans import dafl_params, registered_counts
 
 # Client x class counts: every client skewed towards one class, one client nearly balanced.
-TABLE = [[8, 1, 2, 1, 1, 1, 1, 1], [1, 9, 1, 1, 1, 1, 1, 1], [1, 1, 1, 10, 1, 1, 1, 1],
-         [2, 1, 1, 1, 12, 1, 1, 1], [1, 1, 1, 1, 1, 20, 1, 1], [1, 2, 1, 1, 1, 1, 15, 1],
-         [1, 1, 1, 1, 1, 1, 1, 30], [3, 3, 3, 1, 3, 3, 3, 3]]
+TABLE = [
+    [8, 1, 2, 1, 1, 1, 1, 1],
+    [1, 9, 1, 1, 1, 1, 1, 1],
+    [1, 1, 1, 10, 1, 1, 1, 1],
+    [2, 1, 1, 1, 12, 1, 1, 1],
+    [1, 1, 1, 1, 1, 20, 1, 1],
+    [1, 2, 1, 1, 1, 1, 15, 1],
+    [1, 1, 1, 1, 1, 1, 1, 30],
+    [3, 3, 3, 1, 3, 3, 3, 3],
+]
 SPS = 0.1  # virtual seconds per sample of a training task
 
 BASE: dict[str, Any] = {
@@ -71,11 +79,19 @@ def test_each_client_grows_by_exactly_its_plan_row(method: str, mode: dict[str, 
     for dev, original, row in zip(sim.devices, pop.client_data, plan.A):
         assert dev.augmented
         assert torch.bincount(dev.data.y, minlength=8).tolist() == (np.array(TABLE[dev.cid]) + row).tolist()
-        assert torch.equal(dev.data.x[:len(original)], original.x)  # new samples are appended
+        assert torch.equal(dev.data.x[: len(original)], original.x)  # new samples are appended
         assert dev.runtime_s == pytest.approx(SPS * len(dev.data))  # per_sample: tasks grow with the data
     s = res.summary
-    assert set(s["data_plan"]) == {"method", "I_before", "J_before", "I_after", "J_after", "added",
-                                   "added_per_client", "plan_seconds"}
+    assert set(s["data_plan"]) == {
+        "method",
+        "I_before",
+        "J_before",
+        "I_after",
+        "J_after",
+        "added",
+        "added_per_client",
+        "plan_seconds",
+    }
     assert s["data_plan"]["method"] == method
     assert s["data_plan"]["added"] == plan.added and s["data_plan"]["J_after"] == plan.J_after <= 1e-3
     assert s["data_plan"]["I_before"] == plan.I_before and s["data_plan"]["I_after"] == plan.I_after
@@ -86,8 +102,9 @@ def test_each_client_grows_by_exactly_its_plan_row(method: str, mode: dict[str, 
 
 
 def test_first_round_lasts_augmentation_plus_training_on_the_grown_data() -> None:
-    res = run_config(config(data_plan="dafl", run={"max_aggregations": 1, "stop_at_target": False}), None,
-                     plots=False)
+    res = run_config(
+        config(data_plan="dafl", run={"max_aggregations": 1, "stop_at_target": False}), None, plots=False
+    )
     added = np.array(res.summary["data_plan"]["added_per_client"])
     sizes = np.array(TABLE).sum(axis=1) + added
     # zeta / zeta' = 1/2: augmenting a sample costs half of training on one.
@@ -96,8 +113,9 @@ def test_first_round_lasts_augmentation_plus_training_on_the_grown_data() -> Non
 
 
 def test_augmentation_time_is_charged_once() -> None:
-    one = run_config(config(data_plan="dafl", run={"max_aggregations": 1, "stop_at_target": False}), None,
-                     plots=False)
+    one = run_config(
+        config(data_plan="dafl", run={"max_aggregations": 1, "stop_at_target": False}), None, plots=False
+    )
     three = run_config(config(data_plan="dafl"), None, plots=False)
     sizes = np.array(TABLE).sum(axis=1) + np.array(one.summary["data_plan"]["added_per_client"])
     later_round = SPS * max(sizes)
@@ -129,12 +147,22 @@ def test_same_seed_same_run() -> None:
     assert not torch.equal(a.built.sim.devices[grown].data.x, c.built.sim.devices[grown].data.x)
 
 
-@pytest.mark.parametrize(("objective", "data_plan"), [
-    ("ce", "none"), ("wce", "none"), ("ce", "lb"), ("fedprox", "none"), ("focal", "none"), ("ce", "dafl"),
-], ids=["nic", "wcel", "lb", "fedprox", "focal", "dafl"])
+@pytest.mark.parametrize(
+    ("objective", "data_plan"),
+    [
+        ("ce", "none"),
+        ("wce", "none"),
+        ("ce", "lb"),
+        ("fedprox", "none"),
+        ("focal", "none"),
+        ("ce", "dafl"),
+    ],
+    ids=["nic", "wcel", "lb", "fedprox", "focal", "dafl"],
+)
 def test_class_imbalance_baselines_run(objective: str, data_plan: str) -> None:
-    res = run_config(config(data_plan=data_plan, client={"objective": objective, "batch_size": 8}), None,
-                     plots=False)
+    res = run_config(
+        config(data_plan=data_plan, client={"objective": objective, "batch_size": 8}), None, plots=False
+    )
     rec = res.built.recorder
     assert res.summary["aggregations"] == 3 and np.isfinite(res.summary["final_accuracy"])
     assert [r.version for r in rec.train_losses] == [1, 2, 3]
@@ -162,12 +190,17 @@ def test_planner_settings_come_from_the_dafl_section() -> None:
     assert b.data_plan.plan.A.tolist() == plan_dafl(TABLE, dafl_params(cfg.dafl)).A.tolist()
 
 
-@pytest.mark.parametrize(("over", "needle"), [
-    ({"data_plan": "dafl", "dafl": {"augmenter": "nope"}}, "unknown augmenter 'nope'"),
-    ({"data_plan": "lb", "partition": {"table": [[1, 0, *TABLE[0][2:]], *TABLE[1:]]}},
-     "data_plan 'lb': client 0 has no samples of class 1"),
-    ({"dataset": {"name": "digits", "num_classes": 11}}, "dataset.num_classes is 11 but digits has 10"),
-])
+@pytest.mark.parametrize(
+    ("over", "needle"),
+    [
+        ({"data_plan": "dafl", "dafl": {"augmenter": "nope"}}, "unknown augmenter 'nope'"),
+        (
+            {"data_plan": "lb", "partition": {"table": [[1, 0, *TABLE[0][2:]], *TABLE[1:]]}},
+            "data_plan 'lb': client 0 has no samples of class 1",
+        ),
+        ({"dataset": {"name": "digits", "num_classes": 11}}, "dataset.num_classes is 11 but digits has 10"),
+    ],
+)
 def test_bad_settings_fail_with_a_clear_message(over: dict[str, Any], needle: str) -> None:
     # An impossible plan shows when the clients have registered (the run's start), the rest at build.
     with pytest.raises(ConfigError, match=needle):

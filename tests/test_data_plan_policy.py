@@ -1,4 +1,5 @@
 """The data plan as a server-side policy in the core, driven by registrations (no shell, no torch)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,9 +21,17 @@ COUNTS = [[6, 1, 1], [1, 5, 2], [2, 2, 4]]
 
 def make(on_error: str = "raise", **kw) -> Orchestrator:
     policy = DATA_PLANS.create("lb", DaflCfg(), PlanSetup(3, on_error))  # type: ignore[arg-type]
-    cfg = OrchestratorConfig(**{"mode": "async", "agg_goal": 1, "concurrency": 2, "task_timeout_s": 30.0, **kw})
-    return Orchestrator(cfg, np.zeros(2, np.float32), RandomSelector(), FedBuffAggregator(),
-                        np.random.default_rng(0), data_plan=policy)
+    cfg = OrchestratorConfig(
+        **{"mode": "async", "agg_goal": 1, "concurrency": 2, "task_timeout_s": 30.0, **kw}
+    )
+    return Orchestrator(
+        cfg,
+        np.zeros(2, np.float32),
+        RandomSelector(),
+        FedBuffAggregator(),
+        np.random.default_rng(0),
+        data_plan=policy,
+    )
 
 
 def register(o: Orchestrator, cid: int, t: float, counts: list[int]) -> list:
@@ -45,8 +54,11 @@ def test_training_waits_for_the_plan_then_carries_the_rows() -> None:
     assert info["method"] == "lb" and info["added"] == sum(map(sum, rows.values()))
     # Later tasks carry the rows too (a client that restarts still gets its row).
     done = sent[0]
-    out = o.handle(TaskFinished(9.0, done.client_id, done.task_id, ClientUpdate(8, 1.0, 0.5, 1.0,
-                                                                                np.ones(2, np.float32))))
+    out = o.handle(
+        TaskFinished(
+            9.0, done.client_id, done.task_id, ClientUpdate(8, 1.0, 0.5, 1.0, np.ones(2, np.float32))
+        )
+    )
     assert [c for c in out if isinstance(c, NewModelVersion)]
     again = [c for c in out if isinstance(c, DispatchTrain)]
     assert again and all(c.plan == rows[c.client_id] and c.version == 1 for c in again)
@@ -85,8 +97,13 @@ def test_an_impossible_plan_raises_or_trains_without_rows() -> None:
 
 
 def test_no_plan_holds_nothing() -> None:
-    o = Orchestrator(OrchestratorConfig(concurrency=1, agg_goal=1), np.zeros(2, np.float32), RandomSelector(),
-                     FedBuffAggregator(), np.random.default_rng(0))
+    o = Orchestrator(
+        OrchestratorConfig(concurrency=1, agg_goal=1),
+        np.zeros(2, np.float32),
+        RandomSelector(),
+        FedBuffAggregator(),
+        np.random.default_rng(0),
+    )
     assert not o.data_plan.pending and o.data_plan.info() == {}
     sent = [c for c in register(o, 0, 0.0, COUNTS[0]) if isinstance(c, DispatchTrain)]
     assert len(sent) == 1 and sent[0].plan == ()
@@ -113,16 +130,22 @@ def test_the_policies_state_survives_a_checkpoint_file(tmp_path) -> None:
     restored = make(mode="sync", overcommit=1.0, agg_goal=2)
     restored.load_state_dict(load_checkpoint(tmp_path / "ck.safetensors"))
     assert restored.plans == o.plans and restored.data_plan.info() == o.data_plan.info()
-    assert restored.rounds.state_dict() == o.rounds.state_dict() and restored.rounds.state_dict()["round_active"]
+    assert (
+        restored.rounds.state_dict() == o.rounds.state_dict() and restored.rounds.state_dict()["round_active"]
+    )
 
 
 def test_the_core_and_its_registered_policies_import_no_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys\nfrom felix.core.dataplan import DATA_PLANS\nfrom felix.core.orchestrator import Orchestrator\n"
-            "from felix.core.policies import AGGREGATORS, EVAL_SELECTORS, TRAIN_SELECTORS\n"
-            "for r in (DATA_PLANS, AGGREGATORS, EVAL_SELECTORS, TRAIN_SELECTORS): r.names()\n"
-            "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    code = (
+        "import sys\nfrom felix.core.dataplan import DATA_PLANS\nfrom felix.core.orchestrator import Orchestrator\n"
+        "from felix.core.policies import AGGREGATORS, EVAL_SELECTORS, TRAIN_SELECTORS\n"
+        "for r in (DATA_PLANS, AGGREGATORS, EVAL_SELECTORS, TRAIN_SELECTORS): r.names()\n"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.strip() == "False", out.stderr

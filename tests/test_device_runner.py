@@ -1,5 +1,6 @@
 """The shared device runner (felix.engine.device), driven directly and through the MQTT client's
 message handling, in virtual time: a fake clock and a fake link, no broker and no sleeps."""
+
 from __future__ import annotations
 
 import time
@@ -147,7 +148,11 @@ def test_the_data_plan_row_is_applied_once_and_charged_to_its_task() -> None:
     dev.receive(0.0, 2, TRAIN, W, rules, plan=(2, 1))
     dev.receive(0.0, 3, TRAIN, W, rules, plan=(2, 1))  # every task of the client carries its row
     assert calls == [(2, 1)] and dev.augmented
-    assert [t.duration for t in ([dev.current] if dev.current else []) + list(dev.queue)] == [10.0, 15.0, 12.0]
+    assert [t.duration for t in ([dev.current] if dev.current else []) + list(dev.queue)] == [
+        10.0,
+        15.0,
+        12.0,
+    ]
     dev2 = runner()
     dev2.receive(0.0, 1, TRAIN, W, TaskRules(compute=True, augment=augment), plan=(1,))
     assert dev2.augmented and dev2.current is not None and dev2.current.duration == 0.0  # compute: own time
@@ -182,19 +187,29 @@ class FakeLink:
         self.sent.append((self.host.trace_time(), wire.decode(payload)))
 
     def log(self) -> list[tuple[float, str, Any]]:
-        return [(round(t, 9), type(m).__name__, m.tier if isinstance(m, wire.State) else getattr(m, "task", None))
-                for t, m in self.sent]
+        return [
+            (round(t, 9), type(m).__name__, m.tier if isinstance(m, wire.State) else getattr(m, "task", None))
+            for t, m in self.sent
+        ]
 
 
 SCALE = 0.5  # wall seconds per config second: virtual times are in config seconds all the same
 
 
 def _host(trace: DeviceTrace, **opts: Any) -> tuple[ClientHost, FakeClock, FakeLink]:
-    cfg = resolve_config(None, "fedbuff", {"model": "mlp", "partition": {"num_clients": 2},
-                                           "runtime": {"kind": "constant", "constant_s": 4.0}})
+    cfg = resolve_config(
+        None,
+        "fedbuff",
+        {"model": "mlp", "partition": {"num_clients": 2}, "runtime": {"kind": "constant", "constant_s": 4.0}},
+    )
     clock = FakeClock()
-    host = ClientHost(cfg, [0], ClientOptions(BrokerOptions(), run_id="t", time_scale=SCALE, **opts),
-                      lambda cid: (None, None), clock=clock)
+    host = ClientHost(
+        cfg,
+        [0],
+        ClientOptions(BrokerOptions(), run_id="t", time_scale=SCALE, **opts),
+        lambda cid: (None, None),
+        clock=clock,
+    )
     clock.t = host._mono_at(0.0)  # trace time 0 exactly
     dev = host.devices[0]
     dev.trace, dev.tier = trace, trace.tier_at(0.0)
@@ -223,12 +238,22 @@ def _weights(host: ClientHost) -> np.ndarray:
 
 
 def _train(host: ClientHost, task: int, **kw: Any) -> wire.TrainTask:
-    return wire.TrainTask(run="t", msg_id=f"s-{task}", sent_at=time.time(), client=0, task=task, version=0,
-                          weights=_weights(host), **kw)
+    return wire.TrainTask(
+        run="t",
+        msg_id=f"s-{task}",
+        sent_at=time.time(),
+        client=0,
+        task=task,
+        version=0,
+        weights=_weights(host),
+        **kw,
+    )
 
 
 def _cancel(task: int) -> wire.Cancel:
-    return wire.Cancel(run="t", msg_id=f"c-{task}", sent_at=time.time(), client=0, task=task, reason="round ended")
+    return wire.Cancel(
+        run="t", msg_id=f"c-{task}", sent_at=time.time(), client=0, task=task, reason="round ended"
+    )
 
 
 BREAK = DeviceTrace.from_events([(2.0, Tier.UN_AVL), (6.0, Tier.AVL_TRAIN)], initial=Tier.AVL_TRAIN)
@@ -246,8 +271,13 @@ def test_client_pauses_a_task_while_away_and_publishes_it_later() -> None:
     assert isinstance(result, wire.Result) and result.kind is TaskKind.TRAIN
     assert result.duration == 4.0  # the task's runtime, as in the simulator
     # trained with the per-task seed both shells use
-    expected = host.trainer.train(_weights(host), host.devices[0].data, {}, {},
-                                  torch.Generator().manual_seed(task_seed(host.cfg.seed, 7)))
+    expected = host.trainer.train(
+        _weights(host),
+        host.devices[0].data,
+        {},
+        {},
+        torch.Generator().manual_seed(task_seed(host.cfg.seed, 7)),
+    )
     assert result.delta is not None and np.array_equal(result.delta, expected.delta) and result.delta.any()
 
 
@@ -291,8 +321,12 @@ def test_client_in_compute_mode_holds_a_result_until_it_may_send_it() -> None:
 @pytest.mark.usefixtures("one_torch_thread")
 def test_client_runs_an_eval_while_available_for_evaluation_only() -> None:
     host, clock, link = _host(DeviceTrace.from_events([], initial=Tier.AVL_EVAL))
-    _send(host, wire.EvalTask(run="t", msg_id="s-1", sent_at=time.time(), client=0, task=1, version=0,
-                              weights=_weights(host)))
+    _send(
+        host,
+        wire.EvalTask(
+            run="t", msg_id="s-1", sent_at=time.time(), client=0, task=1, version=0, weights=_weights(host)
+        ),
+    )
     _send(host, _train(host, 2))
     _send(host, _train(host, 3))
     _advance(host, clock, 20.0)

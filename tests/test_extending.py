@@ -5,6 +5,7 @@ import path), with typed parameters that fail by key.
 This is the worked example of docs/architecture.md ("Policies"): each new policy is one class (or
 factory) plus its registration next to it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -159,7 +160,10 @@ class TimeoutCooldown(AvailabilityPolicy):
         self.until[task.client_id] = orch.now + self.cooldown_s
 
     def state_dict(self) -> dict[str, Any]:
-        return {"client": np.fromiter(self.until, dtype=np.int64), "until": np.array(list(self.until.values()))}
+        return {
+            "client": np.fromiter(self.until, dtype=np.int64),
+            "until": np.array(list(self.until.values())),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.until = dict(zip(state["client"].tolist(), state["until"].tolist(), strict=True))
@@ -194,9 +198,15 @@ TINY: dict[str, Any] = {
     "partition": {"num_clients": 12, "alpha": 0.5},
     "trace": {"kind": "slotted", "unavailable_fraction": 0.3, "slot_s": 40.0},
     "runtime": {"kind": "uniform", "low_s": 5.0, "high_s": 60.0},
-    "orchestrator": {"mode": "semi_async", "mode_params": {"period_s": 20.0}, "knowledge": "cooldown",
-                     "knowledge_params": {"cooldown_s": 50.0}, "agg_goal": 4, "concurrency": 5,
-                     "task_timeout_s": 30.0},
+    "orchestrator": {
+        "mode": "semi_async",
+        "mode_params": {"period_s": 20.0},
+        "knowledge": "cooldown",
+        "knowledge_params": {"cooldown_s": 50.0},
+        "agg_goal": 4,
+        "concurrency": 5,
+        "task_timeout_s": 30.0,
+    },
     "selector": {"name": "fewest_updates", "params": {}},
     "aggregator": {"name": "test_extending:make_sample_power", "server_lr": 1.0, "params": {"power": 0.5}},
     "eval_selector": {"name": "none"},
@@ -225,49 +235,79 @@ def test_new_policies_run_through_a_config() -> None:
     # Fewest-updates spreads the work: every client that ever became available contributed.
     assert (orch.clients.column("times_updated") > 0).sum() >= 8
     again = run_config(resolve_config(None, None, TINY), None, plots=False).summary
-    assert {k: v for k, v in again.items() if k not in ("wall_time_s", "provenance")} == \
-           {k: v for k, v in res.summary.items() if k not in ("wall_time_s", "provenance")}
+    assert {k: v for k, v in again.items() if k not in ("wall_time_s", "provenance")} == {
+        k: v for k, v in res.summary.items() if k not in ("wall_time_s", "provenance")
+    }
 
 
 def test_policy_state_is_checkpointed() -> None:
-    res = run_config(resolve_config(None, None, deep_merge(TINY, {"run": {"max_aggregations": 3}})), None,
-                     plots=False)
+    res = run_config(
+        resolve_config(None, None, deep_merge(TINY, {"run": {"max_aggregations": 3}})), None, plots=False
+    )
     state = res.built.orch.state_dict()
     assert state["round_policy"]["closed_by_timer"] == res.built.orch.rounds.closed_by_timer
     cfg = res.built.orch.cfg
-    fresh = Orchestrator(cfg, np.zeros_like(res.built.orch.weights), FewestUpdates(),
-                         SamplePowerAggregator(0.5, 1.0), np.random.default_rng(0))
+    fresh = Orchestrator(
+        cfg,
+        np.zeros_like(res.built.orch.weights),
+        FewestUpdates(),
+        SamplePowerAggregator(0.5, 1.0),
+        np.random.default_rng(0),
+    )
     fresh.load_state_dict(state)
-    assert isinstance(fresh.rounds, SemiAsyncRounds) and fresh.rounds.next_close == res.built.orch.rounds.next_close
+    assert (
+        isinstance(fresh.rounds, SemiAsyncRounds)
+        and fresh.rounds.next_close == res.built.orch.rounds.next_close
+    )
     assert isinstance(fresh.availability, TimeoutCooldown)
     assert fresh.availability.until == res.built.orch.availability.until
 
 
 def test_semi_async_closes_a_partial_buffer_on_its_period() -> None:
-    cfg = OrchestratorConfig(mode="semi_async", agg_goal=3, concurrency=2, task_timeout_s=None,
-                             mode_params={"period_s": 10.0})
-    o = Orchestrator(cfg, np.zeros(2, np.float32), FewestUpdates(), SamplePowerAggregator(1.0, 1.0),
-                     np.random.default_rng(0))
+    cfg = OrchestratorConfig(
+        mode="semi_async", agg_goal=3, concurrency=2, task_timeout_s=None, mode_params={"period_s": 10.0}
+    )
+    o = Orchestrator(
+        cfg,
+        np.zeros(2, np.float32),
+        FewestUpdates(),
+        SamplePowerAggregator(1.0, 1.0),
+        np.random.default_rng(0),
+    )
     out = o.handle(ClientRegistered(0.0, 0, 10)) + o.handle(ClientRegistered(0.0, 1, 10))
     tasks = [c for c in out if c.__class__.__name__ == "DispatchTrain"]
     assert len(tasks) == 2 and o.next_wakeup() == 10.0
     update = ClientUpdate(10, 1.0, 0.5, 1.0, np.ones(2, np.float32))
-    assert not [c for c in o.handle(TaskFinished(4.0, 0, tasks[0].task_id, update)) if isinstance(c, NewModelVersion)]
+    assert not [
+        c for c in o.handle(TaskFinished(4.0, 0, tasks[0].task_id, update)) if isinstance(c, NewModelVersion)
+    ]
     versions = [c for c in o.handle(Tick(10.0)) if isinstance(c, NewModelVersion)]
     assert len(versions) == 1 and versions[0].report.client_ids == (0,)  # one update, below agg_goal
     assert o.next_wakeup() == 20.0
 
 
-@pytest.mark.parametrize(("over", "needle"), [
-    ({"selector": {"name": "fewest_updates", "params": {"foo": 1}}}, "selector.params.foo: unknown key"),
-    ({"aggregator": {"name": "sample_power", "params": {"power": "strong"}}}, "aggregator.params.power"),
-    ({"orchestrator": {"mode_params": {"period": 1}}}, "orchestrator.mode_params.period: unknown key"),
-    ({"orchestrator": {"knowledge": "psychic"}}, "unknown availability policy 'psychic'"),
-    ({"orchestrator": {"mode": "no_such_module:rounds"}}, "cannot import module 'no_such_module' for 'no_such_module:rounds'"),
-    ({"selector": {"name": "oort", "params": {"bse": "fedscale"}}}, "selector.params.bse: unknown key"),
-    ({"selector": {"name": "refl_ips", "params": {"oort": {"cut_off": 1}}}}, "selector.params.oort.cut_off"),
-    ({"client": {"objective": "fedprox", "objective_params": {"nu": 1}}}, "client.objective_params.nu: unknown key"),
-])
+@pytest.mark.parametrize(
+    ("over", "needle"),
+    [
+        ({"selector": {"name": "fewest_updates", "params": {"foo": 1}}}, "selector.params.foo: unknown key"),
+        ({"aggregator": {"name": "sample_power", "params": {"power": "strong"}}}, "aggregator.params.power"),
+        ({"orchestrator": {"mode_params": {"period": 1}}}, "orchestrator.mode_params.period: unknown key"),
+        ({"orchestrator": {"knowledge": "psychic"}}, "unknown availability policy 'psychic'"),
+        (
+            {"orchestrator": {"mode": "no_such_module:rounds"}},
+            "cannot import module 'no_such_module' for 'no_such_module:rounds'",
+        ),
+        ({"selector": {"name": "oort", "params": {"bse": "fedscale"}}}, "selector.params.bse: unknown key"),
+        (
+            {"selector": {"name": "refl_ips", "params": {"oort": {"cut_off": 1}}}},
+            "selector.params.oort.cut_off",
+        ),
+        (
+            {"client": {"objective": "fedprox", "objective_params": {"nu": 1}}},
+            "client.objective_params.nu: unknown key",
+        ),
+    ],
+)
 def test_bad_policy_parameters_name_the_key(over: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("(", r"\(")):
         run_config(resolve_config(None, None, deep_merge(TINY, over)), None, plots=False)

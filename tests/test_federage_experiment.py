@@ -1,6 +1,7 @@
 """``felix federage-compare``: the shipped comparison file run by the one engine, end to end on the
 bundled 8x8 digits (seconds on CPU), and the engine options it relies on (RAM trace, rare-clients
 partition, FedeRage's fixed mini-batch)."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,13 +17,30 @@ from felix.experiments.compare import load_comparison, variant_config
 from felix.experiments.federage import add_parser, main, paired_delta_table
 from felix.experiments.shipped import COMPARISONS
 
-VARIANTS = ["fedavg", "fedprox", "scaffold", "qffl", "federage-paper-a0.1-g0.5", "federage-capped-a0.1-g0.5",
-            "federage-capped-a0.5-g0.5"]
+VARIANTS = [
+    "fedavg",
+    "fedprox",
+    "scaffold",
+    "qffl",
+    "federage-paper-a0.1-g0.5",
+    "federage-capped-a0.1-g0.5",
+    "federage-capped-a0.5-g0.5",
+]
 #: The shipped scenario at digits size: 8 clients (2 rare), 3 RAM rounds of 60 s.
-SMALL_SETS = ["dataset.name=digits", "partition.num_clients=8", "partition.head_per_class=60",
-              "partition.min_samples=8", "orchestrator.agg_goal=8", "trace.horizon_s=180", "run.max_time_s=180",
-              "client.batch_size=8", "client.max_steps=2", "trace.ram.p_frequent=0.6", "trace.ram.p_rare=0.3",
-              "run.rare_p=0.3"]
+SMALL_SETS = [
+    "dataset.name=digits",
+    "partition.num_clients=8",
+    "partition.head_per_class=60",
+    "partition.min_samples=8",
+    "orchestrator.agg_goal=8",
+    "trace.horizon_s=180",
+    "run.max_time_s=180",
+    "client.batch_size=8",
+    "client.max_steps=2",
+    "trace.ram.p_frequent=0.6",
+    "trace.ram.p_rare=0.3",
+    "run.rare_p=0.3",
+]
 SMALL = [a for s in SMALL_SETS for a in ("--set", s)] + ["--seeds", "0", "-q"]
 
 
@@ -53,7 +71,9 @@ def test_federage_compare_writes_table_json_and_plot(tmp_path: Path) -> None:
         assert 0.0 <= row["worst_client_acc"] <= row["bottom10_acc"] <= row["mean_client_acc"] <= 1.0
         assert 0.0 <= row["minority_f1"] <= 1.0 and 0.0 <= row["macro_f1"] <= 1.0
     run0 = doc["runs"][0][0]
-    assert len(run0["client_acc"]) == 8 and run0["rare_clients"] == [6, 7] and len(run0["per_class_acc"]) == 10
+    assert (
+        len(run0["client_acc"]) == 8 and run0["rare_clients"] == [6, 7] and len(run0["per_class_acc"]) == 10
+    )
     assert run0["aggregations"] >= 1
     prov = doc["provenance"]
     assert prov["torch"] == torch.__version__
@@ -80,17 +100,35 @@ def test_add_parser_registers_the_subcommand() -> None:
     assert args.file == COMPARISONS / "federage.yaml"
 
 
-@pytest.mark.parametrize("bad, message", [
-    (["--variants", "fedavg,fedavgg"], "'fedavgg' is not a variant"),
-    (["--variants", "federage-capped-a0.1-g0.5", "--set", "client.objective_params={alpha: 0, gamma: 0.5}"],
-     "federage alpha must lie in (0, 1]"),
-    (["--set", "client.objective_params={alpha: 0.1, gamma: 0.5, step_rule: exact}",
-      "--variants", "federage-paper-a0.1-g0.5"], "step_rule must be one of"),
-    (["--set", "run.rare_p=2"], "run.rare_p"),
-    (["--set", "trace.ram.p_rare=0.9"], "need p_rare <= p_frequent"),
-])
-def test_felix_cli_answers_bad_input_without_a_traceback(bad: list[str], message: str, capsys,
-                                                         tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (["--variants", "fedavg,fedavgg"], "'fedavgg' is not a variant"),
+        (
+            [
+                "--variants",
+                "federage-capped-a0.1-g0.5",
+                "--set",
+                "client.objective_params={alpha: 0, gamma: 0.5}",
+            ],
+            "federage alpha must lie in (0, 1]",
+        ),
+        (
+            [
+                "--set",
+                "client.objective_params={alpha: 0.1, gamma: 0.5, step_rule: exact}",
+                "--variants",
+                "federage-paper-a0.1-g0.5",
+            ],
+            "step_rule must be one of",
+        ),
+        (["--set", "run.rare_p=2"], "run.rare_p"),
+        (["--set", "trace.ram.p_rare=0.9"], "need p_rare <= p_frequent"),
+    ],
+)
+def test_felix_cli_answers_bad_input_without_a_traceback(
+    bad: list[str], message: str, capsys, tmp_path: Path
+) -> None:
     assert felix_main(["federage-compare", *SMALL, "--out", str(tmp_path), *bad]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
@@ -131,10 +169,20 @@ def test_rare_clients_scenario_holds_rare_classes_at_rare_clients() -> None:
 
 def test_paired_delta_table() -> None:
     def res(name: str, acc: float) -> dict:
-        return {"method": name, "mean_client_acc": acc, "bottom10_acc": acc, "rare_client_acc": acc,
-                "tail_class_acc": acc, "global_acc": acc}
+        return {
+            "method": name,
+            "mean_client_acc": acc,
+            "bottom10_acc": acc,
+            "rare_client_acc": acc,
+            "tail_class_acc": acc,
+            "global_acc": acc,
+        }
 
-    runs = [[res("fedavg", 0.7), res("x", 0.75)], [res("fedavg", 0.8), res("x", 0.79)], [res("fedavg", 0.6), res("x", 0.62)]]
+    runs = [
+        [res("fedavg", 0.7), res("x", 0.75)],
+        [res("fedavg", 0.8), res("x", 0.79)],
+        [res("fedavg", 0.6), res("x", 0.62)],
+    ]
     table = paired_delta_table(runs)
     # differences +0.05, -0.01, +0.02: mean +0.020, sample std 0.030, ahead on 2 of 3 seeds
     assert "| x | +0.020 ± 0.030 (2/3) |" in table and "| fedavg |" not in table
@@ -143,7 +191,14 @@ def test_paired_delta_table() -> None:
 
 @pytest.mark.slow
 def test_three_seeds_give_a_spread(tmp_path: Path) -> None:
-    args = [a for a in SMALL if a not in ("--seeds", "0")] + ["--seeds", "0", "1", "2", "--variants", "fedavg,scaffold"]
+    args = [a for a in SMALL if a not in ("--seeds", "0")] + [
+        "--seeds",
+        "0",
+        "1",
+        "2",
+        "--variants",
+        "fedavg,scaffold",
+    ]
     assert main(args + ["--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "federage_compare.json").read_text())
     assert len(doc["runs"]) == 3 and doc["summary"][0]["mean_client_acc_std"] > 0

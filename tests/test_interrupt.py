@@ -1,5 +1,6 @@
 """Stopping is safe: a ``felix run`` interrupted mid-way by Ctrl-C (SIGINT) or SIGTERM ends with
 summary.json marked ``interrupted`` and the evaluations it made (bounded in time)."""
+
 from __future__ import annotations
 
 import csv
@@ -13,9 +14,22 @@ from pathlib import Path
 
 import pytest
 
-ENDLESS = ["--set", "partition.num_clients=12", "--set", "model=mlp", "--set", "run.stop_at_target=false",
-           "--set", "run.max_aggregations=100000", "--set", "run.max_time_s=1e9",
-           "--set", "orchestrator.concurrency=4", "--set", "orchestrator.agg_goal=2"]
+ENDLESS = [
+    "--set",
+    "partition.num_clients=12",
+    "--set",
+    "model=mlp",
+    "--set",
+    "run.stop_at_target=false",
+    "--set",
+    "run.max_aggregations=100000",
+    "--set",
+    "run.max_time_s=1e9",
+    "--set",
+    "orchestrator.concurrency=4",
+    "--set",
+    "orchestrator.agg_goal=2",
+]
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -29,8 +43,9 @@ def _rows(path: Path) -> list[dict[str, str]]:
 def _felix(args: list[str]) -> subprocess.Popen[bytes]:
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, "-m", "felix", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "felix", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
 
 
 def _signal_after_evaluations(proc: subprocess.Popen[bytes], csv_path: Path, sig: signal.Signals) -> bytes:
@@ -51,8 +66,9 @@ def _signal_after_evaluations(proc: subprocess.Popen[bytes], csv_path: Path, sig
     return err
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],
-                         ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)], ids=["SIGINT", "SIGTERM"]
+)
 def test_interrupted_run_leaves_its_summary_and_evaluations(tmp_path: Path, sig: signal.Signals) -> None:
     out = tmp_path / "run"
     proc = _felix(["run", "-q", *ENDLESS, "--out", str(out)])
@@ -74,6 +90,8 @@ def test_interrupted_compare_keeps_the_run_and_starts_no_other(tmp_path: Path) -
     err = _signal_after_evaluations(proc, tmp_path / "fedbuff" / "evaluations.csv", signal.SIGTERM)
     assert proc.returncode == 130, err.decode()[-2000:]
     summ = json.loads((tmp_path / "fedbuff" / "summary.json").read_text())
-    assert summ["stop_reason"] == "interrupted" and summ["evaluations"] == len(_rows(tmp_path / "fedbuff" /
-                                                                                     "evaluations.csv")) >= 3
+    assert (
+        summ["stop_reason"] == "interrupted"
+        and summ["evaluations"] == len(_rows(tmp_path / "fedbuff" / "evaluations.csv")) >= 3
+    )
     assert not (tmp_path / "felix").exists() and b"felix not started" in err

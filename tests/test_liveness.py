@@ -5,6 +5,7 @@
 - tasks that lost their slot (timed out, interrupted) stay open for a late reply, but at most one
   per client: open tasks and remembered closed ids do not grow with the run's history.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,8 +22,9 @@ DIM = 4
 
 def make(**kw) -> Orchestrator:
     cfg = OrchestratorConfig(mode="async", **kw)
-    return Orchestrator(cfg, np.zeros(DIM, np.float32), RandomSelector(), FedBuffAggregator(),
-                        np.random.default_rng(0))
+    return Orchestrator(
+        cfg, np.zeros(DIM, np.float32), RandomSelector(), FedBuffAggregator(), np.random.default_rng(0)
+    )
 
 
 def register(o: Orchestrator, n: int) -> list:
@@ -33,7 +35,9 @@ def register(o: Orchestrator, n: int) -> list:
 
 
 def upd() -> ClientUpdate:
-    return ClientUpdate(num_samples=10, stat_utility=1.0, loss=0.5, duration=5.0, delta=np.ones(DIM, np.float32))
+    return ClientUpdate(
+        num_samples=10, stat_utility=1.0, loss=0.5, duration=5.0, delta=np.ones(DIM, np.float32)
+    )
 
 
 def trains(cmds: list) -> list[DispatchTrain]:
@@ -110,7 +114,9 @@ def test_a_client_keeps_one_slotless_task_and_a_restart_frees_it() -> None:
     (d,) = trains(register(o, 1))
     o.handle(Tick(11.0))
     (d2,) = trains(o.handle(Tick(o.next_wakeup() or 0.0)))
-    out = o.handle(Tick(32.0))  # d2 (dispatched at 21) times out too: d (which the device runs first) stays open
+    out = o.handle(
+        Tick(32.0)
+    )  # d2 (dispatched at 21) times out too: d (which the device runs first) stays open
     assert [(c.task_id, c.client_id) for c in out if isinstance(c, CancelTask)] == [(d2.task_id, 0)]
     assert o.late_task(0) == d.task_id and {t.task_id for t in o.tasks()} >= {d.task_id}
     o.handle(TaskFailed(33.0, 0, d.task_id, "client restarted"))  # what the MQTT shell sends on a restart

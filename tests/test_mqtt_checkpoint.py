@@ -1,4 +1,5 @@
 """Server checkpoints and broker credentials (no broker needed)."""
+
 from __future__ import annotations
 
 import base64
@@ -22,8 +23,11 @@ N = 16
 
 
 def _orch(preset: str) -> Orchestrator:
-    cfg = resolve_config(None, preset, {"model": "mlp", "partition": {"num_clients": N},
-                                        "orchestrator": {"agg_goal": 3, "concurrency": 5}})
+    cfg = resolve_config(
+        None,
+        preset,
+        {"model": "mlp", "partition": {"num_clients": N}, "orchestrator": {"agg_goal": 3, "concurrency": 5}},
+    )
     return build_orchestrator(cfg, build_population(cfg).initial_weights, None)
 
 
@@ -31,8 +35,14 @@ def _summary(cmds: list[Command]) -> list[tuple]:
     out = []
     for c in cmds:
         w = getattr(c, "weights", None)
-        out.append((type(c).__name__, getattr(c, "task_id", None), getattr(c, "client_id", None),
-                    None if w is None else float(np.asarray(w, np.float64).sum())))
+        out.append(
+            (
+                type(c).__name__,
+                getattr(c, "task_id", None),
+                getattr(c, "client_id", None),
+                None if w is None else float(np.asarray(w, np.float64).sum()),
+            )
+        )
     return out
 
 
@@ -41,9 +51,17 @@ def _events(orch: Orchestrator, t: float, rng: np.random.Generator) -> list[Even
     evs: list[Event] = []
     for task in orch.tasks():
         t += 1.0
-        delta = rng.normal(0, 0.01, orch.weights.size).astype(np.float32) if task.kind is TaskKind.TRAIN else None
-        evs.append(TaskFinished(t, task.client_id, task.task_id,
-                                ClientUpdate(20, float(rng.uniform(1, 5)), 0.7, float(rng.uniform(2, 30)), delta)))
+        delta = (
+            rng.normal(0, 0.01, orch.weights.size).astype(np.float32) if task.kind is TaskKind.TRAIN else None
+        )
+        evs.append(
+            TaskFinished(
+                t,
+                task.client_id,
+                task.task_id,
+                ClientUpdate(20, float(rng.uniform(1, 5)), 0.7, float(rng.uniform(2, 30)), delta),
+            )
+        )
     evs += [TierChanged(t + 1, 2, Tier.UN_AVL), TierChanged(t + 2, 5, Tier.AVL_EVAL), Tick(t + 200)]
     return evs
 
@@ -78,7 +96,9 @@ def test_restored_orchestrator_behaves_identically(preset: str, tmp_path: Path) 
     live = _orch(preset)
     rng = np.random.default_rng(0)
     for c in range(N):
-        live.handle(ClientRegistered(0.0, c, 20 + c, Tier.AVL_TRAIN if c % 4 else Tier.AVL_EVAL, (10, 10 + c)))
+        live.handle(
+            ClientRegistered(0.0, c, 20 + c, Tier.AVL_TRAIN if c % 4 else Tier.AVL_EVAL, (10, 10 + c))
+        )
     for _ in range(3):
         _drive(live, _events(live, live.now, rng))
     assert live.version >= 1
@@ -92,7 +112,9 @@ def test_restored_orchestrator_behaves_identically(preset: str, tmp_path: Path) 
     for _ in range(3):
         r1 = np.random.default_rng(live.version)
         r2 = np.random.default_rng(live.version)
-        assert _drive(live, _events(live, live.now, r1)) == _drive(restored, _events(restored, restored.now, r2))
+        assert _drive(live, _events(live, live.now, r1)) == _drive(
+            restored, _events(restored, restored.now, r2)
+        )
     assert np.array_equal(restored.weights, live.weights)
     assert _same(live.state_dict(), restored.state_dict())
 
@@ -111,8 +133,11 @@ def test_closed_task_ids_are_compacted_by_a_watermark() -> None:
         _drive(orch, _events(orch, orch.now, rng)[:-3])
     st = orch.state_dict()
     assert st["closed_below"] > first and len(st["closed_ids"]) <= CLOSED_COMPACT_AT
-    out = orch.handle(TaskFinished(orch.now + 1, 0, first, ClientUpdate(20, 1.0, 0.5, 1.0,
-                                                                         np.zeros(orch.weights.size, np.float32))))
+    out = orch.handle(
+        TaskFinished(
+            orch.now + 1, 0, first, ClientUpdate(20, 1.0, 0.5, 1.0, np.zeros(orch.weights.size, np.float32))
+        )
+    )
     assert [c.reason for c in out if isinstance(c, UpdateRejected)] == ["result for a closed task"]
 
 
@@ -127,8 +152,13 @@ def test_checkpoint_cost_does_not_grow_with_history(tmp_path: Path) -> None:
     from felix.strategies.selection.random import RandomSelector
 
     n_clients, active, updates = 10_000, 200, 100_000
-    orch = Orchestrator(OrchestratorConfig(agg_goal=50, concurrency=100, knowledge=Knowledge.TIERTRACK),
-                        np.zeros(64, np.float32), RandomSelector(), FedBuffAggregator(), np.random.default_rng(0))
+    orch = Orchestrator(
+        OrchestratorConfig(agg_goal=50, concurrency=100, knowledge=Knowledge.TIERTRACK),
+        np.zeros(64, np.float32),
+        RandomSelector(),
+        FedBuffAggregator(),
+        np.random.default_rng(0),
+    )
     for c in range(n_clients):
         orch.handle(ClientRegistered(0.0, c, 30, Tier.AVL_TRAIN if c < active else Tier.UN_AVL, (15, 15)))
     log = ckpt.AppliedLog(tmp_path / "ck.applied.csv")
@@ -137,10 +167,17 @@ def test_checkpoint_cost_does_not_grow_with_history(tmp_path: Path) -> None:
     while orch.stats.updates_applied < updates:
         for task in orch.tasks():
             t += 0.001
-            for cmd in orch.handle(TaskFinished(t, task.client_id, task.task_id, ClientUpdate(30, 1.0, 0.5, 1.0, delta))):
+            for cmd in orch.handle(
+                TaskFinished(t, task.client_id, task.task_id, ClientUpdate(30, 1.0, 0.5, 1.0, delta))
+            ):
                 if isinstance(cmd, NewModelVersion):
-                    for tid, cid, st, w in zip(cmd.report.task_ids, cmd.report.client_ids, cmd.report.staleness,
-                                               cmd.report.weights, strict=True):
+                    for tid, cid, st, w in zip(
+                        cmd.report.task_ids,
+                        cmd.report.client_ids,
+                        cmd.report.staleness,
+                        cmd.report.weights,
+                        strict=True,
+                    ):
                         log.append(ckpt.AppliedUpdate(cmd.version, tid, cid, st, w, t))
     assert orch.stats.updates_applied >= updates and len(orch.clients) == n_clients and log.unique
     times = []
@@ -150,8 +187,13 @@ def test_checkpoint_cost_does_not_grow_with_history(tmp_path: Path) -> None:
         ckpt.save_checkpoint(tmp_path / "ck", {"orchestrator": orch.state_dict(), "shell": log.position()})
         times.append(time.perf_counter() - t0)
     assert min(times) < 0.1, f"checkpoint took {min(times) * 1000:.0f} ms"
-    restored = Orchestrator(OrchestratorConfig(agg_goal=50, concurrency=100, knowledge=Knowledge.TIERTRACK),
-                            np.zeros(64, np.float32), RandomSelector(), FedBuffAggregator(), np.random.default_rng(9))
+    restored = Orchestrator(
+        OrchestratorConfig(agg_goal=50, concurrency=100, knowledge=Knowledge.TIERTRACK),
+        np.zeros(64, np.float32),
+        RandomSelector(),
+        FedBuffAggregator(),
+        np.random.default_rng(9),
+    )
     restored.load_state_dict(ckpt.load_checkpoint(tmp_path / "ck")["orchestrator"])
     assert _same(restored.state_dict(), orch.state_dict())
     log.close()
@@ -202,8 +244,10 @@ def test_reserved_task_ids_after_resume() -> None:
 
 def test_password_hash_is_mosquittos_format() -> None:
     # A line written by `mosquitto_passwd -b` (Mosquitto 2.0.11) for alice / secret:
-    ref = ("$7$101$LKMPPp5+MDnPkaoj$P0isEV3IpSHUo8zdhGKlrObzCnJA9ZgrdWV31owcQyhTwZaU+buK/9oEjHAOis48SLQ8"
-           "rLLcgPk6knMpFt+Zlw==")
+    ref = (
+        "$7$101$LKMPPp5+MDnPkaoj$P0isEV3IpSHUo8zdhGKlrObzCnJA9ZgrdWV31owcQyhTwZaU+buK/9oEjHAOis48SLQ8"
+        "rLLcgPk6knMpFt+Zlw=="
+    )
     salt = base64.b64decode(ref.split("$")[3])
     assert security.hash_password("secret", 101, salt) == ref
     with pytest.raises(ValueError):
@@ -219,7 +263,11 @@ def test_generated_credentials_and_acl(tmp_path: Path) -> None:
     assert len(lines) == 4 and all(line.split(":", 1)[1].startswith("$7$") for line in lines)
     acl = out.acl_file.read_text()
     block = acl.split("user client-1\n")[1].split("\n\n")[0].splitlines()
-    assert block == ["topic read felix/run-1/client/1/task", "topic read felix/run-1/server/status",
-                     "topic write felix/run-1/server/register/1", "topic write felix/run-1/server/state/1",
-                     "topic write felix/run-1/server/result/1"]
+    assert block == [
+        "topic read felix/run-1/client/1/task",
+        "topic read felix/run-1/server/status",
+        "topic write felix/run-1/server/register/1",
+        "topic write felix/run-1/server/state/1",
+        "topic write felix/run-1/server/result/1",
+    ]
     assert "topic write felix/+/client/+/task" in security.acl_file_text([0])

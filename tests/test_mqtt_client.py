@@ -1,5 +1,6 @@
 """The deployment client's task handling, on its loop with a fake link (no broker needed):
 an interrupted task pauses and resumes, tier changes are reported, cancels and redeliveries."""
+
 from __future__ import annotations
 
 import time
@@ -38,9 +39,14 @@ class FakeLink:
 
 
 def _host(results: int) -> tuple[ClientHost, Device, FakeLink]:
-    cfg = resolve_config(None, "fedbuff", {"model": "mlp", "partition": {"num_clients": 2},
-                                           "runtime": {"kind": "constant", "constant_s": 4.0}})
-    host = ClientHost(cfg, [0], ClientOptions(BrokerOptions(), run_id="t", time_scale=SCALE), lambda cid: (None, None))
+    cfg = resolve_config(
+        None,
+        "fedbuff",
+        {"model": "mlp", "partition": {"num_clients": 2}, "runtime": {"kind": "constant", "constant_s": 4.0}},
+    )
+    host = ClientHost(
+        cfg, [0], ClientOptions(BrokerOptions(), run_id="t", time_scale=SCALE), lambda cid: (None, None)
+    )
     dev = host.devices[0]
     # AVL_TRAIN until 2 s, UN_AVL until 6 s, then AVL_TRAIN (config seconds).
     dev.trace = DeviceTrace.from_events([(2.0, Tier.UN_AVL), (6.0, Tier.AVL_TRAIN)], initial=Tier.AVL_TRAIN)
@@ -56,8 +62,15 @@ def _task_msg(host: ClientHost, msg: wire.Message) -> None:
 
 
 def _train(task: int, size: int) -> wire.TrainTask:
-    return wire.TrainTask(run="t", msg_id=f"s-{task}", sent_at=time.time(), client=0, task=task, version=0,
-                          weights=np.zeros(size, np.float32))
+    return wire.TrainTask(
+        run="t",
+        msg_id=f"s-{task}",
+        sent_at=time.time(),
+        client=0,
+        task=task,
+        version=0,
+        weights=np.zeros(size, np.float32),
+    )
 
 
 def test_interrupted_task_pauses_and_resumes() -> None:
@@ -92,10 +105,22 @@ def test_cancel_and_redelivery() -> None:
     _task_msg(host, _train(3, size))
     _task_msg(host, _train(3, size))  # a QoS 1 redelivery: run once
     _task_msg(host, _train(4, size))
-    _task_msg(host, wire.Cancel(run="t", msg_id="s-9", sent_at=time.time(), client=0, task=3, reason="round ended"))
+    _task_msg(
+        host, wire.Cancel(run="t", msg_id="s-9", sent_at=time.time(), client=0, task=3, reason="round ended")
+    )
     _task_msg(host, _train(3, size))  # a late copy of a cancelled task: not run
-    _task_msg(host, wire.EvalTask(run="other", msg_id="s-10", sent_at=time.time(), client=0, task=5, version=0,
-                                  weights=np.zeros(size, np.float32)))  # another run: dropped
+    _task_msg(
+        host,
+        wire.EvalTask(
+            run="other",
+            msg_id="s-10",
+            sent_at=time.time(),
+            client=0,
+            task=5,
+            version=0,
+            weights=np.zeros(size, np.float32),
+        ),
+    )  # another run: dropped
     host.serve(time.monotonic() + 60)
     assert host.inbox.empty()  # every message was handled before the one result
     results = [m for _, m in link.sent if isinstance(m, wire.Result)]
@@ -106,10 +131,19 @@ def test_cancel_and_redelivery() -> None:
 def test_data_plan_row_is_applied_once() -> None:
     """The first task bringing the client's row augments its data (the simulator's applier, seeds and
     time charge); later rows are not applied again."""
-    cfg = resolve_config(None, "fedbuff", {"model": "mlp", "data_plan": "dafl", "partition": {"kind": "iid",
-                                                                                             "num_clients": 2},
-                                           "runtime": {"kind": "constant", "constant_s": 4.0}})
-    host = ClientHost(cfg, [0], ClientOptions(BrokerOptions(), run_id="t", time_scale=0.01), lambda cid: (None, None))
+    cfg = resolve_config(
+        None,
+        "fedbuff",
+        {
+            "model": "mlp",
+            "data_plan": "dafl",
+            "partition": {"kind": "iid", "num_clients": 2},
+            "runtime": {"kind": "constant", "constant_s": 4.0},
+        },
+    )
+    host = ClientHost(
+        cfg, [0], ClientOptions(BrokerOptions(), run_id="t", time_scale=0.01), lambda cid: (None, None)
+    )
     dev = host.devices[0]
     dev.session = "s1"
     link = FakeLink(host, results=2)
@@ -118,8 +152,19 @@ def test_data_plan_row_is_applied_once() -> None:
     before = len(dev.data)
     row = (3, 0, 0, 0, 0, 0, 0, 0, 0, 2)
     for task in (1, 2):
-        _task_msg(host, wire.TrainTask(run="t", msg_id=f"s-{task}", sent_at=time.time(), client=0, task=task,
-                                       version=0, plan=row, weights=np.zeros(size, np.float32)))
+        _task_msg(
+            host,
+            wire.TrainTask(
+                run="t",
+                msg_id=f"s-{task}",
+                sent_at=time.time(),
+                client=0,
+                task=task,
+                version=0,
+                plan=row,
+                weights=np.zeros(size, np.float32),
+            ),
+        )
     host.serve(time.monotonic() + 60)
     assert len(dev.data) == before + 5 and dev.augmented
     results = [m for _, m in link.sent if isinstance(m, wire.Result)]

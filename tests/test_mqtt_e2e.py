@@ -2,6 +2,7 @@
 train digits to the target, while four clients are killed mid-task (and restarted) and the broker
 is killed with SIGKILL (kill -9) and restarted once. Every accepted update must be applied exactly
 once."""
+
 from __future__ import annotations
 
 import csv
@@ -34,19 +35,39 @@ def test_churn_kills_and_broker_restart(tmp_path: Path) -> None:
     cfg = load_config(cfg_path, sets)
     set_args = ["--set", "orchestrator.agg_goal=5", "--set", "orchestrator.concurrency=10"]
     with MosquittoBroker(cfg.partition.num_clients, workdir=tmp_path / "broker") as broker:
-        common = [str(cfg_path), "--broker", broker.address, "--run-id", "t", "--credentials",
-                  str(broker.credentials_file), "--time-scale", str(SCALE), "--max-wall-s", "90", *set_args]
+        common = [
+            str(cfg_path),
+            "--broker",
+            broker.address,
+            "--run-id",
+            "t",
+            "--credentials",
+            str(broker.credentials_file),
+            "--time-scale",
+            str(SCALE),
+            "--max-wall-s",
+            "90",
+            *set_args,
+        ]
         t0 = repr(time.time())
-        emulate = spawn(["emulate", *common, "--clients", "20", "--processes", "1", "--t0", t0], tmp_path / "emu.log")
+        emulate = spawn(
+            ["emulate", *common, "--clients", "20", "--processes", "1", "--t0", t0], tmp_path / "emu.log"
+        )
         doomed = spawn(["client", *common, "--ids", "20-23", "--t0", t0], tmp_path / "doomed.log")
         reborn = None
         server, thread = start_server(cfg, broker, tmp_path / "out", SCALE, tmp_path / "ck.safetensors")
         try:
             clients = server.orch.clients
-            wait_until(lambda: all(c in clients for c in KILLED) and server.orch.version >= 2, 40,
-                       "the doomed clients to register and two versions")
-            wait_until(lambda: any(clients[c].in_flight is not None for c in KILLED), 20,
-                       "a task in flight on a doomed client")
+            wait_until(
+                lambda: all(c in clients for c in KILLED) and server.orch.version >= 2,
+                40,
+                "the doomed clients to register and two versions",
+            )
+            wait_until(
+                lambda: any(clients[c].in_flight is not None for c in KILLED),
+                20,
+                "a task in flight on a doomed client",
+            )
             held = {clients[c].in_flight for c in KILLED} - {None}
             doomed.send_signal(signal.SIGKILL)  # no clean disconnect: the broker sends their wills
             reap(doomed)
@@ -90,8 +111,12 @@ def test_bad_login_is_refused_with_a_clear_error(tmp_path: Path, bad: str) -> No
 
     with MosquittoBroker(2, workdir=tmp_path / "broker") as broker:
         user = "client-0" if bad == "wrong-password" else "mallory"
-        link = MqttLink("x", BrokerOptions("127.0.0.1", broker.port, user, "nope", connect_timeout_s=10), [],
-                        lambda item: None)
+        link = MqttLink(
+            "x",
+            BrokerOptions("127.0.0.1", broker.port, user, "nope", connect_timeout_s=10),
+            [],
+            lambda item: None,
+        )
         with pytest.raises(LinkError, match="refused"):
             link.start(fresh=True)
 
@@ -109,18 +134,34 @@ def test_tls_option(tmp_path: Path) -> None:
     with MosquittoBroker(1, workdir=tmp_path / "broker", tls=True) as broker:
         u = users(broker)
         got: list[Inbound | Connected] = []
-        opts = BrokerOptions("127.0.0.1", broker.port, "felix-server", u["felix-server"], tls_ca=str(broker.ca_file),
-                             connect_timeout_s=10)
+        opts = BrokerOptions(
+            "127.0.0.1",
+            broker.port,
+            "felix-server",
+            u["felix-server"],
+            tls_ca=str(broker.ca_file),
+            connect_timeout_s=10,
+        )
         server = MqttLink("srv", opts, ["felix/t/server/result/+"], got.append)
         server.start(fresh=True)
-        client = MqttLink("c0", BrokerOptions(**{**opts.__dict__, "username": "client-0", "password": u["client-0"]}),
-                          [], got.append)
+        client = MqttLink(
+            "c0",
+            BrokerOptions(**{**opts.__dict__, "username": "client-0", "password": u["client-0"]}),
+            [],
+            got.append,
+        )
         client.start(fresh=True)
         client.publish("felix/t/server/result/0", b"over tls")
-        wait_until(lambda: any(isinstance(m, Inbound) and m.payload == b"over tls" for m in got), 10, "the message")
+        wait_until(
+            lambda: any(isinstance(m, Inbound) and m.payload == b"over tls" for m in got), 10, "the message"
+        )
         client.close()
         server.close()
-        plain = MqttLink("c1", BrokerOptions("127.0.0.1", broker.port, "client-0", u["client-0"],
-                                             connect_timeout_s=3), [], got.append)
+        plain = MqttLink(
+            "c1",
+            BrokerOptions("127.0.0.1", broker.port, "client-0", u["client-0"], connect_timeout_s=3),
+            [],
+            got.append,
+        )
         with pytest.raises(LinkError):
             plain.start(fresh=True)

@@ -7,6 +7,7 @@
 - ``felix emulate`` starts in time linear in the clients (the trace is built once, not per
   worker) and its workers stop within 5 s of SIGTERM, even with the broker gone.
 """
+
 from __future__ import annotations
 
 import signal
@@ -43,8 +44,10 @@ def test_junk_flood_keeps_server_memory_flat(tmp_path: Path) -> None:
     """Finding 4: 150 junk messages of 1 MB each (valid login, garbage payload) do not stay in the
     server's memory until the next checkpoint (there is none: nothing is ever applied); the
     pending bound forces a durable point and the acknowledgements go out."""
-    cfg = load_config(write_config(tmp_path / "cfg.yaml", partition={"num_clients": 4}),
-                      {"strategy": "fedbuff", "orchestrator": {"agg_goal": 1, "concurrency": 1}})
+    cfg = load_config(
+        write_config(tmp_path / "cfg.yaml", partition={"num_clients": 4}),
+        {"strategy": "fedbuff", "orchestrator": {"agg_goal": 1, "concurrency": 1}},
+    )
     n_junk = 150
     with MosquittoBroker(4, workdir=tmp_path / "broker") as broker:
         server, thread = start_server(cfg, broker, tmp_path / "out", 1.0, tmp_path / "ck.safetensors")
@@ -77,7 +80,9 @@ def test_junk_flood_keeps_server_memory_flat(tmp_path: Path) -> None:
 def test_acknowledged_result_survives_broker_kill9(tmp_path: Path) -> None:
     """Finding 6: a client's result, acknowledged by the broker while the server is away, is
     not lost when the broker is killed with SIGKILL before its next autosave."""
-    cfg = load_config(write_config(tmp_path / "cfg.yaml", partition={"num_clients": 2}, trace={"kind": "always"}))
+    cfg = load_config(
+        write_config(tmp_path / "cfg.yaml", partition={"num_clients": 2}, trace={"kind": "always"})
+    )
     with MosquittoBroker(2, workdir=tmp_path / "broker") as broker:
         got: list[Inbound | Connected] = []
         srv = broker_options(broker)
@@ -87,9 +92,20 @@ def test_acknowledged_result_survives_broker_kill9(tmp_path: Path) -> None:
         time.sleep(5.5)  # an autosave (every 5 s) holds that session from now on
         host, clients = start_clients(cfg, broker, [0], 0.01, no_train=True)
         try:
-            wait_until(lambda: host.devices[0].link is not None and host.devices[0].link.connected, 10, "client 0")
-            task = wire.TrainTask(run="t", msg_id="s-1", sent_at=time.time(), client=0, task=7, version=0, plan=(),
-                                  weights=np.zeros(16, np.float32), aux={})
+            wait_until(
+                lambda: host.devices[0].link is not None and host.devices[0].link.connected, 10, "client 0"
+            )
+            task = wire.TrainTask(
+                run="t",
+                msg_id="s-1",
+                sent_at=time.time(),
+                client=0,
+                task=7,
+                version=0,
+                plan=(),
+                weights=np.zeros(16, np.float32),
+                aux={},
+            )
             db = broker.dir / "db" / "mosquitto.db"
 
             def saved_at() -> int:
@@ -120,16 +136,37 @@ def test_emulate_starts_linearly_and_stops_on_sigterm(tmp_path: Path) -> None:
     worker used to build all 4,000 device traces, 29 million trace events, first: ~50 s);
     with the broker then killed, SIGTERM stops the workers within 5 s (they used to wait a
     second per client for paho's reconnect loop)."""
-    path = write_config(tmp_path / "cfg.yaml", partition={"kind": "iid", "num_clients": 4000},
-                        trace={"kind": "slotted", "unavailable_fraction": 0.0, "slot_s": 1.0, "horizon_s": 7200.0})
+    path = write_config(
+        tmp_path / "cfg.yaml",
+        partition={"kind": "iid", "num_clients": 4000},
+        trace={"kind": "slotted", "unavailable_fraction": 0.0, "slot_s": 1.0, "horizon_s": 7200.0},
+    )
     cfg = load_config(path, {"orchestrator": {"knowledge": "tiertrack"}})
     with MosquittoBroker(4000, workdir=tmp_path / "broker") as broker:
         server, thread = start_server(cfg, broker, tmp_path / "out", 1.0)
         started = time.monotonic()
-        emulate = spawn(["emulate", str(path), "--set", "orchestrator.knowledge=tiertrack", "--broker",
-                         broker.address, "--run-id", "t", "--credentials", str(broker.credentials_file),
-                         "--clients", "20", "--processes", "2", "--no-train", "--max-wall-s", "120"],
-                        tmp_path / "emu.log")
+        emulate = spawn(
+            [
+                "emulate",
+                str(path),
+                "--set",
+                "orchestrator.knowledge=tiertrack",
+                "--broker",
+                broker.address,
+                "--run-id",
+                "t",
+                "--credentials",
+                str(broker.credentials_file),
+                "--clients",
+                "20",
+                "--processes",
+                "2",
+                "--no-train",
+                "--max-wall-s",
+                "120",
+            ],
+            tmp_path / "emu.log",
+        )
         try:
             wait_until(lambda: len(server.orch.clients) >= 20, 40, "20 emulated clients to register")
             took = time.monotonic() - started

@@ -3,6 +3,7 @@
 A flood must meet back-pressure before it exhausts memory: the network thread's ``put`` waits
 while the bound is reached, and ``close`` (at shutdown) releases it.
 """
+
 from __future__ import annotations
 
 import threading
@@ -26,13 +27,16 @@ def flood(put, n: int) -> threading.Thread:
     def run() -> None:
         for i in range(n):
             put(inbound(i))
+
     th = threading.Thread(target=run, daemon=True)
     th.start()
     return th
 
 
 def test_server_inbox_blocks_a_flood_at_its_bound(tmp_path: Path) -> None:
-    cfg = load_config(write_config(tmp_path / "cfg.yaml", partition={"num_clients": 2}), {"strategy": "fedbuff"})
+    cfg = load_config(
+        write_config(tmp_path / "cfg.yaml", partition={"num_clients": 2}), {"strategy": "fedbuff"}
+    )
     server = Server(cfg, ServeOptions(BrokerOptions("127.0.0.1", 1), run_id="t", max_inbox_bytes=4 * MB))
     th = flood(server.inbox.put, 64)  # what paho's network thread does under a 64 MB flood
     th.join(1.0)

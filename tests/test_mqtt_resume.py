@@ -1,6 +1,7 @@
 """Checkpoint and resume over a real broker: the server is killed (SIGKILL) after a few versions,
 ``felix serve --resume`` restores the last checkpoint, the broker redelivers what the dead server
 had not acknowledged, and the run completes with no update applied twice."""
+
 from __future__ import annotations
 
 import csv
@@ -34,12 +35,28 @@ def test_kill_and_resume_applies_every_update_once(tmp_path: Path) -> None:
     out, ck = tmp_path / "out", tmp_path / "ck.safetensors"
     with MosquittoBroker(12, workdir=tmp_path / "broker") as broker:
         env_pw = users(broker)["felix-server"]
-        args = ["serve", str(cfg_path), *sets, "--broker", broker.address, "--run-id", "t", "--password", env_pw,
-                "--time-scale", str(SCALE), "--out", str(out), "--checkpoint", str(ck)]
+        args = [
+            "serve",
+            str(cfg_path),
+            *sets,
+            "--broker",
+            broker.address,
+            "--run-id",
+            "t",
+            "--password",
+            env_pw,
+            "--time-scale",
+            str(SCALE),
+            "--out",
+            str(out),
+            "--checkpoint",
+            str(ck),
+        ]
         first = spawn(args, tmp_path / "life0.log")
         resumed = None
         host, clients = start_clients(cfg, broker, list(range(12)), SCALE)
         try:
+
             def checkpointed_version() -> int:
                 try:
                     return _version(ck)

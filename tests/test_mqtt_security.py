@@ -1,6 +1,7 @@
 """Hostile input over a real broker: a raw paho client, logged in as client 0, sends malformed,
 forged, replayed, oversized and non-finite messages. Each is rejected with its reason (or, for a
 verbatim redelivery, counted as a duplicate), nothing bad is applied, and the run goes on."""
+
 from __future__ import annotations
 
 import json
@@ -35,13 +36,18 @@ T = Topics("t")
 class RawClient:
     """A bare paho client: what an attacker holding client 0's password can do."""
 
-    def __init__(self, port: int, user: str, password: str, subscribe: list[str], client_id: str | None = None) -> None:
+    def __init__(
+        self, port: int, user: str, password: str, subscribe: list[str], client_id: str | None = None
+    ) -> None:
         self.inbox: queue.Queue[wire.Message] = queue.Queue()
-        self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id or f"raw-{user}",
-                             protocol=mqtt.MQTTv5)
+        self.c = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2, client_id=client_id or f"raw-{user}", protocol=mqtt.MQTTv5
+        )
         self.c.username_pw_set(user, password)
         self.c.on_message = lambda c, u, m: self.inbox.put(wire.decode(m.payload))
-        self.c.on_connect = lambda c, u, f, rc, p: c.subscribe([(t, 1) for t in subscribe]) if subscribe else None
+        self.c.on_connect = lambda c, u, f, rc, p: (
+            c.subscribe([(t, 1) for t in subscribe]) if subscribe else None
+        )
         self.c.connect("127.0.0.1", port)
         self.c.loop_start()
 
@@ -67,35 +73,67 @@ class RawClient:
 def _reframe(data: bytes, **header: object) -> bytes:
     """Rewrite header fields of an encoded message, keeping the frame consistent."""
     _, version, hlen = struct.unpack_from("<4sHI", data)
-    doc = json.loads(data[10:10 + hlen])
+    doc = json.loads(data[10 : 10 + hlen])
     doc.update(header)
     h = json.dumps(doc).encode()
-    return struct.pack("<4sHI", wire.MAGIC, version, len(h)) + h + data[10 + hlen:]
+    return struct.pack("<4sHI", wire.MAGIC, version, len(h)) + h + data[10 + hlen :]
 
 
 def _result(of: wire.TrainTask, msg_id: str, delta: np.ndarray, **over: object) -> wire.Result:
     fields: dict[str, object] = {
-        "run": "t", "msg_id": msg_id, "sent_at": time.time(), "client": 0, "incarnation": "raw", "task": of.task,
-        "kind": TaskKind.TRAIN, "version": of.version, "num_samples": 30, "stat_utility": 2.0, "loss": 0.5,
-        "duration": 3.0, "delta": delta}
+        "run": "t",
+        "msg_id": msg_id,
+        "sent_at": time.time(),
+        "client": 0,
+        "incarnation": "raw",
+        "task": of.task,
+        "kind": TaskKind.TRAIN,
+        "version": of.version,
+        "num_samples": 30,
+        "stat_utility": 2.0,
+        "loss": 0.5,
+        "duration": 3.0,
+        "delta": delta,
+    }
     fields.update(over)
     return wire.Result(**fields)  # type: ignore[arg-type]
 
 
 def test_hostile_messages_are_rejected_and_the_run_goes_on(tmp_path: Path) -> None:
-    cfg = load_config(write_config(tmp_path / "cfg.yaml", partition={"num_clients": 4}), {
-        "strategy": "fedbuff", "orchestrator": {"agg_goal": 1, "concurrency": 1},
-        "run": {"max_aggregations": 2, "target_accuracy": 1.0}})
+    cfg = load_config(
+        write_config(tmp_path / "cfg.yaml", partition={"num_clients": 4}),
+        {
+            "strategy": "fedbuff",
+            "orchestrator": {"agg_goal": 1, "concurrency": 1},
+            "run": {"max_aggregations": 2, "target_accuracy": 1.0},
+        },
+    )
     with MosquittoBroker(4, workdir=tmp_path / "broker") as broker:
         u = users(broker)
         server, thread = start_server(cfg, broker, tmp_path / "out", 1.0)
         raw = RawClient(broker.port, "client-0", u["client-0"], [T.task(0), T.status])
         try:
             raw.next(wire.Status)
-            reg = wire.Register(run="t", msg_id="raw-1", sent_at=time.time(), client=0, incarnation="raw",
-                                num_samples=30, tier=Tier.AVL_TRAIN, class_counts=(3,) * 10)
-            bad_counts = wire.Register(run="t", msg_id="raw-0", sent_at=time.time(), client=0, incarnation="raw",
-                                       num_samples=30, tier=Tier.AVL_TRAIN, class_counts=(30,))
+            reg = wire.Register(
+                run="t",
+                msg_id="raw-1",
+                sent_at=time.time(),
+                client=0,
+                incarnation="raw",
+                num_samples=30,
+                tier=Tier.AVL_TRAIN,
+                class_counts=(3,) * 10,
+            )
+            bad_counts = wire.Register(
+                run="t",
+                msg_id="raw-0",
+                sent_at=time.time(),
+                client=0,
+                incarnation="raw",
+                num_samples=30,
+                tier=Tier.AVL_TRAIN,
+                class_counts=(30,),
+            )
             raw.send(T.register(0), wire.encode(bad_counts))  # counts that do not fit the dataset: refused
             raw.send(T.register(0), wire.encode(reg))
             task = raw.next(wire.TrainTask)
@@ -114,18 +152,38 @@ def test_hostile_messages_are_rejected_and_the_run_goes_on(tmp_path: Path) -> No
                 (res, _reframe(good_bytes, task=str(task.task))),  # bad field type
                 (res, b"FLXM" + b"\0" * (server.max_bytes + 10)),  # oversized
                 (res, wire.encode(_result(task, "raw-3", good.delta, client=1))),  # forged sender
-                (T.result(1), wire.encode(_result(task, "raw-4", good.delta, client=1))),  # other's topic: ACL drops it
+                (
+                    T.result(1),
+                    wire.encode(_result(task, "raw-4", good.delta, client=1)),
+                ),  # other's topic: ACL drops it
                 (res, wire.encode(_result(task, "raw-5", good.delta, run="other"))),  # another run
-                (res, wire.encode(wire.Cancel(run="t", msg_id="raw-6", sent_at=1.0, client=0, task=1, reason="x"))),
-                (res, wire.encode(_result(task, "raw-7", np.full(n, np.nan, np.float32)))),  # non-finite update
+                (
+                    res,
+                    wire.encode(
+                        wire.Cancel(run="t", msg_id="raw-6", sent_at=1.0, client=0, task=1, reason="x")
+                    ),
+                ),
+                (
+                    res,
+                    wire.encode(_result(task, "raw-7", np.full(n, np.nan, np.float32))),
+                ),  # non-finite update
                 (res, wire.encode(_result(task, "raw-8", good.delta, loss=float("inf")))),  # non-finite loss
                 (res, wire.encode(_result(task, "raw-9", np.zeros(n + 1, np.float32)))),  # wrong shape
-                (res, wire.encode(_result(task, "raw-10", good.delta, task=task.task + 1000))),  # never assigned
-                (res, wire.encode(_result(task, "raw-11", good.delta, version=task.version + 5))),  # wrong version
+                (
+                    res,
+                    wire.encode(_result(task, "raw-10", good.delta, task=task.task + 1000)),
+                ),  # never assigned
+                (
+                    res,
+                    wire.encode(_result(task, "raw-11", good.delta, version=task.version + 5)),
+                ),  # wrong version
                 (res, good_bytes),  # the valid update: applied -> version 1
                 (res, good_bytes),  # verbatim redelivery: a duplicate, not an error
                 (res, wire.encode(_result(task, "raw-2", good.delta, loss=0.9))),  # same id, other content
-                (res, wire.encode(_result(task, "raw-12", good.delta))),  # a second result for an applied task
+                (
+                    res,
+                    wire.encode(_result(task, "raw-12", good.delta)),
+                ),  # a second result for an applied task
             ]
             for topic, payload in sent:
                 raw.send(topic, payload)
@@ -167,8 +225,16 @@ def test_hostile_messages_are_rejected_and_the_run_goes_on(tmp_path: Path) -> No
 
 
 def _register(raw: RawClient, cid: int) -> wire.TrainTask:
-    reg = wire.Register(run="t", msg_id=f"raw{cid}-0", sent_at=time.time(), client=cid, incarnation="raw",
-                        num_samples=30, tier=Tier.AVL_TRAIN, class_counts=(3,) * 10)
+    reg = wire.Register(
+        run="t",
+        msg_id=f"raw{cid}-0",
+        sent_at=time.time(),
+        client=cid,
+        incarnation="raw",
+        num_samples=30,
+        tier=Tier.AVL_TRAIN,
+        class_counts=(3,) * 10,
+    )
     raw.next(wire.Status)
     raw.send(T.register(cid), wire.encode(reg))
     task = raw.next(wire.TrainTask)
@@ -181,17 +247,30 @@ def test_poison_and_aux_injection_are_rejected_at_the_server(tmp_path: Path) -> 
     num_samples 2^40) was applied and the model never recovered; two aux entries of one new key
     and different shapes made aggregation raise and the server exit; a large aux entry was shipped
     with every later task."""
-    cfg = load_config(write_config(tmp_path / "cfg.yaml", partition={"num_clients": 4}), {
-        "strategy": "fedbuff", "orchestrator": {"agg_goal": 1, "concurrency": 2},
-        "run": {"max_aggregations": 2, "target_accuracy": 1.0}})
+    cfg = load_config(
+        write_config(tmp_path / "cfg.yaml", partition={"num_clients": 4}),
+        {
+            "strategy": "fedbuff",
+            "orchestrator": {"agg_goal": 1, "concurrency": 2},
+            "run": {"max_aggregations": 2, "target_accuracy": 1.0},
+        },
+    )
     with MosquittoBroker(4, workdir=tmp_path / "broker") as broker:
         u = users(broker)
         server, thread = start_server(cfg, broker, tmp_path / "out", 1.0)
         raw0 = RawClient(broker.port, "client-0", u["client-0"], [T.task(0), T.status])
         raw1 = RawClient(broker.port, "client-1", u["client-1"], [T.task(1), T.status])
         try:
-            inflated = wire.Register(run="t", msg_id="raw0-1", sent_at=time.time(), client=0, incarnation="raw",
-                                     num_samples=2**40, tier=Tier.AVL_TRAIN, class_counts=(2**40 - 9,) + (1,) * 9)
+            inflated = wire.Register(
+                run="t",
+                msg_id="raw0-1",
+                sent_at=time.time(),
+                client=0,
+                incarnation="raw",
+                num_samples=2**40,
+                tier=Tier.AVL_TRAIN,
+                class_counts=(2**40 - 9,) + (1,) * 9,
+            )
             t0, t1 = _register(raw0, 0), _register(raw1, 1)
             raw0.send(T.register(0), wire.encode(inflated))  # would lift its sample bound: refused
             n = t0.weights.size
@@ -227,12 +306,19 @@ def test_poison_and_aux_injection_are_rejected_at_the_server(tmp_path: Path) -> 
 def test_a_message_whose_handling_raises_is_rejected_and_acknowledged(tmp_path: Path) -> None:
     """Issue 11, finding 2: the server must never exit because of a client's message, and must
     acknowledge it (before, the unacknowledged message was redelivered to every --resume)."""
-    cfg = load_config(write_config(tmp_path / "cfg.yaml", partition={"num_clients": 4}), {
-        "strategy": "fedbuff", "orchestrator": {"agg_goal": 1, "concurrency": 1},
-        "run": {"max_aggregations": 1, "target_accuracy": 1.0}})
+    cfg = load_config(
+        write_config(tmp_path / "cfg.yaml", partition={"num_clients": 4}),
+        {
+            "strategy": "fedbuff",
+            "orchestrator": {"agg_goal": 1, "concurrency": 1},
+            "run": {"max_aggregations": 1, "target_accuracy": 1.0},
+        },
+    )
     with MosquittoBroker(4, workdir=tmp_path / "broker") as broker:
         u = users(broker)
-        server, thread = start_server(cfg, broker, tmp_path / "out", 1.0, checkpoint=tmp_path / "ck.safetensors")
+        server, thread = start_server(
+            cfg, broker, tmp_path / "out", 1.0, checkpoint=tmp_path / "ck.safetensors"
+        )
         inbound: list[tuple[int, int]] = []
         acked: list[tuple[int, int]] = []
         on_inbound, ack, deliver = server._on_inbound, server.link.ack, server._deliver
@@ -272,9 +358,14 @@ def test_no_client_can_take_over_the_server_or_another_clients_id(tmp_path: Path
     """Issue 11, finding 3. Before: client ids were predictable (felix-<run>-server,
     felix-<run>-c<id>) and not bound to the login, so a client connecting with the server's id
     kicked the server off and wiped its session. Now the broker makes the login the client id."""
-    cfg = load_config(write_config(tmp_path / "cfg.yaml", partition={"num_clients": 4}), {
-        "strategy": "fedbuff", "orchestrator": {"agg_goal": 1, "concurrency": 2},
-        "run": {"max_aggregations": 6, "target_accuracy": 1.0}})
+    cfg = load_config(
+        write_config(tmp_path / "cfg.yaml", partition={"num_clients": 4}),
+        {
+            "strategy": "fedbuff",
+            "orchestrator": {"agg_goal": 1, "concurrency": 2},
+            "run": {"max_aggregations": 6, "target_accuracy": 1.0},
+        },
+    )
     with MosquittoBroker(4, workdir=tmp_path / "broker") as broker:
         u = users(broker)
         server, thread = start_server(cfg, broker, tmp_path / "out", 0.01)
@@ -305,13 +396,25 @@ def test_tls_name_mismatch_says_so(tmp_path: Path) -> None:
     with MosquittoBroker(1, workdir=tmp_path / "broker", tls=True) as broker:
         u = users(broker)
         # The test certificate names 127.0.0.1; "localhost" reaches the same broker but not the name.
-        opts = BrokerOptions("localhost", broker.port, "felix-server", u["felix-server"], tls_ca=str(broker.ca_file),
-                             connect_timeout_s=1.5)
+        opts = BrokerOptions(
+            "localhost",
+            broker.port,
+            "felix-server",
+            u["felix-server"],
+            tls_ca=str(broker.ca_file),
+            connect_timeout_s=1.5,
+        )
         for fresh in (True, False):
             link = MqttLink("x", opts, [], lambda item: None)
-            with pytest.raises(LinkError, match=r"certificate that does not verify.*--broker \('localhost'\)"):
+            with pytest.raises(
+                LinkError, match=r"certificate that does not verify.*--broker \('localhost'\)"
+            ):
                 link.start(fresh=fresh)
-        good = MqttLink("x", BrokerOptions(**{**opts.__dict__, "host": "127.0.0.1", "connect_timeout_s": 20.0}), [],
-                        lambda item: None)
+        good = MqttLink(
+            "x",
+            BrokerOptions(**{**opts.__dict__, "host": "127.0.0.1", "connect_timeout_s": 20.0}),
+            [],
+            lambda item: None,
+        )
         good.start(fresh=True)
         good.close()

@@ -1,4 +1,5 @@
 """The deployment's message codec: round trips and every malformed case (no broker needed)."""
+
 from __future__ import annotations
 
 import json
@@ -19,14 +20,40 @@ def _messages() -> list[wire.Message]:
     w = np.linspace(-1, 1, 7, dtype=np.float32)
     return [
         wire.Status(**ENV, session="s1", state="running"),
-        wire.Register(**ENV, client=3, incarnation="abcd", num_samples=40, tier=Tier.AVL_EVAL, class_counts=(1, 0, 39)),
+        wire.Register(
+            **ENV, client=3, incarnation="abcd", num_samples=40, tier=Tier.AVL_EVAL, class_counts=(1, 0, 39)
+        ),
         wire.State(**ENV, client=3, incarnation="abcd", tier=Tier.UN_AVL),
-        wire.Result(**ENV, client=3, incarnation="abcd", task=9, kind=TaskKind.TRAIN, version=2, num_samples=40,
-                    stat_utility=1.5, loss=0.25, duration=12.0, delta=w, aux={"beta": np.array(0.5)}),
-        wire.Result(**ENV, client=3, incarnation="abcd", task=10, kind=TaskKind.EVAL, version=2, num_samples=40,
-                    stat_utility=1.5, loss=0.25, duration=0.6),
+        wire.Result(
+            **ENV,
+            client=3,
+            incarnation="abcd",
+            task=9,
+            kind=TaskKind.TRAIN,
+            version=2,
+            num_samples=40,
+            stat_utility=1.5,
+            loss=0.25,
+            duration=12.0,
+            delta=w,
+            aux={"beta": np.array(0.5)},
+        ),
+        wire.Result(
+            **ENV,
+            client=3,
+            incarnation="abcd",
+            task=10,
+            kind=TaskKind.EVAL,
+            version=2,
+            num_samples=40,
+            stat_utility=1.5,
+            loss=0.25,
+            duration=0.6,
+        ),
         wire.Failed(**ENV, client=3, incarnation="abcd", task=11, reason="out of memory"),
-        wire.TrainTask(**ENV, client=3, task=9, version=2, plan=(0, 4, 2), weights=w, aux={"c": np.ones((2, 2))}),
+        wire.TrainTask(
+            **ENV, client=3, task=9, version=2, plan=(0, 4, 2), weights=w, aux={"c": np.ones((2, 2))}
+        ),
         wire.EvalTask(**ENV, client=3, task=10, version=2, weights=w),
         wire.Cancel(**ENV, client=3, task=9, reason="round ended"),
     ]
@@ -55,19 +82,33 @@ def test_arrays_are_little_endian_float32_without_copy() -> None:
     assert not back.weights.flags.writeable  # a view of the received bytes
 
 
-def _frame(header: dict, payload: bytes = b"", version: int = wire.FORMAT_VERSION, magic: bytes = wire.MAGIC) -> bytes:
+def _frame(
+    header: dict, payload: bytes = b"", version: int = wire.FORMAT_VERSION, magic: bytes = wire.MAGIC
+) -> bytes:
     h = json.dumps(header).encode()
     return struct.pack("<4sHI", magic, version, len(h)) + h + payload
 
 
 def _state_header(**over: object) -> dict:
-    h = {"fmt": 1, "type": "state", "run": "r1", "msg": "m-1", "sent": 1.0, "payload": 0, "arrays": [],
-         "client": 3, "incarnation": "abcd", "tier": "AVL_TRAIN"}
+    h = {
+        "fmt": 1,
+        "type": "state",
+        "run": "r1",
+        "msg": "m-1",
+        "sent": 1.0,
+        "payload": 0,
+        "arrays": [],
+        "client": 3,
+        "incarnation": "abcd",
+        "tier": "AVL_TRAIN",
+    }
     h.update(over)
     return h
 
 
-def _expect(data: bytes, code: ErrorCode, fragment: str = "", max_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES) -> None:
+def _expect(
+    data: bytes, code: ErrorCode, fragment: str = "", max_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
+) -> None:
     with pytest.raises(MessageError) as info:
         wire.decode(data, max_bytes)
     assert info.value.code is code, str(info.value)
@@ -88,13 +129,21 @@ def test_valid_hand_built_frame_decodes() -> None:
         (b"\x80\x04\x95" + b"\x00" * 20, ErrorCode.BAD_MAGIC, "magic"),  # a pickle stream is refused up front
         (_frame(_state_header(), version=2), ErrorCode.UNKNOWN_VERSION, "version 2"),
         (struct.pack("<4sHI", wire.MAGIC, 1, 100) + b"{}", ErrorCode.TRUNCATED, "header of 100 bytes"),
-        (struct.pack("<4sHI", wire.MAGIC, 1, wire.MAX_HEADER_BYTES + 1), ErrorCode.BAD_HEADER, "header length"),
+        (
+            struct.pack("<4sHI", wire.MAGIC, 1, wire.MAX_HEADER_BYTES + 1),
+            ErrorCode.BAD_HEADER,
+            "header length",
+        ),
         (struct.pack("<4sHI", wire.MAGIC, 1, 3) + b"{x}", ErrorCode.BAD_HEADER, "JSON"),
         (struct.pack("<4sHI", wire.MAGIC, 1, 2) + b"\xff\xfe", ErrorCode.BAD_HEADER, "UTF-8"),
         (_frame([1, 2]), ErrorCode.BAD_HEADER, "object"),  # type: ignore[arg-type]
         (_frame(_state_header(fmt=2)), ErrorCode.BAD_HEADER, "fmt"),
         (_frame(_state_header(type="exec")), ErrorCode.UNKNOWN_TYPE, "exec"),
-        (_frame({k: v for k, v in _state_header().items() if k != "tier"}), ErrorCode.BAD_HEADER, "lacks ['tier']"),
+        (
+            _frame({k: v for k, v in _state_header().items() if k != "tier"}),
+            ErrorCode.BAD_HEADER,
+            "lacks ['tier']",
+        ),
         (_frame(_state_header(extra=1)), ErrorCode.BAD_HEADER, "unknown fields ['extra']"),
         (_frame(_state_header(client="3")), ErrorCode.BAD_FIELD, "'client' must be"),
         (_frame(_state_header(client=True)), ErrorCode.BAD_FIELD, "'client' must be"),
@@ -105,8 +154,13 @@ def test_valid_hand_built_frame_decodes() -> None:
         (_frame(_state_header(msg="x" * 300)), ErrorCode.BAD_FIELD, "'msg'"),
         (_frame(_state_header(payload=8)), ErrorCode.TRUNCATED, "8-byte payload"),
         (_frame(_state_header(), b"junk"), ErrorCode.BAD_PAYLOAD, "0-byte payload"),
-        (_frame(_state_header(payload=4, arrays=[{"name": "delta", "dtype": "<f4", "shape": [1]}]), b"\0" * 4),
-         ErrorCode.BAD_HEADER, "carries no arrays"),
+        (
+            _frame(
+                _state_header(payload=4, arrays=[{"name": "delta", "dtype": "<f4", "shape": [1]}]), b"\0" * 4
+            ),
+            ErrorCode.BAD_HEADER,
+            "carries no arrays",
+        ),
     ],
 )
 def test_malformed(data: bytes, code: ErrorCode, fragment: str) -> None:
@@ -114,9 +168,24 @@ def test_malformed(data: bytes, code: ErrorCode, fragment: str) -> None:
 
 
 def _result_header(**over: object) -> dict:
-    h = {"fmt": 1, "type": "result", "run": "r1", "msg": "m-2", "sent": 1.0, "payload": 8,
-         "arrays": [{"name": "delta", "dtype": "<f4", "shape": [2]}], "client": 3, "incarnation": "abcd", "task": 4,
-         "kind": "train", "version": 0, "num_samples": 5, "stat_utility": 1.0, "loss": 1.0, "duration": 1.0}
+    h = {
+        "fmt": 1,
+        "type": "result",
+        "run": "r1",
+        "msg": "m-2",
+        "sent": 1.0,
+        "payload": 8,
+        "arrays": [{"name": "delta", "dtype": "<f4", "shape": [2]}],
+        "client": 3,
+        "incarnation": "abcd",
+        "task": 4,
+        "kind": "train",
+        "version": 0,
+        "num_samples": 5,
+        "stat_utility": 1.0,
+        "loss": 1.0,
+        "duration": 1.0,
+    }
     h.update(over)
     return h
 
@@ -126,11 +195,26 @@ def _result_header(**over: object) -> dict:
     [
         ({"arrays": [{"name": "delta", "dtype": "|O", "shape": [2]}]}, 8, ErrorCode.BAD_FIELD, "dtype"),
         ({"arrays": [{"name": "delta", "dtype": "<f4", "shape": [-2]}]}, 8, ErrorCode.BAD_FIELD, "shape"),
-        ({"arrays": [{"name": "delta", "dtype": "<f4", "shape": [3]}]}, 8, ErrorCode.BAD_PAYLOAD, "past the end"),
-        ({"arrays": [{"name": "delta", "dtype": "<f4", "shape": [1]}]}, 8, ErrorCode.BAD_PAYLOAD, "not covered"),
+        (
+            {"arrays": [{"name": "delta", "dtype": "<f4", "shape": [3]}]},
+            8,
+            ErrorCode.BAD_PAYLOAD,
+            "past the end",
+        ),
+        (
+            {"arrays": [{"name": "delta", "dtype": "<f4", "shape": [1]}]},
+            8,
+            ErrorCode.BAD_PAYLOAD,
+            "not covered",
+        ),
         ({"arrays": [{"name": "delta", "dtype": "<f4"}]}, 8, ErrorCode.BAD_HEADER, "name, dtype and shape"),
         ({"arrays": [{"name": "delta", "dtype": "<f4", "shape": [1]}] * 2}, 8, ErrorCode.BAD_HEADER, "twice"),
-        ({"arrays": [{"name": "weights", "dtype": "<f4", "shape": [2]}]}, 8, ErrorCode.BAD_HEADER, "unexpected array"),
+        (
+            {"arrays": [{"name": "weights", "dtype": "<f4", "shape": [2]}]},
+            8,
+            ErrorCode.BAD_HEADER,
+            "unexpected array",
+        ),
         ({"arrays": [], "payload": 0}, 0, ErrorCode.BAD_HEADER, "must carry a 'delta'"),
         ({"kind": "eval"}, 8, ErrorCode.BAD_HEADER, "eval result carries no arrays"),
         ({"kind": "sleep"}, 8, ErrorCode.BAD_FIELD, "'kind'"),

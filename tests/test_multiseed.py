@@ -1,4 +1,5 @@
 """Multi-seed, multi-target comparison statistics and plots."""
+
 from __future__ import annotations
 
 import math
@@ -39,7 +40,11 @@ def test_speedup_is_paired_by_seed() -> None:
     stats = compare_seeds(curves, [0.8], window=1, reference="felix")
     a = stats["oort"][0.8]
     assert a.time_s.mean == 30.0 and a.time_s.n == 1
-    assert a.speedup_of_reference.mean == 3.0 and a.speedup_of_reference.n == 1 and a.speedup_of_reference.of == 2
+    assert (
+        a.speedup_of_reference.mean == 3.0
+        and a.speedup_of_reference.n == 1
+        and a.speedup_of_reference.of == 2
+    )
     assert stats["felix"][0.8].time_s.mean == 15.0
     md = table_markdown(stats, "felix", "test")
     assert "| oort | 30 ± 0 (1/2 reached)" in md
@@ -54,8 +59,11 @@ def test_plots_zoom_to_the_race(tmp_path: Path) -> None:
     }
     stats = compare_seeds(curves, [0.8, 0.85], window=1, reference="fast")
     paths = plot_comparison(tmp_path, curves, stats)
-    assert [p.name for p in paths] == ["comparison_accuracy_vs_time.png", "comparison_time_to_target.png",
-                                       "comparison_bytes_to_target.png"]
+    assert [p.name for p in paths] == [
+        "comparison_accuracy_vs_time.png",
+        "comparison_time_to_target.png",
+        "comparison_bytes_to_target.png",
+    ]
     assert all(p.stat().st_size > 1000 for p in paths)
     from felix.metrics.multiseed import time_axis_limit
 

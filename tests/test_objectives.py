@@ -1,4 +1,5 @@
 """Client objectives: FedeRage's risk weight and beta step, and the baselines' losses and hooks."""
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,14 @@ from felix.strategies.objectives import (
 )
 
 
-def _ctx(model: nn.Module, num_classes: int = 2, lr: float = 0.1, aux_in: dict | None = None,
-         state: dict | None = None, counts: list[int] | None = None) -> TaskContext:
+def _ctx(
+    model: nn.Module,
+    num_classes: int = 2,
+    lr: float = 0.1,
+    aux_in: dict | None = None,
+    state: dict | None = None,
+    counts: list[int] | None = None,
+) -> TaskContext:
     flat = parameters_to_vector(model.parameters()).detach().clone()
     return TaskContext(
         model=model,
@@ -48,12 +55,23 @@ def _mlp(d: int = 5, classes: int = 3, seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(d, 8), nn.ReLU(), nn.Linear(8, classes))
 
 
-def _train(objective_name: str, seed: int = 0, state: dict | None = None, aux_in: dict | None = None,
-           lr: float = 0.1, epochs: int = 3, **params) -> tuple[ClientUpdate, dict]:
+def _train(
+    objective_name: str,
+    seed: int = 0,
+    state: dict | None = None,
+    aux_in: dict | None = None,
+    lr: float = 0.1,
+    epochs: int = 3,
+    **params,
+) -> tuple[ClientUpdate, dict]:
     model = _mlp()
     w0 = parameters_to_vector(model.parameters()).detach().numpy().copy()
-    trainer = LocalTrainer(model, make_objective(objective_name, **params),
-                           TrainConfig(lr=lr, batch_size=8, epochs=epochs), num_classes=3)
+    trainer = LocalTrainer(
+        model,
+        make_objective(objective_name, **params),
+        TrainConfig(lr=lr, batch_size=8, epochs=epochs),
+        num_classes=3,
+    )
     state = {} if state is None else state
     upd = trainer.train(w0, _data(), state, aux_in or {}, torch.Generator().manual_seed(seed))
     return upd, state
@@ -154,8 +172,13 @@ def test_federage_normalised_steps_stay_bounded_at_small_alpha() -> None:
     sgd = [q.detach() - lr * q.grad for q in ref.parameters()]
     for p, n, s in zip(paper.parameters(), normed.parameters(), sgd):
         torch.testing.assert_close(n, s)  # w / kappa = 1 for a batch above beta
-        torch.testing.assert_close(p, s - 19 * lr * (ref.get_parameter("weight").grad if p.dim() == 2
-                                                      else ref.get_parameter("bias").grad))
+        torch.testing.assert_close(
+            p,
+            s
+            - 19
+            * lr
+            * (ref.get_parameter("weight").grad if p.dim() == 2 else ref.get_parameter("bias").grad),
+        )
     assert norm_obj.beta - (f - 0.01) == pytest.approx(0.02 * 0.95)  # beta_lr (1 - alpha)
 
 
@@ -190,9 +213,11 @@ def test_federage_reports_the_data_loss(rule: str) -> None:
     w0 = parameters_to_vector(model.parameters()).detach().numpy().copy()
     cfg = TrainConfig(lr=0.1, batch_size=8, max_steps=1)
     upd_ce = LocalTrainer(_mlp(), make_objective("ce"), cfg, 3).train(
-        w0, _data(), {}, {}, torch.Generator().manual_seed(2))
-    upd_fr = LocalTrainer(model, make_objective("federage", alpha=0.1, gamma=1.0, step_rule=rule), cfg, 3).train(
-        w0, _data(), {}, {}, torch.Generator().manual_seed(2))
+        w0, _data(), {}, {}, torch.Generator().manual_seed(2)
+    )
+    upd_fr = LocalTrainer(
+        model, make_objective("federage", alpha=0.1, gamma=1.0, step_rule=rule), cfg, 3
+    ).train(w0, _data(), {}, {}, torch.Generator().manual_seed(2))
     assert upd_fr.loss == upd_ce.loss > 0  # beta0 = 0: the batch is above beta, w = 10, yet loss = f
     assert ce.loss > 0
 
@@ -240,10 +265,22 @@ def test_federage_keeps_beta_across_tasks_and_server_averages_it() -> None:
     assert float(aux["federage_beta"]) == pytest.approx(expect)
 
 
-@pytest.mark.parametrize("params", [{"alpha": 0.0}, {"alpha": 1.5}, {"gamma": -0.1}, {"gamma": 1.1},
-                                    {"beta_min": 2.0, "beta_max": 1.0}, {"beta_init": 11.0},
-                                    {"step_rule": "nope"}, {"beta_lr": 0.0}, {"beta_lr": float("nan")},
-                                    {"weight_cap": 0.5}, {"weight_cap": float("inf")}])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"alpha": 0.0},
+        {"alpha": 1.5},
+        {"gamma": -0.1},
+        {"gamma": 1.1},
+        {"beta_min": 2.0, "beta_max": 1.0},
+        {"beta_init": 11.0},
+        {"step_rule": "nope"},
+        {"beta_lr": 0.0},
+        {"beta_lr": float("nan")},
+        {"weight_cap": 0.5},
+        {"weight_cap": float("inf")},
+    ],
+)
 def test_federage_validation(params: dict) -> None:
     with pytest.raises(ValueError, match="federage"):
         FedeRage(**params)
@@ -279,12 +316,15 @@ def test_focal_gamma_zero_is_cross_entropy_and_hand_value() -> None:
     logits = torch.randn(16, 5, generator=g)
     y = torch.randint(0, 5, (16,), generator=g)
     ctx = _ctx(nn.Linear(1, 5), num_classes=5)
-    torch.testing.assert_close(make_objective("focal", gamma=0.0).batch_loss(logits, y, ctx),
-                               F.cross_entropy(logits, y))
+    torch.testing.assert_close(
+        make_objective("focal", gamma=0.0).batch_loss(logits, y, ctx), F.cross_entropy(logits, y)
+    )
     # one sample with p_y = 0.8 (logits log 0.8, log 0.2): -(1 - 0.8)^2 log 0.8 = 0.04 * 0.22314 = 0.0089257
     two = torch.tensor([[math.log(0.8), math.log(0.2)]])
     ctx2 = _ctx(nn.Linear(1, 2))
-    assert float(make_objective("focal").batch_loss(two, torch.tensor([0]), ctx2)) == pytest.approx(0.0089257, rel=1e-4)
+    assert float(make_objective("focal").batch_loss(two, torch.tensor([0]), ctx2)) == pytest.approx(
+        0.0089257, rel=1e-4
+    )
     obj = make_objective("focal", alpha=[0.25, 1.0])
     obj.begin(ctx2)
     assert float(obj.batch_loss(two, torch.tensor([0]), ctx2)) == pytest.approx(0.25 * 0.0089257, rel=1e-4)
@@ -348,11 +388,19 @@ def test_scaffold_correction_and_control_update() -> None:
 
 def test_scaffold_server_control_is_c_plus_sum_dc_over_n() -> None:
     def upd(c: list[float], dc_over_n: list[float]) -> ClientUpdate:
-        return ClientUpdate(10, 0.0, 0.0, 0.0, np.zeros(2, np.float32),
-                            {"scaffold_c": np.array(c), "sum:scaffold_dc": np.array(dc_over_n)})
+        return ClientUpdate(
+            10,
+            0.0,
+            0.0,
+            0.0,
+            np.zeros(2, np.float32),
+            {"scaffold_c": np.array(c), "sum:scaffold_dc": np.array(dc_over_n)},
+        )
 
-    buf = [BufferedUpdate(0, 1, 0, 0.0, upd([1.0, 2.0], [0.1, 0.0])),
-           BufferedUpdate(1, 2, 0, 0.0, upd([1.0, 2.0], [0.2, -0.5]))]
+    buf = [
+        BufferedUpdate(0, 1, 0, 0.0, upd([1.0, 2.0], [0.1, 0.0])),
+        BufferedUpdate(1, 2, 0, 0.0, upd([1.0, 2.0], [0.2, -0.5])),
+    ]
     aux = reduce_aux(buf, np.array([0.9, 0.1]))
     np.testing.assert_allclose(aux["scaffold_c"], [1.0, 2.0])  # the echoed c, weighted mean
     np.testing.assert_allclose(aux["sum:scaffold_dc"], [0.3, -0.5])  # summed, not averaged
@@ -380,8 +428,12 @@ def _scaffold_delta(ci: np.ndarray | None, steps: int = 5, lr: float = 0.1) -> n
     model = _mlp()
     w0 = parameters_to_vector(model.parameters()).detach().numpy().copy()
     state = {} if ci is None else {"scaffold_ci": ci.astype(np.float32)}
-    trainer = LocalTrainer(model, make_objective("scaffold", num_clients=4),
-                           TrainConfig(lr=lr, batch_size=8, max_steps=steps), num_classes=3)
+    trainer = LocalTrainer(
+        model,
+        make_objective("scaffold", num_clients=4),
+        TrainConfig(lr=lr, batch_size=8, max_steps=steps),
+        num_classes=3,
+    )
     upd = trainer.train(w0, _data(), state, {}, torch.Generator().manual_seed(0))
     assert upd.delta is not None and np.isfinite(state["scaffold_ci"]).all()
     return upd.delta

@@ -1,4 +1,5 @@
 """Oort selector: each formula pinned to hand-computed values, then a run inside the orchestrator."""
+
 from __future__ import annotations
 
 import heapq
@@ -17,10 +18,24 @@ from felix.strategies.aggregation.fedavg import FedBuffAggregator
 from felix.strategies.selection.oort import OortParams, OortSelector, get_norm, weighted_sample
 
 
-def rec(cid: int, util: float | None = None, last: int = -1, dur: float | None = None, n: int = 100,
-        updated: int = 0) -> ClientRecord:
-    return ClientRecord(client_id=cid, num_samples=n, tier=Tier.AVL_TRAIN, reported_tier=Tier.AVL_TRAIN,
-                        stat_utility=util, last_utility_round=last, last_duration=dur, times_updated=updated)
+def rec(
+    cid: int,
+    util: float | None = None,
+    last: int = -1,
+    dur: float | None = None,
+    n: int = 100,
+    updated: int = 0,
+) -> ClientRecord:
+    return ClientRecord(
+        client_id=cid,
+        num_samples=n,
+        tier=Tier.AVL_TRAIN,
+        reported_tier=Tier.AVL_TRAIN,
+        stat_utility=util,
+        last_utility_round=last,
+        last_duration=dur,
+        times_updated=updated,
+    )
 
 
 def cmap(*records: ClientRecord) -> ClientMap:
@@ -100,11 +115,15 @@ def test_registration_reward_is_capped_by_local_steps_times_batch():
 
 # ---------------------------------------------------------------------------- pacer
 def test_pacer_relaxes_then_tightens_round_threshold():
-    params = OortParams(exploration_factor=0.0, exploration_min=0.0, pacer_step=1, pacer_delta=5.0,
-                        round_threshold=30.0)
+    params = OortParams(
+        exploration_factor=0.0, exploration_min=0.0, pacer_step=1, pacer_delta=5.0, round_threshold=30.0
+    )
     sel = OortSelector(params)
-    m = cmap(rec(0, util=1.0, last=1), rec(1, util=1.0, last=1),
-             *(rec(10 + i, util=1.0, last=1, dur=float(i + 1)) for i in range(20)))
+    m = cmap(
+        rec(0, util=1.0, last=1),
+        rec(1, util=1.0, last=1),
+        *(rec(10 + i, util=1.0, last=1, dur=float(i + 1)) for i in range(20)),
+    )
     c = ctx(m)
     for i in range(20):
         sel.on_update(m[10 + i], c)  # durations 1..20 known
@@ -219,8 +238,9 @@ def test_cut_off_keeps_only_clients_near_the_exploit_len_th_score():
 def test_fedscale_cut_off_keeps_ten_times_exploit_len():
     # FedScale keeps going past the cut until it holds more than 10 x 1 clients: all 5 are eligible
     params = OortParams(exploration_factor=0.0, exploration_min=0.0, cut_off_util=1.0, variant="fedscale")
-    picks = {OortSelector(params).select(list(range(5)), 1, ctx(_ranked_map(), seed=s))[0]
-             for s in range(200)}
+    picks = {
+        OortSelector(params).select(list(range(5)), 1, ctx(_ranked_map(), seed=s))[0] for s in range(200)
+    }
     assert picks == {0, 1, 2, 3, 4}
 
 
@@ -237,8 +257,12 @@ def test_sampling_is_reproducible_and_returns_k_distinct_candidates():
 
 
 def test_blacklist_excludes_the_most_updated_clients_up_to_its_cap():
-    m = cmap(rec(0, util=50.0, last=1, updated=5), rec(1, util=40.0, last=1, updated=3),
-             rec(2, util=1.0, last=1), rec(3, util=1.0, last=1))
+    m = cmap(
+        rec(0, util=50.0, last=1, updated=5),
+        rec(1, util=40.0, last=1, updated=3),
+        rec(2, util=1.0, last=1),
+        rec(3, util=1.0, last=1),
+    )
     base = {"exploration_factor": 0.0, "exploration_min": 0.0, "blacklist_rounds": 2}
     # counts 5 and 3 exceed 2; cap int(0.5 * 4) = 2 -> both out
     picked = OortSelector(OortParams(**base, blacklist_max_len=0.5)).select([0, 1, 2, 3], 2, ctx(m))
@@ -256,12 +280,23 @@ def test_weighted_sample_takes_positive_weights_first():
     assert 1 in idx and len(set(idx.tolist())) == 2
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"exploration_factor": 1.5}, {"exploration_decay": 0.0}, {"round_threshold": 0.0},
-    {"round_threshold": 101.0}, {"clip_bound": 0.0}, {"cut_off_util": 1.5}, {"sample_window": 0.5},
-    {"pacer_step": 0}, {"pacer_delta": 0.0}, {"blacklist_rounds": -1}, {"variant": "kuiper"},
-    {"rounding": "round"},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"exploration_factor": 1.5},
+        {"exploration_decay": 0.0},
+        {"round_threshold": 0.0},
+        {"round_threshold": 101.0},
+        {"clip_bound": 0.0},
+        {"cut_off_util": 1.5},
+        {"sample_window": 0.5},
+        {"pacer_step": 0},
+        {"pacer_delta": 0.0},
+        {"blacklist_rounds": -1},
+        {"variant": "kuiper"},
+        {"rounding": "round"},
+    ],
+)
 def test_params_are_validated(kwargs):
     with pytest.raises(ValueError):
         OortParams(**kwargs)
@@ -273,8 +308,9 @@ def test_reward_cap_is_validated():
 
 
 # ---------------------------------------------------------------------------- inside the orchestrator
-def drive(orch: Orchestrator, tiers: list[Tier] | None = None, versions: int = 6,
-          seed: int = 0) -> list[Command]:
+def drive(
+    orch: Orchestrator, tiers: list[Tier] | None = None, versions: int = 6, seed: int = 0
+) -> list[Command]:
     """A tiny fake shell: 20 clients; training takes 1-5 s and returns a random float32 delta of
     the 5-element model; eval tasks take 0.05 s and return a utility only."""
     rng = np.random.default_rng(seed)
@@ -288,9 +324,13 @@ def drive(orch: Orchestrator, tiers: list[Tier] | None = None, versions: int = 6
             if isinstance(c, (DispatchTrain, DispatchEval)):
                 train = isinstance(c, DispatchTrain)
                 dur = 1.0 + c.client_id % 5 if train else 0.05
-                upd = ClientUpdate(num_samples=10 + c.client_id, stat_utility=float(rng.uniform(1, 50)),
-                                   loss=float(rng.uniform(0.1, 3.0)), duration=dur,
-                                   delta=rng.standard_normal(5).astype(np.float32) if train else None)
+                upd = ClientUpdate(
+                    num_samples=10 + c.client_id,
+                    stat_utility=float(rng.uniform(1, 50)),
+                    loss=float(rng.uniform(0.1, 3.0)),
+                    duration=dur,
+                    delta=rng.standard_normal(5).astype(np.float32) if train else None,
+                )
                 heapq.heappush(heap, (now + dur, next(seq), c.client_id, c.task_id, upd))
 
     for cid in range(20):

@@ -1,4 +1,5 @@
 """The sans-I/O orchestrator driven by hand-written event sequences."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -29,8 +30,9 @@ def register(o: Orchestrator, n: int, tier: Tier = Tier.AVL_TRAIN, t: float = 0.
 
 
 def upd(value: float = 1.0, n: int = 10, utility: float = 1.0) -> ClientUpdate:
-    return ClientUpdate(num_samples=n, stat_utility=utility, loss=0.5, duration=5.0,
-                        delta=np.full(DIM, value, np.float32))
+    return ClientUpdate(
+        num_samples=n, stat_utility=utility, loss=0.5, duration=5.0, delta=np.full(DIM, value, np.float32)
+    )
 
 
 def dispatched(cmds: list) -> list[DispatchTrain]:

@@ -1,4 +1,5 @@
 """Per-client evaluation (``run.per_client_eval``, felix.metrics.per_client) for any run."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -8,8 +9,14 @@ from felix.config import parse_set
 from felix.engine.run import resolve_config, run_config
 from felix.metrics.per_client import PerClientSetup, per_client_metrics
 
-TINY = ["partition.num_clients=8", "run.max_aggregations=2", "client.max_steps=2", "model=mlp",
-        "orchestrator.agg_goal=2", "orchestrator.concurrency=4"]
+TINY = [
+    "partition.num_clients=8",
+    "run.max_aggregations=2",
+    "client.max_steps=2",
+    "model=mlp",
+    "orchestrator.agg_goal=2",
+    "orchestrator.concurrency=4",
+]
 
 
 def test_measures_by_hand() -> None:
@@ -58,8 +65,9 @@ def test_any_run_can_report_per_client_measures() -> None:
     assert pc["global_acc"] == pytest.approx(on["final_accuracy"])
     assert len(pc["client_acc"]) == 8 and len(pc["per_class_acc"]) == 10 and pc["finite_model"]
     assert len(pc["rare_clients"]) == 2  # slotted churn: the lowest-availability quarter by rank
-    assert {k: v for k, v in on.items() if k not in ("per_client", "wall_time_s", "provenance")} == \
-        {k: v for k, v in plain.items() if k not in ("wall_time_s", "provenance")}
+    assert {k: v for k, v in on.items() if k not in ("per_client", "wall_time_s", "provenance")} == {
+        k: v for k, v in plain.items() if k not in ("wall_time_s", "provenance")
+    }
 
 
 def test_the_mqtt_server_reports_the_same_measures() -> None:
@@ -68,7 +76,9 @@ def test_the_mqtt_server_reports_the_same_measures() -> None:
     from felix.deploy.link import BrokerOptions
     from felix.deploy.server import ServeOptions, Server
 
-    cfg = resolve_config(None, None, parse_set([*TINY, "run.per_client_eval=true", "run.converge_threshold=0.01"]))
+    cfg = resolve_config(
+        None, None, parse_set([*TINY, "run.per_client_eval=true", "run.converge_threshold=0.01"])
+    )
     server = Server(cfg, ServeOptions(BrokerOptions("127.0.0.1", 1, "felix-server", "x"), "t"))
     summ = server.ctl.summary(0.0, 0.0)
     assert len(summ["per_client"]["client_acc"]) == 8

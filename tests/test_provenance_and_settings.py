@@ -1,4 +1,5 @@
 """Settings YAML could mistype, trace offsets, and the provenance every summary carries."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -40,7 +41,9 @@ def test_offset_shifts_an_aperiodic_trace() -> None:
 
 
 def test_offset_rotates_a_periodic_trace() -> None:
-    d = _trace([(0, Tier.AVL_TRAIN), (100, Tier.UN_AVL), (250, Tier.AVL_TRAIN), (400, Tier.UN_AVL)], period=500)
+    d = _trace(
+        [(0, Tier.AVL_TRAIN), (100, Tier.UN_AVL), (250, Tier.AVL_TRAIN), (400, Tier.UN_AVL)], period=500
+    )
     for off in [0, 50, 100, 260, 499, 500, 1234]:
         s = d.shifted(off)
         assert s.period == 500
@@ -49,8 +52,10 @@ def test_offset_rotates_a_periodic_trace() -> None:
 
 
 def test_offset_applies_to_every_device_and_rejects_negative() -> None:
-    tr = AvailabilityTrace((_trace([(0, Tier.AVL_TRAIN), (10, Tier.UN_AVL)]),
-                            _trace([(0, Tier.UN_AVL), (20, Tier.AVL_TRAIN)])), "t")
+    tr = AvailabilityTrace(
+        (_trace([(0, Tier.AVL_TRAIN), (10, Tier.UN_AVL)]), _trace([(0, Tier.UN_AVL), (20, Tier.AVL_TRAIN)])),
+        "t",
+    )
     s = tr.shifted(15)
     assert [s.tier_at(k, 0) for k in range(2)] == [Tier.UN_AVL, Tier.UN_AVL]
     assert s.tier_at(1, 5) is Tier.AVL_TRAIN
@@ -61,8 +66,9 @@ def test_offset_applies_to_every_device_and_rejects_negative() -> None:
 
 
 def test_summary_records_provenance() -> None:
-    cfg = resolve_config(None, "fedbuff", parse_set(["partition.num_clients=8", "run.max_aggregations=2",
-                                                     "run.threads=1"]))
+    cfg = resolve_config(
+        None, "fedbuff", parse_set(["partition.num_clients=8", "run.max_aggregations=2", "run.threads=1"])
+    )
     prov = run_config(cfg, plots=False).summary["provenance"]
     import torch
 

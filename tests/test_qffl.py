@@ -1,4 +1,5 @@
 """q-FFL (q-FedAvg) and the IPS oracle aggregator, pinned to hand-computed steps."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +11,9 @@ from felix.strategies.aggregation.qffl import QFFLAggregator
 
 
 def _item(cid: int, delta: list[float], loss: float, n: int = 10, aux: dict | None = None) -> BufferedUpdate:
-    return BufferedUpdate(cid, cid, 0, 0.0, ClientUpdate(n, 0.0, loss, 0.0, np.array(delta, np.float32), aux or {}))
+    return BufferedUpdate(
+        cid, cid, 0, 0.0, ClientUpdate(n, 0.0, loss, 0.0, np.array(delta, np.float32), aux or {})
+    )
 
 
 def test_qffl_hand_computed_step() -> None:
@@ -19,7 +22,10 @@ def test_qffl_hand_computed_step() -> None:
     # h_A = q F^0 4 + L F = 4 + 4 = 8;  h_B = 16 + 2 * 0.5 = 17;  sum h = 25
     # sum F^q Delta = 2 [-2, 0] + 0.5 [0, -4] = [-4, -2];  w = 0 - [-4, -2] / 25 = [0.16, 0.08]
     agg = QFFLAggregator(q=1.0, lipschitz=2.0)
-    buf = [_item(0, [1, 0], 9.9, aux={"qffl_loss": np.array(2.0)}), _item(1, [0, 2], 9.9, aux={"qffl_loss": np.array(0.5)})]
+    buf = [
+        _item(0, [1, 0], 9.9, aux={"qffl_loss": np.array(2.0)}),
+        _item(1, [0, 2], 9.9, aux={"qffl_loss": np.array(0.5)}),
+    ]
     theta, w, aux = agg.aggregate(np.zeros(2, np.float32), buf)
     np.testing.assert_allclose(theta, [0.16, 0.08], rtol=1e-6)
     assert theta.dtype == np.float32
@@ -37,8 +43,10 @@ def test_qffl_q_zero_is_the_uniform_mean_of_deltas() -> None:
 
 def test_qffl_falls_back_to_the_mean_training_loss_and_passes_other_aux() -> None:
     agg = QFFLAggregator(q=1.0, lipschitz=2.0)
-    buf = [_item(0, [1, 0], 2.0, aux={"federage_beta": np.array(1.0)}),
-           _item(1, [0, 2], 0.5, aux={"federage_beta": np.array(3.0)})]
+    buf = [
+        _item(0, [1, 0], 2.0, aux={"federage_beta": np.array(1.0)}),
+        _item(1, [0, 2], 0.5, aux={"federage_beta": np.array(3.0)}),
+    ]
     theta, _, aux = agg.aggregate(np.zeros(2, np.float32), buf)
     np.testing.assert_allclose(theta, [0.16, 0.08], rtol=1e-6)
     assert float(aux["federage_beta"]) == pytest.approx(0.8 * 1.0 + 0.2 * 3.0)
@@ -50,7 +58,9 @@ def test_qffl_validation() -> None:
     with pytest.raises(ValueError, match="lipschitz"):
         QFFLAggregator(q=1.0, lipschitz=0.0)
     with pytest.raises(ValueError, match="reported loss"):
-        QFFLAggregator(q=1.0, lipschitz=1.0).aggregate(np.zeros(2, np.float32), [_item(0, [1, 0], float("nan"))])
+        QFFLAggregator(q=1.0, lipschitz=1.0).aggregate(
+            np.zeros(2, np.float32), [_item(0, [1, 0], float("nan"))]
+        )
 
 
 def test_ips_weights_by_samples_over_probability() -> None:
@@ -88,6 +98,7 @@ def test_qffl_falls_back_to_the_data_loss_of_a_federage_client() -> None:
     weights = []
     for name, params in (("ce", {}), ("federage", {"alpha": 0.05, "gamma": 1.0, "step_rule": "paper"})):
         upd = LocalTrainer(model, make_objective(name, **params), cfg, 2).train(
-            w0, data, {}, {}, torch.Generator().manual_seed(1))
+            w0, data, {}, {}, torch.Generator().manual_seed(1)
+        )
         weights.append(agg.weight(BufferedUpdate(0, 0, 0, 0.0, upd)))
     assert weights[0] == weights[1] > 0  # beta0 = 0: the batch is above beta, w = 20, yet F is f

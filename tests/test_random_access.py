@@ -1,4 +1,5 @@
 """The Random Access Model: draws, probability generators, rarity coupling, trace conversion."""
+
 from __future__ import annotations
 
 import math
@@ -114,7 +115,9 @@ def test_rare_clients_by_rank_survive_ties() -> None:
     assert (p <= np.quantile(p, 0.25)).all()  # the old definition's failure
     by_rank = rare_client_mask(p)
     assert by_rank.sum() == 5  # ceil(20 / 4): the four rare clients and the lowest-index frequent one
-    assert (p[by_rank] == 0.03).sum() == 4 and np.flatnonzero(by_rank & (p == 0.3))[0] == np.flatnonzero(p == 0.3)[0]
+    assert (p[by_rank] == 0.03).sum() == 4 and np.flatnonzero(by_rank & (p == 0.3))[0] == np.flatnonzero(
+        p == 0.3
+    )[0]
     np.testing.assert_array_equal(rare_client_mask(p, threshold=0.03), p == 0.03)
     q = np.array([0.5, 0.1, 0.2, 0.05, 0.9, 0.3, 0.01, 0.4])
     np.testing.assert_array_equal(np.flatnonzero(rare_client_mask(q)), [3, 6])

@@ -2,6 +2,7 @@
 local path, retry-once-then-report when a worker dies, and a local instance that stays on loopback.
 
 One local Ray instance (2 CPUs) serves the whole module: starting Ray costs seconds."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -116,11 +117,13 @@ def test_ray_sweep_matches_the_local_path_and_skips_finished_runs(local_ray, tmp
         # Provenance describes the process (its git check runs once per process, so an edit during
         # the test flips 'dirty'); what must agree is the software and the run settings.
         pa, pb = sa.pop("provenance"), sb.pop("provenance")
-        assert {k: pa[k] for k in ("torch", "numpy", "torch_threads", "run")} == \
-            {k: pb[k] for k in ("torch", "numpy", "torch_threads", "run")}
+        assert {k: pa[k] for k in ("torch", "numpy", "torch_threads", "run")} == {
+            k: pb[k] for k in ("torch", "numpy", "torch_threads", "run")
+        }
         assert a["key"] == b["key"] and sa == sb
-        assert (tmp_path / "ray" / a["out_dir"] / "evaluations.csv").read_text() == \
-            (tmp_path / "local" / b["out_dir"] / "evaluations.csv").read_text()
+        assert (tmp_path / "ray" / a["out_dir"] / "evaluations.csv").read_text() == (
+            tmp_path / "local" / b["out_dir"] / "evaluations.csv"
+        ).read_text()
     err = capsys.readouterr().err
     assert "done 2/2" in err
     # Safe by default: every socket of every Ray process seen during the run was loopback.
@@ -140,7 +143,9 @@ def test_local_instance_is_loopback_only_without_stats_or_metadata_probes(local_
     me = psutil.Process()
     for p in me.children(recursive=True):
         try:
-            listening += [(p.name(), c.laddr) for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+            listening += [
+                (p.name(), c.laddr) for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN
+            ]
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     assert listening and all(_loopback(a.ip) for _, a in listening), listening
@@ -153,10 +158,15 @@ def test_local_instance_is_loopback_only_without_stats_or_metadata_probes(local_
                 envs[f"{p.pid} {p.name()}"] = p.environ()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    envs = {k: e for k, e in envs.items() if e}  # agents that rewrite their process title hide their environment
+    envs = {
+        k: e for k, e in envs.items() if e
+    }  # agents that rewrite their process title hide their environment
     assert {"gcs_server", "raylet"} <= {k.split()[1] for k in envs}, list(envs)
-    wrong = {k: (e.get("HOME"), e.get("RAY_USAGE_STATS_ENABLED")) for k, e in envs.items()
-             if e.get("HOME") != str(home) or e.get("RAY_USAGE_STATS_ENABLED") != "0"}
+    wrong = {
+        k: (e.get("HOME"), e.get("RAY_USAGE_STATS_ENABLED"))
+        for k, e in envs.items()
+        if e.get("HOME") != str(home) or e.get("RAY_USAGE_STATS_ENABLED") != "0"
+    }
     assert not wrong, wrong
     assert os.environ["HOME"] != str(home)  # the driver's own HOME is restored
     # What the usage module does with that home: reads the file and makes no metadata request.
@@ -169,7 +179,10 @@ def test_local_instance_is_loopback_only_without_stats_or_metadata_probes(local_
         return type("Reply", (), {"status_code": 404})()
 
     monkeypatch.setattr(usage_lib.requests, "get", record)
-    assert usage_lib.get_cluster_config_to_report(str(home / ray_runtime.BOOTSTRAP_CONFIG)).cloud_provider == "local"
+    assert (
+        usage_lib.get_cluster_config_to_report(str(home / ray_runtime.BOOTSTRAP_CONFIG)).cloud_provider
+        == "local"
+    )
     assert probes == []
     usage_lib.get_cluster_config_to_report(str(home / "missing.yaml"))  # what Ray does without the file
     assert any("169.254.169.254" in str(u) for u in probes)
@@ -195,8 +208,11 @@ def test_a_crashed_worker_is_retried_and_a_failing_run_reported(local_ray, tmp_p
 
 def test_a_run_the_cluster_cannot_host_fails_clearly(local_ray, tmp_path):
     gpu = tiny_spec(tmp_path, "gpu")
-    gpu = RunSpec(gpu.key, gpu.config.model_copy(update={"run": gpu.config.run.model_copy(update={"device": "cuda"})}),
-                  gpu.out_dir)
+    gpu = RunSpec(
+        gpu.key,
+        gpu.config.model_copy(update={"run": gpu.config.run.model_copy(update={"device": "cuda"})}),
+        gpu.out_dir,
+    )
     backend = RayTaskBackend()
     try:
         with pytest.raises(ConfigError, match="needs 1 GPU"):

@@ -1,4 +1,5 @@
 """REFL: IPS priority from a fake oracle, SAA weights by hand, and both inside a sync run."""
+
 from __future__ import annotations
 
 import heapq
@@ -35,13 +36,21 @@ class LeaveOracle:
 def clients(n: int, selected_round: int = -1) -> ClientMap:
     m = ClientMap()
     for cid in range(n):
-        m.add(ClientRecord(client_id=cid, num_samples=10, tier=Tier.AVL_TRAIN, reported_tier=Tier.AVL_TRAIN,
-                           selected_round=selected_round))
+        m.add(
+            ClientRecord(
+                client_id=cid,
+                num_samples=10,
+                tier=Tier.AVL_TRAIN,
+                reported_tier=Tier.AVL_TRAIN,
+                selected_round=selected_round,
+            )
+        )
     return m
 
 
-def ctx(m: ClientMap, oracle: LeaveOracle | None, now: float = 0.0, round_: int = 10,
-        seed: int = 0) -> SelectionContext:
+def ctx(
+    m: ClientMap, oracle: LeaveOracle | None, now: float = 0.0, round_: int = 10, seed: int = 0
+) -> SelectionContext:
     return SelectionContext(now=now, round=round_, clients=m, rng=np.random.default_rng(seed), oracle=oracle)
 
 
@@ -107,8 +116,10 @@ def test_ips_without_an_oracle_explains_itself():
         ReflIPSSelector().select([0, 1], 1, ctx(clients(2), None))
 
 
-@pytest.mark.parametrize("kwargs", [{"time_window": 0.0}, {"avail_priority": 2}, {"avail_probability": 1.5},
-                                    {"prohibit_reselect": -1}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"time_window": 0.0}, {"avail_priority": 2}, {"avail_probability": 1.5}, {"prohibit_reselect": -1}],
+)
 def test_ips_params_are_validated(kwargs):
     with pytest.raises(ValueError):
         ReflIPSParams(**kwargs)
@@ -116,10 +127,16 @@ def test_ips_params_are_validated(kwargs):
 
 # ---------------------------------------------------------------------------- SAA
 def upd(delta: list[float], staleness: int, samples: int = 10, cid: int = 0) -> BufferedUpdate:
-    u = ClientUpdate(num_samples=samples, stat_utility=1.0, loss=1.0, duration=1.0,
-                     delta=np.asarray(delta, dtype=np.float32))
-    return BufferedUpdate(client_id=cid, task_id=cid, base_version=0, arrived_at=0.0, update=u,
-                          staleness=staleness)
+    u = ClientUpdate(
+        num_samples=samples,
+        stat_utility=1.0,
+        loss=1.0,
+        duration=1.0,
+        delta=np.asarray(delta, dtype=np.float32),
+    )
+    return BufferedUpdate(
+        client_id=cid, task_id=cid, base_version=0, arrived_at=0.0, update=u, staleness=staleness
+    )
 
 
 def test_saa_weights_by_hand():
@@ -182,10 +199,12 @@ def test_refl_star_runs_inside_the_sync_orchestrator():
     leave = {c: (150.0 if c % 3 == 0 else 1e9) for c in range(20)}
     oracle = LeaveOracle(leave)
     selector = ReflIPSSelector(oort=OortSelector(OortParams.fedscale()))
-    cfg = OrchestratorConfig(mode="sync", agg_goal=4, overcommit=1.3, cancel_stragglers=False,
-                             knowledge=Knowledge.ORACLE)
-    orch = Orchestrator(cfg, np.zeros(5, np.float32), selector, ReflSAAAggregator(), np.random.default_rng(0),
-                        oracle=oracle)
+    cfg = OrchestratorConfig(
+        mode="sync", agg_goal=4, overcommit=1.3, cancel_stragglers=False, knowledge=Knowledge.ORACLE
+    )
+    orch = Orchestrator(
+        cfg, np.zeros(5, np.float32), selector, ReflSAAAggregator(), np.random.default_rng(0), oracle=oracle
+    )
     rng = np.random.default_rng(1)
     heap: list = []
     seq = itertools.count()
@@ -196,9 +215,13 @@ def test_refl_star_runs_inside_the_sync_orchestrator():
             log.append(c)
             if isinstance(c, DispatchTrain):
                 dur = 1.0 + 3.0 * (c.client_id % 4)  # 1, 4, 7, 10 s: some finish after the round
-                u = ClientUpdate(num_samples=10, stat_utility=float(rng.uniform(1, 50)), loss=1.0,
-                                 duration=dur,
-                                 delta=rng.standard_normal(5).astype(np.float32))
+                u = ClientUpdate(
+                    num_samples=10,
+                    stat_utility=float(rng.uniform(1, 50)),
+                    loss=1.0,
+                    duration=dur,
+                    delta=rng.standard_normal(5).astype(np.float32),
+                )
                 heapq.heappush(heap, (now + dur, next(seq), c.client_id, c.task_id, u))
 
     for cid in range(20):

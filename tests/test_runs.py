@@ -1,5 +1,6 @@
 """Many runs, one implementation (felix.experiments.runs): the skip rule, retry-once-then-report, local
 backends, and `felix sweep` on the local backend. The Ray backend: tests/test_ray_backend.py."""
+
 from __future__ import annotations
 
 import json
@@ -15,13 +16,28 @@ from felix.engine.run import resolve_config
 from felix.experiments.runs import InlineBackend, ProcessBackend, RunOutput, RunSpec, execute, run_all
 from felix.experiments.sweep import parse_grid, parse_seeds, points
 
-TINY = {"partition": {"num_clients": 12}, "model": "mlp", "trace": {"kind": "always"},
-        "run": {"max_aggregations": 3, "target_accuracy": 0.3, "target_window": 1, "stop_at_target": False},
-        "orchestrator": {"concurrency": 4, "agg_goal": 2}}
-TINY_ARGS = [a for k, v in (("partition.num_clients", 12), ("model", "mlp"), ("trace.kind", "always"),
-                            ("run.max_aggregations", 3), ("run.target_accuracy", 0.3), ("run.target_window", 1),
-                            ("run.stop_at_target", "false"), ("orchestrator.concurrency", 4),
-                            ("orchestrator.agg_goal", 2)) for a in ("--set", f"{k}={v}")]
+TINY = {
+    "partition": {"num_clients": 12},
+    "model": "mlp",
+    "trace": {"kind": "always"},
+    "run": {"max_aggregations": 3, "target_accuracy": 0.3, "target_window": 1, "stop_at_target": False},
+    "orchestrator": {"concurrency": 4, "agg_goal": 2},
+}
+TINY_ARGS = [
+    a
+    for k, v in (
+        ("partition.num_clients", 12),
+        ("model", "mlp"),
+        ("trace.kind", "always"),
+        ("run.max_aggregations", 3),
+        ("run.target_accuracy", 0.3),
+        ("run.target_window", 1),
+        ("run.stop_at_target", "false"),
+        ("orchestrator.concurrency", 4),
+        ("orchestrator.agg_goal", 2),
+    )
+    for a in ("--set", f"{k}={v}")
+]
 
 
 def tiny_spec(tmp: Path, key: str, seed: int = 0, strategy: str = "fedbuff") -> RunSpec:
@@ -30,8 +46,13 @@ def tiny_spec(tmp: Path, key: str, seed: int = 0, strategy: str = "fedbuff") -> 
 
 def fake_output(spec: RunSpec) -> RunOutput:
     """A stand-in run (no training): enough of a summary for the loop's log line and files."""
-    s = {"strategy": spec.config.strategy, "seed": spec.config.seed, "time_to_target_s": None,
-         "final_accuracy": 0.5, "wall_time_s": 0.0}
+    s = {
+        "strategy": spec.config.strategy,
+        "seed": spec.config.seed,
+        "time_to_target_s": None,
+        "final_accuracy": 0.5,
+        "wall_time_s": 0.0,
+    }
     return RunOutput(s, [])
 
 
@@ -54,7 +75,9 @@ def test_finished_runs_are_skipped_unless_forced(tmp_path):
     specs = [tiny_spec(tmp_path, "a"), tiny_spec(tmp_path, "b", seed=1)]
     first = run_all(specs, InlineBackend(counting), log=lambda _: None)
     assert calls == ["a", "b"] and first.skipped == [] and not first.failed
-    assert all((s.out_dir / f).exists() for s in specs for f in ("summary.json", "evaluations.csv", "config.json"))
+    assert all(
+        (s.out_dir / f).exists() for s in specs for f in ("summary.json", "evaluations.csv", "config.json")
+    )
     lines: list[str] = []
     again = run_all(specs, InlineBackend(counting), log=lines.append)
     assert calls == ["a", "b"] and again.skipped == ["a", "b"]
@@ -89,7 +112,9 @@ def test_a_failed_run_is_retried_once_then_reported_and_the_others_finish(tmp_pa
     assert sorted(seen) == ["always", "always", "ok", "once", "once"]
     assert list(out.outputs) == ["ok", "once"]
     assert out.failed == {"always": "RuntimeError: boom in always"}
-    assert not (tmp_path / "always" / "summary.json").exists() and (tmp_path / "once" / "summary.json").exists()
+    assert (
+        not (tmp_path / "always" / "summary.json").exists() and (tmp_path / "once" / "summary.json").exists()
+    )
     assert lines[-1].startswith("done 3/3") or any(line.startswith("done 3/3") for line in lines)
     assert any("retrying once" in line for line in lines)
 
@@ -115,11 +140,17 @@ def test_duplicate_keys_are_refused(tmp_path):
 
 def test_grid_and_seed_parsing():
     assert parse_grid(["client.lr=0.05,0.1", "orchestrator.mode=[sync, async]"]) == {
-        "client.lr": [0.05, 0.1], "orchestrator.mode": ["sync", "async"]}
+        "client.lr": [0.05, 0.1],
+        "orchestrator.mode": ["sync", "async"],
+    }
     assert parse_grid(["trace.series=2,3_75"]) == {"trace.series": [2, "3_75"]}  # YAML 1.2, like --set
     assert parse_seeds("0,1,2") == [0, 1, 2] and parse_seeds(None) == [None]
     pts = points(["fedbuff", "felix"], {"client.lr": [0.05, 0.1]}, [0, 1])
-    assert len(pts) == 8 and pts[0].key == "fedbuff/client.lr=0.05/seed=0" and pts[0].group == "fedbuff/client.lr=0.05"
+    assert (
+        len(pts) == 8
+        and pts[0].key == "fedbuff/client.lr=0.05/seed=0"
+        and pts[0].group == "fedbuff/client.lr=0.05"
+    )
     for bad in (["client.lr"], ["client.lr="], ["a=1", "a=2"], ["a=[1"]):
         with pytest.raises(ConfigError):
             parse_grid(bad)
@@ -140,12 +171,30 @@ def test_resources_follow_run_device_and_threads():
 
 def test_sweep_cli_local(tmp_path, capsys):
     out = tmp_path / "sw"
-    rc = main(["sweep", "--strategies", "fedbuff", "--grid", "client.lr=0.05,0.2", "--seeds", "0,1",
-               "--out", str(out), "--jobs", "1", *TINY_ARGS])
+    rc = main(
+        [
+            "sweep",
+            "--strategies",
+            "fedbuff",
+            "--grid",
+            "client.lr=0.05,0.2",
+            "--seeds",
+            "0,1",
+            "--out",
+            str(out),
+            "--jobs",
+            "1",
+            *TINY_ARGS,
+        ]
+    )
     assert rc == 0
     doc = json.loads((out / "sweep.json").read_text())
-    assert [r["key"] for r in doc["runs"]] == ["fedbuff/client.lr=0.05/seed=0", "fedbuff/client.lr=0.05/seed=1",
-                                               "fedbuff/client.lr=0.2/seed=0", "fedbuff/client.lr=0.2/seed=1"]
+    assert [r["key"] for r in doc["runs"]] == [
+        "fedbuff/client.lr=0.05/seed=0",
+        "fedbuff/client.lr=0.05/seed=1",
+        "fedbuff/client.lr=0.2/seed=0",
+        "fedbuff/client.lr=0.2/seed=1",
+    ]
     assert [r["seed"] for r in doc["runs"]] == [0, 1, 0, 1]
     cfg = json.loads((out / doc["runs"][2]["out_dir"] / "config.json").read_text())
     assert cfg["client"]["lr"] == 0.2 and cfg["seed"] == 0

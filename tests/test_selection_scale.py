@@ -4,6 +4,7 @@ The selections must be those of the per-record selectors this project had before
 ``data/selection_fixture.json`` by ``selection_scenarios.py``), and a selector rebuilt from its
 ``state_dict`` must go on selecting exactly as the original would have.
 """
+
 from __future__ import annotations
 
 import io
@@ -94,8 +95,18 @@ def _swap_at(name: str, at: set[int]):
     return hook
 
 
-@pytest.mark.parametrize("case", ["felix-async/0", "oort-async-oracle/1", "oort-sync-none/0",
-                                  "fedscale-blacklist/1", "refl-oort/0", "refl-random/1", "random-async/0"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "felix-async/0",
+        "oort-async-oracle/1",
+        "oort-sync-none/0",
+        "fedscale-blacklist/1",
+        "refl-oort/0",
+        "refl-random/1",
+        "random-async/0",
+    ],
+)
 def test_restored_state_selects_exactly_as_the_original(case):
     name, seed = case.split("/")
     _same_log(run_scenario(name, int(seed), hook=_swap_at(name, {150, 400, 700})), FIXTURE[case])
@@ -104,8 +115,17 @@ def test_restored_state_selects_exactly_as_the_original(case):
 def test_oort_state_is_proportional_to_the_population():
     m = ClientMap()
     for c in range(500):
-        m.add(ClientRecord(c, 10, Tier.AVL_TRAIN, Tier.AVL_TRAIN, stat_utility=float(c % 7) or None,
-                           last_utility_round=c % 5, last_duration=float(c % 11) or None))
+        m.add(
+            ClientRecord(
+                c,
+                10,
+                Tier.AVL_TRAIN,
+                Tier.AVL_TRAIN,
+                stat_utility=float(c % 7) or None,
+                last_utility_round=c % 5,
+                last_duration=float(c % 11) or None,
+            )
+        )
     sel = OortSelector(OortParams(blacklist_rounds=0))
     sel.select(np.arange(0, 500, 2), 10, SelectionContext(0.0, 5, m, np.random.default_rng(0)))
     state = sel.state_dict()
@@ -116,19 +136,32 @@ def test_oort_state_is_proportional_to_the_population():
     twin.load_state_dict(state)
     assert twin.preferred_duration == sel.preferred_duration
     assert twin.exploration == sel.exploration
-    picks = [s.select(np.arange(1, 500, 3), 12, SelectionContext(0.0, 6, m, np.random.default_rng(4)))
-             for s in (sel, twin)]
+    picks = [
+        s.select(np.arange(1, 500, 3), 12, SelectionContext(0.0, 6, m, np.random.default_rng(4)))
+        for s in (sel, twin)
+    ]
     assert picks[0] == picks[1]
 
 
-@pytest.mark.parametrize("bad", [
-    {"exploration": "x"}, {"exploration": float("nan")}, {"seen_explored": np.zeros(3, bool)},
-    {"exploit_history": np.array([np.inf])}, {"watched": np.zeros((2, 2), bool)}, {"extra": 1},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"exploration": "x"},
+        {"exploration": float("nan")},
+        {"seen_explored": np.zeros(3, bool)},
+        {"exploit_history": np.array([np.inf])},
+        {"watched": np.zeros((2, 2), bool)},
+        {"extra": 1},
+    ],
+)
 def test_oort_state_is_validated(bad):
     sel = OortSelector()
-    state = {**OortSelector().state_dict(), "seen_duration": np.full(4, np.nan),
-             "seen_explored": np.zeros(4, bool), "watched": np.zeros(4, bool)}
+    state = {
+        **OortSelector().state_dict(),
+        "seen_duration": np.full(4, np.nan),
+        "seen_explored": np.zeros(4, bool),
+        "watched": np.zeros(4, bool),
+    }
     sel.load_state_dict(state)  # the well-formed one loads
     with pytest.raises(ValueError):
         sel.load_state_dict({**state, **bad})
@@ -224,9 +257,12 @@ def test_client_map_rejects_bad_input():
         m[-3]
     assert 1 in m and 5 not in m and "1" not in m
     state = m.state_dict()
-    for bad in ({**state, "tier": np.array([7])}, {**state, "client_id": np.array([1, 2])},
-                {k: v for k, v in state.items() if k != "tier"},
-                {**state, "class_counts_len": np.array([3])}):
+    for bad in (
+        {**state, "tier": np.array([7])},
+        {**state, "client_id": np.array([1, 2])},
+        {k: v for k, v in state.items() if k != "tier"},
+        {**state, "class_counts_len": np.array([3])},
+    ):
         with pytest.raises(ValueError):
             ClientMap().load_state_dict(bad)
 
@@ -245,8 +281,13 @@ def test_ranking_matches_stable_sorts():
 
 
 def test_registration_beyond_64_bits_is_rejected_not_fatal():
-    orch = Orchestrator(OrchestratorConfig(), np.zeros(2, np.float32), RandomSelector(), FedBuffAggregator(),
-                        np.random.default_rng(0))
+    orch = Orchestrator(
+        OrchestratorConfig(),
+        np.zeros(2, np.float32),
+        RandomSelector(),
+        FedBuffAggregator(),
+        np.random.default_rng(0),
+    )
     for ev in (ClientRegistered(0.0, 2**70, 5), ClientRegistered(0.0, 3, 2**64)):
         out = orch.handle(ev)
         assert [type(c) for c in out] == [UpdateRejected] and len(orch.clients) == 0

@@ -11,6 +11,7 @@ its clients register all at t=0; over MQTT they register as they connect, train 
 timers and their results race the server's evaluations, so the event sequences differ after the
 first few events and the strategy (random or Oort selection) sees different histories.
 """
+
 from __future__ import annotations
 
 import csv
@@ -46,9 +47,14 @@ def _per_message(total: int, count: int) -> float | None:
 @pytest.mark.parametrize("strategy", ["fedbuff", "felix"])
 def test_both_shells_count_the_same_bytes(tmp_path: Path, strategy: str) -> None:
     path = write_config(tmp_path / "cfg.yaml", partition={"num_clients": CLIENTS}, trace={"kind": "always"})
-    cfg = load_config(path, {"strategy": strategy, "orchestrator": {"agg_goal": 2, "concurrency": 3},
-                             "run": {"max_aggregations": AGGREGATIONS, "stop_at_target": False,
-                                     "target_accuracy": 1.0}})
+    cfg = load_config(
+        path,
+        {
+            "strategy": strategy,
+            "orchestrator": {"agg_goal": 2, "concurrency": 3},
+            "run": {"max_aggregations": AGGREGATIONS, "stop_at_target": False, "target_accuracy": 1.0},
+        },
+    )
     sim = run_config(cfg, None, plots=False)
     s = sim.summary
     with MosquittoBroker(CLIENTS, workdir=tmp_path / "broker") as broker:
@@ -96,6 +102,7 @@ def test_both_shells_count_the_same_bytes(tmp_path: Path, strategy: str) -> None
 def test_interrupted_server_keeps_its_evaluations(tmp_path: Path) -> None:
     """``felix serve`` on Ctrl-C / SIGTERM (its CLI sets ``stop_requested``): the run ends
     ``interrupted``, with the evaluations it wrote as they happened."""
+
     def rows() -> list[dict[str, str]]:
         try:
             with open(tmp_path / "out" / "evaluations.csv", newline="") as f:
@@ -104,8 +111,14 @@ def test_interrupted_server_keeps_its_evaluations(tmp_path: Path) -> None:
             return []
 
     path = write_config(tmp_path / "cfg.yaml", partition={"num_clients": CLIENTS}, trace={"kind": "always"})
-    cfg = load_config(path, {"strategy": "fedbuff", "orchestrator": {"agg_goal": 2, "concurrency": 3},
-                             "run": {"stop_at_target": False}})
+    cfg = load_config(
+        path,
+        {
+            "strategy": "fedbuff",
+            "orchestrator": {"agg_goal": 2, "concurrency": 3},
+            "run": {"stop_at_target": False},
+        },
+    )
     with MosquittoBroker(CLIENTS, workdir=tmp_path / "broker") as broker:
         server, thread = start_server(cfg, broker, tmp_path / "out", SCALE)
         host, clients = start_clients(cfg, broker, list(range(CLIENTS)), SCALE)

@@ -1,4 +1,5 @@
 """The simulation shell end to end, on the bundled digits data (fast, offline)."""
+
 from __future__ import annotations
 
 import json
@@ -48,19 +49,28 @@ def test_bytes_count_every_model_transfer():
 
 
 def test_training_improves_accuracy():
-    res = run_config(small(run={"max_aggregations": 30, "target_accuracy": 0.6, "stop_at_target": True,
-                                "target_window": 2}), None, plots=False)
+    res = run_config(
+        small(
+            run={"max_aggregations": 30, "target_accuracy": 0.6, "stop_at_target": True, "target_window": 2}
+        ),
+        None,
+        plots=False,
+    )
     assert res.summary["time_to_target_s"] is not None
     assert res.rows[0].accuracy < 0.3 < res.summary["final_accuracy"]
 
 
 def test_sync_without_deadline_stalls_when_selected_clients_vanish():
     # Clients 0-9 leave at t=30 for good and sync FedAvg has no timeout: the round never closes.
-    cfg = small(preset="fedavg", run={"max_time_s": 5000.0, "max_aggregations": 50},
-                runtime={"kind": "constant", "constant_s": 40.0},
-                orchestrator={"agg_goal": 20, "overcommit": 1.0})
+    cfg = small(
+        preset="fedavg",
+        run={"max_time_s": 5000.0, "max_aggregations": 50},
+        runtime={"kind": "constant", "constant_s": 40.0},
+        orchestrator={"agg_goal": 20, "overcommit": 1.0},
+    )
     res = run_config(cfg, None, plots=False)
     from felix.sim.build import build
+
     b = build(cfg)
     for dev in b.sim.devices[:10]:
         dev.trace = DeviceTrace.from_events([(0, Tier.AVL_TRAIN), (30, Tier.UN_AVL)])
@@ -70,10 +80,14 @@ def test_sync_without_deadline_stalls_when_selected_clients_vanish():
 
 
 def test_paused_training_resumes_and_arrives_late():
-    cfg = small(runtime={"kind": "constant", "constant_s": 40.0}, run={"max_aggregations": 1},
-                orchestrator={"concurrency": 1, "agg_goal": 1, "task_timeout_s": None},
-                partition={"num_clients": 1})
+    cfg = small(
+        runtime={"kind": "constant", "constant_s": 40.0},
+        run={"max_aggregations": 1},
+        orchestrator={"concurrency": 1, "agg_goal": 1, "task_timeout_s": None},
+        partition={"num_clients": 1},
+    )
     from felix.sim.build import build
+
     b = build(cfg)
     dev: SimDevice = b.sim.devices[0]
     dev.trace = DeviceTrace.from_events([(0, Tier.AVL_TRAIN), (10, Tier.UN_AVL), (100, Tier.AVL_TRAIN)])
@@ -84,14 +98,41 @@ def test_paused_training_resumes_and_arrives_late():
 
 def test_cli_writes_outputs(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("partition: {num_clients: 10}\nmodel: mlp\nrun: {max_aggregations: 3, target_accuracy: 0.99}\n")
-    rc = main(["run", str(cfg), "--preset", "fedbuff", "--out", str(tmp_path / "o"), "-q",
-               "--set", "orchestrator.concurrency=4", "--set", "orchestrator.agg_goal=2"])
+    cfg.write_text(
+        "partition: {num_clients: 10}\nmodel: mlp\nrun: {max_aggregations: 3, target_accuracy: 0.99}\n"
+    )
+    rc = main(
+        [
+            "run",
+            str(cfg),
+            "--preset",
+            "fedbuff",
+            "--out",
+            str(tmp_path / "o"),
+            "-q",
+            "--set",
+            "orchestrator.concurrency=4",
+            "--set",
+            "orchestrator.agg_goal=2",
+        ]
+    )
     assert rc == 0
     s = json.loads((tmp_path / "o" / "summary.json").read_text())
-    required = {"strategy", "seed", "target_accuracy", "time_to_target_s", "bytes_to_target", "final_accuracy",
-                "virtual_time_s", "wall_time_s", "aggregations", "updates_applied", "updates_discarded",
-                "bytes_down", "bytes_up"}
+    required = {
+        "strategy",
+        "seed",
+        "target_accuracy",
+        "time_to_target_s",
+        "bytes_to_target",
+        "final_accuracy",
+        "virtual_time_s",
+        "wall_time_s",
+        "aggregations",
+        "updates_applied",
+        "updates_discarded",
+        "bytes_down",
+        "bytes_up",
+    }
     assert required <= set(s) and s["strategy"] == "fedbuff" and s["time_to_target_s"] is None
     assert s["aggregations"] == 3
     rows = (tmp_path / "o" / "evaluations.csv").read_text().splitlines()

@@ -1,6 +1,7 @@
 """The soak benchmark's shortest version (``benchmarks/soak.py --tiny``): a server and 12 emulated
 clients under churn while a client group, the broker and the server are each killed with SIGKILL
 (and come back), and a hostile client sends 150 fuzzed messages and poisoning attempts."""
+
 from __future__ import annotations
 
 import json
@@ -24,13 +25,27 @@ ROOT = Path(__file__).resolve().parents[1]
 def soak(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     keep = tmp_path_factory.mktemp("soak")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--tiny", "--keep", str(keep)],
-                          capture_output=True, text=True, timeout=420, env=env, check=False)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--tiny", "--keep", str(keep)],
+        capture_output=True,
+        text=True,
+        timeout=420,
+        env=env,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     line = done.stdout.strip().splitlines()[-1]
     result = json.loads(line)
-    assert set(result) == {"acked_lost", "applied_twice", "server_crashes", "bad_updates_applied", "rss_start_mb",
-                           "rss_end_mb", "tier_msgs_per_s", "round_trips_per_s"}
+    assert set(result) == {
+        "acked_lost",
+        "applied_twice",
+        "server_crashes",
+        "bad_updates_applied",
+        "rss_start_mb",
+        "rss_end_mb",
+        "tier_msgs_per_s",
+        "round_trips_per_s",
+    }
     return result  # type: ignore[no-any-return]
 
 

@@ -1,4 +1,5 @@
 """TierFuse: weights, normalisation, cap, T_max and the server step pinned to hand-computed values."""
+
 from __future__ import annotations
 
 import heapq
@@ -20,12 +21,14 @@ from felix.strategies.aggregation.tierfuse import (
 from felix.strategies.selection.random import RandomSelector
 
 
-def item(staleness: int, utility: float = 0.0, loss: float = 0.0, delta: list[float] | None = None,
-         cid: int = 0) -> BufferedUpdate:
+def item(
+    staleness: int, utility: float = 0.0, loss: float = 0.0, delta: list[float] | None = None, cid: int = 0
+) -> BufferedUpdate:
     d = np.asarray(delta if delta is not None else [0.0, 0.0, 0.0], dtype=np.float32)
     upd = ClientUpdate(num_samples=10, stat_utility=utility, loss=loss, duration=1.0, delta=d)
-    return BufferedUpdate(client_id=cid, task_id=cid, base_version=0, arrived_at=0.0, update=upd,
-                          staleness=staleness)
+    return BufferedUpdate(
+        client_id=cid, task_id=cid, base_version=0, arrived_at=0.0, update=upd, staleness=staleness
+    )
 
 
 def test_basis_functions():
@@ -99,8 +102,9 @@ def test_t_max_drops_older_updates():
     assert new == pytest.approx(theta) and norm_w == pytest.approx([0.0])
 
 
-@pytest.mark.parametrize("kwargs", [{"sigma": 1.2}, {"a": -1.0}, {"b": -0.1}, {"utility": "accuracy"},
-                                    {"t_max": -1}])
+@pytest.mark.parametrize(
+    "kwargs", [{"sigma": 1.2}, {"a": -1.0}, {"b": -0.1}, {"utility": "accuracy"}, {"t_max": -1}]
+)
 def test_params_are_validated(kwargs):
     with pytest.raises(ValueError):
         TierFuseParams(**kwargs)
@@ -127,9 +131,13 @@ def test_tierfuse_produces_versions_inside_the_orchestrator():
             log.append(c)
             if isinstance(c, DispatchTrain):
                 dur = 1.0 + c.client_id % 7  # slow clients come back stale
-                upd = ClientUpdate(num_samples=10, stat_utility=float(rng.uniform(1, 500)),
-                                   loss=float(rng.uniform(0.1, 3)), duration=dur,
-                                   delta=rng.standard_normal(5).astype(np.float32))
+                upd = ClientUpdate(
+                    num_samples=10,
+                    stat_utility=float(rng.uniform(1, 500)),
+                    loss=float(rng.uniform(0.1, 3)),
+                    duration=dur,
+                    delta=rng.standard_normal(5).astype(np.float32),
+                )
                 heapq.heappush(heap, (now + dur, next(seq), c.client_id, c.task_id, upd))
 
     for cid in range(20):
@@ -151,8 +159,9 @@ def test_buffer_mean_scale_weights_utility_relative_to_the_buffer():
     # beta = 1.5 - 1/(1 + L) = 0.8333, 1.1, 1.0; w = 0.4 * 1 + 0.6 * beta at T = 0
     p = TierFuseParams(b=1.0, cap_beta=False, utility_scale="buffer_mean")
     buf = [item(0, 100.0), item(0, 300.0), item(0, 200.0)]
-    assert TierFuseAggregator(p).weights(buf) == pytest.approx([0.4 + 0.6 * (1.5 - 1 / 1.5), 0.4 + 0.6 * 1.1,
-                                                                 0.4 + 0.6 * 1.0])
+    assert TierFuseAggregator(p).weights(buf) == pytest.approx(
+        [0.4 + 0.6 * (1.5 - 1 / 1.5), 0.4 + 0.6 * 1.1, 0.4 + 0.6 * 1.0]
+    )
     # the absolute scale saturates beta at these utilities: all three weights nearly equal
     w_abs = TierFuseAggregator(TierFuseParams(b=1.0, cap_beta=False)).weights(buf)
     assert np.ptp(w_abs) < 0.01 < np.ptp(TierFuseAggregator(p).weights(buf))

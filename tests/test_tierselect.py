@@ -1,4 +1,5 @@
 """TierSelect's eval path: the rate limit, the staleness threshold, stalest first; and a FeLiX run."""
+
 from __future__ import annotations
 
 import heapq
@@ -21,8 +22,16 @@ from felix.strategies.selection.tierselect import TierSelectEval, TierSelectEval
 def ctx_for(last_rounds: dict[int, int], round_: int) -> SelectionContext:
     m = ClientMap()
     for cid, last in last_rounds.items():
-        m.add(ClientRecord(client_id=cid, num_samples=10, tier=Tier.AVL_EVAL, reported_tier=Tier.AVL_EVAL,
-                           stat_utility=None if last < 0 else 1.0, last_utility_round=last))
+        m.add(
+            ClientRecord(
+                client_id=cid,
+                num_samples=10,
+                tier=Tier.AVL_EVAL,
+                reported_tier=Tier.AVL_EVAL,
+                stat_utility=None if last < 0 else 1.0,
+                last_utility_round=last,
+            )
+        )
     return SelectionContext(now=0.0, round=round_, clients=m, rng=np.random.default_rng(0))
 
 
@@ -77,9 +86,14 @@ def test_tierselect_dispatches_rate_limited_evals_under_tiertrack():
     agg_goal = 4
     train_sel, eval_sel = tierselect(agg_goal, TierSelectEvalParams(staleness_threshold=2))
     cfg = OrchestratorConfig(mode="async", agg_goal=agg_goal, concurrency=5, knowledge=Knowledge.TIERTRACK)
-    orch = Orchestrator(cfg, np.zeros(5, np.float32), train_sel, TierFuseAggregator(),
-                        np.random.default_rng(0),
-                        eval_selector=eval_sel)
+    orch = Orchestrator(
+        cfg,
+        np.zeros(5, np.float32),
+        train_sel,
+        TierFuseAggregator(),
+        np.random.default_rng(0),
+        eval_selector=eval_sel,
+    )
     rng = np.random.default_rng(1)
     heap: list = []
     seq = itertools.count()
@@ -91,9 +105,13 @@ def test_tierselect_dispatches_rate_limited_evals_under_tiertrack():
             if isinstance(c, (DispatchTrain, DispatchEval)):
                 train = isinstance(c, DispatchTrain)
                 dur = 1.0 + c.client_id % 5 if train else 0.05
-                upd = ClientUpdate(num_samples=10, stat_utility=float(rng.uniform(1, 50)), loss=1.0,
-                                   duration=dur,
-                                   delta=rng.standard_normal(5).astype(np.float32) if train else None)
+                upd = ClientUpdate(
+                    num_samples=10,
+                    stat_utility=float(rng.uniform(1, 50)),
+                    loss=1.0,
+                    duration=dur,
+                    delta=rng.standard_normal(5).astype(np.float32) if train else None,
+                )
                 heapq.heappush(heap, (now + dur, next(seq), c.client_id, c.task_id, upd))
 
     for cid in range(20):
@@ -121,8 +139,16 @@ def test_value_order_probes_high_utility_long_unmeasured_clients_first():
     m = ClientMap()
     # (utility, last measured round) at round 50, threshold 35: values 2*40=80, 5*36=180, 1*45=45; 3 too fresh
     for cid, (u, last) in {0: (2.0, 10), 1: (5.0, 14), 2: (1.0, 5), 3: (9.0, 40), 4: (None, -1)}.items():
-        m.add(ClientRecord(client_id=cid, num_samples=10, tier=Tier.AVL_EVAL, reported_tier=Tier.AVL_EVAL,
-                           stat_utility=u, last_utility_round=last))
+        m.add(
+            ClientRecord(
+                client_id=cid,
+                num_samples=10,
+                tier=Tier.AVL_EVAL,
+                reported_tier=Tier.AVL_EVAL,
+                stat_utility=u,
+                last_utility_round=last,
+            )
+        )
     c = SelectionContext(now=0.0, round=50, clients=m, rng=np.random.default_rng(0))
     value = TierSelectEval(10, TierSelectEvalParams(order="value"))
     assert value.select([0, 1, 2, 3, 4], 15, c) == [4, 1, 0, 2]  # never measured first, then by value
@@ -137,18 +163,28 @@ def test_value_order_probes_high_utility_long_unmeasured_clients_first():
 @pytest.mark.parametrize("scale", [1.0, 0.5])
 def test_eval_utility_scale_multiplies_eval_utilities_only(scale):
     """One AVL_TRAIN and one AVL_EVAL client: the eval reply's utility is scaled, the training one's not."""
-    cfg = OrchestratorConfig(mode="async", agg_goal=1, concurrency=1, knowledge=Knowledge.TIERTRACK,
-                             eval_utility_scale=scale)
+    cfg = OrchestratorConfig(
+        mode="async", agg_goal=1, concurrency=1, knowledge=Knowledge.TIERTRACK, eval_utility_scale=scale
+    )
     train_sel, eval_sel = tierselect(1, TierSelectEvalParams(staleness_threshold=0))
-    orch = Orchestrator(cfg, np.zeros(3, np.float32), train_sel, TierFuseAggregator(), np.random.default_rng(0),
-                        eval_selector=eval_sel)
+    orch = Orchestrator(
+        cfg,
+        np.zeros(3, np.float32),
+        train_sel,
+        TierFuseAggregator(),
+        np.random.default_rng(0),
+        eval_selector=eval_sel,
+    )
     cmds = orch.handle(ClientRegistered(0.0, 0, 10, Tier.AVL_TRAIN)) + orch.handle(
-        ClientRegistered(0.0, 1, 10, Tier.AVL_EVAL))
+        ClientRegistered(0.0, 1, 10, Tier.AVL_EVAL)
+    )
     tasks = {type(c): c for c in cmds if isinstance(c, (DispatchTrain, DispatchEval))}
     ev, tr = tasks[DispatchEval], tasks[DispatchTrain]
     assert (ev.client_id, tr.client_id) == (1, 0)
     orch.handle(TaskFinished(1.0, 1, ev.task_id, ClientUpdate(10, 40.0, 1.0, 0.05)))
-    orch.handle(TaskFinished(2.0, 0, tr.task_id, ClientUpdate(10, 40.0, 1.0, 2.0, delta=np.ones(3, np.float32))))
+    orch.handle(
+        TaskFinished(2.0, 0, tr.task_id, ClientUpdate(10, 40.0, 1.0, 2.0, delta=np.ones(3, np.float32)))
+    )
     assert orch.clients[1].stat_utility == pytest.approx(40.0 * scale)
     assert orch.clients[0].stat_utility == pytest.approx(40.0)
 

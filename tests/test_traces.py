@@ -20,7 +20,9 @@ SHARED_TRACE = str(Path(os.environ.get("FELIX_TRACES", "../shared/traces")) / "m
 
 
 def test_step_function_last_event_at_same_time_wins_and_merges_neighbours():
-    d = DeviceTrace.from_events([(0, Tier.AVL_TRAIN), (5, Tier.UN_AVL), (5, Tier.AVL_TRAIN), (9, Tier.AVL_EVAL)])
+    d = DeviceTrace.from_events(
+        [(0, Tier.AVL_TRAIN), (5, Tier.UN_AVL), (5, Tier.AVL_TRAIN), (9, Tier.AVL_EVAL)]
+    )
     assert d.times.tolist() == [0.0, 9.0]
     assert d.tier_at(4.9) is Tier.AVL_TRAIN and d.tier_at(9) is Tier.AVL_EVAL
     assert d.next_change(0) == (9.0, Tier.AVL_EVAL) and d.next_change(9) is None
@@ -61,9 +63,15 @@ def test_real_mobiperf_trace_loads_all_series():
 @pytest.mark.parametrize(
     "devices, needle",
     [
-        ({"7": {"avl_events_3_state_50": [[0, "AVL_TRAIN"], [5, "SLEEPING"]]}}, "device 7, event 1: unknown tier"),
+        (
+            {"7": {"avl_events_3_state_50": [[0, "AVL_TRAIN"], [5, "SLEEPING"]]}},
+            "device 7, event 1: unknown tier",
+        ),
         ({"7": {"avl_events_3_state_50": [[0, "AVL_TRAIN"], [-5, "UN_AVL"]]}}, "device 7, event 1: bad time"),
-        ({"7": {"avl_events_3_state_50": [[9, "AVL_TRAIN"], [5, "UN_AVL"]]}}, "device 7, event 1: time 5 goes back"),
+        (
+            {"7": {"avl_events_3_state_50": [[9, "AVL_TRAIN"], [5, "UN_AVL"]]}},
+            "device 7, event 1: time 5 goes back",
+        ),
         ({"7": {"avl_events_3_state_50": [[0]]}}, "device 7, event 0: expected [t_seconds, tier]"),
         ({"7": {"avl_events_2_state": []}}, "device 7: missing or empty"),
     ],

@@ -1,6 +1,7 @@
 """Update validation in the shared core (issue 11, findings 1, 2 and 9), robust aggregation, and the
 aggregation backstop: one client's result must not poison the model, crash or wedge the run, plant
 state the server ships to everyone, or turn tier flips into a stream of model downloads."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -29,13 +30,25 @@ THETA0 = RNG.normal(0, 1, DIM).astype(np.float32)  # norm ~7: the warm-up bound 
 
 def make(agg: Aggregator | None = None, validator: UpdateValidator | None = None, **kw) -> Orchestrator:
     cfg = OrchestratorConfig(**{"mode": "async", "agg_goal": 1, "concurrency": 1, **kw})
-    return Orchestrator(cfg, THETA0.copy(), RandomSelector(), agg or FedAvgAggregator(), np.random.default_rng(0),
-                        validator=validator or UpdateValidator())
+    return Orchestrator(
+        cfg,
+        THETA0.copy(),
+        RandomSelector(),
+        agg or FedAvgAggregator(),
+        np.random.default_rng(0),
+        validator=validator or UpdateValidator(),
+    )
 
 
 def honest(scale: float = 0.05, n: int = 20, **aux: np.ndarray) -> ClientUpdate:
-    return ClientUpdate(num_samples=n, stat_utility=1.0, loss=0.7, duration=3.0,
-                        delta=RNG.normal(0, scale, DIM).astype(np.float32), aux=dict(aux))
+    return ClientUpdate(
+        num_samples=n,
+        stat_utility=1.0,
+        loss=0.7,
+        duration=3.0,
+        delta=RNG.normal(0, scale, DIM).astype(np.float32),
+        aux=dict(aux),
+    )
 
 
 def finish(o: Orchestrator, t: float, u: ClientUpdate) -> list:
@@ -55,9 +68,12 @@ def test_poisoned_update_is_rejected_and_the_run_goes_on() -> None:
     o = make()
     for c in range(8):
         o.handle(ClientRegistered(0.0, c, num_samples=20))
-    poison = ClientUpdate(num_samples=2**40, stat_utility=1.0, loss=0.1, duration=1.0,
-                          delta=np.full(DIM, 3e38, np.float32))
-    assert "num_samples 1099511627776 exceeds the 20 the client registered" in reasons(finish(o, 1.0, poison))[0]
+    poison = ClientUpdate(
+        num_samples=2**40, stat_utility=1.0, loss=0.1, duration=1.0, delta=np.full(DIM, 3e38, np.float32)
+    )
+    assert (
+        "num_samples 1099511627776 exceeds the 20 the client registered" in reasons(finish(o, 1.0, poison))[0]
+    )
     poison.num_samples = 20
     assert reasons(finish(o, 2.0, poison))[0].startswith("update norm")
     assert o.version == 0 and np.array_equal(o.weights, THETA0)
@@ -92,20 +108,27 @@ def test_negative_loss_utility_or_duration_is_rejected() -> None:
 
 
 def test_clip_policy_scales_to_the_bound_and_one_client_cannot_drag_the_median() -> None:
-    v = UpdateValidator(ValidationConfig(norm_policy="clip", norm_factor=4.0, norm_window=10, norm_min_history=3))
+    v = UpdateValidator(
+        ValidationConfig(norm_policy="clip", norm_factor=4.0, norm_window=10, norm_min_history=3)
+    )
     theta = np.ones(DIM, np.float32)
     for c in range(3):
-        v.check(c, TaskKind.TRAIN, ClientUpdate(10, 1.0, 0.5, 1.0, np.full(DIM, 0.1, np.float32)), 10, 0, theta)
+        v.check(
+            c, TaskKind.TRAIN, ClientUpdate(10, 1.0, 0.5, 1.0, np.full(DIM, 0.1, np.float32)), 10, 0, theta
+        )
     median = float(np.linalg.norm(np.full(DIM, 0.1)))
     # Client 9 sends 1,000 updates just under the bound: it holds one entry, the median stays put.
     for _ in range(1000):
         big = np.full(DIM, 0.399, np.float32)
         assert not v.check(9, TaskKind.TRAIN, ClientUpdate(10, 1.0, 0.5, 1.0, big), 10, 0, theta).clipped
     assert v.norm_bound(theta, steps=10) == pytest.approx(4.0 * median, rel=1e-6)  # 10 samples, batch 1
-    verdict = v.check(9, TaskKind.TRAIN, ClientUpdate(10, 1.0, 0.5, 1.0, np.full(DIM, 3e38, np.float32)),
-                      10, 0, theta)
+    verdict = v.check(
+        9, TaskKind.TRAIN, ClientUpdate(10, 1.0, 0.5, 1.0, np.full(DIM, 3e38, np.float32)), 10, 0, theta
+    )
     assert verdict.clipped and verdict.update is not None
-    assert float(np.linalg.norm(verdict.update.delta.astype(np.float64))) == pytest.approx(4 * median, rel=1e-5)
+    assert float(np.linalg.norm(verdict.update.delta.astype(np.float64))) == pytest.approx(
+        4 * median, rel=1e-5
+    )
     state = v.state_dict()
     w = UpdateValidator(v.config)
     w.load_state_dict(state)
@@ -160,12 +183,21 @@ def test_an_update_the_aggregator_cannot_take_is_rejected_and_the_rest_kept() ->
     assert reasons(out) == ["update cannot be aggregated (cannot weigh client 0)"]
     assert o.version == 0 and np.array_equal(o.weights, THETA0)
     out = o.handle(TaskFinished(3.0, 2, tasks[2].task_id, honest()))
-    assert o.version == 1 and next(c for c in out if isinstance(c, NewModelVersion)).report.client_ids == (1, 2)
+    assert o.version == 1 and next(c for c in out if isinstance(c, NewModelVersion)).report.client_ids == (
+        1,
+        2,
+    )
 
 
 def test_build_declares_the_objective_and_aggregator_aux() -> None:
-    cfg = validate({"partition": {"num_clients": 4}, "client": {"objective": "federage"},
-                    "aggregator": {"name": "qffl", "params": {"q": 1.0}}, "validation": {"norm_factor": 6.0}})
+    cfg = validate(
+        {
+            "partition": {"num_clients": 4},
+            "client": {"objective": "federage"},
+            "aggregator": {"name": "qffl", "params": {"q": 1.0}},
+            "validation": {"norm_factor": 6.0},
+        }
+    )
     o = build_orchestrator(cfg, THETA0.copy(), None)
     assert set(o.validator.aux_spec) == {"federage_beta", "qffl_loss"}
     assert o.validator.config.norm_factor == 6.0
@@ -189,13 +221,19 @@ def test_weighted_median_and_trimmed_mean() -> None:
 
 
 @pytest.mark.parametrize("method", ["median", "trimmed_mean"])
-@pytest.mark.parametrize("inner", [FedAvgAggregator(), FedBuffAggregator(server_lr=0.5), TierFuseAggregator()])
+@pytest.mark.parametrize(
+    "inner", [FedAvgAggregator(), FedBuffAggregator(server_lr=0.5), TierFuseAggregator()]
+)
 def test_robust_aggregation_bounds_one_outlier_with_any_weights(method: str, inner: Aggregator) -> None:
     agg = RobustAggregator(inner, method, trim=0.2)
     theta = np.zeros(DIM, np.float32)
-    buf = [BufferedUpdate(c, c, 0, 0.0, ClientUpdate(20, 1.0, 0.5, 1.0, np.full(DIM, 0.1, np.float32)), 0)
-           for c in range(4)]
-    buf.append(BufferedUpdate(9, 9, 0, 0.0, ClientUpdate(20, 1.0, 0.5, 1.0, np.full(DIM, 1e6, np.float32)), 0))
+    buf = [
+        BufferedUpdate(c, c, 0, 0.0, ClientUpdate(20, 1.0, 0.5, 1.0, np.full(DIM, 0.1, np.float32)), 0)
+        for c in range(4)
+    ]
+    buf.append(
+        BufferedUpdate(9, 9, 0, 0.0, ClientUpdate(20, 1.0, 0.5, 1.0, np.full(DIM, 1e6, np.float32)), 0)
+    )
     new, w, _ = agg.aggregate(theta, buf)
     assert np.allclose(new, inner.server_lr * 0.1, rtol=1e-5)
     assert w.sum() == pytest.approx(1.0)
@@ -203,8 +241,12 @@ def test_robust_aggregation_bounds_one_outlier_with_any_weights(method: str, inn
 
 
 def test_robust_aggregator_is_a_config_option_for_any_strategy() -> None:
-    cfg = validate({"partition": {"num_clients": 4}, "aggregator": {"name": "tierfuse", "robust": "trimmed_mean",
-                                                                     "trim_fraction": 0.1}})
+    cfg = validate(
+        {
+            "partition": {"num_clients": 4},
+            "aggregator": {"name": "tierfuse", "robust": "trimmed_mean", "trim_fraction": 0.1},
+        }
+    )
     o = build_orchestrator(cfg, THETA0.copy(), None)
     assert isinstance(o.aggregator, RobustAggregator) and o.aggregator.trim == 0.1
     assert isinstance(o.aggregator.inner, TierFuseAggregator)
@@ -216,8 +258,9 @@ def test_tier_flips_cost_at_most_one_probe_per_round() -> None:
     round's whole eval budget), each a full model download. A client whose probe dropped is not
     probed again in that round, as a client whose training dropped is not picked again."""
     cfg = OrchestratorConfig(mode="async", agg_goal=10, concurrency=30, knowledge=Knowledge.TIERTRACK)
-    o = Orchestrator(cfg, THETA0.copy(), OortSelector(), FedBuffAggregator(), np.random.default_rng(0),
-                     TierSelectEval(10))
+    o = Orchestrator(
+        cfg, THETA0.copy(), OortSelector(), FedBuffAggregator(), np.random.default_rng(0), TierSelectEval(10)
+    )
     out = o.handle(ClientRegistered(0.0, 0, num_samples=20, tier=Tier.UN_AVL))
     t = 1.0
     for i in range(200):
@@ -241,5 +284,7 @@ def test_norm_bound_scales_with_the_square_root_of_local_steps() -> None:
     assert v.norm_bound(theta, v.config.local_steps(1000)) == pytest.approx(100.0)  # 100 steps
     big = np.zeros(DIM, np.float32)
     big[0] = 40.0
-    assert v.check(7, TaskKind.TRAIN, ClientUpdate(1000, 1.0, 0.5, 1.0, big), 1000, 0, theta).update is not None
+    assert (
+        v.check(7, TaskKind.TRAIN, ClientUpdate(1000, 1.0, 0.5, 1.0, big), 1000, 0, theta).update is not None
+    )
     assert v.check(8, TaskKind.TRAIN, ClientUpdate(10, 1.0, 0.5, 1.0, big), 10, 0, theta).update is None

@@ -15,6 +15,7 @@ See docs/python-api.md for a runnable example::
 Everything a config names can also be given there by import path (``model: mypkg.nets:make_net``,
 ``dataset.name: mypkg.data:load``), which is what ``felix run`` and ``felix compare`` need.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -46,8 +47,9 @@ def config(source: Config | Mapping[str, Any] | str | Path | None = None) -> Con
     return resolve_config(None, None, dict(source or {}))
 
 
-def population(clients: Sequence[Any], test: Any = None,
-               classes: int | Sequence[str] | None = None) -> ClientDatasets:
+def population(
+    clients: Sequence[Any], test: Any = None, classes: int | Sequence[str] | None = None
+) -> ClientDatasets:
     """A prepared population: one ``(x, y)`` pair (tensors or numpy arrays, x of shape
     N x sample shape, y integer labels), ``ClientData`` or ``ArrayDataset`` per client, the test
     set likewise (None: none; then the run needs ``run.eval_every: 0``), and the class names or
@@ -55,22 +57,51 @@ def population(clients: Sequence[Any], test: Any = None,
     return ClientDatasets.from_arrays(clients, test, classes)
 
 
-def build(cfg: Config | Mapping[str, Any] | str | Path | None = None, *, population: PopulationLike | None = None,
-          model: nn.Module | ModelFactory | None = None, trace: AvailabilityTrace | None = None) -> Built:
+def build(
+    cfg: Config | Mapping[str, Any] | str | Path | None = None,
+    *,
+    population: PopulationLike | None = None,
+    model: nn.Module | ModelFactory | None = None,
+    trace: AvailabilityTrace | None = None,
+) -> Built:
     """A ready simulation (``Built.sim.run()`` runs it). ``model`` is a factory
     ``(sample_shape, num_classes) -> nn.Module`` (seeded by the run's seed) or a module (its
     current weights are the initial ones); ``trace`` replaces the configured availability."""
     return _build(config(cfg), population, model, trace)
 
 
-def run(cfg: Config | Mapping[str, Any] | str | Path | None = None, *, population: PopulationLike | None = None,
-        model: nn.Module | ModelFactory | None = None, trace: AvailabilityTrace | None = None,
-        out_dir: str | Path | None = None, plots: bool = False) -> RunResult:
+def run(
+    cfg: Config | Mapping[str, Any] | str | Path | None = None,
+    *,
+    population: PopulationLike | None = None,
+    model: nn.Module | ModelFactory | None = None,
+    trace: AvailabilityTrace | None = None,
+    out_dir: str | Path | None = None,
+    plots: bool = False,
+) -> RunResult:
     """Build and simulate, as ``felix run`` does; ``out_dir`` receives the summary, the evaluations
     and the config that ran (``RunResult.built.cfg``)."""
-    return run_config(config(cfg), None if out_dir is None else Path(out_dir), plots=plots,
-                      population=population, model=model, trace=trace)
+    return run_config(
+        config(cfg),
+        None if out_dir is None else Path(out_dir),
+        plots=plots,
+        population=population,
+        model=model,
+        trace=trace,
+    )
 
 
-__all__ = ["ArrayDataset", "AvailabilityTrace", "Built", "ClientDatasets", "Config", "DeviceTrace", "Population",
-           "RunResult", "build", "config", "population", "run"]
+__all__ = [
+    "ArrayDataset",
+    "AvailabilityTrace",
+    "Built",
+    "ClientDatasets",
+    "Config",
+    "DeviceTrace",
+    "Population",
+    "RunResult",
+    "build",
+    "config",
+    "population",
+    "run",
+]

@@ -1,5 +1,6 @@
 """Run configuration: one validated tree, read from YAML, merged with a strategy preset and
 ``--set key=value`` overrides. Unknown keys and bad values fail with the key's dotted path."""
+
 from __future__ import annotations
 
 import copy
@@ -29,18 +30,26 @@ class _Yaml12Loader(yaml.SafeLoader):
 
 
 _Yaml12Loader.yaml_implicit_resolvers = {
-    k: [(tag, rx) for tag, rx in v if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float",
-                                                  "tag:yaml.org,2002:bool")]
+    k: [
+        (tag, rx)
+        for tag, rx in v
+        if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:bool")
+    ]
     for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                                    list("tTfF"))
-_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
-                                    list("-+0123456789"))
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
+)
 _Yaml12Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."))
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
 
 
 def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
@@ -68,14 +77,23 @@ def _registered(module: str, registry: str, value: str) -> str:
 
 
 class DatasetCfg(_Strict):
-    name: str = Field("digits", description="a registered dataset (felix.scenario.datasets.DATASETS: digits, "
-                      "fashion_mnist, cifar10) or an import path 'package.module:loader' (docs/python-api.md)")
+    name: str = Field(
+        "digits",
+        description="a registered dataset (felix.scenario.datasets.DATASETS: digits, "
+        "fashion_mnist, cifar10) or an import path 'package.module:loader' (docs/python-api.md)",
+    )
     root: str | None = None
     download: bool = False
     per_class_limit: int | None = Field(None, ge=1)
-    test_limit: int | None = Field(None, ge=1, description="evaluate on N test samples, the first of each class in equal shares")
-    num_classes: int | None = Field(None, ge=2, description="keep only the first N classes (label order), "
-                                    "train and test, e.g. the first 8 CIFAR-10 classes of the DAFL paper")
+    test_limit: int | None = Field(
+        None, ge=1, description="evaluate on N test samples, the first of each class in equal shares"
+    )
+    num_classes: int | None = Field(
+        None,
+        ge=2,
+        description="keep only the first N classes (label order), "
+        "train and test, e.g. the first 8 CIFAR-10 classes of the DAFL paper",
+    )
     params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the loader")
 
     @field_validator("name")
@@ -85,20 +103,36 @@ class DatasetCfg(_Strict):
 
 
 class PartitionCfg(_Strict):
-    kind: str = Field("dirichlet", description="a registered partitioner (felix.scenario.partition.PARTITIONERS: "
-                      "dirichlet, iid, table, rare_clients) or an import path 'package.module:partitioner'")
+    kind: str = Field(
+        "dirichlet",
+        description="a registered partitioner (felix.scenario.partition.PARTITIONERS: "
+        "dirichlet, iid, table, rare_clients) or an import path 'package.module:partitioner'",
+    )
     num_clients: int = Field(100, ge=1)
     alpha: float = Field(0.5, gt=0)
     min_samples: int = Field(1, ge=1)
     table: list[list[int]] | None = None
-    imbalance: float = Field(1.0, ge=1, description="make the training set long-tailed before the split: the "
-                             "class ranked r of a random order keeps head_per_class * imbalance^(-r/(C-1)) "
-                             "samples (1: keep every sample)")
-    head_per_class: int | None = Field(None, ge=1, description="samples kept of the head class when imbalance "
-                                       "> 1 (null: the dataset's largest class)")
-    rare_classes: int = Field(2, ge=1, description="rare_clients: the tail classes held only by the rare clients")
-    rare_fraction: float = Field(0.25, gt=0, lt=1, description="rare_clients: share of clients (the last ones) "
-                                 "that hold the rare classes")
+    imbalance: float = Field(
+        1.0,
+        ge=1,
+        description="make the training set long-tailed before the split: the "
+        "class ranked r of a random order keeps head_per_class * imbalance^(-r/(C-1)) "
+        "samples (1: keep every sample)",
+    )
+    head_per_class: int | None = Field(
+        None,
+        ge=1,
+        description="samples kept of the head class when imbalance > 1 (null: the dataset's largest class)",
+    )
+    rare_classes: int = Field(
+        2, ge=1, description="rare_clients: the tail classes held only by the rare clients"
+    )
+    rare_fraction: float = Field(
+        0.25,
+        gt=0,
+        lt=1,
+        description="rare_clients: share of clients (the last ones) that hold the rare classes",
+    )
     params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the partitioner")
 
     @field_validator("kind")
@@ -113,9 +147,14 @@ class PartitionCfg(_Strict):
                 raise ValueError("partition.kind 'table' needs partition.table (clients x classes counts)")
             if len({len(r) for r in self.table}) != 1:
                 raise ValueError("partition.table rows must all have the same number of classes")
-        if self.kind == "rare_clients" and not 1 <= round(self.rare_fraction * self.num_clients) < self.num_clients:
-            raise ValueError(f"partition.kind 'rare_clients' needs 1 <= round(rare_fraction x num_clients) < "
-                             f"num_clients, got {round(self.rare_fraction * self.num_clients)} of {self.num_clients}")
+        if (
+            self.kind == "rare_clients"
+            and not 1 <= round(self.rare_fraction * self.num_clients) < self.num_clients
+        ):
+            raise ValueError(
+                f"partition.kind 'rare_clients' needs 1 <= round(rare_fraction x num_clients) < "
+                f"num_clients, got {round(self.rare_fraction * self.num_clients)} of {self.num_clients}"
+            )
         return self
 
 
@@ -124,9 +163,12 @@ class RamCfg(_Strict):
     available for a whole slot of ``trace.slot_s`` seconds with its own probability p_i, drawn
     independently per slot, for ``horizon_s / slot_s`` slots. The p_i are hidden from the strategy."""
 
-    p_dist: Literal["beta", "two_level"] = Field("beta", description="beta: p ~ Beta(a, b) clipped to "
-                                                 "[p_min, p_max]; two_level: frequent_fraction of clients at "
-                                                 "p_frequent, the rest at p_rare")
+    p_dist: Literal["beta", "two_level"] = Field(
+        "beta",
+        description="beta: p ~ Beta(a, b) clipped to "
+        "[p_min, p_max]; two_level: frequent_fraction of clients at "
+        "p_frequent, the rest at p_rare",
+    )
     a: float = Field(0.5, gt=0)
     b: float = Field(3.0, gt=0)
     p_min: float = Field(0.02, gt=0, le=1)
@@ -135,10 +177,12 @@ class RamCfg(_Strict):
     p_frequent: float = Field(0.5, gt=0, le=1)
     p_rare: float = Field(0.05, gt=0, le=1)
     coupling: Literal["rarity", "rare_clients", "none"] = Field(
-        "rarity", description="rarity: the same p values reassigned so the clients with the globally rarest "
+        "rarity",
+        description="rarity: the same p values reassigned so the clients with the globally rarest "
         "data get the lowest p; rare_clients (two_level, partition.kind rare_clients): the last "
         "(1 - frequent_fraction) of the clients, who hold the rare classes, join with p_rare, the others with "
-        "p_frequent; none: p independent of the data")
+        "p_frequent; none: p independent of the data",
+    )
 
     @model_validator(mode="after")
     def _ranges(self) -> RamCfg:
@@ -150,17 +194,26 @@ class RamCfg(_Strict):
 
 
 class TraceCfg(_Strict):
-    kind: str = Field("always", description="a registered trace (felix.scenario.traces.TRACES: always, slotted, "
-                      "mobiperf, fedscale, ram) or an import path 'package.module:builder'")
+    kind: str = Field(
+        "always",
+        description="a registered trace (felix.scenario.traces.TRACES: always, slotted, "
+        "mobiperf, fedscale, ram) or an import path 'package.module:builder'",
+    )
     path: str | None = None
     series: Literal["2", "3_50", "3_75", "failures_48h"] = "3_50"
     unavailable_fraction: float = Field(0.1, ge=0, lt=1)
     slot_s: float = Field(600.0, gt=0)
     horizon_s: float = Field(86400.0, gt=0)
-    offset_s: float = Field(0.0, ge=0, description="start this many seconds into the trace (e.g. past an "
-                            "all-available head); the run's time 0 is the trace's offset_s")
+    offset_s: float = Field(
+        0.0,
+        ge=0,
+        description="start this many seconds into the trace (e.g. past an "
+        "all-available head); the run's time 0 is the trace's offset_s",
+    )
     ram: RamCfg = RamCfg()
-    params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the trace builder")
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments for the trace builder"
+    )
 
     @field_validator("kind")
     @classmethod
@@ -178,29 +231,42 @@ class TraceCfg(_Strict):
         if self.kind in ("mobiperf", "fedscale") and not self.path:
             raise ValueError(f"trace.kind {self.kind!r} needs trace.path")
         if self.kind == "ram" and self.ram.coupling == "rare_clients" and self.ram.p_dist != "two_level":
-            raise ValueError("trace.ram.coupling 'rare_clients' gives the rare clients p_rare: it needs "
-                             "trace.ram.p_dist 'two_level'")
+            raise ValueError(
+                "trace.ram.coupling 'rare_clients' gives the rare clients p_rare: it needs "
+                "trace.ram.p_dist 'two_level'"
+            )
         if self.kind == "ram" and self.horizon_s < self.slot_s:
-            raise ValueError(f"trace.kind 'ram' draws horizon_s / slot_s rounds: horizon_s ({self.horizon_s:g}) "
-                             f"must be at least slot_s ({self.slot_s:g})")
+            raise ValueError(
+                f"trace.kind 'ram' draws horizon_s / slot_s rounds: horizon_s ({self.horizon_s:g}) "
+                f"must be at least slot_s ({self.slot_s:g})"
+            )
         return self
 
 
 class RuntimeCfg(_Strict):
     kind: Literal["halfnormal", "constant", "uniform", "per_sample"] = "halfnormal"
-    scale_s: float | None = Field(None, gt=0, description="half-normal scale; default the FeLiX authors' 14.38 s")
+    scale_s: float | None = Field(
+        None, gt=0, description="half-normal scale; default the FeLiX authors' 14.38 s"
+    )
     min_s: float = Field(2.0, ge=0)
     constant_s: float = Field(10.0, gt=0)
     low_s: float = Field(1.0, gt=0)
     high_s: float = Field(60.0, gt=0)
-    seconds_per_sample: float = Field(0.01, gt=0, description="per_sample: a training task lasts this times the "
-                                      "client's sample count, so time grows with data (and with augmentation)")
+    seconds_per_sample: float = Field(
+        0.01,
+        gt=0,
+        description="per_sample: a training task lasts this times the "
+        "client's sample count, so time grows with data (and with augmentation)",
+    )
     eval_fraction: float = Field(0.05, gt=0, le=1)
 
 
 class OrchestratorCfg(_Strict):
-    mode: str = Field("async", description="round policy: sync | async, or a registered name or import path "
-                      "(felix.core.rounds.ROUND_POLICIES); its parameters in mode_params")
+    mode: str = Field(
+        "async",
+        description="round policy: sync | async, or a registered name or import path "
+        "(felix.core.rounds.ROUND_POLICIES); its parameters in mode_params",
+    )
     agg_goal: int = Field(10, ge=1)
     concurrency: int = Field(30, ge=1)
     overcommit: float = Field(1.3, ge=1)
@@ -209,13 +275,23 @@ class OrchestratorCfg(_Strict):
     task_timeout_s: float | None = Field(90.0, gt=0)
     accept_late: bool = True
     max_staleness: int | None = Field(None, ge=0)
-    eval_utility_scale: float = Field(1.0, gt=0, description="multiplies the statistical utility an eval task "
-                                      "reports, to put it on the training utilities' scale (1: as measured)")
-    knowledge: str = Field("none", description="availability policy: none | oracle | tiertrack, or a registered "
-                           "name or import path (felix.core.availability.AVAILABILITY); parameters in knowledge_params")
-    mode_params: dict[str, Any] = Field(default_factory=dict, description="the round policy's typed parameters")
-    knowledge_params: dict[str, Any] = Field(default_factory=dict,
-                                             description="the availability policy's typed parameters")
+    eval_utility_scale: float = Field(
+        1.0,
+        gt=0,
+        description="multiplies the statistical utility an eval task "
+        "reports, to put it on the training utilities' scale (1: as measured)",
+    )
+    knowledge: str = Field(
+        "none",
+        description="availability policy: none | oracle | tiertrack, or a registered "
+        "name or import path (felix.core.availability.AVAILABILITY); parameters in knowledge_params",
+    )
+    mode_params: dict[str, Any] = Field(
+        default_factory=dict, description="the round policy's typed parameters"
+    )
+    knowledge_params: dict[str, Any] = Field(
+        default_factory=dict, description="the availability policy's typed parameters"
+    )
 
 
 class PolicyCfg(_Strict):
@@ -233,21 +309,28 @@ class AggregatorCfg(_Strict):
     clip_norm: float | None = Field(None, gt=0)
     params: dict[str, Any] = Field(default_factory=dict)
     robust: Literal["none", "median", "trimmed_mean"] = Field(
-        "none", description="replace the weighted mean of the deltas by a coordinate-wise weighted median "
-        "or trimmed mean, keeping the aggregator's weights (felix.strategies.aggregation.robust)")
+        "none",
+        description="replace the weighted mean of the deltas by a coordinate-wise weighted median "
+        "or trimmed mean, keeping the aggregator's weights (felix.strategies.aggregation.robust)",
+    )
     trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="trimmed_mean: weight mass cut from each end")
 
 
 class ValidationCfg(_Strict):
     """Bounds on client results (felix.core.validation); on by default in simulation and deployment."""
 
-    max_samples_factor: float = Field(1.0, ge=1, description="num_samples <= factor x the registered count "
-                                      "(+ the data-plan row)")
+    max_samples_factor: float = Field(
+        1.0, ge=1, description="num_samples <= factor x the registered count (+ the data-plan row)"
+    )
     norm_policy: Literal["reject", "clip", "off"] = "reject"
     norm_factor: float = Field(30.0, gt=1, description="norm bound: factor x median of recent accepted norms")
-    norm_window: int = Field(50, ge=1, description="distinct clients whose latest accepted norm forms the median")
+    norm_window: int = Field(
+        50, ge=1, description="distinct clients whose latest accepted norm forms the median"
+    )
     norm_min_history: int = Field(5, ge=1, description="clients needed before the median rule applies")
-    warmup_factor: float = Field(1.0, ge=0, description="bound before that: factor x the model's norm (0: none)")
+    warmup_factor: float = Field(
+        1.0, ge=0, description="bound before that: factor x the model's norm (0: none)"
+    )
 
 
 class ClientCfg(_Strict):
@@ -262,12 +345,17 @@ class ClientCfg(_Strict):
     objective: str = "ce"
     objective_params: dict[str, Any] = Field(default_factory=dict)
     buffers: Literal["aggregate", "local"] = Field(
-        "aggregate", description="model buffers (BatchNorm running statistics): aggregate = sent with the "
+        "aggregate",
+        description="model buffers (BatchNorm running statistics): aggregate = sent with the "
         "weights and averaged by the server like parameters; local = kept per client, never sent, and the "
-        "global model is evaluated with the buffers its factory made (felix.client.trainer)")
-    probe_loss: bool = Field(False, description="before training, measure the loss at the received model over "
-                             "the client's data (one forward pass) and send it as aux qffl_loss: the F_k q-FFL "
-                             "needs (aggregator qffl only; trains one client at a time)")
+        "global model is evaluated with the buffers its factory made (felix.client.trainer)",
+    )
+    probe_loss: bool = Field(
+        False,
+        description="before training, measure the loss at the received model over "
+        "the client's data (one forward pass) and send it as aux qffl_loss: the F_k q-FFL "
+        "needs (aggregator qffl only; trains one client at a time)",
+    )
 
 
 class DaflCfg(_Strict):
@@ -293,43 +381,83 @@ class RunCfg(_Strict):
     target_window: int = Field(5, ge=1, description="K: mean of the last K evaluations must reach the target")
     max_time_s: float = Field(86400.0, gt=0)
     max_aggregations: int | None = Field(None, ge=1)
-    eval_every: int = Field(1, ge=0, description="evaluate every N-th model version (and the initial and final "
-                            "models); 0: no evaluation at all")
+    eval_every: int = Field(
+        1,
+        ge=0,
+        description="evaluate every N-th model version (and the initial and final "
+        "models); 0: no evaluation at all",
+    )
     stop_at_target: bool = True
     device: str = "cpu"
-    threads: int | None = Field(1, ge=1, description="torch intra-op threads, applied to every run, compare "
-                                "worker and benchmark (null: torch's default); small models run fastest on one")
+    threads: int | None = Field(
+        1,
+        ge=1,
+        description="torch intra-op threads, applied to every run, compare "
+        "worker and benchmark (null: torch's default); small models run fastest on one",
+    )
     cohort: Literal["auto"] | Annotated[int, Field(ge=1)] = Field(
-        "auto", description="clients trained together in one vectorised pass: 1 = one at a time; auto = "
-        "vectorised on a GPU, and on a CPU for models without convolutions (felix.client.cohort)")
+        "auto",
+        description="clients trained together in one vectorised pass: 1 = one at a time; auto = "
+        "vectorised on a GPU, and on a CPU for models without convolutions (felix.client.cohort)",
+    )
     executor: Literal["local", "ray"] = Field(
-        "local", description="where cohorts train: local = in this process; ray = split over Ray actors "
-        "(felix.distributed.cohort_executor, extra felix-fl[ray]), with the same results")
-    ray_actors: int | None = Field(None, ge=1, description="cohort actors for executor ray (null: one per GPU "
-                                   "of the cluster, or one per run.threads CPUs)")
-    ray_address: str | None = Field(None, description="Ray cluster for executor ray (HOST:PORT or auto); "
-                                    "null: a safe local instance, or the one this process is already connected to")
+        "local",
+        description="where cohorts train: local = in this process; ray = split over Ray actors "
+        "(felix.distributed.cohort_executor, extra felix-fl[ray]), with the same results",
+    )
+    ray_actors: int | None = Field(
+        None,
+        ge=1,
+        description="cohort actors for executor ray (null: one per GPU "
+        "of the cluster, or one per run.threads CPUs)",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="Ray cluster for executor ray (HOST:PORT or auto); "
+        "null: a safe local instance, or the one this process is already connected to",
+    )
     precision: Literal["fp32", "tf32", "bf16"] = Field(
-        "fp32", description="GPU arithmetic: tf32 matmuls, or bf16 autocast of forward passes; fp32 by default")
-    per_client_eval: bool = Field(False, description="evaluate the final global model per client and per class "
-                                  "(felix.metrics.per_client): mean, worst, bottom-10%, rare-client and per-class "
-                                  "accuracy, macro and minority F1, in the summary's per_client section")
-    rare_p: float | None = Field(None, ge=0, le=1, description="per_client_eval: rare clients are those with "
-                                 "participation p <= rare_p (null: the lowest-p quarter by rank)")
-    converge_threshold: float | None = Field(None, gt=0, description="stop when the training loss changes by "
-                                             "less than this for converge_patience consecutive aggregations "
-                                             "(the DAFL paper's convergence rule; null: no such stop)")
+        "fp32",
+        description="GPU arithmetic: tf32 matmuls, or bf16 autocast of forward passes; fp32 by default",
+    )
+    per_client_eval: bool = Field(
+        False,
+        description="evaluate the final global model per client and per class "
+        "(felix.metrics.per_client): mean, worst, bottom-10%, rare-client and per-class "
+        "accuracy, macro and minority F1, in the summary's per_client section",
+    )
+    rare_p: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="per_client_eval: rare clients are those with "
+        "participation p <= rare_p (null: the lowest-p quarter by rank)",
+    )
+    converge_threshold: float | None = Field(
+        None,
+        gt=0,
+        description="stop when the training loss changes by "
+        "less than this for converge_patience consecutive aggregations "
+        "(the DAFL paper's convergence rule; null: no such stop)",
+    )
     converge_patience: int = Field(5, ge=1)
 
 
 class Config(_Strict):
     name: str = "run"
-    description: str = Field("", description="what the config runs; documentation only (configs/ files have one)")
+    description: str = Field(
+        "", description="what the config runs; documentation only (configs/ files have one)"
+    )
     strategy: str = "custom"
     seed: int = 0
-    model: str = Field("small_cnn", description="a registered model (felix.scenario.models.MODELS: felix_cnn, "
-                       "small_cnn, mlp) or an import path 'package.module:factory' (docs/python-api.md)")
-    model_params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the model factory")
+    model: str = Field(
+        "small_cnn",
+        description="a registered model (felix.scenario.models.MODELS: felix_cnn, "
+        "small_cnn, mlp) or an import path 'package.module:factory' (docs/python-api.md)",
+    )
+    model_params: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments for the model factory"
+    )
     data_plan: Literal["none", "lb", "dafl"] = "none"
     dafl: DaflCfg = DaflCfg()
     dataset: DatasetCfg = DatasetCfg()
@@ -355,12 +483,16 @@ class Config(_Strict):
         if t.kind == "ram" and t.ram.coupling == "rare_clients":
             n_rare = p.num_clients - round(t.ram.frequent_fraction * p.num_clients)
             if p.kind != "rare_clients" or n_rare != round(p.rare_fraction * p.num_clients):
-                raise ValueError("trace.ram.coupling 'rare_clients' gives p_rare to the last (1 - frequent_fraction) "
-                                 "of the clients: it needs partition.kind 'rare_clients' with the same number of "
-                                 f"rare clients ({n_rare} here)")
+                raise ValueError(
+                    "trace.ram.coupling 'rare_clients' gives p_rare to the last (1 - frequent_fraction) "
+                    "of the clients: it needs partition.kind 'rare_clients' with the same number of "
+                    f"rare clients ({n_rare} here)"
+                )
         if self.client.probe_loss and self.aggregator.name != "qffl":
-            raise ValueError(f"client.probe_loss sends aux qffl_loss, which only aggregator 'qffl' reads "
-                             f"(aggregator is {self.aggregator.name!r})")
+            raise ValueError(
+                f"client.probe_loss sends aux qffl_loss, which only aggregator 'qffl' reads "
+                f"(aggregator is {self.aggregator.name!r})"
+            )
         return self
 
 
@@ -369,8 +501,11 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     whole, so a strategy preset never inherits another selector's parameters."""
     out = copy.deepcopy(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in (
-                "params", "objective_params", "model_params", "mode_params", "knowledge_params"):
+        if (
+            isinstance(v, dict)
+            and isinstance(out.get(k), dict)
+            and k not in ("params", "objective_params", "model_params", "mode_params", "knowledge_params")
+        ):
             out[k] = deep_merge(out[k], v)
         else:
             out[k] = copy.deepcopy(v)
@@ -420,6 +555,10 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
         lines = []
         for err in exc.errors():
             loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+            msg = (
+                "unknown key"
+                if err["type"] == "extra_forbidden"
+                else err["msg"].removeprefix("Value error, ")
+            )
             lines.append(f"  {loc}: {msg}")
         raise ConfigError(f"{source}: invalid configuration\n" + "\n".join(lines)) from None

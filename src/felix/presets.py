@@ -13,6 +13,7 @@ its file is the name with ``*`` -> ``-oracle`` and ``+`` -> ``-`` (``oort-async*
 ``strategies/oort-async-oracle.yaml``), the same mapping as run folders; either name selects it.
 The ``description:`` key of every file is documentation, not a setting.
 """
+
 from __future__ import annotations
 
 import copy
@@ -39,7 +40,9 @@ def slug(name: str) -> str:
 def _files(kind: str) -> list[Path]:
     folder = CONFIG_DIR / kind
     if not folder.is_dir():
-        raise ConfigError(f"shipped configs not found at {folder}: a broken installation (reinstall felix-fl)")
+        raise ConfigError(
+            f"shipped configs not found at {folder}: a broken installation (reinstall felix-fl)"
+        )
     return sorted(folder.glob("*.yaml"))
 
 
@@ -97,7 +100,9 @@ def comparison_file(name: str) -> Path:
     """The shipped comparison file ``name`` (its file stem)."""
     f = CONFIG_DIR / "comparisons" / f"{name}.yaml"
     if not f.is_file():
-        raise ConfigError(f"unknown comparison {name!r}; give a comparison file or one of {comparison_names()}")
+        raise ConfigError(
+            f"unknown comparison {name!r}; give a comparison file or one of {comparison_names()}"
+        )
     return f
 
 

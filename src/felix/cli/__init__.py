@@ -1,4 +1,5 @@
 """The ``felix`` command."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,21 +12,39 @@ from typing import Any
 
 #: Where the user errors (config, dataset, trace) are defined: one line on stderr and exit 2. Looked
 #: up only in modules already imported, so that a command that needs none of them stays light.
-USER_ERROR_TYPES = (("felix.config", "ConfigError"), ("felix.scenario.datasets", "DatasetError"),
-                    ("felix.scenario.traces", "TraceError"))
+USER_ERROR_TYPES = (
+    ("felix.config", "ConfigError"),
+    ("felix.scenario.datasets", "DatasetError"),
+    ("felix.scenario.traces", "TraceError"),
+)
 
 #: Subcommands mounted from their modules only when named on the command line, so that
 #: ``felix --help`` and ``felix plan-augmentation`` start without importing torch:
 #: command -> (module, function that mounts it on the subparsers, help line).
 LAZY_COMMANDS = {
     "plan-augmentation": ("felix.cli.dafl", "add_parser", "plan DAFL augmentation from class counts"),
-    "federage-compare": ("felix.experiments.federage", "add_parser",
-                         "FedeRage vs FedAvg/FedProx/SCAFFOLD/q-FFL under the RAM (configs/comparisons)"),
-    "dafl-experiment": ("felix.experiments.dafl", "add_parser", "the DAFL paper's Table IV (configs/comparisons/dafl-table4.yaml)"),
+    "federage-compare": (
+        "felix.experiments.federage",
+        "add_parser",
+        "FedeRage vs FedAvg/FedProx/SCAFFOLD/q-FFL under the RAM (configs/comparisons)",
+    ),
+    "dafl-experiment": (
+        "felix.experiments.dafl",
+        "add_parser",
+        "the DAFL paper's Table IV (configs/comparisons/dafl-table4.yaml)",
+    ),
     "serve": ("felix.deploy.cli", "add_parsers", "run the federated server over MQTT (deployment)"),
     "client": ("felix.deploy.cli", "add_parsers", "run one (or a range of) federated client(s) over MQTT"),
-    "emulate": ("felix.deploy.cli", "add_parsers", "run many clients on this machine, driven by the config's trace"),
-    "mqtt-credentials": ("felix.deploy.cli", "add_parsers", "write a Mosquitto password file, ACL and client logins"),
+    "emulate": (
+        "felix.deploy.cli",
+        "add_parsers",
+        "run many clients on this machine, driven by the config's trace",
+    ),
+    "mqtt-credentials": (
+        "felix.deploy.cli",
+        "add_parsers",
+        "write a Mosquitto password file, ACL and client logins",
+    ),
 }
 
 
@@ -44,9 +63,11 @@ def _run(args: argparse.Namespace) -> int:
     s = res.summary
     ttt = "not reached" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.0f} s"
     final = "-" if s["final_accuracy"] is None else f"{s['final_accuracy']:.4f}"  # None: run.eval_every 0
-    print(f"target {s['target_accuracy']:.2f}: {ttt}; final accuracy {final} after "
-          f"{s['aggregations']} aggregations, {s['virtual_time_s']:.0f} virtual s, {s['wall_time_s']:.1f} wall s, "
-          f"{(s['bytes_down'] + s['bytes_up']) / 1e6:.1f} MB ({s['stop_reason']})")
+    print(
+        f"target {s['target_accuracy']:.2f}: {ttt}; final accuracy {final} after "
+        f"{s['aggregations']} aggregations, {s['virtual_time_s']:.0f} virtual s, {s['wall_time_s']:.1f} wall s, "
+        f"{(s['bytes_down'] + s['bytes_up']) / 1e6:.1f} MB ({s['stop_reason']})"
+    )
     return 130 if s["stop_reason"] == "interrupted" else 0
 
 
@@ -63,21 +84,49 @@ def _compare(args: argparse.Namespace) -> int:
             comp = replace(comp, base={**comp.base, "scenario": args.scenario})
         if args.reference is not None:
             if args.reference not in comp.variants:
-                raise ConfigError(f"--reference {args.reference!r} is not one of the variants {list(comp.variants)}")
+                raise ConfigError(
+                    f"--reference {args.reference!r} is not one of the variants {list(comp.variants)}"
+                )
             comp = replace(comp, reference=args.reference)
         out = Path(args.out or f"runs/{comp.name}")
-        print(f"felix compare: {comp.name} ({comp.source}): {', '.join(listed or comp.variants)} -> {out}",
-              file=sys.stderr)
-        doc = run_comparison(comp, parse_set(args.set), out, seeds, targets, listed or None, args.jobs,
-                             backend=args.backend, address=args.address, force=args.force,
-                             gpus_per_run=args.gpus_per_run, argv=args.argv)
+        print(
+            f"felix compare: {comp.name} ({comp.source}): {', '.join(listed or comp.variants)} -> {out}",
+            file=sys.stderr,
+        )
+        doc = run_comparison(
+            comp,
+            parse_set(args.set),
+            out,
+            seeds,
+            targets,
+            listed or None,
+            args.jobs,
+            backend=args.backend,
+            address=args.address,
+            force=args.force,
+            gpus_per_run=args.gpus_per_run,
+            argv=args.argv,
+        )
     else:
         strategies = listed or list(MAIN_STRATEGIES)
         out = Path(args.out or "runs/compare")
         print(f"felix compare: {', '.join(strategies)} -> {out}", file=sys.stderr)
-        doc = compare(args.config, strategies, parse_set(args.set), out, args.scenario, args.jobs, args.reference,
-                      backend=args.backend, address=args.address, force=args.force, gpus_per_run=args.gpus_per_run,
-                      seeds=seeds, targets=targets, argv=args.argv)
+        doc = compare(
+            args.config,
+            strategies,
+            parse_set(args.set),
+            out,
+            args.scenario,
+            args.jobs,
+            args.reference,
+            backend=args.backend,
+            address=args.address,
+            force=args.force,
+            gpus_per_run=args.gpus_per_run,
+            seeds=seeds,
+            targets=targets,
+            argv=args.argv,
+        )
     if doc["strategies"]:
         print((out / "comparison.md").read_text())
     if any(s.get("stop_reason") == "interrupted" for s in doc["strategies"].values()):
@@ -101,11 +150,24 @@ def _sweep(args: argparse.Namespace) -> int:
     from felix.config import parse_set
     from felix.experiments.sweep import parse_grid, parse_seeds, sweep
 
-    strategies: list[str | None] = [s.strip() for s in (args.strategies or "").split(",") if s.strip()] or [None]
+    strategies: list[str | None] = [s.strip() for s in (args.strategies or "").split(",") if s.strip()] or [
+        None
+    ]
     out = Path(args.out or "runs/sweep")
-    doc = sweep(args.config, args.scenario, parse_set(args.set), strategies, parse_grid(args.grid),
-                parse_seeds(args.seeds), out, backend=args.backend, jobs=args.jobs, address=args.address,
-                force=args.force, gpus_per_run=args.gpus_per_run)
+    doc = sweep(
+        args.config,
+        args.scenario,
+        parse_set(args.set),
+        strategies,
+        parse_grid(args.grid),
+        parse_seeds(args.seeds),
+        out,
+        backend=args.backend,
+        jobs=args.jobs,
+        address=args.address,
+        force=args.force,
+        gpus_per_run=args.gpus_per_run,
+    )
     print((out / "sweep.md").read_text())
     if any(r["summary"].get("stop_reason") == "interrupted" for r in doc["runs"]):
         return 130  # Ctrl-C / SIGTERM: the interrupted runs are rerun next time
@@ -113,11 +175,22 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _add_backend_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=("local", "ray"), default="local",
-                   help="local: this process or --jobs processes; ray: one Ray task per run (docs/ray.md)")
-    p.add_argument("--address", help="ray: join the cluster at HOST:PORT (default: start a local, loopback-only instance)")
-    p.add_argument("--gpus-per-run", type=float, default=1.0,
-                   help="ray: GPU share of a run whose run.device is cuda; below 1 packs small runs on one GPU")
+    p.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        default="local",
+        help="local: this process or --jobs processes; ray: one Ray task per run (docs/ray.md)",
+    )
+    p.add_argument(
+        "--address",
+        help="ray: join the cluster at HOST:PORT (default: start a local, loopback-only instance)",
+    )
+    p.add_argument(
+        "--gpus-per-run",
+        type=float,
+        default=1.0,
+        help="ray: GPU share of a run whose run.device is cuda; below 1 packs small runs on one GPU",
+    )
     p.add_argument("--force", action="store_true", help="rerun runs whose summary.json already exists")
 
 
@@ -135,37 +208,76 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     r.add_argument("--out", help="output folder (default runs/<name>-<strategy>-s<seed>)")
     r.add_argument("-q", "--quiet", action="store_true", help="no live progress line")
     r.set_defaults(func=_run)
-    c = sub.add_parser("compare", help="run the variants of a comparison (or several strategies) over seeds "
-                       "on the same scenario and tabulate them")
-    c.add_argument("config", nargs="?", help="a comparison file or the name of a shipped one (configs/comparisons/; "
-                   "docs/configs.md), or a YAML scenario to compare --strategies on (default: the embedded "
-                   "offline scenario)")
-    c.add_argument("--strategies", help="comma-separated presets (default: the seven main ones); with a "
-                   "comparison file, the variants to run (default: all)")
-    c.add_argument("--scenario", help="named scenario preset to start from (replaces a comparison's base scenario)")
-    c.add_argument("--seeds", nargs="+", metavar="SEED", help="seeds of every variant, e.g. --seeds 0 1 2 "
-                   "(default: the comparison file's, else the config's seed)")
-    c.add_argument("--targets", nargs="+", metavar="ACC", help="accuracy targets of the tables, e.g. --targets "
-                   "0.78 0.80 0.82; runs stop at the highest (default: the file's, else run.target_accuracy)")
+    c = sub.add_parser(
+        "compare",
+        help="run the variants of a comparison (or several strategies) over seeds "
+        "on the same scenario and tabulate them",
+    )
+    c.add_argument(
+        "config",
+        nargs="?",
+        help="a comparison file or the name of a shipped one (configs/comparisons/; "
+        "docs/configs.md), or a YAML scenario to compare --strategies on (default: the embedded "
+        "offline scenario)",
+    )
+    c.add_argument(
+        "--strategies",
+        help="comma-separated presets (default: the seven main ones); with a "
+        "comparison file, the variants to run (default: all)",
+    )
+    c.add_argument(
+        "--scenario", help="named scenario preset to start from (replaces a comparison's base scenario)"
+    )
+    c.add_argument(
+        "--seeds",
+        nargs="+",
+        metavar="SEED",
+        help="seeds of every variant, e.g. --seeds 0 1 2 "
+        "(default: the comparison file's, else the config's seed)",
+    )
+    c.add_argument(
+        "--targets",
+        nargs="+",
+        metavar="ACC",
+        help="accuracy targets of the tables, e.g. --targets "
+        "0.78 0.80 0.82; runs stop at the highest (default: the file's, else run.target_accuracy)",
+    )
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     c.add_argument("--out", help="output folder (default runs/compare)")
-    c.add_argument("--jobs", type=int, help="local: strategies in parallel processes (default 1); "
-                   "ray without --address: CPUs of the local instance (default all)")
-    c.add_argument("--reference", help="strategy (variant) the speed-ups are relative to (default: the file's, "
-                   "else felix)")
+    c.add_argument(
+        "--jobs",
+        type=int,
+        help="local: strategies in parallel processes (default 1); "
+        "ray without --address: CPUs of the local instance (default all)",
+    )
+    c.add_argument(
+        "--reference",
+        help="strategy (variant) the speed-ups are relative to (default: the file's, else felix)",
+    )
     _add_backend_args(c)
     c.set_defaults(func=_compare)
     w = sub.add_parser("sweep", help="one scenario over a grid of --set values, strategies and seeds")
     w.add_argument("config", nargs="?", help="YAML scenario (default: the embedded offline scenario)")
     w.add_argument("--scenario", help="named scenario preset to start from")
     w.add_argument("--strategies", help="comma-separated presets (default: the config's own strategy)")
-    w.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
-                   help="a swept config key and its values (repeat for a product grid)")
+    w.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,...",
+        help="a swept config key and its values (repeat for a product grid)",
+    )
     w.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2 (default: the config's seed)")
-    w.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="fixed override for every run")
+    w.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="fixed override for every run"
+    )
     w.add_argument("--out", help="output folder (default runs/sweep)")
-    w.add_argument("--jobs", type=int, help="local: runs in parallel processes (default 1); "
-                   "ray without --address: CPUs of the local instance (default all)")
+    w.add_argument(
+        "--jobs",
+        type=int,
+        help="local: runs in parallel processes (default 1); "
+        "ray without --address: CPUs of the local instance (default all)",
+    )
     _add_backend_args(w)
     w.set_defaults(func=_sweep)
     for name, (module, mount, text) in LAZY_COMMANDS.items():
@@ -187,7 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(_command(argv))
     args = parser.parse_args(argv)
     args.argv = ["felix", *argv]  # recorded by commands that write a manifest
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         return int(args.func(args))
     except KeyboardInterrupt:

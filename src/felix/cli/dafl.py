@@ -89,11 +89,16 @@ def run(args: argparse.Namespace) -> int:
             # A small table plans faster interpreted than numba starts: this process plans once.
             os.environ.setdefault("NUMBA_DISABLE_JIT", "1")
         if args.method == "lb":
-            plan = plan_local_balancing(table.counts, args.tau, step=args.step, rule=args.rule,
-                                        max_steps=args.max_steps)
+            plan = plan_local_balancing(
+                table.counts, args.tau, step=args.step, rule=args.rule, max_steps=args.max_steps
+            )
         else:
             params = DaflParams(
-                lambda1=args.lambda1, lambda2=args.lambda2, tau=args.tau, epsilon=args.epsilon, step=args.step,
+                lambda1=args.lambda1,
+                lambda2=args.lambda2,
+                tau=args.tau,
+                epsilon=args.epsilon,
+                step=args.step,
                 rule=args.rule,
             )
             plan = plan_dafl(table.counts, params, max_steps=args.max_steps)

@@ -12,6 +12,7 @@ One forward pass per batch gives the objective's loss and Oort's per-sample loss
 the device and come back in one transfer at the end. On a GPU this is where the speed is; on a
 CPU it pays for small dense models and loses on convolutions (see :func:`resolve_cohort`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -55,7 +56,9 @@ class CohortTask:
 def cohort_blocker(model: nn.Module, objective: Objective | None = None) -> str | None:
     """Why ``model`` (with ``objective``) cannot be trained in cohorts, or None when it can."""
     if any(True for _ in model.buffers()):
-        return "the model has buffers (e.g. BatchNorm running statistics), which vmap cannot update per client"
+        return (
+            "the model has buffers (e.g. BatchNorm running statistics), which vmap cannot update per client"
+        )
     for m in model.modules():
         if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.Dropout, nn.modules.dropout._DropoutNd)):
             return f"the model has a {type(m).__name__} layer, whose training-mode behaviour differs per call"
@@ -73,7 +76,9 @@ def conv_macs(model: nn.Module, sample_shape: tuple[int, ...]) -> int:
         assert isinstance(m, nn.modules.conv._ConvNd)
         total += out.numel() * (m.in_channels // m.groups) * math.prod(m.kernel_size)
 
-    hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)]
+    hooks = [
+        m.register_forward_hook(count) for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)
+    ]
     try:
         if hooks:
             with torch.no_grad():
@@ -92,8 +97,13 @@ def conv_macs(model: nn.Module, sample_shape: tuple[int, ...]) -> int:
 CPU_CONV_MACS_LIMIT = 150_000
 
 
-def resolve_cohort(setting: str | int, model: nn.Module, objective: Objective, device: str,
-                   sample_shape: tuple[int, ...] | None = None) -> tuple[int, int]:
+def resolve_cohort(
+    setting: str | int,
+    model: nn.Module,
+    objective: Objective,
+    device: str,
+    sample_shape: tuple[int, ...] | None = None,
+) -> tuple[int, int]:
     """``run.cohort`` to (cohort size, smallest cohort worth a vectorised pass); size 1 = sequential.
 
     ``auto`` is a fixed rule of the model and device (never a timing, so a config gives the same
@@ -113,8 +123,11 @@ def resolve_cohort(setting: str | int, model: nn.Module, objective: Objective, d
         if not on_gpu and any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules()):
             macs = None if sample_shape is None else conv_macs(model, sample_shape)
             if macs is None or macs > CPU_CONV_MACS_LIMIT:
-                log.info("run.cohort=auto: sequential training (convolutions of %s MACs per sample are faster "
-                         "unvectorised on CPU)", macs if macs is not None else "unknown")
+                log.info(
+                    "run.cohort=auto: sequential training (convolutions of %s MACs per sample are faster "
+                    "unvectorised on CPU)",
+                    macs if macs is not None else "unknown",
+                )
                 return 1, 1
         return AUTO_COHORT, min_k
     return int(setting), 2
@@ -133,7 +146,7 @@ def batch_rows(n: int, cfg: TrainConfig, generator: torch.Generator) -> tuple[to
             nb = min(nb, cfg.max_steps - steps)
         if nb <= 0:
             continue
-        idx = order[:min(stop, nb * bs)]
+        idx = order[: min(stop, nb * bs)]
         if epoch == 0:
             ep0_rows, ep0_samples = nb, int(idx.numel())
         rows.append(torch.cat([idx, idx.new_full((nb * bs - idx.numel(),), -1)]).view(nb, bs))
@@ -169,12 +182,12 @@ class DataPool:
             x = torch.empty(cap, *like.x.shape[1:], dtype=like.x.dtype, device=self.device)
             y = torch.empty(cap, dtype=like.y.dtype, device=self.device)
             if self.x is not None and self.y is not None:
-                x[:self.size], y[:self.size] = self.x[:self.size], self.y[:self.size]
+                x[: self.size], y[: self.size] = self.x[: self.size], self.y[: self.size]
             self.x, self.y = x, y
         for d in datas:
             n = len(d)
-            self.x[self.size:self.size + n] = d.x.to(self.device)
-            self.y[self.size:self.size + n] = d.y.to(self.device)
+            self.x[self.size : self.size + n] = d.x.to(self.device)
+            self.y[self.size : self.size + n] = d.y.to(self.device)
             self._at[id(d)] = (self.size, d)
             self.size += n
 
@@ -182,8 +195,15 @@ class DataPool:
 class CohortTrainer:
     """Trains a list of tasks of one model and objective together; see the module docstring."""
 
-    def __init__(self, model: nn.Module, objective: Objective, cfg: TrainConfig, num_classes: int,
-                 device: str = "cpu", autocast: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        objective: Objective,
+        cfg: TrainConfig,
+        num_classes: int,
+        device: str = "cpu",
+        autocast: torch.dtype | None = None,
+    ) -> None:
         blocker = cohort_blocker(model, objective)
         if blocker is not None:
             raise ValueError(f"cannot train in cohorts: {blocker}")
@@ -208,8 +228,14 @@ class CohortTrainer:
         with autocast(self.device, self.autocast):
             return functional_call(self.model, params, (x,)).float()
 
-    def _loss(self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
-              extra: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def _loss(
+        self,
+        params: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        y: torch.Tensor,
+        mask: torch.Tensor,
+        extra: dict[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         per = F.cross_entropy(self._logits(params, x), y, reduction="none")
         loss, stat = self.objective.cohort_loss(per, mask, y, extra)
         return loss, (per.detach(), loss.detach(), stat.detach())
@@ -221,7 +247,9 @@ class CohortTrainer:
         return self.pool.x, self.pool.y, offsets
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [t.reshape(flat.shape[0], *s).clone() for t, s in zip(flat.split(self.numels, dim=1), self.shapes)]
+        return [
+            t.reshape(flat.shape[0], *s).clone() for t, s in zip(flat.split(self.numels, dim=1), self.shapes)
+        ]
 
     def train(self, tasks: list[CohortTask]) -> list[ClientUpdate]:
         cfg, dev = self.cfg, self.device
@@ -239,7 +267,7 @@ class CohortTrainer:
         idx = torch.full((S, K, bs), -1, dtype=torch.long)
         first = torch.zeros(S, K)
         for j, (rows, ep0_rows, _) in enumerate(plans):
-            idx[:steps[j], j] = torch.where(rows >= 0, rows + offsets[j], -1)
+            idx[: steps[j], j] = torch.where(rows >= 0, rows + offsets[j], -1)
             first[:ep0_rows, j] = 1.0
         mask = (idx >= 0).float()
         idx.clamp_(min=0)
@@ -248,9 +276,19 @@ class CohortTrainer:
 
         flat0 = torch.from_numpy(np.stack([np.asarray(t.weights, dtype=np.float32) for t in tasks])).to(dev)
         params = self._split(flat0)
-        ctxs = [TaskContext(model=self.model, global_params=flat0[k], lr=cfg.lr, num_classes=self.num_classes,
-                            class_counts=t.data.class_counts(self.num_classes), state=t.state, aux_in=t.aux_in,
-                            steps=steps[k]) for k, t in enumerate(tasks)]
+        ctxs = [
+            TaskContext(
+                model=self.model,
+                global_params=flat0[k],
+                lr=cfg.lr,
+                num_classes=self.num_classes,
+                class_counts=t.data.class_counts(self.num_classes),
+                state=t.state,
+                aux_in=t.aux_in,
+                steps=steps[k],
+            )
+            for k, t in enumerate(tasks)
+        ]
         extra = self.objective.cohort_begin(ctxs)
         opt = _StackedOptimizer(cfg, params)
         sq_sum = torch.zeros(K, device=dev)
@@ -260,7 +298,9 @@ class CohortTrainer:
             ps = {n: p[:a] for n, p in zip(self.names, params)}
             ix = idx[s, :a]
             mb = mask[s, :a]
-            g, (per, loss, stat) = self._grad(ps, x_all[ix], y_all[ix], mb, {k: v[:a] for k, v in extra.items()})
+            g, (per, loss, stat) = self._grad(
+                ps, x_all[ix], y_all[ix], mb, {k: v[:a] for k, v in extra.items()}
+            )
             grads = [g[n] for n in self.names]
             if self._before:
                 self.objective.cohort_before_step(grads, list(ps.values()), extra, a, stat)
@@ -276,19 +316,28 @@ class CohortTrainer:
         out: list[ClientUpdate | None] = [None] * K
         for j, k in enumerate(order):
             n = len(tasks[j].data)
-            out[k] = ClientUpdate(num_samples=n, stat_utility=oort_utility(sq[j], plans[j][2], n),
-                                  loss=ls[j] / steps[j] if steps[j] else 0.0, duration=0.0,
-                                  delta=delta[j], aux=ctxs[j].aux_out)
+            out[k] = ClientUpdate(
+                num_samples=n,
+                stat_utility=oort_utility(sq[j], plans[j][2], n),
+                loss=ls[j] / steps[j] if steps[j] else 0.0,
+                duration=0.0,
+                delta=delta[j],
+                aux=ctxs[j].aux_out,
+            )
         return out  # type: ignore[return-value]
 
     @torch.no_grad()
-    def probe(self, weights: list[np.ndarray], datas: list[ClientData], batch_size: int = 256) -> list[ClientUpdate]:
+    def probe(
+        self, weights: list[np.ndarray], datas: list[ClientData], batch_size: int = 256
+    ) -> list[ClientUpdate]:
         """TierSelect's eval task for several clients at once: one forward pass over each client's data."""
         K = len(datas)
         order = sorted(range(K), key=lambda k: -len(datas[k]))
         sizes = [len(datas[k]) for k in order]
         x_all, y_all, offsets = self._stack([datas[k] for k in order])
-        flat = torch.from_numpy(np.stack([np.asarray(weights[k], dtype=np.float32) for k in order])).to(self.device)
+        flat = torch.from_numpy(np.stack([np.asarray(weights[k], dtype=np.float32) for k in order])).to(
+            self.device
+        )
         params = self._split(flat)
         chunks = -(-sizes[0] // batch_size) if K else 0
         sq_sum = torch.zeros(K, device=self.device)
@@ -299,17 +348,29 @@ class CohortTrainer:
             local = c * batch_size + pos
             size = torch.tensor(sizes[:a]).unsqueeze(1)
             m = (local.unsqueeze(0) < size).float().to(self.device)
-            ix = (torch.tensor(offsets[:a]).unsqueeze(1) + torch.minimum(local.unsqueeze(0), size - 1)).to(self.device)
-            per = F.cross_entropy(self._forward({n: p[:a] for n, p in zip(self.names, params)}, x_all[ix]).flatten(0, 1),
-                                  y_all[ix].flatten(), reduction="none").view(a, batch_size) * m
+            ix = (torch.tensor(offsets[:a]).unsqueeze(1) + torch.minimum(local.unsqueeze(0), size - 1)).to(
+                self.device
+            )
+            per = (
+                F.cross_entropy(
+                    self._forward({n: p[:a] for n, p in zip(self.names, params)}, x_all[ix]).flatten(0, 1),
+                    y_all[ix].flatten(),
+                    reduction="none",
+                ).view(a, batch_size)
+                * m
+            )
             sq_sum[:a] += (per * per).sum(1)
             loss_sum[:a] += per.sum(1)
         sq, ls = sq_sum.cpu().tolist(), loss_sum.cpu().tolist()
         out: list[ClientUpdate | None] = [None] * K
         for j, k in enumerate(order):
             n = sizes[j]
-            out[k] = ClientUpdate(num_samples=n, stat_utility=oort_utility(sq[j], n, n),
-                                  loss=ls[j] / n if n else 0.0, duration=0.0)
+            out[k] = ClientUpdate(
+                num_samples=n,
+                stat_utility=oort_utility(sq[j], n, n),
+                loss=ls[j] / n if n else 0.0,
+                duration=0.0,
+            )
         return out  # type: ignore[return-value]
 
 
@@ -336,8 +397,8 @@ class _StackedOptimizer:
             grads = [g.add(p, alpha=cfg.weight_decay) for g, p in zip(grads, ps)]
         if cfg.optimizer == "adam":
             beta1, beta2, eps, t = 0.9, 0.999, 1e-8, s + 1
-            step_size = cfg.lr / (1 - beta1 ** t)
-            bc2_sqrt = math.sqrt(1 - beta2 ** t)
+            step_size = cfg.lr / (1 - beta1**t)
+            bc2_sqrt = math.sqrt(1 - beta2**t)
             for p, g, m, v in zip(ps, grads, self.bufs, self.sq):
                 m, v = m[:a], v[:a]
                 m.lerp_(g, 1 - beta1)

@@ -5,6 +5,7 @@ travel as flat float32 vectors; the model here is only a workspace they are load
 buffers travel with the parameters and which are kept per client is ``TrainConfig.buffers``
 (:mod:`felix.client.weights`): nothing of one client's task is left in the workspace for the next.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,7 +50,9 @@ class ClientData:
     x: torch.Tensor
     y: torch.Tensor
     _counts: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    _on: tuple[torch.device, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    _on: tuple[torch.device, torch.Tensor, torch.Tensor] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
@@ -84,8 +87,15 @@ def autocast(device: torch.device | str, dtype: torch.dtype | None) -> AbstractC
 
 
 class LocalTrainer:
-    def __init__(self, model: nn.Module, objective: Objective, cfg: TrainConfig, num_classes: int,
-                 device: str = "cpu", autocast_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        objective: Objective,
+        cfg: TrainConfig,
+        num_classes: int,
+        device: str = "cpu",
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
         self.model = model.to(device)
         self.objective = objective
         self.cfg = cfg
@@ -109,8 +119,14 @@ class LocalTrainer:
         self.weights.set_kept(None)
         return flat
 
-    def train(self, weights: np.ndarray, data: ClientData, state: dict[str, Any],
-              aux_in: dict[str, np.ndarray], generator: torch.Generator) -> ClientUpdate:
+    def train(
+        self,
+        weights: np.ndarray,
+        data: ClientData,
+        state: dict[str, Any],
+        aux_in: dict[str, np.ndarray],
+        generator: torch.Generator,
+    ) -> ClientUpdate:
         """Run the local epochs; the utility comes from the losses seen in the first epoch."""
         cfg = self.cfg
         received_loss = None if cfg.probe_loss_key is None else self.probe(weights, data).loss
@@ -129,7 +145,9 @@ class LocalTrainer:
         )
         opt: torch.optim.Optimizer
         if cfg.optimizer == "sgd":
-            opt = torch.optim.SGD(self._params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+            opt = torch.optim.SGD(
+                self._params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+            )
         else:
             opt = torch.optim.Adam(self._params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.objective.begin(ctx)
@@ -148,7 +166,7 @@ class LocalTrainer:
             for start in range(0, stop, cfg.batch_size):
                 if cfg.max_steps is not None and ctx.steps >= cfg.max_steps:
                     break
-                idx = order[start:start + cfg.batch_size]
+                idx = order[start : start + cfg.batch_size]
                 yb = y[idx]
                 if mixed:
                     with autocast(self.device, self.autocast_dtype):
@@ -197,8 +215,8 @@ class LocalTrainer:
         loss_sum = torch.zeros((), device=self.device)
         for start in range(0, n, batch_size):
             with autocast(self.device, self.autocast_dtype):
-                logits = self.model(x[start:start + batch_size]).float()
-            per = F.cross_entropy(logits, y[start:start + batch_size], reduction="none")
+                logits = self.model(x[start : start + batch_size]).float()
+            per = F.cross_entropy(logits, y[start : start + batch_size], reduction="none")
             sq_sum += (per * per).sum()
             loss_sum += per.sum()
         return ClientUpdate(

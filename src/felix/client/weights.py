@@ -16,6 +16,7 @@ Parameters always travel. Buffers (BatchNorm's running mean and variance, and it
 
 A model without buffers travels as its parameters in both modes.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -40,7 +41,9 @@ class ModelWeights:
         self.mode = buffers
         self.params = list(model.parameters())
         all_buffers = list(model.buffers())
-        self.shipped_buffers = [b for b in all_buffers if b.is_floating_point()] if buffers == "aggregate" else []
+        self.shipped_buffers = (
+            [b for b in all_buffers if b.is_floating_point()] if buffers == "aggregate" else []
+        )
         shipped = {id(b) for b in self.shipped_buffers}
         self.kept = [b for b in all_buffers if id(b) not in shipped]
         self.initial_kept = [b.detach().clone() for b in self.kept]
@@ -60,13 +63,15 @@ class ModelWeights:
         """Load a vector of ``size`` values; the parameters become views of ``flat`` (give this its
         own copy), the buffers are copied into."""
         if flat.numel() != self.size:
-            raise ValueError(f"weight vector of {flat.numel()} values for a model of {self.size} "
-                             f"({self.num_params} parameters + {self.size - self.num_params} buffer values)")
-        vector_to_parameters(flat[:self.num_params], self.params)
+            raise ValueError(
+                f"weight vector of {flat.numel()} values for a model of {self.size} "
+                f"({self.num_params} parameters + {self.size - self.num_params} buffer values)"
+            )
+        vector_to_parameters(flat[: self.num_params], self.params)
         at = self.num_params
         for b in self.shipped_buffers:
             n = b.numel()
-            b.copy_(flat[at:at + n].view_as(b))
+            b.copy_(flat[at : at + n].view_as(b))
             at += n
 
     @torch.no_grad()
@@ -108,5 +113,7 @@ def weights_for(model: nn.Module, size: int) -> ModelWeights:
         w = ModelWeights(model, mode)
         if w.size == size:
             return w
-    raise ValueError(f"a weight vector of {size} values fits this model in no buffer mode "
-                     f"({ModelWeights(model, 'local').size} or {ModelWeights(model, 'aggregate').size} expected)")
+    raise ValueError(
+        f"a weight vector of {size} values fits this model in no buffer mode "
+        f"({ModelWeights(model, 'local').size} or {ModelWeights(model, 'aggregate').size} expected)"
+    )

@@ -12,6 +12,7 @@ the policy for the tier it should act on (``ClientRecord.tier``). A new policy (
 availability predictor, say) is one subclass registered in ``AVAILABILITY`` next to it and picked
 by ``orchestrator.knowledge``; the orchestrator is not edited.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any

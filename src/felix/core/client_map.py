@@ -16,6 +16,7 @@ row (the simulator registers 0..N-1 in order) no lookup is needed at all.
 ``map[client_id]`` returns a ``ClientView``, a write-through view of one row with the record's
 field names; ``ClientRecord`` is the plain record a client is registered with.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,17 +30,34 @@ from felix.core.types import Tier
 
 _TIERS = tuple(Tier)  # indexed by the tier's code
 # Read by every selection: one int64 line per client. The last two are floats (NaN = None), by their bits.
-_HOT = ("in_flight", "blocked_round", "selected_round", "last_utility_round", "num_samples", "times_updated",
-        "stat_utility", "last_duration")
+_HOT = (
+    "in_flight",
+    "blocked_round",
+    "selected_round",
+    "last_utility_round",
+    "num_samples",
+    "times_updated",
+    "stat_utility",
+    "last_duration",
+)
 _HOT_AT = {name: j for j, name in enumerate(_HOT)}
 _FLOAT_FIELDS = ("stat_utility", "last_duration")
-_COLD = {"client_id": np.int64, "times_selected": np.int64, "times_evaluated": np.int64, "times_dropped": np.int64,
-         "tier": np.int8, "reported_tier": np.int8}
-_INT_FIELDS = tuple(f for f in (*_HOT, *_COLD) if f not in _FLOAT_FIELDS and f not in ("client_id", "tier",
-                                                                                        "reported_tier"))
+_COLD = {
+    "client_id": np.int64,
+    "times_selected": np.int64,
+    "times_evaluated": np.int64,
+    "times_dropped": np.int64,
+    "tier": np.int8,
+    "reported_tier": np.int8,
+}
+_INT_FIELDS = tuple(
+    f for f in (*_HOT, *_COLD) if f not in _FLOAT_FIELDS and f not in ("client_id", "tier", "reported_tier")
+)
 _COLUMNS = ("client_id", *_INT_FIELDS, *_FLOAT_FIELDS, "tier", "reported_tier")
 _NO_TASK = -1  # in_flight of a client holding no slot
-_TABLE_MIN = 1024  # first size of the flat id table; ids up to 4 x the population grow it, others go to a dict
+_TABLE_MIN = (
+    1024  # first size of the flat id table; ids up to 4 x the population grow it, others go to a dict
+)
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 
@@ -78,6 +96,7 @@ def _int_field(name: str) -> property:
         def put(self: ClientView, value: int) -> None:
             self._map._hot[self.row, j] = value
     else:
+
         def get(self: ClientView) -> int:
             return int(self._map._cols[name][self.row])
 
@@ -285,10 +304,18 @@ class ClientMap:
         if r == self._slot.size:
             self._grow(2 * r)
         hot = self._hot[r]
-        hot[:6] = (_NO_TASK if record.in_flight is None else record.in_flight, record.blocked_round,
-                   record.selected_round, record.last_utility_round, record.num_samples, record.times_updated)
-        hot.view(np.float64)[6:] = (np.nan if record.stat_utility is None else record.stat_utility,
-                                    np.nan if record.last_duration is None else record.last_duration)
+        hot[:6] = (
+            _NO_TASK if record.in_flight is None else record.in_flight,
+            record.blocked_round,
+            record.selected_round,
+            record.last_utility_round,
+            record.num_samples,
+            record.times_updated,
+        )
+        hot.view(np.float64)[6:] = (
+            np.nan if record.stat_utility is None else record.stat_utility,
+            np.nan if record.last_duration is None else record.last_duration,
+        )
         cols = self._cols
         cols["client_id"][r] = cid
         cols["times_selected"][r] = record.times_selected
@@ -362,7 +389,9 @@ class ClientMap:
 
     def _place(self, client_id: int, r: int) -> None:
         size = self._table.size
-        if 0 <= client_id < max(size, 4 * (self._n + 1)):  # fits the table, or may grow it (x4 the population)
+        if (
+            0 <= client_id < max(size, 4 * (self._n + 1))
+        ):  # fits the table, or may grow it (x4 the population)
             if client_id >= size:
                 table = np.full(max(2 * size, client_id + 1), -1, dtype=np.int64)
                 table[:size] = self._table
@@ -404,10 +433,14 @@ class ClientMap:
         ``class_counts_len`` how many belong to each client.
         """
         state: dict[str, Any] = {name: self.column(name).copy() for name in _COLUMNS}
-        state["class_counts_len"] = np.fromiter((len(c) for c in self._class_counts), dtype=np.int64,
-                                                count=self._n)
-        state["class_counts"] = np.fromiter((v for c in self._class_counts for v in c), dtype=np.int64,
-                                            count=int(state["class_counts_len"].sum()))
+        state["class_counts_len"] = np.fromiter(
+            (len(c) for c in self._class_counts), dtype=np.int64, count=self._n
+        )
+        state["class_counts"] = np.fromiter(
+            (v for c in self._class_counts for v in c),
+            dtype=np.int64,
+            count=int(state["class_counts_len"].sum()),
+        )
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -421,7 +454,9 @@ class ClientMap:
         for name in (*_COLUMNS, "class_counts_len"):
             a = arrays[name]
             if a.ndim != 1 or a.shape[0] != n:
-                raise ValueError(f"ClientMap state: {name!r} must be a vector of {n} entries, got shape {a.shape}")
+                raise ValueError(
+                    f"ClientMap state: {name!r} must be a vector of {n} entries, got shape {a.shape}"
+                )
             kinds = "iuf" if name in _FLOAT_FIELDS else "iu"
             if a.dtype.kind not in kinds and a.size:
                 raise ValueError(f"ClientMap state: {name!r} has dtype {a.dtype}")
@@ -439,11 +474,15 @@ class ClientMap:
         for name in _COLUMNS:
             fresh.column(name)[:] = arrays[name]
         ends = np.cumsum(lens)
-        fresh._class_counts = [tuple(int(v) for v in flat[e - k : e]) for k, e in zip(lens.tolist(), ends.tolist())]
+        fresh._class_counts = [
+            tuple(int(v) for v in flat[e - k : e]) for k, e in zip(lens.tolist(), ends.tolist())
+        ]
         fresh._id_ordered = bool(n < 2 or (np.diff(ids) > 0).all())
         fresh._identity = bool((ids == np.arange(n)).all())
         small = np.flatnonzero((ids >= 0) & (ids < max(_TABLE_MIN, 4 * n)))
-        fresh._table = np.full(max(_TABLE_MIN, int(ids[small].max()) + 1 if small.size else 0), -1, dtype=np.int64)
+        fresh._table = np.full(
+            max(_TABLE_MIN, int(ids[small].max()) + 1 if small.size else 0), -1, dtype=np.int64
+        )
         fresh._table[ids[small]] = small
         fresh._sparse = {int(ids[r]): int(r) for r in np.setdiff1d(np.arange(n), small)}
         for t in range(len(_TIERS)):

@@ -1,4 +1,5 @@
 """Commands flowing out of the orchestrator; the shell turns them into messages or simulated work."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -11,6 +11,7 @@ no client trains before the plan is made, in the simulator and in the deployment
 The planners (``felix.strategies.dataplans``) register here by name (``DATA_PLANS``, picked by
 the config's ``data_plan``); ``none`` is the policy without a plan.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -48,7 +49,9 @@ class DataPlanPolicy:
         """Restore what ``state_dict`` returned."""
 
 
-DATA_PLANS: Registry[DataPlanPolicy] = Registry("data plan", modules=("felix.strategies.dataplans.policy",), key="data_plan")
+DATA_PLANS: Registry[DataPlanPolicy] = Registry(
+    "data plan", modules=("felix.strategies.dataplans.policy",), key="data_plan"
+)
 
 
 @DATA_PLANS.register("none", params=NoParams)

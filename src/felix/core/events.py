@@ -1,4 +1,5 @@
 """Events flowing into the orchestrator. Time always arrives inside an event: the core never reads a clock."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -4,6 +4,7 @@ Both shells (the simulation engine and the MQTT deployment) drive this one class
 behaves the same in both. It never reads a clock or touches I/O: time arrives inside events and
 ``next_wakeup()`` tells the shell when to deliver a ``Tick`` for timers to fire.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -79,7 +80,9 @@ class OrchestratorConfig:
     knowledge_params: Any = None  # the availability policy's parameters
 
     def __post_init__(self) -> None:
-        ROUND_POLICIES.entry(self.mode)  # a registered name or import path, else a RegistryError naming the key
+        ROUND_POLICIES.entry(
+            self.mode
+        )  # a registered name or import path, else a RegistryError naming the key
         if self.knowledge in set(Knowledge):
             object.__setattr__(self, "knowledge", Knowledge(self.knowledge))
         else:
@@ -151,7 +154,9 @@ class Orchestrator:
         # Without one from the shell (``build_orchestrator`` makes it from the config, norms included),
         # samples are bounded and no aux entry is admitted; the norm bound needs the clients' local
         # schedule, which only the config knows, so a bare orchestrator leaves it off.
-        self.validator = validator if validator is not None else UpdateValidator(ValidationConfig(norm_policy="off"))
+        self.validator = (
+            validator if validator is not None else UpdateValidator(ValidationConfig(norm_policy="off"))
+        )
         self.clients = ClientMap()
         self.stats = OrchestratorStats()
         self.version = 0
@@ -161,14 +166,18 @@ class Orchestrator:
         self.plans: dict[int, tuple[int, ...]] = {}
         self._theta = _frozen(initial_weights.astype(np.float32, copy=True))
         self._tasks: dict[int, Task] = {}
-        self._closed: dict[int, TaskState] = {}  # task id -> DONE / CANCELLED, for replays, above the watermark
+        self._closed: dict[
+            int, TaskState
+        ] = {}  # task id -> DONE / CANCELLED, for replays, above the watermark
         self._closed_below = 1  # every task id below it is open (in _tasks) or closed
         self._next_task = 1
         self._timers: list[tuple[float, int]] = []
         self._buffer: list[BufferedUpdate] = []
         self._held: list[int] = []  # training tasks assigned while the data plan is pending, not yet sent
         self._evals_this_round = 0
-        self._probe_dropped: set[int] = set()  # clients whose eval task dropped this round: not probed again in it
+        self._probe_dropped: set[int] = (
+            set()
+        )  # clients whose eval task dropped this round: not probed again in it
         self._train_in_flight = 0
         self._late: dict[int, int] = {}  # client -> its task that lost its slot and may still answer late
         self._expired: list[Task] = []  # such tasks closed since the last event: their cancels go out with it
@@ -221,7 +230,9 @@ class Orchestrator:
         self._fire_timers(out)
         self._fill(out)
         for task in self._expired:
-            out.append(CancelTask(task.task_id, task.client_id, "lost its slot behind an older one still open"))
+            out.append(
+                CancelTask(task.task_id, task.client_id, "lost its slot behind an older one still open")
+            )
         self._expired.clear()
         return out
 
@@ -297,7 +308,9 @@ class Orchestrator:
     def _on_failed(self, ev: TaskFailed, out: list[Command]) -> None:
         task = self._tasks.get(ev.task_id)
         if task is None or task.client_id != ev.client_id:
-            self._reject(ev.client_id, ev.task_id, f"failure report for a task it does not hold ({ev.reason})", out)
+            self._reject(
+                ev.client_id, ev.task_id, f"failure report for a task it does not hold ({ev.reason})", out
+            )
             return
         if task.holds_slot:  # a task that lost its slot earlier was counted as dropped then
             self._free_slot(task)
@@ -318,8 +331,11 @@ class Orchestrator:
         task = self._tasks.get(ev.task_id)
         if task is None:
             closed = self._closed.get(ev.task_id)
-            unknown = "result for a closed task" if 0 < ev.task_id < self._closed_below \
+            unknown = (
+                "result for a closed task"
+                if 0 < ev.task_id < self._closed_below
                 else "result for a task the server never assigned"
+            )
             reason = {
                 TaskState.DONE: "replayed result: task already applied",
                 TaskState.CANCELLED: "result for a cancelled task",
@@ -357,8 +373,9 @@ class Orchestrator:
                     self._reject(ev.client_id, ev.task_id, f"aux {key!r} holds non-finite values", out)
                     return None
         rec = self.clients[ev.client_id]
-        verdict = self.validator.check(ev.client_id, task.kind, upd, rec.num_samples,
-                                       sum(self.plans.get(ev.client_id, ())), self._theta)
+        verdict = self.validator.check(
+            ev.client_id, task.kind, upd, rec.num_samples, sum(self.plans.get(ev.client_id, ())), self._theta
+        )
         if verdict.update is None:
             self._reject(ev.client_id, ev.task_id, verdict.reason, out)
             return None
@@ -433,7 +450,9 @@ class Orchestrator:
     def _compact_timers(self) -> None:
         """Drop the timers of tasks that no longer hold a slot (they would fire as no-ops), so the
         heap holds about one entry per open task instead of one per task of the last timeout."""
-        live = [(t, i) for t, i in self._timers if (task := self._tasks.get(i)) is not None and task.holds_slot]
+        live = [
+            (t, i) for t, i in self._timers if (task := self._tasks.get(i)) is not None and task.holds_slot
+        ]
         heapq.heapify(live)
         self._timers = live
 
@@ -517,8 +536,11 @@ class Orchestrator:
             if held:
                 self._held.append(task.task_id)
             else:
-                out.append(DispatchTrain(task.task_id, cid, self.version, self._theta, self.aux,
-                                         self.plans.get(cid, ())))
+                out.append(
+                    DispatchTrain(
+                        task.task_id, cid, self.version, self._theta, self.aux, self.plans.get(cid, ())
+                    )
+                )
         else:
             self._evals_this_round += 1
             self.stats.eval_dispatched += 1
@@ -544,8 +566,16 @@ class Orchestrator:
                 continue
             task.base_version = self.version
             self._start_timer(task)
-            out.append(DispatchTrain(tid, task.client_id, self.version, self._theta, self.aux,
-                                     self.plans.get(task.client_id, ())))
+            out.append(
+                DispatchTrain(
+                    tid,
+                    task.client_id,
+                    self.version,
+                    self._theta,
+                    self.aux,
+                    self.plans.get(task.client_id, ()),
+                )
+            )
 
     # ------------------------------------------------------------------ the round and availability policies' API
     @property
@@ -611,12 +641,17 @@ class Orchestrator:
         st.agg_weights.extend(float(w) for w in norm_w)
         self.selector.on_round_end(self.round, self._ctx())
         report = AggregationReport(
-            tuple(b.client_id for b in buffer), tuple(b.staleness for b in buffer), tuple(float(w) for w in norm_w),
-            tuple(float(b.update.loss) for b in buffer), tuple(b.task_id for b in buffer),
+            tuple(b.client_id for b in buffer),
+            tuple(b.staleness for b in buffer),
+            tuple(float(w) for w in norm_w),
+            tuple(float(b.update.loss) for b in buffer),
+            tuple(b.task_id for b in buffer),
         )
         out.append(NewModelVersion(self.version, self.now, self._theta, report))
 
-    def _try_aggregate(self, buffer: list[BufferedUpdate]) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    def _try_aggregate(
+        self, buffer: list[BufferedUpdate]
+    ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         """The aggregator's step, refused (ValueError) if it would leave the model non-finite."""
         theta, norm_w, aux = self.aggregator.aggregate(self._theta, buffer)
         if not np.isfinite(theta).all():
@@ -637,7 +672,6 @@ class Orchestrator:
             self._buffer.remove(b)
             self._reject(b.client_id, b.task_id, f"update cannot be aggregated ({str(exc)[:120]})", out)
 
-
     # ------------------------------------------------------------------ checkpoints
     def reserve_task_ids(self, first: int) -> None:
         """Number the next tasks from ``first`` on (at least): a resumed server's fresh id range,
@@ -656,11 +690,15 @@ class Orchestrator:
         n = len(tasks)
         st = self.stats
         return {
-            "version": self.version, "round": self.round, "now": self.now,
+            "version": self.version,
+            "round": self.round,
+            "now": self.now,
             "theta": np.array(self._theta),
             "aux": {k: np.asarray(v) for k, v in self.aux.items()},
             "plans_ids": np.fromiter(self.plans.keys(), dtype=np.int64, count=len(self.plans)),
-            "plans_len": np.fromiter((len(r) for r in self.plans.values()), dtype=np.int64, count=len(self.plans)),
+            "plans_len": np.fromiter(
+                (len(r) for r in self.plans.values()), dtype=np.int64, count=len(self.plans)
+            ),
             "plans_flat": np.fromiter((v for r in self.plans.values() for v in r), dtype=np.int64),
             "tasks": {
                 "task_id": np.fromiter((t.task_id for t in tasks), dtype=np.int64, count=n),
@@ -672,18 +710,27 @@ class Orchestrator:
                 "state": np.fromiter((_STATES.index(t.state) for t in tasks), dtype=np.int8, count=n),
             },
             "closed_ids": np.fromiter(self._closed.keys(), dtype=np.int64, count=len(self._closed)),
-            "closed_state": np.fromiter((_STATES.index(s) for s in self._closed.values()), dtype=np.int8,
-                                        count=len(self._closed)),
+            "closed_state": np.fromiter(
+                (_STATES.index(s) for s in self._closed.values()), dtype=np.int8, count=len(self._closed)
+            ),
             "closed_below": self._closed_below,
             "next_task": self._next_task,
             "timer_at": np.array([t for t, _ in self._timers], dtype=np.float64),
             "timer_task": np.array([i for _, i in self._timers], dtype=np.int64),
             "buffer": [
-                {"client_id": b.client_id, "task_id": b.task_id, "base_version": b.base_version,
-                 "arrived_at": b.arrived_at, "staleness": b.staleness, "num_samples": b.update.num_samples,
-                 "stat_utility": b.update.stat_utility, "loss": b.update.loss, "duration": b.update.duration,
-                 "delta": None if b.update.delta is None else np.asarray(b.update.delta),
-                 "aux": {k: np.asarray(v) for k, v in b.update.aux.items()}}
+                {
+                    "client_id": b.client_id,
+                    "task_id": b.task_id,
+                    "base_version": b.base_version,
+                    "arrived_at": b.arrived_at,
+                    "staleness": b.staleness,
+                    "num_samples": b.update.num_samples,
+                    "stat_utility": b.update.stat_utility,
+                    "loss": b.update.loss,
+                    "duration": b.update.duration,
+                    "delta": None if b.update.delta is None else np.asarray(b.update.delta),
+                    "aux": {k: np.asarray(v) for k, v in b.update.aux.items()},
+                }
                 for b in self._buffer
             ],
             "held": np.array(self._held, dtype=np.int64),
@@ -691,8 +738,10 @@ class Orchestrator:
             "probe_dropped": np.array(sorted(self._probe_dropped), dtype=np.int64),
             "train_in_flight": self._train_in_flight,
             "rng": self.rng.bit_generator.state,
-            "stats": {f.name: self._stat_array(f.name) if f.name in _LIST_STATS else getattr(st, f.name)
-                      for f in fields(st)},
+            "stats": {
+                f.name: self._stat_array(f.name) if f.name in _LIST_STATS else getattr(st, f.name)
+                for f in fields(st)
+            },
             "clients": self.clients.state_dict(),
             "selector": self.selector.state_dict(),
             "eval_selector": self.eval_selector.state_dict(),
@@ -724,28 +773,54 @@ class Orchestrator:
         flat = np.asarray(state["plans_flat"]).tolist()
         ends = np.cumsum(np.asarray(state["plans_len"], dtype=np.int64)).tolist()
         starts = [0, *ends[:-1]] if ends else []
-        self.plans = {cid: tuple(flat[a:b]) for cid, a, b in zip(np.asarray(state["plans_ids"]).tolist(), starts,
-                                                                  ends, strict=True)}
+        self.plans = {
+            cid: tuple(flat[a:b])
+            for cid, a, b in zip(np.asarray(state["plans_ids"]).tolist(), starts, ends, strict=True)
+        }
         t = {k: np.asarray(v).tolist() for k, v in state["tasks"].items()}
         self._tasks = {}
         for i, tid in enumerate(t["task_id"]):
-            self._tasks[tid] = Task(tid, t["client_id"][i], _KINDS[t["kind"][i]], t["base_version"][i],
-                                    t["round"][i], t["dispatched_at"][i], _STATES[t["state"][i]])
+            self._tasks[tid] = Task(
+                tid,
+                t["client_id"][i],
+                _KINDS[t["kind"][i]],
+                t["base_version"][i],
+                t["round"][i],
+                t["dispatched_at"][i],
+                _STATES[t["state"][i]],
+            )
         self._late = {task.client_id: tid for tid, task in sorted(self._tasks.items()) if not task.holds_slot}
         self._expired = []
         self._rejoin_at = None
-        self._closed = {tid: _STATES[s] for tid, s in zip(np.asarray(state["closed_ids"]).tolist(),
-                                                          np.asarray(state["closed_state"]).tolist(), strict=True)}
+        self._closed = {
+            tid: _STATES[s]
+            for tid, s in zip(
+                np.asarray(state["closed_ids"]).tolist(),
+                np.asarray(state["closed_state"]).tolist(),
+                strict=True,
+            )
+        }
         self._closed_below = int(state["closed_below"])
         self._next_task = int(state["next_task"])
-        self._timers = list(zip(np.asarray(state["timer_at"]).tolist(), np.asarray(state["timer_task"]).tolist(),
-                                strict=True))
+        self._timers = list(
+            zip(np.asarray(state["timer_at"]).tolist(), np.asarray(state["timer_task"]).tolist(), strict=True)
+        )
         self._buffer = [
-            BufferedUpdate(int(b["client_id"]), int(b["task_id"]), int(b["base_version"]), float(b["arrived_at"]),
-                           ClientUpdate(int(b["num_samples"]), float(b["stat_utility"]), float(b["loss"]),
-                                        float(b["duration"]), None if b["delta"] is None else np.array(b["delta"]),
-                                        {k: np.asarray(v) for k, v in b["aux"].items()}),
-                           int(b["staleness"]))
+            BufferedUpdate(
+                int(b["client_id"]),
+                int(b["task_id"]),
+                int(b["base_version"]),
+                float(b["arrived_at"]),
+                ClientUpdate(
+                    int(b["num_samples"]),
+                    float(b["stat_utility"]),
+                    float(b["loss"]),
+                    float(b["duration"]),
+                    None if b["delta"] is None else np.array(b["delta"]),
+                    {k: np.asarray(v) for k, v in b["aux"].items()},
+                ),
+                int(b["staleness"]),
+            )
             for b in state["buffer"]
         ]
         self._held = np.asarray(state["held"]).tolist()

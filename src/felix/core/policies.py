@@ -4,6 +4,7 @@ The base classes own the mechanism (eligibility, buffering, normalisation, stale
 subclass owns one policy decision (which clients, which weight). Policies are pure: randomness
 and the current time reach them through ``SelectionContext``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -136,12 +137,26 @@ class Aggregator:
 
 # The registries of each kind (``felix.core.registry``): a strategy module registers its factories
 # next to its classes; the modules listed here are the built-in ones, imported on the first lookup.
-TRAIN_SELECTORS: Registry[TrainSelector] = Registry("selector", modules=(
-    "felix.strategies.selection.random", "felix.strategies.selection.oort", "felix.strategies.selection.refl"))
-EVAL_SELECTORS: Registry[EvalSelector] = Registry("eval_selector", modules=("felix.strategies.selection.tierselect",))
-AGGREGATORS: Registry[Aggregator] = Registry("aggregator", modules=(
-    "felix.strategies.aggregation.fedavg", "felix.strategies.aggregation.tierfuse",
-    "felix.strategies.aggregation.refl_saa", "felix.strategies.aggregation.qffl"))
+TRAIN_SELECTORS: Registry[TrainSelector] = Registry(
+    "selector",
+    modules=(
+        "felix.strategies.selection.random",
+        "felix.strategies.selection.oort",
+        "felix.strategies.selection.refl",
+    ),
+)
+EVAL_SELECTORS: Registry[EvalSelector] = Registry(
+    "eval_selector", modules=("felix.strategies.selection.tierselect",)
+)
+AGGREGATORS: Registry[Aggregator] = Registry(
+    "aggregator",
+    modules=(
+        "felix.strategies.aggregation.fedavg",
+        "felix.strategies.aggregation.tierfuse",
+        "felix.strategies.aggregation.refl_saa",
+        "felix.strategies.aggregation.qffl",
+    ),
+)
 
 
 @EVAL_SELECTORS.register("none", params=NoParams)

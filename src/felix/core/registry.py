@@ -14,6 +14,7 @@ config); the registry never looks at it.
 The built-in policies' modules are imported on the first lookup (``modules``), so importing the
 core stays cheap and a registry never depends on import order.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -44,12 +45,16 @@ def params_from_dataclass(dc: type, name: str | None = None, **extra: Any) -> ty
     hints = get_type_hints(dc)
     spec: dict[str, Any] = {}
     for f in fields(dc):
-        default = f.default if f.default is not MISSING else (
-            f.default_factory() if f.default_factory is not MISSING else ...)
+        default = (
+            f.default
+            if f.default is not MISSING
+            else (f.default_factory() if f.default_factory is not MISSING else ...)
+        )
         spec[f.name] = (hints[f.name], default)
     spec.update(extra)
     model: type[BaseModel] = create_model(  # type: ignore[call-overload]
-        name or f"{dc.__name__}Model", __config__=ConfigDict(extra="forbid", frozen=True), **spec)
+        name or f"{dc.__name__}Model", __config__=ConfigDict(extra="forbid", frozen=True), **spec
+    )
     return model
 
 
@@ -63,7 +68,9 @@ def import_object(ref: str) -> Any:
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - whatever the user's module raises is reported as a config error
-        raise RegistryError(f"cannot import module {module_name!r} for {ref!r} ({type(exc).__name__}: {exc})") from None
+        raise RegistryError(
+            f"cannot import module {module_name!r} for {ref!r} ({type(exc).__name__}: {exc})"
+        ) from None
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
@@ -122,8 +129,10 @@ class Registry(Generic[T]):
         if name in self._entries:
             return self._entries[name]
         if ":" not in name:
-            raise RegistryError(f"{self.key}: unknown {self.kind} {name!r}; choose one of {self.names()} "
-                                f"or give an import path 'package.module:factory'")
+            raise RegistryError(
+                f"{self.key}: unknown {self.kind} {name!r}; choose one of {self.names()} "
+                f"or give an import path 'package.module:factory'"
+            )
         try:
             obj = import_object(name)
         except RegistryError as exc:
@@ -154,8 +163,9 @@ class Registry(Generic[T]):
                 lines.append(f"{loc}: {'unknown key' if err['type'] == 'extra_forbidden' else err['msg']}")
             raise RegistryError(f"{self.kind} {name!r}: " + "; ".join(lines)) from None
 
-    def create(self, name: str, raw: dict[str, Any] | BaseModel | None, ctx: Any = None,
-               where: str | None = None) -> T:
+    def create(
+        self, name: str, raw: dict[str, Any] | BaseModel | None, ctx: Any = None, where: str | None = None
+    ) -> T:
         """Build the policy ``name`` with validated parameters; its own ValueErrors name the policy."""
         params = self.parse(name, raw, where)
         try:

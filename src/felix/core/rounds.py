@@ -11,6 +11,7 @@ A policy is called by the orchestrator at four points (``need`` before selection
 A new policy (semi-async, say) is one subclass registered in ``ROUND_POLICIES`` next to it and
 picked by ``orchestrator.mode``; the orchestrator is not edited.
 """
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """Vocabulary shared by the orchestrator, its policies and both shells."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -32,6 +32,7 @@ it is *plausible*, with bounds that a single client cannot move:
 The validator is sans-I/O and deterministic; its only state is the norm history, which
 ``state_dict`` / ``load_state_dict`` expose for checkpoints.
 """
+
 from __future__ import annotations
 
 import math
@@ -74,8 +75,10 @@ def aux_problem(aux: Mapping[str, np.ndarray], spec: AuxSpec) -> str | None:
             return f"undeclared aux entry {key[:40]!r} (declared: {allowed})"
         arr = np.asarray(value)
         if arr.shape != decl.shape or arr.dtype != np.dtype(decl.dtype):
-            return (f"aux {key!r} of shape {arr.shape}/{arr.dtype.str}, "
-                    f"declared {decl.shape}/{np.dtype(decl.dtype).str}")
+            return (
+                f"aux {key!r} of shape {arr.shape}/{arr.dtype.str}, "
+                f"declared {decl.shape}/{np.dtype(decl.dtype).str}"
+            )
     return None
 
 
@@ -142,14 +145,24 @@ class UpdateValidator:
         self.norms: dict[int, float] = {}  # client id -> its latest accepted norm / sqrt(steps), oldest first
 
     # ------------------------------------------------------------------ checks
-    def check(self, client_id: int, kind: TaskKind, upd: ClientUpdate, registered_samples: int,
-              planned_extra: int, theta: np.ndarray) -> Verdict:
+    def check(
+        self,
+        client_id: int,
+        kind: TaskKind,
+        upd: ClientUpdate,
+        registered_samples: int,
+        planned_extra: int,
+        theta: np.ndarray,
+    ) -> Verdict:
         if upd.loss < 0 or upd.stat_utility < 0 or upd.duration < 0:
             return Verdict(None, "negative loss, utility or duration")
         limit = self.config.max_samples_factor * (registered_samples + planned_extra)
         if upd.num_samples > limit:
-            return Verdict(None, f"num_samples {upd.num_samples} exceeds the {registered_samples} the client "
-                                 f"registered (+{planned_extra} planned)")
+            return Verdict(
+                None,
+                f"num_samples {upd.num_samples} exceeds the {registered_samples} the client "
+                f"registered (+{planned_extra} planned)",
+            )
         problem = aux_problem(upd.aux, self.aux_spec)
         if problem is not None:
             return Verdict(None, problem)
@@ -161,8 +174,9 @@ class UpdateValidator:
         clipped = False
         if bound is not None and norm > bound:
             if self.config.norm_policy == "reject":
-                return Verdict(None, f"update norm {norm:.3g} exceeds the bound {bound:.3g} "
-                                     f"({self._bound_basis()})")
+                return Verdict(
+                    None, f"update norm {norm:.3g} exceeds the bound {bound:.3g} ({self._bound_basis()})"
+                )
             scale = bound / norm if math.isfinite(norm) else 0.0
             delta = (upd.delta.astype(np.float64) * scale).astype(np.float32)
             upd, norm, clipped = replace(upd, delta=delta), bound, True

@@ -18,6 +18,7 @@ plus ``__state__``, a uint8 tensor holding the UTF-8 JSON of everything else, wh
 booleans, None, numpy arrays): the owners convert their objects in their own ``state_dict`` /
 ``load_state_dict``; loading a checkpoint never builds a class it names.
 """
+
 from __future__ import annotations
 
 import csv
@@ -34,7 +35,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save
 
 FORMAT = "felix-checkpoint"
-VERSION = "3"  # 3: the orchestrator's policies (round, availability, data plan) and the run controller in the state
+VERSION = (
+    "3"  # 3: the orchestrator's policies (round, availability, data plan) and the run controller in the state
+)
 _STATE_KEY = "__state__"
 RESUME_TASK_ID_STRIDE = 1 << 32
 
@@ -66,7 +69,9 @@ def _encode(v: Any, arrays: dict[str, np.ndarray], path: str) -> Any:
                 raise CheckpointError(f"cannot checkpoint {path}: key {k!r} is not a plain string")
             out[k] = _encode(x, arrays, f"{path}.{k}")
         return out
-    raise CheckpointError(f"cannot checkpoint {path}: unsupported type {type(v).__module__}.{type(v).__name__}")
+    raise CheckpointError(
+        f"cannot checkpoint {path}: unsupported type {type(v).__module__}.{type(v).__name__}"
+    )
 
 
 def _decode(v: Any, arrays: dict[str, np.ndarray], path: str) -> Any:
@@ -112,8 +117,10 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {p} is not a readable safetensors file ({exc})") from None
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise CheckpointError(f"checkpoint {p}: format {meta.get('format')!r} v{meta.get('version')!r}, "
-                              f"expected {FORMAT} v{VERSION}")
+        raise CheckpointError(
+            f"checkpoint {p}: format {meta.get('format')!r} v{meta.get('version')!r}, "
+            f"expected {FORMAT} v{VERSION}"
+        )
     raw = arrays.pop(_STATE_KEY, None)
     if raw is None:
         raise CheckpointError(f"checkpoint {p} has no state record")
@@ -202,8 +209,9 @@ class AppliedLog:
             self.unique &= row.task_id not in self._task_ids
             self._task_ids.add(row.task_id)
         if self.count != n:
-            raise CheckpointError(f"applied-update log {self.path} holds {self.count} updates where the "
-                                  f"checkpoint says {n}")
+            raise CheckpointError(
+                f"applied-update log {self.path} holds {self.count} updates where the checkpoint says {n}"
+            )
 
     def rows(self) -> Iterator[AppliedUpdate]:
         if self._f is None:
@@ -213,8 +221,14 @@ class AppliedLog:
         assert self.path is not None
         with open(self.path, newline="") as f:
             for r in csv.DictReader(f):
-                yield AppliedUpdate(int(r["version"]), int(r["task_id"]), int(r["client_id"]), int(r["staleness"]),
-                                    float(r["weight"]), float(r["time_s"]))
+                yield AppliedUpdate(
+                    int(r["version"]),
+                    int(r["task_id"]),
+                    int(r["client_id"]),
+                    int(r["staleness"]),
+                    float(r["weight"]),
+                    float(r["time_s"]),
+                )
 
     def write_csv(self, out: Path) -> None:
         with open(out, "w", newline="") as f:

@@ -6,6 +6,7 @@ Broker logins come from ``--username/--password``, from the environment
 (``FELIX_MQTT_USERNAME`` / ``FELIX_MQTT_PASSWORD``: keeps passwords out of ``ps``), or, for many
 clients, from a ``credentials.json`` written by ``mqtt-credentials``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,9 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _broker_args(p: argparse.ArgumentParser, login: bool = True) -> None:
-    p.add_argument("--broker", default="127.0.0.1:1883", metavar="HOST:PORT", help="MQTT broker (default %(default)s)")
+    p.add_argument(
+        "--broker", default="127.0.0.1:1883", metavar="HOST:PORT", help="MQTT broker (default %(default)s)"
+    )
     if login:
         p.add_argument("--username", help=f"broker login (default: ${ENV_USER})")
         p.add_argument("--password", help=f"broker password (default: ${ENV_PASSWORD})")
@@ -46,10 +49,18 @@ def _broker_args(p: argparse.ArgumentParser, login: bool = True) -> None:
 
 def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--credentials", help="credentials.json from `felix mqtt-credentials` (per-client logins)")
-    p.add_argument("--time-scale", type=float, default=1.0,
-                   help="wall seconds per config second for the trace and runtimes (0.01: 100x faster)")
-    p.add_argument("--runtime", choices=("profile", "compute"), default="profile",
-                   help="profile: tasks last the config's runtime profile (emulation); compute: real compute time")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="wall seconds per config second for the trace and runtimes (0.01: 100x faster)",
+    )
+    p.add_argument(
+        "--runtime",
+        choices=("profile", "compute"),
+        default="profile",
+        help="profile: tasks last the config's runtime profile (emulation); compute: real compute time",
+    )
     p.add_argument("--t0", type=float, help="Unix time at which the trace starts (default: now)")
     p.add_argument("--no-train", action="store_true", help="reply with zero updates at once (load testing)")
     p.add_argument("--max-wall-s", type=float, help="give up after this many wall seconds")
@@ -65,7 +76,11 @@ def _resolve(args: argparse.Namespace) -> Config:
 def _run_id(args: argparse.Namespace, cfg: Config) -> str:
     from felix.deploy.topics import check_run_id, sanitize_run_id
 
-    return check_run_id(args.run_id) if args.run_id else sanitize_run_id(f"{cfg.name}-{cfg.strategy}-s{cfg.seed}")
+    return (
+        check_run_id(args.run_id)
+        if args.run_id
+        else sanitize_run_id(f"{cfg.name}-{cfg.strategy}-s{cfg.seed}")
+    )
 
 
 def _broker_options(args: argparse.Namespace, default_user: str | None) -> Any:
@@ -76,8 +91,15 @@ def _broker_options(args: argparse.Namespace, default_user: str | None) -> Any:
     password = getattr(args, "password", None) or os.environ.get(ENV_PASSWORD)
     if args.tls_cert and not args.tls_key:
         raise ValueError("--tls-cert needs --tls-key")
-    return BrokerOptions(host=host, port=port, username=user, password=password, tls_ca=args.tls_ca,
-                         tls_cert=args.tls_cert, tls_key=args.tls_key)
+    return BrokerOptions(
+        host=host,
+        port=port,
+        username=user,
+        password=password,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+    )
 
 
 def _guard(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -121,21 +143,35 @@ def _serve(args: argparse.Namespace) -> int:
     ckpt = Path(args.checkpoint) if args.checkpoint else None
     if args.resume and ckpt is None:
         raise ValueError("--resume needs --checkpoint PATH")
-    opts = ServeOptions(broker=_broker_options(args, SERVER_USER), run_id=run_id, out_dir=out, checkpoint=ckpt,
-                        resume=args.resume, time_scale=args.time_scale, max_message_bytes=args.max_message_bytes,
-                        plots=args.plots, max_pending_bytes=args.max_pending_bytes,
-                        max_inbox_bytes=args.max_inbox_bytes, checkpoint_interval_s=args.checkpoint_interval)
-    print(f"felix serve: {cfg.name} / {cfg.strategy} (seed {cfg.seed}), run {run_id} on {args.broker} -> {out}",
-          file=sys.stderr)
+    opts = ServeOptions(
+        broker=_broker_options(args, SERVER_USER),
+        run_id=run_id,
+        out_dir=out,
+        checkpoint=ckpt,
+        resume=args.resume,
+        time_scale=args.time_scale,
+        max_message_bytes=args.max_message_bytes,
+        plots=args.plots,
+        max_pending_bytes=args.max_pending_bytes,
+        max_inbox_bytes=args.max_inbox_bytes,
+        checkpoint_interval_s=args.checkpoint_interval,
+    )
+    print(
+        f"felix serve: {cfg.name} / {cfg.strategy} (seed {cfg.seed}), run {run_id} on {args.broker} -> {out}",
+        file=sys.stderr,
+    )
     server = Server(cfg, opts)
     with _stop_on_signals(server.stop_requested):
         s = server.run()
     ttt = "not reached" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.0f} s"
     final = "-" if s["final_accuracy"] is None else f"{s['final_accuracy']:.4f}"  # None: run.eval_every 0
-    print(f"target {s['target_accuracy']:.2f}: {ttt}; final accuracy {final} after {s['aggregations']} "
-          f"aggregations, {s['virtual_time_s']:.0f} s ({s['wall_time_s']:.1f} wall s), "
-          f"{(s['bytes_down'] + s['bytes_up']) / 1e6:.1f} MB, {s['transport']['duplicates']} duplicates, "
-          f"{s['transport']['rejected']} rejected ({s['stop_reason']})", file=sys.stderr)
+    print(
+        f"target {s['target_accuracy']:.2f}: {ttt}; final accuracy {final} after {s['aggregations']} "
+        f"aggregations, {s['virtual_time_s']:.0f} s ({s['wall_time_s']:.1f} wall s), "
+        f"{(s['bytes_down'] + s['bytes_up']) / 1e6:.1f} MB, {s['transport']['duplicates']} duplicates, "
+        f"{s['transport']['rejected']} rejected ({s['stop_reason']})",
+        file=sys.stderr,
+    )
     return 0 if s["stop_reason"] != "interrupted" else 130
 
 
@@ -170,9 +206,16 @@ def _client(args: argparse.Namespace) -> int:
         creds = lambda cid: (user, broker.password)
     else:
         creds = lambda cid: (None, None)  # a broker that allows anonymous clients
-    opts = ClientOptions(broker=broker, run_id=_run_id(args, cfg), time_scale=args.time_scale, runtime=args.runtime,
-                         trace_device=args.trace_device, t0=args.t0, no_train=args.no_train,
-                         max_wall_s=args.max_wall_s)
+    opts = ClientOptions(
+        broker=broker,
+        run_id=_run_id(args, cfg),
+        time_scale=args.time_scale,
+        runtime=args.runtime,
+        trace_device=args.trace_device,
+        t0=args.t0,
+        no_train=args.no_train,
+        max_wall_s=args.max_wall_s,
+    )
     traces = None
     if args.trace_shard:
         from felix.deploy.client import load_trace_shard
@@ -204,8 +247,10 @@ def _emulate(args: argparse.Namespace) -> int:
         raise ValueError("--clients and --processes must be at least 1")
     first = args.first_id
     if first + args.clients > cfg.partition.num_clients:
-        raise ValueError(f"clients {first}..{first + args.clients - 1} exceed the config's "
-                         f"{cfg.partition.num_clients} clients")
+        raise ValueError(
+            f"clients {first}..{first + args.clients - 1} exceed the config's "
+            f"{cfg.partition.num_clients} clients"
+        )
     import tempfile
 
     from felix.deploy.client import MAX_CLIENTS_PER_PROCESS, save_trace_shard
@@ -214,18 +259,34 @@ def _emulate(args: argparse.Namespace) -> int:
     t0 = args.t0 if args.t0 is not None else time.time()
     procs = min(max(args.processes, -(-args.clients // MAX_CLIENTS_PER_PROCESS)), args.clients)
     if procs > args.processes:
-        print(f"felix emulate: {procs} processes instead of {args.processes}: at most {MAX_CLIENTS_PER_PROCESS} "
-              f"clients fit in one", file=sys.stderr)
+        print(
+            f"felix emulate: {procs} processes instead of {args.processes}: at most {MAX_CLIENTS_PER_PROCESS} "
+            f"clients fit in one",
+            file=sys.stderr,
+        )
     bounds = [first + (args.clients * k) // procs for k in range(procs + 1)]
-    base = [sys.executable, "-m", "felix.deploy"] + (["-v"] if getattr(args, "verbose", False) else []) + ["client"]
+    base = (
+        [sys.executable, "-m", "felix.deploy"]
+        + (["-v"] if getattr(args, "verbose", False) else [])
+        + ["client"]
+    )
     if args.config:
         base.append(args.config)
-    for flag, value in (("--preset", args.preset), ("--scenario", args.scenario), ("--run-id", args.run_id),
-                        ("--broker", args.broker), ("--credentials", args.credentials), ("--tls-ca", args.tls_ca),
-                        ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
-                        ("--time-scale", str(args.time_scale)), ("--runtime", args.runtime), ("--t0", repr(t0)),
-                        ("--max-wall-s", None if args.max_wall_s is None else str(args.max_wall_s)),
-                        ("--torch-threads", str(args.torch_threads))):
+    for flag, value in (
+        ("--preset", args.preset),
+        ("--scenario", args.scenario),
+        ("--run-id", args.run_id),
+        ("--broker", args.broker),
+        ("--credentials", args.credentials),
+        ("--tls-ca", args.tls_ca),
+        ("--tls-cert", args.tls_cert),
+        ("--tls-key", args.tls_key),
+        ("--time-scale", str(args.time_scale)),
+        ("--runtime", args.runtime),
+        ("--t0", repr(t0)),
+        ("--max-wall-s", None if args.max_wall_s is None else str(args.max_wall_s)),
+        ("--torch-threads", str(args.torch_threads)),
+    ):
         if value is not None:
             base += [flag, value]
     for item in args.set:
@@ -242,10 +303,16 @@ def _emulate(args: argparse.Namespace) -> int:
         ids = range(bounds[k], bounds[k + 1])
         shard = Path(shards.name) / f"trace-{k}.npz"
         save_trace_shard(shard, {c: trace.for_client(c if device is None else device) for c in ids})
-        children.append(subprocess.Popen(base + ["--ids", f"{bounds[k]}-{bounds[k + 1] - 1}",
-                                                 "--trace-shard", str(shard)]))
-    print(f"felix emulate: clients {first}-{first + args.clients - 1} in {procs} processes "
-          f"(pids {' '.join(str(c.pid) for c in children)}), time scale {args.time_scale}", file=sys.stderr)
+        children.append(
+            subprocess.Popen(
+                base + ["--ids", f"{bounds[k]}-{bounds[k + 1] - 1}", "--trace-shard", str(shard)]
+            )
+        )
+    print(
+        f"felix emulate: clients {first}-{first + args.clients - 1} in {procs} processes "
+        f"(pids {' '.join(str(c.pid) for c in children)}), time scale {args.time_scale}",
+        file=sys.stderr,
+    )
 
     stop: dict[str, Any] = {"flag": False}
 
@@ -295,8 +362,11 @@ def _credentials(args: argparse.Namespace) -> int:
     if not n:
         raise ValueError("give --clients N or a config")
     out = security.generate(args.out, n, run_id)
-    print(f"wrote {out.password_file} ({n} clients + {security.SERVER_USER}), {out.acl_file} "
-          f"(run {run_id or 'any'}), {out.credentials} (plaintext, mode 0600)", file=sys.stderr)
+    print(
+        f"wrote {out.password_file} ({n} clients + {security.SERVER_USER}), {out.acl_file} "
+        f"(run {run_id or 'any'}), {out.credentials} (plaintext, mode 0600)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -307,18 +377,38 @@ def add_parsers(subparsers: Any) -> None:
     _config_args(s)
     _broker_args(s)
     s.add_argument("--out", help="output folder (default runs/<name>-<strategy>-s<seed>-mqtt)")
-    s.add_argument("--checkpoint", help="checkpoint file (and PATH.applied.csv), rewritten after aggregations")
+    s.add_argument(
+        "--checkpoint", help="checkpoint file (and PATH.applied.csv), rewritten after aggregations"
+    )
     s.add_argument("--resume", action="store_true", help="continue from --checkpoint")
-    s.add_argument("--time-scale", type=float, default=1.0,
-                   help="wall seconds per config second: timers and reported time in config seconds")
-    s.add_argument("--max-message-bytes", type=int, help="largest inbound message (default: 2x model + 1 MiB)")
-    s.add_argument("--max-pending-bytes", type=int, default=64 << 20,
-                   help="inbound bytes handled but not yet acknowledged before a checkpoint is forced (default 64 MiB)")
-    s.add_argument("--max-inbox-bytes", type=int, default=64 << 20,
-                   help="inbound bytes received but not yet handled; when reached, reading from the broker waits "
-                        "(default 64 MiB)")
-    s.add_argument("--checkpoint-interval", type=float, default=0.2,
-                   help="wall seconds between checkpoints at most; one covers every aggregation since the last")
+    s.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="wall seconds per config second: timers and reported time in config seconds",
+    )
+    s.add_argument(
+        "--max-message-bytes", type=int, help="largest inbound message (default: 2x model + 1 MiB)"
+    )
+    s.add_argument(
+        "--max-pending-bytes",
+        type=int,
+        default=64 << 20,
+        help="inbound bytes handled but not yet acknowledged before a checkpoint is forced (default 64 MiB)",
+    )
+    s.add_argument(
+        "--max-inbox-bytes",
+        type=int,
+        default=64 << 20,
+        help="inbound bytes received but not yet handled; when reached, reading from the broker waits "
+        "(default 64 MiB)",
+    )
+    s.add_argument(
+        "--checkpoint-interval",
+        type=float,
+        default=0.2,
+        help="wall seconds between checkpoints at most; one covers every aggregation since the last",
+    )
     s.add_argument("--plots", action="store_true", help="also write the accuracy plots")
     s.set_defaults(func=_guard(_serve))
 
@@ -328,11 +418,15 @@ def add_parsers(subparsers: Any) -> None:
     c.add_argument("--id", type=int, help="client id: its partition of the config's dataset")
     c.add_argument("--ids", help=argparse.SUPPRESS)  # FIRST-LAST, used by emulate's workers
     c.add_argument("--trace-shard", help=argparse.SUPPRESS)  # the workers' traces, written by emulate
-    c.add_argument("--trace-device", type=int, help="follow this device of the trace (default: the client's own)")
+    c.add_argument(
+        "--trace-device", type=int, help="follow this device of the trace (default: the client's own)"
+    )
     _client_args(c)
     c.set_defaults(func=_guard(_client))
 
-    e = subparsers.add_parser("emulate", help="run many clients on this machine, driven by the config's trace")
+    e = subparsers.add_parser(
+        "emulate", help="run many clients on this machine, driven by the config's trace"
+    )
     _config_args(e)
     _broker_args(e, login=False)
     e.add_argument("--clients", type=int, required=True, help="how many clients")
@@ -341,7 +435,9 @@ def add_parsers(subparsers: Any) -> None:
     _client_args(e)
     e.set_defaults(func=_guard(_emulate))
 
-    m = subparsers.add_parser("mqtt-credentials", help="write a Mosquitto password file, ACL and client logins")
+    m = subparsers.add_parser(
+        "mqtt-credentials", help="write a Mosquitto password file, ACL and client logins"
+    )
     _config_args(m)
     m.add_argument("--clients", type=int, help="number of clients (default: the config's)")
     m.add_argument("--out", required=True, help="folder for passwd, acl and credentials.json")
@@ -354,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     add_parsers(sub)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     return int(args.func(args))

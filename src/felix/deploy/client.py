@@ -32,6 +32,7 @@ the end of that time, so a cancelled task costs nothing and a paused one loses n
 finished while the tier forbids sending it is held until the tier allows, as the FeLiX authors'
 clients do. Both deliver a late, stale update after an interruption.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -103,8 +104,9 @@ class Device(DeviceRunner[bytes]):
     incarnation: str = field(default_factory=lambda: secrets.token_hex(4), kw_only=True)
     ids: wire.MsgIds = field(init=False)
     session: str | None = field(default=None, kw_only=True)  # the server session it registered with
-    sent: deque[tuple[float, bytes]] = field(default_factory=lambda: deque(maxlen=RESEND_MAX),
-                                             kw_only=True)  # recent results (clock time, payload)
+    sent: deque[tuple[float, bytes]] = field(
+        default_factory=lambda: deque(maxlen=RESEND_MAX), kw_only=True
+    )  # recent results (clock time, payload)
     finished: bool = field(default=False, kw_only=True)
     connections: int = field(default=0, kw_only=True)
 
@@ -115,10 +117,15 @@ class Device(DeviceRunner[bytes]):
 class ClientHost:
     """Runs a set of clients on one loop thread until the server says the run is finished."""
 
-    def __init__(self, cfg: Config, client_ids: list[int], opts: ClientOptions,
-                 credentials: Callable[[int], tuple[str | None, str | None]],
-                 traces: dict[int, DeviceTrace] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        client_ids: list[int],
+        opts: ClientOptions,
+        credentials: Callable[[int], tuple[str | None, str | None]],
+        traces: dict[int, DeviceTrace] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """``traces``: each client's availability trace, when the caller has them (``felix emulate``
         builds the population's trace once and hands each worker its share); else built here.
         ``clock``: monotonic seconds (a test's fake clock drives the client in virtual time)."""
@@ -127,8 +134,10 @@ class ClientHost:
         if bad:
             raise ValueError(f"client ids {bad} are outside the population of {n} clients")
         if len(client_ids) > MAX_CLIENTS_PER_PROCESS:
-            raise ValueError(f"{len(client_ids)} clients in one process; at most {MAX_CLIENTS_PER_PROCESS} fit "
-                             f"(paho-mqtt's select() loop is limited to 1024 file descriptors): use more processes")
+            raise ValueError(
+                f"{len(client_ids)} clients in one process; at most {MAX_CLIENTS_PER_PROCESS} fit "
+                f"(paho-mqtt's select() loop is limited to 1024 file descriptors): use more processes"
+            )
         self.cfg = cfg
         self.opts = opts
         self.topics = Topics(opts.run_id)
@@ -137,8 +146,10 @@ class ClientHost:
         self.max_bytes = 8 * int(pop.initial_weights.size) + (1 << 20)
         if traces is None:
             trace = build_trace(cfg)
-            traces = {c: trace.for_client(opts.trace_device if opts.trace_device is not None else c)
-                      for c in client_ids}
+            traces = {
+                c: trace.for_client(opts.trace_device if opts.trace_device is not None else c)
+                for c in client_ids
+            }
         missing = [c for c in client_ids if c not in traces]
         if missing:
             raise ValueError(f"no availability trace for clients {missing[:5]}")
@@ -146,16 +157,20 @@ class ClientHost:
         # The simulator's client side of a data plan (lb / dafl): same augmentation, seeds and time charge.
         plan = prepare_data_plan(cfg, pop.client_data, pop.train.num_classes, runtimes)
         self.plan_applier: PlanApplier | None = None if plan is None else plan.applier
-        self.rules = TaskRules(eval_fraction=cfg.runtime.eval_fraction, compute=opts.runtime == "compute",
-                               augment=self.plan_applier)
+        self.rules = TaskRules(
+            eval_fraction=cfg.runtime.eval_fraction,
+            compute=opts.runtime == "compute",
+            augment=self.plan_applier,
+        )
         self._clock = clock
         t0 = opts.t0 if opts.t0 is not None else time.time()
         self._mono_t0 = clock() - (time.time() - t0)
         self.devices: dict[int, Device] = {}
         for cid in client_ids:
             dt = traces[cid]
-            self.devices[cid] = Device(cid, pop.client_data[cid], float(runtimes[cid]),
-                                       dt.tier_at(self.trace_time()), trace=dt)
+            self.devices[cid] = Device(
+                cid, pop.client_data[cid], float(runtimes[cid]), dt.tier_at(self.trace_time()), trace=dt
+            )
         self._credentials = credentials
         self.inbox: queue.SimpleQueue[tuple[int, Inbound | Connected]] = queue.SimpleQueue()
         self._heap: list[tuple[float, int, int, int, int]] = []
@@ -195,7 +210,9 @@ class ClientHost:
         reconnect wait), minutes for a full process. Links still closing after that are abandoned
         (daemon threads; the broker then sends their wills)."""
         links = [dev.link for dev in self.devices.values() if dev.link is not None]
-        wait = 0.0 if self.stop_requested.is_set() else 2.0  # a stop does not wait for unacknowledged publishes
+        wait = (
+            0.0 if self.stop_requested.is_set() else 2.0
+        )  # a stop does not wait for unacknowledged publishes
         threads = [threading.Thread(target=link.close, args=(wait,), daemon=True) for link in links]
         for t in threads:
             t.start()
@@ -208,10 +225,15 @@ class ClientHost:
             return
         user, password = self._credentials(dev.cid)
         bopts = BrokerOptions(**{**self.opts.broker.__dict__, "username": user, "password": password})
-        link = MqttLink(f"felix-{self.opts.run_id}-c{dev.cid}", bopts, self.topics.client_subscriptions(dev.cid),
-                        lambda item: self.inbox.put((dev.cid, item)))  # dev: this call's own
-        link.set_will(lambda epoch: (self.topics.state(dev.cid), self._state_will(dev, epoch)),
-                      self.opts.will_delay_s)
+        link = MqttLink(
+            f"felix-{self.opts.run_id}-c{dev.cid}",
+            bopts,
+            self.topics.client_subscriptions(dev.cid),
+            lambda item: self.inbox.put((dev.cid, item)),
+        )  # dev: this call's own
+        link.set_will(
+            lambda epoch: (self.topics.state(dev.cid), self._state_will(dev, epoch)), self.opts.will_delay_s
+        )
         link.start(fresh=True)
         dev.link = link
 
@@ -286,8 +308,12 @@ class ClientHost:
                 self._register(dev)
             return
         if getattr(msg, "client", None) != dev.cid:
-            log.warning("client %d: dropped a %s message addressed to client %s", dev.cid, msg.TYPE.value,
-                        getattr(msg, "client", None))
+            log.warning(
+                "client %d: dropped a %s message addressed to client %s",
+                dev.cid,
+                msg.TYPE.value,
+                getattr(msg, "client", None),
+            )
             return
         if isinstance(msg, wire.Cancel):
             self._cancel(dev, msg.task)
@@ -296,10 +322,19 @@ class ClientHost:
         elif isinstance(msg, wire.EvalTask):
             self._receive(dev, msg.task, TaskKind.EVAL, msg.version, msg.weights, {}, ())
 
-    def _receive(self, dev: Device, task_id: int, kind: TaskKind, version: int, weights: np.ndarray,
-                 aux: dict[str, np.ndarray], plan: tuple[int, ...]) -> None:
-        step = dev.receive(self.trace_time(), task_id, kind, weights, self.rules, aux=aux, version=version,
-                           plan=plan)
+    def _receive(
+        self,
+        dev: Device,
+        task_id: int,
+        kind: TaskKind,
+        version: int,
+        weights: np.ndarray,
+        aux: dict[str, np.ndarray],
+        plan: tuple[int, ...],
+    ) -> None:
+        step = dev.receive(
+            self.trace_time(), task_id, kind, weights, self.rules, aux=aux, version=version, plan=plan
+        )
         if step is None:
             return  # a redelivery (QoS 1), or a task cancelled already: it runs once, or not at all
         log.info("client %d: task %d (%s) received", dev.cid, task_id, kind.value)
@@ -323,8 +358,14 @@ class ClientHost:
 
     def _register(self, dev: Device) -> None:
         counts = tuple(int(c) for c in torch.bincount(dev.data.y, minlength=self.trainer.num_classes))
-        msg = wire.Register(**self._env(dev), client=dev.cid, incarnation=dev.incarnation,
-                            num_samples=len(dev.data), tier=dev.tier, class_counts=counts)
+        msg = wire.Register(
+            **self._env(dev),
+            client=dev.cid,
+            incarnation=dev.incarnation,
+            num_samples=len(dev.data),
+            tier=dev.tier,
+            class_counts=counts,
+        )
         self._publish(dev, self.topics.register(dev.cid), wire.encode(msg))
 
     def _send_state(self, dev: Device) -> None:
@@ -332,9 +373,16 @@ class ClientHost:
         self._publish(dev, self.topics.state(dev.cid), wire.encode(msg))
 
     def _state_will(self, dev: Device, epoch: int) -> bytes:
-        return wire.encode(wire.State(run=self.opts.run_id, msg_id=f"{dev.incarnation}-will-{epoch}",
-                                      sent_at=time.time(), client=dev.cid, incarnation=dev.incarnation,
-                                      tier=Tier.UN_AVL))
+        return wire.encode(
+            wire.State(
+                run=self.opts.run_id,
+                msg_id=f"{dev.incarnation}-will-{epoch}",
+                sent_at=time.time(),
+                client=dev.cid,
+                incarnation=dev.incarnation,
+                tier=Tier.UN_AVL,
+            )
+        )
 
     # ------------------------------------------------------------------ tiers
     def _schedule_tier(self, dev: Device) -> None:
@@ -366,18 +414,32 @@ class ClientHost:
             upd = self._compute(dev, task)
         except Exception as exc:  # a broken task must not take the other clients of the process down
             log.exception("client %d: task %d failed", dev.cid, task.task_id)
-            fail = wire.Failed(**self._env(dev), client=dev.cid, incarnation=dev.incarnation, task=task.task_id,
-                               reason=f"{type(exc).__name__}: {exc}"[:wire.MAX_STR])
+            fail = wire.Failed(
+                **self._env(dev),
+                client=dev.cid,
+                incarnation=dev.incarnation,
+                task=task.task_id,
+                reason=f"{type(exc).__name__}: {exc}"[: wire.MAX_STR],
+            )
             self._publish_result(dev, wire.encode(fail))
             self._follow(dev, dev.advance(self.trace_time()))
             return
         spent = self._clock() - t0
         upd.duration = task.duration if self.opts.runtime == "profile" else spent / self.opts.time_scale
-        msg = wire.Result(**self._env(dev), client=dev.cid, incarnation=dev.incarnation, task=task.task_id,
-                          kind=task.kind, version=task.version, num_samples=upd.num_samples,
-                          stat_utility=upd.stat_utility, loss=upd.loss, duration=upd.duration,
-                          delta=upd.delta if task.kind is TaskKind.TRAIN else None,
-                          aux=upd.aux if task.kind is TaskKind.TRAIN else {})
+        msg = wire.Result(
+            **self._env(dev),
+            client=dev.cid,
+            incarnation=dev.incarnation,
+            task=task.task_id,
+            kind=task.kind,
+            version=task.version,
+            num_samples=upd.num_samples,
+            stat_utility=upd.stat_utility,
+            loss=upd.loss,
+            duration=upd.duration,
+            delta=upd.delta if task.kind is TaskKind.TRAIN else None,
+            aux=upd.aux if task.kind is TaskKind.TRAIN else {},
+        )
         self.tasks_done += 1
         self._refresh_tier(dev)  # the tier may have changed while computing
         self._follow(dev, dev.finish(self.trace_time(), task, wire.encode(msg)))  # sent now, or held
@@ -412,10 +474,14 @@ def save_trace_shard(path: Path, traces: dict[int, DeviceTrace]) -> None:
     ids = list(traces)
     arrays = [traces[c] for c in ids]
     lens = np.array([len(t.times) for t in arrays], dtype=np.int64)
-    np.savez(path, ids=np.array(ids, dtype=np.int64), lens=lens,
-             times=np.concatenate([t.times for t in arrays]) if arrays else np.zeros(0),
-             tiers=np.concatenate([t.tiers for t in arrays]) if arrays else np.zeros(0, np.int8),
-             periods=np.array([np.nan if t.period is None else t.period for t in arrays], dtype=np.float64))
+    np.savez(
+        path,
+        ids=np.array(ids, dtype=np.int64),
+        lens=lens,
+        times=np.concatenate([t.times for t in arrays]) if arrays else np.zeros(0),
+        tiers=np.concatenate([t.tiers for t in arrays]) if arrays else np.zeros(0, np.int8),
+        periods=np.array([np.nan if t.period is None else t.period for t in arrays], dtype=np.float64),
+    )
 
 
 def load_trace_shard(path: str | Path) -> dict[int, DeviceTrace]:

@@ -11,6 +11,7 @@ message larger than ``max_bytes`` is still admitted into an empty inbox, so noth
 ``close`` (before the link's network thread is joined) wakes a blocked ``put``, which then drops
 its item: an unacknowledged QoS 1 message is redelivered to the next session by the broker.
 """
+
 from __future__ import annotations
 
 import threading

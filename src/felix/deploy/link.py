@@ -26,6 +26,7 @@ server acks after its checkpoint), so the broker redelivers anything the server 
 Acks belong to the connection a message arrived on: after a reconnect the broker redelivers
 every unacknowledged message, so acks of an older connection are dropped.
 """
+
 from __future__ import annotations
 
 import logging
@@ -95,8 +96,14 @@ class MqttLink:
     with ``use_username_as_clientid``: a client cannot claim another's id (the server's least of
     all) and so cannot take over or wipe its session. ``client_id`` is used only without a login."""
 
-    def __init__(self, client_id: str, opts: BrokerOptions, subscriptions: list[str], sink: Sink,
-                 manual_ack: bool = False) -> None:
+    def __init__(
+        self,
+        client_id: str,
+        opts: BrokerOptions,
+        subscriptions: list[str],
+        sink: Sink,
+        manual_ack: bool = False,
+    ) -> None:
         self.client_id = opts.username if opts.username is not None else client_id
         self.opts = opts
         self.subscriptions = list(subscriptions)
@@ -114,8 +121,12 @@ class MqttLink:
         self._last_publish: mqtt.MQTTMessageInfo | None = None
 
     def _new_client(self, manual_ack: bool) -> mqtt.Client:
-        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5,
-                        manual_ack=manual_ack)
+        c = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2,
+            client_id=self.client_id,
+            protocol=mqtt.MQTTv5,
+            manual_ack=manual_ack,
+        )
         o = self.opts
         if o.username is not None:
             c.username_pw_set(o.username, o.password)
@@ -149,27 +160,37 @@ class MqttLink:
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = self.opts.session_expiry_s
         try:
-            self._client.connect_async(self.opts.host, self.opts.port, self.opts.keepalive_s, clean_start=False,
-                                       properties=props)
+            self._client.connect_async(
+                self.opts.host, self.opts.port, self.opts.keepalive_s, clean_start=False, properties=props
+            )
         except (OSError, ValueError) as exc:
             raise LinkError(f"cannot connect to {self.opts.host}:{self.opts.port}: {exc}") from None
         self._client.loop_start()
         if not self._first.wait(self.opts.connect_timeout_s):
             self.close()
-            raise LinkError(self._tls_problem() or f"no answer from the broker at {self.opts.host}:{self.opts.port} "
-                                                   f"within {self.opts.connect_timeout_s:.0f} s")
+            raise LinkError(
+                self._tls_problem()
+                or f"no answer from the broker at {self.opts.host}:{self.opts.port} "
+                f"within {self.opts.connect_timeout_s:.0f} s"
+            )
         if self._refused is not None:
             self.close()
-            raise LinkError(f"the broker at {self.opts.host}:{self.opts.port} refused {self.client_id!r}: "
-                            f"{self._refused}")
+            raise LinkError(
+                f"the broker at {self.opts.host}:{self.opts.port} refused {self.client_id!r}: {self._refused}"
+            )
 
     def _reset_session(self) -> None:
         done = threading.Event()
         failure: list[str] = []
         c = self._new_client(False)
 
-        def on_connect(client: mqtt.Client, userdata: object, flags: mqtt.ConnectFlags,
-                       rc: mqtt.ReasonCode, props: Properties | None) -> None:
+        def on_connect(
+            client: mqtt.Client,
+            userdata: object,
+            flags: mqtt.ConnectFlags,
+            rc: mqtt.ReasonCode,
+            props: Properties | None,
+        ) -> None:
             if rc.is_failure:
                 failure.append(str(rc))
             done.set()
@@ -180,38 +201,52 @@ class MqttLink:
         deadline = time.monotonic() + self.opts.connect_timeout_s
         while True:
             try:
-                c.connect(self.opts.host, self.opts.port, self.opts.keepalive_s, clean_start=True, properties=props)
+                c.connect(
+                    self.opts.host, self.opts.port, self.opts.keepalive_s, clean_start=True, properties=props
+                )
                 break
             except ssl.SSLCertVerificationError as exc:
                 raise LinkError(self._tls_message(exc)) from None
             except OSError as exc:
                 if time.monotonic() > deadline:
-                    raise LinkError(f"cannot reach the broker at {self.opts.host}:{self.opts.port}: {exc}") from None
+                    raise LinkError(
+                        f"cannot reach the broker at {self.opts.host}:{self.opts.port}: {exc}"
+                    ) from None
                 time.sleep(self.opts.reconnect_min_s)
         c.loop_start()
         ok = done.wait(max(0.1, deadline - time.monotonic()))
         c.disconnect()
         c.loop_stop()
         if not ok:
-            raise LinkError(self._tls_problem() or f"no answer from the broker at {self.opts.host}:{self.opts.port}")
+            raise LinkError(
+                self._tls_problem() or f"no answer from the broker at {self.opts.host}:{self.opts.port}"
+            )
         if failure:
-            raise LinkError(f"the broker at {self.opts.host}:{self.opts.port} refused {self.client_id!r}: {failure[0]}")
+            raise LinkError(
+                f"the broker at {self.opts.host}:{self.opts.port} refused {self.client_id!r}: {failure[0]}"
+            )
 
     def close(self, timeout: float = 5.0) -> None:
         """Disconnect cleanly (so no will is sent), after waiting up to ``timeout`` s for the broker
         to acknowledge what was published (QoS 1 acks come in order, so the last one suffices)."""
         last = self._last_publish
         deadline = time.monotonic() + timeout
-        while last is not None and not last.is_published() and self._client.is_connected() \
-                and time.monotonic() < deadline:
+        while (
+            last is not None
+            and not last.is_published()
+            and self._client.is_connected()
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.02)
         self._client.disconnect()
         self._client.loop_stop()
 
     def _tls_message(self, exc: ssl.SSLCertVerificationError) -> str:
-        return (f"TLS: the broker at {self.opts.host}:{self.opts.port} presented a certificate that does not verify: "
-                f"{exc.verify_message or exc}. The certificate's CN / subjectAltName must name the host given "
-                f"in --broker ({self.opts.host!r}), and --tls-ca must hold the CA that signed it")
+        return (
+            f"TLS: the broker at {self.opts.host}:{self.opts.port} presented a certificate that does not verify: "
+            f"{exc.verify_message or exc}. The certificate's CN / subjectAltName must name the host given "
+            f"in --broker ({self.opts.host!r}), and --tls-ca must hold the CA that signed it"
+        )
 
     def _tls_problem(self) -> str | None:
         """When a TLS connection got no answer, say why if the handshake is the reason (paho's
@@ -223,8 +258,10 @@ class MqttLink:
             ctx = ssl.create_default_context(cafile=o.tls_ca)
             if o.tls_cert is not None:
                 ctx.load_cert_chain(o.tls_cert, o.tls_key)
-            with socket.create_connection((o.host, o.port), timeout=5.0) as sock, \
-                    ctx.wrap_socket(sock, server_hostname=o.host):
+            with (
+                socket.create_connection((o.host, o.port), timeout=5.0) as sock,
+                ctx.wrap_socket(sock, server_hostname=o.host),
+            ):
                 return None
         except ssl.SSLCertVerificationError as exc:
             return self._tls_message(exc)
@@ -237,7 +274,10 @@ class MqttLink:
     def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         info = self._client.publish(topic, payload, qos=1, retain=retain)
         self._last_publish = info
-        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):  # NO_CONN: queued, sent on reconnect
+        if info.rc not in (
+            mqtt.MQTT_ERR_SUCCESS,
+            mqtt.MQTT_ERR_NO_CONN,
+        ):  # NO_CONN: queued, sent on reconnect
             raise LinkError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
 
     def ack(self, mid: int, qos: int, epoch: int) -> None:
@@ -249,8 +289,14 @@ class MqttLink:
         return self._client.is_connected()
 
     # ------------------------------------------------------------------ paho callbacks (network thread)
-    def _on_connect(self, client: mqtt.Client, userdata: object, flags: mqtt.ConnectFlags, rc: mqtt.ReasonCode,
-                    props: Properties | None) -> None:
+    def _on_connect(
+        self,
+        client: mqtt.Client,
+        userdata: object,
+        flags: mqtt.ConnectFlags,
+        rc: mqtt.ReasonCode,
+        props: Properties | None,
+    ) -> None:
         if rc.is_failure:
             log.warning("%s: broker refused the connection: %s", self.client_id, rc)
             if not self._first.is_set():
@@ -266,11 +312,20 @@ class MqttLink:
         if self.epoch > 1:
             log.info("%s: reconnected (session present: %s)", self.client_id, flags.session_present)
 
-    def _on_disconnect(self, client: mqtt.Client, userdata: object, flags: mqtt.DisconnectFlags,
-                       rc: mqtt.ReasonCode, props: Properties | None) -> None:
+    def _on_disconnect(
+        self,
+        client: mqtt.Client,
+        userdata: object,
+        flags: mqtt.DisconnectFlags,
+        rc: mqtt.ReasonCode,
+        props: Properties | None,
+    ) -> None:
         if rc.is_failure:
             log.info("%s: disconnected (%s); paho reconnects", self.client_id, rc)
 
     def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
-        self.sink(Inbound(msg.topic, bytes(msg.payload), msg.mid, msg.qos, bool(msg.dup), self.epoch,
-                          time.monotonic()))
+        self.sink(
+            Inbound(
+                msg.topic, bytes(msg.payload), msg.mid, msg.qos, bool(msg.dup), self.epoch, time.monotonic()
+            )
+        )

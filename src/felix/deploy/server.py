@@ -37,6 +37,7 @@ the last, so their cost does not grow with the aggregation rate. Messages wait f
 a bounded inbox (``max_inbox_bytes`` / ``max_inbox_messages``, :mod:`felix.deploy.inbox`): when it
 is full paho's network thread waits, and TCP flow control pushes back on the broker.
 """
+
 from __future__ import annotations
 
 import copy
@@ -157,10 +158,16 @@ class Server:
         self.num_params = int(pop.initial_weights.size)
         # The oracle baselines read the trace on the server's clock (clients replay it on theirs).
         # A data plan the registered counts make impossible is logged and training goes on without it.
-        self.orch = build_orchestrator(cfg, pop.initial_weights, lambda: build_trace(cfg, pop), plan_errors="skip")
+        self.orch = build_orchestrator(
+            cfg, pop.initial_weights, lambda: build_trace(cfg, pop), plan_errors="skip"
+        )
         r = cfg.run
-        rec = Recorder(make_evaluator(copy.deepcopy(pop.model), pop.test, r.device), r.target_accuracy,
-                       r.target_window, r.eval_every)
+        rec = Recorder(
+            make_evaluator(copy.deepcopy(pop.model), pop.test, r.device),
+            r.target_accuracy,
+            r.target_window,
+            r.eval_every,
+        )
         if r.per_client_eval or r.converge_threshold is not None:  # the same run measures as the simulator
             attach_run_measures(cfg, rec, pop, build_trace(cfg, pop))
         sink = None if opts.out_dir is None else EvalLog(opts.out_dir / "evaluations.csv")
@@ -179,7 +186,9 @@ class Server:
         self.life = 0
         self.inbox = Inbox(opts.max_inbox_bytes, opts.max_inbox_messages)
         self.stop_requested = threading.Event()  # Ctrl-C / SIGTERM (felix serve) or a test: stop cleanly
-        self._pending_acks: list[tuple[int, int, int, int]] = []  # (mid, qos, epoch, bytes): not yet acknowledged
+        self._pending_acks: list[
+            tuple[int, int, int, int]
+        ] = []  # (mid, qos, epoch, bytes): not yet acknowledged
         self._pending_bytes = 0
         self._checkpoint_due = False  # a new version (or the end) since the last checkpoint
         self._last_checkpoint = 0.0  # time.monotonic() of the last one
@@ -191,8 +200,13 @@ class Server:
         self.config_digest = hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
         if opts.resume:
             self._restore()
-        self.link = MqttLink(f"felix-{opts.run_id}-server", opts.broker, self.topics.server_subscriptions(),
-                             self.inbox.put, manual_ack=opts.checkpoint is not None)
+        self.link = MqttLink(
+            f"felix-{opts.run_id}-server",
+            opts.broker,
+            self.topics.server_subscriptions(),
+            self.inbox.put,
+            manual_ack=opts.checkpoint is not None,
+        )
         self._mono0 = time.monotonic()
 
     # ------------------------------------------------------------------ clock
@@ -205,8 +219,14 @@ class Server:
         self.link.start(fresh=not self.opts.resume)
         self._mono0 = time.monotonic()
         self.ctl.start()
-        log.info("serving run %s (session %s, life %d) on %s:%d", self.opts.run_id, self.session, self.life,
-                 self.opts.broker.host, self.opts.broker.port)
+        log.info(
+            "serving run %s (session %s, life %d) on %s:%d",
+            self.opts.run_id,
+            self.session,
+            self.life,
+            self.opts.broker.host,
+            self.opts.broker.port,
+        )
         last_status = time.monotonic()
         while self.ctl.stop_reason is None:
             wake = self.orch.next_wakeup()
@@ -234,9 +254,17 @@ class Server:
         o = self.orch
         rows = self.ctl.rec.rows
         acc = rows[-1].accuracy if rows else float("nan")
-        log.info("t=%.0fs version=%d accuracy=%.4f clients=%d in-flight=%d msgs-in=%d dup=%d rejected=%d",
-                 self.now(), o.version, acc, len(o.clients), sum(t.holds_slot for t in o.tasks()),
-                 self.stats.messages_in, self.stats.duplicates, self.stats.rejected)
+        log.info(
+            "t=%.0fs version=%d accuracy=%.4f clients=%d in-flight=%d msgs-in=%d dup=%d rejected=%d",
+            self.now(),
+            o.version,
+            acc,
+            len(o.clients),
+            sum(t.holds_slot for t in o.tasks()),
+            self.stats.messages_in,
+            self.stats.duplicates,
+            self.stats.rejected,
+        )
 
     def _finish(self) -> dict[str, Any]:
         now = self.now()
@@ -259,13 +287,20 @@ class Server:
         wall = self._prior_wall + (time.monotonic() - self._mono0)
         extra = {
             "rejected_by_reason": dict(sorted(self.stats.rejected_by_reason.items())),
-            "transport": {**{k: v for k, v in asdict(self.stats).items() if k != "rejected_by_reason"},
-                          "latency_p50_ms": _ms(self.latency, 50), "latency_p95_ms": _ms(self.latency, 95),
-                          "inbox_full_waits": self.inbox.full_waits},
-            "deployment": {"run_id": self.opts.run_id, "time_scale": self.opts.time_scale, "lives": self.life + 1,
-                           "broker": f"{self.opts.broker.host}:{self.opts.broker.port}",
-                           "tls": self.opts.broker.tls_ca is not None,
-                           "applied_task_ids_unique": self.applied.unique},
+            "transport": {
+                **{k: v for k, v in asdict(self.stats).items() if k != "rejected_by_reason"},
+                "latency_p50_ms": _ms(self.latency, 50),
+                "latency_p95_ms": _ms(self.latency, 95),
+                "inbox_full_waits": self.inbox.full_waits,
+            },
+            "deployment": {
+                "run_id": self.opts.run_id,
+                "time_scale": self.opts.time_scale,
+                "lives": self.life + 1,
+                "broker": f"{self.opts.broker.host}:{self.opts.broker.port}",
+                "tls": self.opts.broker.tls_ca is not None,
+                "applied_task_ids_unique": self.applied.unique,
+            },
         }
         if self.plan_info is not None:
             extra["data_plan"] = self.plan_info
@@ -290,8 +325,13 @@ class Server:
         self.stats.rejected += 1
         key = reason_key(reason)
         self.stats.rejected_by_reason[key] = self.stats.rejected_by_reason.get(key, 0) + 1
-        log.warning("rejected message from client %d (task %d): %s%s", cid, task_id, reason,
-                    f" ({detail})" if detail else "")
+        log.warning(
+            "rejected message from client %d (task %d): %s%s",
+            cid,
+            task_id,
+            reason,
+            f" ({detail})" if detail else "",
+        )
 
     def handle_inbound(self, m: Inbound) -> None:
         """Handle one inbound message; its acknowledgement waits (without its payload) for the next
@@ -305,9 +345,13 @@ class Server:
         except Exception as exc:  # any client message is hostile; the loop must survive it
             parsed = self.topics.parse_inbound_to_server(m.topic)
             log.exception("handling a message on %s raised", m.topic[:80])
-            self._reject(parsed[1] if parsed else -1, 0, f"internal error: {type(exc).__name__}", str(exc)[:200])
-        if self._pending_bytes >= self.opts.max_pending_bytes or \
-                len(self._pending_acks) >= self.opts.max_pending_messages:
+            self._reject(
+                parsed[1] if parsed else -1, 0, f"internal error: {type(exc).__name__}", str(exc)[:200]
+            )
+        if (
+            self._pending_bytes >= self.opts.max_pending_bytes
+            or len(self._pending_acks) >= self.opts.max_pending_messages
+        ):
             self._checkpoint_due = True
 
     def _on_inbound(self, m: Inbound) -> None:
@@ -333,13 +377,18 @@ class Server:
             return
         sender = getattr(msg, "client", None)
         if sender != cid:
-            self._reject(cid, getattr(msg, "task", 0), f"transport: sender mismatch: header says client "
-                                                       f"{sender}, topic belongs to client {cid}")
+            self._reject(
+                cid,
+                getattr(msg, "task", 0),
+                f"transport: sender mismatch: header says client {sender}, topic belongs to client {cid}",
+            )
             return
         if not self._first_delivery(cid, msg, m.payload):
             return
         if cid >= self.num_clients:
-            self._reject(cid, 0, f"transport: client id {cid} is outside the population of {self.num_clients}")
+            self._reject(
+                cid, 0, f"transport: client id {cid} is outside the population of {self.num_clients}"
+            )
             return
         if isinstance(msg, wire.Register):
             self._on_register(msg)
@@ -348,7 +397,9 @@ class Server:
         elif isinstance(msg, wire.Result):
             if self._on_result(msg):
                 self._remember_result(msg, m.payload)
-        elif isinstance(msg, wire.Failed) and self._deliver(TaskFailed(self.now(), cid, msg.task, msg.reason)):
+        elif isinstance(msg, wire.Failed) and self._deliver(
+            TaskFailed(self.now(), cid, msg.task, msg.reason)
+        ):
             self._remember_result(msg, m.payload)
 
     def _count_up(self, msg: wire.Message, n: int) -> None:
@@ -403,14 +454,22 @@ class Server:
         self.stats.registrations += 1
         counts = msg.class_counts
         if len(counts) != self.num_classes or sum(counts) != msg.num_samples:
-            self._reject(cid, 0, "transport: registration's class counts do not match the classes or the samples",
-                         f"{len(counts)} counts summing to {sum(counts)} for {msg.num_samples} samples, "
-                         f"{self.num_classes} classes")
+            self._reject(
+                cid,
+                0,
+                "transport: registration's class counts do not match the classes or the samples",
+                f"{len(counts)} counts summing to {sum(counts)} for {msg.num_samples} samples, "
+                f"{self.num_classes} classes",
+            )
             return
         most = self.partition_sizes[cid] + sum(self.orch.plans.get(cid, ()))  # after augmenting: plus its row
         if msg.num_samples > most:
-            self._reject(cid, 0, "transport: registration claims more samples than the client's partition holds",
-                         f"{msg.num_samples} > {most}")
+            self._reject(
+                cid,
+                0,
+                "transport: registration claims more samples than the client's partition holds",
+                f"{msg.num_samples} > {most}",
+            )
             return
         if cid not in self.orch.clients:
             self.incarnations[cid] = msg.incarnation
@@ -460,11 +519,21 @@ class Server:
                 self._reject(msg.client, msg.task, f"{msg.kind.value} result for a {shadow.kind.value} task")
                 return False
             if shadow.version != msg.version:
-                self._reject(msg.client, msg.task, f"result computed on version {msg.version}, "
-                                                   f"task was dispatched with version {shadow.version}")
+                self._reject(
+                    msg.client,
+                    msg.task,
+                    f"result computed on version {msg.version}, "
+                    f"task was dispatched with version {shadow.version}",
+                )
                 return False
-        upd = ClientUpdate(num_samples=msg.num_samples, stat_utility=msg.stat_utility, loss=msg.loss,
-                           duration=msg.duration, delta=msg.delta, aux=dict(msg.aux))
+        upd = ClientUpdate(
+            num_samples=msg.num_samples,
+            stat_utility=msg.stat_utility,
+            loss=msg.loss,
+            duration=msg.duration,
+            delta=msg.delta,
+            aux=dict(msg.aux),
+        )
         return self._deliver(TaskFinished(self.now(), msg.client, msg.task, upd))
 
     # ------------------------------------------------------------------ orchestrator
@@ -500,8 +569,10 @@ class Server:
             return
         if not self._checkpoint_due:
             return
-        full = self._pending_bytes >= self.opts.max_pending_bytes or \
-            len(self._pending_acks) >= self.opts.max_pending_messages
+        full = (
+            self._pending_bytes >= self.opts.max_pending_bytes
+            or len(self._pending_acks) >= self.opts.max_pending_messages
+        )
         if not (force or full) and time.monotonic() - self._last_checkpoint < self.opts.checkpoint_interval_s:
             return
         self._checkpoint()
@@ -518,19 +589,34 @@ class Server:
 
     def _apply(self, cmd: Command) -> None:
         if isinstance(cmd, DispatchTrain):
-            msg: wire.Message = wire.TrainTask(**self._env(), client=cmd.client_id, task=cmd.task_id,
-                                               version=cmd.version, plan=cmd.plan, weights=cmd.weights, aux=cmd.aux)
+            msg: wire.Message = wire.TrainTask(
+                **self._env(),
+                client=cmd.client_id,
+                task=cmd.task_id,
+                version=cmd.version,
+                plan=cmd.plan,
+                weights=cmd.weights,
+                aux=cmd.aux,
+            )
             self.shadow[cmd.task_id] = ShadowTask(cmd.client_id, TaskKind.TRAIN, cmd.version)
             self._send(cmd.client_id, msg, "train")
         elif isinstance(cmd, DispatchEval):
-            msg = wire.EvalTask(**self._env(), client=cmd.client_id, task=cmd.task_id, version=cmd.version,
-                                weights=cmd.weights)
+            msg = wire.EvalTask(
+                **self._env(),
+                client=cmd.client_id,
+                task=cmd.task_id,
+                version=cmd.version,
+                weights=cmd.weights,
+            )
             self.shadow[cmd.task_id] = ShadowTask(cmd.client_id, TaskKind.EVAL, cmd.version)
             self._send(cmd.client_id, msg, "eval")
         elif isinstance(cmd, CancelTask):
             self.shadow.pop(cmd.task_id, None)
-            self._send(cmd.client_id, wire.Cancel(**self._env(), client=cmd.client_id, task=cmd.task_id,
-                                                  reason=cmd.reason), "control")
+            self._send(
+                cmd.client_id,
+                wire.Cancel(**self._env(), client=cmd.client_id, task=cmd.task_id, reason=cmd.reason),
+                "control",
+            )
         elif isinstance(cmd, UpdateRejected):
             self._reject(cmd.client_id, cmd.task_id, cmd.reason)
 
@@ -558,33 +644,45 @@ class Server:
         digests = self.result_digests
         sh = self.shadow
         return {
-            "config_digest": self.config_digest, "run_id": self.opts.run_id, "life": self.life,
+            "config_digest": self.config_digest,
+            "run_id": self.opts.run_id,
+            "life": self.life,
             "now": self.now(),
-            "wall_unix": time.time(), "wall_elapsed": self._prior_wall + (time.monotonic() - self._mono0),
+            "wall_unix": time.time(),
+            "wall_elapsed": self._prior_wall + (time.monotonic() - self._mono0),
             "controller": self.ctl.state_dict(),
             "plan_info": self.plan_info,
             "stats": asdict(self.stats),
             "applied": self.applied.position(),
-            "seq_marks": {"client": np.array([c for c, _, _ in marks], dtype=np.int64),
-                          "prefix": [p for _, p, _ in marks],
-                          "seq": np.array([n for _, _, n in marks], dtype=np.int64)},
-            "result_digests": {"task": np.fromiter(digests.keys(), dtype=np.int64, count=len(digests)),
-                               "digest": np.frombuffer(b"".join(digests.values()), dtype=np.uint8)},
-            "incarnations": {"client": np.fromiter(self.incarnations.keys(), dtype=np.int64,
-                                                   count=len(self.incarnations)),
-                             "incarnation": list(self.incarnations.values())},
-            "shadow": {"task": np.fromiter(sh.keys(), dtype=np.int64, count=len(sh)),
-                       "client": np.fromiter((t.client_id for t in sh.values()), dtype=np.int64, count=len(sh)),
-                       "train": np.fromiter((t.kind is TaskKind.TRAIN for t in sh.values()), dtype=np.int8,
-                                            count=len(sh)),
-                       "version": np.fromiter((t.version for t in sh.values()), dtype=np.int64, count=len(sh))},
+            "seq_marks": {
+                "client": np.array([c for c, _, _ in marks], dtype=np.int64),
+                "prefix": [p for _, p, _ in marks],
+                "seq": np.array([n for _, _, n in marks], dtype=np.int64),
+            },
+            "result_digests": {
+                "task": np.fromiter(digests.keys(), dtype=np.int64, count=len(digests)),
+                "digest": np.frombuffer(b"".join(digests.values()), dtype=np.uint8),
+            },
+            "incarnations": {
+                "client": np.fromiter(self.incarnations.keys(), dtype=np.int64, count=len(self.incarnations)),
+                "incarnation": list(self.incarnations.values()),
+            },
+            "shadow": {
+                "task": np.fromiter(sh.keys(), dtype=np.int64, count=len(sh)),
+                "client": np.fromiter((t.client_id for t in sh.values()), dtype=np.int64, count=len(sh)),
+                "train": np.fromiter(
+                    (t.kind is TaskKind.TRAIN for t in sh.values()), dtype=np.int8, count=len(sh)
+                ),
+                "version": np.fromiter((t.version for t in sh.values()), dtype=np.int64, count=len(sh)),
+            },
         }
 
     def _checkpoint(self) -> None:
         assert self.opts.checkpoint is not None
         self.applied.sync()  # the log first: the snapshot says how much of it counts
-        n = ckpt.save_checkpoint(self.opts.checkpoint, {"orchestrator": self.orch.state_dict(),
-                                                        "shell": self._shell_state()})
+        n = ckpt.save_checkpoint(
+            self.opts.checkpoint, {"orchestrator": self.orch.state_dict(), "shell": self._shell_state()}
+        )
         self.stats.checkpoints += 1
         log.debug("checkpoint at version %d (%d bytes)", self.orch.version, n)
 
@@ -604,8 +702,9 @@ class Server:
             self.orch.load_state_dict(doc["orchestrator"])
             self._load_shell(shell)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-            raise ckpt.CheckpointError(f"checkpoint {path} is incomplete or from another version "
-                                       f"({type(exc).__name__}: {exc})") from None
+            raise ckpt.CheckpointError(
+                f"checkpoint {path} is incomplete or from another version ({type(exc).__name__}: {exc})"
+            ) from None
         self.applied.truncate(shell["applied"])
         self.life = int(shell["life"]) + 1
         self._prior_wall = float(shell["wall_elapsed"])
@@ -615,7 +714,9 @@ class Server:
         # Tasks dispatched after the checkpoint are unknown to the restored state; numbering this
         # life's tasks from a fresh range keeps their late results from matching new tasks.
         self.orch.reserve_task_ids(self.life * ckpt.RESUME_TASK_ID_STRIDE + 1)
-        log.info("resumed from %s at version %d (life %d, %.1f s down)", path, self.orch.version, self.life, down)
+        log.info(
+            "resumed from %s at version %d (life %d, %.1f s down)", path, self.orch.version, self.life, down
+        )
 
     def _load_shell(self, shell: dict[str, Any]) -> None:
         self.ctl.load_state_dict(shell["controller"])
@@ -627,20 +728,28 @@ class Server:
             self.seq_marks.setdefault(c, {})[p] = n
         rd = shell["result_digests"]
         flat = rd["digest"].tobytes()
-        self.result_digests = {t: flat[16 * i:16 * (i + 1)] for i, t in enumerate(rd["task"].tolist())}
+        self.result_digests = {t: flat[16 * i : 16 * (i + 1)] for i, t in enumerate(rd["task"].tolist())}
         inc = shell["incarnations"]
         self.incarnations = dict(zip(inc["client"].tolist(), inc["incarnation"], strict=True))
         sh = shell["shadow"]
-        self.shadow = {t: ShadowTask(c, TaskKind.TRAIN if k else TaskKind.EVAL, v) for t, c, k, v in
-                       zip(sh["task"].tolist(), sh["client"].tolist(), sh["train"].tolist(), sh["version"].tolist(),
-                           strict=True)}
+        self.shadow = {
+            t: ShadowTask(c, TaskKind.TRAIN if k else TaskKind.EVAL, v)
+            for t, c, k, v in zip(
+                sh["task"].tolist(),
+                sh["client"].tolist(),
+                sh["train"].tolist(),
+                sh["version"].tolist(),
+                strict=True,
+            )
+        }
 
 
 def _digest(msg_id: str, payload: bytes) -> bytes:
     """16 bytes: 8 of the message id, 8 of the payload (a replay keeps the id, changes the rest)."""
-    return (hashlib.blake2b(msg_id.encode(), digest_size=8).digest()
-            + hashlib.blake2b(payload, digest_size=8).digest())
-
+    return (
+        hashlib.blake2b(msg_id.encode(), digest_size=8).digest()
+        + hashlib.blake2b(payload, digest_size=8).digest()
+    )
 
 
 def _log_evaluation(row: EvalRow) -> None:

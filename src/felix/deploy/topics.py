@@ -14,6 +14,7 @@ identity comes from the broker (username/password plus the ACL, which lets only 
 ``client-<cid>`` write topics ending in ``/<cid>``) and the server checks that the client id in a
 message's header matches the one in its topic.
 """
+
 from __future__ import annotations
 
 import re
@@ -92,7 +93,7 @@ class Topics:
         prefix = f"{self.root}/server/"
         if not topic.startswith(prefix):
             return None
-        parts = topic[len(prefix):].split("/")
+        parts = topic[len(prefix) :].split("/")
         if len(parts) != 2 or parts[0] not in ("register", "state", "result") or not parts[1].isdigit():
             return None
         return parts[0], int(parts[1])

@@ -20,6 +20,7 @@ docs/deployment.md; unknown or missing fields, and fields of the wrong JSON type
 machine-readable ``code`` (counted by the server under ``rejected_by_reason``) and a detail
 that says what was wrong. Arrays are read-only views of the received bytes (no copy).
 """
+
 from __future__ import annotations
 
 import json
@@ -169,7 +170,9 @@ class Cancel(Envelope):
 
 
 Message = Status | Register | State | Result | Failed | TrainTask | EvalTask | Cancel
-CLASSES: dict[MsgType, type] = {c.TYPE: c for c in (Status, Register, State, Result, Failed, TrainTask, EvalTask, Cancel)}
+CLASSES: dict[MsgType, type] = {
+    c.TYPE: c for c in (Status, Register, State, Result, Failed, TrainTask, EvalTask, Cancel)
+}
 
 
 # ---------------------------------------------------------------------- field checks
@@ -177,7 +180,9 @@ Check = Callable[[str, Any], Any]
 
 
 def _bad(name: str, want: str, got: Any) -> MessageError:
-    return MessageError(ErrorCode.BAD_FIELD, f"field {name!r} must be {want}, got {type(got).__name__} {_short(got)}")
+    return MessageError(
+        ErrorCode.BAD_FIELD, f"field {name!r} must be {want}, got {type(got).__name__} {_short(got)}"
+    )
 
 
 def _short(v: Any) -> str:
@@ -253,11 +258,25 @@ def _int_list(name: str, v: Any) -> tuple[int, ...]:
 _COMMON: dict[str, Check] = {"run": _str, "msg": _str, "sent": _time}
 _SCHEMAS: dict[MsgType, dict[str, Check]] = {
     MsgType.STATUS: {"session": _str, "state": _state},
-    MsgType.REGISTER: {"client": _client_id, "incarnation": _str, "num_samples": _nonneg, "tier": _tier,
-                       "class_counts": _int_list},
+    MsgType.REGISTER: {
+        "client": _client_id,
+        "incarnation": _str,
+        "num_samples": _nonneg,
+        "tier": _tier,
+        "class_counts": _int_list,
+    },
     MsgType.STATE: {"client": _client_id, "incarnation": _str, "tier": _tier},
-    MsgType.RESULT: {"client": _client_id, "incarnation": _str, "task": _nonneg, "kind": _kind, "version": _nonneg,
-                     "num_samples": _nonneg, "stat_utility": _float, "loss": _float, "duration": _float},
+    MsgType.RESULT: {
+        "client": _client_id,
+        "incarnation": _str,
+        "task": _nonneg,
+        "kind": _kind,
+        "version": _nonneg,
+        "num_samples": _nonneg,
+        "stat_utility": _float,
+        "loss": _float,
+        "duration": _float,
+    },
     MsgType.FAILED: {"client": _client_id, "incarnation": _str, "task": _nonneg, "reason": _str},
     MsgType.TRAIN: {"client": _client_id, "task": _nonneg, "version": _nonneg, "plan": _int_list},
     MsgType.EVAL: {"client": _client_id, "task": _nonneg, "version": _nonneg},
@@ -307,8 +326,16 @@ def encode(msg: Message) -> bytes:
     arrays = [(name, _le(a)) for name, a in _arrays_of(msg)]
     manifest = [{"name": n, "dtype": a.dtype.str, "shape": list(a.shape)} for n, a in arrays]
     payload_len = sum(a.nbytes for _, a in arrays)
-    header = {"fmt": FORMAT_VERSION, "type": msg.TYPE.value, "run": msg.run, "msg": msg.msg_id,
-              "sent": msg.sent_at, "payload": payload_len, "arrays": manifest, **_header_fields(msg)}
+    header = {
+        "fmt": FORMAT_VERSION,
+        "type": msg.TYPE.value,
+        "run": msg.run,
+        "msg": msg.msg_id,
+        "sent": msg.sent_at,
+        "payload": payload_len,
+        "arrays": manifest,
+        **_header_fields(msg),
+    }
     hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
     if len(hbytes) > MAX_HEADER_BYTES:
         raise ValueError(f"header of {len(hbytes)} bytes exceeds {MAX_HEADER_BYTES}")
@@ -318,7 +345,9 @@ def encode(msg: Message) -> bytes:
 
 
 # ---------------------------------------------------------------------- decode
-def decode(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, aux_spec: AuxSpec | None = None) -> Message:
+def decode(
+    data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, aux_spec: AuxSpec | None = None
+) -> Message:
     """Parse and validate one message; raises ``MessageError`` with the failed check's code.
 
     ``aux_spec``: the aux entries a result may carry (what the objective and aggregator in use
@@ -326,26 +355,36 @@ def decode(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, aux_spec: Au
     passes it; ``None`` skips the check (a client reading the server's tasks).
     """
     if len(data) > max_bytes:
-        raise MessageError(ErrorCode.OVERSIZED, f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
+        raise MessageError(
+            ErrorCode.OVERSIZED, f"message of {len(data)} bytes exceeds the limit of {max_bytes}"
+        )
     if len(data) < PREFIX_BYTES:
-        raise MessageError(ErrorCode.TRUNCATED, f"{len(data)} bytes, shorter than the {PREFIX_BYTES}-byte prefix")
+        raise MessageError(
+            ErrorCode.TRUNCATED, f"{len(data)} bytes, shorter than the {PREFIX_BYTES}-byte prefix"
+        )
     magic, version, hlen = _PREFIX.unpack_from(data, 0)
     if magic != MAGIC:
         raise MessageError(ErrorCode.BAD_MAGIC, f"magic {magic!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
-        raise MessageError(ErrorCode.UNKNOWN_VERSION, f"format version {version}, this end speaks {FORMAT_VERSION}")
+        raise MessageError(
+            ErrorCode.UNKNOWN_VERSION, f"format version {version}, this end speaks {FORMAT_VERSION}"
+        )
     if hlen > MAX_HEADER_BYTES:
         raise MessageError(ErrorCode.BAD_HEADER, f"header length {hlen} exceeds {MAX_HEADER_BYTES}")
     if PREFIX_BYTES + hlen > len(data):
-        raise MessageError(ErrorCode.TRUNCATED, f"header of {hlen} bytes but only {len(data) - PREFIX_BYTES} follow")
+        raise MessageError(
+            ErrorCode.TRUNCATED, f"header of {hlen} bytes but only {len(data) - PREFIX_BYTES} follow"
+        )
     try:
-        header = json.loads(data[PREFIX_BYTES:PREFIX_BYTES + hlen].decode("utf-8"))
+        header = json.loads(data[PREFIX_BYTES : PREFIX_BYTES + hlen].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise MessageError(ErrorCode.BAD_HEADER, f"header is not UTF-8 JSON ({exc})") from None
     if not isinstance(header, dict):
         raise MessageError(ErrorCode.BAD_HEADER, f"header must be a JSON object, got {type(header).__name__}")
     if header.get("fmt") != FORMAT_VERSION:
-        raise MessageError(ErrorCode.BAD_HEADER, f"header fmt {header.get('fmt')!r} disagrees with the prefix")
+        raise MessageError(
+            ErrorCode.BAD_HEADER, f"header fmt {header.get('fmt')!r} disagrees with the prefix"
+        )
     try:
         mtype = MsgType(header.get("type"))
     except ValueError:
@@ -359,7 +398,7 @@ def decode(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, aux_spec: Au
     if extra:
         raise MessageError(ErrorCode.BAD_HEADER, f"{mtype.value} header has unknown fields {sorted(extra)}")
     values = {k: check(k, header[k]) for k, check in schema.items()}
-    body = memoryview(data)[PREFIX_BYTES + hlen:]
+    body = memoryview(data)[PREFIX_BYTES + hlen :]
     declared = _nonneg("payload", header["payload"])
     if declared != len(body):
         code = ErrorCode.TRUNCATED if len(body) < declared else ErrorCode.BAD_PAYLOAD
@@ -380,7 +419,9 @@ def _read_arrays(manifest: Any, body: memoryview) -> dict[str, np.ndarray]:
     offset = 0
     for i, spec in enumerate(manifest):
         if not isinstance(spec, dict) or set(spec) != {"name", "dtype", "shape"}:
-            raise MessageError(ErrorCode.BAD_HEADER, f"arrays[{i}] must be an object with name, dtype and shape")
+            raise MessageError(
+                ErrorCode.BAD_HEADER, f"arrays[{i}] must be an object with name, dtype and shape"
+            )
         name = _str(f"arrays[{i}].name", spec["name"])
         if name in out:
             raise MessageError(ErrorCode.BAD_HEADER, f"array {name!r} appears twice")
@@ -388,20 +429,29 @@ def _read_arrays(manifest: Any, body: memoryview) -> dict[str, np.ndarray]:
         if dtype is None:
             raise _bad(f"arrays[{i}].dtype", f"one of {sorted(DTYPES)}", spec["dtype"])
         shape = spec["shape"]
-        if not isinstance(shape, list) or len(shape) > 8 or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        if (
+            not isinstance(shape, list)
+            or len(shape) > 8
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
             raise _bad(f"arrays[{i}].shape", "a list of at most 8 non-negative integers", shape)
         n = math.prod(shape) * dtype.itemsize
         if offset + n > len(body):
             raise MessageError(ErrorCode.BAD_PAYLOAD, f"array {name!r} runs past the end of the payload")
-        out[name] = np.frombuffer(body, dtype=dtype, count=math.prod(shape), offset=offset).reshape(tuple(shape))
+        out[name] = np.frombuffer(body, dtype=dtype, count=math.prod(shape), offset=offset).reshape(
+            tuple(shape)
+        )
         offset += n
     if offset != len(body):
-        raise MessageError(ErrorCode.BAD_PAYLOAD, f"{len(body) - offset} payload bytes are not covered by any array")
+        raise MessageError(
+            ErrorCode.BAD_PAYLOAD, f"{len(body) - offset} payload bytes are not covered by any array"
+        )
     return out
 
 
-def _split_aux(arrays: dict[str, np.ndarray], main: str | None, mtype: MsgType) -> tuple[np.ndarray | None, dict]:
+def _split_aux(
+    arrays: dict[str, np.ndarray], main: str | None, mtype: MsgType
+) -> tuple[np.ndarray | None, dict]:
     aux: dict[str, np.ndarray] = {}
     main_arr = None
     for name, arr in arrays.items():

@@ -21,6 +21,7 @@ so training a share on each actor gives each client the update the whole cohort 
 batched kernels may pick another algorithm for another batch count; there identity is to be
 checked, not assumed (docs/ray.md).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -116,8 +117,17 @@ def split_shares(steps: list[int], shares: int) -> list[tuple[list[int], int]]:
 class CohortActor:
     """One Ray actor: a cohort trainer, every client's data, and the arrays it has fetched."""
 
-    def __init__(self, model: nn.Module, objective: Objective, cfg: TrainConfig, num_classes: int, device: str,
-                 autocast: torch.dtype | None, threads: int | None, datas: list[ClientData]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        objective: Objective,
+        cfg: TrainConfig,
+        num_classes: int,
+        device: str,
+        autocast: torch.dtype | None,
+        threads: int | None,
+        datas: list[ClientData],
+    ) -> None:
         if threads is not None:
             torch.set_num_threads(threads)  # the driver's thread count: the same arithmetic
         self.trainer = CohortTrainer(model, objective, cfg, num_classes, device, autocast)
@@ -153,8 +163,15 @@ class CohortActor:
         for s in specs:  # a companion arrives as the same object as its task: it gets its own state
             state = s.state if id(s) not in seen else copy.deepcopy(s.state)
             seen.add(id(s))
-            tasks.append(CohortTask(self._value(s.weights), self._data(s.data), state,
-                                    {k: self._value(v) for k, v in s.aux.items()}, make_generator(s.seed)))
+            tasks.append(
+                CohortTask(
+                    self._value(s.weights),
+                    self._data(s.data),
+                    state,
+                    {k: self._value(v) for k, v in s.aux.items()},
+                    make_generator(s.seed),
+                )
+            )
         updates = self.trainer.train(tasks)
         return [(u, t.state) for u, t in zip(updates, tasks)]
 
@@ -170,8 +187,14 @@ class RayCohortExecutor:
     """Trains the engine's cohorts on Ray actors; see the module docstring. ``close`` ends the actors
     (and a local Ray instance this executor started)."""
 
-    def __init__(self, trainer: CohortTrainer, datas: list[ClientData], actors: int | None = None,
-                 address: str | None = None, threads: int | None = 1) -> None:
+    def __init__(
+        self,
+        trainer: CohortTrainer,
+        datas: list[ClientData],
+        actors: int | None = None,
+        address: str | None = None,
+        threads: int | None = 1,
+    ) -> None:
         self._stack = contextlib.ExitStack()
         self.ray = self._stack.enter_context(session(address))
         try:
@@ -180,16 +203,20 @@ class RayCohortExecutor:
             self._stack.close()
             raise
 
-    def _start(self, trainer: CohortTrainer, datas: list[ClientData], actors: int | None, threads: int | None) -> None:
+    def _start(
+        self, trainer: CohortTrainer, datas: list[ClientData], actors: int | None, threads: int | None
+    ) -> None:
         gpu = trainer.device.type == "cuda"
         capacity = self.ray.cluster_resources()
         per_cpu = float(threads or 1)
         room = int(capacity.get("GPU", 0)) if gpu else int(capacity.get("CPU", 0) // per_cpu)
         actors = room if actors is None else actors
         if not 1 <= actors <= room:  # more would wait for resources forever
-            raise ConfigError(f"run.executor ray: {actors} cohort actors of {'1 GPU' if gpu else f'{per_cpu:g} CPUs'} "
-                              f"each do not fit the Ray cluster ({capacity.get('GPU', 0):g} GPUs, "
-                              f"{capacity.get('CPU', 0):g} CPUs)")
+            raise ConfigError(
+                f"run.executor ray: {actors} cohort actors of {'1 GPU' if gpu else f'{per_cpu:g} CPUs'} "
+                f"each do not fit the Ray cluster ({capacity.get('GPU', 0):g} GPUs, "
+                f"{capacity.get('CPU', 0):g} CPUs)"
+            )
         self._ids: dict[int, int] = {id(d): k for k, d in enumerate(datas)}
         self._datas = datas  # keeps the indexed objects alive, so their ids stay theirs
         self._shipped: OrderedDict[int, tuple[Any, int, Any]] = OrderedDict()  # id(obj) -> (obj, key, ref)
@@ -199,11 +226,23 @@ class RayCohortExecutor:
         model = copy.deepcopy(trainer.model).to("cpu")
         cls = self.ray.remote(CohortActor).options(num_cpus=per_cpu, num_gpus=1 if gpu else 0)
         data_ref = self.ray.put(datas)
-        self.actors = [cls.remote(model, trainer.objective, trainer.cfg, trainer.num_classes,
-                                  "cuda" if gpu else str(trainer.device), trainer.autocast, threads, data_ref)
-                       for _ in range(actors)]
+        self.actors = [
+            cls.remote(
+                model,
+                trainer.objective,
+                trainer.cfg,
+                trainer.num_classes,
+                "cuda" if gpu else str(trainer.device),
+                trainer.autocast,
+                threads,
+                data_ref,
+            )
+            for _ in range(actors)
+        ]
         self.ray.get([a.ready.remote() for a in self.actors])  # started (or failed) before the run, not in it
-        log.info("run.executor ray: %d cohort actors (%s each)", actors, "1 GPU" if gpu else f"{per_cpu:g} CPUs")
+        log.info(
+            "run.executor ray: %d cohort actors (%s each)", actors, "1 GPU" if gpu else f"{per_cpu:g} CPUs"
+        )
 
     # ------------------------------------------------------------------ what travels
     def _array(self, a: np.ndarray, refs: dict[int, Any]) -> Ref | np.ndarray:
@@ -273,9 +312,16 @@ class RayCohortExecutor:
 
     def train(self, tasks: list[CohortTask]) -> list[ClientUpdate]:
         refs: dict[int, Any] = {}
-        specs = [TaskSpec(self._data(t.data, refs), self._weights(t.weights, refs),
-                          {k: self._array(np.asarray(v), refs) for k, v in t.aux_in.items()}, t.state,
-                          generator_seed(t.generator)) for t in tasks]
+        specs = [
+            TaskSpec(
+                self._data(t.data, refs),
+                self._weights(t.weights, refs),
+                {k: self._array(np.asarray(v), refs) for k, v in t.aux_in.items()},
+                t.state,
+                generator_seed(t.generator),
+            )
+            for t in tasks
+        ]
         steps = [batch_rows(len(t.data), self.cfg, torch.Generator())[0].shape[0] for t in tasks]  # no draws
         results = self._run("train", specs, steps, refs)
         updates = []

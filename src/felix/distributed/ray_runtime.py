@@ -20,6 +20,7 @@ source):
 Joining an existing cluster (``address``) leaves its settings to whoever started it: docs/ray.md
 says how to start one with the same defaults.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -99,8 +100,14 @@ def start_local(num_cpus: int | None = None, num_gpus: int | None = None) -> Any
 
     ray_constants.ENABLE_RAY_CLUSTER = False  # in case Ray was imported before the environment was set
     with _env({"HOME": str(ray_home())}):
-        return ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-                        _node_ip_address=LOOPBACK, logging_level=logging.WARNING)
+        return ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            include_dashboard=False,
+            _node_ip_address=LOOPBACK,
+            logging_level=logging.WARNING,
+        )
 
 
 def join(address: str) -> Any:

@@ -5,6 +5,7 @@ and returns its small output (summary and evaluation rows) to the driver, which 
 is written on the node that ran it. Ray's own retries are off (``max_retries=0``): ``felix.experiments.runs``
 retries a failed run once, whether its code raised or its worker or node died, and reports it after.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,13 @@ class RayTaskBackend:
     all at once, so each lands on its own worker), so runs do not each pay a fresh process's imports;
     that cost belongs to start-up."""
 
-    def __init__(self, address: str | None = None, num_cpus: int | None = None, gpus_per_run: float = 1.0,
-                 fn: RunFunction = execute) -> None:
+    def __init__(
+        self,
+        address: str | None = None,
+        num_cpus: int | None = None,
+        gpus_per_run: float = 1.0,
+        fn: RunFunction = execute,
+    ) -> None:
         self.gpus_per_run = gpus_per_run
         self._stack = contextlib.ExitStack()
         self.ray = self._stack.enter_context(session(address, num_cpus))
@@ -41,14 +47,18 @@ class RayTaskBackend:
         res = Resources.for_run(run.device, run.threads, self.gpus_per_run)
         for name, need in (("CPU", res.num_cpus), ("GPU", res.num_gpus)):
             if need > self._capacity.get(name, 0.0):
-                raise ConfigError(f"run {spec.key} needs {need:g} {name} (run.device {run.device!r}, run.threads "
-                                  f"{run.threads}) but the Ray cluster has {self._capacity.get(name, 0.0):g}")
+                raise ConfigError(
+                    f"run {spec.key} needs {need:g} {name} (run.device {run.device!r}, run.threads "
+                    f"{run.threads}) but the Ray cluster has {self._capacity.get(name, 0.0):g}"
+                )
         if res.num_gpus:
             # Ray hands the task its GPU share as the only visible device: 'cuda:N' would point past it.
-            spec = replace(spec, config=spec.config.model_copy(
-                update={"run": run.model_copy(update={"device": "cuda"})}))
-        return self._task.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_retries=0,
-                                  name=f"felix-run:{spec.key}").remote(spec)
+            spec = replace(
+                spec, config=spec.config.model_copy(update={"run": run.model_copy(update={"device": "cuda"})})
+            )
+        return self._task.options(
+            num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_retries=0, name=f"felix-run:{spec.key}"
+        ).remote(spec)
 
     def wait(self, handles: list[Any]) -> Iterator[tuple[object, RunOutput | BaseException]]:
         ready, _ = self.ray.wait(handles, num_returns=1)

@@ -33,6 +33,7 @@ they are not part of the modelled protocol (the MQTT client still sends them: th
 what really crossed the wire separately, ``wire_bytes_by_kind``). Messages a shell refuses before
 the orchestrator sees them (transport errors, duplicates) are wire bytes only.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -97,8 +98,14 @@ def downstream_bytes(cmd: Command, model_bytes: int) -> tuple[str, int] | None:
 class RunController:
     """One run's measurement and stop rules around ``orch`` (see the module docstring)."""
 
-    def __init__(self, cfg: Config, orch: Orchestrator, recorder: Recorder, sink: EvalSink | None = None,
-                 measure_wire: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        orch: Orchestrator,
+        recorder: Recorder,
+        sink: EvalSink | None = None,
+        measure_wire: bool = False,
+    ) -> None:
         self.cfg = cfg
         self.orch = orch
         self.rec = recorder
@@ -198,17 +205,33 @@ class RunController:
         """The run's summary (``felix.metrics.report.summary``: figures, diagnostics, provenance with
         the run settings), with the shell's ``extra`` keys."""
         c = self.cfg
-        common: dict[str, Any] = {"scenario": c.name, "num_clients": c.partition.num_clients,
-                                  "num_params": int(self.orch.weights.size)}
+        common: dict[str, Any] = {
+            "scenario": c.name,
+            "num_clients": c.partition.num_clients,
+            "num_params": int(self.orch.weights.size),
+        }
         if self.wire is not None:
             common["wire_bytes_by_kind"] = {"down": dict(self.wire.down), "up": dict(self.wire.up)}
-        summ = run_summary(c.strategy, c.seed, self.rec, self.orch.stats, self.orch.version, now, wall_s,
-                           self._stop or "running", {**common, **(extra or {})}, run_settings=c.run.model_dump())
+        summ = run_summary(
+            c.strategy,
+            c.seed,
+            self.rec,
+            self.orch.stats,
+            self.orch.version,
+            now,
+            wall_s,
+            self._stop or "running",
+            {**common, **(extra or {})},
+            run_settings=c.run.model_dump(),
+        )
         rec = self.rec
         if rec.converge is not None:
             at = rec.converged_at
-            summ["convergence"] = {"round": rec.converged_round, "version": None if at is None else at.version,
-                                   "time_s": None if at is None else at.time_s}
+            summ["convergence"] = {
+                "round": rec.converged_round,
+                "version": None if at is None else at.version,
+                "time_s": None if at is None else at.time_s,
+            }
         if rec.per_client is not None:  # run.per_client_eval: the final model, client by client
             summ["per_client"] = rec.per_client(self.orch.weights)
         return summ
@@ -223,9 +246,12 @@ class RunController:
         """The measurements so far, explicit and columnar like ``Orchestrator.state_dict``."""
         r = self.rec
         state: dict[str, Any] = {
-            "rows": _columns(r.rows, EvalRow), "train_losses": _columns(r.train_losses, TrainLossRow),
-            "bytes_down": dict(r.bytes.down), "bytes_up": dict(r.bytes.up),
-            "time_to_target": r.time_to_target, "bytes_to_target": r.bytes_to_target,
+            "rows": _columns(r.rows, EvalRow),
+            "train_losses": _columns(r.train_losses, TrainLossRow),
+            "bytes_down": dict(r.bytes.down),
+            "bytes_up": dict(r.bytes.up),
+            "time_to_target": r.time_to_target,
+            "bytes_to_target": r.bytes_to_target,
             "version_at_target": r.version_at_target,
         }
         if self.wire is not None:
@@ -253,8 +279,17 @@ def _rows(cols: dict[str, np.ndarray], cls: type) -> list[Any]:
     names = [f.name for f in fields(cls)]
     ints = {f.name for f in fields(cls) if f.type in ("int", int)}
     lists = [np.asarray(cols[k]).tolist() for k in names]
-    return [cls(**{k: int(v) if k in ints else float(v) for k, v in zip(names, vals, strict=True)})
-            for vals in zip(*lists, strict=True)]
+    return [
+        cls(**{k: int(v) if k in ints else float(v) for k, v in zip(names, vals, strict=True)})
+        for vals in zip(*lists, strict=True)
+    ]
 
 
-__all__ = ["EVAL_RESULT_BYTES", "EvalSink", "RunController", "aux_nbytes", "downstream_bytes", "upstream_bytes"]
+__all__ = [
+    "EVAL_RESULT_BYTES",
+    "EvalSink",
+    "RunController",
+    "aux_nbytes",
+    "downstream_bytes",
+    "upstream_bytes",
+]

@@ -20,6 +20,7 @@ The rules (the FeLiX authors' clients, and the simulator's model of a checkpoint
 - the data-plan row (DAFL / LB) is applied once, by the first TRAIN task carrying one, and its
   augmentation time is added to that task's duration.
 """
+
 from __future__ import annotations
 
 import logging
@@ -130,9 +131,18 @@ class DeviceRunner(Generic[R]):
         return None if self.started_at is None else self.started_at + self.remaining
 
     # ------------------------------------------------------------------ inputs
-    def receive(self, now: float, task_id: int, kind: TaskKind, weights: np.ndarray, rules: TaskRules, *,
-                aux: dict[str, np.ndarray] | None = None, version: int = 0,
-                plan: Sequence[int] = ()) -> Step[R] | None:
+    def receive(
+        self,
+        now: float,
+        task_id: int,
+        kind: TaskKind,
+        weights: np.ndarray,
+        rules: TaskRules,
+        *,
+        aux: dict[str, np.ndarray] | None = None,
+        version: int = 0,
+        plan: Sequence[int] = (),
+    ) -> Step[R] | None:
         """A task arrived; None when its id was seen before (a redelivery, or cancelled already)."""
         if task_id in self.seen:
             return None
@@ -141,8 +151,9 @@ class DeviceRunner(Generic[R]):
         if kind is TaskKind.TRAIN and plan and not self.augmented and rules.augment is not None:
             self.augmented = True  # augmentation (and its time) belongs to the first task with the row
             augment_s = rules.augment(self, plan)
-            log.debug("client %d: applied its data-plan row (%d samples, %.1f s)", self.cid, sum(plan),
-                      augment_s)
+            log.debug(
+                "client %d: applied its data-plan row (%d samples, %.1f s)", self.cid, sum(plan), augment_s
+            )
         if rules.compute:
             duration = 0.0
         elif kind is TaskKind.TRAIN:

@@ -4,6 +4,7 @@ with ``stop_reason: interrupted`` and writes everything it measured. A second Ct
 winds down raises ``KeyboardInterrupt`` as usual (the way out of a stuck final step); a repeated
 SIGTERM only asks again (a ``felix compare`` driver forwards SIGTERM to its workers, which may
 have had the terminal's SIGINT already)."""
+
 from __future__ import annotations
 
 import signal

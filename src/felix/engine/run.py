@@ -1,4 +1,5 @@
 """One simulated run from a config: build, run, summarise, write outputs."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -22,8 +23,9 @@ class RunResult:
     built: Built
 
 
-def resolve_config(config_path: str | None, preset: str | None, sets: dict[str, Any],
-                   scenario: str | None = None) -> Config:
+def resolve_config(
+    config_path: str | None, preset: str | None, sets: dict[str, Any], scenario: str | None = None
+) -> Config:
     """defaults <- scenario (the embedded default when no file is given) <- file <- strategy preset <- --set."""
     raw: dict[str, Any] = {}
     if config_path is None or scenario is not None:
@@ -38,9 +40,16 @@ def resolve_config(config_path: str | None, preset: str | None, sets: dict[str, 
     return validate(raw, config_path or f"scenario {scenario or 'default'}")
 
 
-def run_config(cfg: Config, out_dir: Path | None = None, progress: bool = False, plots: bool = True,
-               prepare: Callable[[Built], None] | None = None, interruptible: bool = False,
-               live_dir: Path | None = None, **objects: Any) -> RunResult:
+def run_config(
+    cfg: Config,
+    out_dir: Path | None = None,
+    progress: bool = False,
+    plots: bool = True,
+    prepare: Callable[[Built], None] | None = None,
+    interruptible: bool = False,
+    live_dir: Path | None = None,
+    **objects: Any,
+) -> RunResult:
     """Build and simulate ``cfg``; ``prepare`` may instrument the built run (e.g. wrap its
     evaluator) before it starts. The evaluations are appended to ``live_dir`` (default ``out_dir``)
     /evaluations.csv as they happen. ``interruptible`` (the CLI's runs): SIGINT and SIGTERM end the

@@ -12,6 +12,7 @@ range over seeds of the time and bytes to the target, how many seeds reached it,
 speed-up of the reference; the per-run details of every seed; zoomed plots with seed bands and
 error bars; ``manifest.json`` (command, every run's resolved config, commit, versions, times).
 """
+
 from __future__ import annotations
 
 import json
@@ -76,16 +77,25 @@ def _merged(a: Any, b: Any) -> Any:
 
 
 def _check_seeds(seeds: object, source: str) -> list[int]:
-    if (not isinstance(seeds, list) or not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds)
-            or len(set(seeds)) != len(seeds)):
+    if (
+        not isinstance(seeds, list)
+        or not seeds
+        or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds)
+        or len(set(seeds)) != len(seeds)
+    ):
         raise ConfigError(f"{source}: seeds must be a non-empty list of distinct integers, got {seeds!r}")
     return list(seeds)
 
 
 def _check_targets(targets: object, source: str) -> list[float]:
-    if (not isinstance(targets, list) or not targets
-            or any(isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1 for t in targets)):
-        raise ConfigError(f"{source}: targets must be a non-empty list of accuracies in (0, 1], got {targets!r}")
+    if (
+        not isinstance(targets, list)
+        or not targets
+        or any(isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1 for t in targets)
+    ):
+        raise ConfigError(
+            f"{source}: targets must be a non-empty list of accuracies in (0, 1], got {targets!r}"
+        )
     return sorted({float(t) for t in targets})
 
 
@@ -111,11 +121,15 @@ def parse_comparison(doc: dict[str, Any], source: str, default_name: str = "comp
     if reference is not None and str(reference) not in checked:
         raise ConfigError(f"{source}: reference {reference!r} is not one of the variants {list(checked)}")
     return Comparison(
-        name=str(doc.get("name") or default_name), variants=checked, base=expand_dotted(base),
+        name=str(doc.get("name") or default_name),
+        variants=checked,
+        base=expand_dotted(base),
         description=str(doc.get("description") or ""),
         seeds=None if doc.get("seeds") is None else _check_seeds(doc["seeds"], source),
         targets=None if doc.get("targets") is None else _check_targets(doc["targets"], source),
-        reference=None if reference is None else str(reference), source=source)
+        reference=None if reference is None else str(reference),
+        source=source,
+    )
 
 
 def load_comparison(path_or_name: str | Path) -> Comparison:
@@ -136,8 +150,9 @@ def is_comparison_file(path: str) -> bool:
     return p.suffix not in (".yaml", ".yml") and "/" not in path
 
 
-def on_the_fly(config_path: str | None, strategies: list[str], scenario: str | None,
-               reference: str | None) -> Comparison:
+def on_the_fly(
+    config_path: str | None, strategies: list[str], scenario: str | None, reference: str | None
+) -> Comparison:
     """The old form, ``--strategies a,b [--scenario S] [CONFIG]``: one variant per strategy preset
     on the same scenario (the embedded default when neither a file nor a scenario is given)."""
     if not strategies:
@@ -149,12 +164,22 @@ def on_the_fly(config_path: str | None, strategies: list[str], scenario: str | N
         base["scenario"] = scenario or "default"
     if config_path is not None:
         base = deep_merge(base, read_yaml(config_path))
-    return Comparison(name="compare", variants={s: {"strategy": s} for s in strategies}, base=base,
-                      reference=reference, source=config_path or f"scenario {scenario or 'default'}")
+    return Comparison(
+        name="compare",
+        variants={s: {"strategy": s} for s in strategies},
+        base=base,
+        reference=reference,
+        source=config_path or f"scenario {scenario or 'default'}",
+    )
 
 
-def variant_config(comp: Comparison, variant: str, sets: dict[str, Any], seed: int | None = None,
-                   stop_target: float | None = None) -> Config:
+def variant_config(
+    comp: Comparison,
+    variant: str,
+    sets: dict[str, Any],
+    seed: int | None = None,
+    stop_target: float | None = None,
+) -> Config:
     """One run's config: defaults <- scenario <- base <- strategy preset <- variant <- ``--set``;
     then the seed and (when targets are given) the stop target, the highest one."""
     raw = dict(comp.base)
@@ -180,10 +205,20 @@ class _Run:
     spec: RunSpec
 
 
-def run_comparison(comp: Comparison, sets: dict[str, Any], out_dir: Path, seeds: list[int] | None = None,
-                   targets: list[float] | None = None, only: list[str] | None = None, jobs: int | None = None,
-                   backend: str = "local", address: str | None = None, force: bool = False,
-                   gpus_per_run: float = 1.0, argv: list[str] | None = None) -> dict[str, Any]:
+def run_comparison(
+    comp: Comparison,
+    sets: dict[str, Any],
+    out_dir: Path,
+    seeds: list[int] | None = None,
+    targets: list[float] | None = None,
+    only: list[str] | None = None,
+    jobs: int | None = None,
+    backend: str = "local",
+    address: str | None = None,
+    force: bool = False,
+    gpus_per_run: float = 1.0,
+    argv: list[str] | None = None,
+) -> dict[str, Any]:
     """Run every variant x seed of ``comp`` (``seeds`` / ``targets`` override the file's; ``only``
     keeps some variants), then write comparison.json/.md, the plots and manifest.json under
     ``out_dir``. Runs stop at the highest target, so that every lower one is measured too."""
@@ -191,7 +226,9 @@ def run_comparison(comp: Comparison, sets: dict[str, Any], out_dir: Path, seeds:
     if only:
         missing = [v for v in only if v not in comp.variants]
         if missing:
-            raise ConfigError(f"{comp.source}: no variant(s) {missing}; the variants are {list(comp.variants)}")
+            raise ConfigError(
+                f"{comp.source}: no variant(s) {missing}; the variants are {list(comp.variants)}"
+            )
     variants = [v for v in comp.variants if not only or v in only]
     seeds = _check_seeds(seeds, "--seeds") if seeds is not None else comp.seeds
     targets = _check_targets(targets, "--targets") if targets is not None else comp.targets
@@ -202,17 +239,27 @@ def run_comparison(comp: Comparison, sets: dict[str, Any], out_dir: Path, seeds:
         for seed in seeds if seeds is not None else [None]:
             cfg = variant_config(comp, v, sets, seed, stop_target)
             # No seeds asked for: one run per variant, in <variant>/ as the single-seed compare always wrote.
-            key, folder = (v, out_dir / slug(v)) if seeds is None else (
-                f"{v}/seed={cfg.seed}", out_dir / slug(v) / f"seed-{cfg.seed}")
+            key, folder = (
+                (v, out_dir / slug(v))
+                if seeds is None
+                else (f"{v}/seed={cfg.seed}", out_dir / slug(v) / f"seed-{cfg.seed}")
+            )
             runs.append(_Run(v, cfg.seed, RunSpec(key, cfg, folder)))
     configs = [r.spec.config for r in runs]
     if targets is None:
         targets = [configs[0].run.target_accuracy]
-    if backend == "local" and (jobs or 1) > 1 and any(not str(c.run.device).startswith("cpu") for c in configs):
+    if (
+        backend == "local"
+        and (jobs or 1) > 1
+        and any(not str(c.run.device).startswith("cpu") for c in configs)
+    ):
         # Processes time-slicing one GPU each run several times slower: one process, one run at a
         # time, keeps the device busy (each run trains its clients in cohorts).
-        print(f"felix compare: --jobs {jobs} ignored on {configs[0].run.device}: runs go one after another "
-              "in this process", file=sys.stderr)
+        print(
+            f"felix compare: --jobs {jobs} ignored on {configs[0].run.device}: runs go one after another "
+            "in this process",
+            file=sys.stderr,
+        )
         jobs = 1
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_manifest(out_dir, comp, runs, argv, started, None, None)
@@ -228,10 +275,21 @@ def run_comparison(comp: Comparison, sets: dict[str, Any], out_dir: Path, seeds:
             by_variant.setdefault(r.variant, {})[r.seed] = outcome.outputs[r.spec.key]
     first_seed = runs[0].seed
     doc: dict[str, Any] = {
-        "name": comp.name, "description": comp.description, "source": comp.source,
-        "scenario": configs[0].name, "seed": first_seed, "seeds": sorted({r.seed for r in runs}),
-        "targets": targets, "target_window": configs[0].run.target_window, "reference": None,
-        "strategies": {}, "runs": {}, "stats": {}, "failed": outcome.failed, "skipped": outcome.skipped}
+        "name": comp.name,
+        "description": comp.description,
+        "source": comp.source,
+        "scenario": configs[0].name,
+        "seed": first_seed,
+        "seeds": sorted({r.seed for r in runs}),
+        "targets": targets,
+        "target_window": configs[0].run.target_window,
+        "reference": None,
+        "strategies": {},
+        "runs": {},
+        "stats": {},
+        "failed": outcome.failed,
+        "skipped": outcome.skipped,
+    }
     if not by_variant:
         return doc
     wanted = comp.reference or ("felix" if "felix" in variants else variants[0])
@@ -239,11 +297,16 @@ def run_comparison(comp: Comparison, sets: dict[str, Any], out_dir: Path, seeds:
     curves = {v: {seed: o.rows for seed, o in per.items()} for v, per in by_variant.items()}
     window = next(r.spec.config.run.target_window for r in runs if r.variant == ref)
     stats = compare_seeds(curves, targets, window, ref)
-    doc.update({
-        "reference": ref, "target_window": window, "stats": stats_json(stats),
-        # The summaries of the first seed, one per variant (the single-seed table's rows).
-        "strategies": {v: per[first_seed].summary for v, per in by_variant.items() if first_seed in per},
-        "runs": {v: {str(seed): o.summary for seed, o in per.items()} for v, per in by_variant.items()}})
+    doc.update(
+        {
+            "reference": ref,
+            "target_window": window,
+            "stats": stats_json(stats),
+            # The summaries of the first seed, one per variant (the single-seed table's rows).
+            "strategies": {v: per[first_seed].summary for v, per in by_variant.items() if first_seed in per},
+            "runs": {v: {str(seed): o.summary for seed, o in per.items()} for v, per in by_variant.items()},
+        }
+    )
     (out_dir / "comparison.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     (out_dir / "comparison.md").write_text(_markdown(comp, doc, stats, runs, by_variant, ref))
     plot_comparison(out_dir, curves, stats)
@@ -252,26 +315,46 @@ def run_comparison(comp: Comparison, sets: dict[str, Any], out_dir: Path, seeds:
     return doc
 
 
-def compare(config_path: str | None, strategies: list[str], sets: dict[str, Any], out_dir: Path,
-            scenario: str | None = None, jobs: int | None = None, reference: str | None = None, backend: str = "local",
-            address: str | None = None, force: bool = False, gpus_per_run: float = 1.0,
-            seeds: list[int] | None = None, targets: list[float] | None = None,
-            argv: list[str] | None = None) -> dict[str, Any]:
+def compare(
+    config_path: str | None,
+    strategies: list[str],
+    sets: dict[str, Any],
+    out_dir: Path,
+    scenario: str | None = None,
+    jobs: int | None = None,
+    reference: str | None = None,
+    backend: str = "local",
+    address: str | None = None,
+    force: bool = False,
+    gpus_per_run: float = 1.0,
+    seeds: list[int] | None = None,
+    targets: list[float] | None = None,
+    argv: list[str] | None = None,
+) -> dict[str, Any]:
     """The old form: ``strategies`` on one scenario, as a comparison built on the fly."""
     comp = on_the_fly(config_path, strategies, scenario, reference)
-    return run_comparison(comp, sets, out_dir, seeds, targets, None, jobs, backend, address, force, gpus_per_run,
-                          argv)
+    return run_comparison(
+        comp, sets, out_dir, seeds, targets, None, jobs, backend, address, force, gpus_per_run, argv
+    )
 
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-def _write_manifest(out_dir: Path, comp: Comparison, runs: list[_Run], argv: list[str] | None, started: str,
-                    ended: str | None, outcome: Outcome | None) -> None:
+def _write_manifest(
+    out_dir: Path,
+    comp: Comparison,
+    runs: list[_Run],
+    argv: list[str] | None,
+    started: str,
+    ended: str | None,
+    outcome: Outcome | None,
+) -> None:
     """What produced this folder: the command, the comparison, every run's resolved config and
     status, and the code and machine (``felix.metrics.provenance``). Written before the runs start
     (``ended_utc`` null) and again when they are done."""
+
     def status(key: str) -> str:
         if outcome is None:
             return "pending"
@@ -282,25 +365,43 @@ def _write_manifest(out_dir: Path, comp: Comparison, runs: list[_Run], argv: lis
     doc = {
         "command": list(sys.argv if argv is None else argv),
         "comparison": {"name": comp.name, "source": comp.source, "description": comp.description},
-        "started_utc": started, "ended_utc": ended,
+        "started_utc": started,
+        "ended_utc": ended,
         "provenance": provenance(),
         "devices": sorted({r.spec.config.run.device for r in runs}),
         "threads": sorted({r.spec.config.run.threads or 0 for r in runs}),
-        "runs": {r.spec.key: {"variant": r.variant, "seed": r.seed, "folder": str(r.spec.out_dir.relative_to(out_dir)),
-                              "status": status(r.spec.key), "config": r.spec.config.model_dump(mode="json")}
-                 for r in runs},
+        "runs": {
+            r.spec.key: {
+                "variant": r.variant,
+                "seed": r.seed,
+                "folder": str(r.spec.out_dir.relative_to(out_dir)),
+                "status": status(r.spec.key),
+                "config": r.spec.config.model_dump(mode="json"),
+            }
+            for r in runs
+        },
     }
     (out_dir / "manifest.json").write_text(json.dumps(doc, indent=2) + "\n")
 
 
-def _markdown(comp: Comparison, doc: dict[str, Any], stats: Any, runs: list[_Run], by_variant: dict[str, dict[int, Any]],
-              ref: str) -> str:
+def _markdown(
+    comp: Comparison,
+    doc: dict[str, Any],
+    stats: Any,
+    runs: list[_Run],
+    by_variant: dict[str, dict[int, Any]],
+    ref: str,
+) -> str:
     title = f"{comp.name}: {doc['scenario']}, {len(doc['seeds'])} seed(s) {doc['seeds']}"
     head, rest = table_markdown(stats, ref, title).split("\n", 1)
     parts = [head + "\n" + (f"\n{comp.description}\n" if comp.description else "") + rest]
-    parts.append(f"\nTarget rule: the mean of the last {doc['target_window']} evaluations reaches the target.\n")
+    parts.append(
+        f"\nTarget rule: the mean of the last {doc['target_window']} evaluations reaches the target.\n"
+    )
     if doc["failed"]:
-        parts.append("\nFailed (after one retry): " + "; ".join(f"{k}: {v}" for k, v in doc["failed"].items()) + "\n")
+        parts.append(
+            "\nFailed (after one retry): " + "; ".join(f"{k}: {v}" for k, v in doc["failed"].items()) + "\n"
+        )
     for seed in doc["seeds"]:
         at_seed = {v: per[seed].summary for v, per in by_variant.items() if seed in per}
         if not at_seed:
@@ -318,12 +419,16 @@ def markdown_table(summaries: dict[str, dict[str, Any]], ref: str, cfg: Config) 
     """The details of one seed's runs: time and bytes to the stop target, bytes by kind, diagnostics."""
     r = summaries[ref]
     lines = [
-        (f"## Seed {cfg.seed}: target accuracy {cfg.run.target_accuracy} (mean of last {cfg.run.target_window} "
-         f"evaluations), {cfg.name}"),
+        (
+            f"## Seed {cfg.seed}: target accuracy {cfg.run.target_accuracy} (mean of last {cfg.run.target_window} "
+            f"evaluations), {cfg.name}"
+        ),
         "",
         f"Speed-up = time to target of the strategy / time to target of {ref} (how much faster {ref} is).",
         "",
-        "| strategy | time to target (s) | speed-up of " + ref + " | MB to target | total MB | train MB down/up "
+        "| strategy | time to target (s) | speed-up of "
+        + ref
+        + " | MB to target | total MB | train MB down/up "
         "| eval MB down/up | control MB | aggregations | updates applied | discarded | dropped mid-task "
         "| agg. interval P50/P95 (s) | staleness mean | final acc | stop |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -363,11 +468,18 @@ def bytes_by_kind_plot(out_dir: Path, summaries: dict[str, list[dict[str, Any]]]
     names = list(summaries)
     fig, ax = plt.subplots(figsize=(7, 4))
     bottom = [0.0] * len(names)
-    for kind, direction, color in (("train", "down", "tab:blue"), ("train", "up", "tab:cyan"),
-                                   ("eval", "down", "tab:orange"), ("eval", "up", "tab:red"),
-                                   ("control", "down", "grey"), ("control", "up", "black")):
-        vals = [sum(s["bytes_by_kind"][direction][kind] for s in summaries[n]) / len(summaries[n]) / 1e6
-                for n in names]
+    for kind, direction, color in (
+        ("train", "down", "tab:blue"),
+        ("train", "up", "tab:cyan"),
+        ("eval", "down", "tab:orange"),
+        ("eval", "up", "tab:red"),
+        ("control", "down", "grey"),
+        ("control", "up", "black"),
+    ):
+        vals = [
+            sum(s["bytes_by_kind"][direction][kind] for s in summaries[n]) / len(summaries[n]) / 1e6
+            for n in names
+        ]
         ax.bar(names, vals, bottom=bottom, label=f"{kind} {direction}", color=color)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_ylabel("total MB of the run (mean over seeds)")

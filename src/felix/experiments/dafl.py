@@ -18,6 +18,7 @@ and the minority-class F1).
 Writes ``dafl_table.md`` (Table IV's layout, mean ± std over seeds) and ``dafl_results.json``
 under ``--out``, and every run's folder under ``--out/runs``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,20 +64,34 @@ def result_row(r: dict[str, Any]) -> dict[str, Any]:
     s, conv = r["summary"], r["summary"].get("convergence") or {}
     pc, plan, aug = s["per_client"], s.get("data_plan") or {}, s.get("augmentation") or {}
     return {
-        "method": r["variant"], "seed": r["seed"],
-        "converged": conv.get("round") is not None, "rounds": conv.get("round"), "time_s": conv.get("time_s"),
-        "minority_f1": pc["minority_f1"], "accuracy": pc["global_acc"], "macro_f1": pc["macro_f1"],
-        "per_class_f1": pc["per_class_f1"], "minority_classes": pc["minority_classes"],
-        "added": plan.get("added", 0), "augmentation_s": aug.get("max_virtual_s", 0.0),
-        "virtual_time_s": s["virtual_time_s"], "wall_time_s": s["wall_time_s"], "aggregations": s["aggregations"],
+        "method": r["variant"],
+        "seed": r["seed"],
+        "converged": conv.get("round") is not None,
+        "rounds": conv.get("round"),
+        "time_s": conv.get("time_s"),
+        "minority_f1": pc["minority_f1"],
+        "accuracy": pc["global_acc"],
+        "macro_f1": pc["macro_f1"],
+        "per_class_f1": pc["per_class_f1"],
+        "minority_classes": pc["minority_classes"],
+        "added": plan.get("added", 0),
+        "augmentation_s": aug.get("max_virtual_s", 0.0),
+        "virtual_time_s": s["virtual_time_s"],
+        "wall_time_s": s["wall_time_s"],
+        "aggregations": s["aggregations"],
         "stop_reason": s["stop_reason"],
     }
 
 
 ROWS: Final = (
-    ("Rounds", "rounds", 1), ("Time (s)", "time_s", 1), ("Minority F1", "minority_f1", 3),
-    ("Accuracy", "accuracy", 3), ("Macro F1", "macro_f1", 3), ("Added samples", "added", 0),
-    ("Aug. time (s)", "augmentation_s", 2), ("Run time (s)", "virtual_time_s", 1),
+    ("Rounds", "rounds", 1),
+    ("Time (s)", "time_s", 1),
+    ("Minority F1", "minority_f1", 3),
+    ("Accuracy", "accuracy", 3),
+    ("Macro F1", "macro_f1", 3),
+    ("Added samples", "added", 0),
+    ("Aug. time (s)", "augmentation_s", 2),
+    ("Run time (s)", "virtual_time_s", 1),
 )
 #: Rows that describe the whole run, not the model it ended with.
 _RUN_KEYS: Final = ("added", "augmentation_s", "virtual_time_s")
@@ -115,7 +130,11 @@ def summarise(rows: list[dict[str, Any]], methods: Sequence[str]) -> list[dict[s
     out = []
     for m in methods:
         runs = [r for r in rows if r["method"] == m]
-        row: dict[str, Any] = {"method": m, "seeds": len(runs), "converged": sum(r["converged"] for r in runs)}
+        row: dict[str, Any] = {
+            "method": m,
+            "seeds": len(runs),
+            "converged": sum(r["converged"] for r in runs),
+        }
         for _, key, _ in ROWS:
             vals = [r[key] for r in runs if r[key] is not None]
             row[key] = float(np.mean(vals)) if vals else None
@@ -141,16 +160,28 @@ def run(args: argparse.Namespace) -> int:
     rounds = c.get("max_aggregations")
     case = args.case.upper() if args.case else comp.name
     table = markdown_table(rows, methods, case, rounds)
-    note = (f"\nConvergence: training-loss change < {c.get('converge_threshold')} for {c.get('converge_patience')} "
-            "consecutive rounds; a run stops there. Metrics are of the final model; `*`: some seeds did not "
-            f"converge within {rounds} rounds and use their last model. Time is virtual and includes "
-            "augmentation; 'Run time' is the virtual time of the whole run.\n")
+    note = (
+        f"\nConvergence: training-loss change < {c.get('converge_threshold')} for {c.get('converge_patience')} "
+        "consecutive rounds; a run stops there. Metrics are of the final model; `*`: some seeds did not "
+        f"converge within {rounds} rounds and use their last model. Time is virtual and includes "
+        "augmentation; 'Run time' is the virtual time of the whole run.\n"
+    )
     out = Path(args.out)
     header = f"# DAFL experiment: {case} (seeds {' '.join(map(str, settings['seeds']))})\n\n"
     (out / "dafl_table.md").write_text(header + table + note)
-    (out / "dafl_results.json").write_text(json.dumps(
-        {"comparison": comp.name, "settings": settings, "provenance": results[0]["summary"]["provenance"],
-         "summary": summarise(rows, methods), "runs": rows}, indent=1) + "\n")
+    (out / "dafl_results.json").write_text(
+        json.dumps(
+            {
+                "comparison": comp.name,
+                "settings": settings,
+                "provenance": results[0]["summary"]["provenance"],
+                "summary": summarise(rows, methods),
+                "runs": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(table + note)
     return 0
 
@@ -158,22 +189,31 @@ def run(args: argparse.Namespace) -> int:
 def _configure(p: argparse.ArgumentParser) -> None:
     add_arguments(p, COMPARISONS / "dafl-table4.yaml", "runs/dafl-experiment")
     p.add_argument("--case", default=None, help="replace the file's table by this Table II partition (D1-D6)")
-    p.add_argument("--scale", type=float, default=1.0, help="with --case: multiply its counts (default: %(default)s)")
+    p.add_argument(
+        "--scale", type=float, default=1.0, help="with --case: multiply its counts (default: %(default)s)"
+    )
     p.set_defaults(func=run)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``felix dafl-experiment`` on the CLI's subparsers; dispatch via ``args.func``."""
-    p = subparsers.add_parser(COMMAND, help="the DAFL paper's Table IV (configs/comparisons/dafl-table4.yaml)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        COMMAND,
+        help="the DAFL paper's Table IV (configs/comparisons/dafl-table4.yaml)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _configure(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Standalone entry point (``python -m felix.experiments.dafl``)."""
-    p = argparse.ArgumentParser(prog="python -m felix.experiments.dafl", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m felix.experiments.dafl",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _configure(p)
     return run(p.parse_args(argv))
 

@@ -15,6 +15,7 @@ Writes ``federage_compare.md`` (mean ± sample std over seeds, and each method m
 reference paired by seed), ``federage_compare.json`` (per run, per seed; provenance) and
 ``client_accuracy.png`` under ``--out``, and every run's folder under ``--out/runs``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,18 +31,47 @@ from felix.experiments.shipped import COMPARISONS, add_arguments, error_exit, ru
 from felix.scenario.datasets import DatasetError
 
 COMMAND = "federage-compare"
-METRICS = ("mean_client_acc", "worst_client_acc", "bottom10_acc", "rare_client_acc", "std_client_acc",
-           "global_acc", "tail_class_acc", "macro_f1", "minority_f1")
-HEADERS = ("mean", "worst", "bottom 10%", "rare clients", "std", "global", "tail classes", "macro F1",
-           "minority F1")
+METRICS = (
+    "mean_client_acc",
+    "worst_client_acc",
+    "bottom10_acc",
+    "rare_client_acc",
+    "std_client_acc",
+    "global_acc",
+    "tail_class_acc",
+    "macro_f1",
+    "minority_f1",
+)
+HEADERS = (
+    "mean",
+    "worst",
+    "bottom 10%",
+    "rare clients",
+    "std",
+    "global",
+    "tail classes",
+    "macro F1",
+    "minority F1",
+)
 DELTA_METRICS = ("mean_client_acc", "bottom10_acc", "rare_client_acc", "tail_class_acc", "global_acc")
 
 
 def method_runs(results: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """Per seed, per variant (file order): the per-client measures of the final model, named."""
     seeds = list(dict.fromkeys(r["seed"] for r in results))
-    return [[{"method": r["variant"], **r["summary"]["per_client"], "aggregations": r["summary"]["aggregations"],
-              "wall_time_s": r["summary"]["wall_time_s"]} for r in results if r["seed"] == s] for s in seeds]
+    return [
+        [
+            {
+                "method": r["variant"],
+                **r["summary"]["per_client"],
+                "aggregations": r["summary"]["aggregations"],
+                "wall_time_s": r["summary"]["wall_time_s"],
+            }
+            for r in results
+            if r["seed"] == s
+        ]
+        for s in seeds
+    ]
 
 
 def summarise(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -65,8 +95,11 @@ def markdown_table(rows: list[dict[str, Any]], n_seeds: int) -> str:
 
     lines = ["| method | " + " | ".join(HEADERS) + " | finite |", "|" + "---|" * (len(HEADERS) + 2)]
     for row in rows:
-        lines.append(f"| {row['method']} | " + " | ".join(cell(row, m) for m in METRICS)
-                     + f" | {row['finite_seeds']}/{n_seeds} |")
+        lines.append(
+            f"| {row['method']} | "
+            + " | ".join(cell(row, m) for m in METRICS)
+            + f" | {row['finite_seeds']}/{n_seeds} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -79,7 +112,10 @@ def paired_delta_table(runs: list[list[dict[str, Any]]], reference: str = "fedav
         return ""
     ref = names.index(reference)
     heads = ("mean", "bottom 10%", "rare clients", "tail classes", "global")
-    lines = [f"| method - {reference} (paired by seed) | " + " | ".join(heads) + " |", "|" + "---|" * (len(heads) + 1)]
+    lines = [
+        f"| method - {reference} (paired by seed) | " + " | ".join(heads) + " |",
+        "|" + "---|" * (len(heads) + 1),
+    ]
     for i, name in enumerate(names):
         if i == ref:
             continue
@@ -101,11 +137,13 @@ def report_markdown(doc: dict[str, Any]) -> str:
     deltas = paired_delta_table(runs, doc["reference"] or "fedavg")
     if deltas:
         table += "\nIn parentheses: the seeds on which the method is ahead.\n\n" + deltas
-    return ("# FedeRage comparison under the Random Access Model\n\n"
-            f"Mean ± sample std over seeds {seeds}. Provenance: commit {git['commit'][:12]}"
-            f"{' (with local changes)' if git['dirty'] else ''}, torch {prov['torch']}, "
-            f"{prov['torch_threads']} torch thread(s).\n\n"
-            f"Settings: `{json.dumps(doc['settings'])}`\n\n" + table)
+    return (
+        "# FedeRage comparison under the Random Access Model\n\n"
+        f"Mean ± sample std over seeds {seeds}. Provenance: commit {git['commit'][:12]}"
+        f"{' (with local changes)' if git['dirty'] else ''}, torch {prov['torch']}, "
+        f"{prov['torch_threads']} torch thread(s).\n\n"
+        f"Settings: `{json.dumps(doc['settings'])}`\n\n" + table
+    )
 
 
 def plot_distribution(path: Path, runs: list[list[dict[str, Any]]]) -> None:
@@ -148,15 +186,23 @@ def run(args: argparse.Namespace) -> int:
         return error_exit(COMMAND, exc)
     out = Path(args.out)
     prov = results[0]["summary"]["provenance"]  # the first run's: commit, torch, its threads and run settings
-    doc = {"comparison": comp.name, "reference": comp.reference, "settings": settings, "provenance": prov,
-           "summary": summarise(runs), "runs": _rounded(runs)}
+    doc = {
+        "comparison": comp.name,
+        "reference": comp.reference,
+        "settings": settings,
+        "provenance": prov,
+        "summary": summarise(runs),
+        "runs": _rounded(runs),
+    }
     report = report_markdown(doc)
     (out / "federage_compare.md").write_text(report)
     (out / "federage_compare.json").write_text(json.dumps(doc, indent=1) + "\n")
     plot_distribution(out / "client_accuracy.png", runs)
     print(report)
-    print(f"wrote {out / 'federage_compare.md'}, {out / 'federage_compare.json'}, {out / 'client_accuracy.png'}",
-          file=sys.stderr)
+    print(
+        f"wrote {out / 'federage_compare.md'}, {out / 'federage_compare.json'}, {out / 'client_accuracy.png'}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -167,16 +213,22 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``felix federage-compare`` on the CLI's subparsers."""
-    p = subparsers.add_parser(COMMAND, help="FedeRage vs FedAvg/FedProx/SCAFFOLD/q-FFL under the RAM "
-                              "(configs/comparisons/federage.yaml)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        COMMAND,
+        help="FedeRage vs FedAvg/FedProx/SCAFFOLD/q-FFL under the RAM (configs/comparisons/federage.yaml)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _configure(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m felix.experiments.federage", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m felix.experiments.federage",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _configure(p)
     return run(p.parse_args(argv))
 

@@ -8,6 +8,7 @@ in a worker process or on another node of a Ray cluster. A run whose ``summary.j
 not run again unless ``force`` is set; a run that fails (an exception, a dead worker or node) is
 tried once more and then reported, and the others carry on.
 """
+
 from __future__ import annotations
 
 import csv
@@ -83,8 +84,10 @@ def execute(spec: RunSpec) -> RunOutput:
 
     if os.getcwd() != spec.workdir:
         if not os.path.isdir(spec.workdir):
-            raise FileNotFoundError(f"run {spec.key}: working directory {spec.workdir} does not exist on this "
-                                    "machine; run the sweep from a folder every node shares, or use absolute paths")
+            raise FileNotFoundError(
+                f"run {spec.key}: working directory {spec.workdir} does not exist on this "
+                "machine; run the sweep from a folder every node shares, or use absolute paths"
+            )
         os.chdir(spec.workdir)
     threads = torch.get_num_threads()
     if spec.config.run.threads is not None:
@@ -114,16 +117,29 @@ def load(spec: RunSpec) -> RunOutput:
         except ValueError as exc:
             raise ConfigError(f"{cfg_file}: unreadable config of a finished run ({exc})") from None
         if stored != spec.config:
-            raise ConfigError(f"{spec.out_dir} holds a finished run of a different config than {spec.key}; "
-                              "pass --force to run it again, or choose another --out")
+            raise ConfigError(
+                f"{spec.out_dir} holds a finished run of a different config than {spec.key}; "
+                "pass --force to run it again, or choose another --out"
+            )
     try:
         summary = json.loads((spec.out_dir / "summary.json").read_text())
         with open(spec.out_dir / "evaluations.csv", newline="") as f:
-            rows = [EvalRow(float(r["time_s"]), int(r["version"]), float(r["accuracy"]), float(r["loss"]),
-                            int(r["bytes_total"]), int(r["bytes_down"]), int(r["bytes_up"]))
-                    for r in csv.DictReader(f)]
+            rows = [
+                EvalRow(
+                    float(r["time_s"]),
+                    int(r["version"]),
+                    float(r["accuracy"]),
+                    float(r["loss"]),
+                    int(r["bytes_total"]),
+                    int(r["bytes_down"]),
+                    int(r["bytes_up"]),
+                )
+                for r in csv.DictReader(f)
+            ]
     except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"{spec.out_dir}: cannot read the finished run ({exc}); pass --force to rerun it") from None
+        raise ConfigError(
+            f"{spec.out_dir}: cannot read the finished run ({exc}); pass --force to rerun it"
+        ) from None
     return RunOutput(summary, rows)
 
 
@@ -178,7 +194,9 @@ class ProcessBackend:
                 return self.pool.submit(self.fn, spec)
             except BrokenProcessPool:
                 self.pool.shutdown(wait=False, cancel_futures=True)
-        self.pool = ProcessPoolExecutor(self.jobs, mp_context=get_context("spawn"), initializer=ignore_stop_signals)
+        self.pool = ProcessPoolExecutor(
+            self.jobs, mp_context=get_context("spawn"), initializer=ignore_stop_signals
+        )
         return self.pool.submit(self.fn, spec)
 
     def cancel(self, handle: object) -> bool:
@@ -214,8 +232,9 @@ class Outcome:
     skipped: list[str]
 
 
-def run_all(specs: list[RunSpec], backend: Backend, force: bool = False,
-            log: Callable[[str], None] | None = None) -> Outcome:
+def run_all(
+    specs: list[RunSpec], backend: Backend, force: bool = False, log: Callable[[str], None] | None = None
+) -> Outcome:
     """Do every spec on ``backend``: finished runs are read back instead (unless ``force``), results are
     stored as they arrive with a live ``done N/M`` line, a failed run is retried once."""
     say = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -223,8 +242,9 @@ def run_all(specs: list[RunSpec], backend: Backend, force: bool = False,
     if len(set(keys)) != len(keys):
         raise ConfigError(f"two runs share a key: {sorted(k for k in set(keys) if keys.count(k) > 1)}")
     if len({s.out_dir for s in specs}) != len(specs):
-        raise ConfigError("two runs would write to the same folder; make their swept values differ in more "
-                          "than punctuation")
+        raise ConfigError(
+            "two runs would write to the same folder; make their swept values differ in more than punctuation"
+        )
     outputs: dict[str, RunOutput] = {}
     failed: dict[str, str] = {}
     skipped = [s.key for s in specs if s.done and not force]
@@ -294,8 +314,13 @@ def _brief(s: dict[str, Any]) -> str:
     return f"time-to-target {ttt}, final acc {acc}, wall {s['wall_time_s']:.1f}s{stopped}"
 
 
-def make_backend(kind: str, jobs: int | None, address: str | None = None, gpus_per_run: float = 1.0,
-                 fn: RunFunction = execute) -> Backend:
+def make_backend(
+    kind: str,
+    jobs: int | None,
+    address: str | None = None,
+    gpus_per_run: float = 1.0,
+    fn: RunFunction = execute,
+) -> Backend:
     """``local``: in this process (``jobs`` None or 1) or ``jobs`` spawned processes; ``ray``: Ray
     tasks on a local instance with ``jobs`` CPUs (None: all of this machine's), or on the cluster at
     ``address`` (its own resources; ``jobs`` must be None)."""
@@ -307,7 +332,9 @@ def make_backend(kind: str, jobs: int | None, address: str | None = None, gpus_p
         from felix.distributed.ray_tasks import RayTaskBackend
 
         if address is not None and jobs is not None:
-            raise ConfigError("--jobs sizes a local Ray instance; with --address the cluster's resources decide")
+            raise ConfigError(
+                "--jobs sizes a local Ray instance; with --address the cluster's resources decide"
+            )
         return RayTaskBackend(address=address, num_cpus=jobs, gpus_per_run=gpus_per_run, fn=fn)
     raise ConfigError(f"unknown backend {kind!r}; choose local or ray")
 

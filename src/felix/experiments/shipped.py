@@ -6,6 +6,7 @@ docs/configs.md); each run goes through ``felix.engine.run.run_config`` one afte
 measures of their papers from the summaries (``felix compare FILE`` runs the same files with
 seeds in parallel, the skip rule and the time-to-target tables).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,21 +23,32 @@ from felix.presets import CONFIG_DIR
 COMPARISONS = CONFIG_DIR / "comparisons"
 
 
-def run_comparison(comp: Comparison, out: Path | None, seeds: list[int] | None = None,
-                   variants: list[str] | None = None, sets: dict[str, Any] | None = None,
-                   quiet: bool = False) -> list[dict[str, Any]]:
+def run_comparison(
+    comp: Comparison,
+    out: Path | None,
+    seeds: list[int] | None = None,
+    variants: list[str] | None = None,
+    sets: dict[str, Any] | None = None,
+    quiet: bool = False,
+) -> list[dict[str, Any]]:
     """Every (seed, variant) run, seed-major; each summary (and its run folder under ``out``)."""
     names = variants or list(comp.variants)
-    configs = [(seed, v, variant_config(comp, v, sets or {}, seed))
-               for seed in (seeds or comp.seeds or [int(comp.base.get("seed", 0))]) for v in names]
+    configs = [
+        (seed, v, variant_config(comp, v, sets or {}, seed))
+        for seed in (seeds or comp.seeds or [int(comp.base.get("seed", 0))])
+        for v in names
+    ]
     results = []
     for _, v, cfg in configs:  # every config validated before the first run starts
         seed = cfg.seed
         res = run_config(cfg, None if out is None else out / v / f"seed-{seed}", plots=False)
         results.append({"variant": v, "seed": seed, "summary": res.summary})
         if not quiet:
-            print(f"{comp.name}: {v} seed {seed} done ({res.summary['wall_time_s']:.0f} s)", file=sys.stderr,
-                  flush=True)
+            print(
+                f"{comp.name}: {v} seed {seed} done ({res.summary['wall_time_s']:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
     return results
 
 
@@ -45,8 +57,13 @@ def add_arguments(p: argparse.ArgumentParser, default_file: Path, default_out: s
     p.add_argument("--file", type=Path, default=default_file, help="comparison file (default: %(default)s)")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default: the file's)")
     p.add_argument("--variants", default=None, help="comma list of the file's variants (default: all)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override applied to every run, e.g. --set trace.horizon_s=1200 (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override applied to every run, e.g. --set trace.horizon_s=1200 (repeatable)",
+    )
     p.add_argument("--out", default=default_out, help="output folder (default: %(default)s)")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-run progress lines")
 
@@ -59,12 +76,19 @@ def run_from_args(args: argparse.Namespace) -> tuple[Comparison, list[dict[str, 
     if variants is not None:
         unknown = [v for v in variants if v not in comp.variants]
         if unknown or not variants:
-            raise ConfigError(f"--variants: {unknown[0] if unknown else 'none given'!r} is not a variant of "
-                              f"{comp.source}; choose from {', '.join(comp.variants)}")
+            raise ConfigError(
+                f"--variants: {unknown[0] if unknown else 'none given'!r} is not a variant of "
+                f"{comp.source}; choose from {', '.join(comp.variants)}"
+            )
     sets = parse_set(args.set)
     results = run_comparison(comp, Path(args.out) / "runs", args.seeds, variants, sets, args.quiet)
-    settings = {"file": str(args.file), "seeds": args.seeds or comp.seeds or [], "variants": variants or list(comp.variants),
-                "set": args.set, "command": " ".join(sys.argv)}
+    settings = {
+        "file": str(args.file),
+        "seeds": args.seeds or comp.seeds or [],
+        "variants": variants or list(comp.variants),
+        "set": args.set,
+        "command": " ".join(sys.argv),
+    }
     return comp, results, settings
 
 

@@ -4,6 +4,7 @@ Every point of the grid is one run (a :class:`felix.experiments.runs.RunSpec`) o
 ``felix.experiments.runs``; ``sweep.json`` keeps every run's summary and ``sweep.md`` tabulates them, run by run
 and as mean and spread over the seeds of each grid point.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -89,8 +90,9 @@ def _dirname(key: str) -> str:
     return re.sub(r"[^A-Za-z0-9._=,-]", "_", key.replace("*", "-oracle").replace("+", "-").replace("/", "__"))
 
 
-def specs_for(config_path: str | None, scenario: str | None, sets: dict[str, Any], pts: list[Point],
-              out_dir: Path) -> list[RunSpec]:
+def specs_for(
+    config_path: str | None, scenario: str | None, sets: dict[str, Any], pts: list[Point], out_dir: Path
+) -> list[RunSpec]:
     """Validate every point's config up front, so a bad value fails before anything runs."""
     specs = []
     for p in pts:
@@ -104,10 +106,20 @@ def specs_for(config_path: str | None, scenario: str | None, sets: dict[str, Any
     return specs
 
 
-def sweep(config_path: str | None, scenario: str | None, sets: dict[str, Any], strategies: list[str | None],
-          grid: dict[str, list[Any]], seeds: list[int | None], out_dir: Path, backend: str = "local",
-          jobs: int | None = None, address: str | None = None, force: bool = False,
-          gpus_per_run: float = 1.0) -> dict[str, Any]:
+def sweep(
+    config_path: str | None,
+    scenario: str | None,
+    sets: dict[str, Any],
+    strategies: list[str | None],
+    grid: dict[str, list[Any]],
+    seeds: list[int | None],
+    out_dir: Path,
+    backend: str = "local",
+    jobs: int | None = None,
+    address: str | None = None,
+    force: bool = False,
+    gpus_per_run: float = 1.0,
+) -> dict[str, Any]:
     pts = points(strategies, grid, seeds)
     out_dir = out_dir.resolve()
     specs = specs_for(config_path, scenario, sets, pts, out_dir)
@@ -120,10 +132,25 @@ def sweep(config_path: str | None, scenario: str | None, sets: dict[str, Any], s
     runs = []
     for p, s in zip(pts, specs):
         if p.key in outcome.outputs:
-            runs.append({"key": p.key, "group": p.group, "strategy": s.config.strategy, "params": dict(p.params),
-                         "seed": s.config.seed, "out_dir": s.out_dir.name, "summary": outcome.outputs[p.key].summary})
-    doc = {"scenario": specs[0].config.name, "grid": grid, "seeds": [s.config.seed for s in specs[:len(seeds)]],
-           "runs": runs, "failed": outcome.failed, "skipped": outcome.skipped}
+            runs.append(
+                {
+                    "key": p.key,
+                    "group": p.group,
+                    "strategy": s.config.strategy,
+                    "params": dict(p.params),
+                    "seed": s.config.seed,
+                    "out_dir": s.out_dir.name,
+                    "summary": outcome.outputs[p.key].summary,
+                }
+            )
+    doc = {
+        "scenario": specs[0].config.name,
+        "grid": grid,
+        "seeds": [s.config.seed for s in specs[: len(seeds)]],
+        "runs": runs,
+        "failed": outcome.failed,
+        "skipped": outcome.skipped,
+    }
     (out_dir / "sweep.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     (out_dir / "sweep.md").write_text(markdown(doc))
     return doc
@@ -140,8 +167,13 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [f"# Sweep of {doc['scenario']}: {len(doc['runs'])} runs", ""]
     if doc["failed"]:
         lines += ["Failed (after one retry): " + "; ".join(f"{k}: {v}" for k, v in doc["failed"].items()), ""]
-    lines += [("| grid point | seeds | final acc (mean ± sd) | time to target s (mean ± sd) | reached target "
-               "| total MB (mean ± sd) |"), "|---|---|---|---|---|---|"]
+    lines += [
+        (
+            "| grid point | seeds | final acc (mean ± sd) | time to target s (mean ± sd) | reached target "
+            "| total MB (mean ± sd) |"
+        ),
+        "|---|---|---|---|---|---|",
+    ]
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in doc["runs"]:
         groups.setdefault(r["group"], []).append(r["summary"])
@@ -149,12 +181,20 @@ def markdown(doc: dict[str, Any]) -> str:
         ttt = [s["time_to_target_s"] for s in ss if s["time_to_target_s"] is not None]
         acc = [s["final_accuracy"] for s in ss if s["final_accuracy"] is not None]
         mb = [(s["bytes_down"] + s["bytes_up"]) / 1e6 for s in ss]
-        lines.append(f"| {g} | {len(ss)} | {_mean_sd(acc)} | {_mean_sd(ttt)} | {len(ttt)}/{len(ss)} | {_mean_sd(mb)} |")
-    lines += ["", "| run | time to target (s) | final acc | aggregations | total MB | wall s |", "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {g} | {len(ss)} | {_mean_sd(acc)} | {_mean_sd(ttt)} | {len(ttt)}/{len(ss)} | {_mean_sd(mb)} |"
+        )
+    lines += [
+        "",
+        "| run | time to target (s) | final acc | aggregations | total MB | wall s |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in doc["runs"]:
         s = r["summary"]
         t_txt = "not reached" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.0f}"
         a_txt = "-" if s["final_accuracy"] is None else f"{s['final_accuracy']:.4f}"
-        lines.append(f"| {r['key']} | {t_txt} | {a_txt} | {s['aggregations']} | "
-                     f"{(s['bytes_down'] + s['bytes_up']) / 1e6:.1f} | {s['wall_time_s']:.1f} |")
+        lines.append(
+            f"| {r['key']} | {t_txt} | {a_txt} | {s['aggregations']} | "
+            f"{(s['bytes_down'] + s['bytes_up']) / 1e6:.1f} | {s['wall_time_s']:.1f} |"
+        )
     return "\n".join(lines) + "\n"

@@ -7,6 +7,7 @@ samples). Here that is every class sharing the smallest global training count, a
 several tie, decided on the partition before any augmentation (augmentation is what the
 methods differ in, the minority class is a property of the data).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,7 +26,9 @@ def confusion_matrix(y_true: ArrayLike, y_pred: ArrayLike, num_classes: int) -> 
         raise ValueError(f"y_true and y_pred must be vectors of one length, got {t.shape} and {p.shape}")
     if t.size and (min(t.min(), p.min()) < 0 or max(t.max(), p.max()) >= num_classes):
         raise ValueError(f"labels must lie in [0, {num_classes})")
-    return np.bincount(t * num_classes + p, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
+    return np.bincount(t * num_classes + p, minlength=num_classes * num_classes).reshape(
+        num_classes, num_classes
+    )
 
 
 def f1_per_class(cm: ArrayLike) -> NDArray[np.float64]:
@@ -65,5 +68,6 @@ def class_metrics(cm: ArrayLike, minority: ArrayLike) -> ClassMetrics:
     idx = np.asarray(minority, dtype=np.intp)
     if idx.size == 0:
         raise ValueError("no minority class given")
-    return ClassMetrics(float(np.trace(m) / total), float(f1.mean()), float(f1[idx].mean()),
-                        tuple(float(v) for v in f1))
+    return ClassMetrics(
+        float(np.trace(m) / total), float(f1.mean()), float(f1[idx].mean()), tuple(float(v) for v in f1)
+    )

@@ -6,6 +6,7 @@ the threshold for ``patience`` consecutive rounds; the run has converged at the 
 The loss of a round is the clients' training loss behind that aggregation
 (``Recorder.train_losses``), and the convergence time is the virtual time of that aggregation.
 """
+
 from __future__ import annotations
 
 import math

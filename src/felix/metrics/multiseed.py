@@ -6,6 +6,7 @@ authors' rule (``reached_target``), and each strategy's times, bytes and the ref
 are reported as mean, standard deviation and how many seeds reached the target at all. Speed-ups
 are paired by seed: every seed gives both strategies the same clients, data and availability.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,7 +32,9 @@ class TargetHit:
     version: int
 
 
-def first_hits(rows: Sequence[EvalRow], targets: Sequence[float], window: int) -> dict[float, TargetHit | None]:
+def first_hits(
+    rows: Sequence[EvalRow], targets: Sequence[float], window: int
+) -> dict[float, TargetHit | None]:
     """For each target, the first evaluation at which the run meets it (None: never)."""
     out: dict[float, TargetHit | None] = {t: None for t in targets}
     accs: list[float] = []
@@ -82,15 +85,19 @@ class StrategyAtTarget:
     speedup_of_reference: Spread  # this strategy's time / the reference's time, paired by seed
 
 
-def compare_seeds(curves: Curves, targets: Sequence[float], window: int, reference: str
-                  ) -> dict[str, dict[float, StrategyAtTarget]]:
+def compare_seeds(
+    curves: Curves, targets: Sequence[float], window: int, reference: str
+) -> dict[str, dict[float, StrategyAtTarget]]:
     """Per strategy and target: time and bytes to target and the reference's speed-up, over seeds.
 
     A seed where either side never reaches the target gives no speed-up value (it is counted in
     ``of`` but not in ``n``), so a strategy that often fails cannot look fast."""
     if reference not in curves:
         raise ValueError(f"reference strategy {reference!r} is not among {sorted(curves)}")
-    hits = {s: {seed: first_hits(rows, targets, window) for seed, rows in runs.items()} for s, runs in curves.items()}
+    hits = {
+        s: {seed: first_hits(rows, targets, window) for seed, rows in runs.items()}
+        for s, runs in curves.items()
+    }
     out: dict[str, dict[float, StrategyAtTarget]] = {}
     for s, by_seed in hits.items():
         out[s] = {}
@@ -103,25 +110,44 @@ def compare_seeds(curves: Curves, targets: Sequence[float], window: int, referen
                 ref = hits[reference].get(seed, {}).get(t)
                 mine = h[t]
                 ratios.append(mine.time_s / ref.time_s if mine and ref and ref.time_s > 0 else None)
-            out[s][t] = StrategyAtTarget(Spread.of_values(times), Spread.of_values(nbytes), Spread.of_values(ratios))
+            out[s][t] = StrategyAtTarget(
+                Spread.of_values(times), Spread.of_values(nbytes), Spread.of_values(ratios)
+            )
     return out
 
 
 def table_markdown(stats: dict[str, dict[float, StrategyAtTarget]], reference: str, title: str) -> str:
     """One row per strategy; for each target: time (s), MB and the reference's speed-up, mean ± std."""
     targets = list(next(iter(stats.values())))
-    head = "| strategy | " + " | ".join(
-        f"time to {t:g} (s) | MB to {t:g} | speed-up of {reference} at {t:g}" for t in targets) + " |"
-    lines = [f"# {title}", "",
-             (f"Mean ± standard deviation over seeds; speed-up = strategy's time / {reference}'s time on the "
-              "same seed (above 1: the reference is faster); '(n/m reached)' when not every seed met the target."),
-             "", head, "|---|" + "---|---|---|" * len(targets)]
+    head = (
+        "| strategy | "
+        + " | ".join(f"time to {t:g} (s) | MB to {t:g} | speed-up of {reference} at {t:g}" for t in targets)
+        + " |"
+    )
+    lines = [
+        f"# {title}",
+        "",
+        (
+            f"Mean ± standard deviation over seeds; speed-up = strategy's time / {reference}'s time on the "
+            "same seed (above 1: the reference is faster); '(n/m reached)' when not every seed met the target."
+        ),
+        "",
+        head,
+        "|---|" + "---|---|---|" * len(targets),
+    ]
     for s, per_t in stats.items():
         cells = []
         for t in targets:
             a = per_t[t]
-            speed = "-" if s == reference else (a.speedup_of_reference.text(".2f") + "x"
-                                                if a.speedup_of_reference.mean is not None else "-")
+            speed = (
+                "-"
+                if s == reference
+                else (
+                    a.speedup_of_reference.text(".2f") + "x"
+                    if a.speedup_of_reference.mean is not None
+                    else "-"
+                )
+            )
             cells += [a.time_s.text(), a.bytes_total.text(".1f", 1e6), speed]
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -140,8 +166,12 @@ def time_axis_limit(stats: dict[str, dict[float, StrategyAtTarget]], curves: Cur
     return max((rows[-1].time_s for runs in curves.values() for rows in runs.values() if rows), default=1.0)
 
 
-def plot_comparison(out_dir: Path, curves: Curves, stats: dict[str, dict[float, StrategyAtTarget]],
-                    prefix: str = "comparison_") -> list[Path]:
+def plot_comparison(
+    out_dir: Path,
+    curves: Curves,
+    stats: dict[str, dict[float, StrategyAtTarget]],
+    prefix: str = "comparison_",
+) -> list[Path]:
     """Accuracy against time (mean over seeds, min-max band, zoomed), time to each target and MB to
     each target (error bars = std over seeds, not-reached marked)."""
     import matplotlib
@@ -165,12 +195,22 @@ def plot_comparison(out_dir: Path, curves: Curves, stats: dict[str, dict[float, 
     width = 0.8 / max(1, len(targets))
     longest = max((a.time_s.mean or 0.0) + (a.time_s.std or 0.0) for p in stats.values() for a in p.values())
     hours = longest > 3 * 3600.0
-    for key, ylabel, scale, fname in (("time_s", "time to target " + ("(h)" if hours else "(s)"),
-                                       3600.0 if hours else 1.0, "time_to_target.png"),
-                                      ("bytes_total", "MB to target", 1e6, "bytes_to_target.png")):
+    for key, ylabel, scale, fname in (
+        (
+            "time_s",
+            "time to target " + ("(h)" if hours else "(s)"),
+            3600.0 if hours else 1.0,
+            "time_to_target.png",
+        ),
+        ("bytes_total", "MB to target", 1e6, "bytes_to_target.png"),
+    ):
         fig, ax = plt.subplots(figsize=(7.5, 4.2))
         ax.set_title("mean ± std over seeds; k/n: seeds that reached it; n.r.: not reached", fontsize=8)
-        tops = [(getattr(a, key).mean or 0.0) + (getattr(a, key).std or 0.0) for p in stats.values() for a in p.values()]
+        tops = [
+            (getattr(a, key).mean or 0.0) + (getattr(a, key).std or 0.0)
+            for p in stats.values()
+            for a in p.values()
+        ]
         cap = max(tops) / scale if max(tops) > 0 else 1.0
         for j, target in enumerate(targets):
             xs = np.arange(len(names)) + (j - (len(targets) - 1) / 2) * width
@@ -201,8 +241,14 @@ def _reached_label(name: str, runs: dict[int, list[EvalRow]], per_t: dict[float,
     return label if top.n == top.of else f"{name} ({top.n}/{top.of} seeds reached {max(per_t):g})"
 
 
-def _accuracy_panel(ax: Any, curves: Curves, stats: dict[str, dict[float, StrategyAtTarget]], xkey: str,
-                    xmax: float, scale: float) -> None:
+def _accuracy_panel(
+    ax: Any,
+    curves: Curves,
+    stats: dict[str, dict[float, StrategyAtTarget]],
+    xkey: str,
+    xmax: float,
+    scale: float,
+) -> None:
     """Mean accuracy over seeds against ``xkey`` (time_s or bytes_total) up to ``xmax``, with a
     min-max band; each run holds its last accuracy after it ends. A strategy that did not reach the
     highest target on every seed says so in the legend."""
@@ -219,7 +265,7 @@ def _accuracy_panel(ax: Any, curves: Curves, stats: dict[str, dict[float, Strate
         if not ys:
             continue
         y = np.vstack(ys)
-        line, = ax.plot(grid / scale, y.mean(0), lw=1.4, label=_reached_label(s, runs, stats[s]))
+        (line,) = ax.plot(grid / scale, y.mean(0), lw=1.4, label=_reached_label(s, runs, stats[s]))
         ax.fill_between(grid / scale, y.min(0), y.max(0), color=line.get_color(), alpha=0.18, lw=0)
     targets = list(next(iter(stats.values())))
     for target in targets:
@@ -234,15 +280,25 @@ def _accuracy_panel(ax: Any, curves: Curves, stats: dict[str, dict[float, Strate
 
 def bytes_axis_limit(stats: dict[str, dict[float, StrategyAtTarget]], curves: Curves) -> float:
     """Like ``time_axis_limit``, in bytes: twice the largest mean bytes to a reached target."""
-    reached = [a.bytes_total.mean for per_t in stats.values() for a in per_t.values() if a.bytes_total.mean is not None]
+    reached = [
+        a.bytes_total.mean
+        for per_t in stats.values()
+        for a in per_t.values()
+        if a.bytes_total.mean is not None
+    ]
     if reached:
         return 2.0 * max(reached)
-    return float(max((rows[-1].bytes_total for runs in curves.values() for rows in runs.values() if rows),
-                     default=1))
+    return float(
+        max((rows[-1].bytes_total for runs in curves.values() for rows in runs.values() if rows), default=1)
+    )
 
 
-def plot_accuracy_vs_bytes(out_dir: Path, curves: Curves, stats: dict[str, dict[float, StrategyAtTarget]],
-                           prefix: str = "comparison_") -> Path:
+def plot_accuracy_vs_bytes(
+    out_dir: Path,
+    curves: Curves,
+    stats: dict[str, dict[float, StrategyAtTarget]],
+    prefix: str = "comparison_",
+) -> Path:
     """Accuracy against total bytes (mean over seeds, min-max band), zoomed like the time plot."""
     import matplotlib
 

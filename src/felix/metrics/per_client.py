@@ -13,6 +13,7 @@ available). Tail classes: the rarest classes by global training count.
 Measured on the final model of a run (the summary's ``per_client`` section), not on every
 evaluation: it costs one more pass over the test set.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,14 +46,24 @@ class PerClientSetup:
     def __post_init__(self) -> None:
         counts = np.asarray(self.class_counts)
         if counts.ndim != 2 or (counts.sum(axis=1) <= 0).any():
-            raise ValueError("per-client evaluation needs a clients x classes count matrix with data on every row")
+            raise ValueError(
+                "per-client evaluation needs a clients x classes count matrix with data on every row"
+            )
         if np.shape(self.participation) != (counts.shape[0],):
-            raise ValueError(f"{np.size(self.participation)} participation values for {counts.shape[0]} clients")
+            raise ValueError(
+                f"{np.size(self.participation)} participation values for {counts.shape[0]} clients"
+            )
 
 
 @torch.no_grad()
-def confusion_on_test(model: torch.nn.Module, weights: np.ndarray, test: ArrayDataset, device: str,
-                      batch_size: int = 1000, autocast_dtype: torch.dtype | None = None) -> NDArray[np.int64]:
+def confusion_on_test(
+    model: torch.nn.Module,
+    weights: np.ndarray,
+    test: ArrayDataset,
+    device: str,
+    batch_size: int = 1000,
+    autocast_dtype: torch.dtype | None = None,
+) -> NDArray[np.int64]:
     """The confusion matrix of ``weights`` (loaded into ``model``) on the test set."""
     model = model.to(device)
     layout = weights_for(model, int(np.asarray(weights).size))  # parameters, with or without the buffers
@@ -62,7 +73,7 @@ def confusion_on_test(model: torch.nn.Module, weights: np.ndarray, test: ArrayDa
     preds = []
     for s in range(0, len(test), batch_size):
         with autocast(device, autocast_dtype):
-            preds.append(model(test.x[s:s + batch_size].to(device)).float().argmax(1).cpu())
+            preds.append(model(test.x[s : s + batch_size].to(device)).float().argmax(1).cpu())
     return confusion_matrix(test.y.numpy(), torch.cat(preds).numpy(), test.num_classes)
 
 
@@ -98,13 +109,20 @@ def per_client_metrics(cm: NDArray[np.int64], setup: PerClientSetup) -> dict[str
     }
 
 
-def make_per_client_eval(model: torch.nn.Module, test: ArrayDataset, device: str, setup: PerClientSetup,
-                         autocast_dtype: torch.dtype | None = None) -> Callable[[np.ndarray], dict[str, Any]]:
+def make_per_client_eval(
+    model: torch.nn.Module,
+    test: ArrayDataset,
+    device: str,
+    setup: PerClientSetup,
+    autocast_dtype: torch.dtype | None = None,
+) -> Callable[[np.ndarray], dict[str, Any]]:
     """``weights -> per_client_metrics``, plus whether the weights are finite (a diverged model
     predicts one class, so its accuracies alone can hide the blow-up)."""
+
     def evaluate(weights: np.ndarray) -> dict[str, Any]:
-        out = per_client_metrics(confusion_on_test(model, weights, test, device, autocast_dtype=autocast_dtype),
-                                 setup)
+        out = per_client_metrics(
+            confusion_on_test(model, weights, test, device, autocast_dtype=autocast_dtype), setup
+        )
         out["finite_model"] = bool(np.isfinite(weights).all())
         return out
 

@@ -3,6 +3,7 @@
 Every summary carries this so that a figure in the docs can be traced to the code and machine
 that produced it, and a rerun on another core count or torch build is recognisable as such.
 """
+
 from __future__ import annotations
 
 import platform
@@ -20,10 +21,20 @@ def git_commit() -> dict[str, Any] | None:
     None when it is not a git checkout (an installed wheel) or git is missing."""
     src = Path(felix.__file__).resolve().parent
     try:
-        head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(src), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return {"commit": head, "dirty": bool(dirty)}

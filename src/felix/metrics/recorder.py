@@ -1,5 +1,6 @@
 """What a run measures: global-model evaluations against virtual time and bytes, the time-to-target
 rule, and message byte counts by direction and task kind."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -67,8 +68,13 @@ def reached_target(accs: list[float], target: float, window: int) -> bool:
 
 
 class Recorder:
-    def __init__(self, evaluate: Callable[[np.ndarray], tuple[float, float]], target: float,
-                 window: int, eval_every: int = 1) -> None:
+    def __init__(
+        self,
+        evaluate: Callable[[np.ndarray], tuple[float, float]],
+        target: float,
+        window: int,
+        eval_every: int = 1,
+    ) -> None:
         if window < 1:
             raise ValueError("target window must be >= 1")
         if eval_every < 0:
@@ -100,7 +106,9 @@ class Recorder:
         b = self.bytes
         row = EvalRow(time_s, version, acc, loss, b.total, b.total_down, b.total_up)
         self.rows.append(row)
-        if self.time_to_target is None and reached_target([r.accuracy for r in self.rows], self.target, self.window):
+        if self.time_to_target is None and reached_target(
+            [r.accuracy for r in self.rows], self.target, self.window
+        ):
             self.time_to_target = time_s
             self.bytes_to_target = b.total
             self.version_at_target = version
@@ -113,7 +121,11 @@ class Recorder:
         if report.losses:
             losses = np.asarray(report.losses, dtype=np.float64)
             w = np.asarray(report.weights, dtype=np.float64)
-            loss = float(w @ losses / w.sum()) if w.shape == losses.shape and w.sum() > 0 else float(losses.mean())
+            loss = (
+                float(w @ losses / w.sum())
+                if w.shape == losses.shape and w.sum() > 0
+                else float(losses.mean())
+            )
             self.train_losses.append(TrainLossRow(cmd.version, cmd.time, loss))
             if self.converge is not None and self.converged_at is None:
                 r = convergence_round([row.loss for row in self.train_losses], *self.converge)

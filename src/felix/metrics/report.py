@@ -1,4 +1,5 @@
 """A run's outputs: summary.json, the per-evaluation table (CSV) and the two PNG plots."""
+
 from __future__ import annotations
 
 import csv
@@ -34,7 +35,8 @@ def diagnostics(stats: OrchestratorStats) -> dict[str, Any]:
         "staleness_p95": _pct(stats.staleness, 95),
         "staleness_max": int(max(stats.staleness)) if stats.staleness else None,
         "utility_age_at_selection_mean": float(np.mean(stats.utility_age_at_selection))
-        if stats.utility_age_at_selection else None,
+        if stats.utility_age_at_selection
+        else None,
         "utility_age_at_selection_p95": _pct(stats.utility_age_at_selection, 95),
         "selections_never_explored": stats.never_explored_at_selection,
         "agg_weight_p5": _pct(w, 5),
@@ -53,9 +55,18 @@ def diagnostics(stats: OrchestratorStats) -> dict[str, Any]:
     }
 
 
-def summary(strategy: str, seed: int, rec: Recorder, stats: OrchestratorStats, version: int,
-            virtual_time_s: float, wall_time_s: float, stop_reason: str, extra: dict[str, Any] | None = None,
-            run_settings: dict[str, Any] | None = None) -> dict[str, Any]:
+def summary(
+    strategy: str,
+    seed: int,
+    rec: Recorder,
+    stats: OrchestratorStats,
+    version: int,
+    virtual_time_s: float,
+    wall_time_s: float,
+    stop_reason: str,
+    extra: dict[str, Any] | None = None,
+    run_settings: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The run's headline figures, diagnostics and provenance (commit, torch, threads, device)."""
     b = rec.bytes
     accs = [r.accuracy for r in rec.rows]
@@ -116,7 +127,9 @@ class EvalLog:
             csv.DictWriter(f, fieldnames=EVAL_COLUMNS).writerow(asdict(row))
 
 
-def plot_curves(out_dir: Path, curves: dict[str, list[EvalRow]], target: float | None, prefix: str = "") -> list[Path]:
+def plot_curves(
+    out_dir: Path, curves: dict[str, list[EvalRow]], target: float | None, prefix: str = ""
+) -> list[Path]:
     """Accuracy against virtual time and against total bytes, one line per strategy."""
     import matplotlib
 
@@ -124,8 +137,10 @@ def plot_curves(out_dir: Path, curves: dict[str, list[EvalRow]], target: float |
     import matplotlib.pyplot as plt
 
     paths = []
-    for xkey, xlabel, fname in (("time_s", "virtual time (h)", "accuracy_vs_time.png"),
-                                ("bytes_total", "total bytes (MB)", "accuracy_vs_bytes.png")):
+    for xkey, xlabel, fname in (
+        ("time_s", "virtual time (h)", "accuracy_vs_time.png"),
+        ("bytes_total", "total bytes (MB)", "accuracy_vs_bytes.png"),
+    ):
         fig, ax = plt.subplots(figsize=(7, 4.2))
         scale = 3600.0 if xkey == "time_s" else 1e6
         for name, rows in curves.items():

@@ -10,6 +10,7 @@ The scenario's random streams (partition, traces, runtimes, model init) are deri
 seed independently of the strategy's stream, so every strategy of a comparison sees exactly the
 same clients, data and availability.
 """
+
 from __future__ import annotations
 
 import copy
@@ -71,13 +72,21 @@ def _create(registry: Registry[Any], name: str, params: Any, where: str, ctx: An
 
 # ---------------------------------------------------------------------- scenario parts
 @functools.lru_cache(maxsize=4)
-def _dataset(name: str, root: str | None, download: bool, limit: int | None,
-             num_classes: int | None = None, params: str = "{}") -> tuple[ArrayDataset, ArrayDataset | None]:
+def _dataset(
+    name: str,
+    root: str | None,
+    download: bool,
+    limit: int | None,
+    num_classes: int | None = None,
+    params: str = "{}",
+) -> tuple[ArrayDataset, ArrayDataset | None]:
     """Load (cached: a comparison's runs share one copy); ``params`` is ``dataset.params`` as JSON."""
     train, test = load_dataset(name, root, download, limit, json.loads(params))
     if num_classes is not None:
         if num_classes > train.num_classes:
-            raise ConfigError(f"dataset.num_classes is {num_classes} but {name} has {train.num_classes} classes")
+            raise ConfigError(
+                f"dataset.num_classes is {num_classes} but {name} has {train.num_classes} classes"
+            )
         train = first_classes(train, num_classes)
         test = None if test is None else first_classes(test, num_classes)
     return train, test
@@ -108,16 +117,21 @@ def build_trace(cfg: Config, population: Population | None = None) -> Availabili
     return make_trace(cfg.trace, cfg.partition.num_clients, _stream(cfg.seed, _TRACE), counts)
 
 
-def participation_shares(cfg: Config, trace: AvailabilityTrace, class_counts: np.ndarray,
-                         samples: int = 200) -> np.ndarray:
+def participation_shares(
+    cfg: Config, trace: AvailabilityTrace, class_counts: np.ndarray, samples: int = 200
+) -> np.ndarray:
     """Per client, how likely it is to take part: the RAM's p_i under ``trace.kind: ram``, else
     the share of ``samples`` evenly spaced instants of the run at which its trace lets it train."""
     if cfg.trace.kind == "ram":
         return ram_probabilities(cfg.trace, len(class_counts), _stream(cfg.seed, _TRACE), class_counts)
     end = min(cfg.run.max_time_s, cfg.trace.horizon_s)
     instants = (np.arange(samples) + 0.5) * end / samples
-    return np.array([np.mean([trace.for_client(c).tier_at(float(t)) is Tier.AVL_TRAIN for t in instants])
-                     for c in range(len(class_counts))])
+    return np.array(
+        [
+            np.mean([trace.for_client(c).tier_at(float(t)) is Tier.AVL_TRAIN for t in instants])
+            for c in range(len(class_counts))
+        ]
+    )
 
 
 def build_runtimes(cfg: Config, sizes: list[int] | None = None) -> np.ndarray:
@@ -136,16 +150,24 @@ def build_runtimes(cfg: Config, sizes: list[int] | None = None) -> np.ndarray:
     return uniform_runtimes(n, rng, r.low_s, r.high_s)
 
 
-def make_evaluator(model: torch.nn.Module, test: ArrayDataset | None, device: str, batch_size: int = 1000,
-                   autocast_dtype: torch.dtype | None = None) -> Callable[[np.ndarray], tuple[float, float]]:
+def make_evaluator(
+    model: torch.nn.Module,
+    test: ArrayDataset | None,
+    device: str,
+    batch_size: int = 1000,
+    autocast_dtype: torch.dtype | None = None,
+) -> Callable[[np.ndarray], tuple[float, float]]:
     """The global model's test accuracy and loss. The test set is copied to ``device`` once; the
     sums stay there, one transfer per evaluation. ``model`` must carry its factory's buffers: a
     parameters-only vector (``client.buffers: local``) is evaluated with them. Without a test set,
     the evaluator raises ``ConfigError`` when called."""
     if test is None:
+
         def no_test_set(weights: np.ndarray) -> tuple[float, float]:
-            raise ConfigError("the dataset has no test set, but the run evaluates the global model: give the "
-                              "loader or the population a test set")
+            raise ConfigError(
+                "the dataset has no test set, but the run evaluates the global model: give the "
+                "loader or the population a test set"
+            )
 
         return no_test_set
     model = model.to(device)
@@ -164,7 +186,7 @@ def make_evaluator(model: torch.nn.Module, test: ArrayDataset | None, device: st
         correct = torch.zeros((), dtype=torch.long, device=device)
         loss = torch.zeros((), device=device)
         for s in range(0, len(test), batch_size):
-            xb, yb = x[s:s + batch_size], y[s:s + batch_size]
+            xb, yb = x[s : s + batch_size], y[s : s + batch_size]
             with autocast(device, autocast_dtype):
                 logits = model(xb).float()
             loss += F.cross_entropy(logits, yb, reduction="sum")
@@ -214,8 +236,9 @@ class ClientDatasets:
     classes: list[str]
 
     @classmethod
-    def from_arrays(cls, clients: Sequence[Any], test: Any = None,
-                    classes: int | Sequence[str] | None = None) -> ClientDatasets:
+    def from_arrays(
+        cls, clients: Sequence[Any], test: Any = None, classes: int | Sequence[str] | None = None
+    ) -> ClientDatasets:
         """``clients``: one ``(x, y)`` pair (tensors or numpy arrays), ``ClientData`` or
         ``ArrayDataset`` per client, x of shape N x (sample shape), y integer labels; ``test``
         likewise, or None. ``classes``: their names, their number, or None (max label + 1).
@@ -225,19 +248,25 @@ class ClientDatasets:
         pairs = [_pair(c, f"client {k}") for k, c in enumerate(clients)]
         test_pair = None if test is None else _pair(test, "test set")
         if classes is None:
-            classes = 1 + max(int(y.max()) for _, y in pairs + ([test_pair] if test_pair else []) if y.numel())
+            classes = 1 + max(
+                int(y.max()) for _, y in pairs + ([test_pair] if test_pair else []) if y.numel()
+            )
         names = [str(c) for c in range(classes)] if isinstance(classes, int) else [str(c) for c in classes]
         shape = tuple(pairs[0][0].shape[1:])
         for k, (x, y) in enumerate(pairs):
             check_dataset(ArrayDataset(x, y, names), f"client {k}")
             if tuple(x.shape[1:]) != shape:
-                raise DatasetError(f"client {k}: samples of shape {tuple(x.shape[1:])}, client 0's are {shape}")
+                raise DatasetError(
+                    f"client {k}: samples of shape {tuple(x.shape[1:])}, client 0's are {shape}"
+                )
         test_set = None
         if test_pair is not None:
             test_set = ArrayDataset(test_pair[0], test_pair[1], names)
             check_dataset(test_set, "test set")
             if test_set.sample_shape != shape:
-                raise DatasetError(f"test set: samples of shape {test_set.sample_shape}, the clients' are {shape}")
+                raise DatasetError(
+                    f"test set: samples of shape {test_set.sample_shape}, the clients' are {shape}"
+                )
         return cls([ClientData(x, y) for x, y in pairs], test_set, names)
 
 
@@ -247,7 +276,9 @@ def _pair(d: Any, what: str) -> tuple[torch.Tensor, torch.Tensor]:
     elif isinstance(d, (tuple, list)) and len(d) == 2:
         x, y = d
     else:
-        raise DatasetError(f"{what}: expected an (x, y) pair, ClientData or ArrayDataset, got {type(d).__name__}")
+        raise DatasetError(
+            f"{what}: expected an (x, y) pair, ClientData or ArrayDataset, got {type(d).__name__}"
+        )
     try:
         xt = torch.as_tensor(x, dtype=torch.float32)
         yt = torch.as_tensor(y)
@@ -263,9 +294,14 @@ def fit_config(cfg: Config, num_clients: int) -> Config:
     and the summary count clients from it); the config written with the run says what ran."""
     if cfg.partition.num_clients == num_clients:
         return cfg
-    log.info("partition.num_clients %d -> %d: the size of the prepared population", cfg.partition.num_clients,
-             num_clients)
-    return validate(deep_merge(cfg.model_dump(), {"partition": {"num_clients": num_clients}}), "prepared population")
+    log.info(
+        "partition.num_clients %d -> %d: the size of the prepared population",
+        cfg.partition.num_clients,
+        num_clients,
+    )
+    return validate(
+        deep_merge(cfg.model_dump(), {"partition": {"num_clients": num_clients}}), "prepared population"
+    )
 
 
 def _root(root: str | None, download: bool) -> str | None:
@@ -281,16 +317,23 @@ def _root(root: str | None, download: bool) -> str | None:
         raise
 
 
-def build_population(cfg: Config, data: ClientDatasets | None = None,
-                     model: nn.Module | ModelFactory | None = None) -> Population:
+def build_population(
+    cfg: Config, data: ClientDatasets | None = None, model: nn.Module | ModelFactory | None = None
+) -> Population:
     """The clients' data, the test set and the initial model. ``data`` replaces the configured
     dataset and partition (``dataset.test_limit`` still applies); ``model`` replaces ``cfg.model``:
     a factory (seeded by the run's model stream, as the registered ones) or a module, whose current
     weights are then the initial ones."""
     d = cfg.dataset
     if data is None:
-        train, test = _dataset(d.name, _root(d.root, d.download), d.download, d.per_class_limit, d.num_classes,
-                               json.dumps(d.params, sort_keys=True, default=str))
+        train, test = _dataset(
+            d.name,
+            _root(d.root, d.download),
+            d.download,
+            d.per_class_limit,
+            d.num_classes,
+            json.dumps(d.params, sort_keys=True, default=str),
+        )
         parts = partition_indices(cfg, train.y.numpy(), train.num_classes)
         datas = [ClientData(train.x[torch.as_tensor(ix)], train.y[torch.as_tensor(ix)]) for ix in parts]
     else:
@@ -307,8 +350,13 @@ def build_population(cfg: Config, data: ClientDatasets | None = None,
         net = copy.deepcopy(model)
     else:
         seed = int(_stream(cfg.seed, _MODEL).integers(2**31))
-        net = make_model(cfg.model if model is None else model, train.sample_shape, train.num_classes, seed=seed,
-                         params=cfg.model_params)
+        net = make_model(
+            cfg.model if model is None else model,
+            train.sample_shape,
+            train.num_classes,
+            seed=seed,
+            params=cfg.model_params,
+        )
     return Population(train, test, datas, model_vector(net, cfg.client.buffers), net)
 
 
@@ -324,9 +372,13 @@ def build_objective(cfg: Config) -> Objective:
     except ValueError as exc:
         if not isinstance(exc, ValidationError):
             raise ConfigError(f"client.objective: {exc}") from None
-        raise ConfigError("; ".join(
-            f"client.objective_params.{'.'.join(str(x) for x in e['loc'])}: "
-            f"{'unknown key' if e['type'] == 'extra_forbidden' else e['msg']}" for e in exc.errors())) from None
+        raise ConfigError(
+            "; ".join(
+                f"client.objective_params.{'.'.join(str(x) for x in e['loc'])}: "
+                f"{'unknown key' if e['type'] == 'extra_forbidden' else e['msg']}"
+                for e in exc.errors()
+            )
+        ) from None
     try:
         return make_objective(c.objective, **typed.model_dump(exclude_unset=True))
     except ValueError as exc:
@@ -337,24 +389,40 @@ def build_trainer(cfg: Config, pop: Population) -> LocalTrainer:
     apply_threads(cfg)
     c = cfg.client
     try:
-        tcfg = TrainConfig(c.lr, c.batch_size, c.epochs, c.max_steps, c.momentum, c.weight_decay, c.drop_last, c.optimizer,
-                           c.buffers, "qffl_loss" if c.probe_loss else None)
+        tcfg = TrainConfig(
+            c.lr,
+            c.batch_size,
+            c.epochs,
+            c.max_steps,
+            c.momentum,
+            c.weight_decay,
+            c.drop_last,
+            c.optimizer,
+            c.buffers,
+            "qffl_loss" if c.probe_loss else None,
+        )
     except ValueError as exc:
         raise ConfigError(f"client: {exc}") from None
     w = ModelWeights(pop.model, c.buffers)
     if w.size != w.num_params and c.objective == "scaffold":
-        raise ConfigError("client.objective 'scaffold' keeps control variates of the parameters only: with a "
-                          "model that has buffers, set client.buffers: local")
+        raise ConfigError(
+            "client.objective 'scaffold' keeps control variates of the parameters only: with a "
+            "model that has buffers, set client.buffers: local"
+        )
     objective = build_objective(cfg)
     if getattr(objective, "fixed_batch", False) and not tcfg.drop_last:
         tcfg = dataclasses.replace(tcfg, drop_last=True)  # FedeRage's model mini-batch b is fixed
-    return LocalTrainer(copy.deepcopy(pop.model), objective, tcfg, pop.train.num_classes, cfg.run.device,
-                        apply_precision(cfg))
+    return LocalTrainer(
+        copy.deepcopy(pop.model), objective, tcfg, pop.train.num_classes, cfg.run.device, apply_precision(cfg)
+    )
 
 
-def build_orchestrator(cfg: Config, weights: np.ndarray,
-                       trace: AvailabilityTrace | Callable[[], AvailabilityTrace] | None,
-                       plan_errors: str = "raise") -> Orchestrator:
+def build_orchestrator(
+    cfg: Config,
+    weights: np.ndarray,
+    trace: AvailabilityTrace | Callable[[], AvailabilityTrace] | None,
+    plan_errors: str = "raise",
+) -> Orchestrator:
     """The orchestrator with the config's policies, each looked up in its registry by name (or
     import path) with its parameters validated. ``trace`` (or a function making it, called only
     then) is the oracle of an availability policy that reads one; ``plan_errors`` as
@@ -362,21 +430,32 @@ def build_orchestrator(cfg: Config, weights: np.ndarray,
     o = cfg.orchestrator
     try:
         ocfg = OrchestratorConfig(
-            mode=o.mode, agg_goal=o.agg_goal, concurrency=o.concurrency, overcommit=o.overcommit,
-            deadline_s=o.deadline_s, cancel_stragglers=o.cancel_stragglers, task_timeout_s=o.task_timeout_s,
-            accept_late=o.accept_late, max_staleness=o.max_staleness, knowledge=o.knowledge,
+            mode=o.mode,
+            agg_goal=o.agg_goal,
+            concurrency=o.concurrency,
+            overcommit=o.overcommit,
+            deadline_s=o.deadline_s,
+            cancel_stragglers=o.cancel_stragglers,
+            task_timeout_s=o.task_timeout_s,
+            accept_late=o.accept_late,
+            max_staleness=o.max_staleness,
+            knowledge=o.knowledge,
             eval_utility_scale=o.eval_utility_scale,
-            mode_params=o.mode_params, knowledge_params=o.knowledge_params,
+            mode_params=o.mode_params,
+            knowledge_params=o.knowledge_params,
         )
         rounds = ROUND_POLICIES.create(o.mode, o.mode_params, ocfg, where="orchestrator.mode_params")
-        availability = AVAILABILITY.create(o.knowledge, o.knowledge_params, ocfg, where="orchestrator.knowledge_params")
+        availability = AVAILABILITY.create(
+            o.knowledge, o.knowledge_params, ocfg, where="orchestrator.knowledge_params"
+        )
     except RegistryError as exc:
         raise ConfigError(str(exc)) from None
     except ValueError as exc:
         raise ConfigError(f"orchestrator: {exc}") from None
     selector = _create(TRAIN_SELECTORS, cfg.selector.name, cfg.selector.params, "selector.params", cfg)
-    eval_selector = _create(EVAL_SELECTORS, cfg.eval_selector.name, cfg.eval_selector.params,
-                            "eval_selector.params", cfg)
+    eval_selector = _create(
+        EVAL_SELECTORS, cfg.eval_selector.name, cfg.eval_selector.params, "eval_selector.params", cfg
+    )
     aggregator = _create(AGGREGATORS, cfg.aggregator.name, cfg.aggregator.params, "aggregator.params", cfg)
     if cfg.aggregator.robust != "none":
         from felix.strategies.aggregation.robust import RobustAggregator
@@ -388,8 +467,19 @@ def build_orchestrator(cfg: Config, weights: np.ndarray,
         oracle = trace() if callable(trace) else trace
         if oracle is None:
             raise ConfigError(f"orchestrator.knowledge {o.knowledge!r} needs an availability trace")
-    return Orchestrator(ocfg, weights, selector, aggregator, _stream(cfg.seed, _STRATEGY), eval_selector, oracle,
-                        validator, build_data_plan(cfg, plan_errors), rounds, availability)
+    return Orchestrator(
+        ocfg,
+        weights,
+        selector,
+        aggregator,
+        _stream(cfg.seed, _STRATEGY),
+        eval_selector,
+        oracle,
+        validator,
+        build_data_plan(cfg, plan_errors),
+        rounds,
+        availability,
+    )
 
 
 def build_validator(cfg: Config, aggregator: Aggregator, num_params: int) -> UpdateValidator:
@@ -401,8 +491,17 @@ def build_validator(cfg: Config, aggregator: Aggregator, num_params: int) -> Upd
     v = cfg.validation
     try:
         c = cfg.client
-        vcfg = ValidationConfig(v.max_samples_factor, v.norm_policy, v.norm_factor, v.norm_window,
-                                v.norm_min_history, v.warmup_factor, c.batch_size, c.epochs, c.max_steps)
+        vcfg = ValidationConfig(
+            v.max_samples_factor,
+            v.norm_policy,
+            v.norm_factor,
+            v.norm_window,
+            v.norm_min_history,
+            v.warmup_factor,
+            c.batch_size,
+            c.epochs,
+            c.max_steps,
+        )
     except ValueError as exc:
         raise ConfigError(f"validation: {exc}") from None
     spec = {**objective.declared_aux(num_params), **aggregator.declared_aux(num_params)}
@@ -414,20 +513,32 @@ def per_client_setup(cfg: Config, trace: AvailabilityTrace, class_counts: np.nda
     and the tail classes (under ``partition.kind: rare_clients`` the rare clients' classes, else
     the rarest 30% of classes by global training count)."""
     totals = class_counts.sum(axis=0)
-    n_tail = cfg.partition.rare_classes if cfg.partition.kind == "rare_clients" else max(1, len(totals) * 3 // 10)
+    n_tail = (
+        cfg.partition.rare_classes if cfg.partition.kind == "rare_clients" else max(1, len(totals) * 3 // 10)
+    )
     tail = np.sort(np.argsort(totals, kind="stable")[:n_tail])
     return PerClientSetup(class_counts, participation_shares(cfg, trace, class_counts), tail, cfg.run.rare_p)
 
 
-def attach_run_measures(cfg: Config, recorder: Recorder, pop: Population, trace: AvailabilityTrace,
-                        autocast_dtype: torch.dtype | None = None) -> None:
+def attach_run_measures(
+    cfg: Config,
+    recorder: Recorder,
+    pop: Population,
+    trace: AvailabilityTrace,
+    autocast_dtype: torch.dtype | None = None,
+) -> None:
     """The run measures a config may switch on, on ``recorder`` (any shell): ``run.per_client_eval``
     (felix.metrics.per_client) and ``run.converge_threshold`` (the DAFL paper's stop rule)."""
     if cfg.run.per_client_eval:
         if pop.test is None:
             raise ConfigError("run.per_client_eval needs a test set")
         counts = np.stack([d.class_counts(pop.train.num_classes).numpy() for d in pop.client_data])
-        recorder.per_client = make_per_client_eval(copy.deepcopy(pop.model), pop.test, cfg.run.device,
-                                                   per_client_setup(cfg, trace, counts), autocast_dtype)
+        recorder.per_client = make_per_client_eval(
+            copy.deepcopy(pop.model),
+            pop.test,
+            cfg.run.device,
+            per_client_setup(cfg, trace, counts),
+            autocast_dtype,
+        )
     if cfg.run.converge_threshold is not None:
         recorder.converge = (cfg.run.converge_threshold, cfg.run.converge_patience)

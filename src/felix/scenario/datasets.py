@@ -9,6 +9,7 @@ scenario a dataset bundled inside an installed package (scikit-learn's 8x8 digit
 **params) -> (train, test)`` returning two ``ArrayDataset`` (``test`` may be None, see
 felix.scenario.build); a config names it ``dataset.name: NAME`` or ``package.module:loader``.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -28,7 +29,18 @@ from felix.config import ConfigError
 from felix.scenario.registry import Registry
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
-FASHION_CLASSES = ["t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "boot"]
+FASHION_CLASSES = [
+    "t-shirt",
+    "trouser",
+    "pullover",
+    "dress",
+    "coat",
+    "sandal",
+    "shirt",
+    "sneaker",
+    "bag",
+    "boot",
+]
 FASHION_DEFAULT_ROOT = "/usr/share/datasets/fashion-mnist"
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp"}
 
@@ -68,13 +80,20 @@ def cache_dir() -> Path:
 
 DatasetLoader = Callable[..., tuple[ArrayDataset, "ArrayDataset | None"]]
 DATASETS: Registry[DatasetLoader] = Registry(
-    "dataset", "dataset.name", "dataset loader(root: str | None, download: bool, **params) -> "
-    "(train: ArrayDataset, test: ArrayDataset | None)")
+    "dataset",
+    "dataset.name",
+    "dataset loader(root: str | None, download: bool, **params) -> "
+    "(train: ArrayDataset, test: ArrayDataset | None)",
+)
 
 
-def load_dataset(name: str, root: str | None = None, download: bool = False,
-                 per_class_limit: int | None = None,
-                 params: dict[str, Any] | None = None) -> tuple[ArrayDataset, ArrayDataset | None]:
+def load_dataset(
+    name: str,
+    root: str | None = None,
+    download: bool = False,
+    per_class_limit: int | None = None,
+    params: dict[str, Any] | None = None,
+) -> tuple[ArrayDataset, ArrayDataset | None]:
     """Return (train, test); ``test`` is None only for a loader that has no test set.
     ``per_class_limit`` keeps the first N images of each class per split, which keeps CPU-sized
     experiments quick to load without changing the class balance."""
@@ -82,8 +101,10 @@ def load_dataset(name: str, root: str | None = None, download: bool = False,
     try:
         out = loader(root, download, **(params or {}))
     except TypeError as exc:
-        raise ConfigError(f"dataset.name: loader {name!r} cannot be called as loader(root, download, "
-                          f"**dataset.params): {exc}") from None
+        raise ConfigError(
+            f"dataset.name: loader {name!r} cannot be called as loader(root, download, "
+            f"**dataset.params): {exc}"
+        ) from None
     if not (isinstance(out, tuple) and len(out) == 2):
         raise DATASETS.wrong(name, f"returned a {type(out).__name__}, not a (train, test) pair")
     train, test = out
@@ -91,8 +112,10 @@ def load_dataset(name: str, root: str | None = None, download: bool = False,
     if test is not None:
         check_dataset(test, f"dataset {name!r} test set")
         if test.sample_shape != train.sample_shape or test.classes != train.classes:
-            raise DatasetError(f"dataset {name!r}: the test set's samples {test.sample_shape} / classes "
-                               f"{test.num_classes} differ from the train set's {train.sample_shape} / {train.num_classes}")
+            raise DatasetError(
+                f"dataset {name!r}: the test set's samples {test.sample_shape} / classes "
+                f"{test.num_classes} differ from the train set's {train.sample_shape} / {train.num_classes}"
+            )
     if per_class_limit is not None:
         train = _limit(train, per_class_limit)
         test = None if test is None else _limit(test, per_class_limit)
@@ -107,10 +130,13 @@ def check_dataset(d: object, what: str) -> None:
     if not isinstance(d.x, torch.Tensor) or not isinstance(d.y, torch.Tensor):
         raise DatasetError(f"{what}: x and y must be torch tensors")
     if d.x.dtype != torch.float32 or d.x.ndim < 2:
-        raise DatasetError(f"{what}: x must be a float32 tensor N x (sample shape), got {d.x.dtype} {tuple(d.x.shape)}")
+        raise DatasetError(
+            f"{what}: x must be a float32 tensor N x (sample shape), got {d.x.dtype} {tuple(d.x.shape)}"
+        )
     if d.y.dtype != torch.int64 or d.y.ndim != 1 or d.y.shape[0] != d.x.shape[0]:
-        raise DatasetError(f"{what}: y must be an int64 vector of {d.x.shape[0]} labels, "
-                           f"got {d.y.dtype} {tuple(d.y.shape)}")
+        raise DatasetError(
+            f"{what}: y must be an int64 vector of {d.x.shape[0]} labels, got {d.y.dtype} {tuple(d.y.shape)}"
+        )
     if len(d) == 0:
         raise DatasetError(f"{what}: no samples")
     if not d.classes or not all(isinstance(c, str) for c in d.classes):
@@ -174,7 +200,7 @@ def _read_idx(path: Path) -> np.ndarray:
     zero, dtype, ndim = struct.unpack(">HBB", data[:4])
     if zero != 0 or dtype != 0x08:
         raise DatasetError(f"{path}: not an unsigned-byte idx file (magic {data[:4].hex()})")
-    dims = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
+    dims = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
     body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
     if body.size != int(np.prod(dims)):
         raise DatasetError(f"{path}: idx header says {dims} but holds {body.size} bytes")
@@ -214,7 +240,9 @@ def _load_cifar10(root: str | None, download: bool) -> tuple[ArrayDataset, Array
     if root is None:
         if download:
             return _torchvision("CIFAR10", CIFAR10_CLASSES)
-        raise DatasetError("cifar10 needs dataset.root (an image folder or .tar.gz) or dataset.download: true")
+        raise DatasetError(
+            "cifar10 needs dataset.root (an image folder or .tar.gz) or dataset.download: true"
+        )
     folder = _unpack_if_archive(Path(root))
     if (folder / "cifar10-jpeg").is_dir() and not (folder / "train").is_dir():
         folder = folder / "cifar10-jpeg"
@@ -257,8 +285,13 @@ def load_image_folder(folder: Path, classes: list[str] | None = None) -> ArrayDa
     missing = set(found) - set(classes)
     if missing:
         raise DatasetError(f"{folder}: class folders {sorted(missing)} are not among the training classes")
-    files = [(c, p) for c, name in enumerate(classes) if (folder / name).is_dir()
-             for p in sorted((folder / name).iterdir()) if p.suffix.lower() in IMAGE_EXTS]
+    files = [
+        (c, p)
+        for c, name in enumerate(classes)
+        if (folder / name).is_dir()
+        for p in sorted((folder / name).iterdir())
+        if p.suffix.lower() in IMAGE_EXTS
+    ]
     if not files:
         raise DatasetError(f"{folder}: no images")
     key = hashlib.sha1(("|".join(f"{p}:{p.stat().st_size}" for _, p in files)).encode()).hexdigest()[:16]
@@ -299,5 +332,9 @@ def _torchvision(cls_name: str, classes: list[str]) -> tuple[ArrayDataset, Array
             data = data[:, None]
         else:
             data = data.transpose(0, 3, 1, 2)
-        out.append(ArrayDataset(_normalise(np.ascontiguousarray(data)), torch.as_tensor(np.asarray(ds.targets)), classes))
+        out.append(
+            ArrayDataset(
+                _normalise(np.ascontiguousarray(data)), torch.as_tensor(np.asarray(ds.targets)), classes
+            )
+        )
     return out[0], out[1]

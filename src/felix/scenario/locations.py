@@ -11,6 +11,7 @@ files next to them (or ``../somewhere/x.json``) keep working; otherwise it is lo
 setting's folder. An absolute path is used as it is. README.md ("Data and traces") says where each
 dataset and the MobiPerf trace come from.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,9 +47,13 @@ def _resolve(path: str, folder: Path, env: str, what: str, error: type[Exception
     under = folder / p
     if under.exists():
         return under
-    setting = f"${env}={os.environ[env]}" if os.environ.get(env) else f"{folder} (the default; ${env} is not set)"
-    raise error(f"{what} {path!r} not found: neither {Path.cwd() / p} nor under {setting}; "
-                        f"set {env} to the folder that holds it (README.md, 'Data and traces')")
+    setting = (
+        f"${env}={os.environ[env]}" if os.environ.get(env) else f"{folder} (the default; ${env} is not set)"
+    )
+    raise error(
+        f"{what} {path!r} not found: neither {Path.cwd() / p} nor under {setting}; "
+        f"set {env} to the folder that holds it (README.md, 'Data and traces')"
+    )
 
 
 def trace_file(path: str) -> Path:

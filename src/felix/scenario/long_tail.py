@@ -6,6 +6,7 @@ with the clients that are rarely heard. ``long_tail_indices`` makes a training s
 the tail classes only to the last ``rare_fraction`` of the clients, whom a two-level Random
 Access Model coupled to rarity (``trace.kind: ram``) then makes the rarely-participating ones.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,8 +14,9 @@ import numpy as np
 from felix.scenario.partition import dirichlet_partition
 
 
-def long_tail_indices(labels: np.ndarray, num_classes: int, head: int, imbalance: float,
-                      rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def long_tail_indices(
+    labels: np.ndarray, num_classes: int, head: int, imbalance: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """Keep ``head * imbalance^(-r/(C-1))`` samples (at least one) of the class ranked ``r`` in a
     random class order; returns the kept indices (sorted) and the order, head to tail."""
     if imbalance < 1:
@@ -26,12 +28,19 @@ def long_tail_indices(labels: np.ndarray, num_classes: int, head: int, imbalance
     for rank, c in enumerate(order):
         idx = np.flatnonzero(labels == c)
         n = int(head * imbalance ** (-rank / max(num_classes - 1, 1)))
-        keep.append(rng.permutation(idx)[:max(n, 1)])
+        keep.append(rng.permutation(idx)[: max(n, 1)])
     return np.sort(np.concatenate(keep)), order
 
 
-def rare_clients_partition(labels: np.ndarray, num_clients: int, rare_fraction: float, rare_classes: int,
-                           alpha: float, rng: np.random.Generator, min_samples: int = 1) -> list[np.ndarray]:
+def rare_clients_partition(
+    labels: np.ndarray,
+    num_clients: int,
+    rare_fraction: float,
+    rare_classes: int,
+    alpha: float,
+    rng: np.random.Generator,
+    min_samples: int = 1,
+) -> list[np.ndarray]:
     """The ``rare_classes`` globally rarest classes go, by Dirichlet label skew, to the last
     ``round(rare_fraction * num_clients)`` clients only; the other classes go the same way to
     every client. Returns each client's indices into ``labels``."""

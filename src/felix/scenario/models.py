@@ -6,6 +6,7 @@ statistics), which travel with the weights or stay on the clients by ``client.bu
 and returns a ``torch.nn.Module`` with float32 parameters; the config names it ``model: NAME`` or
 ``model: package.module:factory``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -24,12 +25,23 @@ class FelixCifarCNN(nn.Module):
     def __init__(self, in_channels: int = 3, num_classes: int = 10) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(64, 128, 3), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(128, 256, 3), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(in_channels, 64, 3),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(64, 128, 3),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(128, 256, 3),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
         )
         self.classifier = nn.Sequential(
-            nn.Flatten(), nn.Linear(1024, 128), nn.ReLU(), nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, num_classes)
+            nn.Flatten(),
+            nn.Linear(1024, 128),
+            nn.ReLU(),
+            nn.Linear(128, 256),
+            nn.ReLU(),
+            nn.Linear(256, num_classes),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -44,8 +56,12 @@ class SmallCNN(nn.Module):
         super().__init__()
         c, h, w = in_shape
         self.features = nn.Sequential(
-            nn.Conv2d(c, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(c, width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
         )
         self.head = nn.Linear(2 * width * (h // 4) * (w // 4), num_classes)
 
@@ -59,7 +75,9 @@ class MLP(nn.Module):
         n = 1
         for d in in_shape:
             n *= d
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(n, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(n, hidden), nn.ReLU(), nn.Linear(hidden, num_classes)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -67,7 +85,10 @@ class MLP(nn.Module):
 
 ModelFactory = Callable[..., nn.Module]
 MODELS: Registry[ModelFactory] = Registry(
-    "model", "model", "model factory(sample_shape: tuple[int, ...], num_classes: int, **model_params) -> torch.nn.Module")
+    "model",
+    "model",
+    "model factory(sample_shape: tuple[int, ...], num_classes: int, **model_params) -> torch.nn.Module",
+)
 
 
 @MODELS.register("felix_cnn")
@@ -89,8 +110,13 @@ def mlp(sample_shape: tuple[int, ...], num_classes: int, hidden: int = 64) -> nn
     return MLP(tuple(sample_shape), num_classes, hidden)
 
 
-def make_model(name: str | ModelFactory, in_shape: tuple[int, ...], num_classes: int, seed: int = 0,
-               params: dict[str, Any] | None = None) -> nn.Module:
+def make_model(
+    name: str | ModelFactory,
+    in_shape: tuple[int, ...],
+    num_classes: int,
+    seed: int = 0,
+    params: dict[str, Any] | None = None,
+) -> nn.Module:
     """Build a model with seeded initial weights (the run's seed decides the starting point).
 
     ``name`` is a registered name, an import path (``MODELS.resolve``) or a factory itself. The
@@ -107,7 +133,9 @@ def make_model(name: str | ModelFactory, in_shape: tuple[int, ...], num_classes:
         except (TypeError, ValueError) as exc:
             if isinstance(exc, ConfigError):
                 raise
-            raise ConfigError(f"model: {ref!r} on {tuple(in_shape)} inputs and {num_classes} classes: {exc}") from None
+            raise ConfigError(
+                f"model: {ref!r} on {tuple(in_shape)} inputs and {num_classes} classes: {exc}"
+            ) from None
     check_model(model, ref)
     return model
 

@@ -7,6 +7,7 @@ training set's int labels, ``cfg`` the run's ``PartitionCfg`` (``num_clients``, 
 training-set indices per client (``cfg.num_clients`` of them). A config names it
 ``partition.kind: NAME`` or ``package.module:partitioner``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -22,11 +23,16 @@ if TYPE_CHECKING:
 
 Partitioner = Callable[..., list[np.ndarray]]
 PARTITIONERS: Registry[Partitioner] = Registry(
-    "partitioner", "partition.kind", "partitioner(labels: np.ndarray, num_classes: int, cfg: PartitionCfg, "
-    "rng: np.random.Generator, **params) -> list[np.ndarray] (one index array per client)")
+    "partitioner",
+    "partition.kind",
+    "partitioner(labels: np.ndarray, num_classes: int, cfg: PartitionCfg, "
+    "rng: np.random.Generator, **params) -> list[np.ndarray] (one index array per client)",
+)
 
 
-def partition(cfg: PartitionCfg, labels: np.ndarray, num_classes: int, rng: np.random.Generator) -> list[np.ndarray]:
+def partition(
+    cfg: PartitionCfg, labels: np.ndarray, num_classes: int, rng: np.random.Generator
+) -> list[np.ndarray]:
     """Split ``labels``' indices over ``cfg.num_clients`` clients with the configured partitioner,
     checking what it returns (one int index array per client, every index in range)."""
     fn = PARTITIONERS.resolve(cfg.kind)
@@ -43,7 +49,9 @@ def partition(cfg: PartitionCfg, labels: np.ndarray, num_classes: int, rng: np.r
     for k, p in enumerate(parts):
         a = np.asarray(p)
         if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-            raise PARTITIONERS.wrong(cfg.kind, f"gave client {k} a {a.dtype} array of shape {a.shape}, not int indices")
+            raise PARTITIONERS.wrong(
+                cfg.kind, f"gave client {k} a {a.dtype} array of shape {a.shape}, not int indices"
+            )
         if a.size and (a.min() < 0 or a.max() >= len(labels)):
             raise PARTITIONERS.wrong(cfg.kind, f"gave client {k} indices outside [0, {len(labels)})")
         out.append(a.astype(np.int64))
@@ -51,22 +59,30 @@ def partition(cfg: PartitionCfg, labels: np.ndarray, num_classes: int, rng: np.r
 
 
 @PARTITIONERS.register("dirichlet")
-def _dirichlet(labels: np.ndarray, num_classes: int, cfg: PartitionCfg, rng: np.random.Generator) -> list[np.ndarray]:
+def _dirichlet(
+    labels: np.ndarray, num_classes: int, cfg: PartitionCfg, rng: np.random.Generator
+) -> list[np.ndarray]:
     return dirichlet_partition(labels, cfg.num_clients, cfg.alpha, rng, cfg.min_samples)
 
 
 @PARTITIONERS.register("iid")
-def _iid(labels: np.ndarray, num_classes: int, cfg: PartitionCfg, rng: np.random.Generator) -> list[np.ndarray]:
+def _iid(
+    labels: np.ndarray, num_classes: int, cfg: PartitionCfg, rng: np.random.Generator
+) -> list[np.ndarray]:
     return [np.sort(s) for s in np.array_split(rng.permutation(len(labels)), cfg.num_clients)]
 
 
 @PARTITIONERS.register("table")
-def _table(labels: np.ndarray, num_classes: int, cfg: PartitionCfg, rng: np.random.Generator) -> list[np.ndarray]:
+def _table(
+    labels: np.ndarray, num_classes: int, cfg: PartitionCfg, rng: np.random.Generator
+) -> list[np.ndarray]:
     table = np.array(cfg.table, dtype=np.int64)
     if table.shape[1] != num_classes:
         raise ConfigError(f"partition.table has {table.shape[1]} classes, the dataset {num_classes}")
     if table.shape[0] != cfg.num_clients:
-        raise ConfigError(f"partition.table has {table.shape[0]} rows but partition.num_clients is {cfg.num_clients}")
+        raise ConfigError(
+            f"partition.table has {table.shape[0]} rows but partition.num_clients is {cfg.num_clients}"
+        )
     try:
         return count_table_partition(labels, table, rng)
     except ValueError as exc:
@@ -74,15 +90,19 @@ def _table(labels: np.ndarray, num_classes: int, cfg: PartitionCfg, rng: np.rand
 
 
 @PARTITIONERS.register("rare_clients")
-def _rare_clients(labels: np.ndarray, num_classes: int, cfg: PartitionCfg, rng: np.random.Generator) -> list[np.ndarray]:
+def _rare_clients(
+    labels: np.ndarray, num_classes: int, cfg: PartitionCfg, rng: np.random.Generator
+) -> list[np.ndarray]:
     from felix.scenario.long_tail import rare_clients_partition  # it builds on this module
 
-    return rare_clients_partition(labels, cfg.num_clients, cfg.rare_fraction, cfg.rare_classes, cfg.alpha, rng,
-                                  cfg.min_samples)
+    return rare_clients_partition(
+        labels, cfg.num_clients, cfg.rare_fraction, cfg.rare_classes, cfg.alpha, rng, cfg.min_samples
+    )
 
 
-def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, rng: np.random.Generator,
-                        min_samples: int = 1) -> list[np.ndarray]:
+def dirichlet_partition(
+    labels: np.ndarray, num_clients: int, alpha: float, rng: np.random.Generator, min_samples: int = 1
+) -> list[np.ndarray]:
     """Per class, split its samples over clients with proportions ~ Dir(alpha) (the FeLiX authors' way).
 
     Clients left with fewer than ``min_samples`` get samples moved from the largest clients, so
@@ -109,7 +129,9 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, rng:
     return [np.sort(np.array(p, dtype=np.int64)) for p in parts]
 
 
-def count_table_partition(labels: np.ndarray, table: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+def count_table_partition(
+    labels: np.ndarray, table: np.ndarray, rng: np.random.Generator
+) -> list[np.ndarray]:
     """Give client k exactly ``table[k, c]`` samples of class c, drawn without replacement."""
     table = np.asarray(table)
     if table.ndim != 2 or (table < 0).any():
@@ -124,6 +146,6 @@ def count_table_partition(labels: np.ndarray, table: np.ndarray, rng: np.random.
         start = 0
         for k in range(table.shape[0]):
             n = int(table[k, c])
-            parts[k].extend(idx[start:start + n].tolist())
+            parts[k].extend(idx[start : start + n].tolist())
             start += n
     return [np.sort(np.array(p, dtype=np.int64)) for p in parts]

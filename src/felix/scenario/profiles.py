@@ -1,4 +1,5 @@
 """Per-client training runtimes: the system heterogeneity of the emulated population."""
+
 from __future__ import annotations
 
 import math
@@ -10,14 +11,15 @@ import numpy as np
 FELIX_HALFNORMAL_SCALE = 60.0 / (2.0 * math.sqrt(2.0 * math.log(2.0))) / math.sqrt(math.pi)
 
 
-def halfnormal_runtimes(n: int, rng: np.random.Generator, scale: float = FELIX_HALFNORMAL_SCALE,
-                        min_s: float = 2.0) -> np.ndarray:
+def halfnormal_runtimes(
+    n: int, rng: np.random.Generator, scale: float = FELIX_HALFNORMAL_SCALE, min_s: float = 2.0
+) -> np.ndarray:
     out = np.empty(n)
     filled = 0
     while filled < n:
         draw = np.ceil(np.abs(rng.normal(0.0, scale, size=2 * (n - filled) + 8)))
         draw = draw[draw >= min_s][: n - filled]
-        out[filled:filled + len(draw)] = draw
+        out[filled : filled + len(draw)] = draw
         filled += len(draw)
     return out
 

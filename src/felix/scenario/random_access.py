@@ -10,6 +10,7 @@ coupled. ``participation_to_events`` turns a round-based draw into the per-devic
 event list the trace-driven simulator reads, one slot of ``slot_s`` seconds per round, and
 ``participation_trace`` into the ``AvailabilityTrace`` of ``trace.kind: ram``.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,11 +53,20 @@ class RandomAccessModel:
         """``rounds`` successive draws as a (rounds, clients) bool matrix."""
         if rounds < 0:
             raise ValueError(f"rounds must be >= 0, not {rounds}")
-        return np.stack([self.draw(rng) for _ in range(rounds)]) if rounds else np.zeros((0, self.num_clients), bool)
+        return (
+            np.stack([self.draw(rng) for _ in range(rounds)])
+            if rounds
+            else np.zeros((0, self.num_clients), bool)
+        )
 
 
-def two_level_probabilities(num_clients: int, rng: np.random.Generator, frequent_fraction: float = 0.2,
-                            p_frequent: float = 0.5, p_rare: float = 0.05) -> np.ndarray:
+def two_level_probabilities(
+    num_clients: int,
+    rng: np.random.Generator,
+    frequent_fraction: float = 0.2,
+    p_frequent: float = 0.5,
+    p_rare: float = 0.05,
+) -> np.ndarray:
     """A few frequent and many rare clients: ``round(frequent_fraction * N)`` clients, at random
     positions, join with ``p_frequent``; the rest with ``p_rare``.
 
@@ -75,8 +85,14 @@ def two_level_probabilities(num_clients: int, rng: np.random.Generator, frequent
     return p
 
 
-def beta_probabilities(num_clients: int, rng: np.random.Generator, a: float = 0.5, b: float = 3.0,
-                       p_min: float = 0.02, p_max: float = 0.9) -> np.ndarray:
+def beta_probabilities(
+    num_clients: int,
+    rng: np.random.Generator,
+    a: float = 0.5,
+    b: float = 3.0,
+    p_min: float = 0.02,
+    p_max: float = 0.9,
+) -> np.ndarray:
     """A continuum of availability: ``p_i ~ Beta(a, b)`` clipped to ``[p_min, p_max]``.
 
     With ``a < 1 < b`` (defaults 0.5 and 3: mean 0.14, median about 0.07) most clients are rare
@@ -100,7 +116,9 @@ def rarity_scores(class_counts: np.ndarray) -> np.ndarray:
     """
     counts = np.asarray(class_counts, dtype=np.float64)
     if counts.ndim != 2 or counts.size == 0:
-        raise ValueError(f"class_counts must be a non-empty clients x classes matrix, got shape {counts.shape}")
+        raise ValueError(
+            f"class_counts must be a non-empty clients x classes matrix, got shape {counts.shape}"
+        )
     if not np.isfinite(counts).all() or (counts < 0).any():
         raise ValueError("class_counts must be finite and non-negative")
     total = counts.sum()
@@ -129,8 +147,9 @@ def correlate_with_rarity(probabilities: np.ndarray, class_counts: np.ndarray) -
     return out
 
 
-def rare_client_mask(probabilities: np.ndarray, threshold: float | None = None,
-                     fraction: float = 0.25) -> np.ndarray:
+def rare_client_mask(
+    probabilities: np.ndarray, threshold: float | None = None, fraction: float = 0.25
+) -> np.ndarray:
     """Which clients count as rare: ``p_i <= threshold`` when a threshold is given, else the
     ``ceil(fraction * N)`` clients with the lowest ``p`` by rank (ties broken by client index).
 
@@ -152,7 +171,7 @@ def rare_client_mask(probabilities: np.ndarray, threshold: float | None = None,
     if not (0.0 < fraction <= 1.0):
         raise ValueError(f"rare-client fraction must lie in (0, 1], not {fraction}")
     mask = np.zeros(p.size, dtype=bool)
-    mask[np.argsort(p, kind="stable")[:math.ceil(fraction * p.size)]] = True
+    mask[np.argsort(p, kind="stable")[: math.ceil(fraction * p.size)]] = True
     return mask
 
 
@@ -189,13 +208,16 @@ def participation_trace(participation: np.ndarray, slot_s: float) -> Availabilit
     """The availability trace of a RAM draw (``trace.kind: ram``): client ``c`` follows device
     ``c``, available to train in exactly the slots of the rounds it was drawn for."""
     events = participation_to_events(participation, slot_s)
-    devices = tuple(DeviceTrace.from_events([(t, Tier[name]) for t, name in evs[1:]], initial=Tier[evs[0][1]])
-                    for _, evs in sorted(events.items()))
+    devices = tuple(
+        DeviceTrace.from_events([(t, Tier[name]) for t, name in evs[1:]], initial=Tier[evs[0][1]])
+        for _, evs in sorted(events.items())
+    )
     return AvailabilityTrace(devices, f"ram({participation.shape[0]} rounds of {slot_s:g} s)")
 
 
-def ram_probabilities(cfg: TraceCfg, num_clients: int, rng: np.random.Generator,
-                      class_counts: np.ndarray | None = None) -> np.ndarray:
+def ram_probabilities(
+    cfg: TraceCfg, num_clients: int, rng: np.random.Generator, class_counts: np.ndarray | None = None
+) -> np.ndarray:
     """``trace.kind: ram``: each client's participation probability p_i (``trace.ram``), drawn
     from ``rng`` (the scenario's trace stream) and placed by ``trace.ram.coupling``."""
     from felix.config import ConfigError
@@ -212,8 +234,10 @@ def ram_probabilities(cfg: TraceCfg, num_clients: int, rng: np.random.Generator,
         if r.coupling == "none":
             return p
         if class_counts is None:
-            raise ConfigError("trace.ram.coupling 'rarity' needs the clients' class counts (a trace built with "
-                              "the population)")
+            raise ConfigError(
+                "trace.ram.coupling 'rarity' needs the clients' class counts (a trace built with "
+                "the population)"
+            )
         return correlate_with_rarity(p, class_counts)
     except ValueError as exc:
         if isinstance(exc, ConfigError):
@@ -221,9 +245,12 @@ def ram_probabilities(cfg: TraceCfg, num_clients: int, rng: np.random.Generator,
         raise ConfigError(f"trace.ram: {exc}") from None
 
 
-def ram_trace(cfg: TraceCfg, num_clients: int, rng: np.random.Generator,
-              class_counts: np.ndarray | None = None) -> AvailabilityTrace:
+def ram_trace(
+    cfg: TraceCfg, num_clients: int, rng: np.random.Generator, class_counts: np.ndarray | None = None
+) -> AvailabilityTrace:
     """The trace of ``trace.kind: ram``: the p_i, then one draw per slot of ``trace.slot_s`` over
     ``trace.horizon_s``, both from the scenario's trace stream (the same for every strategy)."""
     p = ram_probabilities(cfg, num_clients, rng, class_counts)
-    return participation_trace(RandomAccessModel(p).draw_rounds(int(cfg.horizon_s // cfg.slot_s), rng), cfg.slot_s)
+    return participation_trace(
+        RandomAccessModel(p).draw_rounds(int(cfg.horizon_s // cfg.slot_s), rng), cfg.slot_s
+    )

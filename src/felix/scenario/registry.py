@@ -8,6 +8,7 @@ documented signature (``mypkg.nets:make_resnet``), so a user's own model or data
 felix. Resolution imports the module on demand; an unknown name lists the registered ones, an import
 path that fails says why and what was expected.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -57,8 +58,10 @@ class Registry(Generic[F]):
             try:
                 return self._entries[ref]
             except KeyError:
-                raise ConfigError(f"{self.key}: unknown {self.kind} {ref!r}; registered: {', '.join(self.names())}, "
-                                  f"or give an import path 'package.module:function' to a {self.signature}") from None
+                raise ConfigError(
+                    f"{self.key}: unknown {self.kind} {ref!r}; registered: {', '.join(self.names())}, "
+                    f"or give an import path 'package.module:function' to a {self.signature}"
+                ) from None
         expected = f"expected 'package.module:function' naming a {self.signature}"
         try:
             obj = import_object(ref)

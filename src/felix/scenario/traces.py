@@ -12,6 +12,7 @@ A builder that has a ``class_counts`` parameter also receives the clients' sampl
 (``num_clients x num_classes``, or None where the trace is built without the population), for
 availability coupled to the data (the Random Access Model's rare clients).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -56,8 +57,9 @@ class DeviceTrace:
     period: float | None = None
 
     @classmethod
-    def from_events(cls, events: Iterable[tuple[float, Tier]], period: float | None = None,
-                    initial: Tier = Tier.UN_AVL) -> DeviceTrace:
+    def from_events(
+        cls, events: Iterable[tuple[float, Tier]], period: float | None = None, initial: Tier = Tier.UN_AVL
+    ) -> DeviceTrace:
         """Build from (time, tier) events in time order; of events at the same time the last wins."""
         times: list[float] = [0.0]
         tiers: list[int] = [int(initial)]
@@ -108,14 +110,19 @@ class DeviceTrace:
             return self
         start = self.tier_at(offset_s)
         if self.period is None:
-            events = [(float(t) - offset_s, Tier(int(k))) for t, k in zip(self.times, self.tiers) if t > offset_s]
+            events = [
+                (float(t) - offset_s, Tier(int(k))) for t, k in zip(self.times, self.tiers) if t > offset_s
+            ]
             return DeviceTrace.from_events(events, None, initial=start)
         off = offset_s % self.period
         events = [(float(t) - off, Tier(int(k))) for t, k in zip(self.times, self.tiers) if t > off]
         if off > 0:
             events.append((self.period - off, Tier(int(self.tiers[0]))))
-            events += [(float(t) + self.period - off, Tier(int(k)))
-                       for t, k in zip(self.times, self.tiers) if 0 < t < off]
+            events += [
+                (float(t) + self.period - off, Tier(int(k)))
+                for t, k in zip(self.times, self.tiers)
+                if 0 < t < off
+            ]
         return DeviceTrace.from_events(events, self.period, initial=start)
 
     def available_throughout(self, t0: float, t1: float, tier: Tier = Tier.AVL_TRAIN) -> bool:
@@ -147,7 +154,9 @@ class AvailabilityTrace:
         scenario start where the trace has churn instead of in an all-available head."""
         if offset_s == 0:
             return self
-        return AvailabilityTrace(tuple(d.shifted(offset_s) for d in self.devices), f"{self.source}+{offset_s:g}s")
+        return AvailabilityTrace(
+            tuple(d.shifted(offset_s) for d in self.devices), f"{self.source}+{offset_s:g}s"
+        )
 
     def for_client(self, client_id: int) -> DeviceTrace:
         return self.devices[client_id % len(self.devices)]
@@ -165,8 +174,14 @@ def always_available(num_devices: int = 1) -> AvailabilityTrace:
     return AvailabilityTrace(tuple(dev for _ in range(max(1, num_devices))), "always")
 
 
-def slotted_churn(num_devices: int, unavailable_fraction: float, rng: np.random.Generator,
-                  slot_s: float = 600.0, horizon_s: float = 86400.0, head_s: float = 0.0) -> AvailabilityTrace:
+def slotted_churn(
+    num_devices: int,
+    unavailable_fraction: float,
+    rng: np.random.Generator,
+    slot_s: float = 600.0,
+    horizon_s: float = 86400.0,
+    head_s: float = 0.0,
+) -> AvailabilityTrace:
     """The FeLiX synthetic setting: in each slot a random ``unavailable_fraction`` of clients is UN_AVL.
 
     The pattern repeats after ``horizon_s``; ``head_s`` seconds of full availability may lead in.
@@ -186,7 +201,9 @@ def slotted_churn(num_devices: int, unavailable_fraction: float, rng: np.random.
     codes = np.where(down.T, np.int8(Tier.UN_AVL), np.int8(Tier.AVL_TRAIN)).astype(np.int8)  # device x slot
     if head_s > 0:  # the lead-in: available from 0 until the first slot
         starts = np.concatenate([[0.0], starts])
-        codes = np.concatenate([np.full((num_devices, 1), np.int8(Tier.AVL_TRAIN), dtype=np.int8), codes], axis=1)
+        codes = np.concatenate(
+            [np.full((num_devices, 1), np.int8(Tier.AVL_TRAIN), dtype=np.int8), codes], axis=1
+        )
     keep = np.ones_like(codes, dtype=bool)
     keep[:, 1:] = codes[:, 1:] != codes[:, :-1]
     period = head_s + n_slots * slot_s if head_s == 0 else None
@@ -200,7 +217,9 @@ def load_mobiperf(path: str | Path, series: str = "3_50") -> AvailabilityTrace:
     threshold 50 or 75) or ``failures_48h`` (unavailability as [start, duration] pairs)."""
     path = Path(path)
     if series not in MOBIPERF_SERIES and series != "failures_48h":
-        raise TraceError(f"unknown series {series!r}; choose one of {sorted(MOBIPERF_SERIES)} or failures_48h")
+        raise TraceError(
+            f"unknown series {series!r}; choose one of {sorted(MOBIPERF_SERIES)} or failures_48h"
+        )
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
@@ -249,8 +268,11 @@ def _failures(path: Path, dev: str, raw: object) -> DeviceTrace:
         raise TraceError(f"{path}: device {dev}: missing 'failure_durations_s_48h'")
     events: list[tuple[float, Tier]] = []
     for i, ev in enumerate(raw):
-        ok = isinstance(ev, (list, tuple)) and len(ev) == 2 and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in ev)
+        ok = (
+            isinstance(ev, (list, tuple))
+            and len(ev) == 2
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in ev)
+        )
         if not ok:
             raise TraceError(f"{path}: device {dev}, failure {i}: expected [start_s, duration_s], got {ev!r}")
         start, dur = float(ev[0]), float(ev[1])
@@ -277,8 +299,11 @@ def load_fedscale(path: str | Path) -> AvailabilityTrace:
     except OSError as exc:
         raise TraceError(f"trace file {path}: {exc.strerror or exc}") from None
     try:
-        doc = json.loads(raw_bytes) if raw_bytes[:1] in (b"{", b"[") else _PlainUnpickler(
-            __import__("io").BytesIO(raw_bytes)).load()
+        doc = (
+            json.loads(raw_bytes)
+            if raw_bytes[:1] in (b"{", b"[")
+            else _PlainUnpickler(__import__("io").BytesIO(raw_bytes)).load()
+        )
     except (json.JSONDecodeError, pickle.UnpicklingError, EOFError, ValueError) as exc:
         if isinstance(exc, TraceError):
             raise
@@ -298,7 +323,9 @@ def load_fedscale(path: str | Path) -> AvailabilityTrace:
         events: list[tuple[float, Tier]] = []
         for i, (a, b) in enumerate(zip(active, inactive)):
             if not (isinstance(a, (int, float)) and isinstance(b, (int, float)) and 0 <= a <= b):
-                raise TraceError(f"{path}: client {dev}, interval {i}: bad active/inactive pair ({a!r}, {b!r})")
+                raise TraceError(
+                    f"{path}: client {dev}, interval {i}: bad active/inactive pair ({a!r}, {b!r})"
+                )
             if events and a < events[-1][0]:
                 raise TraceError(f"{path}: client {dev}, interval {i}: intervals out of order")
             events += [(float(a), Tier.AVL_TRAIN), (float(b), Tier.UN_AVL)]
@@ -309,12 +336,15 @@ def load_fedscale(path: str | Path) -> AvailabilityTrace:
 # ---------------------------------------------------------------------- registry
 TraceBuilder = Callable[..., AvailabilityTrace]
 TRACES: Registry[TraceBuilder] = Registry(
-    "trace", "trace.kind", "trace builder(cfg: TraceCfg, num_clients: int, rng: np.random.Generator, **params) "
-    "-> AvailabilityTrace")
+    "trace",
+    "trace.kind",
+    "trace builder(cfg: TraceCfg, num_clients: int, rng: np.random.Generator, **params) -> AvailabilityTrace",
+)
 
 
-def make_trace(cfg: TraceCfg, num_clients: int, rng: np.random.Generator,
-               class_counts: np.ndarray | None = None) -> AvailabilityTrace:
+def make_trace(
+    cfg: TraceCfg, num_clients: int, rng: np.random.Generator, class_counts: np.ndarray | None = None
+) -> AvailabilityTrace:
     """The configured trace builder's trace, from ``cfg.offset_s`` seconds into it."""
     fn = TRACES.resolve(cfg.kind)
     extra = dict(cfg.params)
@@ -328,7 +358,9 @@ def make_trace(cfg: TraceCfg, num_clients: int, rng: np.random.Generator,
     except TypeError as exc:
         raise ConfigError(f"trace.kind {cfg.kind!r}: {exc}; expected a {TRACES.signature}") from None
     if not isinstance(trace, AvailabilityTrace):
-        raise TRACES.wrong(cfg.kind, f"returned a {type(trace).__name__}, not a felix.scenario.traces.AvailabilityTrace")
+        raise TRACES.wrong(
+            cfg.kind, f"returned a {type(trace).__name__}, not a felix.scenario.traces.AvailabilityTrace"
+        )
     return trace.shifted(cfg.offset_s)
 
 
@@ -357,8 +389,9 @@ def _fedscale(cfg: TraceCfg, num_clients: int, rng: np.random.Generator) -> Avai
 
 
 @TRACES.register("ram")
-def _ram(cfg: TraceCfg, num_clients: int, rng: np.random.Generator,
-         class_counts: np.ndarray | None = None) -> AvailabilityTrace:
+def _ram(
+    cfg: TraceCfg, num_clients: int, rng: np.random.Generator, class_counts: np.ndarray | None = None
+) -> AvailabilityTrace:
     from felix.scenario.random_access import ram_trace  # it builds on this module
 
     return ram_trace(cfg, num_clients, rng, class_counts)

@@ -5,6 +5,7 @@ Lives on the simulator's side, so the scenario and the MQTT deployment do not de
 simulator. ``build`` takes a prepared population and trace as well as a config (the Python API,
 felix.api, passes them).
 """
+
 from __future__ import annotations
 
 import copy
@@ -42,24 +43,37 @@ from felix.strategies.dataplans.policy import PlannedDataPlan
 log = logging.getLogger("felix.sim.build")
 
 
-def build_cohort(cfg: Config, trainer: LocalTrainer,
-                 sample_shape: tuple[int, ...]) -> tuple[CohortTrainer | None, int, int]:
+def build_cohort(
+    cfg: Config, trainer: LocalTrainer, sample_shape: tuple[int, ...]
+) -> tuple[CohortTrainer | None, int, int]:
     """The cohort trainer ``run.cohort`` asks for (None: sequential), its size and smallest cohort."""
-    size, min_k = resolve_cohort(cfg.run.cohort, trainer.model, trainer.objective, cfg.run.device, sample_shape)
+    size, min_k = resolve_cohort(
+        cfg.run.cohort, trainer.model, trainer.objective, cfg.run.device, sample_shape
+    )
     if size == 1 or cfg.client.probe_loss:  # the received-model loss is measured by the sequential trainer
         return None, 1, 1
     # Its own objective instance: the sequential trainer's keeps per-task attributes.
     objective = build_objective(cfg)
-    cohort = CohortTrainer(copy.deepcopy(trainer.model), objective, trainer.cfg, trainer.num_classes,
-                           cfg.run.device, trainer.autocast_dtype)
+    cohort = CohortTrainer(
+        copy.deepcopy(trainer.model),
+        objective,
+        trainer.cfg,
+        trainer.num_classes,
+        cfg.run.device,
+        trainer.autocast_dtype,
+    )
     return cohort, size, min_k
 
 
-def build_executor(cfg: Config, cohort: CohortTrainer | None, datas: list[ClientData]) -> CohortExecutor | None:
+def build_executor(
+    cfg: Config, cohort: CohortTrainer | None, datas: list[ClientData]
+) -> CohortExecutor | None:
     """``run.executor``: the cohort trainer itself (local), or Ray actors training its cohorts."""
     if cfg.run.executor == "local" or cohort is None:
         if cfg.run.executor == "ray":
-            log.warning("run.executor ray: this run trains one client at a time (run.cohort), so no actors start")
+            log.warning(
+                "run.executor ray: this run trains one client at a time (run.cohort), so no actors start"
+            )
         return cohort
     from felix.distributed.cohort_executor import RayCohortExecutor
 
@@ -78,8 +92,12 @@ class Built:
     controller: RunController | None = None
 
 
-def build(cfg: Config, population: Population | ClientDatasets | None = None,
-          model: nn.Module | ModelFactory | None = None, trace: AvailabilityTrace | None = None) -> Built:
+def build(
+    cfg: Config,
+    population: Population | ClientDatasets | None = None,
+    model: nn.Module | ModelFactory | None = None,
+    trace: AvailabilityTrace | None = None,
+) -> Built:
     """A ready simulation of ``cfg``. ``population``: a built ``Population`` (its model included)
     or prepared ``ClientDatasets`` (with ``model``, or ``cfg.model``), instead of the configured
     dataset and partition; ``partition.num_clients`` becomes its size (``Built.cfg`` is the config
@@ -87,7 +105,9 @@ def build(cfg: Config, population: Population | ClientDatasets | None = None,
     apply_threads(cfg)
     if isinstance(population, Population):
         if model is not None:
-            raise ConfigError("build: pass model with ClientDatasets, not with a built Population (it has its model)")
+            raise ConfigError(
+                "build: pass model with ClientDatasets, not with a built Population (it has its model)"
+            )
         pop = population
         cfg = fit_config(cfg, len(pop.client_data))
     else:
@@ -95,24 +115,40 @@ def build(cfg: Config, population: Population | ClientDatasets | None = None,
             cfg = fit_config(cfg, len(population.clients))
         pop = build_population(cfg, population, model)
     if pop.test is None and cfg.run.eval_every > 0:
-        raise ConfigError(f"the dataset has no test set, but run.eval_every is {cfg.run.eval_every}: give it a "
-                          "test set, or set run.eval_every: 0")
+        raise ConfigError(
+            f"the dataset has no test set, but run.eval_every is {cfg.run.eval_every}: give it a "
+            "test set, or set run.eval_every: 0"
+        )
     trace = build_trace(cfg, pop) if trace is None else trace
     runtimes = build_runtimes(cfg, [len(d) for d in pop.client_data])
     trainer = build_trainer(cfg, pop)
     cohort, cohort_size, min_cohort = build_cohort(cfg, trainer, tuple(pop.train.sample_shape))
     executor = build_executor(cfg, cohort, pop.client_data)
-    evaluate = make_evaluator(copy.deepcopy(pop.model), pop.test, cfg.run.device,
-                              autocast_dtype=trainer.autocast_dtype)
+    evaluate = make_evaluator(
+        copy.deepcopy(pop.model), pop.test, cfg.run.device, autocast_dtype=trainer.autocast_dtype
+    )
     recorder = Recorder(evaluate, cfg.run.target_accuracy, cfg.run.target_window, cfg.run.eval_every)
     attach_run_measures(cfg, recorder, pop, trace, trainer.autocast_dtype)
     orch = build_orchestrator(cfg, pop.initial_weights, trace)
-    data_plan = prepare_data_plan(cfg, pop.client_data, pop.train.num_classes, runtimes,
-                                  orch.data_plan if isinstance(orch.data_plan, PlannedDataPlan) else None)
+    data_plan = prepare_data_plan(
+        cfg,
+        pop.client_data,
+        pop.train.num_classes,
+        runtimes,
+        orch.data_plan if isinstance(orch.data_plan, PlannedDataPlan) else None,
+    )
     devices = make_devices(pop.client_data, runtimes, trace.for_client)
-    settings = SimSettings(seed=cfg.seed, eval_fraction=cfg.runtime.eval_fraction,
-                           cohort_size=cohort_size, min_cohort=min_cohort)
+    settings = SimSettings(
+        seed=cfg.seed, eval_fraction=cfg.runtime.eval_fraction, cohort_size=cohort_size, min_cohort=min_cohort
+    )
     controller = RunController(cfg, orch, recorder)
-    sim = Simulation(orch, devices, trainer, controller, settings,
-                     augment=None if data_plan is None else data_plan.applier, cohort=executor)
+    sim = Simulation(
+        orch,
+        devices,
+        trainer,
+        controller,
+        settings,
+        augment=None if data_plan is None else data_plan.applier,
+        cohort=executor,
+    )
     return Built(cfg, sim, orch, recorder, trace, pop, data_plan, controller)

@@ -19,6 +19,7 @@ new state is committed at completion, and a cancelled task's result is dropped u
 cancellation changes nothing. A device whose data changes (augmentation) before completion is
 retrained.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -109,11 +110,17 @@ class Simulation:
     """The virtual-clock shell. Run control (evaluations, stop rules, byte accounting) is the
     ``controller``'s (:mod:`felix.engine.controller`): every event goes through it."""
 
-    def __init__(self, orch: Orchestrator, devices: list[SimDevice], trainer: LocalTrainer,
-                 controller: RunController, settings: SimSettings,
-                 on_train: Callable[[SimDevice, Task], None] | None = None,
-                 augment: Callable[[PlanClient, Sequence[int]], float] | None = None,
-                 cohort: CohortExecutor | None = None) -> None:
+    def __init__(
+        self,
+        orch: Orchestrator,
+        devices: list[SimDevice],
+        trainer: LocalTrainer,
+        controller: RunController,
+        settings: SimSettings,
+        on_train: Callable[[SimDevice, Task], None] | None = None,
+        augment: Callable[[PlanClient, Sequence[int]], float] | None = None,
+        cohort: CohortExecutor | None = None,
+    ) -> None:
         self.orch = orch
         self.devices = devices
         self.trainer = trainer
@@ -163,8 +170,14 @@ class Simulation:
         self.ctl.finish(self.now)
         if self.cfg.progress:
             sys.stderr.write("\n")
-        return SimOutcome(self.now, time.perf_counter() - wall0, self.ctl.stop_reason or "no_more_events",
-                          self._rejected, self._train_seconds, self._unused)
+        return SimOutcome(
+            self.now,
+            time.perf_counter() - wall0,
+            self.ctl.stop_reason or "no_more_events",
+            self._rejected,
+            self._train_seconds,
+            self._unused,
+        )
 
     def _loop(self) -> None:
         while self._heap and self.ctl.stop_reason is None:
@@ -188,7 +201,9 @@ class Simulation:
             r = self.ctl.rec.rows[-1]
             end = "\r" if sys.stderr.isatty() else "\n"
             if end == "\r" or self._shown % 50 == 0:
-                sys.stderr.write(f"  t={self.now:9.0f}s  version={self._shown:5d}  accuracy={r.accuracy:.4f}{end}")
+                sys.stderr.write(
+                    f"  t={self.now:9.0f}s  version={self._shown:5d}  accuracy={r.accuracy:.4f}{end}"
+                )
 
     # ------------------------------------------------------------------ devices
     def _schedule_tier(self, dev: SimDevice) -> None:
@@ -249,9 +264,11 @@ class Simulation:
         """``(dev, task)`` and the other devices' running tasks of the same kind that have no result
         yet, soonest completion first, up to the cohort size; paused tasks wait (they are the
         likeliest to time out)."""
-        others = [(d, t) for d in self.devices
-                  if d is not dev and (t := d.running) is not None
-                  and t.kind is task.kind and t.task_id not in done]
+        others = [
+            (d, t)
+            for d in self.devices
+            if d is not dev and (t := d.running) is not None and t.kind is task.kind and t.task_id not in done
+        ]
         others.sort(key=lambda p: (p[0].due_at, p[0].cid))  # type: ignore[arg-type, return-value]
         return [(dev, task), *others[: self.cfg.cohort_size - 1]]
 
@@ -283,16 +300,33 @@ class Simulation:
         for cmd in commands:
             if isinstance(cmd, DispatchTrain):
                 dev = self.devices[cmd.client_id]
-                self._follow(dev, dev.receive(self.now, cmd.task_id, TaskKind.TRAIN, cmd.weights, self._rules,
-                                              aux=cmd.aux, version=cmd.version, plan=cmd.plan))
+                self._follow(
+                    dev,
+                    dev.receive(
+                        self.now,
+                        cmd.task_id,
+                        TaskKind.TRAIN,
+                        cmd.weights,
+                        self._rules,
+                        aux=cmd.aux,
+                        version=cmd.version,
+                        plan=cmd.plan,
+                    ),
+                )
             elif isinstance(cmd, DispatchEval):
                 dev = self.devices[cmd.client_id]
-                self._follow(dev, dev.receive(self.now, cmd.task_id, TaskKind.EVAL, cmd.weights, self._rules,
-                                              version=cmd.version))
+                self._follow(
+                    dev,
+                    dev.receive(
+                        self.now, cmd.task_id, TaskKind.EVAL, cmd.weights, self._rules, version=cmd.version
+                    ),
+                )
             elif isinstance(cmd, CancelTask):
                 self._cancel(self.devices[cmd.client_id], cmd.task_id)
             elif isinstance(cmd, UpdateRejected):
-                log.warning("rejected update from client %d task %d: %s", cmd.client_id, cmd.task_id, cmd.reason)
+                log.warning(
+                    "rejected update from client %d task %d: %s", cmd.client_id, cmd.task_id, cmd.reason
+                )
                 self._rejected.append(cmd)
 
     def _cancel(self, dev: SimDevice, task_id: int) -> None:
@@ -301,6 +335,10 @@ class Simulation:
         self._follow(dev, dev.cancel(self.now, task_id))
 
 
-def make_devices(datas: list[ClientData], runtimes: np.ndarray, trace_for: Callable[[int], DeviceTrace]) -> list[SimDevice]:
-    return [SimDevice(k, d, float(runtimes[k]), trace_for(k).tier_at(0.0), trace=trace_for(k))
-            for k, d in enumerate(datas)]
+def make_devices(
+    datas: list[ClientData], runtimes: np.ndarray, trace_for: Callable[[int], DeviceTrace]
+) -> list[SimDevice]:
+    return [
+        SimDevice(k, d, float(runtimes[k]), trace_for(k).tier_at(0.0), trace=trace_for(k))
+        for k, d in enumerate(datas)
+    ]

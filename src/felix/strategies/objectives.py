@@ -5,6 +5,7 @@ New objectives register in ``OBJECTIVES``; every run config picks one by name (o
 path to an ``Objective`` subclass); ``client.objective_params`` is validated against the keyword
 parameters of its constructor (``objective_params_model``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -72,7 +73,9 @@ class Objective:
     def end(self, ctx: TaskContext) -> None:
         """After the last step: write ``ctx.aux_out`` and persist ``ctx.state``."""
 
-    def loss_from_ce(self, per: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
+    def loss_from_ce(
+        self, per: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext
+    ) -> torch.Tensor:
         """The batch loss given the batch's per-sample cross-entropies ``per`` (computed once, in the
         graph, and also used for Oort's utility). Objectives that keep the base ``batch_loss`` take
         the mean of ``per``; others override this or fall back to their ``batch_loss``."""
@@ -89,23 +92,32 @@ class Objective:
         """Per-client tensors the other cohort hooks read (``begin`` for K clients at once)."""
         return {}
 
-    def cohort_loss(self, per: torch.Tensor, mask: torch.Tensor, y: torch.Tensor,
-                    extra: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def cohort_loss(
+        self, per: torch.Tensor, mask: torch.Tensor, y: torch.Tensor, extra: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One client's batch loss under ``vmap``, and a statistic for ``cohort_after_step`` (here the
         loss itself). ``mask`` (0/1) marks the real samples of a padded short batch, so the masked
         mean equals the sequential mean over the short batch."""
         loss = (per * mask).sum() / mask.sum()
         return loss, loss
 
-    def cohort_before_step(self, grads: list[torch.Tensor], params: list[torch.Tensor],
-                           extra: dict[str, torch.Tensor], a: int, stats: torch.Tensor) -> None:
+    def cohort_before_step(
+        self,
+        grads: list[torch.Tensor],
+        params: list[torch.Tensor],
+        extra: dict[str, torch.Tensor],
+        a: int,
+        stats: torch.Tensor,
+    ) -> None:
         """Gradient corrections, in place, on the active clients' stacked gradients; ``stats`` are
         their statistics from ``cohort_loss`` for this step (detached)."""
 
     def cohort_after_step(self, stats: torch.Tensor, extra: dict[str, torch.Tensor], a: int) -> None:
         """After the step, given the active clients' statistics from ``cohort_loss`` (detached)."""
 
-    def cohort_end(self, ctxs: list[TaskContext], extra: dict[str, torch.Tensor], final: torch.Tensor) -> None:
+    def cohort_end(
+        self, ctxs: list[TaskContext], extra: dict[str, torch.Tensor], final: torch.Tensor
+    ) -> None:
         """``end`` for every client; ``final`` is the clients' trained weights, flat, stacked [K, P]."""
 
 
@@ -124,7 +136,8 @@ def objective_params_model(name: str) -> type[BaseModel]:
             continue
         spec[p.name] = (hints.get(p.name, Any), ... if p.default is p.empty else p.default)
     model: type[BaseModel] = create_model(  # type: ignore[call-overload]
-        f"{cls.__name__}Params", __config__=ConfigDict(extra="forbid", frozen=True), **spec)
+        f"{cls.__name__}Params", __config__=ConfigDict(extra="forbid", frozen=True), **spec
+    )
     return model
 
 
@@ -141,8 +154,10 @@ def objective_class(name: str) -> type[Objective]:
         if not (isinstance(cls, type) and issubclass(cls, Objective)):
             raise ValueError(f"client objective {name!r} is not an Objective subclass")
         return cls
-    raise ValueError(f"unknown client objective {name!r}; choose one of {sorted(OBJECTIVES)} "
-                     f"or give an import path 'package.module:Class'")
+    raise ValueError(
+        f"unknown client objective {name!r}; choose one of {sorted(OBJECTIVES)} "
+        f"or give an import path 'package.module:Class'"
+    )
 
 
 def make_objective(name: str, **params: Any) -> Objective:
@@ -167,7 +182,7 @@ def _param_views(model: nn.Module, flat: torch.Tensor) -> list[torch.Tensor]:
     views, offset = [], 0
     for p in model.parameters():
         n = p.numel()
-        views.append(flat[offset:offset + n].view_as(p))
+        views.append(flat[offset : offset + n].view_as(p))
         offset += n
     if offset != flat.numel():
         raise ValueError(f"flat vector has {flat.numel()} entries, the model has {offset} parameters")
@@ -179,7 +194,7 @@ def stacked_views(shapes: list[torch.Size], flat: torch.Tensor) -> list[torch.Te
     views, offset = [], 0
     for shape in shapes:
         n = shape.numel()
-        views.append(flat[:, offset:offset + n].view(flat.shape[0], *shape))
+        views.append(flat[:, offset : offset + n].view(flat.shape[0], *shape))
         offset += n
     if offset != flat.shape[1]:
         raise ValueError(f"flat vectors have {flat.shape[1]} entries, the model has {offset} parameters")
@@ -219,17 +234,22 @@ class WeightedCE(Objective):
         assert self._weight is not None, "begin() sets the class weights"
         return F.cross_entropy(logits, y, weight=self._weight.to(logits.device))
 
-    def loss_from_ce(self, per: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
+    def loss_from_ce(
+        self, per: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext
+    ) -> torch.Tensor:
         assert self._weight is not None, "begin() sets the class weights"
         w = self._weight.to(per.device)[y]
         return (per * w).sum() / w.sum()
 
     def cohort_begin(self, ctxs: list[TaskContext]) -> dict[str, torch.Tensor]:
         dev = ctxs[0].global_params.device
-        return {"class_weight": torch.stack([inverse_frequency_weights(c.class_counts) for c in ctxs]).to(dev)}
+        return {
+            "class_weight": torch.stack([inverse_frequency_weights(c.class_counts) for c in ctxs]).to(dev)
+        }
 
-    def cohort_loss(self, per: torch.Tensor, mask: torch.Tensor, y: torch.Tensor,
-                    extra: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def cohort_loss(
+        self, per: torch.Tensor, mask: torch.Tensor, y: torch.Tensor, extra: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         w = extra["class_weight"][y] * mask
         loss = (per * w).sum() / w.sum()
         return loss, loss
@@ -271,7 +291,9 @@ class FocalLoss(Objective):
             per = per * self.alpha.to(ce.device)[y]
         return per
 
-    def loss_from_ce(self, per: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
+    def loss_from_ce(
+        self, per: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext
+    ) -> torch.Tensor:
         return self._focal(per, y).mean()
 
     def cohort_begin(self, ctxs: list[TaskContext]) -> dict[str, torch.Tensor]:
@@ -279,8 +301,9 @@ class FocalLoss(Objective):
             self.begin(ctx)
         return {}
 
-    def cohort_loss(self, per: torch.Tensor, mask: torch.Tensor, y: torch.Tensor,
-                    extra: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def cohort_loss(
+        self, per: torch.Tensor, mask: torch.Tensor, y: torch.Tensor, extra: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         loss = (self._focal(per, y) * mask).sum() / mask.sum()
         return loss, loss
 
@@ -316,8 +339,14 @@ class FedProx(Objective):
     def cohort_begin(self, ctxs: list[TaskContext]) -> dict[str, torch.Tensor]:
         return {"anchor": torch.stack([c.global_params for c in ctxs])}
 
-    def cohort_before_step(self, grads: list[torch.Tensor], params: list[torch.Tensor],
-                           extra: dict[str, torch.Tensor], a: int, stats: torch.Tensor) -> None:
+    def cohort_before_step(
+        self,
+        grads: list[torch.Tensor],
+        params: list[torch.Tensor],
+        extra: dict[str, torch.Tensor],
+        a: int,
+        stats: torch.Tensor,
+    ) -> None:
         anchors = stacked_views([p.shape[1:] for p in params], extra["anchor"][:a])
         for g, p, w0 in zip(grads, params, anchors):
             g.add_((p - w0).mul_(self.mu))
@@ -413,12 +442,20 @@ class Scaffold(Objective):
         c, ci = torch.stack(cs), torch.stack(cis)
         return {"c": c, "ci": ci, "corr": c - ci, "anchor": torch.stack([ctx.global_params for ctx in ctxs])}
 
-    def cohort_before_step(self, grads: list[torch.Tensor], params: list[torch.Tensor],
-                           extra: dict[str, torch.Tensor], a: int, stats: torch.Tensor) -> None:
+    def cohort_before_step(
+        self,
+        grads: list[torch.Tensor],
+        params: list[torch.Tensor],
+        extra: dict[str, torch.Tensor],
+        a: int,
+        stats: torch.Tensor,
+    ) -> None:
         for g, corr in zip(grads, stacked_views([p.shape[1:] for p in params], extra["corr"][:a])):
             g.add_(corr)
 
-    def cohort_end(self, ctxs: list[TaskContext], extra: dict[str, torch.Tensor], final: torch.Tensor) -> None:
+    def cohort_end(
+        self, ctxs: list[TaskContext], extra: dict[str, torch.Tensor], final: torch.Tensor
+    ) -> None:
         for k, ctx in enumerate(ctxs):
             ci, c = extra["ci"][k], extra["c"][k]
             ci_new = ci - c + (extra["anchor"][k] - final[k]) / (ctx.steps * ctx.lr) if ctx.steps > 0 else ci
@@ -511,15 +548,27 @@ class FedeRage(Objective):
     def declared_aux(cls, num_params: int) -> dict[str, AuxDecl]:
         return {"federage_beta": AuxDecl((), "<f8")}
 
-    def __init__(self, alpha: float = 0.5, gamma: float = 0.5, beta_min: float = 0.0, beta_max: float = 10.0,
-                 beta_init: float = 0.0, beta_from_server: bool = True, step_rule: str = "capped",
-                 beta_lr: float | None = None, fixed_batch: bool = True, weight_cap: float = 2.0) -> None:
+    def __init__(
+        self,
+        alpha: float = 0.5,
+        gamma: float = 0.5,
+        beta_min: float = 0.0,
+        beta_max: float = 10.0,
+        beta_init: float = 0.0,
+        beta_from_server: bool = True,
+        step_rule: str = "capped",
+        beta_lr: float | None = None,
+        fixed_batch: bool = True,
+        weight_cap: float = 2.0,
+    ) -> None:
         if not (0.0 < alpha <= 1.0):
             raise ValueError(f"federage alpha must lie in (0, 1], not {alpha}")
         if not (0.0 <= gamma <= 1.0):
             raise ValueError(f"federage gamma must lie in [0, 1], not {gamma}")
         if not (np.isfinite(beta_min) and np.isfinite(beta_max) and beta_min <= beta_max):
-            raise ValueError(f"federage needs a finite interval beta_min <= beta_max, not [{beta_min}, {beta_max}]")
+            raise ValueError(
+                f"federage needs a finite interval beta_min <= beta_max, not [{beta_min}, {beta_max}]"
+            )
         if not (beta_min <= beta_init <= beta_max):
             raise ValueError(f"federage beta_init {beta_init} lies outside [{beta_min}, {beta_max}]")
         if step_rule not in FEDERAGE_STEP_RULES:
@@ -527,7 +576,9 @@ class FedeRage(Objective):
         if not (weight_cap >= 1.0 and np.isfinite(weight_cap)):
             raise ValueError(f"federage weight_cap must be a finite value >= 1, not {weight_cap}")
         if beta_lr is not None and not (beta_lr > 0 and np.isfinite(beta_lr)):
-            raise ValueError(f"federage beta_lr must be a finite value > 0 (or None: the model's), not {beta_lr}")
+            raise ValueError(
+                f"federage beta_lr must be a finite value > 0 (or None: the model's), not {beta_lr}"
+            )
         self.alpha = float(alpha)
         self.gamma = float(gamma)
         self.beta_min = float(beta_min)
@@ -557,7 +608,9 @@ class FedeRage(Objective):
     def batch_loss(self, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
         return self._weigh(F.cross_entropy(logits, y))
 
-    def loss_from_ce(self, per: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
+    def loss_from_ce(
+        self, per: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext
+    ) -> torch.Tensor:
         return self._weigh(per.mean())  # the same data loss plain CE reports, from the one CE pass
 
     def _weigh(self, f: torch.Tensor) -> torch.Tensor:
@@ -597,8 +650,14 @@ class FedeRage(Objective):
 
     # The batch loss is the base class's (the data loss f, reported as is); the weight scales the
     # gradient, as ``before_step`` does, with the float32 factor the sequential path multiplies by.
-    def cohort_before_step(self, grads: list[torch.Tensor], params: list[torch.Tensor],
-                           extra: dict[str, torch.Tensor], a: int, stats: torch.Tensor) -> None:
+    def cohort_before_step(
+        self,
+        grads: list[torch.Tensor],
+        params: list[torch.Tensor],
+        extra: dict[str, torch.Tensor],
+        a: int,
+        stats: torch.Tensor,
+    ) -> None:
         w = self._risk_weight(stats, extra["beta"][:a])
         scale = (w * self._scale).clamp(max=self._cap).to(grads[0].dtype)
         for g in grads:
@@ -610,7 +669,9 @@ class FedeRage(Objective):
         step = (lr * self._beta_scale) * (1.0 - self._risk_weight(stats, beta))
         beta.copy_((beta - step).clamp_(self.beta_min, self.beta_max))
 
-    def cohort_end(self, ctxs: list[TaskContext], extra: dict[str, torch.Tensor], final: torch.Tensor) -> None:
+    def cohort_end(
+        self, ctxs: list[TaskContext], extra: dict[str, torch.Tensor], final: torch.Tensor
+    ) -> None:
         for ctx, beta in zip(ctxs, extra["beta"].tolist()):
             ctx.state["federage_beta"] = beta
             ctx.aux_out["federage_beta"] = np.array(beta, dtype=np.float64)

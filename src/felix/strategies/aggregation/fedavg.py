@@ -1,4 +1,5 @@
 """Sample-weighted FedAvg and staleness-weighted FedBuff, the classic sync and async aggregators."""
+
 from __future__ import annotations
 
 from typing import Any

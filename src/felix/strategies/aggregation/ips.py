@@ -9,6 +9,7 @@ estimator), which trades a small bias for far less variance than dividing by the
 total. No real server knows the ``p_i``; this is the oracle reference that FedeRage, which never
 forms them, is compared against.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -24,7 +25,9 @@ class IPSAggregator(Aggregator):
         super().__init__(server_lr=server_lr, normalize="weights")
         bad = {c: p for c, p in probabilities.items() if not (0.0 < p <= 1.0)}
         if bad:
-            raise ValueError(f"participation probabilities must lie in (0, 1]; got {dict(list(bad.items())[:5])}")
+            raise ValueError(
+                f"participation probabilities must lie in (0, 1]; got {dict(list(bad.items())[:5])}"
+            )
         self.probabilities = {int(c): float(p) for c, p in probabilities.items()}
 
     def weight(self, item: BufferedUpdate) -> float:

@@ -15,6 +15,7 @@ reads ``update.aux[loss_key]`` when a client supplies it (e.g. the forward pass 
 ``LocalTrainer.probe`` at the received weights: ``client.probe_loss: true``) and only falls back
 to ``update.loss`` otherwise.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -38,7 +39,9 @@ class QFFLAggregator(Aggregator):
         if not (q >= 0 and np.isfinite(q)):
             raise ValueError(f"q-FFL q must be a finite value >= 0, not {q}")
         if not (lipschitz > 0 and np.isfinite(lipschitz)):
-            raise ValueError(f"q-FFL lipschitz (L, usually 1/client_lr) must be finite and > 0, not {lipschitz}")
+            raise ValueError(
+                f"q-FFL lipschitz (L, usually 1/client_lr) must be finite and > 0, not {lipschitz}"
+            )
         self.q = float(q)
         self.lipschitz = float(lipschitz)
         self.loss_key = loss_key
@@ -51,7 +54,9 @@ class QFFLAggregator(Aggregator):
         aux = item.update.aux
         f = float(np.asarray(aux[self.loss_key]).reshape(-1)[0]) if self.loss_key in aux else item.update.loss
         if not (np.isfinite(f) and f >= 0):
-            raise ValueError(f"q-FFL: client {item.client_id} reported loss {f}; expected a finite value >= 0")
+            raise ValueError(
+                f"q-FFL: client {item.client_id} reported loss {f}; expected a finite value >= 0"
+            )
         return max(f, _MIN_LOSS)
 
     def weight(self, item: BufferedUpdate) -> float:

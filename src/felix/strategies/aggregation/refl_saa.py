@@ -10,6 +10,7 @@ relative to that average. The first term damps by age (AdaSGD); the second *boos
 update the more it deviates from the fresh ones, since it then carries information the fresh
 clients lack (REFL's argument). All weights are then normalised to sum to 1.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -17,6 +17,7 @@ and per-update ``clip_norm``; its ``normalize`` setting does not apply (a median
 denominator). Aux entries are reduced as by every aggregator (``reduce_aux``), since validation
 already pins their shapes. Selected with ``aggregator.robust: median | trimmed_mean`` in the config.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ _EPS = 1e-12
 # Both statistics are computed by pairwise comparison of the k updates (k^2 vector operations over
 # the P coordinates) rather than by sorting each coordinate: for the k ~ 10 updates of a buffer
 # that is an order of magnitude faster than numpy's per-row argsort (1.3 s at P = 537,610).
+
 
 def weighted_median(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Per column of ``values`` (k x P), the weighted median under ``weights`` (k, summing to 1):

@@ -9,6 +9,7 @@ Staleness alone cannot tell a delayed-but-informative update (high loss on the c
 weak spots) from an obsolete one; the utility term rescues the former while ``alpha`` still
 damps very old updates.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -104,7 +104,6 @@ RULES: Final = ("float", "exact")
 MAX_STEPS: Final = 10_000_000
 
 
-
 class PlanTooLargeError(ValueError):
     """The plan would need more greedy steps, or more samples, than the planner's bounds."""
 
@@ -238,7 +237,9 @@ def validate_counts(counts: ArrayLike) -> NDArray[np.int64]:
     return n_mat
 
 
-def plan_dafl(counts: ArrayLike, params: DaflParams | None = None, *, max_steps: int = MAX_STEPS) -> AugmentationPlan:
+def plan_dafl(
+    counts: ArrayLike, params: DaflParams | None = None, *, max_steps: int = MAX_STEPS
+) -> AugmentationPlan:
     """Run Algorithm 1 of the paper on ``N`` (see the module docstring for the rules and bounds).
 
     Raises :class:`PlanTooLargeError` when the plan needs more than ``max_steps`` greedy steps
@@ -256,8 +257,16 @@ def plan_dafl(counts: ArrayLike, params: DaflParams | None = None, *, max_steps:
     _check_total(int(totals.sum()) + phase1 * params.step, limit, "after Phase 1")
     rows = np.flatnonzero(n_mat.sum(axis=1) > 0)
     added = kernel.greedy(
-        n_mat[rows], params.step, params.tau, params.lambda1 * params.zeta_prime / params.epsilon,
-        params.lambda2 * params.zeta, params.drift_weight, rule, P_RTOL, max_steps, limit,
+        n_mat[rows],
+        params.step,
+        params.tau,
+        params.lambda1 * params.zeta_prime / params.epsilon,
+        params.lambda2 * params.zeta,
+        params.drift_weight,
+        rule,
+        P_RTOL,
+        max_steps,
+        limit,
     )
     if added[0, 0] < 0:
         _stopped(int(added[0, 0]), max_steps, limit, params.step)
@@ -267,14 +276,18 @@ def plan_dafl(counts: ArrayLike, params: DaflParams | None = None, *, max_steps:
     return _summarise(n_mat, augmentation, "dafl", seconds)
 
 
-def phase1_steps(totals: ArrayLike, step: int, tau: float, *, rule: str = "float", max_steps: int = MAX_STEPS) -> int:
+def phase1_steps(
+    totals: ArrayLike, step: int, tau: float, *, rule: str = "float", max_steps: int = MAX_STEPS
+) -> int:
     """Greedy steps of Phase 1 for class totals ``totals``: it depends on nothing else, because
     every Phase 1 step adds ``step`` to one of the rarest classes (a water-fill). Raises
     :class:`PlanTooLargeError` when more than ``max_steps`` would be needed."""
     return int(_water_fill(np.asarray(totals, dtype=np.int64), step, tau, rule, max_steps).sum())
 
 
-def _water_fill(totals: NDArray[np.int64], step: int, tau: float, rule: str, max_steps: int) -> NDArray[np.int64]:
+def _water_fill(
+    totals: NDArray[np.int64], step: int, tau: float, rule: str, max_steps: int
+) -> NDArray[np.int64]:
     """Steps per class of the water-fill of ``totals`` to ``J <= tau``, refused up front when a
     lower bound already exceeds ``max_steps``: the largest class keeps at least its count, so
     ``J <= tau`` needs ``n' >= max_c n^(c) / (1/C + sqrt(tau))`` samples."""
@@ -346,8 +359,9 @@ def _load_kernel() -> ModuleType:
     not numba's start-up."""
     from felix.strategies.dataplans import dafl_kernel
 
-    dafl_kernel.greedy(np.ones((1, 2), dtype=np.int64), 1, 1e-3, 1.0, 1.0, 1.0, dafl_kernel.RULE_FLOAT, P_RTOL,
-                       1, 4)
+    dafl_kernel.greedy(
+        np.ones((1, 2), dtype=np.int64), 1, 1e-3, 1.0, 1.0, 1.0, dafl_kernel.RULE_FLOAT, P_RTOL, 1, 4
+    )
     dafl_kernel.water_fill(np.ones(2, dtype=np.int64), 1, 1e-3, dafl_kernel.RULE_FLOAT, 1, 4)
     return dafl_kernel
 
@@ -396,10 +410,14 @@ def _check_total(total: int, limit: int, when: str) -> None:
 
 def _stopped(code: int, max_steps: int, limit: int, step: int) -> None:
     if code == -1:
-        raise PlanTooLargeError(f"planning stopped after {max_steps:,} greedy steps of {step} samples "
-                                f"(the bound): use a larger step")
-    raise PlanTooLargeError(f"planning stopped at the planner's maximum of {limit:,} samples "
-                            f"(its exact integer arithmetic needs C * n^2 < 2^62)")
+        raise PlanTooLargeError(
+            f"planning stopped after {max_steps:,} greedy steps of {step} samples "
+            f"(the bound): use a larger step"
+        )
+    raise PlanTooLargeError(
+        f"planning stopped at the planner's maximum of {limit:,} samples "
+        f"(its exact integer arithmetic needs C * n^2 < 2^62)"
+    )
 
 
 def _summarise(

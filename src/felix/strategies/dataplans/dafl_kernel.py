@@ -116,8 +116,9 @@ def _exact_le(numerator: int, denominator: int, tau: float) -> bool:
 
 
 @njit(cache=True)
-def _meets_tau(totals: np.ndarray, bumped: int, s: int, s2: int, n: int, tau: float,
-               rule: int) -> bool:  # pragma: no cover - compiled
+def _meets_tau(
+    totals: np.ndarray, bumped: int, s: int, s2: int, n: int, tau: float, rule: int
+) -> bool:  # pragma: no cover - compiled
     """``J <= tau`` for the totals (class ``bumped`` raised by ``s``), whose sum of squares is
     ``s2`` and sum ``n``. A cheap float estimate decides away from ``tau``; near it the rule's
     own evaluation does: exact integers, or ``j_float``."""
@@ -140,8 +141,9 @@ def _meets_tau(totals: np.ndarray, bumped: int, s: int, s2: int, n: int, tau: fl
 
 
 @njit(cache=True)
-def water_fill(totals: np.ndarray, s: int, tau: float, rule: int, max_steps: int,
-               max_total: int) -> np.ndarray:  # pragma: no cover - compiled
+def water_fill(
+    totals: np.ndarray, s: int, tau: float, rule: int, max_steps: int, max_total: int
+) -> np.ndarray:  # pragma: no cover - compiled
     """Additions per class (in units of ``s``) of the water-fill: ``s`` to the rarest class
     (lowest index among equals) until ``J <= tau``. All -1 once more than ``max_steps`` steps or
     ``max_total`` samples would be needed: the work is bounded, and nothing is materialised but
@@ -172,8 +174,18 @@ def water_fill(totals: np.ndarray, s: int, tau: float, rule: int, max_steps: int
 
 
 @njit(cache=True)
-def greedy(counts: np.ndarray, s: int, tau: float, alpha: float, beta: float, kappa: float, rule: int,
-           p_rtol: float, max_steps: int, max_total: int) -> np.ndarray:  # pragma: no cover - compiled
+def greedy(
+    counts: np.ndarray,
+    s: int,
+    tau: float,
+    alpha: float,
+    beta: float,
+    kappa: float,
+    rule: int,
+    p_rtol: float,
+    max_steps: int,
+    max_total: int,
+) -> np.ndarray:  # pragma: no cover - compiled
     """Algorithm 1 on ``counts`` (non-empty clients only): the added-sample matrix, or a matrix
     whose ``[0, 0]`` is -1 when more than ``max_steps`` steps, -2 when more than ``max_total``
     samples, would be needed.
@@ -305,7 +317,9 @@ def greedy(counts: np.ndarray, s: int, tau: float, alpha: float, beta: float, ka
             for i in range(n_allowed):
                 c = allowed[i]
                 if counts[k, c] > 0 and (
-                        width[k] * (inner + slope * (x[k, c] / size - float(totals[c]) * inv)) + extra[k] == threshold):
+                    width[k] * (inner + slope * (x[k, c] / size - float(totals[c]) * inv)) + extra[k]
+                    == threshold
+                ):
                     best_c = c
                     break
         else:  # the row's first class within the band, mapped back to h
@@ -371,7 +385,7 @@ def greedy(counts: np.ndarray, s: int, tau: float, alpha: float, beta: float, ka
             while allowed[i] != c:
                 i += 1
             n_allowed -= 1
-            allowed[i:n_allowed] = allowed[i + 1:n_allowed + 1]
+            allowed[i:n_allowed] = allowed[i + 1 : n_allowed + 1]
             if n_allowed > 0:
                 for j in range(rows):
                     if j == k or row_arg[j] == c:
@@ -381,8 +395,9 @@ def greedy(counts: np.ndarray, s: int, tau: float, alpha: float, beta: float, ka
 
 
 @njit(cache=True)
-def _scale_row(k: int, counts: np.ndarray, x: np.ndarray, sizes: np.ndarray, s: int,
-               scaled: np.ndarray) -> None:  # pragma: no cover - compiled
+def _scale_row(
+    k: int, counts: np.ndarray, x: np.ndarray, sizes: np.ndarray, s: int, scaled: np.ndarray
+) -> None:  # pragma: no cover - compiled
     """``scaled[k, c] = x_kc / (n_k + s)`` for the candidates of row ``k``, inf elsewhere."""
     size = float(sizes[k] + s)
     for c in range(counts.shape[1]):
@@ -390,8 +405,15 @@ def _scale_row(k: int, counts: np.ndarray, x: np.ndarray, sizes: np.ndarray, s: 
 
 
 @njit(cache=True)
-def _row_min(k: int, counts: np.ndarray, x: np.ndarray, allowed: np.ndarray, n_allowed: int,
-             row_min: np.ndarray, row_arg: np.ndarray) -> None:  # pragma: no cover - compiled
+def _row_min(
+    k: int,
+    counts: np.ndarray,
+    x: np.ndarray,
+    allowed: np.ndarray,
+    n_allowed: int,
+    row_min: np.ndarray,
+    row_arg: np.ndarray,
+) -> None:  # pragma: no cover - compiled
     """Row ``k``'s smallest count among the allowed classes it holds, and the first such class."""
     row_arg[k] = -1
     row_min[k] = math.inf

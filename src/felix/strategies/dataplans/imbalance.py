@@ -59,12 +59,15 @@ def as_count_matrix(counts: ArrayLike, name: str = "N") -> NDArray[np.int64]:
         raise ValueError(f"{name} must be a 2-D client x class matrix, got shape {arr.shape}")
     if arr.shape[0] == 0 or arr.shape[1] == 0:
         raise ValueError(f"{name} is empty (shape {arr.shape})")
-    if arr.dtype.kind == "O" and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-                                     for v in arr.flat):
+    if arr.dtype.kind == "O" and all(
+        isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in arr.flat
+    ):
         for (k, c), v in np.ndenumerate(arr):
             if not 0 <= v <= MAX_COUNT:
-                raise ValueError(f"{name}[{k}, {c}] = {v} is {'negative' if v < 0 else 'above the maximum count'}"
-                                 f"{'' if v < 0 else f' {MAX_COUNT}'}")
+                raise ValueError(
+                    f"{name}[{k}, {c}] = {v} is {'negative' if v < 0 else 'above the maximum count'}"
+                    f"{'' if v < 0 else f' {MAX_COUNT}'}"
+                )
         arr = arr.astype(np.int64)
     if arr.dtype.kind == "b" or arr.dtype.kind not in "iuf":
         raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")

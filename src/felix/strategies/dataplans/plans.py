@@ -17,6 +17,7 @@ task, so runs stay deterministic; the measured wall seconds of the real augmenta
 beside it for the summary. With the ``per_sample`` runtime the client's later tasks also grow
 with its augmented data; the other runtime kinds keep their drawn per-task runtimes.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -94,12 +95,27 @@ class PlanApplier:
     applied: NDArray[np.bool_]
 
     @classmethod
-    def create(cls, augmenter_name: str, run_seed: int, time_ratio: float,
-               train_s_per_sample: NDArray[np.float64], runtime_follows_data: bool) -> PlanApplier:
+    def create(
+        cls,
+        augmenter_name: str,
+        run_seed: int,
+        time_ratio: float,
+        train_s_per_sample: NDArray[np.float64],
+        runtime_follows_data: bool,
+    ) -> PlanApplier:
         n = len(train_s_per_sample)
-        return cls(augmenter_name, get_augmenter(augmenter_name), run_seed, time_ratio,
-                   np.asarray(train_s_per_sample, dtype=np.float64), runtime_follows_data,
-                   np.zeros(n, dtype=np.int64), np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool))
+        return cls(
+            augmenter_name,
+            get_augmenter(augmenter_name),
+            run_seed,
+            time_ratio,
+            np.asarray(train_s_per_sample, dtype=np.float64),
+            runtime_follows_data,
+            np.zeros(n, dtype=np.int64),
+            np.zeros(n),
+            np.zeros(n),
+            np.zeros(n, dtype=bool),
+        )
 
     def __call__(self, dev: PlanClient, row: Sequence[int]) -> float:
         cid = dev.cid
@@ -109,7 +125,9 @@ class PlanApplier:
         added = int(sum(row))
         if added == 0:
             return 0.0
-        x_new, y_new, wall = augment_client(dev.data.x, dev.data.y, row, self.augmenter, client_seed(self.run_seed, cid))
+        x_new, y_new, wall = augment_client(
+            dev.data.x, dev.data.y, row, self.augmenter, client_seed(self.run_seed, cid)
+        )
         dev.data = ClientData(torch.cat([dev.data.x, x_new]), torch.cat([dev.data.y, y_new]))
         per_sample = float(self.train_s_per_sample[cid])
         if self.runtime_follows_data:
@@ -160,8 +178,13 @@ class DataPlanRun:
         return self.policy.plan
 
 
-def prepare_data_plan(cfg: Config, client_data: Sequence[ClientData], num_classes: int,
-                      runtimes: NDArray[np.float64], policy: PlannedDataPlan | None = None) -> DataPlanRun | None:
+def prepare_data_plan(
+    cfg: Config,
+    client_data: Sequence[ClientData],
+    num_classes: int,
+    runtimes: NDArray[np.float64],
+    policy: PlannedDataPlan | None = None,
+) -> DataPlanRun | None:
     """Set up the clients' side of ``cfg.data_plan`` beside the server's ``policy`` (a fresh one
     when not given: the deployment's clients use only the applier); None for ``data_plan: none``."""
     if cfg.data_plan == "none":
@@ -175,8 +198,13 @@ def prepare_data_plan(cfg: Config, client_data: Sequence[ClientData], num_classe
             per_sample = np.full(len(sizes), cfg.runtime.seconds_per_sample)
         else:
             per_sample = np.divide(runtimes, sizes, out=np.zeros(len(sizes)), where=sizes > 0)
-        applier = PlanApplier.create(cfg.dafl.augmenter, cfg.seed, cfg.dafl.zeta / cfg.dafl.zeta_prime,
-                                     per_sample, cfg.runtime.kind == "per_sample")
+        applier = PlanApplier.create(
+            cfg.dafl.augmenter,
+            cfg.seed,
+            cfg.dafl.zeta / cfg.dafl.zeta_prime,
+            per_sample,
+            cfg.runtime.kind == "per_sample",
+        )
     except ValueError as exc:
         raise ConfigError(f"data_plan {cfg.data_plan!r}: {exc}") from None
     return DataPlanRun(policy, applier)

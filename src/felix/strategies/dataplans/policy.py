@@ -9,6 +9,7 @@ and the training tasks assigned meanwhile wait for the plan.
 
 numpy/numba only (the planner), no torch: it runs inside the sans-I/O core.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,9 +29,17 @@ log = logging.getLogger("felix.strategies.dataplans")
 
 def dafl_params(cfg: DaflCfg) -> DaflParams:
     """The planner's parameters from the config's ``dafl`` section."""
-    return DaflParams(lambda1=cfg.lambda1, lambda2=cfg.lambda2, tau=cfg.tau, epsilon=cfg.epsilon, step=cfg.step,
-                      zeta=cfg.zeta, zeta_prime=cfg.zeta_prime, local_updates=cfg.local_updates,
-                      smoothness=cfg.smoothness)
+    return DaflParams(
+        lambda1=cfg.lambda1,
+        lambda2=cfg.lambda2,
+        tau=cfg.tau,
+        epsilon=cfg.epsilon,
+        step=cfg.step,
+        zeta=cfg.zeta,
+        zeta_prime=cfg.zeta_prime,
+        local_updates=cfg.local_updates,
+        smoothness=cfg.smoothness,
+    )
 
 
 def plan_augmentation(method: str, counts: NDArray[np.int64], cfg: DaflCfg) -> AugmentationPlan:
@@ -85,9 +94,16 @@ class PlannedDataPlan(DataPlanPolicy):
             self._info = {"method": self.name, "error": str(exc)}
             return {}
         self.plan = plan
-        self._info = {"method": plan.method, "I_before": plan.I_before, "J_before": plan.J_before,
-                      "I_after": plan.I_after, "J_after": plan.J_after, "added": plan.added,
-                      "added_per_client": list(plan.added_per_client), "plan_seconds": plan.plan_seconds}
+        self._info = {
+            "method": plan.method,
+            "I_before": plan.I_before,
+            "J_before": plan.J_before,
+            "I_after": plan.I_after,
+            "J_after": plan.J_after,
+            "added": plan.added,
+            "added_per_client": list(plan.added_per_client),
+            "plan_seconds": plan.plan_seconds,
+        }
         # The paper sends every client its row, zeros included.
         return {int(c): tuple(int(v) for v in row) for c, row in zip(ids, plan.A, strict=True)}
 

@@ -22,6 +22,7 @@ the candidate set, never in the population: the client fields come from the Clie
 (one gather per field), the selector's own per-client state is kept in columns indexed by the
 same rows, and rankings use partitions (``felix.strategies.selection.ranking``) rather than full sorts.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -189,8 +190,17 @@ class _Candidates(NamedTuple):
 
 
 _DURATION, _EXPLORED = 0, 1  # the columns of OortSelector._seen
-_STATE_KEYS = ("exploration", "exploration_min", "round_threshold", "exploit_history", "exploit_pending",
-               "exploit_replied", "seen_duration", "seen_explored", "watched")
+_STATE_KEYS = (
+    "exploration",
+    "exploration_min",
+    "round_threshold",
+    "exploit_history",
+    "exploit_pending",
+    "exploit_replied",
+    "seen_duration",
+    "seen_explored",
+    "watched",
+)
 
 
 class OortSelector(TrainSelector):
@@ -310,7 +320,9 @@ class OortSelector(TrainSelector):
                 self._round_threshold = max(delta, self._round_threshold - delta)
 
     # ------------------------------------------------------------------ scoring
-    def score_candidates(self, candidates: Sequence[int] | np.ndarray, ctx: SelectionContext) -> dict[int, float]:
+    def score_candidates(
+        self, candidates: Sequence[int] | np.ndarray, ctx: SelectionContext
+    ) -> dict[int, float]:
         """Oort's exploitation score of each explored candidate (the unexplored have none)."""
         m = ctx.clients
         self._fit(m)
@@ -319,14 +331,19 @@ class OortSelector(TrainSelector):
         self._observe(m, g)
         util = g.field("stat_utility")
         explored = ~np.isnan(util)
-        view = _Candidates(ids=m.ids_of(rows), explored=explored,
-                           reward=np.where(explored, util, self._registration_rewards(g.field("num_samples"))),
-                           last_round=g.field("last_utility_round"),
-                           duration=g.field("last_duration"))
+        view = _Candidates(
+            ids=m.ids_of(rows),
+            explored=explored,
+            reward=np.where(explored, util, self._registration_rewards(g.field("num_samples"))),
+            last_round=g.field("last_utility_round"),
+            duration=g.field("last_duration"),
+        )
         scores = self._scores(view, ctx, self._system_factor(view.duration), np.arange(rows.size))
         return {int(c): float(s) for c, s, e in zip(view.ids, scores, view.explored, strict=True) if e}
 
-    def _scores(self, v: _Candidates, ctx: SelectionContext, factor: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    def _scores(
+        self, v: _Candidates, ctx: SelectionContext, factor: np.ndarray, idx: np.ndarray
+    ) -> np.ndarray:
         """Oort's score of the candidates ``idx``; ``factor`` is ``_system_factor(v.duration)``.
 
         The normalisation is taken over every candidate's positive reward, explored or not.
@@ -377,8 +394,9 @@ class OortSelector(TrainSelector):
 
         unexplored_idx = np.flatnonzero(~view.explored)
         explore_len = min(unexplored_idx.size, k - exploit.size)
-        explore = self._explore(unexplored_idx, view.reward.take(unexplored_idx) * factor.take(unexplored_idx),
-                                explore_len, rng)
+        explore = self._explore(
+            unexplored_idx, view.reward.take(unexplored_idx) * factor.take(unexplored_idx), explore_len, rng
+        )
         if p.variant == "oort" and len(m) <= self._n_explored:
             # Oort: with nobody left to explore, epsilon and its floor drop to 0 for good.
             self._exploration = self._exploration_min = 0.0
@@ -545,7 +563,9 @@ class OortSelector(TrainSelector):
                 raise ValueError(f"Oort state: {key} must be a vector, got shape {a.shape}")
         n = arrays["seen_duration"].size
         if arrays["seen_explored"].size != n or arrays["watched"].size != n:
-            raise ValueError("Oort state: seen_duration, seen_explored and watched must have one entry per client")
+            raise ValueError(
+                "Oort state: seen_duration, seen_explored and watched must have one entry per client"
+            )
         seen = arrays["seen_duration"].astype(np.float64)
         known = seen[~np.isnan(seen)]
         if not np.isfinite(known).all():
@@ -571,8 +591,11 @@ OORT_BASES = {"oort": OortParams, "felix_authors": OortParams.felix_authors, "fe
 #: FedScale's; the ``OortParams`` fields given override it; ``reward_cap`` defaults to the clients'
 #: ``max_steps x batch_size`` when they have a step bound.
 OortSelectorParams = params_from_dataclass(
-    OortParams, "OortSelectorParams", base=(Literal["oort", "felix_authors", "fedscale"], "felix_authors"),
-    reward_cap=(int | None, None))
+    OortParams,
+    "OortSelectorParams",
+    base=(Literal["oort", "felix_authors", "fedscale"], "felix_authors"),
+    reward_cap=(int | None, None),
+)
 
 
 def oort_params(params: Any) -> OortParams:

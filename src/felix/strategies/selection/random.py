@@ -1,4 +1,5 @@
 """Uniform random selection: FedAvg's and FedBuff's selector."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence

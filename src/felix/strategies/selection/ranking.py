@@ -8,6 +8,7 @@ indices are sorted. Ties are broken by index, exactly as the stable sort breaks 
 result is identical, index for index, to the sort it replaces (which keeps seeded selections
 reproducible).
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -9,6 +9,7 @@ adds ``prohibit_reselect``: a client that ran within the last few rounds is not 
 REFL predicts availability; the FeLiX evaluation (REFL*) gives it the trace instead, so the
 lookahead reads ``ctx.oracle``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -154,8 +155,9 @@ def _sample(items: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
 
 #: ``selector.params`` of ``refl_ips``: the ``ReflIPSParams`` fields, and ``oort`` (Oort's parameters,
 #: as for ``selector: oort``) to rank the priority clients with Oort instead of at random.
-ReflSelectorParams = params_from_dataclass(ReflIPSParams, "ReflSelectorParams",
-                                           oort=(OortSelectorParams | None, None))
+ReflSelectorParams = params_from_dataclass(
+    ReflIPSParams, "ReflSelectorParams", oort=(OortSelectorParams | None, None)
+)
 
 
 @TRAIN_SELECTORS.register("refl_ips", params=ReflSelectorParams)

@@ -9,6 +9,7 @@ The train path is plain Oort (``felix.strategies.selection.oort``) over the cand
 passes; under ``knowledge=tiertrack`` those are the idle AVL_TRAIN clients not blocked by the
 rejoin rule, which is exactly TierSelect's train pool.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -88,7 +89,9 @@ class TierSelectEval(EvalSelector):
             value = np.where(last[idx] >= 0, np.nan_to_num(util, nan=0.0) * (ctx.round - last[idx]), np.inf)
             order = np.lexsort((ids[idx], -value))[:budget]  # primary key: the largest value; then id
             return [int(c) for c in ids[idx[order]]]
-        if (np.diff(ids) > 0).all():  # the orchestrator's id-ordered candidates: a stable rank breaks ties by id
+        if (
+            np.diff(ids) > 0
+        ).all():  # the orchestrator's id-ordered candidates: a stable rank breaks ties by id
             order = smallest_first(last[idx], budget)
         else:
             order = np.lexsort((ids[idx], last[idx]))[:budget]  # primary key: last_utility_round; then id
