@@ -21,7 +21,7 @@ DIM = 4
 
 
 def make(**kw) -> Orchestrator:
-    cfg = OrchestratorConfig(mode="async", **kw)
+    cfg = OrchestratorConfig(mode="async", **{"one_late_task_per_client": True, **kw})
     return Orchestrator(
         cfg, np.zeros(DIM, np.float32), RandomSelector(), FedBuffAggregator(), np.random.default_rng(0)
     )

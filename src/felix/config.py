@@ -275,6 +275,12 @@ class OrchestratorCfg(_Strict):
     task_timeout_s: float | None = Field(90.0, gt=0)
     accept_late: bool = True
     max_staleness: int | None = Field(None, ge=0)
+    one_late_task_per_client: bool = Field(
+        False,
+        description="keep only each client's oldest task that "
+        "timed out (newer ones cancelled): open tasks bounded by the population; "
+        "felix serve always sets it",
+    )
     eval_utility_scale: float = Field(
         1.0,
         gt=0,

@@ -71,6 +71,10 @@ class OrchestratorConfig:
     task_timeout_s: float | None = 90.0
     accept_late: bool = True  # aggregate replies of timed-out / interrupted tasks (stale)
     max_staleness: int | None = None  # discard updates staler than this (versions)
+    # Keep only each client's oldest task that lost its slot (newer ones are cancelled): open tasks
+    # bounded by the population. The MQTT server always sets it; off by default in the simulator,
+    # where every late reply may still come, as on the FeLiX authors' server.
+    one_late_task_per_client: bool = False
     # An eval task's utility is a full forward pass on the received model; a training task's is
     # measured during SGD, so it is lower. This factor puts eval utilities on the training scale
     # (1.0: as measured, the paper), so Oort does not favour clients merely for having been probed.
@@ -409,9 +413,9 @@ class Orchestrator:
     def _release(self, task: Task, state: TaskState) -> None:
         """A task loses its slot mid-way; its late reply may still come (and be accepted).
 
-        Each client keeps at most one such task open, so open tasks are bounded by the population,
-        not the run's history: when the client already has one, this newer task is closed (and
-        cancelled with the event's commands). A device runs its tasks in order, so the newer one
+        With ``one_late_task_per_client`` each client keeps at most one such task open, so open
+        tasks are bounded by the population, not the run's history: when the client already has
+        one, this newer task is closed (and cancelled with the event's commands). A device runs its tasks in order, so the newer one
         has not started (the older holds the progress); a device that restarted has its old task
         failed by the shell (``late_task``), so it never blocks the newer ones.
         """
@@ -419,7 +423,12 @@ class Orchestrator:
         task.state = state
         old = self._late.get(task.client_id)
         prev = None if old is None or old == task.task_id else self._tasks.get(old)
-        if self.cfg.accept_late and prev is not None and not prev.holds_slot:
+        if (
+            self.cfg.one_late_task_per_client
+            and self.cfg.accept_late
+            and prev is not None
+            and not prev.holds_slot
+        ):
             self._tasks.pop(task.task_id)
             self._close(task.task_id, TaskState.CANCELLED)
             self._expired.append(task)

@@ -146,6 +146,11 @@ class Server:
             raise ValueError("time scale must be positive")
         if opts.max_pending_bytes < 1 or opts.max_pending_messages < 1 or opts.checkpoint_interval_s < 0:
             raise ValueError("max pending bytes and messages must be positive, the checkpoint interval >= 0")
+        # A client that never answers must not grow the server's open tasks with every timeout:
+        # the deployment keeps one late task per client (orchestrator.one_late_task_per_client).
+        cfg = cfg.model_copy(
+            update={"orchestrator": cfg.orchestrator.model_copy(update={"one_late_task_per_client": True})}
+        )
         self.cfg = cfg
         self.opts = opts
         self.topics = Topics(opts.run_id)

@@ -439,6 +439,7 @@ def build_orchestrator(
             task_timeout_s=o.task_timeout_s,
             accept_late=o.accept_late,
             max_staleness=o.max_staleness,
+            one_late_task_per_client=o.one_late_task_per_client,
             knowledge=o.knowledge,
             eval_utility_scale=o.eval_utility_scale,
             mode_params=o.mode_params,
