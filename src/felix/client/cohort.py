@@ -4,9 +4,14 @@ The clients' parameters (and optimiser state) are stacked on a leading dimension
 ``vmap(grad(...))`` call computes every client's gradient for its own batch. Each client does
 exactly the steps it would do alone in :meth:`LocalTrainer.train`: its own batch order from its
 own generator, its own number of steps, its own last partial batch (padded and masked, so the
-masked mean equals the mean over the short batch). Clients are ordered by step count, longest
-first, so at every step the clients still stepping are a prefix of the stack: a finished client
-costs nothing and needs no masking of its update.
+masked mean equals the mean over the short batch). Clients are ordered by remaining steps,
+longest first, so at every step the clients still stepping are a prefix of the stack: a finished
+client costs nothing and needs no masking of its update.
+
+Two ways in: :meth:`CohortTrainer.train` trains a group to the end (remote executors, tests);
+:meth:`~CohortTrainer.join` / :meth:`~CohortTrainer.advance` keep a live stack that tasks join
+whenever they are dispatched and leave when done, stepping only as far as the task that is due
+needs (the simulator's continuous batching).
 
 One forward pass per batch gives the objective's loss and Oort's per-sample losses; sums stay on
 the device and come back in one transfer at the end. On a GPU this is where the speed is; on a
@@ -217,11 +222,12 @@ class CohortTrainer:
         self.names = [n for n, _ in self.model.named_parameters()]
         self.shapes = [p.shape for _, p in self.model.named_parameters()]
         self.numels = [p.numel() for _, p in self.model.named_parameters()]
-        self._grad = vmap(grad(self._loss, has_aux=True))
+        self.grad = vmap(grad(self._loss, has_aux=True))
         self._forward = vmap(self._logits)
         obj = type(objective)
-        self._before = obj.cohort_before_step is not Objective.cohort_before_step
-        self._after = obj.cohort_after_step is not Objective.cohort_after_step
+        self.has_before = obj.cohort_before_step is not Objective.cohort_before_step
+        self.has_after = obj.cohort_after_step is not Objective.cohort_after_step
+        self._live = _Stack(self)
 
     # ------------------------------------------------------------------ per-client functions (vmapped)
     def _logits(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -246,85 +252,45 @@ class CohortTrainer:
         assert self.pool.x is not None and self.pool.y is not None
         return self.pool.x, self.pool.y, offsets
 
-    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Stacked flat weights ``[K, P]`` as stacked parameters, one tensor per parameter."""
         return [
             t.reshape(flat.shape[0], *s).clone() for t, s in zip(flat.split(self.numels, dim=1), self.shapes)
         ]
 
     def train(self, tasks: list[CohortTask]) -> list[ClientUpdate]:
-        cfg, dev = self.cfg, self.device
-        plans = [batch_rows(len(t.data), cfg, t.generator) for t in tasks]
-        order = sorted(range(len(tasks)), key=lambda k: -plans[k][0].shape[0])
-        tasks = [tasks[k] for k in order]
-        plans = [plans[k] for k in order]
-        K, bs = len(tasks), cfg.batch_size
-        steps = [p[0].shape[0] for p in plans]
-        S = steps[0] if K else 0
-        x_all, y_all, offsets = self._stack([t.data for t in tasks])
+        """Train ``tasks`` together to the end, one update per task in order (a one-off stack:
+        the continuous stack of :meth:`join` / :meth:`advance` is not touched)."""
+        stack = _Stack(self)
+        for k, t in enumerate(tasks):
+            stack.join(k, t)
+        done: dict[int, ClientUpdate] = {}
+        while len(done) < len(tasks):
+            done.update(stack.advance(stack.longest()))
+        return [done[k] for k in range(len(tasks))]
 
-        # Every step's sample indices into the stacked data, a 0/1 mask of real samples, and
-        # whether the step is in the first epoch: built on the host once, moved once.
-        idx = torch.full((S, K, bs), -1, dtype=torch.long)
-        first = torch.zeros(S, K)
-        for j, (rows, ep0_rows, _) in enumerate(plans):
-            idx[: steps[j], j] = torch.where(rows >= 0, rows + offsets[j], -1)
-            first[:ep0_rows, j] = 1.0
-        mask = (idx >= 0).float()
-        idx.clamp_(min=0)
-        idx, mask, first = idx.to(dev), mask.to(dev), first.to(dev)
-        active = [sum(1 for s_k in steps if s_k > s) for s in range(S)]
+    # ------------------------------------------------------------------ continuous batching
+    def join(self, key: int, task: CohortTask) -> None:
+        """Add ``task`` (under ``key``, e.g. its task id) to the live stack; it trains, a step at a
+        time beside the others, whenever :meth:`advance` runs."""
+        self._live.join(key, task)
 
-        flat0 = torch.from_numpy(np.stack([np.asarray(t.weights, dtype=np.float32) for t in tasks])).to(dev)
-        params = self._split(flat0)
-        ctxs = [
-            TaskContext(
-                model=self.model,
-                global_params=flat0[k],
-                lr=cfg.lr,
-                num_classes=self.num_classes,
-                class_counts=t.data.class_counts(self.num_classes),
-                state=t.state,
-                aux_in=t.aux_in,
-                steps=steps[k],
-            )
-            for k, t in enumerate(tasks)
-        ]
-        extra = self.objective.cohort_begin(ctxs)
-        opt = _StackedOptimizer(cfg, params)
-        sq_sum = torch.zeros(K, device=dev)
-        loss_sum = torch.zeros(K, device=dev)
-        for s in range(S):
-            a = active[s]
-            ps = {n: p[:a] for n, p in zip(self.names, params)}
-            ix = idx[s, :a]
-            mb = mask[s, :a]
-            g, (per, loss, stat) = self._grad(
-                ps, x_all[ix], y_all[ix], mb, {k: v[:a] for k, v in extra.items()}
-            )
-            grads = [g[n] for n in self.names]
-            if self._before:
-                self.objective.cohort_before_step(grads, list(ps.values()), extra, a, stat)
-            opt.step(s, a, grads)
-            if self._after:
-                self.objective.cohort_after_step(stat, extra, a)
-            sq_sum[:a] += (per * per * mb).sum(1) * first[s, :a]
-            loss_sum[:a] += loss
-        final = torch.cat([p.reshape(K, -1) for p in params], dim=1) if K else flat0
-        self.objective.cohort_end(ctxs, extra, final)
-        delta = (final - flat0).cpu().numpy()
-        sq, ls = sq_sum.cpu().tolist(), loss_sum.cpu().tolist()
-        out: list[ClientUpdate | None] = [None] * K
-        for j, k in enumerate(order):
-            n = len(tasks[j].data)
-            out[k] = ClientUpdate(
-                num_samples=n,
-                stat_utility=oort_utility(sq[j], plans[j][2], n),
-                loss=ls[j] / steps[j] if steps[j] else 0.0,
-                duration=0.0,
-                delta=delta[j],
-                aux=ctxs[j].aux_out,
-            )
-        return out  # type: ignore[return-value]
+    def advance(self, key: int) -> dict[int, ClientUpdate]:
+        """Step every live task in lockstep until ``key``'s is done; return the updates of all tasks
+        that finished (``key``'s among them), which leave the stack. The others keep their progress."""
+        return self._live.advance(key)
+
+    def drop(self, key: int) -> bool:
+        """Remove ``key``'s task from the live stack unfinished (cancelled, or its data changed)."""
+        return self._live.drop(key)
+
+    def live(self, key: int) -> CohortTask | None:
+        """``key``'s task while it is in the live stack."""
+        return self._live.task(key)
+
+    @property
+    def live_count(self) -> int:
+        return len(self._live.rows)
 
     @torch.no_grad()
     def probe(
@@ -338,7 +304,7 @@ class CohortTrainer:
         flat = torch.from_numpy(np.stack([np.asarray(weights[k], dtype=np.float32) for k in order])).to(
             self.device
         )
-        params = self._split(flat)
+        params = self.split(flat)
         chunks = -(-sizes[0] // batch_size) if K else 0
         sq_sum = torch.zeros(K, device=self.device)
         loss_sum = torch.zeros(K, device=self.device)
@@ -374,42 +340,228 @@ class CohortTrainer:
         return out  # type: ignore[return-value]
 
 
-class _StackedOptimizer:
-    """``torch.optim.SGD`` / ``Adam`` (no AMSGrad, no Nesterov, no dampening, as the trainer builds
-    them) on stacked parameters, stepping only the first ``a`` clients: the same arithmetic per
-    element as the sequential optimiser."""
+@dataclass
+class _Row:
+    """One task in a stack: its batches (rows of client-local sample indices, ``-1`` pads a short
+    batch), how many it has done, and its objective context."""
 
-    def __init__(self, cfg: TrainConfig, params: list[torch.Tensor]) -> None:
-        self.cfg = cfg
-        self.params = params
-        self.bufs: list[torch.Tensor] = []
-        self.sq: list[torch.Tensor] = []
-        if cfg.optimizer == "adam":
-            self.bufs = [torch.zeros_like(p) for p in params]
-            self.sq = [torch.zeros_like(p) for p in params]
-        elif cfg.momentum:
-            self.bufs = [torch.empty_like(p) for p in params]
+    key: int
+    task: CohortTask
+    batches: torch.Tensor
+    ep0_rows: int  # first-epoch batches and samples: Oort's utility reads the first epoch only
+    ep0_samples: int
+    offset: int  # where the client's data starts in the trainer's data pool
+    ctx: TaskContext
+    done: int = 0
 
-    def step(self, s: int, a: int, grads: list[torch.Tensor]) -> None:
-        cfg = self.cfg
+    @property
+    def steps(self) -> int:
+        return int(self.batches.shape[0])
+
+    @property
+    def remaining(self) -> int:
+        return self.steps - self.done
+
+
+class _Stack:
+    """Tasks of one cohort trainer stacked on dim 0 and stepped together (continuous batching).
+
+    Tasks join at any time and leave when done, so a long task does not step alone while the
+    tasks that joined after it wait for a stack of their own. Before each :meth:`advance` the rows
+    are ordered by remaining steps, longest first: at every step the tasks still stepping are a
+    prefix of the stack (the objective hooks' ``a``), and the tasks that finish are a suffix,
+    cut off at the end. Each task's arithmetic is its own: which other tasks share a step does not
+    change its result (tests/test_cohort.py), except that on a CPU a convolution computed for one
+    client alone takes another kernel than a stack of them (a few ulps; see
+    felix.distributed.cohort_executor).
+
+    SGD (momentum, weight decay) and Adam are ``torch.optim``'s per-element arithmetic: a momentum
+    buffer starts at zero, so its first step is ``0 * m + g = g``; Adam's bias corrections use each
+    task's own step count (runs of rows at the same count step together).
+    """
+
+    def __init__(self, trainer: CohortTrainer) -> None:
+        self.tr = trainer
+        self.rows: list[_Row] = []
+        self.params: list[torch.Tensor] = []
+        self.flat0: torch.Tensor | None = None
+        self.bufs: list[torch.Tensor] = []  # momentum, or Adam's first moment
+        self.sq: list[torch.Tensor] = []  # Adam's second moment
+        self.extra: dict[str, torch.Tensor] = {}
+        self.sq_sum: torch.Tensor | None = None  # first-epoch squared per-sample losses
+        self.loss_sum: torch.Tensor | None = None
+
+    def task(self, key: int) -> CohortTask | None:
+        return next((r.task for r in self.rows if r.key == key), None)
+
+    def longest(self) -> int:
+        return max(self.rows, key=lambda r: r.remaining).key
+
+    # ------------------------------------------------------------------ membership
+    def join(self, key: int, task: CohortTask) -> None:
+        tr, cfg, dev = self.tr, self.tr.cfg, self.tr.device
+        if any(r.key == key for r in self.rows):
+            raise ValueError(f"task {key} is already in the cohort stack")
+        batches, ep0_rows, ep0_samples = batch_rows(len(task.data), cfg, task.generator)
+        (offset,) = tr.pool.offsets([task.data])
+        flat0 = torch.from_numpy(np.array(task.weights, dtype=np.float32)).to(dev).unsqueeze(0)
+        ctx = TaskContext(
+            model=tr.model,
+            global_params=flat0[0],
+            lr=cfg.lr,
+            num_classes=tr.num_classes,
+            class_counts=task.data.class_counts(tr.num_classes),
+            state=task.state,
+            aux_in=task.aux_in,
+            steps=int(batches.shape[0]),
+        )
+        extra = tr.objective.cohort_begin([ctx])
+        params = tr.split(flat0)
+        zeros = [torch.zeros_like(p) for p in params]
+        if self.flat0 is None:
+            self.params, self.flat0, self.extra = params, flat0, extra
+            self.bufs = zeros if (cfg.optimizer == "adam" or cfg.momentum) else []
+            self.sq = [torch.zeros_like(p) for p in params] if cfg.optimizer == "adam" else []
+            self.sq_sum = torch.zeros(1, device=dev)
+            self.loss_sum = torch.zeros(1, device=dev)
+        else:
+            assert self.sq_sum is not None and self.loss_sum is not None
+            self.params = [torch.cat([a, b]) for a, b in zip(self.params, params)]
+            self.flat0 = torch.cat([self.flat0, flat0])
+            self.bufs = [torch.cat([a, b]) for a, b in zip(self.bufs, zeros)]
+            self.sq = [torch.cat([a, b]) for a, b in zip(self.sq, zeros)]
+            self.extra = {k: torch.cat([v, extra[k]]) for k, v in self.extra.items()}
+            self.sq_sum = torch.cat([self.sq_sum, self.sq_sum.new_zeros(1)])
+            self.loss_sum = torch.cat([self.loss_sum, self.loss_sum.new_zeros(1)])
+        self.rows.append(_Row(key, task, batches, ep0_rows, ep0_samples, offset, ctx))
+
+    def drop(self, key: int) -> bool:
+        keep = [j for j, r in enumerate(self.rows) if r.key != key]
+        if len(keep) == len(self.rows):
+            return False
+        self._take(keep)
+        return True
+
+    def _take(self, order: list[int]) -> None:
+        """Keep the rows ``order`` names, in that order, in every stacked tensor."""
+        self.rows = [self.rows[j] for j in order]
+        if not self.rows:
+            self.__init__(self.tr)  # type: ignore[misc]
+            return
+        assert self.flat0 is not None and self.sq_sum is not None and self.loss_sum is not None
+        ix = torch.tensor(order, device=self.flat0.device)
+        pick = lambda t: t.index_select(0, ix)
+        self.params = [pick(p) for p in self.params]
+        self.bufs = [pick(b) for b in self.bufs]
+        self.sq = [pick(v) for v in self.sq]
+        self.flat0, self.sq_sum, self.loss_sum = pick(self.flat0), pick(self.sq_sum), pick(self.loss_sum)
+        self.extra = {k: pick(v) for k, v in self.extra.items()}
+
+    # ------------------------------------------------------------------ stepping
+    def advance(self, key: int) -> dict[int, ClientUpdate]:
+        tr, cfg, dev = self.tr, self.tr.cfg, self.tr.device
+        order = sorted(range(len(self.rows)), key=lambda j: -self.rows[j].remaining)  # stable
+        if order != list(range(len(self.rows))):
+            self._take(order)
+        target = next((r for r in self.rows if r.key == key), None)
+        if target is None:
+            raise KeyError(f"task {key} is not in the cohort stack")
+        assert self.flat0 is not None and self.sq_sum is not None and self.loss_sum is not None
+        rows, K, bs, S = self.rows, len(self.rows), cfg.batch_size, target.remaining
+        x_all, y_all = tr.pool.x, tr.pool.y
+        assert x_all is not None and y_all is not None
+
+        # Every step's sample indices into the pooled data, a 0/1 mask of real samples, and
+        # whether the step is in its task's first epoch: built on the host once, moved once.
+        idx = torch.full((S, K, bs), -1, dtype=torch.long)
+        first = torch.zeros(S, K)
+        ran = [min(r.remaining, S) for r in rows]
+        for j, r in enumerate(rows):
+            part = r.batches[r.done : r.done + ran[j]]
+            idx[: ran[j], j] = torch.where(part >= 0, part + r.offset, -1)
+            first[: max(0, min(r.ep0_rows - r.done, ran[j])), j] = 1.0
+        mask = (idx >= 0).float()
+        idx.clamp_(min=0)
+        idx, mask, first = idx.to(dev), mask.to(dev), first.to(dev)
+        active = [sum(1 for n in ran if n > s) for s in range(S)]
+        done_before = [r.done for r in rows]
+
+        for s in range(S):
+            a = active[s]
+            ps = {n: p[:a] for n, p in zip(tr.names, self.params)}
+            ix = idx[s, :a]
+            mb = mask[s, :a]
+            g, (per, loss, stat) = tr.grad(
+                ps, x_all[ix], y_all[ix], mb, {k: v[:a] for k, v in self.extra.items()}
+            )
+            grads = [g[n] for n in tr.names]
+            if tr.has_before:
+                tr.objective.cohort_before_step(grads, list(ps.values()), self.extra, a, stat)
+            self._step(a, grads, [done_before[j] + s + 1 for j in range(a)])
+            if tr.has_after:
+                tr.objective.cohort_after_step(stat, self.extra, a)
+            self.sq_sum[:a] += (per * per * mb).sum(1) * first[s, :a]
+            self.loss_sum[:a] += loss
+        for j, r in enumerate(rows):
+            r.done += ran[j]
+
+        # The tasks that are done form the suffix: their updates, then the stack keeps the rest.
+        f = sum(1 for r in rows if r.remaining > 0)
+        fin = rows[f:]
+        final = torch.cat([p[f:].reshape(K - f, -1) for p in self.params], dim=1)
+        tr.objective.cohort_end([r.ctx for r in fin], {k: v[f:] for k, v in self.extra.items()}, final)
+        delta = (final - self.flat0[f:]).cpu().numpy()
+        sq, ls = self.sq_sum[f:].cpu().tolist(), self.loss_sum[f:].cpu().tolist()
+        out: dict[int, ClientUpdate] = {}
+        for j, r in enumerate(fin):
+            n = len(r.task.data)
+            out[r.key] = ClientUpdate(
+                num_samples=n,
+                stat_utility=oort_utility(sq[j], r.ep0_samples, n),
+                loss=ls[j] / r.steps if r.steps else 0.0,
+                duration=0.0,
+                delta=delta[j],
+                aux=r.ctx.aux_out,
+            )
+        if f == 0:
+            self.__init__(self.tr)  # type: ignore[misc]
+        else:
+            self.rows = rows[:f]
+            self.params = [p[:f] for p in self.params]
+            self.bufs = [b[:f] for b in self.bufs]
+            self.sq = [v[:f] for v in self.sq]
+            self.flat0, self.sq_sum, self.loss_sum = self.flat0[:f], self.sq_sum[:f], self.loss_sum[:f]
+            self.extra = {k: v[:f] for k, v in self.extra.items()}
+        return out
+
+    def _step(self, a: int, grads: list[torch.Tensor], t: list[int]) -> None:
+        """One optimiser step of the first ``a`` rows; ``t`` is each row's step number (from 1)."""
+        cfg = self.tr.cfg
         ps = [p[:a] for p in self.params]
         if cfg.weight_decay:
             grads = [g.add(p, alpha=cfg.weight_decay) for g, p in zip(grads, ps)]
         if cfg.optimizer == "adam":
-            beta1, beta2, eps, t = 0.9, 0.999, 1e-8, s + 1
-            step_size = cfg.lr / (1 - beta1**t)
-            bc2_sqrt = math.sqrt(1 - beta2**t)
-            for p, g, m, v in zip(ps, grads, self.bufs, self.sq):
-                m, v = m[:a], v[:a]
-                m.lerp_(g, 1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                p.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-step_size)
+            # Rows at the same step number share torch.optim.Adam's scalar bias corrections.
+            j = 0
+            while j < a:
+                e = j + 1
+                while e < a and t[e] == t[j]:
+                    e += 1
+                self._adam(slice(j, e), [g[j:e] for g in grads], t[j])
+                j = e
             return
         if cfg.momentum:
             for g, b in zip(grads, self.bufs):
-                if s == 0:
-                    b[:a].copy_(g)
-                else:
-                    b[:a].mul_(cfg.momentum).add_(g)
+                b[:a].mul_(cfg.momentum).add_(g)
             grads = [b[:a] for b in self.bufs]
         torch._foreach_add_(ps, grads, alpha=-cfg.lr)
+
+    def _adam(self, rows: slice, grads: list[torch.Tensor], t: int) -> None:
+        beta1, beta2, eps = 0.9, 0.999, 1e-8
+        step_size = self.tr.cfg.lr / (1 - beta1**t)
+        bc2_sqrt = math.sqrt(1 - beta2**t)
+        for p, g, m, v in zip(self.params, grads, self.bufs, self.sq):
+            p, m, v = p[rows], m[rows], v[rows]
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            p.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-step_size)

@@ -11,13 +11,18 @@ results into ``TaskFinished`` events, and trains.
 A training task's result depends only on its dispatched weights, its client's data, its client's
 objective state and its seed, so it may be computed at any moment before its completion event.
 With ``cohort_size`` 1 a task trains when it completes (cancelled work costs nothing). With a
-cohort, the first completion that finds its task untrained trains it together with the other
-running training tasks (soonest completion first, up to the cohort size) in one vectorised pass
-(:mod:`felix.client.cohort`); each result waits for its own completion event. Only a device's
-current task is trained early, so all its earlier tasks are finished and its state is final; the
-new state is committed at completion, and a cancelled task's result is dropped unseen, so
-cancellation changes nothing. A device whose data changes (augmentation) before completion is
-retrained.
+cohort, the first completion that finds its task untrained either trains it alone (fewer than
+``min_cohort`` running training tasks are untrained) or puts it, with the other untrained running
+training tasks (soonest completion first, up to the cohort size), into the cohort trainer. A local
+cohort trainer keeps them in a live stack and steps them in lockstep only until the completed task
+is done (:mod:`felix.client.cohort`): the others keep their progress and go on with the tasks that
+join later, so a long task does not step alone (continuous batching). Each result waits for its own
+completion event. Only a device's current task is trained early, so all its earlier tasks are
+finished and its state is final; the new state is committed at completion, and a cancelled task's
+result (or its part-trained row) is dropped unseen, so cancellation changes nothing. A device
+whose data changes (augmentation) before completion is retrained. Which tasks train alone and
+which in a cohort is the same rule whatever the executor, and a task's cohort arithmetic does not
+depend on the others in its pass, so the live stack gives the runs the whole-group passes gave.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import heapq
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -70,6 +75,23 @@ class CohortExecutor(Protocol):
     def train(self, tasks: list[CohortTask]) -> list[ClientUpdate]: ...
 
     def probe(self, weights: list[np.ndarray], datas: list[ClientData]) -> list[ClientUpdate]: ...
+
+
+@runtime_checkable
+class LiveCohort(CohortExecutor, Protocol):
+    """A cohort executor with a live stack (:class:`~felix.client.cohort.CohortTrainer`): tasks join
+    it and train in lockstep, each finishing when :meth:`advance` reaches it."""
+
+    def join(self, key: int, task: CohortTask) -> None: ...
+
+    def advance(self, key: int) -> dict[int, ClientUpdate]: ...
+
+    def drop(self, key: int) -> bool: ...
+
+    def live(self, key: int) -> CohortTask | None: ...
+
+    @property
+    def live_count(self) -> int: ...
 
 
 @runtime_checkable
@@ -126,6 +148,10 @@ class Simulation:
         self.trainer = trainer
         self.cohort = cohort if settings.cohort_size > 1 else None
         self._trained: dict[int, _Trained] = {}  # by task id
+        # Tasks in a local cohort trainer's live stack, by task id: the state copy the trainer
+        # writes into, and the data the task trains on.
+        self._live_state: dict[int, dict] = {}
+        self._live_data: dict[int, ClientData] = {}
         self._unused = 0
         self._probed: dict[int, _Trained] = {}
         self.ctl = controller
@@ -240,6 +266,8 @@ class Simulation:
             done = self._trained.pop(task.task_id, None)
             if done is not None and done.data is not dev.data:
                 done, self._unused = None, self._unused + 1
+            if self._live_data.get(task.task_id, dev.data) is not dev.data:  # its data changed mid-way
+                self._unused += self._drop_live(task.task_id)
             if done is None and self.cohort is not None:
                 done = self._train_cohort(dev, task)
             if done is None:
@@ -257,10 +285,18 @@ class Simulation:
         upd.duration = task.duration
         self._follow(dev, dev.finish(self.now, task, upd))
 
+    def _drop_live(self, task_id: int) -> bool:
+        """Take ``task_id`` out of the live cohort stack unfinished; whether it was there."""
+        if not isinstance(self.cohort, LiveCohort) or not self.cohort.drop(task_id):
+            return False
+        self._live_state.pop(task_id)
+        self._live_data.pop(task_id)
+        return True
+
     def _generator(self, task: Task) -> torch.Generator:
         return torch.Generator().manual_seed(task_seed(self.cfg.seed, task.task_id))
 
-    def _ready(self, dev: SimDevice, task: Task, done: dict) -> list[tuple[SimDevice, Task]]:
+    def _ready(self, dev: SimDevice, task: Task, done: Container[int]) -> list[tuple[SimDevice, Task]]:
         """``(dev, task)`` and the other devices' running tasks of the same kind that have no result
         yet, soonest completion first, up to the cohort size; paused tasks wait (they are the
         likeliest to time out)."""
@@ -274,16 +310,46 @@ class Simulation:
 
     def _train_cohort(self, dev: SimDevice, task: Task) -> _Trained | None:
         """Train ``task`` (``dev``'s, just completed) with the other ready tasks; None when too few
-        are ready for a vectorised pass to pay."""
+        are ready for a vectorised pass to pay. A local cohort trainer keeps a live stack: the
+        ready tasks join it and it steps until ``task`` is done, leaving the others part-trained
+        for their own completions (continuous batching); a remote executor trains a whole group."""
         assert self.cohort is not None
+        if isinstance(self.cohort, LiveCohort):
+            return self._advance_live(self.cohort, dev, task)
         group = self._ready(dev, task, self._trained)
         if len(group) < self.cfg.min_cohort:
             return None
-        cohort = [CohortTask(t.weights, d.data, dict(d.state), t.aux, self._generator(t)) for d, t in group]
+        cohort = [self._cohort_task(d, t) for d, t in group]
         updates = self.cohort.train(cohort)
         for (d, t), c, u in zip(group[1:], cohort[1:], updates[1:]):
             self._trained[t.task_id] = _Trained(u, c.state, d.data)
         return _Trained(updates[0], cohort[0].state, dev.data)
+
+    def _advance_live(self, live: LiveCohort, dev: SimDevice, task: Task) -> _Trained | None:
+        # Which tasks train sequentially and which join the stack is decided as for a whole-group
+        # executor (a task in the stack counts as trained): the same rule, the same runs.
+        if live.live(task.task_id) is None:
+            group = self._ready(dev, task, self._trained.keys() | self._live_data.keys())
+            if len(group) < self.cfg.min_cohort:
+                return None
+            for d, t in group:
+                live.join(t.task_id, self._cohort_task(d, t))
+                self._live_data[t.task_id] = d.data
+        mine: _Trained | None = None
+        for task_id, upd in live.advance(task.task_id).items():
+            state = self._live_state.pop(task_id)
+            done = _Trained(upd, state, self._live_data.pop(task_id))
+            if task_id == task.task_id:
+                mine = done
+            else:
+                self._trained[task_id] = done
+        return mine
+
+    def _cohort_task(self, dev: SimDevice, task: Task) -> CohortTask:
+        state = dict(dev.state)  # the task's own copy: committed only at its completion
+        if isinstance(self.cohort, LiveCohort):
+            self._live_state[task.task_id] = state
+        return CohortTask(task.weights, dev.data, state, task.aux, self._generator(task))
 
     def _probe_cohort(self, dev: SimDevice, task: Task) -> _Trained | None:
         assert self.cohort is not None
@@ -330,7 +396,7 @@ class Simulation:
                 self._rejected.append(cmd)
 
     def _cancel(self, dev: SimDevice, task_id: int) -> None:
-        self._unused += self._trained.pop(task_id, None) is not None
+        self._unused += self._trained.pop(task_id, None) is not None or self._drop_live(task_id)
         self._probed.pop(task_id, None)
         self._follow(dev, dev.cancel(self.now, task_id))
 
