@@ -63,19 +63,28 @@ class Inbox:
 
     def get(self, timeout: float) -> Inbound | Connected | None:
         """The oldest item, or None after ``timeout`` seconds without one."""
+        items = self.get_batch(timeout, 1)
+        return items[0] if items else None
+
+    def get_batch(self, timeout: float, limit: int) -> list[Inbound | Connected]:
+        """Up to ``limit`` of the oldest items, waiting up to ``timeout`` seconds for the first
+        (empty list: none came). Taking what has queued at once costs one lock round trip and one
+        wake-up of a waiting network thread per batch instead of per message."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while not self._items:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return None
+                    return []
                 self._cond.wait(left)
-            item = self._items.popleft()
-            if isinstance(item, Inbound):
-                self._bytes -= len(item.payload)
-                self._messages -= 1
+            items = self._items
+            out = [items.popleft() for _ in range(min(limit, len(items)))]
+            for item in out:
+                if isinstance(item, Inbound):
+                    self._bytes -= len(item.payload)
+                    self._messages -= 1
             self._cond.notify_all()
-            return item
+            return out
 
     def close(self) -> None:
         """Stop accepting: blocked and later ``put`` calls drop their message and return."""
