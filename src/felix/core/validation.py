@@ -93,6 +93,7 @@ class ValidationConfig:
     norm_window: int = 50  # distinct clients whose latest accepted norm forms the median
     norm_min_history: int = 5  # clients needed before the median rule applies
     warmup_factor: float = 1.0  # bound before that: factor x ||current model|| (0 = no bound)
+    norm_floor: float = 0.1  # the median never counts below this fraction of its peak (0 = no floor)
     batch_size: int = 1  # the clients' local schedule, to count an update's local steps
     epochs: int = 1
     max_steps: int | None = None
@@ -110,6 +111,8 @@ class ValidationConfig:
             raise ValueError(f"norm_factor must be a finite value > 1, not {self.norm_factor}")
         if self.norm_window < 1 or self.norm_min_history < 1 or self.norm_min_history > self.norm_window:
             raise ValueError("need 1 <= norm_min_history <= norm_window")
+        if not 0 <= self.norm_floor <= 1:
+            raise ValueError(f"norm_floor must be in [0, 1], not {self.norm_floor}")
         if not (self.warmup_factor >= 0 and math.isfinite(self.warmup_factor)):
             raise ValueError(f"warmup_factor must be a finite value >= 0, not {self.warmup_factor}")
         if self.batch_size < 1 or self.epochs < 1 or (self.max_steps is not None and self.max_steps < 1):
@@ -143,6 +146,7 @@ class UpdateValidator:
         self.config = config if config is not None else ValidationConfig()
         self.aux_spec: dict[str, AuxDecl] = dict(aux_spec or {})
         self.norms: dict[int, float] = {}  # client id -> its latest accepted norm / sqrt(steps), oldest first
+        self.peak = 0.0  # the highest median of ``norms`` since it had norm_min_history entries
 
     # ------------------------------------------------------------------ checks
     def check(
@@ -188,15 +192,22 @@ class UpdateValidator:
         basis for one."""
         c = self.config
         if len(self.norms) >= c.norm_min_history:
-            median = float(np.median(np.fromiter(self.norms.values(), dtype=np.float64)))
-            return c.norm_factor * median * math.sqrt(steps)
+            basis = max(self._median(), c.norm_floor * self.peak)
+            return c.norm_factor * basis * math.sqrt(steps)
         model = l2_norm(theta)
         return c.warmup_factor * model if c.warmup_factor > 0 and model > 0 else None
+
+    def _median(self) -> float:
+        return float(np.median(np.fromiter(self.norms.values(), dtype=np.float64)))
 
     def _bound_basis(self) -> str:
         c = self.config
         if len(self.norms) >= c.norm_min_history:
-            return f"{c.norm_factor:g} x the median of {len(self.norms)} clients' norm/sqrt(steps) x sqrt(its steps)"
+            floor = f" (at least {c.norm_floor:g} x its peak {self.peak:.3g})" if c.norm_floor > 0 else ""
+            return (
+                f"{c.norm_factor:g} x the median of {len(self.norms)} clients' norm/sqrt(steps){floor} "
+                "x sqrt(its steps)"
+            )
         return f"{c.warmup_factor:g} x the model's norm, until {c.norm_min_history} clients have sent updates"
 
     def _remember(self, client_id: int, norm: float) -> None:
@@ -204,10 +215,13 @@ class UpdateValidator:
         self.norms[client_id] = norm
         while len(self.norms) > self.config.norm_window:
             del self.norms[next(iter(self.norms))]
+        if len(self.norms) >= self.config.norm_min_history:
+            self.peak = max(self.peak, self._median())
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {"norms": [[int(c), float(n)] for c, n in self.norms.items()]}
+        return {"norms": [[int(c), float(n)] for c, n in self.norms.items()], "peak": self.peak}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.norms = {int(c): float(n) for c, n in state["norms"]}
+        self.peak = float(state.get("peak", 0.0))  # absent in checkpoints from before the floor
