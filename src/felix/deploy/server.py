@@ -238,7 +238,7 @@ class Server:
             wake = self.orch.next_wakeup()
             now = self.now()
             timeout = 0.25 if wake is None else min(0.25, max(0.0, (wake - now) * self.opts.time_scale))
-            for item in self.inbox.get_batch(timeout, INBOX_BATCH):
+            for _, item in self.inbox.get_batch(timeout, INBOX_BATCH):
                 if self.ctl.stop_reason is not None:
                     break  # the rest stays unacknowledged: the broker redelivers it to the next session
                 if isinstance(item, Connected):
