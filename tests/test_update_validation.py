@@ -290,6 +290,9 @@ def test_norm_bound_scales_with_the_square_root_of_local_steps() -> None:
     assert v.check(8, TaskKind.TRAIN, ClientUpdate(10, 1.0, 0.5, 1.0, big), 10, 0, theta).update is None
 
 
+FLOOR = ValidationConfig().norm_floor
+
+
 def _long_honest_run(floor: float) -> tuple[int, UpdateValidator]:
     """300 aggregations of 10 honest updates whose typical norm shrinks 400-fold as the model
     converges; every 50th comes from a client back from a long absence, whose update was computed
@@ -310,10 +313,10 @@ def _long_honest_run(floor: float) -> tuple[int, UpdateValidator]:
 def test_norm_floor_keeps_late_honest_updates_as_the_median_shrinks() -> None:
     without, v0 = _long_honest_run(0.0)
     assert without > 0 and v0._median() < 0.01 * v0.peak  # the problem: the bound shrank with the median
-    false, v = _long_honest_run(0.1)
+    false, v = _long_honest_run(FLOOR)  # the default
     assert false == 0
     theta = np.ones(DIM, np.float32)
-    assert v.norm_bound(theta, 1) == pytest.approx(30.0 * 0.1 * v.peak)  # the floor holds the bound
+    assert v.norm_bound(theta, 1) == pytest.approx(30.0 * FLOOR * v.peak)  # the floor holds the bound
     for poison in (1e3, 3e38):  # poisoning is still refused late in the run
         d = np.zeros(DIM, np.float32)
         d[1] = poison

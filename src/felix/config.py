@@ -338,7 +338,7 @@ class ValidationCfg(_Strict):
         1.0, ge=0, description="bound before that: factor x the model's norm (0: none)"
     )
     norm_floor: float = Field(
-        0.1,
+        0.5,
         ge=0,
         le=1,
         description="the median never counts below this fraction of its peak so far, so that the "
