@@ -34,9 +34,10 @@ it is *plausible*, with bounds that a single client cannot move:
   from unusual data stood above ``norm_factor`` x the current median and was refused. The peak
   is itself a median (one client cannot raise it), so the floor keeps the bound at least
   ``norm_factor x norm_floor`` = 15 times the largest typical update of the run: above the
-  largest honest ratio measured (13x, above; 5.0x in 300 aggregations of felix-cpu-100, whose
-  median fell to 0.36 of its peak, ``benchmarks/norm_floor.py``), and still orders of magnitude
-  below a poisoned update.
+  largest honest ratio measured (13x, above; 3.3-5.7x in 300 aggregations of felix-cpu-100,
+  seeds 0-2, whose median fell to 0.36-0.37 of its peak, ``benchmarks/norm_floor.py``,
+  ``docs/results/norm_floor_felix-cpu-100.jsonl``), and still orders of magnitude below a
+  poisoned update.
 
 The validator is sans-I/O and deterministic; its only state is the norm history, which
 ``state_dict`` / ``load_state_dict`` expose for checkpoints.
