@@ -73,6 +73,8 @@ class _ReadBuffered:
             self._pos = 0
         out = self._buf[self._pos : self._pos + n]
         self._pos += len(out)
+        if self._pos >= len(self._buf):  # hold no consumed chunk (a process runs hundreds of links)
+            self._buf, self._pos = b"", 0
         return out
 
     def pending(self) -> int:
