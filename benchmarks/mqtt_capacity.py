@@ -24,6 +24,7 @@ whole stack on one box. Run:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -37,6 +38,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from felix.core.commands import DispatchEval, DispatchTrain
 from felix.core.events import TierChanged
 from felix.engine.run import resolve_config
 
@@ -49,13 +51,28 @@ from felix.deploy.server import ServeOptions, Server
 from felix.deploy.topics import SERVER_USER
 
 
-def _config(path: Path, n: int, phase: str, slot_s: float, horizon_s: float) -> dict[str, Any]:
+def _config(
+    path: Path,
+    n: int,
+    phase: str,
+    slot_s: float,
+    horizon_s: float,
+    preset: str = "custom",
+    light: bool = False,
+    concurrency: int | None = None,
+) -> dict[str, Any]:
+    """The run's config. Up to 1,000 clients: the MLP on digits (4,810 parameters). Above, digits
+    (1,437 training samples) would leave most clients without data, so Fashion-MNIST with a
+    6-unit MLP (4,780 parameters: the same message sizes). ``light``: the tiers come from the load
+    generator, not from a trace the clients replay."""
+    big = n > 1000
     doc: dict[str, Any] = {
         "name": f"capacity-{phase}",
         "strategy": "custom",
         "seed": 0,
         "model": "mlp",
-        "dataset": {"name": "digits"},
+        "model_params": {"hidden": 6} if big else {},
+        "dataset": {"name": "fashion_mnist" if big else "digits"},
         "partition": {"kind": "iid", "num_clients": n},
         "runtime": {"kind": "constant", "constant_s": 0.01},
         "selector": {"name": "random"},
@@ -64,16 +81,29 @@ def _config(path: Path, n: int, phase: str, slot_s: float, horizon_s: float) -> 
         "run": {"target_accuracy": 1.0, "eval_every": 0, "max_time_s": 1e6},
     }
     if phase == "tiers":
-        doc["trace"] = {
-            "kind": "slotted",
-            "unavailable_fraction": 0.5,
-            "slot_s": slot_s,
-            "horizon_s": horizon_s,
-        }
+        doc["trace"] = (
+            {"kind": "always"}
+            if light
+            else {
+                "kind": "slotted",
+                "unavailable_fraction": 0.5,
+                "slot_s": slot_s,
+                "horizon_s": horizon_s,
+            }
+        )
         doc["orchestrator"] = {"mode": "async", "agg_goal": 10, "concurrency": 1, "knowledge": "tiertrack"}
+        if preset != "custom":  # the preset's strategy axes (felix: Oort + TierSelect, concurrency 30)
+            doc["strategy"] = preset
+            for key in ("selector", "eval_selector", "aggregator", "orchestrator"):
+                del doc[key]
     else:
         doc["trace"] = {"kind": "always"}
-        doc["orchestrator"] = {"mode": "async", "agg_goal": 10, "concurrency": n, "knowledge": "tiertrack"}
+        doc["orchestrator"] = {
+            "mode": "async",
+            "agg_goal": 10,
+            "concurrency": concurrency or n,
+            "knowledge": "tiertrack",
+        }
     path.write_text(yaml.safe_dump(doc))
     return doc
 
@@ -115,19 +145,107 @@ def _tree_cpu(root: int) -> float:
 
 
 class _Timed:
-    """Wraps ``Orchestrator.handle`` to time tier events (which trigger the selection)."""
+    """Wraps ``Orchestrator.handle`` to time tier events (which trigger the selection); the events
+    that dispatched a task (a train or eval selection ran) are also timed on their own."""
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
         self.times: list[float] = []
+        self.selecting: list[float] = []
+        self.selecting_cpu: list[float] = []  # the loop thread's CPU time (a busy machine inflates wall time)
 
     def __call__(self, event: Any) -> Any:
         if not isinstance(event, TierChanged):
             return self.handle(event)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = self.handle(event)
-        self.times.append(time.perf_counter() - t0)
+        dt, dc = time.perf_counter() - t0, time.thread_time() - c0
+        self.times.append(dt)
+        if any(isinstance(c, (DispatchTrain, DispatchEval)) for c in out):
+            self.selecting.append(dt)
+            self.selecting_cpu.append(dc)
         return out
+
+    def clear(self) -> None:
+        self.times.clear()
+        self.selecting.clear()
+        self.selecting_cpu.clear()
+
+
+class _LoadgenLines:
+    """Reads the load generator's JSON lines (cumulative counters, once a second) on a thread."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.last: dict[str, Any] = {}
+        self.connected_s: float | None = None
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            doc = json.loads(line)
+            if "connected_s" in doc:
+                self.connected_s = float(doc["connected_s"])
+            else:
+                self.last = doc
+
+
+def _start_clients(
+    loadgen: str,
+    cfg_path: Path,
+    n: int,
+    processes: int,
+    broker: MosquittoBroker,
+    window_s: float,
+    rate: float,
+    answer: bool,
+) -> tuple[subprocess.Popen[Any], _LoadgenLines | None]:
+    """``felix emulate --no-train`` worker processes, or the light load generator (one process)."""
+    if loadgen == "light":
+        cmd = [
+            sys.executable,
+            str(Path(__file__).with_name("mqtt_loadgen.py")),
+            str(cfg_path),
+            "--broker",
+            broker.address,
+            "--credentials",
+            str(broker.credentials_file),
+            "--run-id",
+            "cap",
+            "--clients",
+            str(n),
+            "--rate",
+            str(rate),
+            "--duration",
+            str(window_s + 600),
+            *(["--answer"] if answer else []),
+        ]
+        proc: subprocess.Popen[Any] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        return proc, _LoadgenLines(proc)
+    cmd = [
+        sys.executable,
+        "-m",
+        "felix.deploy",
+        "emulate",
+        str(cfg_path),
+        "--clients",
+        str(n),
+        "--processes",
+        str(processes),
+        "--broker",
+        broker.address,
+        "--run-id",
+        "cap",
+        "--credentials",
+        str(broker.credentials_file),
+        "--no-train",
+        "--time-scale",
+        "1",
+        "--max-wall-s",
+        str(window_s + 240),
+    ]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), None
 
 
 def run_phase(
@@ -139,9 +257,15 @@ def run_phase(
     work: Path,
     checkpoint: bool = False,
     horizon_s: float = 3600.0,
+    loadgen: str = "emulate",
+    rate: float = 0.0,
+    preset: str = "custom",
+    concurrency: int | None = None,
+    register_timeout_s: float = 180.0,
 ) -> dict[str, Any]:
+    light = loadgen == "light"
     cfg_path = work / f"{phase}-{n}.yaml"
-    _config(cfg_path, n, phase, slot_s, horizon_s)
+    _config(cfg_path, n, phase, slot_s, horizon_s, preset, light, concurrency)
     cfg = resolve_config(str(cfg_path), None, {})
     tag = f"{phase}-{n}{'-ck' if checkpoint else ''}"
     with MosquittoBroker(n, workdir=work / f"broker-{tag}") as broker:
@@ -157,72 +281,86 @@ def run_phase(
         server.orch.handle = timed  # type: ignore[method-assign]
         thread = threading.Thread(target=server.run, daemon=True, name="felix-loop")
         thread.start()
-        emulate = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "felix.deploy",
-                "emulate",
-                str(cfg_path),
-                "--clients",
-                str(n),
-                "--processes",
-                str(processes),
-                "--broker",
-                broker.address,
-                "--run-id",
-                "cap",
-                "--credentials",
-                str(broker.credentials_file),
-                "--no-train",
-                "--time-scale",
-                "1",
-                "--max-wall-s",
-                str(window_s + 240),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+        t_start = time.monotonic()
+        clients, lines = _start_clients(
+            loadgen,
+            cfg_path,
+            n,
+            processes,
+            broker,
+            window_s,
+            rate if phase == "tiers" else 0.0,
+            phase != "tiers",
         )
         try:
-            deadline = time.monotonic() + 180
+            deadline = time.monotonic() + register_timeout_s
             while len(server.orch.clients) < n:
-                if time.monotonic() > deadline or emulate.poll() is not None:
+                if time.monotonic() > deadline or clients.poll() is not None:
                     raise RuntimeError(f"only {len(server.orch.clients)} of {n} clients registered")
                 time.sleep(0.1)
-            time.sleep(1.0)  # let the registration burst drain
+            registered_s = time.monotonic() - t_start
+            time.sleep(2.0 if light else 1.0)  # let the registration burst drain
             s0, t0 = server.stats, time.monotonic()
             tiers0, results0, ck0 = s0.tier_messages, s0.results, s0.checkpoints
+            gen0 = dict(lines.last) if lines is not None else {}
             server.latency.clear()
-            timed.times.clear()
+            timed.clear()
             cpu0 = _thread_cpu(os.getpid())
             broker_pid = broker._proc.pid if broker._proc is not None else -1
-            others0 = (_tree_cpu(broker_pid), _tree_cpu(emulate.pid))
+            others0 = (_tree_cpu(broker_pid), _tree_cpu(clients.pid))
             time.sleep(window_s)
             dt = time.monotonic() - t0
             cpu1 = _thread_cpu(os.getpid())
-            others1 = (_tree_cpu(broker_pid), _tree_cpu(emulate.pid))
+            others1 = (_tree_cpu(broker_pid), _tree_cpu(clients.pid))
             s1 = server.stats
+            gen1 = dict(lines.last) if lines is not None else {}
             lat = np.array(server.latency) * 1000.0
             sel = np.array(timed.times) * 1000.0
+            dispatching = np.array(timed.selecting) * 1000.0
+            dispatching_cpu = np.array(timed.selecting_cpu) * 1000.0
             busy = sorted(((cpu1[k] - cpu0.get(k, 0.0)) / dt, k) for k in cpu1)[::-1]
+            gen_dt = gen1.get("t", 0.0) - gen0.get("t", 0.0)
             out = {
+                "registered": len(server.orch.clients),
+                "registered_s": registered_s,
+                "connected_s": lines.connected_s if lines is not None else None,
+                "offered_per_s": (gen1["sent_state"] - gen0["sent_state"]) / gen_dt
+                if gen_dt > 0
+                else _offered_tier_rate(n, slot_s),
+                "lost_connections": gen1.get("lost", 0),
                 "tier_per_s": (s1.tier_messages - tiers0) / dt,
                 "results_per_s": (s1.results - results0) / dt,
                 "checkpoints_per_s": (s1.checkpoints - ck0) / dt,
+                "rejected": s1.rejected,
                 "lat_p50_ms": float(np.percentile(lat, 50)) if lat.size else float("nan"),
                 "lat_p95_ms": float(np.percentile(lat, 95)) if lat.size else float("nan"),
                 "tier_event_p50_ms": float(np.percentile(sel, 50)) if sel.size else float("nan"),
                 "tier_event_p95_ms": float(np.percentile(sel, 95)) if sel.size else float("nan"),
+                "tier_event_p99_ms": float(np.percentile(sel, 99)) if sel.size else float("nan"),
+                "dispatching_events": int(dispatching.size),
+                "dispatching_event_p50_ms": float(np.percentile(dispatching, 50))
+                if dispatching.size
+                else float("nan"),
+                "dispatching_event_p95_ms": float(np.percentile(dispatching, 95))
+                if dispatching.size
+                else float("nan"),
+                "dispatching_event_cpu_p50_ms": float(np.percentile(dispatching_cpu, 50))
+                if dispatching.size
+                else float("nan"),
                 "versions": float(server.orch.version),
-                "threads": ", ".join(f"{k.split('/')[0]} {100 * v:.0f}%" for v, k in busy[:3])
-                + f"; broker {100 * (others1[0] - others0[0]) / dt:.0f}%, clients {100 * (others1[1] - others0[1]) / dt:.0f}%",
+                "cpu": {
+                    **{k.split("/")[0]: round(100 * v, 1) for v, k in busy[:3]},
+                    "broker": round(100 * (others1[0] - others0[0]) / dt, 1),
+                    "clients": round(100 * (others1[1] - others0[1]) / dt, 1),
+                },
             }
+            out["threads"] = ", ".join(f"{k} {v:.0f}%" for k, v in out["cpu"].items())
         finally:
-            emulate.send_signal(signal.SIGTERM)
+            clients.send_signal(signal.SIGTERM)
             try:
-                emulate.wait(30)
+                clients.wait(30)
             except subprocess.TimeoutExpired:
-                emulate.kill()
+                clients.kill()
             server.stop_requested.set()
             thread.join(30)
     return out
@@ -240,6 +378,20 @@ def main() -> int:
         "--horizon", type=float, default=3600.0, help="trace horizon (s) of the tier phase (repeats)"
     )
     p.add_argument("--tiers-only", action="store_true", help="only the tier phase (no round trips)")
+    p.add_argument(
+        "--loadgen",
+        choices=("emulate", "light"),
+        default="emulate",
+        help="clients: felix emulate --no-train workers, or benchmarks/mqtt_loadgen.py (one asyncio process)",
+    )
+    p.add_argument(
+        "--rate", type=float, default=5000.0, help="light: tier messages offered per second, all clients"
+    )
+    p.add_argument("--preset", default="custom", help="strategy of the tier phase (custom: random + fedbuff)")
+    p.add_argument(
+        "--concurrency", type=int, default=None, help="tasks in flight in the round trips (default: clients)"
+    )
+    p.add_argument("--json", type=Path, default=None, help="also write every phase's figures to this file")
     args = p.parse_args()
     import torch
 
@@ -247,7 +399,12 @@ def main() -> int:
     if find_mosquitto() is None:
         print("mosquitto is not installed (apt-get install mosquitto)", file=sys.stderr)
         return 2
-    print(f"{os.cpu_count()} CPUs; window {args.window:.0f} s; tier trace slot {args.slot} s; no training\n")
+    light = args.loadgen == "light"
+    print(
+        f"{os.cpu_count()} CPUs; window {args.window:.0f} s; clients: {args.loadgen}; tier phase "
+        + (f"{args.rate:.0f} msgs/s offered, preset {args.preset}" if light else f"trace slot {args.slot} s")
+        + "; no training\n"
+    )
     header = (
         f"{'clients':>7} {'procs':>5} | {'tier offered/s':>14} {'handled/s':>9} {'p50 ms':>7} {'p95 ms':>7} "
         f"{'event ms p50/p95':>16} | {'round trips/s':>13} {'p50 ms':>7} {'p95 ms':>7} | "
@@ -256,38 +413,79 @@ def main() -> int:
     print(header)
     print("-" * len(header))
     threads = []
+    record: list[dict[str, Any]] = []
+    common = {"loadgen": args.loadgen, "preset": args.preset, "register_timeout_s": 600.0 if light else 180.0}
     with tempfile.TemporaryDirectory(prefix="felix-capacity-") as tmp:
         for n in args.clients:
             tiers = run_phase(
-                n, "tiers", args.window, args.processes, args.slot, Path(tmp), horizon_s=args.horizon
+                n,
+                "tiers",
+                args.window,
+                args.processes,
+                args.slot,
+                Path(tmp),
+                horizon_s=args.horizon,
+                rate=args.rate,
+                **common,
             )
+            record.append({"clients": n, "phase": "tiers", **tiers})
             if args.tiers_only:
                 print(
-                    f"{n:>7} tiers: offered {_offered_tier_rate(n, args.slot):.1f}/s, handled "
-                    f"{tiers['tier_per_s']:.1f}/s, delay p50/p95 {tiers['lat_p50_ms']:.1f}/{tiers['lat_p95_ms']:.1f} ms, "
-                    f"tier event p50/p95 {tiers['tier_event_p50_ms']:.3f}/{tiers['tier_event_p95_ms']:.3f} ms; "
-                    f"busiest threads [{tiers['threads']}]",
+                    f"{n:>7} tiers: {tiers['registered']} registered in {tiers['registered_s']:.0f} s; offered "
+                    f"{tiers['offered_per_s']:.1f}/s, handled {tiers['tier_per_s']:.1f}/s, delay p50/p95 "
+                    f"{tiers['lat_p50_ms']:.1f}/{tiers['lat_p95_ms']:.1f} ms, tier event p50/p95/p99 "
+                    f"{tiers['tier_event_p50_ms']:.3f}/{tiers['tier_event_p95_ms']:.3f}/"
+                    f"{tiers['tier_event_p99_ms']:.3f} ms ({tiers['dispatching_events']} dispatching a task: "
+                    f"p50/p95 {tiers['dispatching_event_p50_ms']:.3f}/{tiers['dispatching_event_p95_ms']:.3f} ms, "
+                    f"CPU p50 {tiers['dispatching_event_cpu_p50_ms']:.3f} ms); "
+                    f"CPU [{tiers['threads']}]",
                     flush=True,
                 )
-                continue
-            trips = run_phase(n, "trips", args.window, args.processes, args.slot, Path(tmp))
-            ck = run_phase(n, "trips", args.window, args.processes, args.slot, Path(tmp), checkpoint=True)
-            procs = max(args.processes, -(-n // MAX_CLIENTS_PER_PROCESS))  # as felix emulate does
-            ratio = ck["results_per_s"] / max(1e-9, trips["results_per_s"])
-            print(
-                f"{n:>7} {procs:>5} | {_offered_tier_rate(n, args.slot):>14.1f} {tiers['tier_per_s']:>9.1f} "
-                f"{tiers['lat_p50_ms']:>7.1f} {tiers['lat_p95_ms']:>7.1f} "
-                f"{tiers['tier_event_p50_ms']:>7.3f}/{tiers['tier_event_p95_ms']:<8.3f} | "
-                f"{trips['results_per_s']:>13.1f} {trips['lat_p50_ms']:>7.1f} {trips['lat_p95_ms']:>7.1f} | "
-                f"{ck['results_per_s']:>17.1f} {ck['checkpoints_per_s']:>6.1f} {ratio:>5.2f}",
-                flush=True,
-            )
-            threads.append(
-                f"{n:>7}: tiers [{tiers['threads']}]; trips [{trips['threads']}]; "
-                f"trips+checkpoint [{ck['threads']}]"
-            )
-    print("\nbusiest threads of this process (server loop, paho network thread; CPU share of one core):")
-    print("\n".join(threads))
+            else:
+                trips = run_phase(
+                    n,
+                    "trips",
+                    args.window,
+                    args.processes,
+                    args.slot,
+                    Path(tmp),
+                    concurrency=args.concurrency,
+                    **common,
+                )
+                ck = run_phase(
+                    n,
+                    "trips",
+                    args.window,
+                    args.processes,
+                    args.slot,
+                    Path(tmp),
+                    checkpoint=True,
+                    concurrency=args.concurrency,
+                    **common,
+                )
+                record += [
+                    {"clients": n, "phase": "trips", **trips},
+                    {"clients": n, "phase": "trips+ck", **ck},
+                ]
+                procs = 1 if light else max(args.processes, -(-n // MAX_CLIENTS_PER_PROCESS))
+                ratio = ck["results_per_s"] / max(1e-9, trips["results_per_s"])
+                print(
+                    f"{n:>7} {procs:>5} | {tiers['offered_per_s']:>14.1f} {tiers['tier_per_s']:>9.1f} "
+                    f"{tiers['lat_p50_ms']:>7.1f} {tiers['lat_p95_ms']:>7.1f} "
+                    f"{tiers['tier_event_p50_ms']:>7.3f}/{tiers['tier_event_p95_ms']:<8.3f} | "
+                    f"{trips['results_per_s']:>13.1f} {trips['lat_p50_ms']:>7.1f} {trips['lat_p95_ms']:>7.1f} | "
+                    f"{ck['results_per_s']:>17.1f} {ck['checkpoints_per_s']:>6.1f} {ratio:>5.2f}",
+                    flush=True,
+                )
+                threads.append(
+                    f"{n:>7}: tiers [{tiers['threads']}]; trips [{trips['threads']}]; "
+                    f"trips+checkpoint [{ck['threads']}]"
+                )
+    if threads:
+        print("\nCPU share of one core over the window (server loop, paho network thread, broker, clients):")
+        print("\n".join(threads))
+    if args.json is not None:
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
     return 0
 
 

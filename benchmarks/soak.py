@@ -27,6 +27,8 @@ The JSON line:
 - ``server_crashes``: server lives that ended without being killed or stopped by the soak
   (the soak resumes it and goes on);
 - ``bad_updates_applied``: poisoning attempts that were applied (in the final log);
+- ``poisoning_attempts``: poisoned answers the hostile client sent (one per training task it got;
+  a zero here means the soak tested no poisoning);
 - ``rss_start_mb`` / ``rss_end_mb``: the server process's RSS once its first life is warm (its
   first checkpoint written) and just before the final stop (the last life);
 - ``tier_msgs_per_s`` / ``round_trips_per_s``: tier reports and task results the server handled
@@ -126,6 +128,16 @@ def write_config(path: Path, n: int) -> None:
     path.write_text(yaml.safe_dump(doc))
 
 
+def hostile_class_counts(cfg_path: Path, cid: int) -> tuple[int, ...]:
+    """The class counts of client ``cid``'s partition (what ``felix client`` registers)."""
+    from felix.engine.run import resolve_config
+    from felix.scenario.build import build_population
+
+    pop = build_population(resolve_config(str(cfg_path), None, {}))
+    y = pop.client_data[cid].y.numpy()
+    return tuple(int(c) for c in np.bincount(y, minlength=pop.train.num_classes))
+
+
 # ---------------------------------------------------------------------- the hostile client
 class Fuzzer:
     """A raw paho client holding a valid login (client ``cid``): genuine messages as seeds, their
@@ -139,10 +151,16 @@ class Fuzzer:
         n_fuzz: int,
         duration_s: float,
         seed: int,
+        class_counts: tuple[int, ...],
         poison: str = "all",
     ) -> None:
         self.topics = Topics(RUN)
         self.cid = cid
+        # Its own partition's counts, as a genuine client registers them: the server refuses a
+        # registration claiming more samples than the partition holds (and then sends no tasks).
+        self.class_counts = class_counts
+        self.num_samples = sum(class_counts)
+        self.tasks_received = 0
         self.rng = random.Random(seed)
         self.poison_kinds = {"all": 4, "no-aux": 3, "none": 0}[poison]  # kinds 0..k-1 of _answer are poison
         self.n_fuzz = n_fuzz
@@ -186,14 +204,15 @@ class Fuzzer:
                     **self._env(),
                     client=self.cid,
                     incarnation="fz",
-                    num_samples=30,
+                    num_samples=self.num_samples,
                     tier=Tier.AVL_TRAIN,
-                    class_counts=(3,) * 10,
+                    class_counts=self.class_counts,
                 )
             )
             self.seeds.append(reg)
             self._publish(self.topics.register(self.cid), reg)
         elif isinstance(msg, wire.TrainTask):
+            self.tasks_received += 1
             self._answer(msg)
         elif isinstance(msg, wire.EvalTask):
             res = wire.Result(
@@ -203,7 +222,7 @@ class Fuzzer:
                 task=msg.task,
                 kind=TaskKind.EVAL,
                 version=msg.version,
-                num_samples=30,
+                num_samples=self.num_samples,
                 stat_utility=1.0,
                 loss=1.0,
                 duration=1.0,
@@ -214,9 +233,14 @@ class Fuzzer:
 
     def _answer(self, task: wire.TrainTask) -> None:
         n = task.weights.size
-        kind = self.rng.randrange(self.poison_kinds + 1)
-        kind = 4 if kind == self.poison_kinds else kind  # the last draw is an honest answer
-        fields: dict[str, Any] = {"num_samples": 30, "delta": np.zeros(n, np.float32), "aux": {}}
+        # The poison kinds in turn, then one honest answer: the first task is always poisoned.
+        kind = (self.tasks_received - 1) % (self.poison_kinds + 1)
+        kind = 4 if kind == self.poison_kinds else kind
+        fields: dict[str, Any] = {
+            "num_samples": self.num_samples,
+            "delta": np.zeros(n, np.float32),
+            "aux": {},
+        }
         if kind == 0:
             fields["delta"] = np.full(n, 3e38, np.float32)  # finite, huge
         elif kind == 1:
@@ -295,7 +319,9 @@ class Fuzzer:
     def _fuzz_loop(self) -> None:
         t = self.topics
         topics = [t.register(self.cid), t.state(self.cid), t.result(self.cid)]
-        state = wire.encode(wire.State(**self._env(), client=self.cid, incarnation="fz", tier=Tier.AVL_EVAL))
+        # AVL_TRAIN: a hostile client wants training tasks (an AVL_EVAL seed, delivered once
+        # verbatim, parked it where it only ever got evaluations).
+        state = wire.encode(wire.State(**self._env(), client=self.cid, incarnation="fz", tier=Tier.AVL_TRAIN))
         self.seeds.append(state)
         next_at = time.monotonic()
         while self.sent < self.n_fuzz and not self.stop.is_set():
@@ -439,6 +465,7 @@ class Soak:
             p.fuzz,
             p.duration_s * 0.8,
             fuzzer_seed,
+            hostile_class_counts(self.cfg, p.clients),
             self.poison,
         )
         deadline = time.monotonic() + 180
@@ -536,14 +563,15 @@ class Soak:
             "applied_twice": len(final) - len(set(final)),
             "server_crashes": max(self.server_crashes, crashed_logs),
             "bad_updates_applied": len(fz.poisoned & set(final)),
+            "poisoning_attempts": fz.poison_attempts,
             "rss_start_mb": None if self.rss_start is None else round(self.rss_start, 1),
             "rss_end_mb": None if self.rss_end is None else round(self.rss_end, 1),
             "tier_msgs_per_s": round(t["tier_messages"] / wall, 1),
             "round_trips_per_s": round(t["results"] / wall, 1),
         }
         log(
-            f"lives {self.lives}, clients killed {killed_clients}, fuzzed {fz.sent}, poisoning attempts "
-            f"{fz.poison_attempts}, updates applied {len(final)}, aggregations {summ['aggregations']}, "
+            f"lives {self.lives}, clients killed {killed_clients}, fuzzed {fz.sent}, hostile client's "
+            f"training tasks {fz.tasks_received}, poisoning attempts {fz.poison_attempts}, updates applied {len(final)}, aggregations {summ['aggregations']}, "
             f"rejected {t['rejected']}, duplicates {t['duplicates']}, durable-before-kill {len(self.durable)}"
         )
         return out

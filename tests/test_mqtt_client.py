@@ -58,7 +58,7 @@ def _host(results: int) -> tuple[ClientHost, Device, FakeLink]:
 
 
 def _task_msg(host: ClientHost, msg: wire.Message) -> None:
-    host.inbox.put((0, Inbound(Topics("t").task(0), wire.encode(msg), 1, 1, False, 1, time.monotonic())))
+    host.inbox.put(Inbound(Topics("t").task(0), wire.encode(msg), 1, 1, False, 1, time.monotonic()), 0)
 
 
 def _train(task: int, size: int) -> wire.TrainTask:
@@ -122,7 +122,7 @@ def test_cancel_and_redelivery() -> None:
         ),
     )  # another run: dropped
     host.serve(time.monotonic() + 60)
-    assert host.inbox.empty()  # every message was handled before the one result
+    assert len(host.inbox) == 0  # every message was handled before the one result
     results = [m for _, m in link.sent if isinstance(m, wire.Result)]
     assert [r.task for r in results] == [4]
     assert host.tasks_done == 1

@@ -1,4 +1,4 @@
-"""Review finding 3 of issue 11: the server's inbox (paho thread -> loop) is bounded.
+"""Review finding 3 of issue 11: the server's and the clients' inboxes (paho threads -> loop) are bounded.
 
 A flood must meet back-pressure before it exhausts memory: the network thread's ``put`` waits
 while the bound is reached, and ``close`` (at shutdown) releases it.
@@ -10,11 +10,18 @@ import threading
 import time
 from pathlib import Path
 
-from mqtt_support import load_config, write_config
+import numpy as np
+import paho.mqtt.client as mqtt
+import pytest
+from broker import MosquittoBroker, find_mosquitto
+from mqtt_support import Background, load_config, users, wait_until, write_config
 
+from felix.deploy import wire
+from felix.deploy.client import ClientHost, ClientOptions, credentials_from_map
 from felix.deploy.inbox import Inbox
 from felix.deploy.link import BrokerOptions, Connected, Inbound
 from felix.deploy.server import ServeOptions, Server
+from felix.deploy.topics import SERVER_USER, Topics
 
 MB = 1 << 20
 
@@ -42,9 +49,9 @@ def test_server_inbox_blocks_a_flood_at_its_bound(tmp_path: Path) -> None:
     th.join(1.0)
     assert th.is_alive(), "64 MB went into the inbox without back-pressure"
     queued = 0
-    while (item := server.inbox.get(timeout=0.5)) is not None:  # the loop drains it; the flood completes
-        assert isinstance(item, Inbound)
-        queued += 1
+    while batch := server.inbox.get_batch(0.5, 64):  # the loop drains it; the flood completes
+        assert all(isinstance(item, Inbound) for _, item in batch)
+        queued += len(batch)
     th.join(5.0)
     assert not th.is_alive() and queued == 64
 
@@ -63,9 +70,72 @@ def test_inbox_bounds_bytes_and_count_and_close_releases_a_blocked_put() -> None
     th = flood(counted.put, 3)
     time.sleep(0.3)
     assert th.is_alive() and len(counted) == 2
-    assert counted.get(0.1) is not None
+    assert len(counted.get_batch(0.1, 1)) == 1
     th.join(2.0)
     assert not th.is_alive() and len(counted) == 2
     big = Inbox(max_bytes=MB // 2, max_messages=10)
     big.put(inbound(0))  # larger than the bound, into an empty inbox: admitted, nothing deadlocks
-    assert len(big) == 1 and big.get(0.1) is not None and big.get(0.05) is None
+    assert len(big) == 1 and len(big.get_batch(0.1, 8)) == 1 and big.get_batch(0.05, 8) == []
+
+
+@pytest.mark.mqtt
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto broker not installed")
+def test_client_inbox_bounds_a_task_flood_and_loses_nothing(tmp_path: Path) -> None:
+    """A flood of task messages to one client while its loop is busy: the client host's inbox
+    stays at its bound (the network thread waits, the broker and TCP hold the rest), and once the
+    loop resumes every message is handled, the genuine task behind the flood included."""
+    cfg = load_config(
+        write_config(tmp_path / "cfg.yaml", partition={"num_clients": 2}, trace={"kind": "always"})
+    )
+    T = Topics("t")
+    with MosquittoBroker(2, workdir=tmp_path / "broker") as broker:
+        opts = ClientOptions(
+            broker=BrokerOptions("127.0.0.1", broker.port),
+            run_id="t",
+            time_scale=0.01,
+            no_train=True,
+            max_wall_s=60.0,
+            max_inbox_messages=8,
+        )
+        host = ClientHost(cfg, [0], opts, credentials_from_map(users(broker)))
+        gate = threading.Event()
+        handled: list[Inbound | Connected] = []
+        handle = host.handle
+
+        def busy_then_handle(cid: int, item: Inbound | Connected) -> None:
+            gate.wait(30)  # the loop is busy (e.g. training) until the gate opens
+            handled.append(item)
+            handle(cid, item)
+
+        host.handle = busy_then_handle  # type: ignore[method-assign]
+        clients = Background(host.run, "clients")
+        clients.start()
+        server = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=SERVER_USER)
+        server.username_pw_set(SERVER_USER, users(broker)[SERVER_USER])
+        try:
+            wait_until(lambda: len(handled) == 0 and host.devices[0].link is not None, 15, "client 0")
+            server.connect("127.0.0.1", broker.port)
+            server.loop_start()
+            env = {"run": "t", "sent_at": time.time()}
+            flood = [
+                wire.encode(wire.Cancel(**env, msg_id=f"s-{i}", client=0, task=1000 + i, reason="x"))
+                for i in range(300)
+            ]
+            task = wire.TrainTask(
+                **env, msg_id="s-300", client=0, task=7, version=0, weights=np.zeros(16, np.float32)
+            )
+            infos = [server.publish(T.task(0), p, qos=1) for p in [*flood, wire.encode(task)]]
+            wait_until(lambda: host.inbox.full_waits >= 1, 15, "the inbox to fill")
+            time.sleep(0.3)
+            assert len(host.inbox) <= 8, "the inbox grew past its bound"
+            gate.set()
+            wait_until(lambda: len(host.devices[0].sent) == 1, 20, "the task behind the flood to run")
+            wait_until(lambda: len(handled) == 302, 10, "every message handled")
+            assert all(i.is_published() for i in infos)
+            assert sum(isinstance(i, Inbound) for i in handled) == 301  # 300 cancels + the task
+        finally:
+            gate.set()
+            server.disconnect()
+            server.loop_stop()
+            host.stop_requested.set()
+            clients.result(15)

@@ -41,6 +41,7 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "applied_twice",
         "server_crashes",
         "bad_updates_applied",
+        "poisoning_attempts",
         "rss_start_mb",
         "rss_end_mb",
         "tier_msgs_per_s",
@@ -56,5 +57,6 @@ def test_soak_loses_nothing_and_applies_nothing_twice(soak: dict[str, Any]) -> N
 
 def test_soak_no_crash_and_no_poison_applied(soak: dict[str, Any]) -> None:
     assert soak["server_crashes"] == 0 and soak["bad_updates_applied"] == 0, soak
+    assert soak["poisoning_attempts"] > 0, soak  # the hostile client got training tasks to poison
     # Without crashes, the last life runs long enough to compare memory (a crash loop's lives do not).
     assert soak["rss_end_mb"] < 1.2 * soak["rss_start_mb"], soak

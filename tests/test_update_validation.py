@@ -288,3 +288,42 @@ def test_norm_bound_scales_with_the_square_root_of_local_steps() -> None:
         v.check(7, TaskKind.TRAIN, ClientUpdate(1000, 1.0, 0.5, 1.0, big), 1000, 0, theta).update is not None
     )
     assert v.check(8, TaskKind.TRAIN, ClientUpdate(10, 1.0, 0.5, 1.0, big), 10, 0, theta).update is None
+
+
+FLOOR = ValidationConfig().norm_floor
+
+
+def _long_honest_run(floor: float) -> tuple[int, UpdateValidator]:
+    """300 aggregations of 10 honest updates whose typical norm shrinks 400-fold as the model
+    converges; every 50th comes from a client back from a long absence, whose update was computed
+    on an early model and is as large as the early ones. Returns the rejections (all false)."""
+    rng = np.random.default_rng(0)
+    v = UpdateValidator(ValidationConfig(norm_floor=floor, batch_size=10))
+    theta = np.ones(DIM, np.float32)
+    false = 0
+    for i in range(3000):
+        typical = 1.0 if i % 50 == 49 else 0.998**i
+        d = np.zeros(DIM, np.float32)
+        d[0] = typical * rng.lognormal(0.0, 0.3)
+        if v.check(i % 300, TaskKind.TRAIN, ClientUpdate(10, 1.0, 0.5, 1.0, d), 10, 0, theta).update is None:
+            false += 1
+    return false, v
+
+
+def test_norm_floor_keeps_late_honest_updates_as_the_median_shrinks() -> None:
+    without, v0 = _long_honest_run(0.0)
+    assert without > 0 and v0._median() < 0.01 * v0.peak  # the problem: the bound shrank with the median
+    false, v = _long_honest_run(FLOOR)  # the default
+    assert false == 0
+    theta = np.ones(DIM, np.float32)
+    assert v.norm_bound(theta, 1) == pytest.approx(30.0 * FLOOR * v.peak)  # the floor holds the bound
+    for poison in (1e3, 3e38):  # poisoning is still refused late in the run
+        d = np.zeros(DIM, np.float32)
+        d[1] = poison
+        verdict = v.check(5, TaskKind.TRAIN, ClientUpdate(10, 1.0, 0.5, 1.0, d), 10, 0, theta)
+        assert verdict.update is None and "norm" in verdict.reason and "peak" in verdict.reason
+    restored = UpdateValidator(v.config)
+    restored.load_state_dict(v.state_dict())
+    assert restored.peak == v.peak and restored.norm_bound(theta, 1) == v.norm_bound(theta, 1)
+    with pytest.raises(ValueError, match="norm_floor"):
+        ValidationConfig(norm_floor=1.5)

@@ -337,6 +337,13 @@ class ValidationCfg(_Strict):
     warmup_factor: float = Field(
         1.0, ge=0, description="bound before that: factor x the model's norm (0: none)"
     )
+    norm_floor: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="the median never counts below this fraction of its peak so far, so that the "
+        "bound does not shrink with the updates as the model converges (0: no floor)",
+    )
 
 
 class ClientCfg(_Strict):

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import queue
 import secrets
 import threading
 import time
@@ -55,6 +54,7 @@ from felix.client.trainer import LocalTrainer
 from felix.config import Config
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
+from felix.deploy.inbox import Inbox
 from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
 from felix.deploy.topics import ALLOWED, Topics, client_user
 from felix.engine.device import DeviceRunner, Step, Task, TaskRules, task_seed
@@ -72,6 +72,7 @@ CONNECT_PARALLELISM = 16
 MAX_CLIENTS_PER_PROCESS = 250
 RESEND_WINDOW_S = 30.0  # results re-published after a reconnect: those sent this many wall seconds before
 RESEND_MAX = 8  # ... at most this many per client
+INBOX_BATCH = 16  # messages handled per loop turn at most (timers run between turns)
 STOP_GRACE_S = 2.0  # on a stop request, the links get this long (together) to disconnect cleanly
 
 
@@ -86,6 +87,8 @@ class ClientOptions:
     no_train: bool = False  # reply with a zero update at once (capacity benchmark)
     max_wall_s: float | None = None
     will_delay_s: int = 5
+    max_inbox_bytes: int = 64 << 20  # received but not yet handled, all of a process's clients ...
+    max_inbox_messages: int = 10000  # ... together: reaching either makes the network threads wait
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
@@ -172,7 +175,9 @@ class ClientHost:
                 cid, pop.client_data[cid], float(runtimes[cid]), dt.tier_at(self.trace_time()), trace=dt
             )
         self._credentials = credentials
-        self.inbox: queue.SimpleQueue[tuple[int, Inbound | Connected]] = queue.SimpleQueue()
+        # Bounded like the server's: a flood makes the network threads wait (the broker keeps the
+        # rest), instead of growing this process's memory; the tag is the client id.
+        self.inbox = Inbox(opts.max_inbox_bytes, opts.max_inbox_messages)
         self._heap: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
         self.stop_requested = threading.Event()
@@ -201,6 +206,7 @@ class ClientHost:
                     fut.result()
             self.serve(deadline)
         finally:
+            self.inbox.close()  # a network thread waiting on a full inbox must not block its link's close
             self._close_links()
         return self.tasks_done
 
@@ -229,7 +235,7 @@ class ClientHost:
             f"felix-{self.opts.run_id}-c{dev.cid}",
             bopts,
             self.topics.client_subscriptions(dev.cid),
-            lambda item: self.inbox.put((dev.cid, item)),
+            lambda item: self.inbox.put(item, dev.cid),
         )  # dev: this call's own
         link.set_will(
             lambda epoch: (self.topics.state(dev.cid), self._state_will(dev, epoch)), self.opts.will_delay_s
@@ -246,11 +252,8 @@ class ClientHost:
                 break
             nxt = self.next_timer()
             timeout = 0.25 if nxt is None else min(0.25, max(0.0, nxt - self._clock()))
-            try:
-                cid, item = self.inbox.get(timeout=timeout)
+            for cid, item in self.inbox.get_batch(timeout, INBOX_BATCH):
                 self.handle(cid, item)
-            except queue.Empty:
-                pass
             self.run_timers()
 
     def start_timers(self) -> None:

@@ -1,4 +1,4 @@
-"""The server's inbox: messages from paho's network thread to the server loop, bounded.
+"""The inbox of the server and of a client host: messages from paho's network threads to the loop, bounded.
 
 paho calls ``on_message`` on its own thread and the loop handles messages one at a time; with an
 unbounded queue between them a flood (or a loop slower than the broker) holds every payload in
@@ -8,17 +8,27 @@ queued: paho stops reading its socket, TCP flow control stops the broker, and th
 (or, past its own limits, drops) what it cannot deliver; the server's memory stays flat. One
 message larger than ``max_bytes`` is still admitted into an empty inbox, so nothing deadlocks.
 
-``close`` (before the link's network thread is joined) wakes a blocked ``put``, which then drops
-its item: an unacknowledged QoS 1 message is redelivered to the next session by the broker.
+Nothing is dropped while the process runs: a waiting ``put`` has not returned, so paho has not
+acknowledged the message (its PUBACK follows ``on_message``) nor read the ones behind it; the broker
+keeps them. ``close`` (before the links' network threads are joined) wakes a blocked ``put``, which
+then drops its item: an unacknowledged QoS 1 message is redelivered to the next session.
+
+Items carry a ``tag``: a client host runs many clients' links into one inbox, and the tag says
+whose link a message came in on (the server's single link uses 0).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
 
 from felix.deploy.link import Connected, Inbound
+
+log = logging.getLogger("felix.deploy.inbox")
+
+Item = Inbound | Connected
 
 
 class Inbox:
@@ -29,7 +39,7 @@ class Inbox:
             raise ValueError("the inbox bounds must be positive")
         self.max_bytes = max_bytes
         self.max_messages = max_messages
-        self._items: deque[Inbound | Connected] = deque()
+        self._items: deque[tuple[int, Item]] = deque()
         self._bytes = 0
         self._messages = 0
         self._closed = False
@@ -44,13 +54,21 @@ class Inbox:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, item: Inbound | Connected) -> None:
+    def put(self, item: Item, tag: int = 0) -> None:
         """Queue ``item``; an ``Inbound`` waits while the inbox is full (never after ``close``)."""
         with self._cond:
             if isinstance(item, Inbound):
                 size = len(item.payload)
                 if self._full(size):
                     self.full_waits += 1
+                    if self.full_waits & (self.full_waits - 1) == 0:  # the 1st, 2nd, 4th, ... wait
+                        log.warning(
+                            "inbox full (%d messages, %d bytes): a network thread waits and the broker "
+                            "holds what follows (%d waits so far)",
+                            self._messages,
+                            self._bytes,
+                            self.full_waits,
+                        )
                     while self._full(size) and not self._closed:
                         self._cond.wait(0.5)
                 if self._closed:
@@ -58,24 +76,28 @@ class Inbox:
                     return
                 self._bytes += size
                 self._messages += 1
-            self._items.append(item)
+            self._items.append((tag, item))
             self._cond.notify_all()
 
-    def get(self, timeout: float) -> Inbound | Connected | None:
-        """The oldest item, or None after ``timeout`` seconds without one."""
+    def get_batch(self, timeout: float, limit: int) -> list[tuple[int, Item]]:
+        """Up to ``limit`` of the oldest ``(tag, item)``, waiting up to ``timeout`` seconds for the first
+        (empty list: none came). Taking what has queued at once costs one lock round trip and one
+        wake-up of a waiting network thread per batch instead of per message."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while not self._items:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return None
+                    return []
                 self._cond.wait(left)
-            item = self._items.popleft()
-            if isinstance(item, Inbound):
-                self._bytes -= len(item.payload)
-                self._messages -= 1
+            items = self._items
+            out = [items.popleft() for _ in range(min(limit, len(items)))]
+            for _, item in out:
+                if isinstance(item, Inbound):
+                    self._bytes -= len(item.payload)
+                    self._messages -= 1
             self._cond.notify_all()
-            return item
+            return out
 
     def close(self) -> None:
         """Stop accepting: blocked and later ``put`` calls drop their message and return."""

@@ -85,6 +85,7 @@ from felix.scenario.build import (
 log = logging.getLogger("felix.deploy.server")
 
 SEQ_PREFIXES_PER_CLIENT = 4  # message-id prefixes (incarnations, wills) whose sequence watermark is kept
+INBOX_BATCH = 64  # inbound messages handled per loop turn at most (timers and commits run between turns)
 RESULT_DIGESTS = 65536  # results remembered by task id (digest) to tell a redelivery from a replay
 
 
@@ -237,11 +238,13 @@ class Server:
             wake = self.orch.next_wakeup()
             now = self.now()
             timeout = 0.25 if wake is None else min(0.25, max(0.0, (wake - now) * self.opts.time_scale))
-            item = self.inbox.get(timeout=timeout)
-            if isinstance(item, Connected):
-                self._on_connected(item)
-            elif item is not None:
-                self.handle_inbound(item)
+            for _, item in self.inbox.get_batch(timeout, INBOX_BATCH):
+                if self.ctl.stop_reason is not None:
+                    break  # the rest stays unacknowledged: the broker redelivers it to the next session
+                if isinstance(item, Connected):
+                    self._on_connected(item)
+                else:
+                    self.handle_inbound(item)
             now = self.now()
             wake = self.orch.next_wakeup()
             if wake is not None and wake <= now and self.ctl.stop_reason is None:

@@ -499,6 +499,7 @@ def build_validator(cfg: Config, aggregator: Aggregator, num_params: int) -> Upd
             v.norm_window,
             v.norm_min_history,
             v.warmup_factor,
+            v.norm_floor,
             c.batch_size,
             c.epochs,
             c.max_steps,

@@ -1,0 +1,476 @@
+"""A light MQTT load generator for the capacity benchmark: thousands of clients in one process.
+
+``felix emulate`` runs one paho client (and its network thread) per emulated device, 250 per
+process: 1,000 clients already take ~130% of a core, so on one machine the emulated clients, not
+the server, were the bottleneck. This process opens N authenticated connections on one asyncio
+loop and speaks only the MQTT 3.1.1 subset a capacity run needs: CONNECT/CONNACK (username =
+client id = ``client-<k>``, the generated password, as the broker config demands), SUBSCRIBE to
+the client's task topic when it answers tasks (and, on the first connection, to the server's
+retained status), PUBLISH at QoS 1 with PUBACK handling both ways, and PINGREQ within the keep
+alive. The messages are genuine: REGISTER (the client's real sample and class counts, from the
+config's partition), STATE and RESULT built with ``felix.deploy.wire`` on ``felix.deploy.topics``,
+so the server validates them exactly as it does real clients' messages.
+
+Why hand-rolled rather than a library: paho (and aiomqtt, which wraps it) costs a thread or a
+task set and MQTT 5 property handling per client; gmqtt keeps several tasks and timers per
+client. Here a connection is one ``asyncio.Protocol`` (a few hundred bytes of state), one timer
+task drives every client's tier changes and one the keep-alives, so 10,000 clients and 5,000
+messages per second cost a fraction of a core. It is benchmark code: no TLS, no reconnects,
+no last will (MQTT 3.1.1 has no will delay); a lost connection is counted and reported.
+
+Behaviour:
+- every client registers once the server's retained status says ``running`` (as real clients do);
+- tier changes: ``--rate`` STATE messages per second in total, each from a random client moving
+  to one of the two other tiers (AVL_TRAIN, AVL_EVAL, UN_AVL);
+- ``--answer``: clients subscribe to their task topic and answer each TRAIN / EVAL task
+  ``--answer-delay`` s after it arrives with a zero update of the model's size (as ``felix emulate
+  --no-train``); CANCEL is ignored.
+
+It prints one JSON line per second (cumulative counters) and a last one when it stops (SIGTERM,
+SIGINT or ``--duration``). Run by ``benchmarks/mqtt_capacity.py --loadgen light``; by hand::
+
+    python benchmarks/mqtt_loadgen.py CONFIG --broker 127.0.0.1:1883 --credentials creds.json \
+        --run-id cap --clients 10000 --rate 5000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import secrets
+import signal
+import struct
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from felix.core.types import TaskKind, Tier
+from felix.deploy import wire
+from felix.deploy.topics import Topics, client_user
+
+TIERS = (Tier.AVL_TRAIN, Tier.AVL_EVAL, Tier.UN_AVL)
+KEEPALIVE_S = 60
+
+# ---------------------------------------------------------------------- MQTT 3.1.1 packets
+
+
+def _varint(n: int) -> bytes:
+    """MQTT's remaining-length encoding (7 bits per byte, high bit = more)."""
+    out = bytearray()
+    while True:
+        n, digit = divmod(n, 128)
+        out.append(digit | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _str(s: str | bytes) -> bytes:
+    b = s.encode() if isinstance(s, str) else s
+    return struct.pack("!H", len(b)) + b
+
+
+def connect_packet(client_id: str, username: str, password: str, keepalive: int) -> bytes:
+    """CONNECT, MQTT 3.1.1, clean session, with username and password."""
+    body = _str("MQTT") + bytes([4, 0x80 | 0x40 | 0x02]) + struct.pack("!H", keepalive)
+    body += _str(client_id) + _str(username) + _str(password)
+    return b"\x10" + _varint(len(body)) + body
+
+
+def publish_packet(topic: bytes, payload: bytes, pid: int) -> bytes:
+    """PUBLISH at QoS 1 (flags 0x2), not retained."""
+    body = _str(topic) + struct.pack("!H", pid)
+    return b"\x32" + _varint(len(body) + len(payload)) + body + payload
+
+
+def subscribe_packet(pid: int, topics: list[str]) -> bytes:
+    body = struct.pack("!H", pid) + b"".join(_str(t) + b"\x01" for t in topics)
+    return b"\x82" + _varint(len(body)) + body
+
+
+PINGREQ = b"\xc0\x00"
+DISCONNECT = b"\xe0\x00"
+
+
+def puback_packet(pid: int) -> bytes:
+    return b"\x40\x02" + struct.pack("!H", pid)
+
+
+def split_packets(buf: bytearray) -> list[tuple[int, bytes]]:
+    """Remove every complete packet from ``buf``: ``[(first byte, body)]``."""
+    out: list[tuple[int, bytes]] = []
+    pos = 0
+    n = len(buf)
+    while pos + 2 <= n:
+        mult, length, i = 1, 0, pos + 1
+        while True:
+            if i >= n:
+                del buf[:pos]
+                return out
+            b = buf[i]
+            length += (b & 0x7F) * mult
+            mult *= 128
+            i += 1
+            if not b & 0x80:
+                break
+            if mult > 128**3:
+                raise ValueError("malformed remaining length")
+        if i + length > n:
+            break
+        out.append((buf[pos], bytes(buf[i : i + length])))
+        pos = i + length
+    del buf[:pos]
+    return out
+
+
+def parse_publish(first: int, body: bytes) -> tuple[str, int | None, bytes]:
+    """(topic, packet id or None at QoS 0, payload) of a PUBLISH body."""
+    (tlen,) = struct.unpack_from("!H", body)
+    topic = body[2 : 2 + tlen].decode()
+    pos = 2 + tlen
+    pid = None
+    if (first >> 1) & 0x03:
+        (pid,) = struct.unpack_from("!H", body, pos)
+        pos += 2
+    return topic, pid, body[pos:]
+
+
+# ---------------------------------------------------------------------- one connection
+
+
+@dataclass
+class Counters:
+    connected: int = 0
+    refused: int = 0
+    lost: int = 0
+    registered: int = 0
+    sent_state: int = 0
+    sent_result: int = 0
+    acked: int = 0  # PUBACKs from the broker for our publishes
+    tasks_in: int = 0
+    pings: int = 0
+
+
+class Conn(asyncio.Protocol):
+    """One client's connection: writes whole packets, reads CONNACK, SUBACK, PUBACK, PINGRESP and
+    the server's task / status PUBLISHes (acknowledged at once, handed to ``on_publish``)."""
+
+    def __init__(self, gen: LoadGen, cid: int) -> None:
+        self.gen = gen
+        self.cid = cid
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.connack: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.next_pid = 0
+        self.last_write = 0.0
+
+    def pid(self) -> int:
+        self.next_pid = self.next_pid % 65535 + 1
+        return self.next_pid
+
+    def write(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(data)
+        self.last_write = time.monotonic()
+
+    def publish(self, topic: bytes, payload: bytes) -> None:
+        self.write(publish_packet(topic, payload, self.pid()))
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.connack.done():
+            self.connack.set_exception(
+                ConnectionError(f"client {self.cid}: connection closed before CONNACK")
+            )
+        elif not self.gen.stopping:
+            self.gen.counters.lost += 1
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        for first, body in split_packets(self.buf):
+            kind = first >> 4
+            if kind == 4:  # PUBACK
+                self.gen.counters.acked += 1
+            elif kind == 3:  # PUBLISH
+                topic, pid, payload = parse_publish(first, body)
+                if pid is not None:
+                    self.write(puback_packet(pid))
+                self.gen.on_publish(self, topic, payload)
+            elif kind == 2 and not self.connack.done():  # CONNACK: flags, return code
+                self.connack.set_result(body[1])
+
+
+# ---------------------------------------------------------------------- the generator
+
+
+@dataclass(frozen=True)
+class ClientInfo:
+    num_samples: int
+    class_counts: tuple[int, ...]
+
+
+class LoadGen:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        run_id: str,
+        passwords: dict[str, str],
+        clients: list[ClientInfo],
+        rate: float,
+        num_params: int,
+        answer: bool = False,
+        answer_delay_s: float = 0.01,
+        seed: int = 0,
+        max_connecting: int = 64,
+    ) -> None:
+        self.host, self.port = host, port
+        self.topics = Topics(run_id)
+        self.run_id = run_id
+        self.passwords = passwords
+        self.clients = clients
+        self.rate = rate
+        self.answer = answer
+        self.answer_delay_s = answer_delay_s
+        self.max_connecting = max_connecting
+        self.rng = np.random.default_rng(seed)
+        n = len(clients)
+        self.tiers = self.rng.integers(0, len(TIERS), n)
+        self.incarnation = [secrets.token_hex(4) for _ in range(n)]
+        self.seq = [0] * n
+        self.state_topic = [self.topics.state(c).encode() for c in range(n)]
+        self.result_topic = [self.topics.result(c).encode() for c in range(n)]
+        self.zero_delta = np.zeros(num_params, np.float32)
+        self.conns: list[Conn] = []
+        self.counters = Counters()
+        self.session: str | None = None
+        self.running = asyncio.Event()
+        self.stopping = False
+        self.started = time.monotonic()
+
+    # ------------------------------------------------------------------ messages
+    def env(self, cid: int) -> dict[str, Any]:
+        self.seq[cid] += 1
+        return {
+            "run": self.run_id,
+            "msg_id": f"{self.incarnation[cid]}-{self.seq[cid]}",
+            "sent_at": time.time(),
+        }
+
+    def register(self, conn: Conn) -> None:
+        cid, info = conn.cid, self.clients[conn.cid]
+        msg = wire.Register(
+            **self.env(cid),
+            client=cid,
+            incarnation=self.incarnation[cid],
+            num_samples=info.num_samples,
+            tier=TIERS[self.tiers[cid]],
+            class_counts=info.class_counts,
+        )
+        conn.publish(self.topics.register(cid).encode(), wire.encode(msg))
+        self.counters.registered += 1
+
+    def send_state(self, cid: int) -> None:
+        t = (self.tiers[cid] + self.rng.integers(1, len(TIERS))) % len(TIERS)
+        self.tiers[cid] = t
+        msg = wire.State(**self.env(cid), client=cid, incarnation=self.incarnation[cid], tier=TIERS[t])
+        self.conns[cid].publish(self.state_topic[cid], wire.encode(msg))
+        self.counters.sent_state += 1
+
+    def on_publish(self, conn: Conn, topic: str, payload: bytes) -> None:
+        try:
+            msg = wire.decode(payload)
+        except wire.MessageError:
+            return
+        if isinstance(msg, wire.Status):
+            if msg.state == "running" and msg.session != self.session:
+                self.session = msg.session
+                self.running.set()
+            return
+        if isinstance(msg, (wire.TrainTask, wire.EvalTask)) and msg.client == conn.cid:
+            self.counters.tasks_in += 1
+            loop = asyncio.get_running_loop()
+            loop.call_later(self.answer_delay_s, self.send_result, conn, msg.task, msg.version, msg.TYPE)
+
+    def send_result(self, conn: Conn, task: int, version: int, mtype: wire.MsgType) -> None:
+        if self.stopping or conn.transport is None or conn.transport.is_closing():
+            return
+        cid = conn.cid
+        train = mtype is wire.MsgType.TRAIN
+        msg = wire.Result(
+            **self.env(cid),
+            client=cid,
+            incarnation=self.incarnation[cid],
+            task=task,
+            kind=TaskKind.TRAIN if train else TaskKind.EVAL,
+            version=version,
+            num_samples=self.clients[cid].num_samples,
+            stat_utility=1.0,
+            loss=1.0,
+            duration=self.answer_delay_s,
+            delta=self.zero_delta if train else None,
+        )
+        conn.publish(self.result_topic[cid], wire.encode(msg))
+        self.counters.sent_result += 1
+
+    # ------------------------------------------------------------------ connections
+    async def open(self, cid: int, sem: asyncio.Semaphore) -> Conn:
+        loop = asyncio.get_running_loop()
+        user = client_user(cid)
+        async with sem:
+            _, conn = await loop.create_connection(lambda: Conn(self, cid), self.host, self.port)
+            conn.write(connect_packet(user, user, self.passwords[user], KEEPALIVE_S))
+            rc = await asyncio.wait_for(conn.connack, 30)
+        if rc != 0:
+            self.counters.refused += 1
+            raise ConnectionError(f"broker refused {user}: CONNACK return code {rc}")
+        self.counters.connected += 1
+        subs = [self.topics.task(cid)] if self.answer else []
+        if cid == 0:
+            subs.append(self.topics.status)
+        if subs:
+            conn.write(subscribe_packet(conn.pid(), subs))
+        return conn
+
+    async def keepalive(self) -> None:
+        """PINGREQ for every connection idle for half the keep-alive, checked once a second."""
+        while True:
+            await asyncio.sleep(1.0)
+            limit = time.monotonic() - KEEPALIVE_S / 2
+            for c in self.conns:
+                if c.last_write < limit and c.transport is not None and not c.transport.is_closing():
+                    c.write(PINGREQ)
+                    self.counters.pings += 1
+
+    async def drive_tiers(self) -> None:
+        """``rate`` STATE messages per second in total, in 5 ms steps, from random clients."""
+        if self.rate <= 0:
+            return
+        n = len(self.conns)
+        t0, sent = time.monotonic(), 0
+        while True:
+            await asyncio.sleep(0.005)
+            due = int(self.rate * (time.monotonic() - t0)) - sent
+            if due <= 0:
+                continue
+            for cid in self.rng.integers(0, n, due).tolist():
+                self.send_state(cid)
+            sent += due
+
+    async def report(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.print_line()
+
+    def print_line(self) -> None:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        line = {"t": round(time.monotonic(), 3), **asdict(self.counters), "cpu_s": r.ru_utime + r.ru_stime}
+        print(json.dumps(line), flush=True)
+
+    async def run(self, duration_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        sem = asyncio.Semaphore(self.max_connecting)
+        t0 = time.monotonic()
+        reporter = asyncio.create_task(self.report())
+        self.conns = list(await asyncio.gather(*(self.open(c, sem) for c in range(len(self.clients)))))
+        print(json.dumps({"connected_s": round(time.monotonic() - t0, 2)}), flush=True)
+        pinger = asyncio.create_task(self.keepalive())
+        await self.running.wait()
+        for c in self.conns:
+            self.register(c)
+        driver = asyncio.create_task(self.drive_tiers())
+        try:
+            await asyncio.wait_for(stop.wait(), duration_s)
+        except TimeoutError:
+            pass
+        self.stopping = True
+        for task in (driver, pinger, reporter):
+            task.cancel()
+        c = self.counters
+        for _ in range(100):  # the broker's last PUBACKs
+            if c.acked >= c.registered + c.sent_state + c.sent_result:
+                break
+            await asyncio.sleep(0.05)
+        self.print_line()
+        for c in self.conns:
+            if c.transport is not None:
+                c.transport.write(DISCONNECT)
+                c.transport.close()
+        await asyncio.sleep(0.1)
+
+
+def client_infos(cfg_path: str, n: int) -> tuple[list[ClientInfo], int]:
+    """Each client's sample and class counts as ``felix client`` derives them, and the model size."""
+    from felix.engine.run import resolve_config
+    from felix.scenario.build import build_population
+
+    cfg = resolve_config(cfg_path, None, {})
+    pop = build_population(cfg)
+    if len(pop.client_data) < n:
+        raise SystemExit(f"the config's partition has {len(pop.client_data)} clients, fewer than {n}")
+    c = pop.train.num_classes
+    infos = [
+        ClientInfo(len(d), tuple(int(x) for x in np.bincount(d.y.numpy(), minlength=c)))
+        for d in pop.client_data[:n]
+    ]
+    return infos, int(pop.initial_weights.size)
+
+
+def raise_open_file_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if resource.RLIM_INFINITY not in (soft, hard) and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="the run's config file (partition: sample and class counts)")
+    p.add_argument("--broker", required=True, help="HOST:PORT")
+    p.add_argument("--credentials", required=True, help="credentials.json of felix mqtt-credentials")
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--clients", type=int, required=True)
+    p.add_argument("--rate", type=float, default=0.0, help="STATE messages per second, all clients together")
+    p.add_argument("--answer", action="store_true", help="subscribe to tasks and answer them")
+    p.add_argument("--answer-delay", type=float, default=0.01)
+    p.add_argument("--duration", type=float, default=3600.0, help="stop after this many seconds")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    host, _, port = args.broker.rpartition(":")
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    raise_open_file_limit()
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < args.clients + 64:
+        print(f"open-file limit {limit} is too low for {args.clients} connections", file=sys.stderr)
+        return 2
+    with open(args.credentials) as f:
+        passwords = json.load(f)
+    infos, num_params = client_infos(args.config, args.clients)
+    gen = LoadGen(
+        host,
+        int(port),
+        args.run_id,
+        passwords,
+        infos,
+        args.rate,
+        num_params,
+        args.answer,
+        args.answer_delay,
+        args.seed,
+    )
+    asyncio.run(gen.run(args.duration))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    raise SystemExit(main())

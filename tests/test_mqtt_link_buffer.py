@@ -1,0 +1,31 @@
+"""The link's buffered socket reads (``felix.deploy.link._ReadBuffered``): paho's small reads are
+served from one ``recv`` per chunk, ``pending()`` says what is buffered, and end of stream and
+"no data yet" reach paho as they would from the socket itself."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from felix.deploy.link import READ_CHUNK, _ReadBuffered
+
+
+def test_small_reads_come_from_one_chunk_and_pending_tracks_them() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        b.setblocking(False)
+        buf = _ReadBuffered(b)
+        with pytest.raises(BlockingIOError):  # nothing sent yet: paho's "try again"
+            buf.recv(1)
+        a.sendall(b"\x30\x05hello\x30\x02hi")
+        assert buf.recv(1) == b"\x30" and buf.pending() == 10
+        assert buf.recv(1) == b"\x05" and buf.recv(5) == b"hello"
+        assert buf.recv(1) == b"\x30" and buf.recv(1) == b"\x02" and buf.recv(10) == b"hi"
+        assert buf.pending() == 0
+        big = bytes(range(256)) * (2 * READ_CHUNK // 256)
+        a.sendall(big[:100])
+        assert buf.recv(len(big)) == big[:100]  # a large body: read straight from the socket
+        assert buf.fileno() == b.fileno()  # everything else is the socket's (select() needs this)
+        a.close()
+        assert buf.recv(1) == b""  # end of stream

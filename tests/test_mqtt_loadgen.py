@@ -1,0 +1,77 @@
+"""The capacity benchmark's light load generator (benchmarks/mqtt_loadgen.py) against a real broker
+and server: its hand-rolled MQTT packets log in, register, report tiers and answer tasks, and the
+server accepts all of it as genuine client traffic."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from broker import MosquittoBroker
+from mqtt_support import (
+    load_config,
+    needs_mosquitto,
+    one_torch_thread,  # noqa: F401  (a fixture)
+    reap,
+    start_server,
+    wait_until,
+    write_config,
+)
+
+LOADGEN = Path(__file__).resolve().parents[1] / "benchmarks" / "mqtt_loadgen.py"
+
+pytestmark = needs_mosquitto
+
+
+def test_loadgen_registers_reports_tiers_and_answers_tasks(tmp_path: Path) -> None:
+    n = 24
+    cfg_path = write_config(tmp_path / "c.yaml", trace={"kind": "always"})
+    with MosquittoBroker(n, workdir=tmp_path / "broker") as broker:
+        server, thread = start_server(load_config(cfg_path), broker, tmp_path / "out", time_scale=0.01)
+        gen = subprocess.Popen(
+            [
+                sys.executable,
+                str(LOADGEN),
+                str(cfg_path),
+                "--broker",
+                broker.address,
+                "--credentials",
+                str(broker.credentials_file),
+                "--run-id",
+                "t",
+                "--clients",
+                str(n),
+                "--rate",
+                "200",
+                "--answer",
+                "--duration",
+                "60",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            wait_until(lambda: len(server.orch.clients) == n, 40, "the load generator's registrations")
+            wait_until(
+                lambda: server.stats.tier_messages >= 200 and server.orch.version >= 1,
+                40,
+                "tier reports and answered tasks",
+            )
+        finally:
+            gen.send_signal(signal.SIGTERM)
+            out, _ = gen.communicate(timeout=20)
+            server.stop_requested.set()
+            thread.result(30)
+        assert reap(gen) == [0]
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["connected"] == n and last["refused"] == 0 and last["lost"] == 0
+    assert last["registered"] == n and last["sent_state"] >= 200 and last["sent_result"] >= 10
+    assert last["tasks_in"] >= last["sent_result"]
+    # Every QoS 1 publish was acknowledged by the broker (the server only sees acknowledged ones).
+    assert last["acked"] == last["registered"] + last["sent_state"] + last["sent_result"]
+    transport = {k: v for k, v in server.stats.rejected_by_reason.items() if k.startswith("transport")}
+    assert transport == {}, transport  # genuine messages: nothing refused at the transport level
+    assert server.stats.registrations == n
