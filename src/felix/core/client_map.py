@@ -425,6 +425,8 @@ class ClientMap:
 
     def _idle_members(self, tier: int) -> np.ndarray:
         members = self._sorted_members(tier)
+        if not self._busy:
+            return members.copy()
         busy = np.fromiter(self._busy, dtype=np.int64, count=len(self._busy))
         busy = busy[self._cols["tier"][busy] == tier]
         return np.delete(members, self._slot[busy]) if busy.size else members.copy()
