@@ -16,6 +16,11 @@ through ``Orchestrator.handle`` (validation, Oort feedback, buffering, an aggreg
 updates, and the refill: train selection of the one freed slot plus the eval path). Only the
 completions of training tasks are timed; eval completions are delivered between them.
 
+``measure_tier_events`` (with ``--async-events``): after the async events, every training slot
+is taken; the cost of one ``TierChanged`` event through ``Orchestrator.handle`` then (a random
+client flips between AVL_TRAIN and UN_AVL; the eval budget runs out after a few probes, no new
+task completes). It must not grow with the registered population.
+
 Only the orchestrator's event API and ``ClientMap.add`` are used (plus the two private methods
 above), so the same script times older checkouts: ``PYTHONPATH=/path/to/src``.
 
@@ -37,7 +42,7 @@ import numpy as np
 import felix
 from felix.core.client_map import ClientRecord
 from felix.core.commands import DispatchEval, DispatchTrain
-from felix.core.events import TaskFinished, Tick
+from felix.core.events import TaskFinished, Tick, TierChanged
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.types import ClientUpdate, Tier
 from felix.strategies.aggregation.fedavg import FedBuffAggregator
@@ -167,6 +172,7 @@ def measure_async_slot(
             ms.append(1e3 * (time.perf_counter() - t0))
             cpu.append(1e3 * (time.thread_time() - c0))
         note(cmds)
+    tier_ms = measure_tier_events(orch, rng, events, now)
     return {
         "registered": registered,
         "available": available,
@@ -174,9 +180,25 @@ def measure_async_slot(
         "async_slot_ms_median": statistics.median(ms),
         "async_slot_ms_min": min(ms),
         "async_slot_cpu_ms_median": statistics.median(cpu),
+        "tier_event_ms_median": statistics.median(tier_ms),
+        "tier_event_ms_min": min(tier_ms),
         "versions": orch.version,
         "felix_src": felix.__file__,
     }
+
+
+def measure_tier_events(orch: Orchestrator, rng: np.random.Generator, events: int, now: float) -> list[float]:
+    """Wall ms of ``events`` tier changes through ``Orchestrator.handle`` (see the module doc)."""
+    ms: list[float] = []
+    n = len(orch.clients)
+    for _ in range(events):
+        cid = int(rng.integers(n))
+        tier = Tier.UN_AVL if orch.clients[cid].tier is Tier.AVL_TRAIN else Tier.AVL_TRAIN
+        now += 1.0
+        t0 = time.perf_counter()
+        orch.handle(TierChanged(now, cid, tier))
+        ms.append(1e3 * (time.perf_counter() - t0))
+    return ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                         "async_slot_ms_median",
                         "async_slot_ms_min",
                         "async_slot_cpu_ms_median",
+                        "tier_event_ms_median",
+                        "tier_event_ms_min",
                     )
                 }
             )

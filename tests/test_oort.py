@@ -16,6 +16,7 @@ from felix.core.policies import SelectionContext
 from felix.core.types import ClientUpdate, Tier
 from felix.strategies.aggregation.fedavg import FedBuffAggregator
 from felix.strategies.selection.oort import OortParams, OortSelector, get_norm, weighted_sample
+from felix.strategies.selection.sampling import choice_by_weight
 
 
 def rec(
@@ -278,6 +279,26 @@ def test_weighted_sample_takes_positive_weights_first():
     rng = np.random.default_rng(0)
     idx = weighted_sample(np.array([0.0, 5.0, 0.0, -1.0]), 2, rng)
     assert 1 in idx and len(set(idx.tolist())) == 2
+
+
+def test_choice_by_weight_draws_exactly_as_numpy_choice():
+    """The exploit / explore sampler replays ``Generator.choice(replace=False, p=...)``: the same
+    picks in the same order, and the generator left in the same state."""
+    g = np.random.default_rng(123)
+    for trial in range(1000):
+        m = int(g.integers(1, 200))
+        w = [g.random(m), g.lognormal(0.0, 3.0, m), np.round(3 * g.random(m)), np.ones(m)][trial % 4]
+        positive = int(np.count_nonzero(w))
+        if positive == 0:
+            continue
+        n = int(g.integers(1, positive + 1))
+        p = w / w.sum()
+        seed = int(g.integers(2**31))
+        ours, numpy_rng = np.random.default_rng(seed), np.random.default_rng(seed)
+        assert choice_by_weight(p, n, ours).tolist() == numpy_rng.choice(m, n, replace=False, p=p).tolist()
+        assert ours.random() == numpy_rng.random()
+    with pytest.raises(ValueError):  # fewer positive weights than picks: numpy's own error
+        choice_by_weight(np.array([1.0, 0.0]), 2, g)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from selection_scenarios import SCENARIOS, SEEDS, _build, run_scenario
 
-from felix.core.client_map import ClientMap, ClientRecord
+from felix.core.client_map import _LOG_SIZE, ClientMap, ClientRecord
 from felix.core.commands import UpdateRejected
 from felix.core.events import ClientRegistered
 from felix.core.orchestrator import Orchestrator, OrchestratorConfig
@@ -265,6 +265,88 @@ def test_client_map_rejects_bad_input():
     ):
         with pytest.raises(ValueError):
             ClientMap().load_state_dict(bad)
+
+
+# ---------------------------------------------------------------------------- the write log
+def test_write_log_names_the_rows_whose_result_fields_were_written():
+    m = ClientMap()
+    for c in range(10):
+        m.add(ClientRecord(c, 5, Tier.AVL_TRAIN, Tier.AVL_TRAIN))
+    assert m.written_since(None) is None  # no mark: read the whole map
+    m.add(ClientRecord(10, 5, Tier.AVL_TRAIN, Tier.AVL_TRAIN))
+    mark = m.mark()
+    assert m.written_since(mark).tolist() == []
+    m.add(ClientRecord(11, 5, Tier.AVL_TRAIN, Tier.AVL_TRAIN, stat_utility=2.0))  # registered with a history
+    m[3].stat_utility = 1.0
+    m[7].last_duration = 2.0
+    m[3].times_updated += 1
+    m[5].times_selected += 1  # not a result field
+    m[5].in_flight = 9
+    m[5].tier = Tier.UN_AVL
+    assert m.written_since(mark).tolist() == [11, 3, 7, 3]
+    copy = ClientMap()
+    copy.load_state_dict(m.state_dict())
+    assert copy.written_since(mark) is None  # another map's mark
+    assert copy.written_since(copy.mark()).tolist() == []
+    m.load_state_dict(m.state_dict())
+    assert m.written_since(mark) is None  # a restored state is read afresh
+
+
+def test_write_log_matches_a_reference_across_wraps():
+    rng = np.random.default_rng(0)
+    m = ClientMap()
+    for c in range(50):
+        m.add(ClientRecord(c, 5, Tier.AVL_TRAIN, Tier.AVL_TRAIN))
+    written: list[int] = []
+    marks = [(m.mark(), 0)]
+    for step in range(3 * _LOG_SIZE):
+        r = int(rng.integers(50))
+        view = m[r]
+        if step % 3 == 0:
+            view.stat_utility = float(step)
+        elif step % 3 == 1:
+            view.last_duration = None
+        else:
+            view.times_updated += 1
+        written.append(r)
+        if rng.random() < 0.01:
+            marks.append((m.mark(), len(written)))
+        if step % 509 == 0 or step == 3 * _LOG_SIZE - 1:
+            for mark, at in marks:
+                got = m.written_since(mark)
+                if len(written) - at > _LOG_SIZE:
+                    assert got is None
+                else:
+                    assert got is not None and got.tolist() == written[at:]
+
+
+@pytest.mark.parametrize("blacklist", [None, 2])
+def test_oort_keeps_up_from_the_log_as_a_full_read_would(blacklist):
+    """The population-wide state the selector keeps from the write log (explored count, sorted
+    durations, blacklist watch) equals what a fresh selector builds by reading the whole map,
+    through single writes, a burst past the re-sort threshold and one past the log's size."""
+    rng = np.random.default_rng(5)
+    n = 400
+    m = ClientMap()
+    for c in range(n):
+        m.add(ClientRecord(c, int(rng.integers(1, 50)), Tier.AVL_TRAIN, Tier.AVL_TRAIN))
+    sel = OortSelector(OortParams(blacklist_rounds=blacklist))
+    for step in range(40):
+        writes = {10: 600, 20: _LOG_SIZE + 10}.get(step, int(rng.integers(0, 12)))
+        for _ in range(writes):
+            view = m[int(rng.integers(n))]
+            view.stat_utility = float(rng.uniform(1, 9))
+            view.last_duration = float(rng.integers(1, 40))
+            view.times_updated += 1
+        ctx = SelectionContext(0.0, step + 1, m, np.random.default_rng(step))
+        sel.select(np.flatnonzero(rng.random(n) < 0.3), 5, ctx)
+        fresh = OortSelector(OortParams(blacklist_rounds=blacklist))
+        fresh.score_candidates([0], ctx)
+        mine, full = sel.state_dict(), fresh.state_dict()
+        for key in ("seen_duration", "seen_explored", "watched"):
+            assert np.array_equal(mine[key], full[key], equal_nan=True), (step, key)
+        assert mine["seen_explored"].sum() == (~np.isnan(m.column("stat_utility"))).sum()
+        assert sel.preferred_duration == fresh.preferred_duration
 
 
 # ---------------------------------------------------------------------------- ranking

@@ -15,10 +15,18 @@ row (the simulator registers 0..N-1 in order) no lookup is needed at all.
 
 ``map[client_id]`` returns a ``ClientView``, a write-through view of one row with the record's
 field names; ``ClientRecord`` is the plain record a client is registered with.
+
+Selectors keep population-wide summaries of the result fields (``stat_utility``, ``last_duration``,
+``times_updated``: Oort's explored count, its sorted durations and its blacklist). So that they
+need not re-read those fields of every candidate at every decision to notice a change, the map
+logs the row of each write to them (a ring of the last ``_LOG_SIZE`` writes); a reader keeps a
+``LogMark`` and asks for the rows written since (``written_since``), or is told to read the whole
+map when the log cannot say (another map, a restored state, or more writes than the ring holds).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -59,6 +67,17 @@ _TABLE_MIN = (
     1024  # first size of the flat id table; ids up to 4 x the population grow it, others go to a dict
 )
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+_LOGGED = frozenset({"stat_utility", "last_duration", "times_updated"})  # writes go to the write log
+_LOG_SIZE = 4096  # rows the write log remembers; a reader further behind re-reads the whole map
+_tokens = itertools.count(1)  # one per map state, so that a mark never matches another map's log
+
+
+@dataclass(frozen=True, slots=True)
+class LogMark:
+    """A point in one ClientMap's write log (``ClientMap.mark``)."""
+
+    token: int
+    position: int
 
 
 @dataclass(slots=True)
@@ -87,7 +106,16 @@ class ClientRecord:
 
 
 def _int_field(name: str) -> property:
-    if name in _HOT_AT:
+    if name in _LOGGED:
+        j = _HOT_AT[name]
+
+        def get(self: ClientView) -> int:
+            return int(self._map._hot[self.row, j])
+
+        def put(self: ClientView, value: int) -> None:
+            self._map._hot[self.row, j] = value
+            self._map._log_write(self.row)
+    elif name in _HOT_AT:
         j = _HOT_AT[name]
 
         def get(self: ClientView) -> int:
@@ -115,6 +143,7 @@ def _float_field(name: str) -> property:
 
     def put(self: ClientView, value: float | None) -> None:
         self._map._hot[self.row : self.row + 1].view(np.float64)[0, j] = np.nan if value is None else value
+        self._map._log_write(self.row)
 
     return property(get, put)
 
@@ -219,8 +248,12 @@ class ClientMap:
         self._member_n = [0 for _ in _TIERS]
         self._member_sorted = [True for _ in _TIERS]  # members in client-id order (else: sort lazily)
         self._slot = np.empty(cap, dtype=np.int64)  # row -> its position in its tier's members
+        self._busy: dict[int, None] = {}  # rows holding a slot: few, so idle sets skip reading in_flight
         self._id_ordered = True  # rows were registered in increasing client id: row order is id order
         self._identity = True  # every client id equals its row (the simulator's 0..N-1): no lookups
+        self._log = np.empty(_LOG_SIZE, dtype=np.int64)  # rows of the last writes to _LOGGED fields (a ring)
+        self._logged = 0  # writes logged since this state began
+        self._token = next(_tokens)
 
     # ------------------------------------------------------------------ lookup
     def __len__(self) -> int:
@@ -330,6 +363,10 @@ class ClientMap:
         self._identity = self._identity and cid == r
         self._n = r + 1
         self._join(r, int(record.tier))
+        if record.in_flight is not None:
+            self._busy[r] = None
+        if record.stat_utility is not None or record.last_duration is not None or record.times_updated:
+            self._log_write(r)
 
     def set_tier(self, client_id: int, tier: Tier) -> Tier:
         """Move a client between pools in O(1); returns the tier it had."""
@@ -342,22 +379,57 @@ class ClientMap:
         return _TIERS[old]
 
     def set_in_flight(self, client_id: int, task_id: int | None) -> None:
-        self._hot[self.row(client_id), _HOT_AT["in_flight"]] = _NO_TASK if task_id is None else task_id
+        r = self.row(client_id)
+        self._hot[r, _HOT_AT["in_flight"]] = _NO_TASK if task_id is None else task_id
+        if task_id is None:
+            self._busy.pop(r, None)
+        else:
+            self._busy[r] = None
+
+    # ------------------------------------------------------------------ write log
+    def mark(self) -> LogMark:
+        """The current end of the write log, to pass to ``written_since`` later."""
+        return LogMark(self._token, self._logged)
+
+    def written_since(self, mark: LogMark | None) -> np.ndarray | None:
+        """Rows whose ``stat_utility``, ``last_duration`` or ``times_updated`` was written after
+        ``mark`` (repeats possible), or None when the log cannot tell: ``mark`` is None or belongs to
+        another map or to this map before a ``load_state_dict``, or more writes followed it than the
+        log holds. A reader told None must read the whole map."""
+        if mark is None or mark.token != self._token or self._logged - mark.position > _LOG_SIZE:
+            return None
+        lo, hi = mark.position % _LOG_SIZE, self._logged % _LOG_SIZE
+        if self._logged - mark.position == _LOG_SIZE or hi < lo:
+            return np.concatenate([self._log[lo:], self._log[:hi]])
+        return self._log[lo:hi].copy()
+
+    def _log_write(self, r: int) -> None:
+        self._log[self._logged % _LOG_SIZE] = r
+        self._logged += 1
 
     # ------------------------------------------------------------------ candidate sets
     def idle_rows(self, *tiers: Tier) -> np.ndarray:
-        """Rows of the clients of ``tiers`` holding no slot, in client-id order.
+        """Rows of the clients of ``tiers`` holding no slot, in client-id order (a new array).
 
-        Costs in proportion to the members of those tiers (one filter, and a sort of a nearly
-        sorted array when tier events have moved members since the last call), not the population.
+        Costs in proportion to the members of those tiers (a copy, and a sort of a nearly sorted
+        array when tier events have moved members since the last call), not the population. The
+        few clients holding a slot are cut out by their positions in the members, so no member's
+        fields are read (at a million clients each read is a cache miss).
         """
-        parts = [self._sorted_members(int(t)) for t in tiers]
-        rows = parts[0] if len(parts) == 1 else self._id_sorted(np.concatenate(parts))
-        return rows.take(np.flatnonzero(self._hot[rows, _HOT_AT["in_flight"]] == _NO_TASK))
+        parts = [self._idle_members(int(t)) for t in tiers]
+        return parts[0] if len(parts) == 1 else self._id_sorted(np.concatenate(parts))
 
     def idle_in(self, *tiers: Tier) -> np.ndarray:
         """Client ids of the given tiers holding no slot, in a deterministic (id) order."""
         return self.ids_of(self.idle_rows(*tiers))
+
+    def _idle_members(self, tier: int) -> np.ndarray:
+        members = self._sorted_members(tier)
+        if not self._busy:
+            return members.copy()
+        busy = np.fromiter(self._busy, dtype=np.int64, count=len(self._busy))
+        busy = busy[self._cols["tier"][busy] == tier]
+        return np.delete(members, self._slot[busy]) if busy.size else members.copy()
 
     def _sorted_members(self, tier: int) -> np.ndarray:
         n = self._member_n[tier]
@@ -479,6 +551,7 @@ class ClientMap:
         ]
         fresh._id_ordered = bool(n < 2 or (np.diff(ids) > 0).all())
         fresh._identity = bool((ids == np.arange(n)).all())
+        fresh._busy = dict.fromkeys(np.flatnonzero(arrays["in_flight"] != _NO_TASK).tolist())
         small = np.flatnonzero((ids >= 0) & (ids < max(_TABLE_MIN, 4 * n)))
         fresh._table = np.full(
             max(_TABLE_MIN, int(ids[small].max()) + 1 if small.size else 0), -1, dtype=np.int64

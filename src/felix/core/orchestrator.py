@@ -495,15 +495,18 @@ class Orchestrator:
         if self.rounds.one_task_per_round:
             fresh = m.column("selected_round")[rows] != self.round
         keep = fresh & (m.column("blocked_round")[rows] != self.round)
+        if keep.all():  # the usual case: nobody to leave out, no copy
+            self._rejoin_at = None
+            return m.ids_of(rows)
         if keep.any() or self._train_in_flight > 0 or not fresh.any():
             self._rejoin_at = None
-            return m.ids[rows[keep]]
+            return m.ids_of(rows[keep])
         if self._rejoin_at is None:
             self._rejoin_at = self.now + (self.cfg.task_timeout_s or 0.0)
         if self.now < self._rejoin_at:
-            return m.ids[rows[keep]]
+            return m.ids_of(rows[keep])
         self._rejoin_at = None
-        return m.ids[rows[fresh]]
+        return m.ids_of(rows[fresh])
 
     def _fill(self, out: list[Command]) -> None:
         need = self.rounds.need(self)

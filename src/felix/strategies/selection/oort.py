@@ -18,9 +18,13 @@ REFL also ships). ``reference/baselines.md`` lists both. One selection:
    relax ``round_threshold`` by ``pacer_delta`` (admit slower clients); when it jumps, tighten it.
 
 Where our setting forces a choice the docstrings say why. The cost of a selection is linear in
-the candidate set, never in the population: the client fields come from the ClientMap's columns
-(one gather per field), the selector's own per-client state is kept in columns indexed by the
-same rows, and rankings use partitions (``felix.strategies.selection.ranking``) rather than full sorts.
+the candidate set, never in the population: the candidates' fields come from the ClientMap in one
+gather (one cache line each) and are split once into explored and unexplored vectors; the
+selector's own population-wide state (sorted durations, explored count, blacklist watch) is kept
+in columns indexed by the same rows and brought up to date from the ClientMap's write log, so a
+decision re-reads nothing that did not change; rankings use partitions
+(``felix.strategies.selection.ranking``) rather than full sorts, and the weighted draws replay
+numpy's ``choice`` without its per-call overhead (``felix.strategies.selection.sampling``).
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from felix.core.client_map import ClientMap, ClientRecord, ClientRows, ClientView
+from felix.core.client_map import ClientMap, ClientRecord, ClientRows, ClientView, LogMark
 from felix.core.policies import TRAIN_SELECTORS, SelectionContext, TrainSelector
 from felix.core.registry import params_from_dataclass
 from felix.strategies.selection.ranking import kth_largest, largest_first
+from felix.strategies.selection.sampling import choice_by_weight
 
 Variant = Literal["oort", "fedscale"]
 Rounding = Literal["floor", "stochastic"]
@@ -176,20 +181,31 @@ def weighted_sample(weights: np.ndarray, n: int, rng: np.random.Generator) -> np
     w = np.where(np.isfinite(weights) & (weights > 0), weights, 0.0)
     pos = np.flatnonzero(w > 0)
     if pos.size >= n:
-        return rng.choice(pos, size=n, replace=False, p=w[pos] / w[pos].sum())
+        wp = w.take(pos)
+        return pos.take(choice_by_weight(wp / wp.sum(), n, rng))
     rest = np.flatnonzero(w <= 0)
     return np.concatenate([pos, rng.choice(rest, size=n - pos.size, replace=False)])
 
 
-class _Candidates(NamedTuple):
-    ids: np.ndarray  # int64 client ids
-    explored: np.ndarray  # bool
-    reward: np.ndarray  # stat utility, or the registration reward when unexplored
-    last_round: np.ndarray  # last_utility_round (int64)
+def _positive(values: np.ndarray) -> np.ndarray:
+    """The positive entries of ``values``, in order (``values`` itself when all are)."""
+    above = values > 0
+    return values if above.all() else values.take(np.flatnonzero(above))
+
+
+class _Group(NamedTuple):
+    """The explored (or the unexplored) candidates: their positions in the candidate list, and
+    their fields as contiguous vectors (each op on a column of the gathered rows would stride)."""
+
+    idx: np.ndarray  # positions among the candidates, ascending
+    reward: np.ndarray  # stat utility; the registration reward when unexplored
+    last_round: np.ndarray  # last_utility_round (int64); empty for the unexplored (unused)
     duration: np.ndarray  # last training duration, nan when unknown
 
 
 _DURATION, _EXPLORED = 0, 1  # the columns of OortSelector._seen
+_NO_ROUNDS = np.empty(0, dtype=np.int64)
+_RESORT = 256  # more changed durations than this at once: re-sort them all rather than insert each
 _STATE_KEYS = (
     "exploration",
     "exploration_min",
@@ -240,6 +256,7 @@ class OortSelector(TrainSelector):
         self._n_explored = 0
         self._watched = np.zeros(0, dtype=bool)  # per row: a blacklist candidate (count at the threshold+)
         self._watch_rows: list[int] = []
+        self._mark: LogMark | None = None  # how far the ClientMap's write log has been folded in
         self._exploit_pending: set[int] = set()  # client ids exploited, no reply yet
         self._exploit_replied: set[int] = set()  # client ids exploited and replied since the last round end
         self._exploit_history: list[float] = []
@@ -282,9 +299,8 @@ class OortSelector(TrainSelector):
     def on_update(self, record: ClientRecord | ClientView, ctx: SelectionContext) -> None:
         cid = record.client_id
         m = ctx.clients
-        self._fit(m)
+        self._sync(m)
         r = m.row(cid)
-        self._observe(m, m.gather(np.array([r])))
         if cid in self._exploit_pending:
             self._exploit_pending.discard(cid)
             self._exploit_replied.add(cid)
@@ -325,37 +341,27 @@ class OortSelector(TrainSelector):
     ) -> dict[int, float]:
         """Oort's exploitation score of each explored candidate (the unexplored have none)."""
         m = ctx.clients
-        self._fit(m)
+        self._sync(m)
         rows = m.rows_of(candidates)
-        g = m.gather(rows)
-        self._observe(m, g)
-        util = g.field("stat_utility")
-        explored = ~np.isnan(util)
-        view = _Candidates(
-            ids=m.ids_of(rows),
-            explored=explored,
-            reward=np.where(explored, util, self._registration_rewards(g.field("num_samples"))),
-            last_round=g.field("last_utility_round"),
-            duration=g.field("last_duration"),
-        )
-        scores = self._scores(view, ctx, self._system_factor(view.duration), np.arange(rows.size))
-        return {int(c): float(s) for c, s, e in zip(view.ids, scores, view.explored, strict=True) if e}
+        explored, unexplored = self._groups(m.gather(rows))
+        scores = self._scores(explored, unexplored, ctx)
+        return {int(c): float(s) for c, s in zip(m.ids_of(rows.take(explored.idx)), scores, strict=True)}
 
-    def _scores(
-        self, v: _Candidates, ctx: SelectionContext, factor: np.ndarray, idx: np.ndarray
-    ) -> np.ndarray:
-        """Oort's score of the candidates ``idx``; ``factor`` is ``_system_factor(v.duration)``.
+    def _scores(self, explored: _Group, unexplored: _Group, ctx: SelectionContext) -> np.ndarray:
+        """Oort's score of the explored candidates.
 
-        The normalisation is taken over every candidate's positive reward, explored or not.
+        The normalisation is taken over every candidate's positive reward, explored or not (its
+        max, min and order statistic do not depend on the order the rewards come in).
         """
         p = self.params
-        norm = get_norm(v.reward.take(np.flatnonzero(v.reward > 0)), p.clip_bound)
+        positive = [_positive(r) for r in (explored.reward, unexplored.reward)]
+        norm = get_norm(np.concatenate(positive), p.clip_bound)
         # Oort's rounds start at 1; an async run starts at version 0, where ln(0) and x / 0 are
         # undefined: clamping both to 1 gives no bonus at the start, as Oort's first round does.
         cur = max(ctx.round, 1)
-        bonus = np.sqrt(0.1 * math.log(cur) / np.maximum(v.last_round.take(idx), 1.0))
-        sc = (np.minimum(v.reward.take(idx), norm.clip) - norm.min) / norm.range + bonus
-        sc = sc * factor.take(idx)
+        bonus = np.sqrt(0.1 * math.log(cur) / np.maximum(explored.last_round, 1.0))
+        sc = (np.minimum(explored.reward, norm.clip) - norm.min) / norm.range + bonus
+        sc *= self._system_factor(explored.duration)
         return np.abs(sc) if p.variant == "fedscale" else sc
 
     def _system_factor(self, duration: np.ndarray) -> np.ndarray:
@@ -365,22 +371,21 @@ class OortSelector(TrainSelector):
         as in the FeLiX authors' fork: nothing says it is slow.
         """
         t_pref = self.preferred_duration
-        slow = np.flatnonzero(duration > t_pref)  # NaN (unknown) compares False
-        factor = np.ones_like(duration)
-        factor[slow] = (t_pref / np.maximum(1e-4, duration.take(slow))) ** self.params.round_penalty
-        return factor
+        if t_pref == math.inf:
+            return np.ones(duration.size)
+        # element by element as on the slow ones alone; NaN (unknown) compares False
+        penalty = (t_pref / np.maximum(1e-4, duration)) ** self.params.round_penalty
+        return np.where(duration > t_pref, penalty, 1.0)
 
     # ------------------------------------------------------------------ selection
     def select(self, candidates: Sequence[int] | np.ndarray, k: int, ctx: SelectionContext) -> list[int]:
         if k <= 0 or len(candidates) == 0:
             return []
         m = ctx.clients
-        self._fit(m)
-        rows, view = self._view(m, m.rows_of(candidates))
+        self._sync(m)
+        rows, explored, unexplored = self._view(m, m.rows_of(candidates))
         p = self.params
         rng = ctx.rng
-        factor = self._system_factor(view.duration)
-        explored_idx = np.flatnonzero(view.explored)
 
         self._exploration = max(self._exploration * p.exploration_decay, self._exploration_min)
         eps = self._exploration
@@ -388,15 +393,12 @@ class OortSelector(TrainSelector):
             exploit_len = self._round(k * (1.0 - eps), rng)
         else:
             exploit_len = k - self._round(k * eps, rng)
-        exploit_len = min(exploit_len, explored_idx.size)
-        scores = self._scores(view, ctx, factor, explored_idx) if exploit_len > 0 else np.empty(0)
-        exploit = self._exploit(explored_idx, scores, exploit_len, rng)
+        exploit_len = min(exploit_len, explored.idx.size)
+        scores = self._scores(explored, unexplored, ctx) if exploit_len > 0 else np.empty(0)
+        exploit = self._exploit(explored.idx, scores, exploit_len, rng)
 
-        unexplored_idx = np.flatnonzero(~view.explored)
-        explore_len = min(unexplored_idx.size, k - exploit.size)
-        explore = self._explore(
-            unexplored_idx, view.reward.take(unexplored_idx) * factor.take(unexplored_idx), explore_len, rng
-        )
+        explore_len = min(unexplored.idx.size, k - exploit.size)
+        explore = self._explore(unexplored, explore_len, rng)
         if p.variant == "oort" and len(m) <= self._n_explored:
             # Oort: with nobody left to explore, epsilon and its floor drop to 0 for good.
             self._exploration = self._exploration_min = 0.0
@@ -407,9 +409,8 @@ class OortSelector(TrainSelector):
             rest = np.setdiff1d(np.arange(rows.size), picked, assume_unique=True)
             picked = np.concatenate([picked, rng.choice(rest, size=shortfall, replace=False)])
 
-        exploited = view.ids[exploit]
-        self._exploit_pending.update(int(c) for c in exploited)
-        return [int(c) for c in view.ids[picked]]
+        self._exploit_pending.update(m.ids_of(rows.take(exploit)).tolist())
+        return m.ids_of(rows.take(picked)).tolist()
 
     def _exploit(self, idx: np.ndarray, scores: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
         """Sample ``n`` explored clients by score among those that pass the cut-off.
@@ -431,13 +432,14 @@ class OortSelector(TrainSelector):
             pool_idx = largest_first(scores, wanted)
         return idx[pool_idx[weighted_sample(scores[pool_idx], n, rng)]]
 
-    def _explore(self, idx: np.ndarray, init: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
-        """Sample ``n`` unexplored clients by ``init``, their (duration-penalised) registration
-        reward, within the ``sample_window * n`` largest rewards."""
+    def _explore(self, unexplored: _Group, n: int, rng: np.random.Generator) -> np.ndarray:
+        """Sample ``n`` unexplored clients by their (duration-penalised) registration reward,
+        within the ``sample_window * n`` largest."""
         if n <= 0:
             return np.empty(0, dtype=np.int64)
-        window = largest_first(init, min(int(self.params.sample_window * n), idx.size))
-        return idx[window[weighted_sample(init[window], n, rng)]]
+        init = unexplored.reward * self._system_factor(unexplored.duration)
+        window = largest_first(init, min(int(self.params.sample_window * n), init.size))
+        return unexplored.idx[window[weighted_sample(init[window], n, rng)]]
 
     def _round(self, x: float, rng: np.random.Generator) -> int:
         if self.params.rounding == "floor":
@@ -446,23 +448,25 @@ class OortSelector(TrainSelector):
         return base + int(rng.random() < x - base)
 
     # ------------------------------------------------------------------ bookkeeping
-    def _view(self, m: ClientMap, rows: np.ndarray) -> tuple[np.ndarray, _Candidates]:
-        """Gather the candidates' fields (one cache line each), fold them into the selector's
-        state, and drop the blacklisted; returns the rows kept and their fields."""
+    def _view(self, m: ClientMap, rows: np.ndarray) -> tuple[np.ndarray, _Group, _Group]:
+        """Gather the candidates' fields (one cache line each) and drop the blacklisted; returns
+        the rows kept and their explored and unexplored groups (positions among those rows)."""
         g = m.gather(rows)
-        self._observe(m, g)
         blacklist = self._blacklist(m)
         if blacklist.size:
             keep = ~np.isin(rows, blacklist)
             rows, g = rows[keep], g.take(keep)
+        return (rows, *self._groups(g))
+
+    def _groups(self, g: ClientRows) -> tuple[_Group, _Group]:
+        """Split gathered candidates into the explored and the unexplored (``stat_utility`` NaN)."""
         util = g.field("stat_utility")
-        explored = ~np.isnan(util)
-        return rows, _Candidates(
-            ids=m.ids_of(rows),
-            explored=explored,
-            reward=np.where(explored, util, self._registration_rewards(g.field("num_samples"))),
-            last_round=g.field("last_utility_round"),
-            duration=g.field("last_duration"),
+        unexplored = np.isnan(util)
+        e, u = np.flatnonzero(~unexplored), np.flatnonzero(unexplored)
+        duration = g.field("last_duration")
+        return (
+            _Group(e, util[e], g.field("last_utility_round")[e], duration[e]),
+            _Group(u, self._registration_rewards(g.field("num_samples")[u]), _NO_ROUNDS, duration[u]),
         )
 
     def _fit(self, m: ClientMap) -> None:
@@ -477,27 +481,50 @@ class OortSelector(TrainSelector):
             self._watched = np.concatenate([self._watched, np.zeros(cap - self._watched.size, bool)])
         self._rows = max(self._rows, n)
 
-    def _observe(self, m: ClientMap, g: ClientRows) -> None:
-        """Fold clients into the selector's population-wide state (durations, explored count, watch).
+    def _sync(self, m: ClientMap) -> None:
+        """Fold the clients whose result fields changed since the last look into the selector's
+        population-wide state (durations, explored count, blacklist watch).
 
-        Called from ``on_update`` and for every candidate, so that fields written by someone
-        else (a checkpoint restore, a test) are still seen. Vectorised over the rows; only a
-        duration that changed costs a (log n) sorted-list update.
+        The ClientMap's write log names them, so a decision costs nothing here when nothing was
+        written, and fields written by someone else (a test, a registration with a history) are
+        seen too. When the log cannot say (the first look, a restored map or selector, a burst of
+        writes longer than the log), the whole map is read once, vectorised.
         """
-        rows = g.rows
+        self._fit(m)
+        rows = m.written_since(self._mark)
+        self._mark = m.mark()
+        if rows is None:
+            n = len(m)
+            self._observe(
+                np.arange(n),
+                m.column("stat_utility"),
+                m.column("last_duration"),
+                m.column("times_updated"),
+            )
+        elif rows.size:
+            g = m.gather(np.fromiter(dict.fromkeys(rows.tolist()), dtype=np.int64))  # distinct rows
+            self._observe(g.rows, g.field("stat_utility"), g.field("last_duration"), g.field("times_updated"))
+
+    def _observe(self, rows: np.ndarray, util: np.ndarray, d: np.ndarray, times_updated: np.ndarray) -> None:
+        """Fold the fields of distinct ``rows`` into the selector's state. Vectorised over the rows;
+        a duration that changed costs a (log n) sorted-list update, many of them one re-sort."""
         seen = self._seen.take(rows, axis=0)
-        util = g.field("stat_utility")
-        new = np.flatnonzero((seen[:, _EXPLORED] == 0.0) & ~np.isnan(util))
+        new = rows.take(((seen[:, _EXPLORED] == 0.0) & ~np.isnan(util)).nonzero()[0])
         if new.size:
-            new = np.unique(rows.take(new))
             self._seen[new, _EXPLORED] = 1.0
             self._n_explored += int(new.size)
-        d = g.field("last_duration")
-        for r in np.flatnonzero((d != seen[:, _DURATION]) & ~np.isnan(d)):
-            self._set_duration(int(rows[r]), float(d[r]))
+        changed = ((d != seen[:, _DURATION]) & ~np.isnan(d)).nonzero()[0]
+        if changed.size > _RESORT:
+            self._seen[rows.take(changed), _DURATION] = d.take(changed)
+            known = self._seen[: self._rows, _DURATION]
+            self._sorted_durations = np.sort(known[~np.isnan(known)]).tolist()
+        else:
+            for r in changed:
+                self._set_duration(int(rows[r]), float(d[r]))
         br = self.params.blacklist_rounds
         if br is not None:
-            for r in rows[g.field("times_updated") > br]:
+            over = rows[times_updated > br]
+            for r in over[~self._watched[over]]:
                 self._watch(int(r))
 
     def _set_duration(self, row: int, d: float) -> None:
@@ -584,6 +611,7 @@ class OortSelector(TrainSelector):
         self._n_explored = int(self._seen[:, _EXPLORED].sum())
         self._sorted_durations = sorted(known.tolist())
         self._watch_rows = np.flatnonzero(self._watched).tolist()
+        self._mark = None  # the restored state is folded together with the map's at the next look
 
 
 OORT_BASES = {"oort": OortParams, "felix_authors": OortParams.felix_authors, "fedscale": OortParams.fedscale}
