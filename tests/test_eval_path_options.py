@@ -54,6 +54,9 @@ def test_model_path_sums_each_steps_relative_norm_by_round():
     )
     restored.load_state_dict(orch.state_dict())
     np.testing.assert_array_equal(restored._ctx().model_path, path)
+    old = {k: v for k, v in orch.state_dict().items() if not k.startswith("model_path")}
+    restored.load_state_dict(old)  # a checkpoint from before the path was kept: it restarts at 0
+    np.testing.assert_array_equal(restored._ctx().model_path, np.zeros(3))
 
 
 def test_min_model_change_skips_clients_measured_on_a_model_that_barely_moved():

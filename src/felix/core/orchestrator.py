@@ -870,10 +870,11 @@ class Orchestrator:
         self._held = np.asarray(state["held"]).tolist()
         self._evals_this_round = int(state["evals_this_round"])
         self._probe_dropped = set(np.asarray(state["probe_dropped"]).tolist())
-        path = np.asarray(state["model_path"], dtype=np.float64)
+        # A checkpoint from before the model's path was kept restarts it at 0 (no movement known).
+        path = np.asarray(state.get("model_path", np.zeros(self.round + 1)), dtype=np.float64)
         self._path = np.zeros(max(64, 2 * len(path)), dtype=np.float64)
         self._path[: len(path)] = path
-        self._path_total = float(state["model_path_total"])
+        self._path_total = float(state.get("model_path_total", 0.0))
         self._train_in_flight = int(state["train_in_flight"])
         self.rng.bit_generator.state = state["rng"]
         saved = state["stats"]
