@@ -287,6 +287,16 @@ class OrchestratorCfg(_Strict):
         description="multiplies the statistical utility an eval task "
         "reports, to put it on the training utilities' scale (1: as measured)",
     )
+    spare_queued_evals: bool = Field(
+        False,
+        description="an eval task that times out while its client still owes an "
+        "older task's reply (it waits behind it) does not mark the client unavailable",
+    )
+    probe_busy_clients: bool = Field(
+        True,
+        description="eval probes may go to clients that still owe an older task's "
+        "reply (false: they are skipped, as their eval would wait behind it)",
+    )
     knowledge: str = Field(
         "none",
         description="availability policy: none | oracle | tiertrack, or a registered "

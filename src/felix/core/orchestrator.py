@@ -79,6 +79,14 @@ class OrchestratorConfig:
     # measured during SGD, so it is lower. This factor puts eval utilities on the training scale
     # (1.0: as measured, the paper), so Oort does not favour clients merely for having been probed.
     eval_utility_scale: float = 1.0
+    # An eval task that times out while its client still owes the reply of an older task (one that
+    # lost its slot, e.g. a training task paused when the client went AVL_EVAL) waits behind it:
+    # the device runs its tasks in order. With this set, that timeout does not tell the
+    # availability policy (TierTrack would mark the client UN_AVL): the client is busy, not gone.
+    spare_queued_evals: bool = False
+    # False: clients that still owe an older task's reply are not probed (their eval would wait
+    # behind that task, its model download wasted on a stale measurement). True: the paper.
+    probe_busy_clients: bool = True
     knowledge: Knowledge | str = Knowledge.NONE
     mode_params: Any = None  # the round policy's parameters (a mapping or its pydantic model)
     knowledge_params: Any = None  # the availability policy's parameters
@@ -187,6 +195,11 @@ class Orchestrator:
         self._expired: list[Task] = []  # such tasks closed since the last event: their cancels go out with it
         self._rejoin_at: float | None = None  # when blocked clients may train again (the stall rule)
         self._stat_arrays: dict[str, np.ndarray] = {}  # state_dict's converted statistics lists
+        # The model's path: cumulative relative movement (sum over aggregations of the step's norm
+        # over the new model's norm) when each round began, for eval selectors that skip probes
+        # when the model has barely moved since a client's utility was measured.
+        self._path = np.zeros(64, dtype=np.float64)
+        self._path_total = 0.0
 
     # ------------------------------------------------------------------ public API
     @property
@@ -450,8 +463,10 @@ class Orchestrator:
             task = self._tasks.get(task_id)
             if task is None or not task.holds_slot:
                 continue
+            queued = task.kind is TaskKind.EVAL and self.late_task(task.client_id) is not None
             self._release(task, TaskState.TIMED_OUT)
-            self.availability.on_timeout(self, task)
+            if not (queued and self.cfg.spare_queued_evals):
+                self.availability.on_timeout(self, task)
             if not self.cfg.accept_late:
                 self._cancel(task, "timed out", out)
         self.rounds.on_timers(self, out)
@@ -476,7 +491,9 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ selection
     def _ctx(self) -> SelectionContext:
-        return SelectionContext(self.now, self.round, self.clients, self.rng, self.oracle)
+        return SelectionContext(
+            self.now, self.round, self.clients, self.rng, self.oracle, self._path[: self.round + 1]
+        )
 
     def _train_candidates(self) -> np.ndarray:
         """Idle clients that may train now (ids, in id order), from the ClientMap's columns.
@@ -521,6 +538,8 @@ class Orchestrator:
             cands = self.clients.idle_in(Tier.AVL_TRAIN, Tier.AVL_EVAL)
             if self._probe_dropped:
                 cands = cands[~np.isin(cands, np.fromiter(self._probe_dropped, dtype=np.int64))]
+            if not self.cfg.probe_busy_clients and len(cands):
+                cands = cands[~np.isin(cands, self._owing())]
             if len(cands):
                 for cid in self.eval_selector.select(cands, budget, self._ctx()):
                     self._dispatch(cid, TaskKind.EVAL, out)
@@ -606,6 +625,11 @@ class Orchestrator:
         task = None if tid is None else self._tasks.get(tid)
         return None if task is None or task.holds_slot else tid
 
+    def _owing(self) -> np.ndarray:
+        """Clients that still owe the reply of a task that lost its slot (their device runs it
+        before any newer task)."""
+        return np.fromiter((c for c in self._late if self.late_task(c) is not None), dtype=np.int64, count=-1)
+
     def task(self, task_id: int) -> Task:
         """An open task by id."""
         return self._tasks[task_id]
@@ -616,6 +640,11 @@ class Orchestrator:
 
     def start_round(self, round_: int) -> None:
         """Number the round ``round_``; the eval-probe budget and the probe rejoin rule restart."""
+        if round_ >= len(self._path):
+            grown = np.zeros(max(2 * len(self._path), round_ + 1), dtype=np.float64)
+            grown[: len(self._path)] = self._path
+            self._path = grown
+        self._path[self.round + 1 : round_ + 1] = self._path_total
         self.round = round_
         self._evals_this_round = 0
         self._probe_dropped.clear()
@@ -642,7 +671,11 @@ class Orchestrator:
             self._drop_unaggregatable(exc, out)
             return
         buffer, self._buffer = self._buffer, []
-        self._theta = _frozen(theta.astype(np.float32, copy=False))
+        new = theta.astype(np.float32, copy=False)
+        norm = float(np.linalg.norm(new))
+        if norm > 0:
+            self._path_total += float(np.linalg.norm(new - self._theta)) / norm
+        self._theta = _frozen(new)
         self.aux.update(aux)
         self.version += 1
         self.rounds.on_aggregated(self)
@@ -748,6 +781,8 @@ class Orchestrator:
             "held": np.array(self._held, dtype=np.int64),
             "evals_this_round": self._evals_this_round,
             "probe_dropped": np.array(sorted(self._probe_dropped), dtype=np.int64),
+            "model_path": np.array(self._path[: self.round + 1]),
+            "model_path_total": self._path_total,
             "train_in_flight": self._train_in_flight,
             "rng": self.rng.bit_generator.state,
             "stats": {
@@ -838,6 +873,11 @@ class Orchestrator:
         self._held = np.asarray(state["held"]).tolist()
         self._evals_this_round = int(state["evals_this_round"])
         self._probe_dropped = set(np.asarray(state["probe_dropped"]).tolist())
+        # A checkpoint from before the model's path was kept restarts it at 0 (no movement known).
+        path = np.asarray(state.get("model_path", np.zeros(self.round + 1)), dtype=np.float64)
+        self._path = np.zeros(max(64, 2 * len(path)), dtype=np.float64)
+        self._path[: len(path)] = path
+        self._path_total = float(state.get("model_path_total", 0.0))
         self._train_in_flight = int(state["train_in_flight"])
         self.rng.bit_generator.state = state["rng"]
         saved = state["stats"]

@@ -34,6 +34,10 @@ class SelectionContext:
     clients: ClientMap
     rng: np.random.Generator
     oracle: AvailabilityOracle | None = None
+    # model_path[r]: how far the model had moved when round r began (the sum over aggregations of
+    # the step's norm relative to the new model's norm); model_path[round] - model_path[r] is the
+    # movement since round r. None where no orchestrator keeps it (a bare test context).
+    model_path: np.ndarray | None = None
 
 
 class TrainSelector:

@@ -442,6 +442,8 @@ def build_orchestrator(
             one_late_task_per_client=o.one_late_task_per_client,
             knowledge=o.knowledge,
             eval_utility_scale=o.eval_utility_scale,
+            spare_queued_evals=o.spare_queued_evals,
+            probe_busy_clients=o.probe_busy_clients,
             mode_params=o.mode_params,
             knowledge_params=o.knowledge_params,
         )

@@ -39,12 +39,19 @@ class TierSelectEvalParams:
     had long to drift), so the eval budget, and its model downloads, go to clients Oort may pick
     rather than to low-utility ones it will not. Never-measured clients (when included) come first,
     as their value is unknown. Ties break by client id.
+
+    ``min_model_change``: a measured client is probed only when the model has moved at least this
+    much since its utility was measured (``SelectionContext.model_path``: the sum, over the
+    aggregations since, of each step's norm relative to the model's norm), since re-measuring a
+    utility on a model that has barely moved buys nothing for its model download. 0: off (the
+    paper, which only asks for ``staleness_threshold`` rounds).
     """
 
     eval_goal_factor: float = 1.5
     staleness_threshold: int = 35  # rounds (versions) a utility must have aged to be re-measured
     include_unmeasured: bool = True
     order: Literal["stalest", "value"] = "stalest"
+    min_model_change: float = 0.0
 
     def __post_init__(self) -> None:
         if self.eval_goal_factor < 0:
@@ -53,6 +60,8 @@ class TierSelectEvalParams:
             raise ValueError(f"staleness_threshold must be >= 0 rounds, not {self.staleness_threshold}")
         if self.order not in ("stalest", "value"):
             raise ValueError(f"order must be 'stalest' or 'value', not {self.order!r}")
+        if not self.min_model_change >= 0:
+            raise ValueError(f"min_model_change must be >= 0, not {self.min_model_change}")
 
 
 class TierSelectEval(EvalSelector):
@@ -81,6 +90,11 @@ class TierSelectEval(EvalSelector):
         last = ctx.clients.column("last_utility_round")[ctx.clients.rows_of(ids)]
         measured = last >= 0
         eligible = measured & (ctx.round - last >= self.params.staleness_threshold)
+        if self.params.min_model_change > 0:
+            if ctx.model_path is None:
+                raise ValueError("min_model_change needs the model's path in the selection context")
+            moved = ctx.model_path[ctx.round] - ctx.model_path[np.clip(last, 0, ctx.round)]
+            eligible &= moved >= self.params.min_model_change
         if self.params.include_unmeasured:
             eligible |= ~measured
         idx = np.flatnonzero(eligible)
