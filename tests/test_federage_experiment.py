@@ -225,7 +225,7 @@ def test_the_sweep_file_has_every_alpha_gamma_rule() -> None:
     comp = load_comparison("federage-sweep")
     assert comp.seeds == [0, 1, 2] and comp.reference == "fedavg"
     rules = {
-        (p["alpha"], p["gamma"], p["step_rule"])
+        (p["alpha"], p["gamma"], p["step_rule"] + ("-cap1.5" if p.get("weight_cap") == 1.5 else ""))
         for v in comp.variants
         if (p := variant_config(comp, v, {}, 0).client.objective_params).get("step_rule")
     }
@@ -233,7 +233,7 @@ def test_the_sweep_file_has_every_alpha_gamma_rule() -> None:
         (a, g, r)
         for a in (0.05, 0.1, 0.2, 0.3, 0.5)
         for g in (0.5, 1.0)
-        for r in ("paper", "capped", "balanced")
+        for r in ("paper", "capped", "balanced", "balanced-cap1.5")
     }
     assert rules == grid | {(0.1, 0.5, "normalised"), (0.1, 1.0, "normalised")}
     assert list(comp.variants)[:4] == ["fedavg", "fedprox", "scaffold", "qffl"]
