@@ -332,3 +332,40 @@ def test_engine_speed_benchmark_prints_one_json_line(capsys: pytest.CaptureFixtu
     assert line["updates"] > 0 and line["ratio_to_bare"] > 0 and line["cohort_size"] == 4
     for key in ("wall_s", "updates_per_s", "virtual_h_per_wall_h", "bare_sequential_s"):
         assert line[key] > 0
+
+
+@pytest.mark.parametrize("opt", ["sgd-2-epochs", "adam-drop-last"])
+@pytest.mark.parametrize(
+    "beta",
+    [5.0, None],
+    ids=["every-step-below-beta", "free-beta"],
+)
+def test_cohort_federage_balanced_rule_trains_as_alone(opt: str, beta: float | None) -> None:
+    """The ``balanced`` step rule's cohort hooks agree with its sequential ones. Own seeded data
+    (``clients`` draws from the global generator, so its draws depend on the tests before). Beta
+    pinned above every loss checks the raised weight below beta on every step, where no step's weight
+    can hang on a near-tie between the two paths' float-rounded losses."""
+    g = torch.Generator().manual_seed(5)
+    data = [
+        ClientData(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, C, (n,), generator=g))
+        for n in SIZES
+    ]
+    params: dict[str, Any] = {"alpha": 0.3, "gamma": 0.5, "step_rule": "balanced"}
+    if beta is not None:
+        params.update(beta_min=beta, beta_max=beta, beta_init=beta)
+    cfg = OPTIMISERS[opt]
+    model = make_model("mlp", (1, 8, 8), C, seed=1)
+    w0 = parameters_to_vector(model.parameters()).detach().numpy()
+    aux = {"federage_beta": np.array(1.5)}
+    alone = LocalTrainer(copy.deepcopy(model), make_objective("federage", **params), cfg, C)
+    together = CohortTrainer(copy.deepcopy(model), make_objective("federage", **params), cfg, C)
+    seq = [alone.train(w0, d, {}, aux, torch.Generator().manual_seed(k)) for k, d in enumerate(data)]
+    coh = together.train(
+        [CohortTask(w0, d, {}, aux, torch.Generator().manual_seed(k)) for k, d in enumerate(data)]
+    )
+    for a, b in zip(seq, coh):
+        assert a.delta is not None and b.delta is not None
+        assert largest_difference(a.delta, b.delta) < TOL
+        assert b.loss == pytest.approx(a.loss, rel=1e-5, abs=1e-6)
+        assert largest_difference(a.aux["federage_beta"], b.aux["federage_beta"]) < TOL * 10
+    assert any(np.abs(u.delta).max() > 0 for u in coh if u.delta is not None)

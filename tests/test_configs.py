@@ -357,3 +357,38 @@ def test_wheel_ships_the_configs(tmp_path: Path) -> None:
     )
     assert str(site) in res.stdout and "oracle" in res.stdout
     shutil.rmtree(site)
+
+
+def test_comparison_extends_another_files_base(tmp_path: Path) -> None:
+    """``extends``: the named file's base (resolved first) under this file's; nothing else is shared."""
+    (tmp_path / "parent.yaml").write_text(
+        "name: parent\nbase: {dataset: {name: digits}, client: {lr: 0.1, batch_size: 8}}\n"
+        "variants: {a: {}}\nseeds: [4]\n"
+    )
+    (tmp_path / "child.yaml").write_text(
+        "extends: parent.yaml\nbase: {client.lr: 0.2}\nvariants: {b: {client.epochs: 2}}\n"
+    )
+    (tmp_path / "grandchild.yaml").write_text("extends: child.yaml\nvariants: {c: {}}\n")
+    child = load_comparison(tmp_path / "child.yaml")
+    assert child.base == {"dataset": {"name": "digits"}, "client": {"lr": 0.2, "batch_size": 8}}
+    assert list(child.variants) == ["b"] and child.seeds is None and child.name == "child"
+    assert load_comparison(tmp_path / "grandchild.yaml").base == child.base
+    cfg = variant_config(child, "b", {}, 0)
+    assert (cfg.client.lr, cfg.client.batch_size, cfg.client.epochs) == (0.2, 8, 2)
+    shipped = load_comparison("federage-sweep")  # extends federage by name
+    assert shipped.base == load_comparison("federage").base
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("extends: self.yaml\nvariants: {a: {}}\n", "makes a cycle"),
+        ("extends: nowhere\nvariants: {a: {}}\n", "unknown comparison 'nowhere'"),
+        ("extends: [a, b]\nvariants: {a: {}}\n", "extends must name one comparison file"),
+        ("extends: federage\nbase: [1]\nvariants: {a: {}}\n", "'base' must be a run config mapping"),
+    ],
+)
+def test_comparison_extends_errors(tmp_path: Path, text: str, needle: str) -> None:
+    (tmp_path / "self.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=needle):
+        load_comparison(tmp_path / "self.yaml")

@@ -202,3 +202,38 @@ def test_three_seeds_give_a_spread(tmp_path: Path) -> None:
     assert main(args + ["--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "federage_compare.json").read_text())
     assert len(doc["runs"]) == 3 and doc["summary"][0]["mean_client_acc_std"] > 0
+
+
+def test_a_rerun_reads_finished_runs_back(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An interrupted sweep resumes: a run whose folder holds a finished run of the same config is
+    read back (same figures), ``--force`` reruns it, a different config in the folder is refused."""
+    args = SMALL[:-1] + ["--variants", "fedavg", "--out", str(tmp_path)]  # progress lines on
+    assert main(args) == 0
+    first = json.loads((tmp_path / "federage_compare.json").read_text())["runs"]
+    assert (tmp_path / "runs" / "fedavg" / "seed-0" / "config.json").exists()
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "fedavg seed 0 done (finished before, read back)" in capsys.readouterr().err
+    assert json.loads((tmp_path / "federage_compare.json").read_text())["runs"] == first
+    assert main(args + ["--force"]) == 0
+    assert "read back" not in capsys.readouterr().err
+    assert main(args + ["--set", "client.lr=0.2"]) == 2
+    assert "holds a finished run of a different config" in capsys.readouterr().err
+
+
+def test_the_sweep_file_has_every_alpha_gamma_rule() -> None:
+    comp = load_comparison("federage-sweep")
+    assert comp.seeds == [0, 1, 2] and comp.reference == "fedavg"
+    rules = {
+        (p["alpha"], p["gamma"], p["step_rule"] + ("-cap1.5" if p.get("weight_cap") == 1.5 else ""))
+        for v in comp.variants
+        if (p := variant_config(comp, v, {}, 0).client.objective_params).get("step_rule")
+    }
+    grid = {
+        (a, g, r)
+        for a in (0.05, 0.1, 0.2, 0.3, 0.5)
+        for g in (0.5, 1.0)
+        for r in ("paper", "capped", "balanced", "balanced-cap1.5")
+    }
+    assert rules == grid | {(0.1, 0.5, "normalised"), (0.1, 1.0, "normalised")}
+    assert list(comp.variants)[:4] == ["fedavg", "fedprox", "scaffold", "qffl"]

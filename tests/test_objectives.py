@@ -17,6 +17,7 @@ from felix.core.types import BufferedUpdate, ClientUpdate
 from felix.strategies.objectives import (
     FedeRage,
     TaskContext,
+    balanced_low_weight,
     beta_step,
     inverse_frequency_weights,
     make_objective,
@@ -196,6 +197,52 @@ def test_federage_capped_rule(above: bool, alpha: float, w_theta: float) -> None
     assert obj.beta == pytest.approx(beta0 - lr * (1 - w) / max_risk_weight(alpha, gamma))
 
 
+@pytest.mark.parametrize(
+    "above, alpha, gamma, w_theta",
+    [
+        (True, 0.1, 0.5, 2.0),
+        (False, 0.1, 0.5, 0.8 / 0.9),  # (1 - alpha cap) / (1 - alpha)
+        (True, 0.05, 1.0, 2.0),
+        (False, 0.05, 1.0, 0.9 / 0.95),  # gamma 1: the paper gives a batch below beta no step at all
+        (True, 0.5, 0.5, 1.5),  # kappa = 1.5 <= cap: the paper's weights
+        (False, 0.5, 0.5, 0.5),
+    ],
+)
+def test_federage_balanced_rule(above: bool, alpha: float, gamma: float, w_theta: float) -> None:
+    """Balanced: above beta min(kappa, cap), below it the weight that keeps the mean at 1; beta steps
+    as under the normalised rule."""
+    lr = 0.1
+    w = risk_weight(1.0 if above else 0.0, 0.5, alpha, gamma)
+    obj = FedeRage(alpha=alpha, gamma=gamma, step_rule="balanced")
+    model, ref, f = _one_federage_step(obj, lr, above)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q.detach() - lr * w_theta * q.grad)
+    beta0 = f + (-0.01 if above else 0.01)
+    assert obj.beta == pytest.approx(beta0 - lr * (1 - w) / max_risk_weight(alpha, gamma))
+
+
+@pytest.mark.parametrize("cap", [1.0, 2.0, 3.0])
+@pytest.mark.parametrize("alpha", [0.05, 0.1, 0.2, 0.3, 0.5, 0.9])
+@pytest.mark.parametrize("gamma", [0.25, 0.5, 1.0])
+def test_federage_balanced_and_paper_weights_average_one(alpha: float, gamma: float, cap: float) -> None:
+    """With a fraction alpha of the batches above beta, the paper's and the balanced weights both
+    average 1 (FedAvg's mean step); capped's average less once kappa > cap. Balanced stays within
+    [1 - gamma, cap]."""
+
+    def mean_weight(rule: str) -> float:
+        obj = FedeRage(alpha=alpha, gamma=gamma, step_rule=rule, weight_cap=cap)
+        return (1 - alpha) * obj._theta_lo + alpha * obj._theta_hi
+
+    assert mean_weight("paper") == pytest.approx(1.0)
+    assert mean_weight("balanced") == pytest.approx(1.0)
+    bal = FedeRage(alpha=alpha, gamma=gamma, step_rule="balanced", weight_cap=cap)
+    assert 1 - gamma - 1e-12 <= bal._theta_lo <= 1.0 <= bal._theta_hi <= max(cap, 1.0)
+    if max_risk_weight(alpha, gamma) > cap:
+        assert mean_weight("capped") < 1.0
+    with pytest.raises(ValueError, match="balanced weights"):
+        balanced_low_weight(1.0, 1.0)
+
+
 def test_federage_separate_beta_learning_rate() -> None:
     obj = FedeRage(alpha=0.25, gamma=0.6, step_rule="paper", beta_lr=0.01)
     model, ref, f = _one_federage_step(obj, 0.1, above=True)
@@ -204,7 +251,7 @@ def test_federage_separate_beta_learning_rate() -> None:
     assert obj.beta == pytest.approx(f - 0.01 + 0.01 * 1.8)
 
 
-@pytest.mark.parametrize("rule", ["paper", "normalised"])
+@pytest.mark.parametrize("rule", ["paper", "normalised", "capped", "balanced"])
 def test_federage_reports_the_data_loss(rule: str) -> None:
     """The trainer's loss is the data loss (q-FFL and TierFuse read it), identical to plain CE's on
     the same first batch from the same weights."""

@@ -34,7 +34,7 @@ from felix.metrics.multiseed import (
 from felix.metrics.provenance import provenance
 from felix.presets import comparison_file, scenario_preset, slug, strategy_preset
 
-_FILE_KEYS = ("name", "description", "base", "variants", "seeds", "targets", "reference")
+_FILE_KEYS = ("name", "description", "extends", "base", "variants", "seeds", "targets", "reference")
 
 
 @dataclass(frozen=True)
@@ -132,13 +132,45 @@ def parse_comparison(doc: dict[str, Any], source: str, default_name: str = "comp
     )
 
 
-def load_comparison(path_or_name: str | Path) -> Comparison:
-    """A comparison file by path, or a shipped one by name (``configs/comparisons/<name>.yaml``)."""
+def _comparison_path(path_or_name: str | Path) -> Path:
     path_or_name = str(path_or_name)
     p = Path(path_or_name)
     if not p.is_file() and p.suffix not in (".yaml", ".yml") and "/" not in path_or_name:
         p = comparison_file(path_or_name)
-    return parse_comparison(read_yaml(p), str(p), p.stem)
+    return p
+
+
+def _read_extended(p: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The file's tree with ``extends: OTHER`` resolved: OTHER's ``base`` (itself resolved first)
+    under this file's ``base``. OTHER is a shipped comparison's name or a path relative to this
+    file; only the base is shared, every other key is this file's own. So a sweep states its
+    scenario once, in the comparison it extends."""
+    doc = read_yaml(p)
+    parent = doc.get("extends")
+    if parent is None:
+        return doc
+    if not isinstance(parent, str) or not parent:
+        raise ConfigError(f"{p}: extends must name one comparison file, got {parent!r}")
+    rel = p.parent / parent
+    q = rel if rel.is_file() else _comparison_path(parent)
+    if q.resolve() in chain or q.resolve() == p.resolve():
+        raise ConfigError(f"{p}: extends {parent!r} makes a cycle ({' -> '.join(str(c) for c in chain)})")
+    if not q.is_file():
+        raise ConfigError(f"{p}: extends {parent!r}: no such comparison file ({q})")
+    base = doc.get("base") or {}
+    if not isinstance(base, dict):
+        raise ConfigError(f"{p}: 'base' must be a run config mapping")
+    inherited = _read_extended(q, (*chain, p.resolve())).get("base") or {}
+    merged = {k: v for k, v in doc.items() if k != "extends"}
+    merged["base"] = _merged(expand_dotted(inherited), expand_dotted(base))
+    return merged
+
+
+def load_comparison(path_or_name: str | Path) -> Comparison:
+    """A comparison file by path, or a shipped one by name (``configs/comparisons/<name>.yaml``);
+    ``extends`` resolved (see ``_read_extended``)."""
+    p = _comparison_path(path_or_name)
+    return parse_comparison(_read_extended(p), str(p), p.stem)
 
 
 def is_comparison_file(path: str) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 from felix.config import ConfigError, parse_set
 from felix.engine.run import run_config
 from felix.experiments.compare import Comparison, load_comparison, variant_config
+from felix.experiments.runs import RunSpec, load
 from felix.presets import CONFIG_DIR
 
 #: The shipped comparison files (package data; the repository's configs/ links there).
@@ -30,8 +31,12 @@ def run_comparison(
     variants: list[str] | None = None,
     sets: dict[str, Any] | None = None,
     quiet: bool = False,
+    force: bool = False,
 ) -> list[dict[str, Any]]:
-    """Every (seed, variant) run, seed-major; each summary (and its run folder under ``out``)."""
+    """Every (seed, variant) run, seed-major; each summary (and its run folder under ``out``). A run
+    whose folder holds a finished run (``RunSpec.done``; of the same config, checked by ``load``) is
+    read back instead of run again unless ``force``: an interrupted sweep resumes where it stopped,
+    and variants added to a file run alone."""
     names = variants or list(comp.variants)
     configs = [
         (seed, v, variant_config(comp, v, sets or {}, seed))
@@ -41,14 +46,18 @@ def run_comparison(
     results = []
     for _, v, cfg in configs:  # every config validated before the first run starts
         seed = cfg.seed
-        res = run_config(cfg, None if out is None else out / v / f"seed-{seed}", plots=False)
-        results.append({"variant": v, "seed": seed, "summary": res.summary})
+        folder = None if out is None else out / v / f"seed-{seed}"
+        spec = None if folder is None else RunSpec(f"{v}/seed={seed}", cfg, folder)
+        if spec is not None and spec.done and not force:
+            summary, how = load(spec).summary, "finished before, read back"
+        else:
+            summary = run_config(cfg, folder, plots=False).summary
+            how = f"{summary['wall_time_s']:.0f} s"
+            if folder is not None:
+                (folder / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
+        results.append({"variant": v, "seed": seed, "summary": summary})
         if not quiet:
-            print(
-                f"{comp.name}: {v} seed {seed} done ({res.summary['wall_time_s']:.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"{comp.name}: {v} seed {seed} done ({how})", file=sys.stderr, flush=True)
     return results
 
 
@@ -66,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser, default_file: Path, default_out: s
     )
     p.add_argument("--out", default=default_out, help="output folder (default: %(default)s)")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-run progress lines")
+    p.add_argument(
+        "--force", action="store_true", help="rerun runs whose folder under --out holds a finished run"
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> tuple[Comparison, list[dict[str, Any]], dict[str, Any]]:
@@ -81,7 +93,9 @@ def run_from_args(args: argparse.Namespace) -> tuple[Comparison, list[dict[str, 
                 f"{comp.source}; choose from {', '.join(comp.variants)}"
             )
     sets = parse_set(args.set)
-    results = run_comparison(comp, Path(args.out) / "runs", args.seeds, variants, sets, args.quiet)
+    results = run_comparison(
+        comp, Path(args.out) / "runs", args.seeds, variants, sets, args.quiet, args.force
+    )
     settings = {
         "file": str(args.file),
         "seeds": args.seeds or comp.seeds or [],
