@@ -3,35 +3,19 @@ client's utility was measured, and eval timeouts that do not mark a busy client 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
+from test_tierselect import ctx_for
 
-from felix.core.client_map import ClientMap, ClientRecord
 from felix.core.commands import DispatchEval, DispatchTrain
 from felix.core.events import ClientRegistered, TaskFinished, Tick, TierChanged
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
-from felix.core.policies import SelectionContext
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.strategies.aggregation.fedavg import FedAvgAggregator
 from felix.strategies.aggregation.tierfuse import TierFuseAggregator
 from felix.strategies.selection.tierselect import TierSelectEval, TierSelectEvalParams, tierselect
-
-
-def ctx_for(last_rounds: dict[int, int], round_: int) -> SelectionContext:
-    """AVL_EVAL clients with utility 1 measured at the given rounds (-1: never)."""
-    m = ClientMap()
-    for cid, last in last_rounds.items():
-        m.add(
-            ClientRecord(
-                client_id=cid,
-                num_samples=10,
-                tier=Tier.AVL_EVAL,
-                reported_tier=Tier.AVL_EVAL,
-                stat_utility=None if last < 0 else 1.0,
-                last_utility_round=last,
-            )
-        )
-    return SelectionContext(now=0.0, round=round_, clients=m, rng=np.random.default_rng(0))
 
 
 def test_model_path_sums_each_steps_relative_norm_by_round():
@@ -75,14 +59,11 @@ def test_min_model_change_skips_clients_measured_on_a_model_that_barely_moved():
         TierSelectEvalParams(min_model_change=-0.1)
 
 
-def _probe_behind_paused_training(**cfg_kw: bool) -> tuple[Orchestrator, list[object]]:
-    """Client 0 trains, goes AVL_EVAL (its training task pauses and loses its slot) and is probed;
-    its eval waits behind the paused task past the timeout."""
-    cfg = OrchestratorConfig(
-        mode="async", agg_goal=1, concurrency=1, knowledge=Knowledge.TIERTRACK, task_timeout_s=90.0, **cfg_kw
-    )
+def _tiertrack_orchestrator(**cfg_kw: Any) -> Orchestrator:
+    """Async, one slot, TierTrack, TierSelect probing whoever is AVL_EVAL (staleness threshold 0)."""
+    cfg = OrchestratorConfig(mode="async", agg_goal=1, concurrency=1, knowledge=Knowledge.TIERTRACK, **cfg_kw)
     train_sel, eval_sel = tierselect(1, TierSelectEvalParams(staleness_threshold=0))
-    orch = Orchestrator(
+    return Orchestrator(
         cfg,
         np.zeros(3, np.float32),
         train_sel,
@@ -90,6 +71,12 @@ def _probe_behind_paused_training(**cfg_kw: bool) -> tuple[Orchestrator, list[ob
         np.random.default_rng(0),
         eval_selector=eval_sel,
     )
+
+
+def _probe_behind_paused_training(**cfg_kw: bool) -> tuple[Orchestrator, list[object]]:
+    """Client 0 trains, goes AVL_EVAL (its training task pauses and loses its slot) and is probed;
+    its eval waits behind the paused task past the timeout."""
+    orch = _tiertrack_orchestrator(task_timeout_s=90.0, **cfg_kw)
     first = orch.handle(ClientRegistered(0.0, 0, 10, Tier.AVL_TRAIN))
     assert [type(c) for c in first] == [DispatchTrain]
     probes = orch.handle(TierChanged(1.0, 0, Tier.AVL_EVAL))
@@ -114,18 +101,7 @@ def test_spare_queued_evals_keeps_the_reported_tier():
 
 def test_spare_queued_evals_still_marks_a_silent_idle_client():
     """Nothing older is owed: the eval timed out on its own, so the client looks gone."""
-    cfg = OrchestratorConfig(
-        mode="async", agg_goal=1, concurrency=1, knowledge=Knowledge.TIERTRACK, spare_queued_evals=True
-    )
-    train_sel, eval_sel = tierselect(1, TierSelectEvalParams(staleness_threshold=0))
-    orch = Orchestrator(
-        cfg,
-        np.zeros(3, np.float32),
-        train_sel,
-        TierFuseAggregator(),
-        np.random.default_rng(0),
-        eval_selector=eval_sel,
-    )
+    orch = _tiertrack_orchestrator(spare_queued_evals=True)
     assert [type(c) for c in orch.handle(ClientRegistered(0.0, 1, 10, Tier.AVL_EVAL))] == [DispatchEval]
     orch.handle(Tick(95.0))
     assert orch.clients[1].tier is Tier.UN_AVL
