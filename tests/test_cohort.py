@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from felix.client.cohort import AUTO_COHORT, CohortTask, CohortTrainer, batch_rows, conv_macs, resolve_cohort
+from felix.client.dense_chain import DenseChain, masked_ce_grad
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
 from felix.config import deep_merge
 from felix.engine.run import resolve_config
@@ -369,3 +370,85 @@ def test_cohort_federage_balanced_rule_trains_as_alone(opt: str, beta: float | N
         assert b.loss == pytest.approx(a.loss, rel=1e-5, abs=1e-6)
         assert largest_difference(a.aux["federage_beta"], b.aux["federage_beta"]) < TOL * 10
     assert any(np.abs(u.delta).max() > 0 for u in coh if u.delta is not None)
+
+
+@pytest.mark.parametrize("opt", list(OPTIMISERS))
+@pytest.mark.parametrize(("objective", "params"), OBJECTIVES, ids=[o for o, _ in OBJECTIVES])
+def test_dense_chain_kernel_is_bit_identical_to_vmap(
+    opt: str, objective: str, params: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The MLP's hand-written stacked kernel (felix.client.dense_chain) against functorch's
+    vmap(grad(...)): the same updates, utilities, losses, states and aux to the last bit, for every
+    objective and optimiser, with more tasks than the stack's first capacity (8) and its probes."""
+    cfg = OPTIMISERS[opt]
+    model = make_model("mlp", (1, 8, 8), C, seed=1)
+    w0 = parameters_to_vector(model.parameters()).detach().numpy()
+    rng = np.random.default_rng(3)
+    data = clients() + clients(1) + clients(2)
+    weights = [w0 + 0.01 * rng.standard_normal(w0.size).astype(np.float32) for _ in data]
+    aux: dict[str, np.ndarray] = {}
+    if objective == "scaffold":
+        aux = {"scaffold_c": 0.01 * rng.standard_normal(w0.size).astype(np.float32)}
+    if objective == "federage":
+        aux = {"federage_beta": np.array(1.5)}
+
+    def run() -> tuple[CohortTrainer, list[Any], list[dict[str, Any]]]:
+        tr = CohortTrainer(copy.deepcopy(model), make_objective(objective, **params), cfg, C)
+        states: list[dict[str, Any]] = [{} for _ in data]
+        ups = tr.train(
+            [
+                CohortTask(weights[k], d, states[k], aux, torch.Generator().manual_seed(k))
+                for k, d in enumerate(data)
+            ]
+        )
+        return tr, ups + tr.probe(weights, data), states
+
+    kernel, got, got_states = run()
+    monkeypatch.setattr("felix.client.cohort.DenseChain.of", lambda *a, **k: None)
+    plain, want, want_states = run()
+    assert kernel.chain is not None and plain.chain is None
+    for a, b in zip(got, want):
+        assert (a.delta is None) == (b.delta is None)
+        if a.delta is not None:
+            assert np.array_equal(a.delta, b.delta)
+        assert (a.num_samples, a.stat_utility, a.loss) == (b.num_samples, b.stat_utility, b.loss)
+        assert sorted(a.aux) == sorted(b.aux)
+        assert all(np.array_equal(a.aux[k], b.aux[k]) for k in a.aux)
+    for sa, sb in zip(got_states, want_states):
+        assert sorted(sa) == sorted(sb) and all(np.array_equal(sa[k], sb[k]) for k in sa)
+
+
+class _Doubled(nn.Module):
+    """Declares a sequential forward but does something else: the kernel's probe must refuse it."""
+
+    sequential_forward = "net"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, C))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * self.net(x)
+
+
+@pytest.mark.parametrize(
+    ("model", "applies"),
+    [
+        (lambda: make_model("mlp", (1, 8, 8), C), True),
+        (lambda: nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, C)), True),
+        (lambda: nn.Sequential(nn.Linear(64, C, bias=False)), True),
+        (lambda: nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, C)), False),
+        (lambda: nn.Sequential(nn.Flatten(), nn.Dropout(0.1), nn.Linear(64, C)), False),
+        (lambda: make_model("small_cnn", (1, 8, 8), C), False),
+    ],
+)
+def test_dense_chain_kernel_applies_to_plain_dense_chains_only(model: Any, applies: bool) -> None:
+    assert (DenseChain.of(model(), masked_ce_grad) is not None) == applies
+
+
+def test_dense_chain_kernel_checks_what_a_model_declares_and_skips_mixed_precision() -> None:
+    assert DenseChain.of(_Doubled(), masked_ce_grad) is None  # its forward is not its chain's
+    cfg = OPTIMISERS["sgd-2-epochs"]
+    mlp = make_model("mlp", (1, 8, 8), C)
+    assert CohortTrainer(mlp, make_objective("ce"), cfg, C).chain is not None
+    assert CohortTrainer(mlp, make_objective("ce"), cfg, C, autocast=torch.bfloat16).chain is None

@@ -70,6 +70,8 @@ class SmallCNN(nn.Module):
 
 
 class MLP(nn.Module):
+    sequential_forward = "net"  # forward(x) is self.net(x): the cohort trainer's dense-chain kernel applies
+
     def __init__(self, in_shape: tuple[int, ...], num_classes: int, hidden: int = 64) -> None:
         super().__init__()
         n = 1
