@@ -30,6 +30,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from felix.client.trainer import ClientData
 from felix.config import parse_set
 from felix.engine.run import resolve_config
+from felix.metrics.provenance import provenance
 from felix.sim.build import Built, build
 
 
@@ -125,6 +126,7 @@ def engine(args: argparse.Namespace, aggregations: int, cohort: str | None) -> d
         "cpu_s": round(sim_cpu, 3),
         "bare_cpu_s": round(bare_cpu, 3),
         "cpu_ratio_to_bare": round(sim_cpu / bare_cpu, 3) if bare_cpu else None,
+        "provenance": provenance(),
     }
 
 

@@ -76,3 +76,5 @@ def test_summary_records_provenance() -> None:
     assert prov["run"]["threads"] == 1 and prov["run"]["device"] == "cpu"
     assert prov["felix_version"]
     assert prov["git"] is None or len(prov["git"]["commit"]) == 40
+    # The CPU and the kernels torch dispatches to: the same seed rounds differently across them.
+    assert prov["cpu"] and prov["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()

@@ -1,7 +1,11 @@
-"""Where a result came from: package version, git commit, torch build, device and threads.
+"""Where a result came from: package version, git commit, torch build, CPU, device and threads.
 
 Every summary carries this so that a figure in the docs can be traced to the code and machine
-that produced it, and a rerun on another core count or torch build is recognisable as such.
+that produced it, and a rerun on another core count, torch build or CPU is recognisable as such.
+The CPU matters as much as the torch build: torch picks its vectorised kernels (and its BLAS its
+code path) by the instruction set, so the same seed rounds differently on an AVX2 and an AVX-512
+machine and a run's trajectory drifts apart (docs/felix.md, "Why the committed runs did not
+reproduce").
 """
 
 from __future__ import annotations
@@ -13,6 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import felix
+
+
+@lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 @lru_cache(maxsize=1)
@@ -53,6 +69,8 @@ def provenance(run_settings: dict[str, Any] | None = None) -> dict[str, Any]:
         "numpy": __import__("numpy").__version__,
         "torch_threads": torch.get_num_threads(),
         "machine": platform.machine(),
+        "cpu": cpu_model(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
     if torch.cuda.is_available():
         out["cuda_device"] = torch.cuda.get_device_name(0)
