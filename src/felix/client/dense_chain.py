@@ -18,6 +18,7 @@ forward only, on the stacked logits, and autograd differentiates it with respect
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
+
+log = logging.getLogger("felix.cohort")
 
 Aux = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # per-sample losses [K, B], loss [K], statistic [K]
 # The objective's loss on stacked logits and its gradient: (logits, y, mask, extra) -> (d loss / d logits, aux)
@@ -126,9 +129,10 @@ class DenseChain:
         if not linears:
             return None
         chain = cls(layers, head)
-        return (
-            chain if _bit_identical(chain, model, linears[0].in_features, linears[-1].out_features) else None
-        )
+        if _bit_identical(chain, model, linears[0].in_features, linears[-1].out_features):
+            return chain
+        log.info("dense-chain kernel: not bit-identical to vmap on this device; training with vmap")
+        return None
 
     def _run(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
         """Every layer's input, then the logits: ``x`` is ``[K, B, ...]``, parameters ``[K, ...]``."""
@@ -180,7 +184,8 @@ class DenseChain:
 
 def _bit_identical(chain: DenseChain, model: nn.Module, in_features: int, classes: int) -> bool:
     """Whether ``chain`` with :func:`masked_ce_grad` reproduces ``vmap(grad(...))`` of ``model`` and
-    the plain objective bit for bit (a padded batch, three perturbed copies of the weights). Seeded by its own generator, so checking
+    the plain objective bit for bit (a padded batch, three perturbed copies of the weights). Seeded
+    by its own generator, so checking
     leaves the global random stream, and with it the run, untouched."""
     gen = torch.Generator().manual_seed(0)
     names = [n for n, _ in model.named_parameters()]
