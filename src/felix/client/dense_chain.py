@@ -185,8 +185,8 @@ class DenseChain:
 def _bit_identical(chain: DenseChain, model: nn.Module, in_features: int, classes: int) -> bool:
     """Whether ``chain`` with :func:`masked_ce_grad` reproduces ``vmap(grad(...))`` of ``model`` and
     the plain objective bit for bit (a padded batch, three perturbed copies of the weights). Seeded
-    by its own generator, so checking
-    leaves the global random stream, and with it the run, untouched."""
+    by its own generator, so checking leaves the global random stream, and with it the run,
+    untouched."""
     gen = torch.Generator().manual_seed(0)
     names = [n for n, _ in model.named_parameters()]
     params = {
