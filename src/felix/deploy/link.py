@@ -88,6 +88,29 @@ class _ReadBuffered:
     def pending(self) -> int:
         return len(self._buf) - self._pos
 
+    def buffered_packet(self) -> tuple[int, bytes, int] | None:
+        """``(first byte, body, end)`` of the packet at the read position if all of it is buffered
+        (nothing is consumed: ``skip_to(end)`` does), else None."""
+        buf, pos = self._buf, self._pos
+        n = len(buf)
+        length, shift, i = 0, 0, pos + 1
+        while True:
+            if i >= n or shift > 21:  # not buffered yet, or a malformed length (paho reports it)
+                return None
+            b = buf[i]
+            length |= (b & 0x7F) << shift
+            shift += 7
+            i += 1
+            if not b & 0x80:
+                break
+        end = i + length
+        return (buf[pos], buf[i:end], end) if end <= n else None
+
+    def skip_to(self, end: int) -> None:
+        self._pos = end
+        if end >= len(self._buf):
+            self._buf, self._pos = b"", 0
+
     def __getattr__(self, name: str) -> object:
         return getattr(self._sock, name)
 
@@ -121,11 +144,34 @@ class _Client(mqtt.Client):
                 sock = self._sock
                 if rc != mqtt.MQTT_ERR_SUCCESS or not isinstance(sock, _ReadBuffered) or not sock.pending():
                     break
-                rc = super().loop_read(max_packets)
+                if not self._take_buffered_publishes(sock):
+                    rc = super().loop_read(max_packets)
             return rc
         finally:
             if self.intake is not None:
                 self.intake._flush()
+
+    def _take_buffered_publishes(self, sock: _ReadBuffered) -> int:
+        """Hand the intake every PUBLISH wholly in the read buffer, up to the first packet that is
+        not one the fast path takes (paho reads that one); how many it took."""
+        intake = self.intake
+        if intake is None or self._in_packet["command"] != 0:  # paho is half-way through a packet
+            return 0
+        v5 = self._protocol == mqtt.MQTTv5
+        taken = 0
+        while (whole := sock.buffered_packet()) is not None:
+            first, body, end = whole
+            qos = (first >> 1) & 0x03
+            parsed = parse_publish(body, qos, v5) if first >> 4 == 3 and qos < 2 else None
+            if parsed is None:
+                break
+            sock.skip_to(end)
+            intake._received(parsed[0], parsed[2], parsed[1], qos, bool(first & 0x08))
+            taken += 1
+        if taken:
+            with self._msgtime_mutex:
+                self._last_bytes_received = mqtt.time_func()
+        return taken
 
     def _handle_publish(self) -> mqtt.MQTTErrorCode:
         intake = self.intake
