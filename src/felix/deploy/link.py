@@ -494,7 +494,10 @@ class MqttLink:
                 self._refused = str(rc)
                 self._first.set()
             return
-        self._flush()  # what the last connection delivered comes before the notice
+        # What the last connection delivered comes before the notice, unacknowledged: its packet
+        # ids meant nothing to this connection (the broker redelivers those messages).
+        self._rx_acks = []
+        self._flush()
         self.epoch += 1
         self._arm_will(self.epoch + 1)
         if self.subscriptions:
