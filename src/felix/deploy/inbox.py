@@ -1,9 +1,9 @@
 """The inbox of the server and of a client host: messages from paho's network threads to the loop, bounded.
 
-paho calls ``on_message`` on its own thread and the loop handles messages one at a time; with an
+A link receives messages on its network thread and the loop handles them one at a time; with an
 unbounded queue between them a flood (or a loop slower than the broker) holds every payload in
 memory until the process runs out of it, before any acknowledgement-based back-pressure applies.
-Here ``put`` blocks the network thread while ``max_bytes`` of payload or ``max_messages`` are
+Here a put blocks the network thread while ``max_bytes`` of payload or ``max_messages`` are
 queued: paho stops reading its socket, TCP flow control stops the broker, and the broker keeps
 (or, past its own limits, drops) what it cannot deliver; the server's memory stays flat. One
 message larger than ``max_bytes`` is still admitted into an empty inbox, so nothing deadlocks.
