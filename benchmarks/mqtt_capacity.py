@@ -128,6 +128,14 @@ def _thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
+def _machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, all cores (/proc/stat; steal is busy)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / tick, sum(fields[:8]) / tick
+
+
 def _tree_cpu(root: int) -> float:
     """CPU seconds of process ``root`` and its direct children (the broker; emulate and its workers)."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -308,10 +316,12 @@ def run_phase(
             cpu0 = _thread_cpu(os.getpid())
             broker_pid = broker._proc.pid if broker._proc is not None else -1
             others0 = (_tree_cpu(broker_pid), _tree_cpu(clients.pid))
+            machine0 = _machine_cpu()
             time.sleep(window_s)
             dt = time.monotonic() - t0
             cpu1 = _thread_cpu(os.getpid())
             others1 = (_tree_cpu(broker_pid), _tree_cpu(clients.pid))
+            machine1 = _machine_cpu()
             s1 = server.stats
             gen1 = dict(lines.last) if lines is not None else {}
             lat = np.array(server.latency) * 1000.0
@@ -354,6 +364,21 @@ def run_phase(
                     "clients": round(100 * (others1[1] - others0[1]) / dt, 1),
                 },
             }
+            # The machine is shared: what the rest of it (other users' work) took in the window, in
+            # % of one core, and how much of all cores stayed idle. A run starved of CPU by other
+            # work shows it here rather than as a lower capacity of the server.
+            ours = sum(cpu1[k] - cpu0.get(k, 0.0) for k in cpu1) + sum(others1) - sum(others0)
+            machine_busy = machine1[0] - machine0[0]
+            out["machine"] = {
+                "cores": os.cpu_count(),
+                "idle_pct": round(100 * (1 - machine_busy / max(1e-9, machine1[1] - machine0[1])), 1),
+                "other_work_pct": round(100 * max(0.0, machine_busy - ours) / dt, 1),
+            }
+            out["server_cpu_us_per_msg"] = (
+                round(1e6 * sum(cpu1[k] - cpu0.get(k, 0.0) for k in cpu1) / (s1.tier_messages - tiers0), 1)
+                if s1.tier_messages > tiers0 and phase == "tiers"
+                else None
+            )
             out["threads"] = ", ".join(f"{k} {v:.0f}%" for k, v in out["cpu"].items())
         finally:
             clients.send_signal(signal.SIGTERM)
@@ -438,7 +463,9 @@ def main() -> int:
                     f"{tiers['tier_event_p99_ms']:.3f} ms ({tiers['dispatching_events']} dispatching a task: "
                     f"p50/p95 {tiers['dispatching_event_p50_ms']:.3f}/{tiers['dispatching_event_p95_ms']:.3f} ms, "
                     f"CPU p50 {tiers['dispatching_event_cpu_p50_ms']:.3f} ms); "
-                    f"CPU [{tiers['threads']}]",
+                    f"CPU [{tiers['threads']}]; server {tiers['server_cpu_us_per_msg']} us CPU per tier "
+                    f"message; machine idle {tiers['machine']['idle_pct']}%, other work "
+                    f"{tiers['machine']['other_work_pct']}% of a core",
                     flush=True,
                 )
             else:

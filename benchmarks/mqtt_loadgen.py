@@ -140,6 +140,22 @@ def parse_publish(first: int, body: bytes) -> tuple[str, int | None, bytes]:
     return topic, pid, body[pos:]
 
 
+def state_payload(run_id: str, msg_id: str, sent_at: float, cid: int, incarnation: str, tier: Tier) -> bytes:
+    """``wire.encode`` of a STATE message, byte for byte (``tests/test_mqtt_loadgen.py`` checks it),
+    from a template: thousands per second through the dataclass and ``json.dumps`` cost the load
+    generator a fifth of a core that the broker and the server under test, on the same machine,
+    are short of. ``run_id`` and ``incarnation`` need no JSON escaping (run ids are checked;
+    incarnations are hex)."""
+    header = (
+        f'{{"fmt":{wire.FORMAT_VERSION},"type":"state","run":"{run_id}","msg":"{msg_id}","sent":{sent_at!r},'
+        f'"payload":0,"arrays":[],"client":{cid},"incarnation":"{incarnation}","tier":"{tier.name}"}}'
+    ).encode()
+    return _WIRE_PREFIX.pack(wire.MAGIC, wire.FORMAT_VERSION, len(header)) + header
+
+
+_WIRE_PREFIX = struct.Struct("<4sHI")
+
+
 # ---------------------------------------------------------------------- one connection
 
 
@@ -278,11 +294,15 @@ class LoadGen:
         conn.publish(self.topics.register(cid).encode(), wire.encode(msg))
         self.counters.registered += 1
 
-    def send_state(self, cid: int) -> None:
-        t = (self.tiers[cid] + self.rng.integers(1, len(TIERS))) % len(TIERS)
+    def send_state(self, cid: int, step: int) -> None:
+        """A STATE message to one of the client's two other tiers (``step`` 1 or 2 tiers on)."""
+        t = (self.tiers[cid] + step) % len(TIERS)
         self.tiers[cid] = t
-        msg = wire.State(**self.env(cid), client=cid, incarnation=self.incarnation[cid], tier=TIERS[t])
-        self.conns[cid].publish(self.state_topic[cid], wire.encode(msg))
+        env = self.env(cid)
+        payload = state_payload(
+            self.run_id, env["msg_id"], env["sent_at"], cid, self.incarnation[cid], TIERS[t]
+        )
+        self.conns[cid].publish(self.state_topic[cid], payload)
         self.counters.sent_state += 1
 
     def on_publish(self, conn: Conn, topic: str, payload: bytes) -> None:
@@ -361,8 +381,12 @@ class LoadGen:
             due = int(self.rate * (time.monotonic() - t0)) - sent
             if due <= 0:
                 continue
-            for cid in self.rng.integers(0, n, due).tolist():
-                self.send_state(cid)
+            for cid, step in zip(
+                self.rng.integers(0, n, due).tolist(),
+                self.rng.integers(1, len(TIERS), due).tolist(),
+                strict=True,
+            ):
+                self.send_state(cid, step)
             sent += due
 
     async def report(self) -> None:

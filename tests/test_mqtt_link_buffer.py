@@ -29,3 +29,26 @@ def test_small_reads_come_from_one_chunk_and_pending_tracks_them() -> None:
         assert buf.fileno() == b.fileno()  # everything else is the socket's (select() needs this)
         a.close()
         assert buf.recv(1) == b""  # end of stream
+
+
+def test_buffered_packet_peeks_at_whole_packets_only() -> None:
+    """The link's fast path takes a packet from the buffer only when all of it is there; a packet
+    cut by the chunk boundary (or a length still arriving) is left to paho's reads."""
+    a, b = socket.socketpair()
+    with a, b:
+        b.setblocking(False)
+        buf = _ReadBuffered(b)
+        long_body = bytes(200)  # remaining length 200: two length bytes (0xC8 0x01)
+        a.sendall(b"\x32\x03abc" + b"\x40\xc8\x01" + long_body + b"\x30\x05hel")
+        assert buf.recv(1) == b"\x32" and buf.recv(1) == b"\x03" and buf.recv(3) == b"abc"
+        first, body, end = buf.buffered_packet()  # type: ignore[misc]
+        assert first == 0x40 and body == long_body
+        assert buf.buffered_packet() == (first, body, end)  # peeking consumes nothing
+        buf.skip_to(end)
+        assert buf.buffered_packet() is None  # 3 of its 5 body bytes are here
+        assert buf.pending() == 5
+        a.sendall(b"lo")
+        assert buf.recv(2) == b"\x30\x05" and buf.recv(5) == b"hel"  # paho reads the rest itself
+        assert buf.recv(5) == b"lo" and buf.pending() == 0
+        a.sendall(b"\x30")
+        assert buf.recv(1) == b"\x30" and buf.buffered_packet() is None  # an empty buffer

@@ -21,9 +21,28 @@ from mqtt_support import (
     write_config,
 )
 
+from felix.deploy import wire
+
 LOADGEN = Path(__file__).resolve().parents[1] / "benchmarks" / "mqtt_loadgen.py"
 
 pytestmark = needs_mosquitto
+
+
+def test_state_template_is_wire_encode_byte_for_byte() -> None:
+    sys.path.insert(0, str(LOADGEN.parent))
+    from mqtt_loadgen import TIERS, state_payload
+
+    for cid, tier, sent in [(0, TIERS[0], 1764567890.123456), (9999, TIERS[2], 0.1), (17, TIERS[1], 1e-7)]:
+        msg = wire.State(
+            run="cap-1.x",
+            msg_id=f"0a1b2c3d-{cid + 1}",
+            sent_at=sent,
+            client=cid,
+            incarnation="0a1b2c3d",
+            tier=tier,
+        )
+        assert state_payload("cap-1.x", msg.msg_id, sent, cid, "0a1b2c3d", tier) == wire.encode(msg)
+        assert wire.decode(state_payload("cap-1.x", msg.msg_id, sent, cid, "0a1b2c3d", tier)) == msg
 
 
 def test_loadgen_registers_reports_tiers_and_answers_tasks(tmp_path: Path) -> None:

@@ -321,16 +321,16 @@ def test_a_message_whose_handling_raises_is_rejected_and_acknowledged(tmp_path: 
         )
         inbound: list[tuple[int, int]] = []
         acked: list[tuple[int, int]] = []
-        on_inbound, ack, deliver = server._on_inbound, server.link.ack, server._deliver
+        on_inbound, ack_many, deliver = server._on_inbound, server.link.ack_many, server._deliver
         raised: list[bool] = []
 
         def record_inbound(m):  # type: ignore[no-untyped-def]
             inbound.append((m.mid, m.epoch))
             on_inbound(m)
 
-        def record_ack(mid: int, qos: int, epoch: int) -> None:
-            acked.append((mid, epoch))
-            ack(mid, qos, epoch)
+        def record_acks(items: list[tuple[int, int, int]]) -> None:
+            acked.extend((mid, epoch) for mid, _, epoch in items)
+            ack_many(items)
 
         def fragile(event):  # type: ignore[no-untyped-def]
             if type(event).__name__ == "TaskFinished" and not raised:
@@ -338,7 +338,7 @@ def test_a_message_whose_handling_raises_is_rejected_and_acknowledged(tmp_path: 
                 raise RuntimeError("boom")
             deliver(event)
 
-        server._on_inbound, server.link.ack, server._deliver = record_inbound, record_ack, fragile  # type: ignore
+        server._on_inbound, server.link.ack_many, server._deliver = record_inbound, record_acks, fragile  # type: ignore
         raw = RawClient(broker.port, "client-0", u["client-0"], [T.task(0), T.status])
         try:
             task = _register(raw, 0)

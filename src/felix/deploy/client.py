@@ -236,6 +236,7 @@ class ClientHost:
             bopts,
             self.topics.client_subscriptions(dev.cid),
             lambda item: self.inbox.put(item, dev.cid),
+            batch_sink=lambda items: self.inbox.put_many(items, dev.cid),
         )  # dev: this call's own
         link.set_will(
             lambda epoch: (self.topics.state(dev.cid), self._state_will(dev, epoch)), self.opts.will_delay_s

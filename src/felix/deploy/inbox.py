@@ -1,17 +1,20 @@
 """The inbox of the server and of a client host: messages from paho's network threads to the loop, bounded.
 
-paho calls ``on_message`` on its own thread and the loop handles messages one at a time; with an
+A link receives messages on its network thread and the loop handles them one at a time; with an
 unbounded queue between them a flood (or a loop slower than the broker) holds every payload in
 memory until the process runs out of it, before any acknowledgement-based back-pressure applies.
-Here ``put`` blocks the network thread while ``max_bytes`` of payload or ``max_messages`` are
+Here a put blocks the network thread while ``max_bytes`` of payload or ``max_messages`` are
 queued: paho stops reading its socket, TCP flow control stops the broker, and the broker keeps
 (or, past its own limits, drops) what it cannot deliver; the server's memory stays flat. One
 message larger than ``max_bytes`` is still admitted into an empty inbox, so nothing deadlocks.
 
-Nothing is dropped while the process runs: a waiting ``put`` has not returned, so paho has not
-acknowledged the message (its PUBACK follows ``on_message``) nor read the ones behind it; the broker
-keeps them. ``close`` (before the links' network threads are joined) wakes a blocked ``put``, which
-then drops its item: an unacknowledged QoS 1 message is redelivered to the next session.
+A link hands over each read pass of its network thread at once (``put_many``: one lock round trip
+and one wake-up of the loop per pass, not per message); the pass is admitted as a whole, like one
+message. Nothing is dropped while the process runs: a waiting ``put_many`` has not returned, so the
+link has not acknowledged those messages (it does after the hand-over, or the owner does, later)
+nor read the ones behind them; the broker keeps them. ``close`` (before the links' network threads
+are joined) wakes a blocked put, which then drops its items unacknowledged: the broker redelivers
+them to the next session.
 
 Items carry a ``tag``: a client host runs many clients' links into one inbox, and the tag says
 whose link a message came in on (the server's single link uses 0).
@@ -56,28 +59,39 @@ class Inbox:
 
     def put(self, item: Item, tag: int = 0) -> None:
         """Queue ``item``; an ``Inbound`` waits while the inbox is full (never after ``close``)."""
+        if isinstance(item, Inbound):
+            self.put_many([item], tag)
+            return
         with self._cond:
-            if isinstance(item, Inbound):
-                size = len(item.payload)
-                if self._full(size):
-                    self.full_waits += 1
-                    if self.full_waits & (self.full_waits - 1) == 0:  # the 1st, 2nd, 4th, ... wait
-                        log.warning(
-                            "inbox full (%d messages, %d bytes): a network thread waits and the broker "
-                            "holds what follows (%d waits so far)",
-                            self._messages,
-                            self._bytes,
-                            self.full_waits,
-                        )
-                    while self._full(size) and not self._closed:
-                        self._cond.wait(0.5)
-                if self._closed:
-                    self.dropped += 1
-                    return
-                self._bytes += size
-                self._messages += 1
             self._items.append((tag, item))
             self._cond.notify_all()
+
+    def put_many(self, items: list[Inbound], tag: int = 0) -> bool:
+        """Queue a network thread's read pass at once (one lock round trip and one wake-up of the
+        loop instead of one per message), waiting while the inbox is full: the batch is admitted
+        as a whole, like one message. False if ``close`` dropped it (nothing of it was queued)."""
+        size = sum(len(item.payload) for item in items)
+        with self._cond:
+            if self._full(size, len(items)):
+                self.full_waits += 1
+                if self.full_waits & (self.full_waits - 1) == 0:  # the 1st, 2nd, 4th, ... wait
+                    log.warning(
+                        "inbox full (%d messages, %d bytes): a network thread waits and the broker "
+                        "holds what follows (%d waits so far)",
+                        self._messages,
+                        self._bytes,
+                        self.full_waits,
+                    )
+                while self._full(size, len(items)) and not self._closed:
+                    self._cond.wait(0.5)
+            if self._closed:
+                self.dropped += len(items)
+                return False
+            self._bytes += size
+            self._messages += len(items)
+            self._items.extend((tag, item) for item in items)
+            self._cond.notify_all()
+            return True
 
     def get_batch(self, timeout: float, limit: int) -> list[tuple[int, Item]]:
         """Up to ``limit`` of the oldest ``(tag, item)``, waiting up to ``timeout`` seconds for the first
@@ -105,7 +119,7 @@ class Inbox:
             self._closed = True
             self._cond.notify_all()
 
-    def _full(self, size: int) -> bool:
+    def _full(self, size: int, count: int) -> bool:
         if self._messages == 0:
             return False
-        return self._bytes + size > self.max_bytes or self._messages >= self.max_messages
+        return self._bytes + size > self.max_bytes or self._messages + count > self.max_messages

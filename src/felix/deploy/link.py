@@ -1,9 +1,14 @@
 """One MQTT connection (paho-mqtt, v2 callback API, MQTT 5) as the runtime uses it.
 
-Threading contract: paho's network thread runs the callbacks, and they only hand items to a
-``sink`` (a queue put): an ``Inbound`` per received message, a ``Connected`` per (re)connection.
-All logic runs on the owner's single loop thread, which is what the sans-I/O orchestrator needs
-(it is not thread safe). ``publish`` and ``ack`` may be called from that loop thread.
+Threading contract: paho's network thread runs the callbacks, and they only hand items to the
+owner: a ``Connected`` per (re)connection to ``sink``, and the ``Inbound`` messages of each read
+pass to ``batch_sink`` at once (or to ``sink`` one by one without it). All logic runs on the
+owner's single loop thread, which is what the sans-I/O orchestrator needs (it is not thread
+safe). ``publish``, ``ack`` and ``ack_many`` may be called from that loop thread.
+
+Acknowledgements: paho acknowledges nothing by itself. Without ``manual_ack`` the link sends the
+PUBACKs of a read pass once the owner has taken its messages (one write for all of them); with
+it, the owner acknowledges when it chooses (``ack_many``: one write per call).
 
 Sessions: a process that starts fresh first discards any session the broker still holds for its
 client id (a short clean-start connection), then always connects with ``clean_start=False`` and a
@@ -32,6 +37,7 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +53,8 @@ log = logging.getLogger("felix.deploy.link")
 
 READ_CHUNK = 65536  # bytes read from the socket at once by a link's network thread
 BUFFERED_PACKETS_PER_READ = 256  # packets handled per select() when they are already buffered
+FLUSH_BYTES = 1 << 20  # a read pass hands its messages over once they hold this many payload bytes
+_PUBACK = struct.Struct("!BBH")
 
 
 class _ReadBuffered:
@@ -80,6 +88,29 @@ class _ReadBuffered:
     def pending(self) -> int:
         return len(self._buf) - self._pos
 
+    def buffered_packet(self) -> tuple[int, bytes, int] | None:
+        """``(first byte, body, end)`` of the packet at the read position if all of it is buffered
+        (nothing is consumed: ``skip_to(end)`` does), else None."""
+        buf, pos = self._buf, self._pos
+        n = len(buf)
+        length, shift, i = 0, 0, pos + 1
+        while True:
+            if i >= n or shift > 21:  # not buffered yet, or a malformed length (paho reports it)
+                return None
+            b = buf[i]
+            length |= (b & 0x7F) << shift
+            shift += 7
+            i += 1
+            if not b & 0x80:
+                break
+        end = i + length
+        return (buf[pos], buf[i:end], end) if end <= n else None
+
+    def skip_to(self, end: int) -> None:
+        self._pos = end
+        if end >= len(self._buf):
+            self._buf, self._pos = b"", 0
+
     def __getattr__(self, name: str) -> object:
         return getattr(self._sock, name)
 
@@ -87,7 +118,16 @@ class _ReadBuffered:
 class _Client(mqtt.Client):
     """paho's client with buffered reads on plain TCP (``_ReadBuffered``), and, after each
     ``select()``, every packet already buffered handled (up to ``BUFFERED_PACKETS_PER_READ``).
-    TLS sockets keep paho's own reads (their ``pending()`` already works this way)."""
+    TLS sockets keep paho's own reads (their ``pending()`` already works this way).
+
+    With an ``intake`` (the ``MqttLink`` that owns it), a PUBLISH without MQTT 5 properties at
+    QoS 0 or 1 (every message this project sends) is parsed here straight into the intake: paho's
+    own path builds an ``MQTTMessage``, a ``Properties`` object (a table of every MQTT 5 property,
+    rebuilt per message) and walks its topic matcher, which was most of the network thread's CPU per
+    tier report. Anything else (QoS 2, properties, a malformed packet) takes paho's path. At the end
+    of each read pass the intake hands everything received over at once (``MqttLink._flush``)."""
+
+    intake: MqttLink | None = None
 
     def _create_socket(self) -> Any:
         sock = super()._create_socket()
@@ -98,13 +138,81 @@ class _Client(mqtt.Client):
         )
 
     def loop_read(self, max_packets: int = 1) -> mqtt.MQTTErrorCode:
-        rc = super().loop_read(max_packets)
-        for _ in range(BUFFERED_PACKETS_PER_READ):
-            sock = self._sock
-            if rc != mqtt.MQTT_ERR_SUCCESS or not isinstance(sock, _ReadBuffered) or not sock.pending():
-                break
+        try:
             rc = super().loop_read(max_packets)
-        return rc
+            for _ in range(BUFFERED_PACKETS_PER_READ):
+                sock = self._sock
+                if rc != mqtt.MQTT_ERR_SUCCESS or not isinstance(sock, _ReadBuffered) or not sock.pending():
+                    break
+                if not self._take_buffered_publishes(sock):
+                    rc = super().loop_read(max_packets)
+            return rc
+        finally:
+            if self.intake is not None:
+                self.intake._flush()
+
+    def _take_buffered_publishes(self, sock: _ReadBuffered) -> int:
+        """Hand the intake every PUBLISH wholly in the read buffer, up to the first packet that is
+        not one the fast path takes (paho reads that one); how many it took."""
+        intake = self.intake
+        if intake is None or self._in_packet["command"] != 0:  # paho is half-way through a packet
+            return 0
+        v5 = self._protocol == mqtt.MQTTv5
+        taken = 0
+        while (whole := sock.buffered_packet()) is not None:
+            first, body, end = whole
+            qos = (first >> 1) & 0x03
+            parsed = parse_publish(body, qos, v5) if first >> 4 == 3 and qos < 2 else None
+            if parsed is None:
+                break
+            sock.skip_to(end)
+            intake._received(parsed[0], parsed[2], parsed[1], qos, bool(first & 0x08))
+            taken += 1
+        if taken:
+            with self._msgtime_mutex:
+                self._last_bytes_received = mqtt.time_func()
+        return taken
+
+    def _handle_publish(self) -> mqtt.MQTTErrorCode:
+        intake = self.intake
+        command = self._in_packet["command"]
+        qos = (command >> 1) & 0x03
+        parsed = (
+            None
+            if intake is None or qos == 2
+            else parse_publish(self._in_packet["packet"], qos, self._protocol == mqtt.MQTTv5)
+        )
+        if parsed is None:
+            return super()._handle_publish()
+        topic, mid, payload = parsed
+        assert intake is not None
+        intake._received(topic, payload, mid, qos, bool(command & 0x08))
+        return mqtt.MQTT_ERR_SUCCESS
+
+
+def parse_publish(packet: bytes | bytearray, qos: int, v5: bool) -> tuple[str, int, bytes] | None:
+    """``(topic, packet id, payload)`` of a PUBLISH body at QoS 0 or 1 that carries no MQTT 5
+    properties; None for anything else (the caller leaves it to paho, which reports what is wrong)."""
+    n = len(packet)
+    if n < 2:
+        return None
+    end = 2 + ((packet[0] << 8) | packet[1])
+    pos = end
+    mid = 0
+    if qos:
+        if pos + 2 > n:
+            return None
+        mid = (packet[pos] << 8) | packet[pos + 1]
+        pos += 2
+    if v5:
+        if pos >= n or packet[pos] != 0:  # property length 0, one byte
+            return None
+        pos += 1
+    try:
+        topic = packet[2:end].decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return topic, mid, bytes(packet[pos:])
 
 
 class LinkError(ConnectionError):
@@ -152,6 +260,7 @@ class Connected:
 
 
 Sink = Callable[[Inbound | Connected], None]
+BatchSink = Callable[[list[Inbound]], bool]  # False: the batch was dropped (the owner is closing)
 
 
 class MqttLink:
@@ -166,16 +275,24 @@ class MqttLink:
         subscriptions: list[str],
         sink: Sink,
         manual_ack: bool = False,
+        batch_sink: BatchSink | None = None,
     ) -> None:
         self.client_id = opts.username if opts.username is not None else client_id
         self.opts = opts
         self.subscriptions = list(subscriptions)
         self.sink = sink
+        self.batch_sink = batch_sink
         self.manual_ack = manual_ack
         self.epoch = 0
         self._first = threading.Event()
         self._refused: str | None = None
-        self._client = self._new_client(manual_ack)
+        self._rx: list[Inbound] = []  # received in the current read pass (network thread only)
+        self._rx_acks: list[int] = []  # ... and the packet ids to acknowledge once they are handed over
+        self._rx_bytes = 0
+        # paho never acknowledges by itself: the link does, after the owner has the message
+        # (``manual_ack=False``), or the owner does, once the message's effect is durable.
+        self._client = self._new_client(True)
+        self._client.intake = self
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
@@ -183,7 +300,7 @@ class MqttLink:
         self._will_delay = 0
         self._last_publish: mqtt.MQTTMessageInfo | None = None
 
-    def _new_client(self, manual_ack: bool) -> mqtt.Client:
+    def _new_client(self, manual_ack: bool) -> _Client:
         c = _Client(
             mqtt.CallbackAPIVersion.VERSION2,
             client_id=self.client_id,
@@ -344,8 +461,19 @@ class MqttLink:
             raise LinkError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
 
     def ack(self, mid: int, qos: int, epoch: int) -> None:
-        if self.manual_ack and qos > 0 and epoch == self.epoch:
-            self._client.ack(mid, qos)
+        self.ack_many([(mid, qos, epoch)])
+
+    def ack_many(self, items: list[tuple[int, int, int]]) -> None:
+        """Acknowledge ``(mid, qos, epoch)`` messages (``manual_ack``): one write for all of them.
+        Acks of an older connection are dropped (the broker redelivers those messages)."""
+        if self.manual_ack:
+            self._send_acks([mid for mid, qos, epoch in items if qos > 0 and epoch == self.epoch])
+
+    def _send_acks(self, mids: list[int]) -> None:
+        """The PUBACKs of ``mids``, queued as one packet (paho writes and wakes its thread once)."""
+        if mids and self._client.is_connected():
+            data = b"".join(_PUBACK.pack(0x40, 2, mid) for mid in mids)
+            self._client._packet_queue(0x40, data, 0, 0)
 
     @property
     def connected(self) -> bool:
@@ -366,6 +494,10 @@ class MqttLink:
                 self._refused = str(rc)
                 self._first.set()
             return
+        # What the last connection delivered comes before the notice, unacknowledged: its packet
+        # ids meant nothing to this connection (the broker redelivers those messages).
+        self._rx_acks = []
+        self._flush()
         self.epoch += 1
         self._arm_will(self.epoch + 1)
         if self.subscriptions:
@@ -387,8 +519,30 @@ class MqttLink:
             log.info("%s: disconnected (%s); paho reconnects", self.client_id, rc)
 
     def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
-        self.sink(
-            Inbound(
-                msg.topic, bytes(msg.payload), msg.mid, msg.qos, bool(msg.dup), self.epoch, time.monotonic()
-            )
-        )
+        """paho's path (a message the fast path leaves to paho): into the same read pass."""
+        self._received(msg.topic, bytes(msg.payload), msg.mid, msg.qos, bool(msg.dup))
+
+    def _received(self, topic: str, payload: bytes, mid: int, qos: int, dup: bool) -> None:
+        self._rx.append(Inbound(topic, payload, mid, qos, dup, self.epoch, time.monotonic()))
+        if qos > 0:  # 1: a link subscribes at QoS 1, so the broker delivers nothing at QoS 2
+            self._rx_acks.append(mid)
+        self._rx_bytes += len(payload)
+        if self._rx_bytes >= FLUSH_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Hand the read pass's messages to the owner (one ``batch_sink`` call, or ``sink`` each),
+        then, unless the owner acknowledges (``manual_ack``), acknowledge them: only what the owner
+        took, so a message dropped by a closing owner is redelivered."""
+        if not self._rx:
+            return
+        rx, acks = self._rx, self._rx_acks
+        self._rx, self._rx_acks, self._rx_bytes = [], [], 0
+        if self.batch_sink is not None:
+            taken = self.batch_sink(rx)
+        else:
+            for item in rx:
+                self.sink(item)
+            taken = True
+        if taken and not self.manual_ack:
+            self._send_acks(acks)

@@ -211,7 +211,8 @@ class Server:
             opts.broker,
             self.topics.server_subscriptions(),
             self.inbox.put,
-            manual_ack=opts.checkpoint is not None,
+            manual_ack=True,  # after handling, or after the checkpoint that holds the effect
+            batch_sink=self.inbox.put_many,
         )
         self._mono0 = time.monotonic()
 
@@ -642,8 +643,7 @@ class Server:
         self.link.publish(self.topics.status, wire.encode(msg), retain=True)
 
     def _ack(self, items: list[tuple[int, int, int, int]]) -> None:
-        for mid, qos, epoch, _ in items:
-            self.link.ack(mid, qos, epoch)
+        self.link.ack_many([(mid, qos, epoch) for mid, qos, epoch, _ in items])
 
     # ------------------------------------------------------------------ checkpoints
     def _shell_state(self) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from felix.deploy.wire import MsgType
 
@@ -53,6 +54,9 @@ ALLOWED: dict[str, frozenset[MsgType]] = {
     "task": frozenset({MsgType.TRAIN, MsgType.EVAL, MsgType.CANCEL}),
     "status": frozenset({MsgType.STATUS}),
 }
+
+
+_INBOUND_KINDS = frozenset({"register", "state", "result"})
 
 
 @dataclass(frozen=True)
@@ -90,10 +94,14 @@ class Topics:
 
     def parse_inbound_to_server(self, topic: str) -> tuple[str, int] | None:
         """``(kind, client id)`` of a topic the server subscribes to, or None if it is not one."""
-        prefix = f"{self.root}/server/"
+        prefix = self._server_prefix
         if not topic.startswith(prefix):
             return None
-        parts = topic[len(prefix) :].split("/")
-        if len(parts) != 2 or parts[0] not in ("register", "state", "result") or not parts[1].isdigit():
+        kind, sep, cid = topic[len(prefix) :].partition("/")
+        if not sep or kind not in _INBOUND_KINDS or not cid.isdigit() or not cid.isascii():
             return None
-        return parts[0], int(parts[1])
+        return kind, int(cid)
+
+    @cached_property
+    def _server_prefix(self) -> str:
+        return f"{self.root}/server/"

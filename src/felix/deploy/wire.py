@@ -283,6 +283,12 @@ _SCHEMAS: dict[MsgType, dict[str, Check]] = {
     MsgType.CANCEL: {"client": _client_id, "task": _nonneg, "reason": _str},
 }
 _ENVELOPE_KEYS = {"fmt", "type", "payload", "arrays"}
+# Per type, built once: every field's check, and the exact key set a header must have.
+_FULL_SCHEMAS: dict[MsgType, dict[str, Check]] = {t: {**_COMMON, **f} for t, f in _SCHEMAS.items()}
+_EXPECTED: dict[MsgType, frozenset[str]] = {
+    t: frozenset(f) | _ENVELOPE_KEYS for t, f in _FULL_SCHEMAS.items()
+}
+_TYPES: dict[str, MsgType] = {t.value: t for t in MsgType}
 
 
 # ---------------------------------------------------------------------- encode
@@ -385,17 +391,17 @@ def decode(
         raise MessageError(
             ErrorCode.BAD_HEADER, f"header fmt {header.get('fmt')!r} disagrees with the prefix"
         )
-    try:
-        mtype = MsgType(header.get("type"))
-    except ValueError:
-        raise MessageError(ErrorCode.UNKNOWN_TYPE, f"message type {_short(header.get('type'))}") from None
-    schema = {**_COMMON, **_SCHEMAS[mtype]}
-    expected = set(schema) | _ENVELOPE_KEYS
-    missing = expected - set(header)
-    if missing:
-        raise MessageError(ErrorCode.BAD_HEADER, f"{mtype.value} header lacks {sorted(missing)}")
-    extra = set(header) - expected
-    if extra:
+    t = header.get("type")
+    mtype = _TYPES.get(t) if isinstance(t, str) else None
+    if mtype is None:
+        raise MessageError(ErrorCode.UNKNOWN_TYPE, f"message type {_short(t)}")
+    schema = _FULL_SCHEMAS[mtype]
+    if header.keys() != _EXPECTED[mtype]:
+        expected = _EXPECTED[mtype]
+        missing = expected - set(header)
+        if missing:
+            raise MessageError(ErrorCode.BAD_HEADER, f"{mtype.value} header lacks {sorted(missing)}")
+        extra = set(header) - expected
         raise MessageError(ErrorCode.BAD_HEADER, f"{mtype.value} header has unknown fields {sorted(extra)}")
     values = {k: check(k, header[k]) for k, check in schema.items()}
     body = memoryview(data)[PREFIX_BYTES + hlen :]
