@@ -5,11 +5,11 @@ former default comparison scenario (small CNN, Fashion-MNIST long tail with head
 Dirichlet 0.1 split, Beta participation coupled to data rarity; ``COUPLED`` below, changeable
 with ``--set``) and records, for every task, the staleness of the client's control (RAM rounds
 since its last task; -1 for a first task), ``||c||``, ``||c_i||`` before and after,
-``||c - c_i||`` and the norm of the client's update. Prints the rounds around the blow-up and a
-summary: the round the model turns non-finite, and the staleness and control norms of the
-largest updates.
+``||c - c_i||`` and the norm of the client's update. Prints, per seed, the rounds around the
+blow-up and a summary (the round an update first turns non-finite, the staleness and control norms
+of the largest updates), then one table over the seeds: each seed's row and the mean ± sample std.
 
-    PYTHONPATH=src python benchmarks/scaffold_ram.py --seed 0 [--set client.lr=0.02]
+    PYTHONPATH=src python benchmarks/scaffold_ram.py --seeds 0 1 2 [--set client.lr=0.02]
 """
 
 from __future__ import annotations
@@ -40,17 +40,16 @@ COUPLED = [
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override (repeatable)"
-    )
-    args = parser.parse_args(argv)
+def rank_corr(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman's rank correlation (no ties expected in float norms): the update norms are heavy
+    tailed near a blow-up, where Pearson's correlation is set by a handful of values."""
+    return float(np.corrcoef(np.argsort(np.argsort(x)), np.argsort(np.argsort(y)))[0, 1])
+
+
+def run_seed(seed: int, sets: list[str]) -> dict[str, Any]:
+    """One SCAFFOLD run on the coupled scenario with per-task logging; prints the trace, returns the summary."""
     cfg = variant_config(
-        load_comparison(COMPARISONS / "federage.yaml"), "scaffold", parse_set(COUPLED + args.set), args.seed
+        load_comparison(COMPARISONS / "federage.yaml"), "scaffold", parse_set(COUPLED + sets), seed
     )
     torch.set_num_threads(cfg.run.threads or 1)
     slot = cfg.trace.slot_s
@@ -117,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     top = np.argsort(-upd)[: max(1, len(upd) // 50)]  # the largest 2% of updates before the blow-up
     returning = stale >= 0
     pc = res.summary["per_client"]
+    correction = np.array([x["correction"] for x in finite])
     summary = {
         "lr": cfg.client.lr,
         "rounds": int(cfg.trace.horizon_s // slot),
-        "seed": args.seed,
+        "seed": seed,
         "finite_model": pc["finite_model"],
         "first_non_finite_round": blowup,
         "median_update": float(np.median(upd)),
@@ -131,11 +131,56 @@ def main(argv: list[str] | None = None) -> int:
         "top2pct_tasks": len(top),
         "median_c_norm": float(np.median([x["c"] for x in finite])),
         "median_correction_norm": float(np.median([x["correction"] for x in finite])),
-        "corr_update_vs_correction": float(np.corrcoef(upd, [x["correction"] for x in finite])[0, 1]),
+        "corr_update_vs_correction": float(np.corrcoef(upd, correction)[0, 1]),
+        "rank_corr_update_vs_correction": rank_corr(upd, correction),
         "corr_update_vs_staleness_returning": float(np.corrcoef(upd[returning], stale[returning])[0, 1]),
+        "rank_corr_update_vs_staleness_returning": rank_corr(upd[returning], stale[returning]),
         "mean_client_acc": pc["mean_client_acc"],
     }
-    print(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1), flush=True)
+    return summary
+
+
+TABLE = {  # column -> summary key
+    "first non-finite round": "first_non_finite_round",
+    "median update": "median_update",
+    "median ||c - c_i||": "median_correction_norm",
+    "median ||c||": "median_c_norm",
+    "rank corr(update, ||c - c_i||)": "rank_corr_update_vs_correction",
+    "rank corr(update, staleness)": "rank_corr_update_vs_staleness_returning",
+    "median staleness, largest 2%": "median_staleness_top2pct",
+    "mean client acc": "mean_client_acc",
+}
+
+
+def table(summaries: list[dict[str, Any]]) -> str:
+    """Markdown: one row per seed, then mean ± sample std (a round never non-finite counts as none)."""
+    lines = ["| seed | " + " | ".join(TABLE) + " |", "|---" * (len(TABLE) + 1) + "|"]
+    for s in summaries:
+        cells = ["none" if s[k] is None else f"{s[k]:.3g}" for k in TABLE.values()]
+        lines.append(f"| {s['seed']} | " + " | ".join(cells) + " |")
+    cells = []
+    for k in TABLE.values():
+        vals = np.array([s[k] for s in summaries if s[k] is not None], dtype=float)
+        none = len(summaries) - len(vals)
+        spread = f" ± {vals.std(ddof=1):.3g}" if len(vals) > 1 else ""
+        cell = f"{vals.mean():.3g}{spread}" if len(vals) else ""
+        cells.append(f"{cell} ({none} none)" if none else cell)
+    lines.append("| mean ± std | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override (repeatable)"
+    )
+    args = parser.parse_args(argv)
+    summaries = [run_seed(seed, args.set) for seed in args.seeds]
+    print(table(summaries))
     return 0
 
 

@@ -237,3 +237,13 @@ def test_the_sweep_file_has_every_alpha_gamma_rule() -> None:
     }
     assert rules == grid | {(0.1, 0.5, "normalised"), (0.1, 1.0, "normalised")}
     assert list(comp.variants)[:4] == ["fedavg", "fedprox", "scaffold", "qffl"]
+
+
+def test_the_seeds_file_repeats_sweep_variants_on_eight_seeds() -> None:
+    """federage-seeds.yaml's variants are the sweep's, config for config, so its seeds 0-2 are the
+    sweep's runs (docs/federage.md, "Alpha 0.1 over eight seeds")."""
+    seeds, sweep = load_comparison("federage-seeds"), load_comparison("federage-sweep")
+    assert seeds.seeds == list(range(8)) and seeds.reference == "fedavg"
+    for v in seeds.variants:
+        assert v in sweep.variants
+        assert variant_config(seeds, v, {}, 5) == variant_config(sweep, v, {}, 5)
