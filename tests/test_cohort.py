@@ -452,3 +452,32 @@ def test_dense_chain_kernel_checks_what_a_model_declares_and_skips_mixed_precisi
     mlp = make_model("mlp", (1, 8, 8), C)
     assert CohortTrainer(mlp, make_objective("ce"), cfg, C).chain is not None
     assert CohortTrainer(mlp, make_objective("ce"), cfg, C, autocast=torch.bfloat16).chain is None
+
+
+def test_data_pool_adopts_the_partitioned_training_set_without_copying() -> None:
+    """build_population's clients are row slices of one tensor: the cohort trainer's pool takes that
+    tensor as it is (no second copy of the training set), an augmented client is appended after it,
+    and a client's data pickles with its own rows only."""
+    import pickle
+
+    from felix.client.cohort import DataPool
+
+    built = build(resolve_config(None, "fedavg", deep_merge(SIM, {"run": {"cohort": "auto"}})))
+    datas = [d.data for d in built.sim.devices]
+    base = datas[0].x._base
+    assert base is not None and all(d.x._base is base for d in datas)
+    pool = DataPool(torch.device("cpu"))
+    offsets = pool.offsets(datas[::-1])[::-1]
+    assert pool.x is not None and pool.y is not None and pool.x.data_ptr() == base.data_ptr()
+    for d, off in zip(datas, offsets):
+        assert torch.equal(pool.x[off : off + len(d)], d.x) and torch.equal(pool.y[off : off + len(d)], d.y)
+    grown = ClientData(torch.cat([datas[1].x, datas[1].x[:3]]), torch.cat([datas[1].y, datas[1].y[:3]]))
+    (at,) = pool.offsets([grown])
+    assert pool.x.data_ptr() != base.data_ptr()  # appending never writes into the shared tensor
+    assert torch.equal(pool.x[at : at + len(grown)], grown.x)
+    assert pool.offsets(datas) == offsets
+    for d, off in zip(datas, offsets):
+        assert torch.equal(pool.x[off : off + len(d)], d.x)
+    one = pickle.loads(pickle.dumps(datas[2]))
+    assert torch.equal(one.x, datas[2].x) and one.x.untyped_storage().nbytes() == one.x.nbytes
+    assert len(pickle.dumps(datas[2])) < 2 * datas[2].x.nbytes + 10_000

@@ -327,3 +327,19 @@ def test_norm_floor_keeps_late_honest_updates_as_the_median_shrinks() -> None:
     assert restored.peak == v.peak and restored.norm_bound(theta, 1) == v.norm_bound(theta, 1)
     with pytest.raises(ValueError, match="norm_floor"):
         ValidationConfig(norm_floor=1.5)
+
+
+def test_running_median_equals_numpy_median_through_evictions_and_repeats() -> None:
+    """The validator keeps its norms sorted instead of sorting per update: the median must be
+    np.median's, bit for bit, while clients repeat, the window evicts and values tie."""
+    rng = np.random.default_rng(3)
+    v = UpdateValidator(ValidationConfig(norm_window=7, norm_min_history=1))
+    for i in range(400):
+        client = int(rng.integers(12))
+        norm = float(rng.choice([0.5, 1.0, 2.0])) if i % 5 == 0 else float(rng.lognormal())
+        v._remember(client, norm)
+        assert len(v.norms) <= 7
+        assert v._median() == float(np.median(np.fromiter(v.norms.values(), dtype=np.float64)))
+    w = UpdateValidator(v.config)
+    w.load_state_dict(v.state_dict())
+    assert w._median() == v._median() and w.peak == v.peak

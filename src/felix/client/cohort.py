@@ -169,8 +169,12 @@ def batch_rows(n: int, cfg: TrainConfig, generator: torch.Generator) -> tuple[to
 
 class DataPool:
     """Every client's samples in one device tensor, so a cohort indexes them in place instead of
-    concatenating its clients' data for every pass. A client whose data is replaced (augmentation)
-    is appended; the buffer grows by doubling, so appends cost amortised O(1) copies."""
+    concatenating its clients' data for every pass.
+
+    Clients whose data are row slices of one shared tensor (as :func:`felix.scenario.build.build_population`
+    makes them) are registered without a copy: the pool adopts that tensor (moved once to the device)
+    and records each client's row offset. Other data (augmented clients, data passed in by a user)
+    are appended; the buffer grows by doubling, so appends cost amortised O(1) copies."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -178,12 +182,39 @@ class DataPool:
         self.y: torch.Tensor | None = None
         self.size = 0
         self._at: dict[int, tuple[int, ClientData]] = {}  # id(data) -> (offset, data kept alive)
+        self._root: tuple[torch.Tensor, torch.Tensor] | None = None  # the adopted shared (x, y)
 
     def offsets(self, datas: list[ClientData]) -> list[int]:
-        missing = list({id(d): d for d in datas if id(d) not in self._at}.values())
+        missing = [
+            d for d in {id(d): d for d in datas if id(d) not in self._at}.values() if not self._adopt(d)
+        ]
         if missing:
             self._append(missing)
         return [self._at[id(d)][0] for d in datas]
+
+    def _adopt(self, d: ClientData) -> bool:
+        """Register ``d`` without copying when it is a row slice of the shared tensor (adopting that
+        tensor if the pool is still empty); False when ``d`` must be copied in."""
+        bx, by = d.x._base, d.y._base
+        if bx is None or by is None or not (d.x.is_contiguous() and d.y.is_contiguous()):
+            return False
+        if self._root is None:
+            if self.x is not None or not (bx.is_contiguous() and by.is_contiguous()) or by.dim() != 1:
+                return False
+            if bx.shape[0] != by.shape[0] or bx.dtype != d.x.dtype or by.dtype != d.y.dtype:
+                return False
+            self._root = (bx, by)
+            self.x, self.y = bx.to(self.device), by.to(self.device)
+            self.size = int(bx.shape[0])
+        rx, ry = self._root
+        if bx is not rx or by is not ry:
+            return False
+        row = max(1, int(rx[0].numel())) if rx.shape[0] else 1
+        off_x, off_y = d.x.storage_offset() - rx.storage_offset(), d.y.storage_offset() - ry.storage_offset()
+        if off_x % row or off_x // row != off_y:
+            return False
+        self._at[id(d)] = (int(off_y), d)
+        return True
 
     def _append(self, datas: list[ClientData]) -> None:
         need = self.size + sum(len(d) for d in datas)

@@ -57,6 +57,13 @@ class ClientData:
     def __len__(self) -> int:
         return int(self.y.shape[0])
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (Ray's object store, a deep copy) with its own rows only: a client's data may be
+        a view of the whole partitioned training set, whose storage torch would pickle entire."""
+        state = dict(self.__dict__)
+        state.update(x=_compact(self.x), y=_compact(self.y), _on=None)
+        return state
+
     def class_counts(self, num_classes: int) -> torch.Tensor:
         """Samples per class, computed once: the data only changes by replacing x and y."""
         if self._counts is None or self._counts.numel() != num_classes:
@@ -72,6 +79,11 @@ class ClientData:
         if self._on is None or self._on[0] != device:
             self._on = (device, self.x.to(device), self.y.to(device))
         return self._on[1], self._on[2]
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or a copy of its elements when it views a larger storage."""
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
 
 
 def oort_utility(sq_loss_sum: float, n_seen: int, n_data: int) -> float:

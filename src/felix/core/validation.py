@@ -45,6 +45,7 @@ The validator is sans-I/O and deterministic; its only state is the norm history,
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -156,6 +157,9 @@ class UpdateValidator:
         self.config = config if config is not None else ValidationConfig()
         self.aux_spec: dict[str, AuxDecl] = dict(aux_spec or {})
         self.norms: dict[int, float] = {}  # client id -> its latest accepted norm / sqrt(steps), oldest first
+        self._sorted: list[
+            float
+        ] = []  # the values of ``norms``, sorted: the median without a sort per update
         self.peak = 0.0  # the highest median of ``norms`` since it had norm_min_history entries
 
     # ------------------------------------------------------------------ checks
@@ -208,7 +212,9 @@ class UpdateValidator:
         return c.warmup_factor * model if c.warmup_factor > 0 and model > 0 else None
 
     def _median(self) -> float:
-        return float(np.median(np.fromiter(self.norms.values(), dtype=np.float64)))
+        """The median of ``norms`` (as ``np.median``: the mean of the middle two when even)."""
+        v, n = self._sorted, len(self._sorted)
+        return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
     def _bound_basis(self) -> str:
         c = self.config
@@ -221,12 +227,18 @@ class UpdateValidator:
         return f"{c.warmup_factor:g} x the model's norm, until {c.norm_min_history} clients have sent updates"
 
     def _remember(self, client_id: int, norm: float) -> None:
-        self.norms.pop(client_id, None)
+        old = self.norms.pop(client_id, None)
+        if old is not None:
+            self._unsort(old)
         self.norms[client_id] = norm
+        bisect.insort(self._sorted, norm)
         while len(self.norms) > self.config.norm_window:
-            del self.norms[next(iter(self.norms))]
+            self._unsort(self.norms.pop(next(iter(self.norms))))
         if len(self.norms) >= self.config.norm_min_history:
             self.peak = max(self.peak, self._median())
+
+    def _unsort(self, norm: float) -> None:
+        del self._sorted[bisect.bisect_left(self._sorted, norm)]
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -234,4 +246,5 @@ class UpdateValidator:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.norms = {int(c): float(n) for c, n in state["norms"]}
+        self._sorted = sorted(self.norms.values())
         self.peak = float(state.get("peak", 0.0))  # absent in checkpoints from before the floor

@@ -335,7 +335,12 @@ def build_population(
             json.dumps(d.params, sort_keys=True, default=str),
         )
         parts = partition_indices(cfg, train.y.numpy(), train.num_classes)
-        datas = [ClientData(train.x[torch.as_tensor(ix)], train.y[torch.as_tensor(ix)]) for ix in parts]
+        # One gather into client order; each client's data is a row slice of it, so a cohort
+        # trainer's data pool adopts the whole without copying it again (cohort.DataPool).
+        order = torch.as_tensor(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
+        xs, ys = train.x.index_select(0, order), train.y.index_select(0, order)
+        ends = np.cumsum([len(ix) for ix in parts]).tolist()
+        datas = [ClientData(xs[a:b], ys[a:b]) for a, b in zip([0, *ends[:-1]], ends)]
     else:
         datas, test = data.clients, data.test
         train = ArrayDataset(torch.cat([c.x for c in datas]), torch.cat([c.y for c in datas]), data.classes)
