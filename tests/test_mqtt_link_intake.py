@@ -158,3 +158,38 @@ def test_every_message_arrives_in_order_and_only_what_was_taken_is_acknowledged(
         finally:
             pub.close()
             link.close()
+
+
+@pytest.mark.mqtt
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto broker not installed")
+def test_start_returns_once_subscribed_and_a_refused_subscription_is_an_error(tmp_path: Path) -> None:
+    """``start`` waits for the SUBACK: a message published the moment it returns is delivered (it
+    was lost when the link returned on the CONNACK alone), and a refused subscription is recorded
+    for ``start`` to raise, not a link that silently never receives."""
+    with MosquittoBroker(1, workdir=tmp_path / "broker") as broker:
+        u = users(broker)
+        box = Inbox(1 << 20, 1000)
+        for attempt in range(5):
+            opts = BrokerOptions("127.0.0.1", broker.port, SERVER_USER, u[SERVER_USER], connect_timeout_s=10)
+            link = MqttLink("srv", opts, ["felix/t/server/state/+"], box.put, batch_sink=box.put_many)
+            link.start(fresh=True)
+            pub = Publisher(broker.port, u["client-0"])
+            try:
+                pub.send(b"first-%d" % attempt)
+                got: list[Inbound] = []
+                deadline = time.monotonic() + 10
+                while not got and time.monotonic() < deadline:
+                    got = [m for _, m in box.get_batch(0.2, 10) if isinstance(m, Inbound)]
+                assert [m.payload for m in got] == [b"first-%d" % attempt]
+            finally:
+                pub.close()
+                link.close()
+    # Mosquitto grants any subscription and filters by ACL at delivery; a broker that refuses one
+    # answers with a failure reason code in the SUBACK, which start() turns into a LinkError.
+    opts = BrokerOptions("127.0.0.1", 1, "client-0", "x")
+    refused = MqttLink("client-0", opts, ["felix/t/server/state/+"], box.put)
+    refused._sub_mid = 7
+    refused._on_subscribe(
+        refused._client, None, 7, [mqtt.ReasonCode(PacketTypes.SUBACK, identifier=0x87)], None
+    )
+    assert refused._subscribed.is_set() and refused._sub_refused == "Not authorized"

@@ -286,6 +286,11 @@ class MqttLink:
         self.epoch = 0
         self._first = threading.Event()
         self._refused: str | None = None
+        # The first connection's SUBACK: ``start`` returns once the subscriptions are in place, so
+        # nothing published to them right after is lost (and a refused one is an error, not silence).
+        self._subscribed = threading.Event()
+        self._sub_mid: int | None = None
+        self._sub_refused: str | None = None
         self._rx: list[Inbound] = []  # received in the current read pass (network thread only)
         self._rx_acks: list[int] = []  # ... and the packet ids to acknowledge once they are handed over
         self._rx_bytes = 0
@@ -296,6 +301,7 @@ class MqttLink:
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
+        self._client.on_subscribe = self._on_subscribe
         self._will_builder: Callable[[int], tuple[str, bytes]] | None = None
         self._will_delay = 0
         self._last_publish: mqtt.MQTTMessageInfo | None = None
@@ -357,6 +363,17 @@ class MqttLink:
             self.close()
             raise LinkError(
                 f"the broker at {self.opts.host}:{self.opts.port} refused {self.client_id!r}: {self._refused}"
+            )
+        if not self._subscribed.wait(self.opts.connect_timeout_s) or self._sub_refused is not None:
+            self.close()
+            raise LinkError(
+                f"the broker at {self.opts.host}:{self.opts.port} "
+                + (
+                    f"refused {self.client_id!r}'s subscriptions {self.subscriptions}: {self._sub_refused}"
+                    if self._sub_refused is not None
+                    else f"did not confirm {self.client_id!r}'s subscriptions within "
+                    f"{self.opts.connect_timeout_s:.0f} s"
+                )
             )
 
     def _reset_session(self) -> None:
@@ -501,11 +518,32 @@ class MqttLink:
         self.epoch += 1
         self._arm_will(self.epoch + 1)
         if self.subscriptions:
-            client.subscribe([(t, mqtt.SubscribeOptions(qos=1)) for t in self.subscriptions])
+            _, mid = client.subscribe([(t, mqtt.SubscribeOptions(qos=1)) for t in self.subscriptions])
+            if not self._subscribed.is_set():
+                self._sub_mid = mid
+        else:
+            self._subscribed.set()
         self.sink(Connected(self.epoch, bool(flags.session_present)))
         self._first.set()
         if self.epoch > 1:
             log.info("%s: reconnected (session present: %s)", self.client_id, flags.session_present)
+
+    def _on_subscribe(
+        self,
+        client: mqtt.Client,
+        userdata: object,
+        mid: int,
+        reason_codes: list[mqtt.ReasonCode],
+        props: Properties | None,
+    ) -> None:
+        refused = [str(rc) for rc in reason_codes if rc.is_failure]
+        if refused:
+            log.warning(
+                "%s: broker refused subscriptions %s: %s", self.client_id, self.subscriptions, refused
+            )
+        if mid == self._sub_mid and not self._subscribed.is_set():
+            self._sub_refused = ", ".join(refused) if refused else None
+            self._subscribed.set()
 
     def _on_disconnect(
         self,
