@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from torch import nn
 
+from felix import cpu_kernels
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig, autocast
 from felix.client.weights import ModelWeights, model_vector, weights_for
 from felix.config import Config, ConfigError, deep_merge, validate
@@ -198,7 +199,9 @@ def make_evaluator(
 
 def apply_threads(cfg: Config) -> None:
     """``run.threads`` for this process (runs, ``felix compare`` workers and benchmarks all build
-    through here): results and speed must not depend on the machine's core count."""
+    through here): results and speed must not depend on the machine's core count; and a warning
+    if torch does not use the CPU kernels felix pins (:mod:`felix.cpu_kernels`)."""
+    cpu_kernels.check()
     if cfg.run.threads is not None and torch.get_num_threads() != cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
 
