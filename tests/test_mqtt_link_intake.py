@@ -57,28 +57,41 @@ def inbound(mid: int, size: int) -> Inbound:
     return Inbound("t/state/0", bytes(size), mid, 1, False, 1, time.monotonic())
 
 
-def test_put_many_admits_a_read_pass_as_a_whole_and_close_drops_it_unqueued() -> None:
+def test_put_many_keeps_the_bounds_exactly_and_close_drops_the_rest() -> None:
+    """A read pass goes in whole when it fits, else in parts (at least one message into an empty
+    inbox), so neither bound is exceeded by a large pass; close drops what is not queued yet."""
     box = Inbox(max_bytes=100, max_messages=1000)
-    assert box.put_many([inbound(1, 60), inbound(2, 60)])  # larger than the bound: empty inbox, admitted
-    assert len(box) == 2 and box.queued_bytes == 120
+    assert box.put_many([inbound(1, 60), inbound(2, 30)])  # fits: one hand-over
+    assert len(box) == 2 and box.queued_bytes == 90 and box.full_waits == 0
     done: list[bool] = []
-    th = threading.Thread(target=lambda: done.append(box.put_many([inbound(3, 10), inbound(4, 10)])))
+    th = threading.Thread(target=lambda: done.append(box.put_many([inbound(3, 10), inbound(4, 80)])))
     th.start()
     th.join(0.3)
-    assert th.is_alive() and len(box) == 2 and box.full_waits == 1  # waits for room, holds nothing
-    assert [item.mid for _, item in box.get_batch(0.1, 8) if isinstance(item, Inbound)] == [1, 2]
+    assert (
+        th.is_alive() and len(box) == 3 and box.queued_bytes == 100 and box.full_waits == 1
+    )  # 3 fit, 4 waits
+    assert [item.mid for _, item in box.get_batch(0.1, 8) if isinstance(item, Inbound)] == [1, 2, 3]
     th.join(2.0)
-    assert done == [True] and [item.mid for _, item in box.get_batch(0.1, 8)] == [3, 4]  # type: ignore[union-attr]
-    counted = Inbox(max_bytes=1 << 20, max_messages=3)
-    assert counted.put_many([inbound(1, 1), inbound(2, 1)], tag=5)
-    th = threading.Thread(target=lambda: done.append(counted.put_many([inbound(3, 1), inbound(4, 1)])))
+    assert done == [True] and [item.mid for _, item in box.get_batch(0.1, 8)] == [4]  # type: ignore[union-attr]
+    big = Inbox(max_bytes=100, max_messages=1000)
+    th = threading.Thread(target=lambda: done.append(big.put_many([inbound(5, 150), inbound(6, 1)])))
     th.start()
     th.join(0.3)
-    assert th.is_alive() and len(counted) == 2  # 2 + 2 > 3 messages
+    assert th.is_alive() and len(big) == 1  # larger than the bound alone: admitted into the empty inbox
+    big.get_batch(0.1, 8)
+    th.join(2.0)
+    assert done[-1] is True and [item.mid for _, item in big.get_batch(0.1, 8)] == [6]  # type: ignore[union-attr]
+    counted = Inbox(max_bytes=1 << 20, max_messages=3)
+    th = threading.Thread(
+        target=lambda: done.append(counted.put_many([inbound(m, 1) for m in range(1, 8)], tag=5))
+    )
+    th.start()
+    th.join(0.3)
+    assert th.is_alive() and len(counted) == 3  # a pass of 7 against a bound of 3 messages
     counted.close()
     th.join(2.0)
-    assert done[-1] is False and counted.dropped == 2 and len(counted) == 2
-    assert [tag for tag, _ in counted.get_batch(0.1, 8)] == [5, 5]
+    assert done[-1] is False and counted.dropped == 4 and len(counted) == 3
+    assert [tag for tag, _ in counted.get_batch(0.1, 8)] == [5, 5, 5]
 
 
 class Publisher:

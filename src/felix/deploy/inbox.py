@@ -9,12 +9,13 @@ queued: paho stops reading its socket, TCP flow control stops the broker, and th
 message larger than ``max_bytes`` is still admitted into an empty inbox, so nothing deadlocks.
 
 A link hands over each read pass of its network thread at once (``put_many``: one lock round trip
-and one wake-up of the loop per pass, not per message); the pass is admitted as a whole, like one
-message. Nothing is dropped while the process runs: a waiting ``put_many`` has not returned, so the
-link has not acknowledged those messages (it does after the hand-over, or the owner does, later)
-nor read the ones behind them; the broker keeps them. ``close`` (before the links' network threads
-are joined) wakes a blocked put, which then drops its items unacknowledged: the broker redelivers
-them to the next session.
+and one wake-up of the loop per pass, not per message); a pass larger than the room left goes in
+as parts, so the bounds hold exactly. Nothing is dropped while the process runs: a waiting
+``put_many`` has not returned, so the link has not acknowledged those messages (it does after the
+hand-over, or the owner does, later) nor read the ones behind them; the broker keeps them.
+``close`` (before the links' network threads are joined) wakes a blocked put, which then drops
+the rest of its pass; the link acknowledges none of that pass, so the broker redelivers it to the
+next session (the parts already queued arrive twice, and the receiver drops the copies).
 
 Items carry a ``tag``: a client host runs many clients' links into one inbox, and the tag says
 whose link a message came in on (the server's single link uses 0).
@@ -67,31 +68,50 @@ class Inbox:
             self._cond.notify_all()
 
     def put_many(self, items: list[Inbound], tag: int = 0) -> bool:
-        """Queue a network thread's read pass at once (one lock round trip and one wake-up of the
-        loop instead of one per message), waiting while the inbox is full: the batch is admitted
-        as a whole, like one message. False if ``close`` dropped it (nothing of it was queued)."""
-        size = sum(len(item.payload) for item in items)
+        """Queue a network thread's read pass (one lock round trip and one wake-up of the loop per
+        pass when it fits, instead of one per message), waiting while the inbox is full. A pass
+        larger than the room left goes in as parts, as much as fits each time (at least one message
+        into an empty inbox), so the bounds hold however many messages one pass holds. False if
+        ``close`` dropped the rest of it (what was queued before stays queued)."""
+        taken, waited = 0, False
         with self._cond:
-            if self._full(size, len(items)):
-                self.full_waits += 1
-                if self.full_waits & (self.full_waits - 1) == 0:  # the 1st, 2nd, 4th, ... wait
-                    log.warning(
-                        "inbox full (%d messages, %d bytes): a network thread waits and the broker "
-                        "holds what follows (%d waits so far)",
-                        self._messages,
-                        self._bytes,
-                        self.full_waits,
-                    )
-                while self._full(size, len(items)) and not self._closed:
+            while taken < len(items) and not self._closed:
+                n = self._room(items, taken)
+                if n == 0:
+                    if not waited:
+                        waited = True
+                        self._count_wait()
                     self._cond.wait(0.5)
-            if self._closed:
-                self.dropped += len(items)
-                return False
-            self._bytes += size
-            self._messages += len(items)
-            self._items.extend((tag, item) for item in items)
-            self._cond.notify_all()
-            return True
+                    continue
+                part = items[taken : taken + n]
+                self._bytes += sum(len(item.payload) for item in part)
+                self._messages += n
+                self._items.extend((tag, item) for item in part)
+                taken += n
+                self._cond.notify_all()
+            self.dropped += len(items) - taken
+            return taken == len(items)
+
+    def _room(self, items: list[Inbound], start: int) -> int:
+        """How many of ``items[start:]`` fit now (one at least when the inbox is empty)."""
+        n, size = 0, self._bytes
+        for item in items[start:]:
+            size += len(item.payload)
+            if self._messages + n and (size > self.max_bytes or self._messages + n + 1 > self.max_messages):
+                break
+            n += 1
+        return n
+
+    def _count_wait(self) -> None:
+        self.full_waits += 1
+        if self.full_waits & (self.full_waits - 1) == 0:  # the 1st, 2nd, 4th, ... wait
+            log.warning(
+                "inbox full (%d messages, %d bytes): a network thread waits and the broker "
+                "holds what follows (%d waits so far)",
+                self._messages,
+                self._bytes,
+                self.full_waits,
+            )
 
     def get_batch(self, timeout: float, limit: int) -> list[tuple[int, Item]]:
         """Up to ``limit`` of the oldest ``(tag, item)``, waiting up to ``timeout`` seconds for the first
@@ -118,8 +138,3 @@ class Inbox:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-
-    def _full(self, size: int, count: int) -> bool:
-        if self._messages == 0:
-            return False
-        return self._bytes + size > self.max_bytes or self._messages + count > self.max_messages
