@@ -9,9 +9,9 @@ accuracy 0.815 with the AVX-512 kernels and 828 s / 0.8175 with the AVX2 ones, o
 and the AVX2 figures are those of an AVX2-only host. So felix asks torch for its AVX2 kernels on
 any x86-64 CPU that has AVX2 and FMA, unless ``ATEN_CPU_CAPABILITY`` is already set (the user's
 choice wins: ``avx512`` or ``default`` opt out). BLAS (MKL) chooses its kernels by itself; it did
-not move these runs. The AVX2 kernels cost nothing here: on the AVX-512 machine the simulator ran
-felix-cpu-100 5-8% faster with them (``log_softmax`` over ten classes is 5x slower in the AVX-512
-kernel), the bare training loop the same.
+not move these runs. The AVX2 kernels cost no speed here: on the AVX-512 machine the
+simulator was as fast or faster with them (torch's AVX-512 ``log_softmax`` over ten classes is 5x
+slower than its AVX2 one), the bare training loop the same (docs/architecture.md).
 
 torch reads the variable once, at its first CPU operation, so :func:`pin` runs when the ``felix``
 package is imported; :func:`check` warns once when torch had already chosen other kernels
