@@ -209,7 +209,7 @@ class DataPool:
         rx, ry = self._root
         if bx is not rx or by is not ry:
             return False
-        row = max(1, int(rx[0].numel())) if rx.shape[0] else 1
+        row = max(1, math.prod(rx.shape[1:]))  # elements per sample
         off_x, off_y = d.x.storage_offset() - rx.storage_offset(), d.y.storage_offset() - ry.storage_offset()
         if off_x % row or off_x // row != off_y:
             return False
