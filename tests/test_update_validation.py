@@ -343,3 +343,6 @@ def test_running_median_equals_numpy_median_through_evictions_and_repeats() -> N
     w = UpdateValidator(v.config)
     w.load_state_dict(v.state_dict())
     assert w._median() == v._median() and w.peak == v.peak
+    for bad in (float("nan"), float("inf"), -1.0):  # a damaged checkpoint: a clear error, not a broken order
+        with pytest.raises(ValueError, match="finite and non-negative"):
+            w.load_state_dict({"norms": [[1, 0.5], [2, bad]], "peak": 0.5})

@@ -157,9 +157,8 @@ class UpdateValidator:
         self.config = config if config is not None else ValidationConfig()
         self.aux_spec: dict[str, AuxDecl] = dict(aux_spec or {})
         self.norms: dict[int, float] = {}  # client id -> its latest accepted norm / sqrt(steps), oldest first
-        self._sorted: list[
-            float
-        ] = []  # the values of ``norms``, sorted: the median without a sort per update
+        # The values of ``norms``, sorted: the median without a sort per update.
+        self._sorted: list[float] = []
         self.peak = 0.0  # the highest median of ``norms`` since it had norm_min_history entries
 
     # ------------------------------------------------------------------ checks
@@ -245,6 +244,8 @@ class UpdateValidator:
         return {"norms": [[int(c), float(n)] for c, n in self.norms.items()], "peak": self.peak}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.norms = {int(c): float(n) for c, n in state["norms"]}
-        self._sorted = sorted(self.norms.values())
+        norms = {int(c): float(n) for c, n in state["norms"]}
+        if not all(math.isfinite(n) and n >= 0 for n in norms.values()):
+            raise ValueError("validator norms must be finite and non-negative")
+        self.norms, self._sorted = norms, sorted(norms.values())
         self.peak = float(state.get("peak", 0.0))  # absent in checkpoints from before the floor
