@@ -149,6 +149,32 @@ def test_ablation_comparisons_change_one_axis_each(trace: str) -> None:
     assert felix.trace.offset_s == (300.0 if trace == "mobiperf" else 0.0)
 
 
+@pytest.mark.parametrize("trace", ["100", "90", "50", "mobiperf"])
+def test_long_horizon_comparisons_are_the_cpu_scenarios_at_a_tenth_of_the_learning_rate(trace: str) -> None:
+    """felix-long-<trace> is felix-cpu-<trace> (its comparison's trace offset too) with client lr
+    0.004 instead of 0.04, and nothing else changed, for every variant."""
+    comp = load_comparison(f"felix-long-{trace}")
+    cpu = load_comparison(f"felix-cpu-{trace}")
+    assert comp.reference == "oort-async*" and comp.seeds == [0, 1, 2] and comp.targets == [0.78, 0.8, 0.82]
+    for v in comp.variants:
+        long = variant_config(comp, v, {}, 1, 0.82)
+        short = variant_config(cpu, "felix", {"client": {"lr": 0.004}}, 1, 0.82)
+        assert long.client.lr == 0.004 != variant_config(cpu, "felix", {}).client.lr
+        assert long.strategy == v
+        plain = resolve_config(
+            None,
+            v,
+            {
+                "seed": 1,
+                "client": {"lr": 0.004},
+                "run": {"target_accuracy": 0.82},
+                "trace": {"offset_s": short.trace.offset_s},
+            },
+            f"felix-cpu-{trace}",
+        )
+        assert long.model_copy(update={"name": plain.name}) == plain
+
+
 def test_on_the_fly_comparison_is_the_old_compare() -> None:
     """`felix compare --strategies ...` builds the configs `felix run --preset` builds, so a seed
     reproduces the same runs (and finished runs of the old form are still recognised)."""
