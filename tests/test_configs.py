@@ -155,7 +155,11 @@ def test_long_horizon_comparisons_are_the_cpu_scenarios_at_a_tenth_of_the_learni
     0.004 instead of 0.04, and nothing else changed, for every variant."""
     comp = load_comparison(f"felix-long-{trace}")
     cpu = load_comparison(f"felix-cpu-{trace}")
-    assert comp.reference == "oort-async*" and comp.seeds == [0, 1, 2] and comp.targets == [0.7, 0.74, 0.78, 0.8, 0.82]
+    assert (
+        comp.reference == "oort-async*"
+        and comp.seeds == [0, 1, 2]
+        and comp.targets == [0.7, 0.74, 0.78, 0.8, 0.82]
+    )
     for v in comp.variants:
         long = variant_config(comp, v, {}, 1, 0.82)
         short = variant_config(cpu, "felix", {"client": {"lr": 0.004}}, 1, 0.82)
