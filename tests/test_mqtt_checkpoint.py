@@ -258,6 +258,11 @@ def test_generated_credentials_and_acl(tmp_path: Path) -> None:
     out = security.generate(tmp_path, 3, "run-1")
     users = json.loads(out.credentials.read_text())
     assert set(users) == {"felix-server", "client-0", "client-1", "client-2"}
+    # Letters and digits only: a password passed as `--password <it>` is never read as an option.
+    assert all(len(pw) == 24 and pw.isascii() and pw.isalnum() for pw in users.values())
+    assert len(set(users.values())) == 4
+    drawn = [security.new_password() for _ in range(2000)]
+    assert len(set(drawn)) == 2000 and not any(pw.startswith("-") for pw in drawn)
     assert oct(out.credentials.stat().st_mode & 0o777) == "0o600"
     lines = out.password_file.read_text().splitlines()
     assert len(lines) == 4 and all(line.split(":", 1)[1].startswith("$7$") for line in lines)

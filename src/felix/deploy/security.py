@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import secrets
+import string
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,13 +96,26 @@ def generate(
         raise ValueError("need at least one client")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    users = {SERVER_USER: secrets.token_urlsafe(18)}
-    users.update({client_user(c): secrets.token_urlsafe(18) for c in range(num_clients)})
+    users = {SERVER_USER: new_password()}
+    users.update({client_user(c): new_password() for c in range(num_clients)})
     passwd, acl, creds = out / "passwd", out / "acl", out / "credentials.json"
     _write_private(passwd, password_file_text(users, iterations))
     acl.write_text(acl_file_text(range(num_clients), run_id))
     _write_private(creds, json.dumps(users, indent=1, sort_keys=True) + "\n")
     return CredentialSet(passwd, acl, creds, users)
+
+
+_PASSWORD_ALPHABET = string.ascii_letters + string.digits
+_PASSWORD_LENGTH = 24  # 62**24: about 143 bits
+
+
+def new_password() -> str:
+    """A random broker password of letters and digits only.
+
+    ``secrets.token_urlsafe`` draws from ``-`` and ``_`` too. One password in 64 then starts with
+    ``-``, and ``--password <it>`` on a command line is read as an option, not as the password.
+    Letters and digits pass through a command line, a shell and a YAML file as they are."""
+    return "".join(secrets.choice(_PASSWORD_ALPHABET) for _ in range(_PASSWORD_LENGTH))
 
 
 def _write_private(path: Path, text: str) -> None:
