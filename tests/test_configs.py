@@ -179,6 +179,26 @@ def test_long_horizon_comparisons_are_the_cpu_scenarios_at_a_tenth_of_the_learni
         assert long.model_copy(update={"name": plain.name}) == plain
 
 
+@pytest.mark.parametrize("trace", ["100", "90", "50", "mobiperf"])
+def test_normalize_comparisons_change_only_the_buffer_normalisation(trace: str) -> None:
+    """felix-normalize-<trace>: each '-count' variant is its preset on felix-cpu-<trace> with the
+    buffer divided by the number of updates (the authors' code); the others are felix-cpu-<trace>'s."""
+    comp = load_comparison(f"felix-normalize-{trace}")
+    cpu = load_comparison(f"felix-cpu-{trace}")
+    assert comp.reference == "oort-async*-count" and comp.seeds == [0, 1, 2]
+    for v in comp.variants:
+        cfg = variant_config(comp, v, {}, 1, 0.82)
+        preset = v.removesuffix("-count")
+        same = variant_config(cpu, preset, {}, 1, 0.82)
+        assert cfg.strategy == preset
+        assert cfg.aggregator.normalize == ("count" if v.endswith("-count") else "weights")
+        assert same.aggregator.normalize == "weights"
+        changed = same.model_copy(
+            update={"aggregator": same.aggregator.model_copy(update={"normalize": cfg.aggregator.normalize})}
+        )
+        assert cfg.model_copy(update={"name": same.name, "description": same.description}) == changed
+
+
 def test_on_the_fly_comparison_is_the_old_compare() -> None:
     """`felix compare --strategies ...` builds the configs `felix run --preset` builds, so a seed
     reproduces the same runs (and finished runs of the old form are still recognised)."""
