@@ -20,6 +20,10 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,11 +36,27 @@ from felix.config import parse_set
 from felix.engine.run import resolve_config
 from felix.metrics.provenance import provenance
 from felix.sim.build import Built, build
+from felix.sim.engine import SimOutcome
+
+
+@dataclass
+class Simulated:
+    """A simulated run and what the benchmark measured around it."""
+
+    built: Built
+    out: SimOutcome
+    tasks: list[tuple[ClientData, int, np.ndarray]]  # every training task: its data, id and weights
+    eval_s: float  # wall seconds in the global evaluation
+    cpu_s: float  # process CPU seconds of the run
 
 
 def simulate(
-    args: argparse.Namespace, aggregations: int, cohort: str | None = None
-) -> tuple[Built, Any, list[tuple[ClientData, int, np.ndarray]]]:
+    args: argparse.Namespace,
+    aggregations: int,
+    cohort: str | None = None,
+    around: Callable[[Built], AbstractContextManager[Any]] | None = None,
+) -> Simulated:
+    """Build and run the config; ``around`` wraps the run alone (e.g. a profiler), not the build."""
     sets = parse_set(args.set)
     run = sets.setdefault("run", {})
     run.update({"max_aggregations": aggregations, "stop_at_target": False})
@@ -46,10 +66,21 @@ def simulate(
     built = build(cfg)
     tasks: list[tuple[ClientData, int, np.ndarray]] = []
     built.sim._on_train = lambda dev, task: tasks.append((dev.data, task.task_id, task.weights))
-    cpu0 = time.process_time()
-    out = built.sim.run()
-    built.sim_cpu_s = time.process_time() - cpu0  # type: ignore[attr-defined]
-    return built, out, tasks
+    evaluate, eval_s = built.recorder.evaluate, [0.0]
+
+    def timed_evaluate(weights: np.ndarray) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        try:
+            return evaluate(weights)  # ends in a host copy of the result: GPU work is done
+        finally:
+            eval_s[0] += time.perf_counter() - t0
+
+    built.recorder.evaluate = timed_evaluate
+    with around(built) if around is not None else nullcontext():
+        cpu0 = time.process_time()
+        out = built.sim.run()
+        cpu_s = time.process_time() - cpu0
+    return Simulated(built, out, tasks, eval_s[0], cpu_s)
 
 
 def bare_loop(built: Built, tasks: list[tuple[ClientData, int, np.ndarray]]) -> tuple[float, float]:
@@ -91,13 +122,24 @@ def bare_loop(built: Built, tasks: list[tuple[ClientData, int, np.ndarray]]) -> 
 
 def engine(args: argparse.Namespace, aggregations: int, cohort: str | None) -> dict[str, Any]:
     simulate(args, args.warmup, cohort)  # first-call costs of torch and the allocator are not the engine's
-    built, out, tasks = simulate(args, aggregations, cohort)
+    run = simulate(args, aggregations, cohort)
+    built, out, tasks, eval_s, sim_cpu = run.built, run.out, run.tasks, run.eval_s, run.cpu_s
     runs = [bare_loop(built, tasks) for _ in range(args.bare_repeats)]
     bare, bare_cpu = min(r[0] for r in runs), min(r[1] for r in runs)
-    sim_cpu = built.sim_cpu_s  # type: ignore[attr-defined]
     cfg, sim = built.cfg, built.sim
     aggs = built.orch.version
     wall = out.wall_time_s
+    stats = getattr(sim.cohort, "stats", None)  # the local cohort trainer's (CohortStats)
+    shape: dict[str, Any] = {}
+    if stats is not None:
+        shape = {
+            "cohort_advances": stats.advances,
+            "cohort_lockstep_steps": stats.lockstep_steps,
+            "cohort_client_steps": stats.client_steps,
+            "cohort_mean_rows": round(stats.mean_rows, 2),
+            "cohort_probe_calls": stats.probe_calls,
+            "cohort_probe_rows": stats.probe_rows,
+        }
     return {
         "scenario": cfg.name,
         "strategy": cfg.strategy,
@@ -113,6 +155,12 @@ def engine(args: argparse.Namespace, aggregations: int, cohort: str | None) -> d
         "updates": len(tasks),
         "wall_s": round(wall, 3),
         "train_s": round(out.train_seconds, 3),
+        # Where the rest went: eval tasks (probes), the global evaluation, and everything else
+        # (orchestrator, event loop, byte accounting).
+        "probe_s": round(out.probe_seconds, 3),
+        "eval_s": round(eval_s, 3),
+        "other_s": round(wall - out.train_seconds - out.probe_seconds - eval_s, 3),
+        **shape,
         "trained_unused": out.trained_unused,
         "wall_per_aggregation_s": round(wall / max(aggs, 1), 5),
         "aggregations_per_s": round(aggs / wall, 3) if wall else None,
@@ -128,6 +176,38 @@ def engine(args: argparse.Namespace, aggregations: int, cohort: str | None) -> d
         "cpu_ratio_to_bare": round(sim_cpu / bare_cpu, 3) if bare_cpu else None,
         "provenance": provenance(),
     }
+
+
+def profile(args: argparse.Namespace, aggregations: int, cohort: str | None, path: str) -> None:
+    """One more run of ``aggregations`` under ``torch.profiler`` (CPU, and CUDA on a GPU): the
+    operators by their own time, written to ``path``. Kept apart from the timed run, whose figures
+    the profiler would inflate; on a GPU it shows whether a lockstep step waits on the host (many
+    short kernels, CPU time per call) or on the device (CUDA time)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    profilers: list[torch_profile] = []
+
+    def around(built: Built) -> torch_profile:
+        on_cuda = torch.device(built.cfg.run.device).type == "cuda"
+        profilers.append(
+            torch_profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_cuda else [])])
+        )
+        return profilers[0]
+
+    run = simulate(args, aggregations, cohort, around)
+    built, out = run.built, run.out
+    key = (
+        "self_cuda_time_total" if torch.device(built.cfg.run.device).type == "cuda" else "self_cpu_time_total"
+    )
+    head = (
+        f"# engine_speed --profile: {built.cfg.name} / {built.cfg.strategy}, cohort "
+        f"{built.cfg.run.cohort}, {built.orch.version} aggregations, wall {out.wall_time_s:.2f} s "
+        f"(train {out.train_seconds:.2f} s, probes {out.probe_seconds:.2f} s, evaluation "
+        f"{run.eval_s:.2f} s), sorted by {key}\n"
+    )
+    table = profilers[0].key_averages().table(sort_by=key, row_limit=40)
+    Path(path).write_text(head + table + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--repeats", type=int, default=20, help="selection decisions timed (--selection)")
     ap.add_argument("--json", action="store_true", help="one JSON line instead of text")
+    ap.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="after the timed runs, profile one more run (of the first --cohort value) with "
+        "torch.profiler and write its operator table to FILE",
+    )
+    ap.add_argument("--profile-aggregations", type=int, default=20, help="aggregations of the profiled run")
     args = ap.parse_args(argv)
     if args.selection is not None:
         try:
@@ -186,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--aggregations needs one value, or one per --cohort value")
     for cohort, n in zip(cohorts, aggs):
         report(engine(args, n, cohort), args.json)
+    if args.profile:
+        profile(args, args.profile_aggregations, cohorts[0], args.profile)
     return 0
 
 

@@ -301,7 +301,9 @@ def test_threads_and_precision_apply_to_every_build() -> None:
     assert np.isfinite(built.orch.weights).all()
 
 
-def test_engine_speed_benchmark_prints_one_json_line(capsys: pytest.CaptureFixture[str]) -> None:
+def test_engine_speed_benchmark_prints_one_json_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     try:
         import engine_speed
@@ -323,16 +325,33 @@ def test_engine_speed_benchmark_prints_one_json_line(capsys: pytest.CaptureFixtu
                 "--cohort",
                 "4",
                 "--json",
+                "--profile",
+                str(tmp_path / "profile.txt"),
+                "--profile-aggregations",
+                "1",
             ]
         )
         == 0
     )
+    # The profiled run's operator table, under a header naming the run.
+    table = (tmp_path / "profile.txt").read_text()
+    assert table.startswith("# engine_speed --profile: digits-churn90 / felix, cohort 4, 1 aggregations")
+    assert "aten::" in table and "Self CPU" in table
     import json
 
     line = json.loads(capsys.readouterr().out.strip())
     assert line["updates"] > 0 and line["ratio_to_bare"] > 0 and line["cohort_size"] == 4
     for key in ("wall_s", "updates_per_s", "virtual_h_per_wall_h", "bare_sequential_s"):
         assert line[key] > 0
+    # The wall time's split: training, eval tasks, the global evaluation (the initial model's and
+    # one per aggregation at least) and the rest, which add up to the whole.
+    assert line["eval_s"] > 0 and line["train_s"] > 0 and line["probe_s"] >= 0
+    parts = line["train_s"] + line["probe_s"] + line["eval_s"] + line["other_s"]
+    assert parts == pytest.approx(line["wall_s"], abs=0.005)
+    # The live stack's shape (cohort 4: at most four rows per lockstep step).
+    assert line["cohort_advances"] >= 1
+    assert line["cohort_client_steps"] >= line["cohort_lockstep_steps"] >= 1
+    assert 1 <= line["cohort_mean_rows"] <= 4
 
 
 @pytest.mark.parametrize("opt", ["sgd-2-epochs", "adam-drop-last"])

@@ -234,6 +234,23 @@ class DataPool:
             self.size += n
 
 
+@dataclass
+class CohortStats:
+    """How a cohort trainer's work was shaped (for the engine benchmark: on a GPU the cost of a
+    lockstep step is mostly fixed, so rows per step is what cohorts buy)."""
+
+    advances: int = 0  # stack advances (each until one task is done)
+    lockstep_steps: int = 0  # stacked optimiser steps
+    client_steps: int = 0  # client steps they did (rows summed over lockstep steps)
+    probe_calls: int = 0  # stacked eval-task passes
+    probe_rows: int = 0  # eval tasks they computed
+
+    @property
+    def mean_rows(self) -> float:
+        """Clients per lockstep step, on average."""
+        return self.client_steps / self.lockstep_steps if self.lockstep_steps else 0.0
+
+
 class CohortTrainer:
     """Trains a list of tasks of one model and objective together; see the module docstring."""
 
@@ -270,6 +287,7 @@ class CohortTrainer:
         self.has_before = obj.cohort_before_step is not Objective.cohort_before_step
         self.has_after = obj.cohort_after_step is not Objective.cohort_after_step
         self._live = _Stack(self)
+        self.stats = CohortStats()
 
     # ------------------------------------------------------------------ per-client functions (vmapped)
     def _logits(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -345,6 +363,8 @@ class CohortTrainer:
     ) -> list[ClientUpdate]:
         """TierSelect's eval task for several clients at once: one forward pass over each client's data."""
         K = len(datas)
+        self.stats.probe_calls += 1
+        self.stats.probe_rows += K
         order = sorted(range(K), key=lambda k: -len(datas[k]))
         sizes = [len(datas[k]) for k in order]
         x_all, y_all, offsets = self._stack([datas[k] for k in order])
@@ -574,6 +594,10 @@ class _Stack:
         idx, mask, first = idx.to(dev), mask.to(dev), first.to(dev)
         active = [sum(1 for n in ran if n > s) for s in range(S)]
         done_before = [r.done for r in rows]
+        stats = tr.stats
+        stats.advances += 1
+        stats.lockstep_steps += S
+        stats.client_steps += sum(ran)
 
         params, extra, sq_sum, loss_sum = self.params, self.extra, self.sq_sum, self.loss_sum
         for s in range(S):

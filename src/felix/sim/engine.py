@@ -126,6 +126,7 @@ class SimOutcome:
     rejected: list[UpdateRejected]
     train_seconds: float  # wall seconds spent inside local training (for the overhead benchmark)
     trained_unused: int = 0  # tasks trained early in a cohort whose result was dropped (cancelled, retrained)
+    probe_seconds: float = 0.0  # wall seconds spent computing eval tasks' results (the same benchmark)
 
 
 class Simulation:
@@ -147,6 +148,8 @@ class Simulation:
         self.devices = devices
         self.trainer = trainer
         self.cohort = cohort if settings.cohort_size > 1 else None
+        # Resolved once: isinstance against a runtime-checkable Protocol costs tens of microseconds.
+        self._live: LiveCohort | None = self.cohort if isinstance(self.cohort, LiveCohort) else None
         self._trained: dict[int, _Trained] = {}  # by task id
         # Tasks in a local cohort trainer's live stack, by task id: the state copy the trainer
         # writes into, and the data the task trains on.
@@ -162,6 +165,7 @@ class Simulation:
         self._wake_at: float | None = None
         self._rejected: list[UpdateRejected] = []
         self._train_seconds = 0.0
+        self._probe_seconds = 0.0
         self._on_train = on_train
         # How tasks last and data plans apply (augment: a data-plan row -> its virtual seconds).
         self._rules = TaskRules(eval_fraction=settings.eval_fraction, augment=augment)
@@ -203,6 +207,7 @@ class Simulation:
             self._rejected,
             self._train_seconds,
             self._unused,
+            self._probe_seconds,
         )
 
     def _loop(self) -> None:
@@ -278,16 +283,18 @@ class Simulation:
                 dev.state.update(done.state)
             self._train_seconds += time.perf_counter() - t0
         else:
+            t0 = time.perf_counter()
             probed = self._probed.pop(task.task_id, None)
             if probed is None or probed.data is not dev.data:
                 probed = self._probe_cohort(dev, task) if self.cohort is not None else None
             upd = probed.update if probed is not None else self.trainer.probe(task.weights, dev.data)
+            self._probe_seconds += time.perf_counter() - t0
         upd.duration = task.duration
         self._follow(dev, dev.finish(self.now, task, upd))
 
     def _drop_live(self, task_id: int) -> bool:
         """Take ``task_id`` out of the live cohort stack unfinished; whether it was there."""
-        if not isinstance(self.cohort, LiveCohort) or not self.cohort.drop(task_id):
+        if self._live is None or not self._live.drop(task_id):
             return False
         self._live_state.pop(task_id)
         self._live_data.pop(task_id)
@@ -314,8 +321,8 @@ class Simulation:
         ready tasks join it and it steps until ``task`` is done, leaving the others part-trained
         for their own completions (continuous batching); a remote executor trains a whole group."""
         assert self.cohort is not None
-        if isinstance(self.cohort, LiveCohort):
-            return self._advance_live(self.cohort, dev, task)
+        if self._live is not None:
+            return self._advance_live(self._live, dev, task)
         group = self._ready(dev, task, self._trained)
         if len(group) < self.cfg.min_cohort:
             return None
@@ -347,7 +354,7 @@ class Simulation:
 
     def _cohort_task(self, dev: SimDevice, task: Task) -> CohortTask:
         state = dict(dev.state)  # the task's own copy: committed only at its completion
-        if isinstance(self.cohort, LiveCohort):
+        if self._live is not None:
             self._live_state[task.task_id] = state
         return CohortTask(task.weights, dev.data, state, task.aux, self._generator(task))
 
