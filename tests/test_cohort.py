@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from felix.client.cohort import AUTO_COHORT, CohortTask, CohortTrainer, batch_rows, conv_macs, resolve_cohort
-from felix.client.dense_chain import DenseChain, masked_ce_grad
+from felix.client.stacked_chain import StackedChain, masked_ce_grad
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
 from felix.config import deep_merge
 from felix.engine.run import resolve_config
@@ -391,19 +391,19 @@ def test_cohort_federage_balanced_rule_trains_as_alone(opt: str, beta: float | N
     assert any(np.abs(u.delta).max() > 0 for u in coh if u.delta is not None)
 
 
-@pytest.mark.parametrize("opt", list(OPTIMISERS))
-@pytest.mark.parametrize(("objective", "params"), OBJECTIVES, ids=[o for o, _ in OBJECTIVES])
-def test_dense_chain_kernel_is_bit_identical_to_vmap(
-    opt: str, objective: str, params: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+def assert_kernel_matches_vmap(
+    model: nn.Module,
+    cfg: TrainConfig,
+    objective: str,
+    params: dict[str, Any],
+    data: list[ClientData],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The MLP's hand-written stacked kernel (felix.client.dense_chain) against functorch's
-    vmap(grad(...)): the same updates, utilities, losses, states and aux to the last bit, for every
-    objective and optimiser, with more tasks than the stack's first capacity (8) and its probes."""
-    cfg = OPTIMISERS[opt]
-    model = make_model("mlp", (1, 8, 8), C, seed=1)
+    """The stacked-chain kernel against functorch's vmap(grad(...)) on the same tasks: the same
+    updates, utilities, losses, states and aux to the last bit, and the same probes."""
+    shape = tuple(data[0].x.shape[1:])
     w0 = parameters_to_vector(model.parameters()).detach().numpy()
     rng = np.random.default_rng(3)
-    data = clients() + clients(1) + clients(2)
     weights = [w0 + 0.01 * rng.standard_normal(w0.size).astype(np.float32) for _ in data]
     aux: dict[str, np.ndarray] = {}
     if objective == "scaffold":
@@ -412,7 +412,9 @@ def test_dense_chain_kernel_is_bit_identical_to_vmap(
         aux = {"federage_beta": np.array(1.5)}
 
     def run() -> tuple[CohortTrainer, list[Any], list[dict[str, Any]]]:
-        tr = CohortTrainer(copy.deepcopy(model), make_objective(objective, **params), cfg, C)
+        tr = CohortTrainer(
+            copy.deepcopy(model), make_objective(objective, **params), cfg, C, sample_shape=shape
+        )
         states: list[dict[str, Any]] = [{} for _ in data]
         ups = tr.train(
             [
@@ -423,7 +425,7 @@ def test_dense_chain_kernel_is_bit_identical_to_vmap(
         return tr, ups + tr.probe(weights, data), states
 
     kernel, got, got_states = run()
-    monkeypatch.setattr("felix.client.cohort.DenseChain.of", lambda *a, **k: None)
+    monkeypatch.setattr("felix.client.cohort.StackedChain.of", lambda *a, **k: None)
     plain, want, want_states = run()
     assert kernel.chain is not None and plain.chain is None
     for a, b in zip(got, want):
@@ -435,6 +437,34 @@ def test_dense_chain_kernel_is_bit_identical_to_vmap(
         assert all(np.array_equal(a.aux[k], b.aux[k]) for k in a.aux)
     for sa, sb in zip(got_states, want_states):
         assert sorted(sa) == sorted(sb) and all(np.array_equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "small_cnn"])
+@pytest.mark.parametrize("opt", list(OPTIMISERS))
+@pytest.mark.parametrize(("objective", "params"), OBJECTIVES, ids=[o for o, _ in OBJECTIVES])
+def test_stacked_chain_kernel_is_bit_identical_to_vmap(
+    model_name: str, opt: str, objective: str, params: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The MLP's and the small CNN's hand-written stacked kernel (felix.client.stacked_chain), for
+    every objective and optimiser, with more tasks than the stack's first capacity (8)."""
+    model = make_model(model_name, (1, 8, 8), C, seed=1)
+    data = clients() + clients(1) + clients(2)
+    assert_kernel_matches_vmap(model, OPTIMISERS[opt], objective, params, data, monkeypatch)
+
+
+def test_stacked_chain_kernel_is_bit_identical_to_vmap_on_the_felix_cnn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The FeLiX authors' CNN (three unpadded convolutions and pools, then three linear layers) on
+    CIFAR-shaped data, ragged clients with short last batches."""
+    g = torch.Generator().manual_seed(4)
+    data = [
+        ClientData(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, C, (n,), generator=g))
+        for n in (5, 19, 12)
+    ]
+    model = make_model("felix_cnn", (3, 32, 32), C, seed=1)
+    cfg = TrainConfig(lr=0.05, batch_size=8, momentum=0.9)
+    assert_kernel_matches_vmap(model, cfg, "ce", {}, data, monkeypatch)
 
 
 class _Doubled(nn.Module):
@@ -458,19 +488,55 @@ class _Doubled(nn.Module):
         (lambda: nn.Sequential(nn.Linear(64, C, bias=False)), True),
         (lambda: nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, C)), False),
         (lambda: nn.Sequential(nn.Flatten(), nn.Dropout(0.1), nn.Linear(64, C)), False),
-        (lambda: make_model("small_cnn", (1, 8, 8), C), False),
+        (lambda: make_model("small_cnn", (1, 8, 8), C), True),
+        (
+            lambda: nn.Sequential(nn.Conv2d(1, 4, 3, stride=2, dilation=1), nn.Flatten(), nn.Linear(36, C)),
+            True,
+        ),
+        (
+            lambda: nn.Sequential(
+                nn.Conv2d(1, 4, 3, bias=False),
+                nn.MaxPool2d(3, 2, 1, ceil_mode=True),
+                nn.ReLU(),
+                nn.Flatten(),
+                nn.Linear(64, C),
+            ),
+            True,
+        ),
+        (
+            lambda: nn.Sequential(
+                nn.Conv2d(1, 4, 3, groups=1, padding="same"), nn.Flatten(), nn.Linear(256, C)
+            ),
+            False,
+        ),
+        (
+            lambda: nn.Sequential(
+                nn.Conv2d(1, 2, 3), nn.Conv2d(2, 4, 3, groups=2), nn.Flatten(), nn.Linear(64, C)
+            ),
+            False,
+        ),
+        (lambda: nn.Sequential(nn.Conv2d(1, 4, 3), nn.AvgPool2d(2), nn.Flatten(), nn.Linear(36, C)), False),
+        (lambda: nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(16, C)), False),
+        (lambda: nn.Sequential(nn.Conv2d(1, C, 8)), False),  # no logits out of a Linear
+        (lambda: nn.Sequential(nn.Conv2d(1, 4, 3), nn.Linear(6, C)), False),  # a Linear on images
     ],
 )
-def test_dense_chain_kernel_applies_to_plain_dense_chains_only(model: Any, applies: bool) -> None:
-    assert (DenseChain.of(model(), masked_ce_grad) is not None) == applies
+def test_stacked_chain_kernel_applies_to_chains_of_plain_layers_only(model: Any, applies: bool) -> None:
+    net = model()
+    shape = (1, 8, 8) if any(isinstance(m, nn.Conv2d) for m in net.modules()) else None
+    assert (StackedChain.of(net, masked_ce_grad, shape) is not None) == applies
 
 
-def test_dense_chain_kernel_checks_what_a_model_declares_and_skips_mixed_precision() -> None:
-    assert DenseChain.of(_Doubled(), masked_ce_grad) is None  # its forward is not its chain's
+def test_stacked_chain_kernel_checks_what_a_model_declares_and_skips_mixed_precision() -> None:
+    assert StackedChain.of(_Doubled(), masked_ce_grad) is None  # its forward is not its chain's
     cfg = OPTIMISERS["sgd-2-epochs"]
     mlp = make_model("mlp", (1, 8, 8), C)
     assert CohortTrainer(mlp, make_objective("ce"), cfg, C).chain is not None
     assert CohortTrainer(mlp, make_objective("ce"), cfg, C, autocast=torch.bfloat16).chain is None
+    # A convolutional chain is checked on a sample of its input's shape: without one, vmap trains it.
+    cnn = make_model("small_cnn", (1, 8, 8), C)
+    assert CohortTrainer(cnn, make_objective("ce"), cfg, C).chain is None
+    assert CohortTrainer(cnn, make_objective("ce"), cfg, C, sample_shape=(1, 8, 8)).chain is not None
 
 
 def test_data_pool_adopts_the_partitioned_training_set_without_copying() -> None:

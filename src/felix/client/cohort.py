@@ -13,9 +13,9 @@ Two ways in: :meth:`CohortTrainer.train` trains a group to the end (remote execu
 whenever they are dispatched and leave when done, stepping only as far as the task that is due
 needs (the simulator's continuous batching).
 
-A model that is a plain chain of Flatten / Linear / ReLU (the MLP) skips functorch: a hand-written
-stacked forward and backward (:mod:`felix.client.dense_chain`) issues the same batched products,
-bit-identical and without vmap's fixed cost per step. The stack's tensors live in a slab with spare
+A model that is a chain of Flatten / Linear / ReLU / Conv2d / MaxPool2d (the MLP and both CNNs)
+skips functorch: a hand-written stacked forward and backward (:mod:`felix.client.stacked_chain`)
+issues the same batched operations, bit-identical and without vmap's fixed cost per step. The stack's tensors live in a slab with spare
 capacity, so a task joins by one copy into a free row.
 
 One forward pass per batch gives the objective's loss and Oort's per-sample losses; sums stay on
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from felix.client.dense_chain import Aux, DenseChain, autograd_head, masked_ce_grad
+from felix.client.stacked_chain import Aux, StackedChain, autograd_head, masked_ce_grad
 from felix.client.trainer import ClientData, TrainConfig, autocast, oort_utility
 from felix.core.types import ClientUpdate
 from felix.strategies.objectives import Objective, TaskContext
@@ -262,7 +262,10 @@ class CohortTrainer:
         num_classes: int,
         device: str = "cpu",
         autocast: torch.dtype | None = None,
+        sample_shape: tuple[int, ...] | None = None,
     ) -> None:
+        """``sample_shape`` (one sample's, e.g. ``(3, 32, 32)``) lets a convolutional chain use the
+        stacked-chain kernel, which is checked against vmap on an input of that shape."""
         blocker = cohort_blocker(model, objective)
         if blocker is not None:
             raise ValueError(f"cannot train in cohorts: {blocker}")
@@ -276,11 +279,12 @@ class CohortTrainer:
         self.names = [n for n, _ in self.model.named_parameters()]
         self.shapes = [p.shape for _, p in self.model.named_parameters()]
         self.numels = [p.numel() for _, p in self.model.named_parameters()]
-        # A dense chain (the MLP) gets the hand-written stacked kernel, bit-identical to vmap.
+        # A chain of plain layers (the MLP, the CNNs) gets the hand-written stacked kernel,
+        # bit-identical to vmap.
         # The plain cross-entropy objective's loss is stacked arithmetic; any other runs per client.
         plain = type(objective).cohort_loss is Objective.cohort_loss
         head = masked_ce_grad if plain else autograd_head(vmap(self._head))
-        self.chain = DenseChain.of(self.model, head) if autocast is None else None
+        self.chain = StackedChain.of(self.model, head, sample_shape) if autocast is None else None
         self.grad = self.chain.grad if self.chain is not None else vmap(grad(self._loss, has_aux=True))
         self._forward = self.chain.forward if self.chain is not None else vmap(self._logits)
         obj = type(objective)

@@ -130,7 +130,8 @@ class CohortActor:
     ) -> None:
         if threads is not None:
             torch.set_num_threads(threads)  # the driver's thread count: the same arithmetic
-        self.trainer = CohortTrainer(model, objective, cfg, num_classes, device, autocast)
+        shape = tuple(datas[0].x.shape[1:]) if datas else None
+        self.trainer = CohortTrainer(model, objective, cfg, num_classes, device, autocast, shape)
         self.datas = datas
         self.cache: OrderedDict[int, Any] = OrderedDict()  # arrays, the most recently used last
         self.replaced: dict[int, ClientData] = {}  # replaced clients' data, kept like the initial data

@@ -22,6 +22,8 @@ from felix.scenario.registry import Registry
 class FelixCifarCNN(nn.Module):
     """The FeLiX authors' CIFAR-10 CNN: 537,610 parameters (unpadded 3x3 convs, 2x2 pools)."""
 
+    sequential_forward = ("features", "classifier")  # the cohort trainer's stacked-chain kernel applies
+
     def __init__(self, in_channels: int = 3, num_classes: int = 10) -> None:
         super().__init__()
         self.features = nn.Sequential(
@@ -52,6 +54,8 @@ class SmallCNN(nn.Module):
     """Two conv blocks and a linear head, sized by the input: for digits (8x8), Fashion-MNIST and
     CPU-scale CIFAR-10 runs, where the paper-scale CNN would be too slow on two cores."""
 
+    sequential_forward = ("features", "flatten", "head")  # the stacked-chain kernel applies
+
     def __init__(self, in_shape: tuple[int, int, int], num_classes: int, width: int = 16) -> None:
         super().__init__()
         c, h, w = in_shape
@@ -63,14 +67,15 @@ class SmallCNN(nn.Module):
             nn.ReLU(),
             nn.MaxPool2d(2),
         )
+        self.flatten = nn.Flatten()
         self.head = nn.Linear(2 * width * (h // 4) * (w // 4), num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.flatten(self.features(x), 1))
+        return self.head(self.flatten(self.features(x)))
 
 
 class MLP(nn.Module):
-    sequential_forward = "net"  # forward(x) is self.net(x): the cohort trainer's dense-chain kernel applies
+    sequential_forward = "net"  # forward(x) is self.net(x): the cohort trainer's stacked-chain kernel applies
 
     def __init__(self, in_shape: tuple[int, ...], num_classes: int, hidden: int = 64) -> None:
         super().__init__()

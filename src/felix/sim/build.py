@@ -61,6 +61,7 @@ def build_cohort(
         trainer.num_classes,
         cfg.run.device,
         trainer.autocast_dtype,
+        sample_shape,
     )
     return cohort, size, min_k
 
