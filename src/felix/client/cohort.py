@@ -15,8 +15,8 @@ needs (the simulator's continuous batching).
 
 A model that is a chain of Flatten / Linear / ReLU / Conv2d / MaxPool2d (the MLP and both CNNs)
 skips functorch: a hand-written stacked forward and backward (:mod:`felix.client.stacked_chain`)
-issues the same batched operations, bit-identical and without vmap's fixed cost per step. The stack's tensors live in a slab with spare
-capacity, so a task joins by one copy into a free row.
+issues the same batched operations, bit-identical and without vmap's fixed cost per step. The
+stack's tensors live in a slab with spare capacity, so a task joins by one copy into a free row.
 
 One forward pass per batch gives the objective's loss and Oort's per-sample losses; sums stay on
 the device and come back in one transfer at the end. On a GPU this is where the speed is; on a

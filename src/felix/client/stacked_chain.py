@@ -52,7 +52,7 @@ def masked_ce_grad(
     """The plain objective's masked-mean cross-entropy of every client, and its gradient with respect
     to the logits, with no autograd graph: the forward and backward operations autograd would run for
     ``cross_entropy`` (``log_softmax``, ``nll_loss``), the product with the mask, the sum and the
-    division, in the same order (bit-identical; checked in :meth:`DenseChain.of`)."""
+    division, in the same order (bit-identical; checked in :meth:`StackedChain.of`)."""
     K, B, C = logits.shape
     flat_y = y.flatten()
     logp = torch.log_softmax(logits.reshape(K * B, C), 1)
