@@ -13,7 +13,7 @@
 #      kernel_vs_vmap_max_abs_diff must be 0. max_abs_weight_diff (cohort vs sequential) measures
 #      this problem's sensitivity as much as the engine: the 1,000-sample client's 31 steps on random
 #      labels are chaotic (on a CPU, perturbing its start weights by 1e-7 relative moved its update
-#      by 20% in 3 of 8 draws, the sequential trainer alone);
+#      by 20% in 3 of 8 draws, the sequential trainer alone: benchmarks/start_sensitivity.py);
 #   2. engine_speed for felix-cifar10 / felix: cohort auto over 500 aggregations, then the
 #      sequential engine (cohort 1) over 50, each with its bare sequential loop and the split of
 #      its wall time (train / probes / evaluation / other, rows per lockstep step);
