@@ -221,10 +221,13 @@ class StackedChain:
         return None
 
     def _run(
-        self, params: dict[str, torch.Tensor], x: torch.Tensor
+        self, params: dict[str, torch.Tensor], x: torch.Tensor, keep: bool = True
     ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
         """Every layer's input, then the logits, and the pools' argmax indices by layer: ``x`` is
-        ``[K, B, ...]``, parameters ``[K, ...]``."""
+        ``[K, B, ...]``, parameters ``[K, ...]``. With ``keep`` false (a forward pass alone) only the
+        logits come back and each activation is freed once the next is made, as in vmap's forward:
+        a probe's stacked batch (256 samples of up to 64 clients) would otherwise hold every
+        layer's activations at once."""
         K, B = x.shape[0], x.shape[1]
         acts = [x]
         indices: dict[int, torch.Tensor] = {}
@@ -240,7 +243,8 @@ class StackedChain:
             elif layer.kind == "conv":
                 if not layer.grouped:  # [K, B, C, H, W] -> [B, K*C, H, W]
                     h = h.movedim(0, 1).reshape(B, K * h.shape[2], *h.shape[3:])
-                    acts[i] = h
+                    if keep:
+                        acts[i] = h
                 w = params[layer.weight]
                 h = torch.ops.aten.convolution(
                     h, w.flatten(0, 1), None, layer.stride, layer.padding, layer.dilation, False, [0, 0], K
@@ -248,17 +252,20 @@ class StackedChain:
                 if layer.bias is not None:
                     h = h + params[layer.bias].reshape(1, -1, 1, 1)
             elif layer.kind == "pool":
-                h, indices[i] = torch.ops.aten.max_pool2d_with_indices(
-                    h, layer.kernel, layer.stride, layer.padding, layer.dilation, layer.ceil_mode
-                )
+                pool = (layer.kernel, layer.stride, layer.padding, layer.dilation, layer.ceil_mode)
+                if keep:
+                    h, indices[i] = torch.ops.aten.max_pool2d_with_indices(h, *pool)
+                else:  # the same maxima, without the indices a backward needs
+                    h = torch.ops.aten.max_pool2d(h, *pool)
             else:
                 h = torch.relu(h)
-            acts.append(h)
-        return acts, indices
+            if keep:
+                acts.append(h)
+        return (acts if keep else [h]), indices
 
     def forward(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """Stacked logits ``[K, B, classes]`` (the vmapped ``functional_call``'s)."""
-        return self._run(params, x)[0][-1]
+        return self._run(params, x, keep=False)[0][-1]
 
     @torch.no_grad()
     def grad(
