@@ -20,7 +20,6 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +53,7 @@ def simulate(
     args: argparse.Namespace,
     aggregations: int,
     cohort: str | None = None,
-    around: Callable[[Built], AbstractContextManager[Any]] | None = None,
+    around: AbstractContextManager[Any] | None = None,
 ) -> Simulated:
     """Build and run the config; ``around`` wraps the run alone (e.g. a profiler), not the build."""
     sets = parse_set(args.set)
@@ -76,7 +75,7 @@ def simulate(
             eval_s[0] += time.perf_counter() - t0
 
     built.recorder.evaluate = timed_evaluate
-    with around(built) if around is not None else nullcontext():
+    with around if around is not None else nullcontext():
         cpu0 = time.process_time()
         out = built.sim.run()
         cpu_s = time.process_time() - cpu0
@@ -186,27 +185,19 @@ def profile(args: argparse.Namespace, aggregations: int, cohort: str | None, pat
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    profilers: list[torch_profile] = []
-
-    def around(built: Built) -> torch_profile:
-        on_cuda = torch.device(built.cfg.run.device).type == "cuda"
-        profilers.append(
-            torch_profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_cuda else [])])
-        )
-        return profilers[0]
-
-    run = simulate(args, aggregations, cohort, around)
+    cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []  # no events from a CPU run
+    prof = torch_profile(activities=[ProfilerActivity.CPU, *cuda])
+    run = simulate(args, aggregations, cohort, prof)
     built, out = run.built, run.out
-    key = (
-        "self_cuda_time_total" if torch.device(built.cfg.run.device).type == "cuda" else "self_cpu_time_total"
-    )
+    on_cuda = torch.device(built.cfg.run.device).type == "cuda"
+    key = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
     head = (
         f"# engine_speed --profile: {built.cfg.name} / {built.cfg.strategy}, cohort "
         f"{built.cfg.run.cohort}, {built.orch.version} aggregations, wall {out.wall_time_s:.2f} s "
         f"(train {out.train_seconds:.2f} s, probes {out.probe_seconds:.2f} s, evaluation "
         f"{run.eval_s:.2f} s), sorted by {key}\n"
     )
-    table = profilers[0].key_averages().table(sort_by=key, row_limit=40)
+    table = prof.key_averages().table(sort_by=key, row_limit=40)
     Path(path).write_text(head + table + "\n")
 
 
