@@ -13,7 +13,9 @@
 #      kernel_vs_vmap_max_abs_diff must be 0. max_abs_weight_diff (cohort vs sequential) measures
 #      this problem's sensitivity as much as the engine: the 1,000-sample client's 31 steps on random
 #      labels are chaotic (on a CPU, perturbing its start weights by 1e-7 relative moved its update
-#      by 20% in 3 of 8 draws, the sequential trainer alone: benchmarks/start_sensitivity.py);
+#      by 20% in 3 of 8 draws, the sequential trainer alone: benchmarks/start_sensitivity.py).
+#      On a GPU also the stream syncs of one cohort pass (torch.cuda.set_sync_debug_mode): a few per
+#      advance (its batch plan in, its updates out), none per lockstep step;
 #   2. engine_speed for felix-cifar10 / felix: cohort auto over 500 aggregations, then the
 #      sequential engine (cohort 1) over 50, each with its bare sequential loop and the split of
 #      its wall time (train / probes / evaluation / other, rows per lockstep step);
@@ -85,6 +87,17 @@ for name, params in (("ce", {}), ("federage", {"alpha": 0.3}), ("scaffold", {"nu
                  "kernel": coh.chain is not None,
                  "kernel_vs_vmap_max_abs_diff": max(float(np.abs(x.delta - y.delta).max()) for x, y in zip(b, v)),
                  "sequential_s": t_seq, "cohort_s": t_coh, "cohort_vmap_s": t_vmap}
+    if device.startswith("cuda"):
+        import warnings
+        before = (coh.stats.advances, coh.stats.lockstep_steps)
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            coh.train(tasks())
+        torch.cuda.set_sync_debug_mode("default")
+        out[name].update(syncs=sum("synchroniz" in str(w.message) for w in caught),
+                         advances=coh.stats.advances - before[0],
+                         lockstep_steps=coh.stats.lockstep_steps - before[1])
 print(json.dumps(out), flush=True)
 PY
 

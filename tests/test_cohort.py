@@ -6,13 +6,15 @@ import copy
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from felix.client.cohort import AUTO_COHORT, CohortTask, CohortTrainer, batch_rows, conv_macs, resolve_cohort
 from felix.client.stacked_chain import StackedChain, masked_ce_grad
@@ -566,3 +568,118 @@ def test_data_pool_adopts_the_partitioned_training_set_without_copying() -> None
     one = pickle.loads(pickle.dumps(datas[2]))
     assert torch.equal(one.x, datas[2].x) and one.x.untyped_storage().nbytes() == one.x.nbytes
     assert len(pickle.dumps(datas[2])) < 2 * datas[2].x.nbytes + 10_000
+
+
+class HostTraffic(TorchDispatchMode):
+    """Counts, while active, what moves values between host and device or waits for the device:
+    tensors made from host values (``torch.tensor``: ``aten.lift_fresh``), ``.to`` / ``.cuda`` /
+    ``.cpu`` calls naming a device, and reads of values (``item``, ``tolist``, ``numpy``,
+    ``float`` / ``int`` / ``bool``). On a GPU each is a transfer and a stream sync; on a CPU they
+    cost nothing, so they are counted where they are made."""
+
+    READS = ("item", "tolist", "numpy", "cpu", "cuda", "__float__", "__int__", "__bool__")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self._patches: list[Any] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten.lift_fresh.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+    def _counted(self, name: str) -> Any:
+        original = getattr(torch.Tensor, name)
+
+        def wrapper(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            moves = (
+                name != "to" or "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args)
+            )
+            self.count += moves
+            return original(t, *args, **kwargs)
+
+        return wrapper
+
+    def __enter__(self) -> Self:
+        self._patches = [mock.patch.object(torch.Tensor, n, self._counted(n)) for n in (*self.READS, "to")]
+        for p in self._patches:
+            p.start()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        for p in reversed(self._patches):
+            p.stop()
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "small_cnn"])
+@pytest.mark.parametrize("opt", ["sgd-2-epochs", "adam-drop-last"])
+@pytest.mark.parametrize(("objective", "params"), OBJECTIVES, ids=[o for o, _ in OBJECTIVES])
+def test_cohort_steps_make_no_host_transfers(
+    model_name: str, opt: str, objective: str, params: dict[str, Any]
+) -> None:
+    """Deliverable 5 of issue 10: no per-batch host-to-device copies or syncs. A cohort's transfers
+    and reads are per stack (its batch plan in, its updates out), so a stack of three clients that
+    each take six steps makes exactly as many as one whose clients take two; and a stacked eval
+    task makes as many over three chunks of its clients' data as over one."""
+    cfg = OPTIMISERS[opt]
+    model = make_model(model_name, (1, 8, 8), C, seed=1)
+    w0 = parameters_to_vector(model.parameters()).detach().numpy()
+    aux = {"federage_beta": np.array(1.5)} if objective == "federage" else {}
+    params = {**params, "alpha": [0.5, 1.0, 1.0, 1.0, 1.0, 2.0]} if objective == "focal" else params
+
+    def traffic(n: int) -> int:
+        trainer = CohortTrainer(copy.deepcopy(model), make_objective(objective, **params), cfg, C)
+        data = [ClientData(torch.randn(n, 1, 8, 8), torch.arange(n) % C) for _ in range(3)]
+        tasks = [CohortTask(w0, d, {}, aux, torch.Generator().manual_seed(k)) for k, d in enumerate(data)]
+        with HostTraffic() as seen:
+            trainer.train(tasks)
+        return seen.count
+
+    short, long = traffic(2 * cfg.batch_size), traffic(6 * cfg.batch_size)
+    assert short > 0  # the counter sees the stack's own transfers
+    assert long == short, f"{long - short} more transfers or reads for four more steps per client"
+
+
+@pytest.mark.parametrize(
+    ("objective", "params"),
+    [
+        *[o for o in OBJECTIVES if o[0] not in ("focal", "federage")],
+        ("focal", {"alpha": [0.5, 1, 1, 1, 1, 2]}),
+    ],
+    ids=["ce", "wce", "fedprox", "scaffold", "focal-alpha"],
+)
+def test_sequential_training_makes_no_host_transfers_per_batch(
+    objective: str, params: dict[str, Any]
+) -> None:
+    """The same for a client trained alone (``run.cohort: 1``, models that cannot be stacked): the
+    objectives' tensors go to the device once per task. FedeRage is left out: its sequential form
+    reads each batch's loss on the host to pick the step's weight, by design (its cohort form,
+    above, does not)."""
+    model = make_model("mlp", (1, 8, 8), C, seed=1)
+    w0 = parameters_to_vector(model.parameters()).detach().numpy()
+    trainer = LocalTrainer(model, make_objective(objective, **params), TrainConfig(lr=0.05, batch_size=8), C)
+
+    def traffic(n: int) -> int:
+        data = ClientData(torch.randn(n, 1, 8, 8), torch.arange(n) % C)
+        with HostTraffic() as seen:
+            trainer.train(w0, data, {}, {}, torch.Generator().manual_seed(0))
+        return seen.count
+
+    assert traffic(8) == traffic(40) > 0  # one batch, then five
+
+
+def test_cohort_probe_makes_no_host_transfers_per_chunk() -> None:
+    model = make_model("mlp", (1, 8, 8), C, seed=1)
+    w = parameters_to_vector(model.parameters()).detach().numpy()
+    trainer = CohortTrainer(model, make_objective("ce"), TrainConfig(), C)
+
+    def traffic(n: int) -> int:
+        data = [ClientData(torch.randn(n, 1, 8, 8), torch.arange(n) % C) for _ in range(3)]
+        with HostTraffic() as seen:
+            trainer.probe([w, w, w], data, batch_size=16)
+        return seen.count
+
+    assert traffic(16) == traffic(48) > 0  # one chunk of 16 samples a client, then three

@@ -379,15 +379,15 @@ class CohortTrainer:
         chunks = -(-sizes[0] // batch_size) if K else 0
         sq_sum = torch.zeros(K, device=self.device)
         loss_sum = torch.zeros(K, device=self.device)
-        pos = torch.arange(batch_size)
+        # Every chunk's sample indices into the pool and 0/1 mask, [chunks, K, batch]: built on the
+        # host and moved once, not once per chunk (on a GPU each move is a stream sync).
+        local = torch.arange(chunks * batch_size).view(chunks, 1, batch_size)
+        size = torch.tensor(sizes).view(1, K, 1)
+        m_all = (local < size).float().to(self.device)
+        ix_all = (torch.tensor(offsets).view(1, K, 1) + torch.minimum(local, size - 1)).to(self.device)
         for c in range(chunks):
             a = sum(1 for n in sizes if n > c * batch_size)
-            local = c * batch_size + pos
-            size = torch.tensor(sizes[:a]).unsqueeze(1)
-            m = (local.unsqueeze(0) < size).float().to(self.device)
-            ix = (torch.tensor(offsets[:a]).unsqueeze(1) + torch.minimum(local.unsqueeze(0), size - 1)).to(
-                self.device
-            )
+            m, ix = m_all[c, :a], ix_all[c, :a]
             xb = x_all.index_select(0, ix.flatten()).view(a, batch_size, *x_all.shape[1:])
             yb = y_all.index_select(0, ix.flatten())
             logits = self._forward({n: p[:a] for n, p in zip(self.names, params)}, xb)

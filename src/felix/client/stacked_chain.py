@@ -56,13 +56,14 @@ def masked_ce_grad(
     K, B, C = logits.shape
     flat_y = y.flatten()
     logp = torch.log_softmax(logits.reshape(K * B, C), 1)
-    per = F.nll_loss(logp, flat_y, reduction="none").view(K, B)
+    # nll_loss's own forward (F.nll_loss's), whose total weight feeds its backward as in autograd:
+    # a tensor already on the device, so a step makes no host-to-device copy (on a GPU, a stream sync).
+    per, total_weight = torch.ops.aten.nll_loss_forward(logp, flat_y, None, 0, -100)
+    per = per.view(K, B)
     msum = mask.sum(1)
     loss = (per * mask).sum(1) / msum
     g_per = (torch.ones_like(loss) / msum).unsqueeze(1).expand(K, B) * mask
-    g_logp = torch.ops.aten.nll_loss_backward(
-        g_per.reshape(K * B), logp, flat_y, None, 0, -100, torch.tensor(float(K * B), device=logits.device)
-    )
+    g_logp = torch.ops.aten.nll_loss_backward(g_per.reshape(K * B), logp, flat_y, None, 0, -100, total_weight)
     g = torch.ops.aten._log_softmax_backward_data(g_logp, logp, 1, logits.dtype)
     return g.view(K, B, C), (per, loss, loss)
 

@@ -228,17 +228,19 @@ class WeightedCE(Objective):
         self._weight: torch.Tensor | None = None
 
     def begin(self, ctx: TaskContext) -> None:
-        self._weight = inverse_frequency_weights(ctx.class_counts)
+        # Moved to the training device once per task, not once per batch (on a GPU each move is a
+        # host-to-device copy and a stream sync).
+        self._weight = inverse_frequency_weights(ctx.class_counts).to(ctx.global_params.device)
 
     def batch_loss(self, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
         assert self._weight is not None, "begin() sets the class weights"
-        return F.cross_entropy(logits, y, weight=self._weight.to(logits.device))
+        return F.cross_entropy(logits, y, weight=self._weight)
 
     def loss_from_ce(
         self, per: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext
     ) -> torch.Tensor:
         assert self._weight is not None, "begin() sets the class weights"
-        w = self._weight.to(per.device)[y]
+        w = self._weight[y]
         return (per * w).sum() / w.sum()
 
     def cohort_begin(self, ctxs: list[TaskContext]) -> dict[str, torch.Tensor]:
@@ -272,23 +274,28 @@ class FocalLoss(Objective):
             raise ValueError("focal alpha must be a non-empty list of finite per-class weights >= 0")
         self.gamma = float(gamma)
         self.alpha = None if alpha is None else torch.tensor(alpha, dtype=torch.float32)
+        self._alpha = self.alpha  # alpha on the training device (begin moves it once per task)
 
     def begin(self, ctx: TaskContext) -> None:
-        if self.alpha is not None and self.alpha.numel() != ctx.num_classes:
-            raise ValueError(f"focal alpha has {self.alpha.numel()} entries for {ctx.num_classes} classes")
+        if self.alpha is not None:
+            if self.alpha.numel() != ctx.num_classes:
+                raise ValueError(
+                    f"focal alpha has {self.alpha.numel()} entries for {ctx.num_classes} classes"
+                )
+            self._alpha = self.alpha.to(ctx.global_params.device)
 
     def batch_loss(self, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
         logp = F.log_softmax(logits, dim=1).gather(1, y.unsqueeze(1)).squeeze(1)
         per = -((1.0 - logp.exp()) ** self.gamma) * logp
-        if self.alpha is not None:
-            per = per * self.alpha.to(logits.device)[y]
+        if self._alpha is not None:
+            per = per * self._alpha[y]
         return per.mean()
 
     def _focal(self, ce: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The focal loss from per-sample cross-entropies (``ce = -log p_y``)."""
         per = ((1.0 - (-ce).exp()) ** self.gamma) * ce
-        if self.alpha is not None:
-            per = per * self.alpha.to(ce.device)[y]
+        if self._alpha is not None:
+            per = per * self._alpha[y]
         return per
 
     def loss_from_ce(
@@ -624,6 +631,8 @@ class FedeRage(Objective):
         if step_rule == "balanced" and kappa > cap:  # then alpha < 1 (kappa = 1 at alpha 1)
             self._theta_lo = balanced_low_weight(self.alpha, self._theta_hi)
         self._beta_scale = 1.0 if step_rule == "paper" else 1.0 / kappa
+        # both as one tensor for the cohort form's per-client choice (cohort_begin moves it to the device)
+        self._theta_hi_lo = torch.tensor([self._theta_hi, self._theta_lo], dtype=torch.float64)
         self.beta = self.beta_init
         self._w = 1.0
         self._above = False
@@ -676,15 +685,17 @@ class FedeRage(Objective):
             self.begin(ctx)
             betas.append(self.beta)
         self._cohort_lr = ctxs[0].lr
-        return {"beta": torch.tensor(betas, dtype=torch.float64, device=ctxs[0].global_params.device)}
+        dev = ctxs[0].global_params.device
+        # theta's two weights go to the device here rather than in every step (on a GPU a tensor
+        # made from host values is a host-to-device copy and a stream sync)
+        self._theta_hi_lo = self._theta_hi_lo.to(dev)
+        return {"beta": torch.tensor(betas, dtype=torch.float64, device=dev)}
 
     def _risk_weight(self, f: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         return (1.0 - self.gamma) + (self.gamma / self.alpha) * (f.detach().double() >= beta).double()
 
     def _theta_weight(self, f: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-        hi = torch.tensor(self._theta_hi, dtype=torch.float64, device=beta.device)
-        lo = torch.tensor(self._theta_lo, dtype=torch.float64, device=beta.device)
-        return torch.where(f.detach().double() >= beta, hi, lo)
+        return torch.where(f.detach().double() >= beta, self._theta_hi_lo[0], self._theta_hi_lo[1])
 
     # The batch loss is the base class's (the data loss f, reported as is); the weight scales the
     # gradient, as ``before_step`` does, with the float32 factor the sequential path multiplies by.
