@@ -14,7 +14,9 @@ from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
 from felix.core.policies import Aggregator
 from felix.core.types import BufferedUpdate, ClientUpdate, TaskKind, Tier
 from felix.core.validation import AuxDecl, UpdateValidator, ValidationConfig, aux_problem
+from felix.engine.run import resolve_config
 from felix.scenario.build import build_orchestrator
+from felix.sim.build import build
 from felix.strategies.aggregation.fedavg import FedAvgAggregator, FedBuffAggregator
 from felix.strategies.aggregation.robust import RobustAggregator, weighted_median, weighted_trimmed_mean
 from felix.strategies.aggregation.tierfuse import TierFuseAggregator
@@ -346,3 +348,42 @@ def test_running_median_equals_numpy_median_through_evictions_and_repeats() -> N
     for bad in (float("nan"), float("inf"), -1.0):  # a damaged checkpoint: a clear error, not a broken order
         with pytest.raises(ValueError, match="finite and non-negative"):
             w.load_state_dict({"norms": [[1, 0.5], [2, bad]], "peak": 0.5})
+
+
+def test_updates_that_moved_nothing_do_not_zero_the_bound() -> None:
+    """Clients with fewer samples than one batch take no step under drop_last or FedeRage's fixed
+    batches and send a zero update. On the bundled digits (100 Dirichlet clients) they were most of
+    the first updates under FedeRage: counted, they made the median 0, so every later honest update
+    was refused and the run never aggregated. A zero update is accepted and not counted."""
+    v = UpdateValidator(ValidationConfig(norm_min_history=3, batch_size=16))
+    theta = np.ones(DIM, np.float32)
+    for c in range(6):  # six tiny clients, no step each
+        zero = ClientUpdate(6, 0.0, 0.0, 1.0, np.zeros(DIM, np.float32))
+        assert v.check(c, TaskKind.TRAIN, zero, 6, 0, theta).update is not None
+    assert v.norms == {}
+    for c in range(6, 12):  # honest clients, one step each: bounded by the model's norm warm-up
+        d = np.zeros(DIM, np.float32)
+        d[0] = 0.1 * (1 + c % 3)
+        assert v.check(c, TaskKind.TRAIN, ClientUpdate(16, 1.0, 0.5, 1.0, d), 16, 0, theta).update is not None
+    assert v.norm_bound(theta, 1) == pytest.approx(30 * 0.2)  # the median of the updates that moved
+    assert (
+        v.check(
+            20, TaskKind.TRAIN, ClientUpdate(6, 0.0, 0.0, 1.0, np.zeros(DIM, np.float32)), 6, 0, theta
+        ).update
+        is not None
+    )
+    poison = np.zeros(DIM, np.float32)
+    poison[1] = 1e3
+    assert v.check(21, TaskKind.TRAIN, ClientUpdate(16, 1.0, 0.5, 1.0, poison), 16, 0, theta).update is None
+
+
+def test_federage_on_the_default_scenario_aggregates() -> None:
+    """The end-to-end form of the case above: FedeRage (fixed batches) on the embedded default,
+    whose many small clients take no step, trains under synchronous FedAvg rounds."""
+    cfg = resolve_config(
+        None, "fedavg", {"client": {"objective": "federage"}, "run": {"max_aggregations": 5, "eval_every": 0}}
+    )
+    built = build(cfg)
+    outcome = built.sim.run()
+    assert not outcome.rejected
+    assert built.orch.version == 5

@@ -28,6 +28,11 @@ it is *plausible*, with bounds that a single client cannot move:
   ones, and with ``norm / k`` the one-step clients of the Dirichlet population did. Until
   ``norm_min_history`` clients have contributed, the bound is ``warmup_factor`` times the norm of
   the current model (an honest update moved the model by at most 0.2 of its norm there).
+- an update that moved nothing is accepted and not remembered: a client with fewer samples than
+  one batch takes no step under ``drop_last`` or FedeRage's fixed batches, and its zero says
+  nothing about the size of honest updates. Counted, such clients (most of a Dirichlet
+  population of the bundled digits under FedeRage) made the median 0, and with it the bound: every
+  later update was refused and the run never aggregated.
 - a floor under that median: it never counts below ``norm_floor`` (0.5) times its peak so far.
   As the model converges the updates shrink and the median with them, so late in a long run an
   honest update computed on an older model (a client back from a long absence, a stale task) or
@@ -197,7 +202,8 @@ class UpdateValidator:
             scale = bound / norm if math.isfinite(norm) else 0.0
             delta = (upd.delta.astype(np.float64) * scale).astype(np.float32)
             upd, norm, clipped = replace(upd, delta=delta), bound, True
-        self._remember(client_id, norm / math.sqrt(steps))
+        if norm > 0:
+            self._remember(client_id, norm / math.sqrt(steps))
         return Verdict(upd, clipped=clipped)
 
     def norm_bound(self, theta: np.ndarray, steps: int = 1) -> float | None:
