@@ -322,6 +322,8 @@ def test_engine_speed_benchmark_prints_one_json_line(
                 "1",
                 "--bare-repeats",
                 "1",
+                "--rounds",
+                "2",
                 "--set",
                 "model=mlp",
                 "--cohort",
@@ -354,6 +356,10 @@ def test_engine_speed_benchmark_prints_one_json_line(
     assert line["cohort_advances"] >= 1
     assert line["cohort_client_steps"] >= line["cohort_lockstep_steps"] >= 1
     assert 1 <= line["cohort_mean_rows"] <= 4
+    # Two rounds of the same run, each beside its own bare loop: the median round (the lower of
+    # two) is the line, with every round's figures beside it.
+    assert line["rounds"] == 2 and len(line["wall_s_rounds"]) == len(line["bare_sequential_s_rounds"]) == 2
+    assert line["ratio_to_bare_min"] == min(line["ratio_to_bare_rounds"]) == line["ratio_to_bare"]
 
 
 @pytest.mark.parametrize("opt", ["sgd-2-epochs", "adam-drop-last"])
