@@ -4,9 +4,13 @@ state the server ships to everyone, or turn tier flips into a stream of model do
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from felix.cli import main
 from felix.config import ConfigError, validate
 from felix.core.commands import DispatchEval, DispatchTrain, NewModelVersion, UpdateRejected
 from felix.core.events import ClientRegistered, TaskFinished, TierChanged
@@ -15,6 +19,7 @@ from felix.core.policies import Aggregator
 from felix.core.types import BufferedUpdate, ClientUpdate, TaskKind, Tier
 from felix.core.validation import AuxDecl, UpdateValidator, ValidationConfig, aux_problem
 from felix.engine.run import resolve_config
+from felix.metrics.report import REASON_KEYS_MAX, reason_key, rejections_by_reason
 from felix.scenario.build import build_orchestrator
 from felix.sim.build import build
 from felix.strategies.aggregation.fedavg import FedAvgAggregator, FedBuffAggregator
@@ -387,3 +392,36 @@ def test_federage_on_the_default_scenario_aggregates() -> None:
     outcome = built.sim.run()
     assert not outcome.rejected
     assert built.orch.version == 5
+
+
+def test_rejection_reasons_are_counted_with_a_bounded_number_of_keys() -> None:
+    """The summary's ``rejected_by_reason`` (runs and deployments): numbers in a reason become N,
+    and past REASON_KEYS_MAX distinct reasons the rest count as ``other``, since a reason may
+    quote what a client sent."""
+    assert reason_key("update norm 3.5e+02 exceeds the bound 12.5 (task 17)") == (
+        "update norm N exceeds the bound N (task N)"
+    )
+    counts = rejections_by_reason(
+        [f"aux 'k{i}' holds non-finite values" for i in range(REASON_KEYS_MAX + 10)]
+    )
+    assert len(counts) == REASON_KEYS_MAX + 1 and counts["other"] == 10
+    assert sum(counts.values()) == REASON_KEYS_MAX + 10
+
+
+def test_a_run_that_refuses_every_update_says_why(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """lr 100 on the default scenario: every update exceeds the warm-up bound, the run never
+    aggregates, and the CLI names the reason instead of ending on "0 aggregations" alone."""
+    out = tmp_path / "run"
+    code = main(
+        ["run", "--set", "client.lr=100", "--set", "run.max_time_s=600", "--out", str(out), "--quiet"]
+    )
+    assert code == 0
+    summ = json.loads((out / "summary.json").read_text())
+    assert summ["aggregations"] == 0
+    reasons = summ["rejected_by_reason"]
+    assert sum(reasons.values()) == summ["diagnostics"]["rejected"] > 0
+    assert list(reasons) == [
+        "update norm N exceeds the bound N (N x the model's norm, until N clients have sent updates)"
+    ]
+    err = capsys.readouterr().err
+    assert f"{summ['diagnostics']['rejected']} client results rejected" in err and "update norm N" in err

@@ -68,6 +68,15 @@ def _run(args: argparse.Namespace) -> int:
         f"{s['aggregations']} aggregations, {s['virtual_time_s']:.0f} virtual s, {s['wall_time_s']:.1f} wall s, "
         f"{(s['bytes_down'] + s['bytes_up']) / 1e6:.1f} MB ({s['stop_reason']})"
     )
+    rejected = s.get("rejected_by_reason") or {}
+    if rejected:  # a run can refuse every update and still run to its time limit: say why
+        top = sorted(rejected.items(), key=lambda kv: -kv[1])[:3]
+        print(
+            f"felix run: {sum(rejected.values())} client results rejected, most for: "
+            + "; ".join(f"{reason} ({n})" for reason, n in top)
+            + f" (all reasons in {out / 'summary.json'}; -v logs each)",
+            file=sys.stderr,
+        )
     return 130 if s["stop_reason"] == "interrupted" else 0
 
 

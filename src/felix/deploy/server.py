@@ -43,7 +43,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-import re
 import secrets
 import threading
 import time
@@ -73,7 +72,7 @@ from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
 from felix.deploy.topics import ALLOWED, Topics
 from felix.engine.controller import RunController
 from felix.metrics.recorder import EvalRow, Recorder
-from felix.metrics.report import EvalLog
+from felix.metrics.report import EvalLog, tally_rejection
 from felix.scenario.build import (
     attach_run_measures,
     build_orchestrator,
@@ -134,11 +133,6 @@ class ServeOptions:
 
 def _ms(values: deque[float], q: float) -> float | None:
     return round(1000.0 * float(np.percentile(values, q)), 2) if values else None
-
-
-def reason_key(reason: str) -> str:
-    """A stable counter key for a rejection reason: numbers (task ids, shapes, norms) become N."""
-    return re.sub(r"\b\d+(?:\.\d+)?(?:e[+-]?\d+)?\b", "N", reason)
 
 
 class Server:
@@ -332,8 +326,7 @@ class Server:
 
     def _reject(self, cid: int, task_id: int, reason: str, detail: str = "") -> None:
         self.stats.rejected += 1
-        key = reason_key(reason)
-        self.stats.rejected_by_reason[key] = self.stats.rejected_by_reason.get(key, 0) + 1
+        tally_rejection(self.stats.rejected_by_reason, reason)
         log.warning(
             "rejected message from client %d (task %d): %s%s",
             cid,

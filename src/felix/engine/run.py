@@ -10,7 +10,7 @@ from typing import Any
 from felix.config import Config, ConfigError, deep_merge, read_yaml, validate
 from felix.engine.interrupt import stop_on_signals
 from felix.metrics.recorder import EvalRow
-from felix.metrics.report import EvalLog
+from felix.metrics.report import EvalLog, rejections_by_reason
 from felix.presets import scenario_preset, strategy_preset
 from felix.sim.build import Built, build
 from felix.strategies.dataplans.plans import plan_summary
@@ -69,7 +69,14 @@ def run_config(
         ctl.sink = EvalLog(live / "evaluations.csv")  # evaluations land on disk as they happen
     with stop_on_signals(ctl.request_stop, enabled=interruptible):
         outcome = built.sim.run()
-    summ = ctl.summary(outcome.virtual_time_s, outcome.wall_time_s, plan_summary(built.data_plan))
+    summ = ctl.summary(
+        outcome.virtual_time_s,
+        outcome.wall_time_s,
+        {
+            **plan_summary(built.data_plan),
+            "rejected_by_reason": rejections_by_reason(r.reason for r in outcome.rejected),
+        },
+    )
     if out_dir is not None:
         ctl.write_outputs(out_dir, summ, plots)
     return RunResult(summ, built.recorder.rows, built)

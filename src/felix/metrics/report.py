@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,30 @@ from felix.metrics.provenance import provenance
 from felix.metrics.recorder import EvalRow, Recorder
 
 EVAL_COLUMNS = [f for f in EvalRow.__dataclass_fields__]
+REASON_KEYS_MAX = 64  # distinct rejection reasons counted; the rest go under "other"
+
+
+def reason_key(reason: str) -> str:
+    """A stable counter key for a rejection reason: numbers (task ids, shapes, norms) become N."""
+    return re.sub(r"\b\d+(?:\.\d+)?(?:e[+-]?\d+)?\b", "N", reason)
+
+
+def tally_rejection(counts: dict[str, int], reason: str) -> None:
+    """Count ``reason`` in ``counts`` under its key. Past ``REASON_KEYS_MAX`` distinct keys a new
+    one counts as ``other``: a reason may quote what a client sent, and no client may grow the
+    server's memory with it."""
+    key = reason_key(reason)
+    if key not in counts and len(counts) >= REASON_KEYS_MAX:
+        key = "other"
+    counts[key] = counts.get(key, 0) + 1
+
+
+def rejections_by_reason(reasons: Iterable[str]) -> dict[str, int]:
+    """The summary's ``rejected_by_reason``: each reason's count, sorted by key."""
+    counts: dict[str, int] = {}
+    for reason in reasons:
+        tally_rejection(counts, reason)
+    return dict(sorted(counts.items()))
 
 
 def _pct(values: Sequence[float] | np.ndarray, q: float) -> float | None:
