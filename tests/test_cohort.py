@@ -171,6 +171,44 @@ def test_cohort_probe_matches_the_sequential_eval_task() -> None:
         assert b.loss == pytest.approx(a.loss, rel=1e-5)
 
 
+def test_packed_probe_gives_the_stacked_probes_bits() -> None:
+    """A dense chain's probe packs the samples of the clients sent the same weights into one batch;
+    it must give the bits of the stacked probe (each client padded to whole chunks): clients of 0,
+    1, 3 samples, about one chunk, several chunks; some sent the same weights, some others."""
+    model = make_model("mlp", (1, 8, 8), C, seed=1)
+    w = parameters_to_vector(model.parameters()).detach().numpy()
+    g = torch.Generator().manual_seed(5)
+    sizes = [0, 1, 3, 255, 256, 257, 40, 700, 2]
+    data = [
+        ClientData(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, C, (n,), generator=g))
+        for n in sizes
+    ]
+    other = w * 1.01
+    weights = [w, w, other, w, other, w, w, other, w]
+    packed = CohortTrainer(copy.deepcopy(model), make_objective("ce"), TrainConfig(), C)
+    assert packed.chain is not None and packed.chain.dense
+    got = packed.probe(weights, data)
+    stacked = CohortTrainer(copy.deepcopy(model), make_objective("ce"), TrainConfig(), C)
+    assert stacked.chain is not None
+    stacked.chain.dense = False  # the layout every other model's probe takes
+    want = stacked.probe(weights, data)
+    assert [(u.num_samples, u.stat_utility, u.loss) for u in got] == [
+        (u.num_samples, u.stat_utility, u.loss) for u in want
+    ]
+    assert got[0].stat_utility == 0.0 and got[0].loss == 0.0 and got[3].loss > 0
+
+
+def test_masked_ce_without_a_mask_is_the_mask_of_ones() -> None:
+    """``mask=None`` (every sample real, most steps) skips the products with the mask: the same bits."""
+    g = torch.Generator().manual_seed(6)
+    for K, B in [(1, 1), (3, 7), (10, 32)]:
+        logits, y = torch.randn(K, B, C, generator=g), torch.randint(0, C, (K, B), generator=g)
+        grad_none, aux_none = masked_ce_grad(logits, y, None, {})
+        grad_ones, aux_ones = masked_ce_grad(logits, y, torch.ones(K, B), {})
+        assert torch.equal(grad_none, grad_ones)
+        assert all(torch.equal(a, b) for a, b in zip(aux_none, aux_ones))
+
+
 def test_batch_rows_follow_the_sequential_batches() -> None:
     cfg = TrainConfig(batch_size=4, epochs=2, max_steps=5)
     rows, ep0_rows, ep0_samples = batch_rows(10, cfg, torch.Generator().manual_seed(3))

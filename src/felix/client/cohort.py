@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from felix.client.stacked_chain import Aux, StackedChain, autograd_head, masked_ce_grad
+from felix.client.stacked_chain import Aux, Bound, StackedChain, autograd_head, masked_ce_grad
 from felix.client.trainer import ClientData, TrainConfig, autocast, oort_utility
 from felix.core.types import ClientUpdate
 from felix.strategies.objectives import Objective, TaskContext
@@ -144,13 +145,15 @@ def resolve_cohort(
     return int(setting), 2
 
 
-def batch_rows(n: int, cfg: TrainConfig, generator: torch.Generator) -> tuple[torch.Tensor, int, int]:
+def batch_rows(n: int, cfg: TrainConfig, generator: torch.Generator) -> tuple[np.ndarray, int, int]:
     """A client's batches, as :meth:`LocalTrainer.train` takes them: rows of sample indices
     (``-1`` pads a short batch), plus the number of first-epoch rows and samples (Oort's utility
-    reads the first epoch only)."""
+    reads the first epoch only). The order is torch's ``randperm`` from the task's generator, as
+    the sequential trainer draws it; the rows are laid out in numpy (a task's join is on the
+    engine's critical path, and numpy's small operations cost a fraction of torch's)."""
     bs, rows, steps, ep0_rows, ep0_samples = cfg.batch_size, [], 0, 0, 0
     for epoch in range(cfg.epochs):
-        order = torch.randperm(n, generator=generator)
+        order = torch.randperm(n, generator=generator).numpy()
         stop = n - n % bs if cfg.drop_last else n
         nb = -(-stop // bs)
         if cfg.max_steps is not None:
@@ -159,12 +162,14 @@ def batch_rows(n: int, cfg: TrainConfig, generator: torch.Generator) -> tuple[to
             continue
         idx = order[: min(stop, nb * bs)]
         if epoch == 0:
-            ep0_rows, ep0_samples = nb, int(idx.numel())
-        rows.append(torch.cat([idx, idx.new_full((nb * bs - idx.numel(),), -1)]).view(nb, bs))
+            ep0_rows, ep0_samples = nb, int(idx.size)
+        padded = np.full(nb * bs, -1, dtype=np.int64)
+        padded[: idx.size] = idx
+        rows.append(padded.reshape(nb, bs))
         steps += nb
     if not rows:
-        return torch.empty(0, bs, dtype=torch.long), 0, 0
-    return torch.cat(rows), ep0_rows, ep0_samples
+        return np.empty((0, bs), dtype=np.int64), 0, 0
+    return (rows[0] if len(rows) == 1 else np.concatenate(rows)), ep0_rows, ep0_samples
 
 
 class DataPool:
@@ -285,7 +290,11 @@ class CohortTrainer:
         plain = type(objective).cohort_loss is Objective.cohort_loss
         head = masked_ce_grad if plain else autograd_head(vmap(self._head))
         self.chain = StackedChain.of(self.model, head, sample_shape) if autocast is None else None
-        self.grad = self.chain.grad if self.chain is not None else vmap(grad(self._loss, has_aux=True))
+        # (stacked parameters, x, y, mask, extra) -> (gradients by name, aux); the kernel also takes
+        # its bound parameters and a mask of None (every sample real)
+        self.grad: Callable[..., tuple[dict[str, torch.Tensor], Aux]] = (
+            self.chain.grad if self.chain is not None else vmap(grad(self._loss, has_aux=True))
+        )
         self._forward = self.chain.forward if self.chain is not None else vmap(self._logits)
         obj = type(objective)
         self.has_before = obj.cohort_before_step is not Objective.cohort_before_step
@@ -316,11 +325,6 @@ class CohortTrainer:
         return loss, (per.detach(), loss.detach(), stat.detach())
 
     # ------------------------------------------------------------------ training
-    def _stack(self, datas: list[ClientData]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        offsets = self.pool.offsets(datas)
-        assert self.pool.x is not None and self.pool.y is not None
-        return self.pool.x, self.pool.y, offsets
-
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Stacked flat weights ``[K, P]`` as stacked parameters, one tensor per parameter."""
         return [
@@ -365,46 +369,127 @@ class CohortTrainer:
     def probe(
         self, weights: list[np.ndarray], datas: list[ClientData], batch_size: int = 256
     ) -> list[ClientUpdate]:
-        """TierSelect's eval task for several clients at once: one forward pass over each client's data."""
+        """TierSelect's eval task for several clients at once: one forward pass over each client's data.
+
+        A dense chain (Linear and ReLU layers: each sample's logits are its own row of the products)
+        runs the clients that were sent the same weights (usually all: eval tasks carry the global
+        model) as one batch of all their samples, with no padding; other models run the clients
+        stacked, each padded to whole chunks of ``batch_size`` samples (on Dirichlet(0.1) clients
+        about half of those rows are padding). Both give the same sums, in the same order: per client,
+        chunk by chunk of ``batch_size`` samples."""
         K = len(datas)
         self.stats.probe_calls += 1
         self.stats.probe_rows += K
-        order = sorted(range(K), key=lambda k: -len(datas[k]))
-        sizes = [len(datas[k]) for k in order]
-        x_all, y_all, offsets = self._stack([datas[k] for k in order])
+        offsets = self.pool.offsets(datas)
+        sizes = [len(d) for d in datas]
+        if self.chain is not None and self.chain.dense:
+            groups: dict[int, list[int]] = {}
+            for k, w in enumerate(weights):
+                groups.setdefault(id(w), []).append(k)
+            parts = [
+                self._probe_packed(weights[ks[0]], ks, sizes, offsets, batch_size) for ks in groups.values()
+            ]
+            sums = {k: (sq, ls) for ks, part in zip(groups.values(), parts) for k, sq, ls in zip(ks, *part)}
+        else:
+            sums = self._probe_stacked(weights, sizes, offsets, batch_size)
+        return [
+            ClientUpdate(
+                num_samples=n,
+                stat_utility=oort_utility(sums[k][0], n, n),
+                loss=sums[k][1] / n if n else 0.0,
+                duration=0.0,
+            )
+            for k, n in enumerate(sizes)
+        ]
+
+    def _chunk_sums(
+        self, per: torch.Tensor, sizes: list[int], batch_size: int
+    ) -> tuple[list[float], list[float]]:
+        """Per client, the sums of squared and of plain per-sample losses, added up chunk by chunk.
+
+        ``per`` is ``[K, chunks * batch_size]``, zero past each client's samples. Each chunk's sum
+        runs over all ``batch_size`` entries (pads add zero), and a client's chunk sums are added in
+        order in float32, as the stacked probe does them on the device."""
+        chunks = per.view(len(sizes), -1, batch_size)
+        sq = (chunks * chunks).sum(2).cpu().numpy()
+        ls = chunks.sum(2).cpu().numpy()
+        sq_acc, ls_acc = sq[:, 0].copy(), ls[:, 0].copy()
+        used = -(-np.asarray(sizes) // batch_size)
+        for c in range(1, sq.shape[1]):
+            more = used > c
+            sq_acc[more] += sq[more, c]
+            ls_acc[more] += ls[more, c]
+        return sq_acc.tolist(), ls_acc.tolist()
+
+    def _probe_packed(
+        self, weights: np.ndarray, ks: list[int], sizes: list[int], offsets: list[int], batch_size: int
+    ) -> tuple[list[float], list[float]]:
+        """:meth:`probe` for the clients ``ks``, sent the same ``weights``: their samples in one batch
+        (padded to a whole number of chunks, as small batches take other kernels), forwarded in
+        pieces of at most ``AUTO_COHORT`` chunks."""
+        x_all, y_all = self.pool.x, self.pool.y
+        assert x_all is not None and y_all is not None
+        n = [sizes[k] for k in ks]
+        total = sum(n)
+        rows = -(-max(total, 1) // batch_size) * batch_size
+        ix = np.zeros(rows, dtype=np.int64)  # pads read sample 0 of the pool; their losses are dropped
+        if total:
+            ix[:total] = np.concatenate([np.arange(offsets[k], offsets[k] + sizes[k]) for k in ks])
+        ix_dev = torch.from_numpy(ix).to(self.device)
+        flat = torch.from_numpy(np.array(weights, dtype=np.float32)).to(self.device).unsqueeze(0)
+        params = dict(zip(self.names, self.split(flat)))
+        per = torch.empty(rows, device=self.device)
+        piece = AUTO_COHORT * batch_size
+        for start in range(0, rows, piece):
+            part = ix_dev[start : start + piece]
+            xb = x_all.index_select(0, part).unsqueeze(0)
+            logits = self._forward(params, xb)[0]
+            per[start : start + piece] = F.cross_entropy(
+                logits, y_all.index_select(0, part), reduction="none"
+            )
+        width = -(-max(n, default=1) // batch_size) * batch_size
+        padded = torch.zeros(len(ks), max(width, batch_size), device=self.device)
+        cols = np.concatenate([np.arange(m) for m in n]) if total else np.zeros(0, dtype=np.int64)
+        which = np.repeat(np.arange(len(ks)), n)
+        padded[torch.from_numpy(which).to(self.device), torch.from_numpy(cols).to(self.device)] = per[:total]
+        return self._chunk_sums(padded, n, batch_size)
+
+    def _probe_stacked(
+        self, weights: list[np.ndarray], sizes: list[int], offsets: list[int], batch_size: int
+    ) -> dict[int, tuple[float, float]]:
+        """:meth:`probe` with the clients stacked (each its own weights), longest first, each padded
+        to whole chunks of ``batch_size`` samples."""
+        x_all, y_all = self.pool.x, self.pool.y
+        assert x_all is not None and y_all is not None
+        K = len(sizes)
+        order = sorted(range(K), key=lambda k: -sizes[k])
+        ordered = [sizes[k] for k in order]
         flat = torch.from_numpy(np.stack([np.asarray(weights[k], dtype=np.float32) for k in order])).to(
             self.device
         )
         params = self.split(flat)
-        chunks = -(-sizes[0] // batch_size) if K else 0
-        sq_sum = torch.zeros(K, device=self.device)
-        loss_sum = torch.zeros(K, device=self.device)
+        chunks = -(-ordered[0] // batch_size) if K and ordered[0] else 1
+        per_all = torch.zeros(K, chunks * batch_size, device=self.device)
         # Every chunk's sample indices into the pool and 0/1 mask, [chunks, K, batch]: built on the
         # host and moved once, not once per chunk (on a GPU each move is a stream sync).
         local = torch.arange(chunks * batch_size).view(chunks, 1, batch_size)
-        size = torch.tensor(sizes).view(1, K, 1)
+        size = torch.tensor(ordered).view(1, K, 1)
         m_all = (local < size).float().to(self.device)
-        ix_all = (torch.tensor(offsets).view(1, K, 1) + torch.minimum(local, size - 1)).to(self.device)
+        ix_all = (
+            torch.tensor([offsets[k] for k in order]).view(1, K, 1) + torch.minimum(local, size - 1)
+        ).to(self.device)
         for c in range(chunks):
-            a = sum(1 for n in sizes if n > c * batch_size)
+            a = sum(1 for n in ordered if n > c * batch_size)
+            if a == 0:  # every client is empty
+                break
             m, ix = m_all[c, :a], ix_all[c, :a]
             xb = x_all.index_select(0, ix.flatten()).view(a, batch_size, *x_all.shape[1:])
             yb = y_all.index_select(0, ix.flatten())
             logits = self._forward({n: p[:a] for n, p in zip(self.names, params)}, xb)
             per = F.cross_entropy(logits.flatten(0, 1), yb, reduction="none").view(a, batch_size) * m
-            sq_sum[:a] += (per * per).sum(1)
-            loss_sum[:a] += per.sum(1)
-        sq, ls = sq_sum.cpu().tolist(), loss_sum.cpu().tolist()
-        out: list[ClientUpdate | None] = [None] * K
-        for j, k in enumerate(order):
-            n = sizes[j]
-            out[k] = ClientUpdate(
-                num_samples=n,
-                stat_utility=oort_utility(sq[j], n, n),
-                loss=ls[j] / n if n else 0.0,
-                duration=0.0,
-            )
-        return out  # type: ignore[return-value]
+            per_all[:a, c * batch_size : (c + 1) * batch_size] = per
+        sq, ls = self._chunk_sums(per_all, ordered, batch_size)
+        return {k: (sq[j], ls[j]) for j, k in enumerate(order)}
 
 
 @dataclass
@@ -414,7 +499,7 @@ class _Row:
 
     key: int
     task: CohortTask
-    batches: torch.Tensor
+    batches: np.ndarray
     ep0_rows: int  # first-epoch batches and samples: Oort's utility reads the first epoch only
     ep0_samples: int
     offset: int  # where the client's data starts in the trainer's data pool
@@ -442,16 +527,19 @@ class _Slab:
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._bufs[name][: self.n]
 
-    def append(self, row: dict[str, torch.Tensor]) -> None:
-        """Add one row: ``row`` maps every name (the same names each time) to a ``[1, ...]`` tensor."""
+    def append(self, values: dict[str, torch.Tensor], zeros: dict[str, torch.Tensor]) -> None:
+        """Add one row: ``values`` maps names to the row's tensors (copied in); the rows of the names
+        in ``zeros`` start at zero (their tensors give only shape and dtype). The same names each time."""
         cap = next(iter(self._bufs.values())).shape[0] if self._bufs else 0
         if self.n == cap:
-            grown = {k: t.new_empty((max(8, 2 * cap), *t.shape[1:])) for k, t in row.items()}
+            grown = {k: t.new_empty((max(8, 2 * cap), *t.shape)) for k, t in (values | zeros).items()}
             for k, b in self._bufs.items():
                 grown[k][: self.n] = b[: self.n]
             self._bufs = grown
-        for k, t in row.items():
-            self._bufs[k][self.n] = t[0]
+        for k, t in values.items():
+            self._bufs[k][self.n].copy_(t)
+        for k in zeros:
+            self._bufs[k][self.n].zero_()
         self.n += 1
 
     def keep(self, order: list[int]) -> None:
@@ -465,6 +553,62 @@ class _Slab:
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` rows."""
         self.n = n
+
+
+@dataclass
+class _Views:
+    """The first ``a`` rows of a stack's tensors, as one advance's steps read them (views into the
+    slab, so in-place updates land there)."""
+
+    params: list[torch.Tensor]
+    bound: Bound | dict[str, torch.Tensor]  # the stacked kernel's bound parameters, or vmap's dict
+    bufs: list[torch.Tensor]  # momentum / Adam's first moment
+    extra: dict[str, torch.Tensor]
+    sq_sum: torch.Tensor
+    loss_sum: torch.Tensor
+
+
+@dataclass
+class _Plan:
+    """One advance's steps, planned on the host in numpy and moved to the device in one copy per
+    kind (on a GPU each copy is a stream sync): step ``s`` trains the first ``active[s]`` rows;
+    ``index[s]`` are their samples' rows in the data pool (a pad reads row 0), ``mask[s]`` 1 for a
+    real sample and 0 for a pad, ``first[s]`` 1 for a row still in its first epoch (Oort's utility
+    reads that epoch only). ``full[s]``: no pad among them; ``first_all[s]``: all in their first
+    epoch (the products with those ones are left out)."""
+
+    active: list[int]
+    index: tuple[torch.Tensor, ...]  # [active * batch] each
+    mask: tuple[torch.Tensor, ...]  # [active * batch] each
+    first: tuple[torch.Tensor, ...]  # [active] each
+    full: list[bool]
+    first_all: list[bool]
+
+    @classmethod
+    def of(cls, rows: list[_Row], ran: list[int], S: int, bs: int, device: torch.device) -> _Plan:
+        if S == 0:  # the due task takes no step (e.g. a client too small for one batch under drop_last)
+            return cls([], (), (), (), [], [])
+        K = len(rows)
+        idx = np.full((S, K, bs), -1, dtype=np.int64)
+        first = np.zeros((S, K), dtype=np.float32)
+        for j, r in enumerate(rows):
+            part = r.batches[r.done : r.done + ran[j]]
+            idx[: ran[j], j] = np.where(part >= 0, part + r.offset, -1)
+            first[: max(0, min(r.ep0_rows - r.done, ran[j])), j] = 1.0
+        active = [sum(1 for n in ran if n > s) for s in range(S)]
+        steps = [idx[s, : active[s]].reshape(-1) for s in range(S)]
+        firsts = [first[s, : active[s]] for s in range(S)]
+        flat = np.concatenate(steps)
+        mask = (flat >= 0).astype(np.float32)
+        sizes = [a * bs for a in active]
+        return cls(
+            active=active,
+            index=torch.from_numpy(flat.clip(min=0)).to(device).split(sizes),
+            mask=torch.from_numpy(mask).to(device).split(sizes),
+            first=torch.from_numpy(np.concatenate(firsts)).to(device).split(active),
+            full=[bool((t >= 0).all()) for t in steps],
+            first_all=[bool(f.all()) for f in firsts],
+        )
 
 
 class _Stack:
@@ -494,6 +638,7 @@ class _Stack:
         self._m = [f"m{i}" for i in range(n)] if (opt or trainer.cfg.momentum) else []  # momentum / Adam m
         self._v = [f"v{i}" for i in range(n)] if opt else []  # Adam's second moment
         self._x: list[str] = []  # the objective's per-client tensors
+        self._scalar = torch.zeros((), device=trainer.device)  # the shape of a row's loss sums
 
     # The stacked tensors, live rows only (views into the slab: in-place updates land there).
     @property
@@ -549,14 +694,14 @@ class _Stack:
             steps=int(batches.shape[0]),
         )
         extra = tr.objective.cohort_begin([ctx])
-        params = [t.view(1, *sh) for t, sh in zip(flat0.split(tr.numels, dim=1), tr.shapes)]
-        row = {"flat0": flat0, "sq_sum": flat0.new_zeros(1), "loss_sum": flat0.new_zeros(1)}
-        row.update(zip(self._p, params))
-        row.update((k, torch.zeros_like(p)) for k, p in zip(self._m, params))
-        row.update((k, torch.zeros_like(p)) for k, p in zip(self._v, params))
+        params = [t.view(sh) for t, sh in zip(flat0[0].split(tr.numels), tr.shapes)]
         self._x = list(extra)
-        row.update(("x:" + k, v) for k, v in extra.items())
-        self.slab.append(row)
+        values = {"flat0": flat0[0], **dict(zip(self._p, params))}
+        values.update(("x:" + k, v[0]) for k, v in extra.items())
+        zeros = {"sq_sum": self._scalar, "loss_sum": self._scalar}
+        zeros.update(zip(self._m, params))
+        zeros.update(zip(self._v, params))
+        self.slab.append(values, zeros)
         self.rows.append(_Row(key, task, batches, ep0_rows, ep0_samples, offset, ctx))
 
     def drop(self, key: int) -> bool:
@@ -583,44 +728,47 @@ class _Stack:
         rows, K, bs, S = self.rows, len(self.rows), cfg.batch_size, target.remaining
         x_all, y_all = tr.pool.x, tr.pool.y
         assert x_all is not None and y_all is not None
-
-        # Every step's sample indices into the pooled data, a 0/1 mask of real samples, and
-        # whether the step is in its task's first epoch: built on the host once, moved once.
-        idx = torch.full((S, K, bs), -1, dtype=torch.long)
-        first = torch.zeros(S, K)
         ran = [min(r.remaining, S) for r in rows]
-        for j, r in enumerate(rows):
-            part = r.batches[r.done : r.done + ran[j]]
-            idx[: ran[j], j] = torch.where(part >= 0, part + r.offset, -1)
-            first[: max(0, min(r.ep0_rows - r.done, ran[j])), j] = 1.0
-        mask = (idx >= 0).float()
-        idx.clamp_(min=0)
-        idx, mask, first = idx.to(dev), mask.to(dev), first.to(dev)
-        active = [sum(1 for n in ran if n > s) for s in range(S)]
+        plan = _Plan.of(rows, ran, S, bs, dev)
         done_before = [r.done for r in rows]
         stats = tr.stats
         stats.advances += 1
         stats.lockstep_steps += S
         stats.client_steps += sum(ran)
 
-        params, extra, sq_sum, loss_sum = self.params, self.extra, self.sq_sum, self.loss_sum
+        # Views of the first ``a`` rows, made once per ``a`` (the active rows shrink a few times per
+        # advance): slicing and binding at every step cost more than a small model's step on a CPU.
+        views: dict[int, _Views] = {}
+        bind = tr.chain.bind if tr.chain is not None else None
+        xshape = x_all.shape[1:]
+        extra = self.extra  # the hooks update its rows in place
         for s in range(S):
-            a = active[s]
-            ps = {n: p[:a] for n, p in zip(tr.names, params)}
-            ix = idx[s, :a].reshape(-1)
-            mb = mask[s, :a]
-            # index_select rather than x_all[ix]: the same copy, several times faster on a CPU.
-            xb = x_all.index_select(0, ix).view(a, bs, *x_all.shape[1:])
+            a = plan.active[s]
+            v = views.get(a)
+            if v is None:
+                v = views[a] = self._views(a, bind)
+            ix, full = plan.index[s], plan.full[s]
+            xb = x_all.index_select(0, ix).view(a, bs, *xshape)
             yb = y_all.index_select(0, ix).view(a, bs)
-            g, (per, loss, stat) = tr.grad(ps, xb, yb, mb, {k: v[:a] for k, v in extra.items()})
+            # ``None``: every sample is real (the stacked kernel's heads skip the mask); vmap needs it.
+            mb = None if full and bind is not None else plan.mask[s].view(a, bs)
+            g, (per, loss, stat) = tr.grad(v.bound, xb, yb, mb, v.extra)
             grads = [g[n] for n in tr.names]
             if tr.has_before:
-                tr.objective.cohort_before_step(grads, list(ps.values()), extra, a, stat)
-            self._step(a, grads, list(ps.values()), done_before, s)
+                tr.objective.cohort_before_step(grads, v.params, extra, a, stat)
+            self._step(a, grads, v, done_before, s)
             if tr.has_after:
                 tr.objective.cohort_after_step(stat, extra, a)
-            sq_sum[:a] += (per * per * mb).sum(1) * first[s, :a]
-            loss_sum[:a] += loss
+            # Oort's first-epoch sum of squared per-sample losses; products with a mask or a
+            # first-epoch flag of ones are left out (they change no bit).
+            sq_step = per * per
+            if not full:
+                sq_step = sq_step * plan.mask[s].view(a, bs)
+            sq_step = sq_step.sum(1)
+            if not plan.first_all[s]:
+                sq_step = sq_step * plan.first[s]
+            v.sq_sum.add_(sq_step)
+            v.loss_sum.add_(loss)
         for j, r in enumerate(rows):
             r.done += ran[j]
 
@@ -646,14 +794,25 @@ class _Stack:
         self.slab.truncate(f)
         return out
 
-    def _step(
-        self, a: int, grads: list[torch.Tensor], ps: list[torch.Tensor], done_before: list[int], s: int
-    ) -> None:
-        """One optimiser step of the first ``a`` rows (their parameters ``ps``), the ``s``-th of this
+    def _views(self, a: int, bind: Callable[[dict[str, torch.Tensor]], Bound] | None) -> _Views:
+        """The first ``a`` rows' stacked tensors (views into the slab)."""
+        params = [p[:a] for p in self.params]
+        named = dict(zip(self.tr.names, params))
+        return _Views(
+            params=params,
+            bound=bind(named) if bind is not None else named,
+            bufs=[b[:a] for b in self.bufs],
+            extra={k: v[:a] for k, v in self.extra.items()},
+            sq_sum=self.sq_sum[:a],
+            loss_sum=self.loss_sum[:a],
+        )
+
+    def _step(self, a: int, grads: list[torch.Tensor], v: _Views, done_before: list[int], s: int) -> None:
+        """One optimiser step of the first ``a`` rows (their views ``v``), the ``s``-th of this
         advance (row ``j``'s step number, from 1, is ``done_before[j] + s + 1``)."""
         cfg = self.tr.cfg
         if cfg.weight_decay:
-            grads = [g.add(p, alpha=cfg.weight_decay) for g, p in zip(grads, ps)]
+            grads = [g.add(p, alpha=cfg.weight_decay) for g, p in zip(grads, v.params)]
         if cfg.optimizer == "adam":
             # Rows at the same step number share torch.optim.Adam's scalar bias corrections.
             t = [done_before[j] + s + 1 for j in range(a)]
@@ -666,10 +825,10 @@ class _Stack:
                 j = e
             return
         if cfg.momentum:
-            for g, b in zip(grads, self.bufs):
-                b[:a].mul_(cfg.momentum).add_(g)
-            grads = [b[:a] for b in self.bufs]
-        torch._foreach_add_(ps, grads, alpha=-cfg.lr)
+            for g, b in zip(grads, v.bufs):
+                b.mul_(cfg.momentum).add_(g)
+            grads = v.bufs
+        torch._foreach_add_(v.params, grads, alpha=-cfg.lr)
 
     def _adam(self, rows: slice, grads: list[torch.Tensor], t: int) -> None:
         beta1, beta2, eps = 0.9, 0.999, 1e-8

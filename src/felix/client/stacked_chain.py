@@ -28,6 +28,7 @@ forward only, on the stacked logits, and autograd differentiates it with respect
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,18 +42,23 @@ log = logging.getLogger("felix.cohort")
 
 Aux = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # per-sample losses [K, B], loss [K], statistic [K]
 # The objective's loss on stacked logits and its gradient: (logits, y, mask, extra) -> (d loss / d logits, aux)
+# (``mask`` is ``None`` only for :func:`masked_ce_grad`, when every sample of the batch is real)
 HeadGrad = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, Aux]
+    [torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]], tuple[torch.Tensor, Aux]
 ]
 
 
 def masked_ce_grad(
-    logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, extra: dict[str, torch.Tensor]
+    logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None, extra: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, Aux]:
     """The plain objective's masked-mean cross-entropy of every client, and its gradient with respect
     to the logits, with no autograd graph: the forward and backward operations autograd would run for
     ``cross_entropy`` (``log_softmax``, ``nll_loss``), the product with the mask, the sum and the
-    division, in the same order (bit-identical; checked in :meth:`StackedChain.of`)."""
+    division, in the same order (bit-identical; checked in :meth:`StackedChain.of`).
+
+    ``mask`` ``None`` says every sample of the batch is real (most steps): the products with a mask
+    of ones are then left out, and the mask's sums come from :func:`_full_batch`, made once by the
+    same operations, so the result is the same bits as with a mask of ones."""
     K, B, C = logits.shape
     flat_y = y.flatten()
     logp = torch.log_softmax(logits.reshape(K * B, C), 1)
@@ -60,12 +66,32 @@ def masked_ce_grad(
     # a tensor already on the device, so a step makes no host-to-device copy (on a GPU, a stream sync).
     per, total_weight = torch.ops.aten.nll_loss_forward(logp, flat_y, None, 0, -100)
     per = per.view(K, B)
-    msum = mask.sum(1)
-    loss = (per * mask).sum(1) / msum
-    g_per = (torch.ones_like(loss) / msum).unsqueeze(1).expand(K, B) * mask
-    g_logp = torch.ops.aten.nll_loss_backward(g_per.reshape(K * B), logp, flat_y, None, 0, -100, total_weight)
+    if mask is None:
+        msum, g_per = _full_batch(K, B, logits.device)
+        loss = per.sum(1) / msum
+    else:
+        msum = mask.sum(1)
+        loss = (per * mask).sum(1) / msum
+        g_per = ((torch.ones_like(loss) / msum).unsqueeze(1).expand(K, B) * mask).reshape(K * B)
+    g_logp = torch.ops.aten.nll_loss_backward(g_per, logp, flat_y, None, 0, -100, total_weight)
     g = torch.ops.aten._log_softmax_backward_data(g_logp, logp, 1, logits.dtype)
     return g.view(K, B, C), (per, loss, loss)
+
+
+@functools.lru_cache(maxsize=512)
+def _ones(K: int, B: int, device: torch.device) -> torch.Tensor:
+    """A mask of ones ``[K, B]``, made once per shape (read only)."""
+    return torch.ones(K, B, device=device)
+
+
+@functools.lru_cache(maxsize=512)
+def _full_batch(K: int, B: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`masked_ce_grad`'s mask sums ``[K]`` and loss gradient ``[K * B]`` for a mask of ones,
+    computed by the masked path's own operations (so the same bits), once per shape."""
+    mask = _ones(K, B, device)
+    msum = mask.sum(1)
+    g_per = (torch.ones(K, device=device) / msum).unsqueeze(1).expand(K, B) * mask
+    return msum, g_per.reshape(K * B)
 
 
 def autograd_head(head: Callable[..., tuple[torch.Tensor, Aux]]) -> HeadGrad:
@@ -73,8 +99,10 @@ def autograd_head(head: Callable[..., tuple[torch.Tensor, Aux]]) -> HeadGrad:
     ``(loss [K], aux)``) differentiated by autograd with respect to the stacked logits."""
 
     def head_grad(
-        logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, extra: dict[str, torch.Tensor]
+        logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None, extra: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, Aux]:
+        if mask is None:
+            mask = _ones(logits.shape[0], logits.shape[1], logits.device)
         leaf = logits.detach().requires_grad_()
         with torch.enable_grad():
             loss, aux = head(leaf, y, mask, extra)
@@ -190,6 +218,9 @@ class StackedChain:
     def __init__(self, layers: list[_Layer], head: HeadGrad) -> None:
         self.layers = layers
         self.head = head
+        # Linear and ReLU only: each sample's logits are its own row of the products, whichever
+        # samples share a batch (the cohort probe packs samples of many clients into one).
+        self.dense = all(layer.kind in ("flatten", "linear", "relu") for layer in layers)
         # The first layer with parameters needs no input gradient.
         self._first_param = next(i for i, layer in enumerate(layers) if layer.kind in ("linear", "conv"))
 
@@ -221,8 +252,25 @@ class StackedChain:
         log.info("stacked-chain kernel: not bit-identical to vmap on this device; training with vmap")
         return None
 
+    def bind(self, params: dict[str, torch.Tensor]) -> Bound:
+        """``params`` (stacked ``[K, ...]``) with the views its products read, for reuse over steps."""
+        weights: list[torch.Tensor | None] = []
+        biases: list[torch.Tensor | None] = []
+        for layer in self.layers:
+            b = None if layer.bias is None else params[layer.bias]
+            if layer.kind == "linear":
+                weights.append(params[layer.weight].transpose(1, 2))
+                biases.append(None if b is None else b.unsqueeze(1))
+            elif layer.kind == "conv":
+                weights.append(params[layer.weight].flatten(0, 1))
+                biases.append(None if b is None else b.reshape(1, -1, 1, 1))
+            else:
+                weights.append(None)
+                biases.append(None)
+        return Bound(params, weights, biases)
+
     def _run(
-        self, params: dict[str, torch.Tensor], x: torch.Tensor, keep: bool = True
+        self, bound: Bound, x: torch.Tensor, keep: bool = True
     ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
         """Every layer's input, then the logits, and the pools' argmax indices by layer: ``x`` is
         ``[K, B, ...]``, parameters ``[K, ...]``. With ``keep`` false (a forward pass alone) only the
@@ -234,24 +282,24 @@ class StackedChain:
         indices: dict[int, torch.Tensor] = {}
         h = x
         for i, layer in enumerate(self.layers):
+            w, b = bound.weights[i], bound.biases[i]
             if layer.kind == "flatten":
                 # [B, K*C, H, W] -> [K, B, C*H*W] (a view: the products read it strided)
                 h = h.reshape(B, K, -1).transpose(0, 1) if layer.grouped else h.flatten(2)
             elif layer.kind == "linear":
-                h = torch.bmm(h, params[layer.weight].transpose(1, 2))
-                if layer.bias is not None:
-                    h = h + params[layer.bias].unsqueeze(1)
+                h = torch.bmm(h, w)  # type: ignore[arg-type]
+                if b is not None:
+                    h = h + b
             elif layer.kind == "conv":
                 if not layer.grouped:  # [K, B, C, H, W] -> [B, K*C, H, W]
                     h = h.movedim(0, 1).reshape(B, K * h.shape[2], *h.shape[3:])
                     if keep:
                         acts[i] = h
-                w = params[layer.weight]
                 h = torch.ops.aten.convolution(
-                    h, w.flatten(0, 1), None, layer.stride, layer.padding, layer.dilation, False, [0, 0], K
+                    h, w, None, layer.stride, layer.padding, layer.dilation, False, [0, 0], K
                 )
-                if layer.bias is not None:
-                    h = h + params[layer.bias].reshape(1, -1, 1, 1)
+                if b is not None:
+                    h = h + b
             elif layer.kind == "pool":
                 pool = (layer.kernel, layer.stride, layer.padding, layer.dilation, layer.ceil_mode)
                 if keep:
@@ -264,22 +312,25 @@ class StackedChain:
                 acts.append(h)
         return (acts if keep else [h]), indices
 
-    def forward(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def forward(self, params: dict[str, torch.Tensor] | Bound, x: torch.Tensor) -> torch.Tensor:
         """Stacked logits ``[K, B, classes]`` (the vmapped ``functional_call``'s)."""
-        return self._run(params, x, keep=False)[0][-1]
+        bound = params if isinstance(params, Bound) else self.bind(params)
+        return self._run(bound, x, keep=False)[0][-1]
 
     @torch.no_grad()
     def grad(
         self,
-        params: dict[str, torch.Tensor],
+        params: dict[str, torch.Tensor] | Bound,
         x: torch.Tensor,
         y: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         extra: dict[str, torch.Tensor],
     ) -> tuple[dict[str, torch.Tensor], Aux]:
-        """Every client's gradient of its own batch loss, as ``vmap(grad(loss, has_aux=True))``."""
+        """Every client's gradient of its own batch loss, as ``vmap(grad(loss, has_aux=True))``;
+        ``mask`` ``None``: every sample is real."""
         K, B = x.shape[0], x.shape[1]
-        acts, indices = self._run(params, x)
+        bound = params if isinstance(params, Bound) else self.bind(params)
+        acts, indices = self._run(bound, x)
         g, aux = self.head(acts[-1], y, mask, extra)
         grads: dict[str, torch.Tensor] = {}
         for i in range(len(self.layers) - 1, self._first_param - 1, -1):
@@ -289,15 +340,15 @@ class StackedChain:
                 if layer.bias is not None:
                     grads[layer.bias] = g.sum(1)
                 if i > self._first_param:
-                    g = torch.bmm(g, params[layer.weight])
+                    g = torch.bmm(g, bound.params[layer.weight])
             elif layer.kind == "conv":
-                w = params[layer.weight]
+                w = bound.params[layer.weight]
                 if layer.bias is not None:  # vmap's: a sum of the batched gradient over batch and space
                     grads[layer.bias] = g.view(B, K, -1, *g.shape[2:]).sum((0, 3, 4))
                 gi, gw, _ = torch.ops.aten.convolution_backward(
                     g,
                     inp,
-                    w.flatten(0, 1),
+                    bound.weights[i],
                     None,
                     layer.stride,
                     layer.padding,
@@ -325,6 +376,18 @@ class StackedChain:
             else:  # flatten
                 g = g.transpose(0, 1).reshape(inp.shape) if layer.grouped else g.view(inp.shape)
         return grads, aux
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A stack's parameters with the views its products read (each Linear's transposed weight and
+    broadcastable bias, each convolution's grouped weight), by layer. They are views, so the
+    optimiser's in-place steps show through: the cohort trainer binds once per stack shape instead
+    of making these views again at every step (on a CPU, dispatch is most of a small step's cost)."""
+
+    params: dict[str, torch.Tensor]
+    weights: list[torch.Tensor | None]
+    biases: list[torch.Tensor | None]
 
 
 def _bit_identical(
