@@ -167,3 +167,20 @@ def test_config_file_errors(tmp_path, capsys):
     assert "top level must be a mapping" in capsys.readouterr().err
     assert main(["run", str(tmp_path / "missing.yaml")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_event_loop_keeps_the_built_objects_from_the_collector_and_hands_them_back():
+    """The loop runs with everything built before it frozen (gc.freeze: the collector's passes
+    skip them) and unfreezes them when it ends, so later garbage among them is collected."""
+    import gc
+
+    from felix.sim.build import build
+
+    built = build(small())
+    frozen: list[int] = []
+    built.sim.ctl.on_evaluation.append(lambda row: frozen.append(gc.get_freeze_count()))
+    before = gc.get_freeze_count()
+    built.sim.run()
+    assert len(frozen) > 1 and frozen[0] == before  # the initial model is evaluated before the loop
+    assert min(frozen[1:]) > before
+    assert gc.get_freeze_count() == before

@@ -27,11 +27,13 @@ depend on the others in its pass, so the live stack gives the runs the whole-gro
 
 from __future__ import annotations
 
+import gc
 import heapq
 import logging
 import sys
 import time
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -129,6 +131,24 @@ class SimOutcome:
     probe_seconds: float = 0.0  # wall seconds spent computing eval tasks' results (the same benchmark)
 
 
+@contextmanager
+def _gc_frozen() -> Iterator[None]:
+    """The objects made before the event loop (the model, the data, torch's and numpy's modules:
+    some 350,000 on felix-cpu-100) kept out of the cyclic collector's reach during the loop, and
+    handed back after it.
+
+    The loop makes small objects by the thousand (events, tasks, updates), so the collector runs
+    often, and a pass over the oldest generation walks every tracked object: measured with
+    ``gc.callbacks`` over 300 aggregations of felix-cpu-100, 124 collections took 0.18 s, and 0.03 s
+    with the objects frozen. Reference counting still frees them as usual; only cycles among them
+    wait until the loop ends."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 class Simulation:
     """The virtual-clock shell. Run control (evaluations, stop rules, byte accounting) is the
     ``controller``'s (:mod:`felix.engine.controller`): every event goes through it."""
@@ -192,7 +212,8 @@ class Simulation:
             self._deliver(ClientRegistered(0.0, dev.cid, len(dev.data), dev.tier, counts))
             self._schedule_tier(dev)
         try:
-            self._loop()
+            with _gc_frozen():
+                self._loop()
         finally:
             if isinstance(self.cohort, _Closable):  # remote executors end their workers with the run
                 self.cohort.close()
