@@ -22,6 +22,7 @@ and ratio beside it (``*_rounds``) and the smallest ratio (``ratio_to_bare_min``
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -52,6 +53,8 @@ class Simulated:
     tasks: list[tuple[ClientData, int, np.ndarray]]  # every training task: its data, id and weights
     eval_s: float  # wall seconds in the global evaluation
     cpu_s: float  # process CPU seconds of the run
+    gc_s: float  # wall seconds in Python's cyclic garbage collector (within the parts above)
+    gc_collections: int
 
 
 def simulate(
@@ -80,11 +83,24 @@ def simulate(
             eval_s[0] += time.perf_counter() - t0
 
     built.recorder.evaluate = timed_evaluate
-    with around if around is not None else nullcontext():
-        cpu0 = time.process_time()
-        out = built.sim.run()
-        cpu_s = time.process_time() - cpu0
-    return Simulated(built, out, tasks, eval_s[0], cpu_s)
+    collector = [0.0, 0.0, 0]  # start of the current collection, seconds, collections
+
+    def timed_collection(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            collector[0] = time.perf_counter()
+        else:
+            collector[1] += time.perf_counter() - collector[0]
+            collector[2] += 1
+
+    gc.callbacks.append(timed_collection)
+    try:
+        with around if around is not None else nullcontext():
+            cpu0 = time.process_time()
+            out = built.sim.run()
+            cpu_s = time.process_time() - cpu0
+    finally:
+        gc.callbacks.remove(timed_collection)
+    return Simulated(built, out, tasks, eval_s[0], cpu_s, collector[1], int(collector[2]))
 
 
 def bare_loop(built: Built, tasks: list[tuple[ClientData, int, np.ndarray]]) -> tuple[float, float]:
@@ -186,6 +202,9 @@ def measure_round(args: argparse.Namespace, aggregations: int, cohort: str | Non
         "probe_s": round(out.probe_seconds, 3),
         "eval_s": round(eval_s, 3),
         "other_s": round(wall - out.train_seconds - out.probe_seconds - eval_s, 3),
+        # Pauses of Python's cyclic collector, wherever they fell (they are inside the parts above).
+        "gc_s": round(run.gc_s, 3),
+        "gc_collections": run.gc_collections,
         **shape,
         "trained_unused": out.trained_unused,
         "wall_per_aggregation_s": round(wall / max(aggs, 1), 5),
