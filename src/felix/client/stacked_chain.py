@@ -42,7 +42,7 @@ log = logging.getLogger("felix.cohort")
 
 Aux = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # per-sample losses [K, B], loss [K], statistic [K]
 # The objective's loss on stacked logits and its gradient: (logits, y, mask, extra) -> (d loss / d logits, aux)
-# (``mask`` is ``None`` only for :func:`masked_ce_grad`, when every sample of the batch is real)
+# (``mask`` ``None``: every sample of the batch is real, so the products with a mask of ones can be left out)
 HeadGrad = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]], tuple[torch.Tensor, Aux]
 ]
@@ -383,7 +383,8 @@ class Bound:
     """A stack's parameters with the views its products read (each Linear's transposed weight and
     broadcastable bias, each convolution's grouped weight), by layer. They are views, so the
     optimiser's in-place steps show through: the cohort trainer binds once per stack shape instead
-    of making these views again at every step (on a CPU, dispatch is most of a small step's cost)."""
+    of making these views again at every step (each view is one more dispatched operation, and a
+    small model's step on a CPU is dozens of them)."""
 
     params: dict[str, torch.Tensor]
     weights: list[torch.Tensor | None]
