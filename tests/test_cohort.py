@@ -16,7 +16,15 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from felix.client.cohort import AUTO_COHORT, CohortTask, CohortTrainer, batch_rows, conv_macs, resolve_cohort
+from felix.client.cohort import (
+    AUTO_COHORT,
+    CohortTask,
+    CohortTrainer,
+    batch_rows,
+    conv_macs,
+    resolve_cohort,
+    task_steps,
+)
 from felix.client.stacked_chain import StackedChain, masked_ce_grad
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
 from felix.config import deep_merge
@@ -218,6 +226,21 @@ def test_batch_rows_follow_the_sequential_batches() -> None:
     assert rows[0].tolist() == first[:4].tolist() and rows[2].tolist() == first[8:].tolist() + [-1, -1]
     assert rows[3].tolist() == second[:4].tolist() and rows[4].tolist() == second[4:8].tolist()
     assert batch_rows(3, TrainConfig(batch_size=4, drop_last=True), torch.Generator())[0].shape == (0, 4)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        TrainConfig(batch_size=4),
+        TrainConfig(batch_size=4, epochs=3, max_steps=7),
+        TrainConfig(batch_size=4, epochs=2, drop_last=True),
+        TrainConfig(batch_size=4, epochs=2, max_steps=2, drop_last=True),
+    ],
+)
+def test_task_steps_count_the_batches_without_drawing(cfg: TrainConfig) -> None:
+    """The step count the Ray executor balances its actors by, computed without a draw: batch_rows' rows."""
+    for n in [0, 1, 3, 4, 5, 8, 13]:
+        assert task_steps(n, cfg) == batch_rows(n, cfg, torch.Generator().manual_seed(0))[0].shape[0]
 
 
 def test_auto_chooses_per_model_and_device(caplog: pytest.LogCaptureFixture) -> None:

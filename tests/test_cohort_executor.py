@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.nn.utils import parameters_to_vector
 
-from felix.client.cohort import CohortTask, CohortTrainer, batch_rows
+from felix.client.cohort import CohortTask, CohortTrainer, task_steps
 from felix.client.trainer import ClientData, TrainConfig
 from felix.config import deep_merge
 from felix.distributed.cohort_executor import generator_seed, make_generator, split_shares
@@ -64,7 +64,7 @@ def test_shares_with_companions_train_as_the_whole_cohort(
         return list(zip(trainer.train(tasks), [t.state for t in tasks]))
 
     whole = train(list(range(len(SIZES))))
-    steps = [batch_rows(n, cfg, torch.Generator())[0].shape[0] for n in SIZES]
+    steps = [task_steps(n, cfg) for n in SIZES]
     for members, companion in split_shares(steps, actors):
         for k, (v, other) in zip(members, train(members + ([companion] if companion >= 0 else []))):
             u, state = whole[k]

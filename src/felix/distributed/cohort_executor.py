@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from felix.client.cohort import CohortTask, CohortTrainer, batch_rows
+from felix.client.cohort import CohortTask, CohortTrainer, task_steps
 from felix.client.trainer import ClientData, TrainConfig
 from felix.config import ConfigError
 from felix.core.types import ClientUpdate
@@ -323,7 +323,7 @@ class RayCohortExecutor:
             )
             for t in tasks
         ]
-        steps = [batch_rows(len(t.data), self.cfg, torch.Generator())[0].shape[0] for t in tasks]  # no draws
+        steps = [task_steps(len(t.data), self.cfg) for t in tasks]
         results = self._run("train", specs, steps, refs)
         updates = []
         for t, (u, state) in zip(tasks, results):
