@@ -752,7 +752,7 @@ class _Stack:
         stats.client_steps += sum(ran)
 
         # Views of the first ``a`` rows, made once per ``a`` (the active rows shrink a few times per
-        # advance): slicing and binding at every step cost more than a small model's step on a CPU.
+        # advance) rather than once per step: each view is a dispatched operation.
         views: dict[int, _Views] = {}
         bind = tr.chain.bind if tr.chain is not None else None
         xshape = x_all.shape[1:]
