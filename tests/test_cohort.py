@@ -166,6 +166,55 @@ def test_live_stack_gives_every_task_its_one_shot_update() -> None:
         live.advance(4)
 
 
+def test_what_a_finished_task_returns_is_its_own() -> None:
+    """A finished task's aux and state leave the stack as arrays of their own: the tasks that go on
+    and those that join later reuse its rows, and must not change an update the server has not
+    yet aggregated (SCAFFOLD's server control, and a client control that took no step)."""
+    cfg = TrainConfig(lr=0.05, batch_size=4, drop_last=True)  # 1 and 3 samples: no step
+    model = make_model("mlp", (1, 8, 8), C, seed=1)
+    n = sum(p.numel() for p in model.parameters())
+    w0 = parameters_to_vector(model.parameters()).detach().numpy()
+    data = clients()
+    rng = np.random.default_rng(3)
+    aux = [
+        {"scaffold_c": rng.standard_normal(n, dtype=np.float32), "sum:scaffold_dc": np.zeros(n, np.float32)}
+        for _ in data
+    ]
+    states = [{"scaffold_ci": rng.standard_normal(n, dtype=np.float32)} for _ in data]
+
+    def task(k: int) -> CohortTask:
+        return CohortTask(w0, data[k], dict(states[k]), aux[k], torch.Generator().manual_seed(k))
+
+    def objective() -> Any:
+        return make_objective("scaffold", num_clients=len(data))
+
+    def owned(tasks: dict[int, Any]) -> dict[int, dict[str, np.ndarray]]:
+        return {k: {key: np.array(v, copy=True) for key, v in u.aux.items()} for k, u in tasks.items()}
+
+    whole = [task(k) for k in range(len(data))]
+    once = CohortTrainer(copy.deepcopy(model), objective(), cfg, C).train(whole)
+    live = CohortTrainer(copy.deepcopy(model), objective(), cfg, C)
+    joined = {k: task(k) for k in range(len(data))}
+    for k in (0, 1, 3):
+        live.join(k, joined[k])
+    first = live.advance(3)  # 0 and 1 take no step, 3 takes 4: all finish
+    kept = owned(first)
+    kept_ci = {k: joined[k].state["scaffold_ci"].copy() for k in first}
+    for k in (2, 4, 5, 6):
+        live.join(k, joined[k])
+    rest = live.advance(5)
+    while live.live_count:
+        rest.update(live.advance(next(k for k in (2, 4, 6) if live.live(k) is not None)))
+    assert sorted(first) == [0, 1, 3] and sorted(first | rest) == list(range(len(data)))
+    for k, upd in first.items():
+        for key, v in upd.aux.items():
+            assert np.array_equal(v, kept[k][key]), (k, key)
+            assert np.array_equal(v, once[k].aux[key]), (k, key)
+        assert np.array_equal(joined[k].state["scaffold_ci"], kept_ci[k])
+        assert np.array_equal(joined[k].state["scaffold_ci"], whole[k].state["scaffold_ci"])
+    assert np.array_equal(joined[0].state["scaffold_ci"], states[0]["scaffold_ci"])  # no step: kept
+
+
 def test_cohort_probe_matches_the_sequential_eval_task() -> None:
     model = make_model("mlp", (1, 8, 8), C, seed=1)
     w = parameters_to_vector(model.parameters()).detach().numpy()

@@ -464,10 +464,12 @@ class Scaffold(Objective):
         self, ctxs: list[TaskContext], extra: dict[str, torch.Tensor], final: torch.Tensor
     ) -> None:
         for k, ctx in enumerate(ctxs):
+            # ``c`` and ``ci`` are rows of the trainer's stack, which later tasks overwrite: what
+            # leaves with the update is copied out (on a CPU ``.cpu().numpy()`` would share them).
             ci, c = extra["ci"][k], extra["c"][k]
             ci_new = ci - c + (extra["anchor"][k] - final[k]) / (ctx.steps * ctx.lr) if ctx.steps > 0 else ci
-            ctx.state["scaffold_ci"] = ci_new.cpu().numpy()
-            ctx.aux_out["scaffold_c"] = c.cpu().numpy()
+            ctx.state["scaffold_ci"] = ci_new.to("cpu", copy=True).numpy()
+            ctx.aux_out["scaffold_c"] = c.to("cpu", copy=True).numpy()
             ctx.aux_out["sum:scaffold_dc"] = (ci_new - ci).cpu().numpy() / np.float32(self.num_clients)
 
 
