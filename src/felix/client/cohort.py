@@ -558,11 +558,15 @@ class _Slab:
         self.n += 1
 
     def keep(self, order: list[int]) -> None:
-        """Keep the rows ``order`` names, in that order."""
-        if order:
-            ix = torch.tensor(order, device=next(iter(self._bufs.values())).device)
+        """Keep the rows ``order`` names, in that order; only the rows that change place are copied
+        (a row of the FeLiX CNN's stack is megabytes)."""
+        moved = [j for j, o in enumerate(order) if o != j]
+        if moved:
+            dev = next(iter(self._bufs.values())).device
+            dst = torch.tensor(moved, device=dev)
+            src = torch.tensor([order[j] for j in moved], device=dev)
             for b in self._bufs.values():
-                b[: len(order)] = b[: self.n].index_select(0, ix)
+                b.index_copy_(0, dst, b.index_select(0, src))
         self.n = len(order)
 
     def truncate(self, n: int) -> None:
@@ -720,10 +724,13 @@ class _Stack:
         self.rows.append(_Row(key, task, batches, ep0_rows, ep0_samples, offset, ctx))
 
     def drop(self, key: int) -> bool:
-        keep = [j for j, r in enumerate(self.rows) if r.key != key]
-        if len(keep) == len(self.rows):
+        at = next((j for j, r in enumerate(self.rows) if r.key == key), None)
+        if at is None:
             return False
-        self._take(keep)
+        order = list(range(len(self.rows) - 1))
+        if at < len(order):
+            order[at] = len(order)  # the last row fills the gap: one row copied
+        self._take(order)
         return True
 
     def _take(self, order: list[int]) -> None:
@@ -734,12 +741,12 @@ class _Stack:
     # ------------------------------------------------------------------ stepping
     def advance(self, key: int) -> dict[int, ClientUpdate]:
         tr, cfg, dev = self.tr, self.tr.cfg, self.tr.device
-        order = sorted(range(len(self.rows)), key=lambda j: -self.rows[j].remaining)  # stable
-        if order != list(range(len(self.rows))):
-            self._take(order)
         target = next((r for r in self.rows if r.key == key), None)
         if target is None:
             raise KeyError(f"task {key} is not in the cohort stack")
+        order = self._lockstep_order(target.remaining)
+        if order != list(range(len(self.rows))):
+            self._take(order)
         rows, K, bs, S = self.rows, len(self.rows), cfg.batch_size, target.remaining
         x_all, y_all = tr.pool.x, tr.pool.y
         assert x_all is not None and y_all is not None
@@ -808,6 +815,21 @@ class _Stack:
         self.rows = rows[:f]
         self.slab.truncate(f)
         return out
+
+    def _lockstep_order(self, S: int) -> list[int]:
+        """The rows' order for an advance of ``S`` steps: the rows that go on after it (more than
+        ``S`` steps left), then those that step all ``S`` and finish, then those that finish sooner,
+        longest first. So the rows stepping at any step are a prefix and the finished ones a suffix.
+        Within the first two groups any order serves, so rows already in place stay there and
+        only the others are moved (each move copies a row of every stacked tensor)."""
+        rem = [r.remaining for r in self.rows]
+        order: list[int] = []
+        for member in (lambda n: n > S, lambda n: n == S):
+            group = [j for j, n in enumerate(rem) if member(n)]
+            lo, hi = len(order), len(order) + len(group)
+            movers = iter(j for j in group if not lo <= j < hi)  # as many as the others in [lo, hi)
+            order += [j if member(rem[j]) else next(movers) for j in range(lo, hi)]
+        return order + sorted((j for j, n in enumerate(rem) if n < S), key=lambda j: -rem[j])  # stable
 
     def _views(self, a: int, bind: Callable[[dict[str, torch.Tensor]], Bound] | None) -> _Views:
         """The first ``a`` rows' stacked tensors (views into the slab)."""
