@@ -376,6 +376,65 @@ def test_simulation_in_cohorts_matches_sequential(preset: str, over: dict[str, A
     assert np.array_equal(again.orch.weights, coh.orch.weights)
 
 
+class _WholeGroups:
+    """The local cohort trainer as a whole-group executor (no live stack), as a remote one is."""
+
+    def __init__(self, trainer: CohortTrainer) -> None:
+        self.trainer = trainer
+
+    def train(self, tasks: list[CohortTask]) -> list[Any]:
+        return self.trainer.train(tasks)
+
+    def probe(self, weights: list[np.ndarray], datas: list[ClientData]) -> list[Any]:
+        return self.trainer.probe(weights, datas)
+
+
+def test_live_stack_takes_every_running_task_and_gives_the_whole_group_run() -> None:
+    """The live stack steps every running training task at each advance, also those no group has
+    taken yet; which tasks train alone is still the whole-group rule's. Churn and ``auto``'s
+    smallest cohort (8) make some tasks train alone after stepping in the stack."""
+    over = {
+        "partition": {"num_clients": 30},
+        "trace": {"kind": "slotted", "unavailable_fraction": 0.4, "slot_s": 30},
+        "run": {"max_aggregations": 15, "cohort": "auto"},
+    }
+    cfg = resolve_config(None, "felix", deep_merge(SIM, over))
+    live = build(cfg)
+    sim = live.sim
+    assert sim.cfg.min_cohort == 8
+    early: set[int] = set()  # tasks that joined the stack before any group took them
+    alone: list[int] = []
+    join, advance_live = sim.cohort.join, sim._advance_live  # type: ignore[union-attr]
+
+    def joined(key: int, task: CohortTask) -> None:
+        if key not in sim._grouped:
+            early.add(key)
+        join(key, task)
+
+    def advanced(*args: Any) -> Any:
+        done = advance_live(*args)
+        if done is None:
+            alone.append(args[2].task_id)
+        return done
+
+    sim.cohort.join = joined  # type: ignore[union-attr]
+    sim._advance_live = advanced  # type: ignore[method-assign, assignment]
+    out = sim.run()
+    whole = build(cfg)
+    whole.sim.cohort = _WholeGroups(whole.sim.cohort)  # type: ignore[arg-type]
+    whole.sim._live = None
+    whole_out = whole.sim.run()
+
+    assert early and set(alone) & early  # stepped early, then trained alone after all
+    assert out.trained_unused >= len(set(alone) & early)
+    assert live.orch.version == whole.orch.version == 15
+    assert np.array_equal(live.orch.weights, whole.orch.weights)
+    assert [(r.version, r.accuracy, r.loss) for r in live.recorder.rows] == [
+        (r.version, r.accuracy, r.loss) for r in whole.recorder.rows
+    ]
+    assert whole_out.virtual_time_s == out.virtual_time_s
+
+
 def test_dafl_augmented_clients_train_in_cohorts() -> None:
     table = [
         [8, 1, 2, 1, 1, 1, 1, 1],

@@ -11,18 +11,24 @@ results into ``TaskFinished`` events, and trains.
 A training task's result depends only on its dispatched weights, its client's data, its client's
 objective state and its seed, so it may be computed at any moment before its completion event.
 With ``cohort_size`` 1 a task trains when it completes (cancelled work costs nothing). With a
-cohort, the first completion that finds its task untrained either trains it alone (fewer than
-``min_cohort`` running training tasks are untrained) or puts it, with the other untrained running
-training tasks (soonest completion first, up to the cohort size), into the cohort trainer. A local
-cohort trainer keeps them in a live stack and steps them in lockstep only until the completed task
-is done (:mod:`felix.client.cohort`): the others keep their progress and go on with the tasks that
-join later, so a long task does not step alone (continuous batching). Each result waits for its own
-completion event. Only a device's current task is trained early, so all its earlier tasks are
-finished and its state is final; the new state is committed at completion, and a cancelled task's
-result (or its part-trained row) is dropped unseen, so cancellation changes nothing. A device
-whose data changes (augmentation) before completion is retrained. Which tasks train alone and
-which in a cohort is the same rule whatever the executor, and a task's cohort arithmetic does not
-depend on the others in its pass, so the live stack gives the runs the whole-group passes gave.
+cohort, the first completion that finds its task in no group either trains it alone (fewer than
+``min_cohort`` running training tasks are in no group) or groups it with the other running training
+tasks in no group (soonest completion first, up to the cohort size). A remote executor trains a
+group whole. A local cohort trainer keeps a live stack instead, which takes every running training
+task at each advance, grouped or not, and steps them in lockstep only until the completed task is
+done (:mod:`felix.client.cohort`): the others keep their progress and go on with the tasks that
+join later, so a long task does not step alone and each step trains as many tasks as are running
+(continuous batching). A task that stepped in the stack and then, by the rule, trains alone drops
+its stacked progress. Each result waits for its own completion event.
+
+Only a device's current task is trained early, so all its earlier tasks are finished and its
+state is final; the new state is committed at completion, and a cancelled task's result (or its
+part-trained row) is dropped unseen, so cancellation changes nothing. A device whose data changes
+(augmentation) before completion is retrained. Which tasks train alone and which in a cohort is
+the same rule whatever the executor, and a task's cohort arithmetic does not depend on the others
+in its pass, so the live stack gives the runs the whole-group passes give (tests/test_cohort.py).
+The exception is a convolution on a CPU, which takes another kernel for a client stepping alone
+than for a stack of them (a few ulps): there the company a task keeps can move the last bits.
 """
 
 from __future__ import annotations
@@ -175,6 +181,7 @@ class Simulation:
         # writes into, and the data the task trains on.
         self._live_state: dict[int, dict] = {}
         self._live_data: dict[int, ClientData] = {}
+        self._grouped: set[int] = set()  # running training tasks put in a group (_advance_live)
         self._unused = 0
         self._probed: dict[int, _Trained] = {}
         self.ctl = controller
@@ -290,11 +297,17 @@ class Simulation:
                 self._on_train(dev, task)
             t0 = time.perf_counter()
             done = self._trained.pop(task.task_id, None)
-            if done is not None and done.data is not dev.data:
+            changed = done is not None and done.data is not dev.data
+            if changed:
                 done, self._unused = None, self._unused + 1
             if self._live_data.get(task.task_id, dev.data) is not dev.data:  # its data changed mid-way
                 self._unused += self._drop_live(task.task_id)
-            if done is None and self.cohort is not None:
+                changed = True
+            if changed:  # trained again, and grouped again
+                self._grouped.discard(task.task_id)
+            if self._live is not None:
+                done = self._advance_live(self._live, dev, task, done)
+            elif done is None and self.cohort is not None:
                 done = self._train_cohort(dev, task)
             if done is None:
                 upd = self.trainer.train(task.weights, dev.data, dev.state, task.aux, self._generator(task))
@@ -337,13 +350,9 @@ class Simulation:
         return [(dev, task), *others[: self.cfg.cohort_size - 1]]
 
     def _train_cohort(self, dev: SimDevice, task: Task) -> _Trained | None:
-        """Train ``task`` (``dev``'s, just completed) with the other ready tasks; None when too few
-        are ready for a vectorised pass to pay. A local cohort trainer keeps a live stack: the
-        ready tasks join it and it steps until ``task`` is done, leaving the others part-trained
-        for their own completions (continuous batching); a remote executor trains a whole group."""
+        """Train ``task`` (``dev``'s, just completed) with the other ready tasks in a remote executor's
+        whole-group pass; None when too few are ready for a vectorised pass to pay."""
         assert self.cohort is not None
-        if self._live is not None:
-            return self._advance_live(self._live, dev, task)
         group = self._ready(dev, task, self._trained)
         if len(group) < self.cfg.min_cohort:
             return None
@@ -353,24 +362,43 @@ class Simulation:
             self._trained[t.task_id] = _Trained(u, c.state, d.data)
         return _Trained(updates[0], cohort[0].state, dev.data)
 
-    def _advance_live(self, live: LiveCohort, dev: SimDevice, task: Task) -> _Trained | None:
-        # Which tasks train sequentially and which join the stack is decided as for a whole-group
-        # executor (a task in the stack counts as trained): the same rule, the same runs.
-        if live.live(task.task_id) is None:
-            group = self._ready(dev, task, self._trained.keys() | self._live_data.keys())
+    def _advance_live(
+        self, live: LiveCohort, dev: SimDevice, task: Task, done: _Trained | None
+    ) -> _Trained | None:
+        """``task``'s result from the live stack (``done``: already finished there); None when it
+        trains alone.
+
+        Which tasks train alone is decided as for a whole-group executor, so the runs are the same
+        whatever the executor: at the completion of a task not yet in a group, the group is the task
+        and the other running training tasks not in one (soonest completion first, up to the cohort
+        size), and fewer than ``min_cohort`` train alone (``_grouped`` holds the tasks so grouped).
+        The stack itself takes every running training task at each advance, grouped or not, so
+        each lockstep step trains as many tasks as are running; a task that then trains alone
+        drops its stacked progress (counted in ``trained_unused``)."""
+        tid = task.task_id
+        if tid not in self._grouped:
+            group = self._ready(dev, task, self._grouped)
             if len(group) < self.cfg.min_cohort:
+                self._unused += done is not None or self._drop_live(tid)
                 return None
-            for d, t in group:
-                live.join(t.task_id, self._cohort_task(d, t))
-                self._live_data[t.task_id] = d.data
+            self._grouped.update(t.task_id for _, t in group)
+        self._grouped.discard(tid)
+        if done is not None:
+            return done
+        ready = self._ready(dev, task, self._trained.keys() | self._live_data.keys())  # the task first
+        first = live.live(tid) is None
+        room = max(self.cfg.cohort_size - live.live_count, 1 if first else 0)
+        for d, t in ready[0 if first else 1 :][:room]:
+            live.join(t.task_id, self._cohort_task(d, t))
+            self._live_data[t.task_id] = d.data
         mine: _Trained | None = None
-        for task_id, upd in live.advance(task.task_id).items():
+        for task_id, upd in live.advance(tid).items():
             state = self._live_state.pop(task_id)
-            done = _Trained(upd, state, self._live_data.pop(task_id))
-            if task_id == task.task_id:
-                mine = done
+            trained = _Trained(upd, state, self._live_data.pop(task_id))
+            if task_id == tid:
+                mine = trained
             else:
-                self._trained[task_id] = done
+                self._trained[task_id] = trained
         return mine
 
     def _cohort_task(self, dev: SimDevice, task: Task) -> CohortTask:
@@ -425,6 +453,7 @@ class Simulation:
 
     def _cancel(self, dev: SimDevice, task_id: int) -> None:
         self._unused += self._trained.pop(task_id, None) is not None or self._drop_live(task_id)
+        self._grouped.discard(task_id)
         self._probed.pop(task_id, None)
         self._follow(dev, dev.cancel(self.now, task_id))
 
