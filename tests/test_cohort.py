@@ -823,18 +823,17 @@ def test_cohort_steps_make_no_host_transfers(
 @pytest.mark.parametrize(
     ("objective", "params"),
     [
-        *[o for o in OBJECTIVES if o[0] not in ("focal", "federage")],
+        *[o for o in OBJECTIVES if o[0] != "focal"],
         ("focal", {"alpha": [0.5, 1, 1, 1, 1, 2]}),
     ],
-    ids=["ce", "wce", "fedprox", "scaffold", "focal-alpha"],
+    ids=["ce", "wce", "fedprox", "scaffold", "federage", "focal-alpha"],
 )
 def test_sequential_training_makes_no_host_transfers_per_batch(
     objective: str, params: dict[str, Any]
 ) -> None:
     """The same for a client trained alone (``run.cohort: 1``, models that cannot be stacked): the
-    objectives' tensors go to the device once per task. FedeRage is left out: its sequential form
-    reads each batch's loss on the host to pick the step's weight, by design (its cohort form,
-    above, does not)."""
+    objectives' tensors go to the device once per task, and FedeRage takes each step's risk weight
+    from the batch loss on the device (it used to read the loss on the host, a sync per batch)."""
     model = make_model("mlp", (1, 8, 8), C, seed=1)
     w0 = parameters_to_vector(model.parameters()).detach().numpy()
     trainer = LocalTrainer(model, make_objective(objective, **params), TrainConfig(lr=0.05, batch_size=8), C)

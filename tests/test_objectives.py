@@ -137,7 +137,7 @@ def _one_federage_step(obj: FedeRage, lr: float, above: bool) -> tuple[nn.Module
     ref.load_state_dict(model.state_dict())
     f = F.cross_entropy(ref(x), y)
     f.backward()
-    obj.beta_init = obj.beta = float(f.detach()) + (-0.01 if above else 0.01)
+    obj.beta_init = float(f.detach()) + (-0.01 if above else 0.01)
     ctx = _ctx(model, lr=lr)
     obj.begin(ctx)
     obj.batch_loss(model(x), y, ctx).backward()

@@ -633,65 +633,33 @@ class FedeRage(Objective):
         if step_rule == "balanced" and kappa > cap:  # then alpha < 1 (kappa = 1 at alpha 1)
             self._theta_lo = balanced_low_weight(self.alpha, self._theta_hi)
         self._beta_scale = 1.0 if step_rule == "paper" else 1.0 / kappa
-        # both as one tensor for the cohort form's per-client choice (cohort_begin moves it to the device)
+        # theta's two weights as one tensor for the per-step choice, moved to the task's device once
+        # per task (on a GPU a tensor made from host values is a host-to-device copy and a sync)
         self._theta_hi_lo = torch.tensor([self._theta_hi, self._theta_lo], dtype=torch.float64)
-        self.beta = self.beta_init
-        self._w = 1.0
-        self._above = False
+        self._unit = self._theta_hi == self._theta_lo == 1.0  # gamma = 0: theta's step is FedAvg's
+        self._beta = torch.tensor(self.beta_init, dtype=torch.float64)  # the task's beta, on its device
+        self._f = torch.zeros(())  # the step's data loss, as the trainer computed it
 
-    def begin(self, ctx: TaskContext) -> None:
+    # Both forms keep beta on the device as float64 (Python floats are doubles) and take the risk
+    # weight from the batch loss there, so a step makes no host sync (on a GPU a read of the loss
+    # is one per batch): the sequential form is the cohort form's arithmetic for one client
+    # (tests/test_cohort.py checks the two agree).
+    @property
+    def beta(self) -> float:
+        """The current task's beta (a host read)."""
+        return float(self._beta)
+
+    def _start(self, ctx: TaskContext) -> float:
         server = ctx.aux_in.get("federage_beta")
         if self.beta_from_server and server is not None:
             start = float(np.asarray(server, dtype=np.float64).reshape(-1)[0])
         else:
             start = float(ctx.state.get("federage_beta", self.beta_init))
-        self.beta = min(max(start, self.beta_min), self.beta_max)
+        return min(max(start, self.beta_min), self.beta_max)
 
-    def batch_loss(self, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
-        return self._weigh(F.cross_entropy(logits, y))
-
-    def loss_from_ce(
-        self, per: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext
-    ) -> torch.Tensor:
-        return self._weigh(per.mean())  # the same data loss plain CE reports, from the one CE pass
-
-    def _weigh(self, f: torch.Tensor) -> torch.Tensor:
-        """Note the step's risk weight from the data loss ``f`` (held beta) and pass ``f`` through."""
-        loss = float(f.detach())
-        self._w = risk_weight(loss, self.beta, self.alpha, self.gamma)
-        self._above = loss >= self.beta
-        return f
-
-    def before_step(self, ctx: TaskContext) -> None:
-        scale = self._theta_hi if self._above else self._theta_lo
-        if scale != 1.0:
-            with torch.no_grad():
-                for p in ctx.model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(scale)
-
-    def after_step(self, ctx: TaskContext) -> None:
-        lr = ctx.lr if self.beta_lr is None else self.beta_lr
-        self.beta = beta_step(self.beta, self._w, lr * self._beta_scale, self.beta_min, self.beta_max)
-
-    def end(self, ctx: TaskContext) -> None:
-        ctx.state["federage_beta"] = self.beta
-        ctx.aux_out["federage_beta"] = np.array(self.beta, dtype=np.float64)
-
-    # Cohort form of the same rule: beta per client as a float64 tensor (Python floats are doubles),
-    # the risk weight from the batch loss without a host sync. Keep in step with the hooks above;
-    # tests/test_cohort.py checks the two agree.
-    def cohort_begin(self, ctxs: list[TaskContext]) -> dict[str, torch.Tensor]:
-        betas = []
-        for ctx in ctxs:
-            self.begin(ctx)
-            betas.append(self.beta)
-        self._cohort_lr = ctxs[0].lr
-        dev = ctxs[0].global_params.device
-        # theta's two weights go to the device here rather than in every step (on a GPU a tensor
-        # made from host values is a host-to-device copy and a stream sync)
-        self._theta_hi_lo = self._theta_hi_lo.to(dev)
-        return {"beta": torch.tensor(betas, dtype=torch.float64, device=dev)}
+    def _on(self, device: torch.device) -> None:
+        if self._theta_hi_lo.device != device:
+            self._theta_hi_lo = self._theta_hi_lo.to(device)
 
     def _risk_weight(self, f: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         return (1.0 - self.gamma) + (self.gamma / self.alpha) * (f.detach().double() >= beta).double()
@@ -699,8 +667,58 @@ class FedeRage(Objective):
     def _theta_weight(self, f: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         return torch.where(f.detach().double() >= beta, self._theta_hi_lo[0], self._theta_hi_lo[1])
 
+    def _next_beta(self, f: torch.Tensor, beta: torch.Tensor, lr: float) -> torch.Tensor:
+        """:func:`beta_step` on tensors: ``Proj(beta - lr * beta_scale * (1 - w))``."""
+        lr = lr if self.beta_lr is None else self.beta_lr
+        step = (lr * self._beta_scale) * (1.0 - self._risk_weight(f, beta))
+        return (beta - step).clamp_(self.beta_min, self.beta_max)
+
+    def begin(self, ctx: TaskContext) -> None:
+        device = ctx.global_params.device
+        self._on(device)
+        self._beta = torch.tensor(self._start(ctx), dtype=torch.float64, device=device)
+
+    def batch_loss(self, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
+        self._f = F.cross_entropy(logits, y)
+        return self._f
+
+    def loss_from_ce(
+        self, per: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext
+    ) -> torch.Tensor:
+        self._f = per.mean()  # the same data loss plain CE reports, from the one CE pass
+        return self._f
+
+    def before_step(self, ctx: TaskContext) -> None:
+        if self._unit:
+            return
+        weight = self._theta_weight(self._f, self._beta)
+        scales: dict[torch.dtype, torch.Tensor] = {}  # the weight in each gradient's dtype, made once
+        with torch.no_grad():
+            for p in ctx.model.parameters():
+                if p.grad is not None:
+                    scale = scales.get(p.grad.dtype)
+                    if scale is None:
+                        scale = scales[p.grad.dtype] = weight.to(p.grad.dtype)
+                    p.grad.mul_(scale)
+
+    def after_step(self, ctx: TaskContext) -> None:
+        self._beta = self._next_beta(self._f, self._beta, ctx.lr)
+
+    def end(self, ctx: TaskContext) -> None:
+        beta = self.beta
+        ctx.state["federage_beta"] = beta
+        ctx.aux_out["federage_beta"] = np.array(beta, dtype=np.float64)
+
+    # Cohort form: beta per client, ``extra["beta"]`` ``[K]``.
+    def cohort_begin(self, ctxs: list[TaskContext]) -> dict[str, torch.Tensor]:
+        self._cohort_lr = ctxs[0].lr
+        dev = ctxs[0].global_params.device
+        self._on(dev)
+        betas = [self._start(ctx) for ctx in ctxs]
+        return {"beta": torch.tensor(betas, dtype=torch.float64, device=dev)}
+
     # The batch loss is the base class's (the data loss f, reported as is); the weight scales the
-    # gradient, as ``before_step`` does, with the float32 factor the sequential path multiplies by.
+    # gradient, as ``before_step`` does.
     def cohort_before_step(
         self,
         grads: list[torch.Tensor],
@@ -709,15 +727,15 @@ class FedeRage(Objective):
         a: int,
         stats: torch.Tensor,
     ) -> None:
+        if self._unit:
+            return
         scale = self._theta_weight(stats, extra["beta"][:a]).to(grads[0].dtype)
         for g in grads:
             g.mul_(scale.view(-1, *([1] * (g.dim() - 1))))
 
     def cohort_after_step(self, stats: torch.Tensor, extra: dict[str, torch.Tensor], a: int) -> None:
         beta = extra["beta"][:a]
-        lr = self._cohort_lr if self.beta_lr is None else self.beta_lr
-        step = (lr * self._beta_scale) * (1.0 - self._risk_weight(stats, beta))
-        beta.copy_((beta - step).clamp_(self.beta_min, self.beta_max))
+        beta.copy_(self._next_beta(stats, beta, self._cohort_lr))
 
     def cohort_end(
         self, ctxs: list[TaskContext], extra: dict[str, torch.Tensor], final: torch.Tensor
