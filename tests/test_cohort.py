@@ -389,6 +389,33 @@ class _WholeGroups:
         return self.trainer.probe(weights, datas)
 
 
+def test_the_simulator_knows_its_running_devices_without_scanning_them() -> None:
+    """Cohorts are formed from the devices whose task's clock runs, kept as runners change rather
+    than found by a scan of the whole population at every completion: after every event of a
+    churned run (tasks pause and resume with their tier, are cancelled and time out) the kept set is
+    exactly the devices with a running task."""
+    over = {
+        "partition": {"num_clients": 30},
+        "trace": {"kind": "slotted", "unavailable_fraction": 0.4, "slot_s": 30},
+        "run": {"max_aggregations": 15, "cohort": "auto"},
+    }
+    sim = build(resolve_config(None, "felix", deep_merge(SIM, over))).sim
+    seen: list[int] = []
+    progress = sim._progress
+
+    def checked() -> None:
+        progress()
+        running = {d.cid for d in sim.devices if d.running is not None}
+        assert set(sim._running) == running
+        seen.append(len(running))
+
+    sim._progress = checked  # type: ignore[method-assign]
+    sim.run()
+    assert len(seen) > 100 and min(seen) < max(
+        seen
+    )  # many events, over which tasks started, paused and ended
+
+
 def test_live_stack_takes_every_running_task_and_gives_the_whole_group_run() -> None:
     """The live stack steps every running training task at each advance, also those no group has
     taken yet; which tasks train alone is still the whole-group rule's. Churn and ``auto``'s

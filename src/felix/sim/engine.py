@@ -182,6 +182,9 @@ class Simulation:
         self._live_state: dict[int, dict] = {}
         self._live_data: dict[int, ClientData] = {}
         self._grouped: set[int] = set()  # running training tasks put in a group (_advance_live)
+        # The devices whose task's clock runs, by client id: a cohort is formed from these, so
+        # forming one costs what is running, not the registered population.
+        self._running: dict[int, SimDevice] = {}
         self._unused = 0
         self._probed: dict[int, _Trained] = {}
         self.ctl = controller
@@ -215,7 +218,7 @@ class Simulation:
         wall0 = time.perf_counter()
         self.ctl.start()
         for dev in self.devices:
-            counts = tuple(int(c) for c in torch.bincount(dev.data.y, minlength=self.trainer.num_classes))
+            counts = tuple(dev.data.class_counts(self.trainer.num_classes).tolist())
             self._deliver(ClientRegistered(0.0, dev.cid, len(dev.data), dev.tier, counts))
             self._schedule_tier(dev)
         try:
@@ -280,9 +283,14 @@ class Simulation:
         self._deliver(TierChanged(self.now, dev.cid, new))
 
     def _follow(self, dev: SimDevice, step: Step[ClientUpdate] | None) -> None:
-        """Do what the device's runner asks: set its completion timer, deliver its released results."""
+        """Do what the device's runner asks: set its completion timer, deliver its released results.
+        Every call that changes a runner's task is followed here, so ``_running`` is kept here."""
         if step is None:
             return
+        if dev.running is not None:
+            self._running[dev.cid] = dev
+        else:
+            self._running.pop(dev.cid, None)
         if step.timer is not None:
             self._push(step.timer.at, _DONE, dev.cid, step.timer.token)
         for held in step.released:
@@ -343,7 +351,7 @@ class Simulation:
         likeliest to time out)."""
         others = [
             (d, t)
-            for d in self.devices
+            for d in self._running.values()
             if d is not dev and (t := d.running) is not None and t.kind is task.kind and t.task_id not in done
         ]
         others.sort(key=lambda p: (p[0].due_at, p[0].cid))  # type: ignore[arg-type, return-value]
