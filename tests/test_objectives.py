@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -241,6 +243,20 @@ def test_federage_balanced_and_paper_weights_average_one(alpha: float, gamma: fl
         assert mean_weight("capped") < 1.0
     with pytest.raises(ValueError, match="balanced weights"):
         balanced_low_weight(1.0, 1.0)
+
+
+def test_federage_after_a_task_is_still_copyable_and_holds_no_graph() -> None:
+    """The objective keeps each step's loss value on the device (no host read per batch), not its
+    autograd graph: a trained objective deep-copies and pickles (Ray ships objectives to actors),
+    and its beta is the task's last, as the update reports it."""
+    objective = make_objective("federage", alpha=0.3, gamma=0.5)
+    trainer = LocalTrainer(_mlp(), objective, TrainConfig(lr=0.1, batch_size=8), num_classes=3)
+    w0 = parameters_to_vector(trainer.model.parameters()).detach().numpy().copy()
+    upd = trainer.train(w0, _data(), {}, {}, torch.Generator().manual_seed(0))
+    assert not objective._f.requires_grad
+    copied = copy.deepcopy(objective)
+    assert pickle.loads(pickle.dumps(objective)).beta == copied.beta == objective.beta
+    assert objective.beta == float(upd.aux["federage_beta"])
 
 
 def test_federage_separate_beta_learning_rate() -> None:

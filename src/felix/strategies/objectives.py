@@ -638,7 +638,7 @@ class FedeRage(Objective):
         self._theta_hi_lo = torch.tensor([self._theta_hi, self._theta_lo], dtype=torch.float64)
         self._unit = self._theta_hi == self._theta_lo == 1.0  # gamma = 0: theta's step is FedAvg's
         self._beta = torch.tensor(self.beta_init, dtype=torch.float64)  # the task's beta, on its device
-        self._f = torch.zeros(())  # the step's data loss, as the trainer computed it
+        self._f = torch.zeros(())  # the step's data loss (its value), as the trainer computed it
 
     # Both forms keep beta on the device as float64 (Python floats are doubles) and take the risk
     # weight from the batch loss there, so a step makes no host sync (on a GPU a read of the loss
@@ -679,14 +679,16 @@ class FedeRage(Objective):
         self._beta = torch.tensor(self._start(ctx), dtype=torch.float64, device=device)
 
     def batch_loss(self, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
-        self._f = F.cross_entropy(logits, y)
-        return self._f
+        f = F.cross_entropy(logits, y)
+        self._f = f.detach()  # its value only: the objective holds no graph (and stays copyable)
+        return f
 
     def loss_from_ce(
         self, per: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, ctx: TaskContext
     ) -> torch.Tensor:
-        self._f = per.mean()  # the same data loss plain CE reports, from the one CE pass
-        return self._f
+        f = per.mean()  # the same data loss plain CE reports, from the one CE pass
+        self._f = f.detach()
+        return f
 
     def before_step(self, ctx: TaskContext) -> None:
         if self._unit:
