@@ -224,14 +224,15 @@ def measure_round(args: argparse.Namespace, aggregations: int, cohort: str | Non
 
 def profile(args: argparse.Namespace, aggregations: int, cohort: str | None, path: str) -> None:
     """One more run of ``aggregations`` under ``torch.profiler`` (CPU, and CUDA on a GPU): the
-    operators by their own time, written to ``path``. Kept apart from the timed run, whose figures
-    the profiler would inflate; on a GPU it shows whether a lockstep step waits on the host (many
-    short kernels, CPU time per call) or on the device (CUDA time)."""
+    operators by their own time, then split by input shapes, written to ``path`` with the command
+    and provenance. Kept apart from the timed run, whose figures the profiler would inflate; on a
+    GPU it shows whether a lockstep step waits on the host (many short kernels, CPU time per call)
+    or on the device (CUDA time)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []  # no events from a CPU run
-    prof = torch_profile(activities=[ProfilerActivity.CPU, *cuda])
+    prof = torch_profile(activities=[ProfilerActivity.CPU, *cuda], record_shapes=True)
     run = simulate(args, aggregations, cohort, prof)
     built, out = run.built, run.out
     on_cuda = torch.device(built.cfg.run.device).type == "cuda"
@@ -240,10 +241,14 @@ def profile(args: argparse.Namespace, aggregations: int, cohort: str | None, pat
         f"# engine_speed --profile: {built.cfg.name} / {built.cfg.strategy}, cohort "
         f"{built.cfg.run.cohort}, {built.orch.version} aggregations, wall {out.wall_time_s:.2f} s "
         f"(train {out.train_seconds:.2f} s, probes {out.probe_seconds:.2f} s, evaluation "
-        f"{run.eval_s:.2f} s), sorted by {key}\n"
+        f"{run.eval_s:.2f} s), sorted by {key}\n# command: {' '.join(sys.argv)}\n"
+        f"# provenance: {json.dumps(provenance())}\n"
     )
     table = prof.key_averages().table(sort_by=key, row_limit=40)
-    Path(path).write_text(head + table + "\n")
+    # The same operators split by their input shapes: which product (a stack's first layer forward,
+    # its weight gradient, the probe's or the evaluation's) takes the time.
+    shapes = prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=25)
+    Path(path).write_text(head + table + "\n\n# by input shapes\n" + shapes + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
