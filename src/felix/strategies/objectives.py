@@ -13,7 +13,7 @@ import importlib
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any, get_type_hints
+from typing import Any, TypeVar, get_type_hints
 
 import numpy as np
 import torch
@@ -494,15 +494,20 @@ def balanced_low_weight(alpha: float, high: float) -> float:
     return (1.0 - alpha * high) / (1.0 - alpha)
 
 
-def beta_step(beta: float, weight: float, lr: float, lo: float, hi: float) -> float:
-    """One projected subgradient step on beta: ``Proj_[lo,hi](beta - lr (1 - w))``.
+B = TypeVar("B", float, torch.Tensor)
+
+
+def beta_step(beta: B, weight: B, lr: float, lo: float, hi: float) -> B:
+    """One projected subgradient step on beta: ``Proj_[lo,hi](beta - lr (1 - w))``, on floats or on
+    float64 tensors (FedeRage keeps beta on the device, one per client in a cohort).
 
     ``1 - w = gamma (1 - 1{f >= beta}/alpha)`` is the subgradient of
     ``gamma (beta + (f - beta)_+ / alpha)`` in beta: a batch above the threshold pushes beta up
     by ``lr gamma (1/alpha - 1)``, one below pulls it down by ``lr gamma``, so at equilibrium a
     fraction alpha of the batches lies above beta (beta tracks the loss's (1-alpha)-quantile).
     """
-    return min(max(beta - lr * (1.0 - weight), lo), hi)
+    moved = beta - lr * (1.0 - weight)
+    return moved.clamp(lo, hi) if isinstance(moved, torch.Tensor) else min(max(moved, lo), hi)
 
 
 FEDERAGE_STEP_RULES = ("paper", "normalised", "capped", "balanced")
@@ -668,10 +673,10 @@ class FedeRage(Objective):
         return torch.where(f.detach().double() >= beta, self._theta_hi_lo[0], self._theta_hi_lo[1])
 
     def _next_beta(self, f: torch.Tensor, beta: torch.Tensor, lr: float) -> torch.Tensor:
-        """:func:`beta_step` on tensors: ``Proj(beta - lr * beta_scale * (1 - w))``."""
         lr = lr if self.beta_lr is None else self.beta_lr
-        step = (lr * self._beta_scale) * (1.0 - self._risk_weight(f, beta))
-        return (beta - step).clamp_(self.beta_min, self.beta_max)
+        return beta_step(
+            beta, self._risk_weight(f, beta), lr * self._beta_scale, self.beta_min, self.beta_max
+        )
 
     def begin(self, ctx: TaskContext) -> None:
         device = ctx.global_params.device
