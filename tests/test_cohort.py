@@ -411,9 +411,8 @@ def test_the_simulator_knows_its_running_devices_without_scanning_them() -> None
 
     sim._progress = checked  # type: ignore[method-assign]
     sim.run()
-    assert len(seen) > 100 and min(seen) < max(
-        seen
-    )  # many events, over which tasks started, paused and ended
+    # many events, over which tasks started, paused and ended
+    assert len(seen) > 100 and min(seen) < max(seen)
 
 
 def test_live_stack_takes_every_running_task_and_gives_the_whole_group_run() -> None:
