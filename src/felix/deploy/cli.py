@@ -89,8 +89,6 @@ def _broker_options(args: argparse.Namespace, default_user: str | None) -> Any:
     host, port = BrokerOptions.parse_address(args.broker)
     user = getattr(args, "username", None) or os.environ.get(ENV_USER) or default_user
     password = getattr(args, "password", None) or os.environ.get(ENV_PASSWORD)
-    if args.tls_cert and not args.tls_key:
-        raise ValueError("--tls-cert needs --tls-key")
     return BrokerOptions(
         host=host,
         port=port,
@@ -195,7 +193,9 @@ def _client(args: argparse.Namespace) -> int:
 
     cfg = _resolve(args)
     ids = _parse_ids(args)
-    torch.set_num_threads(max(1, args.torch_threads))
+    if args.torch_threads < 1:
+        raise ValueError(f"--torch-threads must be at least 1, not {args.torch_threads}")
+    torch.set_num_threads(args.torch_threads)
     broker = _broker_options(args, None)
     if args.credentials:
         creds = credentials_from_map(load_credentials(args.credentials))

@@ -95,6 +95,10 @@ class ClientOptions:
             raise ValueError("time scale must be positive")
         if self.runtime not in ("profile", "compute"):
             raise ValueError(f"runtime must be 'profile' or 'compute', not {self.runtime!r}")
+        if self.trace_device is not None and self.trace_device < 0:
+            raise ValueError(f"trace device must be 0 or more, not {self.trace_device}")
+        if self.max_wall_s is not None and not self.max_wall_s > 0:
+            raise ValueError(f"max wall seconds must be positive, not {self.max_wall_s}")
 
 
 @dataclass(eq=False)

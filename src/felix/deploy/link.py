@@ -234,6 +234,27 @@ class BrokerOptions:
     reconnect_max_s: float = 4.0
     connect_timeout_s: float = 20.0
 
+    def __post_init__(self) -> None:
+        """TLS files are loaded once here, so a missing or unreadable CA, certificate or key is a
+        ValueError naming it at start-up, not an ``ssl`` traceback from the first connection."""
+        if self.tls_ca is None:
+            if self.tls_cert is not None or self.tls_key is not None:
+                raise ValueError("a TLS client certificate or key needs a CA (tls_ca) as well")
+            return
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("a TLS client certificate and its key go together (tls_cert and tls_key)")
+        try:
+            ctx = ssl.create_default_context(cafile=self.tls_ca)
+        except OSError as exc:  # ssl.SSLError is an OSError too
+            raise ValueError(f"TLS CA file {self.tls_ca}: {exc.strerror or exc}") from None
+        if self.tls_cert is not None:
+            try:
+                ctx.load_cert_chain(self.tls_cert, self.tls_key)
+            except OSError as exc:
+                raise ValueError(
+                    f"TLS certificate {self.tls_cert} / key {self.tls_key}: {exc.strerror or exc}"
+                ) from None
+
     @staticmethod
     def parse_address(text: str) -> tuple[str, int]:
         host, sep, port = text.rpartition(":")

@@ -1,0 +1,70 @@
+"""The deployment's start-up options: bad TLS files, trace devices, wall limits and thread counts are
+one-line errors naming the option at start-up, never a traceback from the first connection."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from felix.cli import main
+from felix.deploy.client import ClientOptions
+from felix.deploy.link import BrokerOptions
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed: cannot make a test certificate")
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
+        + ["-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return cert, key
+
+
+def test_tls_files_are_loaded_when_the_options_are_made(tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    BrokerOptions(tls_ca=str(cert), tls_cert=str(cert), tls_key=str(key))  # a usable set
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    cases: list[tuple[dict[str, str], str]] = [
+        ({"tls_ca": str(tmp_path / "missing.pem")}, "TLS CA file .*missing.pem: No such file"),
+        ({"tls_ca": str(garbage)}, "TLS CA file .*garbage.pem: .*NO_CERTIFICATE"),
+        (
+            {"tls_ca": str(cert), "tls_cert": str(garbage), "tls_key": str(key)},
+            "TLS certificate .*garbage.pem",
+        ),
+        (
+            {"tls_ca": str(cert), "tls_cert": str(cert), "tls_key": str(garbage)},
+            "TLS certificate .* key .*garbage",
+        ),
+        ({"tls_ca": str(cert), "tls_cert": str(cert)}, "certificate and its key go together"),
+        ({"tls_cert": str(cert), "tls_key": str(key)}, "needs a CA"),
+    ]
+    for fields, needle in cases:
+        with pytest.raises(ValueError, match=needle):
+            BrokerOptions(**fields)
+
+
+def test_client_options_refuse_a_negative_trace_device_or_wall_limit() -> None:
+    ClientOptions(BrokerOptions(), "r", trace_device=0, max_wall_s=0.5)
+    with pytest.raises(ValueError, match="trace device must be 0 or more, not -3"):
+        ClientOptions(BrokerOptions(), "r", trace_device=-3)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="max wall seconds must be positive"):
+            ClientOptions(BrokerOptions(), "r", max_wall_s=bad)
+
+
+def test_the_client_command_names_its_bad_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["client", "--id", "0", "--username", "u", "--password", "p", "--broker", "127.0.0.1:1"]
+    assert main([*base, "--torch-threads", "0"]) == 2
+    assert main([*base, "--tls-ca", str(tmp_path / "missing.pem")]) == 2
+    err = capsys.readouterr().err
+    assert "--torch-threads must be at least 1, not 0" in err and "TLS CA file" in err
+    assert "Traceback" not in err
