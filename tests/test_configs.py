@@ -361,8 +361,11 @@ def test_compare_file_only_some_variants_and_bad_flags(
     assert main(["compare", str(f), "--strategies", "nope", "--out", str(out)]) == 2
     assert main(["compare", str(f), "--seeds", "x", "--out", str(out)]) == 2
     assert main(["compare", "no-such-comparison"]) == 2
+    assert main(["compare", str(f), "--strategies", ",", "--out", str(out)]) == 2
+    assert main(["sweep", "--strategies", " ", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "no variant(s) ['nope']" in err and "--seeds expects int" in err and "unknown comparison" in err
+    assert err.count("names no strategy") == 2  # not a silent "every strategy"
 
 
 # ------------------------------------------------------------------ packaging

@@ -276,3 +276,26 @@ def test_generated_credentials_and_acl(tmp_path: Path) -> None:
         "topic write felix/run-1/server/result/1",
     ]
     assert "topic write felix/+/client/+/task" in security.acl_file_text([0])
+    assert security.load_credentials(out.credentials) == users
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (None, "not found"),
+        (b"\xff\xfe", "not JSON"),  # not UTF-8
+        (b"{oops", "not JSON"),
+        (b'{"client-0": 7}', "expected a JSON object of username -> password strings"),
+        ("folder", "Is a directory"),
+    ],
+)
+def test_a_bad_credentials_file_is_a_clear_error(
+    tmp_path: Path, content: bytes | str | None, needle: str
+) -> None:
+    path = tmp_path / "credentials.json"
+    if content == "folder":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match=f"credentials file {path}: {needle}" if content else needle):
+        security.load_credentials(path)

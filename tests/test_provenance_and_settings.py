@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from felix.config import ConfigError, load_yaml, parse_set, validate
+from felix.config import ConfigError, load_yaml, parse_set, read_yaml, validate
 from felix.core.types import Tier
 from felix.engine.run import resolve_config, run_config
 from felix.scenario.traces import AvailabilityTrace, DeviceTrace
@@ -78,3 +80,59 @@ def test_summary_records_provenance() -> None:
     assert prov["git"] is None or len(prov["git"]["commit"]) == 40
     # The CPU and the kernels torch dispatches to: the same seed rounds differently across them.
     assert prov["cpu"] and prov["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+
+
+@pytest.mark.parametrize(
+    ("setting", "needle"),
+    [
+        ("seed=-1", "seed: Input should be greater than or equal to 0"),
+        ("seed=4294967296", "seed: Input should be less than or equal to 4294967295"),
+        ("run.device=gpu0", "run.device: 'gpu0' is not a torch device"),
+        ("run.device=meta", "run.device: 'meta' tensors hold no data"),
+    ],
+)
+def test_a_seed_or_device_torch_cannot_take_is_a_config_error(setting: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        validate(parse_set([setting]))
+
+
+def test_the_largest_seed_runs() -> None:
+    """seed * 1,000,003 + task id seeds each task's torch generator, a 64-bit integer."""
+    cfg = resolve_config(
+        None, "fedbuff", parse_set(["partition.num_clients=8", "run.max_aggregations=1", "seed=4294967295"])
+    )
+    assert run_config(cfg, plots=False).summary["aggregations"] == 1
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_device_missing_here_is_named_before_any_data_is_loaded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from felix.cli import main
+
+    # The dataset's folder is empty: the device check comes first.
+    args = [
+        "run",
+        "--set",
+        "run.device=cuda",
+        "--set",
+        "dataset.name=cifar10",
+        "--set",
+        f"dataset.root={tmp_path}",
+    ]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "run.device 'cuda' is not usable here" in err and "Traceback" not in err
+
+
+def test_a_config_file_that_is_not_yaml_text_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        read_yaml(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="Is a directory"):
+        read_yaml(tmp_path)
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match="bin.yaml: not a UTF-8 text file"):
+        read_yaml(tmp_path / "bin.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="the top level must be a mapping"):
+        read_yaml(tmp_path / "list.yaml")

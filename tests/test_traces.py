@@ -90,6 +90,34 @@ def test_missing_and_non_json_trace(tmp_path):
     (tmp_path / "bad.json").write_text("{oops")
     with pytest.raises(TraceError, match="not a JSON trace"):
         load_mobiperf(tmp_path / "bad.json")
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00")  # not UTF-8
+    with pytest.raises(TraceError, match="binary.json: not a JSON trace"):
+        load_mobiperf(tmp_path / "binary.json")
+    with pytest.raises(TraceError, match="not a JSON trace"):
+        load_mobiperf(tmp_path)  # a folder
+
+
+def test_a_damaged_fedscale_pickle_is_a_trace_error(tmp_path):
+    """A pickle damaged in transit fails inside the unpickler in many ways (EOF, overflow, a
+    type or attribute error from a mangled opcode): each is a TraceError naming the file."""
+    import pickle
+    import random
+
+    good = pickle.dumps({"1": {"active": [0, 30], "inactive": [10, 40], "finish_time": 100}})
+    rng = random.Random(0)
+    p = tmp_path / "behave.pkl"
+    kinds = set()
+    for _ in range(400):
+        damaged = bytearray(good)
+        for _ in range(rng.randrange(1, 4)):
+            damaged[rng.randrange(len(damaged))] = rng.randrange(256)
+        p.write_bytes(bytes(damaged))
+        try:
+            load_fedscale(p)
+        except TraceError as exc:
+            assert "behave.pkl" in str(exc)
+            kinds.add(str(exc).split("(")[-1].split(":")[0])
+    assert len(kinds) > 3  # several of the unpickler's failure types were met, and each became a TraceError
 
 
 def test_fedscale_format_json_and_plain_pickle(tmp_path):

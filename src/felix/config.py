@@ -411,7 +411,7 @@ class RunCfg(_Strict):
         "models); 0: no evaluation at all",
     )
     stop_at_target: bool = True
-    device: str = "cpu"
+    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, ...")
     threads: int | None = Field(
         1,
         ge=1,
@@ -465,6 +465,19 @@ class RunCfg(_Strict):
     )
     converge_patience: int = Field(5, ge=1)
 
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        import torch  # here, not at the top: reading a config needs no torch otherwise
+
+        try:
+            kind = torch.device(v).type
+        except (RuntimeError, TypeError):
+            raise ValueError(f"{v!r} is not a torch device (cpu, cuda, cuda:1, mps, ...)") from None
+        if kind == "meta":
+            raise ValueError("'meta' tensors hold no data: a run needs a device that computes")
+        return v
+
 
 class Config(_Strict):
     name: str = "run"
@@ -472,7 +485,8 @@ class Config(_Strict):
         "", description="what the config runs; documentation only (configs/ files have one)"
     )
     strategy: str = "custom"
-    seed: int = 0
+    # Task generators are seeded with seed * 1,000,003 + task id, which torch takes as a 64-bit integer.
+    seed: int = Field(0, ge=0, le=2**32 - 1)
     model: str = Field(
         "small_cnn",
         description="a registered model (felix.scenario.models.MODELS: felix_cnn, "
@@ -562,6 +576,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         doc = load_yaml(p.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {p} not found") from None
+    except OSError as exc:  # a folder, no permission
+        raise ConfigError(f"config file {p}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not a UTF-8 text file ({exc})") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML ({exc})") from None
     if doc is None:

@@ -85,7 +85,7 @@ def _compare(args: argparse.Namespace) -> int:
     from felix.experiments.compare import compare, is_comparison_file, load_comparison, run_comparison
     from felix.presets import MAIN_STRATEGIES
 
-    listed = [s.strip() for s in (args.strategies or "").split(",") if s.strip()]
+    listed = _names(args.strategies)
     seeds, targets = _numbers(args.seeds, int, "--seeds"), _numbers(args.targets, float, "--targets")
     if args.config is not None and is_comparison_file(args.config):
         comp = load_comparison(args.config)
@@ -155,13 +155,24 @@ def _numbers(items: list[str] | None, kind: type, flag: str) -> list[Any] | None
         raise ConfigError(f"{flag} expects {kind.__name__} values, got {' '.join(items)!r}") from None
 
 
+def _names(value: str | None) -> list[str]:
+    """``--strategies a,b`` as names; [] if not given. Given but naming none (``,``, ``""``) is an
+    error, not a silent "all of them"."""
+    from felix.config import ConfigError
+
+    if value is None:
+        return []
+    names = [s.strip() for s in value.split(",") if s.strip()]
+    if not names:
+        raise ConfigError(f"--strategies {value!r} names no strategy: give comma-separated names")
+    return names
+
+
 def _sweep(args: argparse.Namespace) -> int:
     from felix.config import parse_set
     from felix.experiments.sweep import parse_grid, parse_seeds, sweep
 
-    strategies: list[str | None] = [s.strip() for s in (args.strategies or "").split(",") if s.strip()] or [
-        None
-    ]
+    strategies: list[str | None] = [*_names(args.strategies)] or [None]
     out = Path(args.out or "runs/sweep")
     doc = sweep(
         args.config,

@@ -131,7 +131,9 @@ def load_credentials(path: str | Path) -> dict[str, str]:
         doc = json.loads(p.read_text())
     except FileNotFoundError:
         raise ValueError(f"credentials file {p} not found") from None
-    except json.JSONDecodeError as exc:
+    except OSError as exc:
+        raise ValueError(f"credentials file {p}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # JSON or UTF-8 decoding
         raise ValueError(f"credentials file {p}: not JSON ({exc})") from None
     if not isinstance(doc, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in doc.items()

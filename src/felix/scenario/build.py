@@ -197,13 +197,29 @@ def make_evaluator(
     return evaluate
 
 
-def apply_threads(cfg: Config) -> None:
-    """``run.threads`` for this process (runs, ``felix compare`` workers and benchmarks all build
-    through here): results and speed must not depend on the machine's core count; and a warning
-    if torch does not use the CPU kernels felix pins (:mod:`felix.cpu_kernels`)."""
+def apply_run_settings(cfg: Config) -> None:
+    """``run.threads`` for this process, and ``run.device`` checked (runs, ``felix compare``
+    workers and benchmarks all build through here, before any data is loaded): results and speed
+    must not depend on the machine's core count, and a device torch cannot use here is a
+    ``ConfigError`` at once. Also a warning if torch does not use the CPU kernels felix pins
+    (:mod:`felix.cpu_kernels`)."""
     cpu_kernels.check()
     if cfg.run.threads is not None and torch.get_num_threads() != cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
+    check_device(cfg.run.device)
+
+
+def check_device(device: str) -> None:
+    """A ``ConfigError`` naming ``run.device`` when torch cannot allocate on it here (no CUDA build,
+    no GPU visible, an index beyond the GPUs there are)."""
+    dev = torch.device(device)  # the config validated the spelling
+    if dev.type == "cpu":
+        return
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"run.device {device!r} is not usable here: {reason}") from None
 
 
 def apply_precision(cfg: Config) -> torch.dtype | None:
@@ -394,7 +410,7 @@ def build_objective(cfg: Config) -> Objective:
 
 
 def build_trainer(cfg: Config, pop: Population) -> LocalTrainer:
-    apply_threads(cfg)
+    apply_run_settings(cfg)
     c = cfg.client
     try:
         tcfg = TrainConfig(

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import logging
 import os
 import struct
 import tarfile
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,8 @@ import torch
 
 from felix.config import ConfigError
 from felix.scenario.registry import Registry
+
+log = logging.getLogger("felix")
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 FASHION_CLASSES = [
@@ -200,6 +204,8 @@ def _read_idx(path: Path) -> np.ndarray:
     zero, dtype, ndim = struct.unpack(">HBB", data[:4])
     if zero != 0 or dtype != 0x08:
         raise DatasetError(f"{path}: not an unsigned-byte idx file (magic {data[:4].hex()})")
+    if len(data) < 4 + 4 * ndim:
+        raise DatasetError(f"{path}: truncated idx header ({ndim} dimensions, {len(data)} bytes)")
     dims = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
     body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
     if body.size != int(np.prod(dims)):
@@ -296,17 +302,24 @@ def load_image_folder(folder: Path, classes: list[str] | None = None) -> ArrayDa
         raise DatasetError(f"{folder}: no images")
     key = hashlib.sha1(("|".join(f"{p}:{p.stat().st_size}" for _, p in files)).encode()).hexdigest()[:16]
     cached = cache_dir() / f"images-{key}.npz"
-    if cached.exists():
-        with np.load(cached) as z:
-            xs, ys = z["x"], z["y"]
+    decoded = _read_cache(cached, len(files))
+    if decoded is not None:
+        xs, ys = decoded
     else:
-        first = np.asarray(Image.open(files[0][1]).convert("RGB"))
+
+        def read(p: Path) -> np.ndarray:
+            try:
+                with Image.open(p) as img:
+                    return np.asarray(img.convert("RGB"))
+            # Pillow's errors for a damaged or hostile file: OSError (truncated, unidentified),
+            # DecompressionBombError (a huge declared size), ValueError and SyntaxError (bad headers)
+            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+                raise DatasetError(f"{p}: not a readable image ({exc})") from None
+
+        first = read(files[0][1])
         xs = np.empty((len(files), *first.shape), dtype=np.uint8)
         for i, (_, p) in enumerate(files):
-            try:
-                img = np.asarray(Image.open(p).convert("RGB"))
-            except OSError as exc:
-                raise DatasetError(f"{p}: not a readable image ({exc})") from None
+            img = first if i == 0 else read(p)
             if img.shape != first.shape:
                 raise DatasetError(f"{p}: shape {img.shape} differs from {first.shape}")
             xs[i] = img
@@ -316,6 +329,23 @@ def load_image_folder(folder: Path, classes: list[str] | None = None) -> ArrayDa
         np.savez(tmp, x=xs, y=ys)
         tmp.replace(cached)
     return ArrayDataset(_normalise(xs.transpose(0, 3, 1, 2).copy()), torch.from_numpy(ys), list(classes))
+
+
+def _read_cache(path: Path, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """An image folder's decoded arrays from the cache; None when absent or damaged (a run killed
+    while another wrote it, a full disk): the folder is decoded again and the cache rewritten."""
+    if not path.exists():
+        return None
+    try:
+        with np.load(path) as z:
+            xs, ys = z["x"], z["y"]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+        log.warning("image cache %s unreadable (%s): decoding the images again", path, exc)
+        return None
+    if xs.dtype != np.uint8 or xs.ndim != 4 or ys.shape != (n,) or len(xs) != n:
+        log.warning("image cache %s does not match its folder: decoding the images again", path)
+        return None
+    return xs, ys
 
 
 def _torchvision(cls_name: str, classes: list[str]) -> tuple[ArrayDataset, ArrayDataset]:

@@ -224,7 +224,7 @@ def load_mobiperf(path: str | Path, series: str = "3_50") -> AvailabilityTrace:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
         raise TraceError(f"trace file {path} not found") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: JSON or UTF-8 decoding
         raise TraceError(f"{path}: not a JSON trace ({exc})") from None
     devices = doc.get("devices") if isinstance(doc, dict) else None
     if not isinstance(devices, dict) or not devices:
@@ -304,10 +304,12 @@ def load_fedscale(path: str | Path) -> AvailabilityTrace:
             if raw_bytes[:1] in (b"{", b"[")
             else _PlainUnpickler(__import__("io").BytesIO(raw_bytes)).load()
         )
-    except (json.JSONDecodeError, pickle.UnpicklingError, EOFError, ValueError) as exc:
-        if isinstance(exc, TraceError):
-            raise
-        raise TraceError(f"{path}: not a FedScale client_behave_trace ({exc})") from None
+    except TraceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a damaged pickle fails in many ways (EOF, overflow, type...)
+        raise TraceError(
+            f"{path}: not a FedScale client_behave_trace ({type(exc).__name__}: {exc})"
+        ) from None
     if not isinstance(doc, dict) or not doc:
         raise TraceError(f"{path}: expected a non-empty map of client -> behaviour")
     out = []

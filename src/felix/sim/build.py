@@ -23,7 +23,7 @@ from felix.metrics.recorder import Recorder
 from felix.scenario.build import (
     ClientDatasets,
     Population,
-    apply_threads,
+    apply_run_settings,
     attach_run_measures,
     build_objective,
     build_orchestrator,
@@ -103,7 +103,7 @@ def build(
     or prepared ``ClientDatasets`` (with ``model``, or ``cfg.model``), instead of the configured
     dataset and partition; ``partition.num_clients`` becomes its size (``Built.cfg`` is the config
     that ran). ``trace`` replaces the configured one (``trace.offset_s`` is not applied to it)."""
-    apply_threads(cfg)
+    apply_run_settings(cfg)
     if isinstance(population, Population):
         if model is not None:
             raise ConfigError(
