@@ -27,7 +27,7 @@ from felix.client.cohort import (
 )
 from felix.client.stacked_chain import StackedChain, masked_ce_grad
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
-from felix.config import deep_merge
+from felix.config import ConfigError, deep_merge
 from felix.engine.run import resolve_config
 from felix.scenario.models import make_model
 from felix.sim.build import build
@@ -318,6 +318,23 @@ SIM: dict[str, Any] = {
     "partition": {"num_clients": 20, "alpha": 0.5},
     "run": {"max_aggregations": 6, "stop_at_target": False},
 }
+
+
+def test_a_batch_larger_than_every_client_trains_sequentially(caplog: pytest.LogCaptureFixture) -> None:
+    """Every batch would be short, so a stack padded to the batch size would be mostly padding
+    (60,000-row batches of a few hundred samples each took 8 GB): auto trains sequentially, and an
+    explicit cohort size is refused. At the largest client's size the cohort stays."""
+    built = build(resolve_config(None, "fedbuff", SIM))
+    largest = max(len(d.data) for d in built.sim.devices)
+    assert built.sim.cohort is not None
+    with caplog.at_level(logging.INFO, logger="felix.sim.build"):
+        over = deep_merge(SIM, {"client": {"batch_size": largest + 1}})
+        assert build(resolve_config(None, "fedbuff", over)).sim.cohort is None
+    assert f"more than the largest client's {largest} samples" in caplog.text
+    fits = deep_merge(SIM, {"client": {"batch_size": largest}, "run": {"cohort": 4}})
+    assert build(resolve_config(None, "fedbuff", fits)).sim.cohort is not None
+    with pytest.raises(ConfigError, match=f"run.cohort 4: client.batch_size {largest + 1} is more than"):
+        build(resolve_config(None, "fedbuff", deep_merge(fits, {"client": {"batch_size": largest + 1}})))
 
 
 def simulate(preset: str, cohort: int, over: dict[str, Any]) -> tuple[Any, int]:
