@@ -89,9 +89,12 @@ def test_summary_records_provenance() -> None:
         ("seed=4294967296", "seed: Input should be less than or equal to 4294967295"),
         ("run.device=gpu0", "run.device: 'gpu0' is not a torch device"),
         ("run.device=meta", "run.device: 'meta' tensors hold no data"),
+        ("client.lr=.inf", "client.lr: Input should be a finite number"),
+        ("run.max_time_s=.inf", "run.max_time_s: Input should be a finite number"),
+        ("trace.offset_s=.nan", "trace.offset_s: Input should be a finite number"),
     ],
 )
-def test_a_seed_or_device_torch_cannot_take_is_a_config_error(setting: str, needle: str) -> None:
+def test_a_seed_device_or_number_that_cannot_run_is_a_config_error(setting: str, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         validate(parse_set([setting]))
 

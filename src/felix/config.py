@@ -18,8 +18,9 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    # A number given where a string is expected (``name: 2024``) is taken as its text.
-    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+    # A number given where a string is expected (``name: 2024``) is taken as its text. Numbers are
+    # finite: an infinite learning rate, time limit or horizon is a mistyped config, not a setting.
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True, allow_inf_nan=False)
 
 
 class _Yaml12Loader(yaml.SafeLoader):
