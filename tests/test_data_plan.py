@@ -199,6 +199,10 @@ def test_planner_settings_come_from_the_dafl_section() -> None:
             "data_plan 'lb': client 0 has no samples of class 1",
         ),
         ({"dataset": {"name": "digits", "num_classes": 11}}, "dataset.num_classes is 11 but digits has 10"),
+        (
+            {"partition": {"table": [[0] * len(TABLE[0]), *TABLE[1:]]}},
+            r"partition.table gives clients \[0\] no samples",
+        ),
     ],
 )
 def test_bad_settings_fail_with_a_clear_message(over: dict[str, Any], needle: str) -> None:

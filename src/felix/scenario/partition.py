@@ -83,6 +83,12 @@ def _table(
         raise ConfigError(
             f"partition.table has {table.shape[0]} rows but partition.num_clients is {cfg.num_clients}"
         )
+    empty = np.flatnonzero(table.sum(axis=1) == 0).tolist()
+    if empty and (table >= 0).all():
+        raise ConfigError(
+            f"partition.table gives clients {empty[:10]} no samples: a client without data can only "
+            "send empty updates, which the server refuses"
+        )
     try:
         return count_table_partition(labels, table, rng)
     except ValueError as exc:
