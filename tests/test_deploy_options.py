@@ -68,3 +68,30 @@ def test_the_client_command_names_its_bad_flags(tmp_path: Path, capsys: pytest.C
     err = capsys.readouterr().err
     assert "--torch-threads must be at least 1, not 0" in err and "TLS CA file" in err
     assert "Traceback" not in err
+
+
+def test_the_server_refuses_a_message_limit_below_one_update_and_folders_it_cannot_make(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Checked before the broker is contacted (port 1: nothing listens there)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    base = [
+        "serve",
+        "--username",
+        "u",
+        "--password",
+        "p",
+        "--broker",
+        "127.0.0.1:1",
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    for bad in ("0", "-5", "1000"):
+        assert main([*base, "--max-message-bytes", bad]) == 2
+    assert main([*base, "--checkpoint", str(a_file / "ck.safetensors")]) == 2
+    assert main([*base[:-1], str(a_file)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("cannot hold one result: its update alone is") == 3
+    assert f"checkpoint folder {a_file}: " in err and f"output folder {a_file}: " in err
+    assert "Traceback" not in err

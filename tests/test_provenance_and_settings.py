@@ -139,3 +139,17 @@ def test_a_config_file_that_is_not_yaml_text_is_a_config_error(tmp_path: Path) -
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="the top level must be a mapping"):
         read_yaml(tmp_path / "list.yaml")
+
+
+@pytest.mark.parametrize("command", ["run", "compare", "sweep"])
+def test_an_output_folder_that_cannot_be_made_is_named_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    from felix.cli import main
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    args = [command, "--set", "run.max_aggregations=1", "--out", str(a_file / "out")]
+    assert main(args + (["--strategies", "fedbuff"] if command == "compare" else [])) == 2
+    err = capsys.readouterr().err
+    assert f"output folder {a_file / 'out'}: " in err and "Traceback" not in err

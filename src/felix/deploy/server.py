@@ -72,7 +72,7 @@ from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
 from felix.deploy.topics import ALLOWED, Topics
 from felix.engine.controller import RunController
 from felix.metrics.recorder import EvalRow, Recorder
-from felix.metrics.report import EvalLog, tally_rejection
+from felix.metrics.report import EvalLog, make_output_dir, tally_rejection
 from felix.scenario.build import (
     attach_run_measures,
     build_orchestrator,
@@ -141,6 +141,11 @@ class Server:
             raise ValueError("time scale must be positive")
         if opts.max_pending_bytes < 1 or opts.max_pending_messages < 1 or opts.checkpoint_interval_s < 0:
             raise ValueError("max pending bytes and messages must be positive, the checkpoint interval >= 0")
+        # Folders first: a run must not train for hours and then fail to write what it measured.
+        if opts.out_dir is not None:
+            make_output_dir(opts.out_dir)
+        if opts.checkpoint is not None:
+            make_output_dir(opts.checkpoint.parent, "checkpoint folder")
         # A client that never answers must not grow the server's open tasks with every timeout:
         # the deployment keeps one late task per client (orchestrator.one_late_task_per_client).
         cfg = cfg.model_copy(
@@ -173,7 +178,13 @@ class Server:
         sink = None if opts.out_dir is None else EvalLog(opts.out_dir / "evaluations.csv")
         self.ctl = RunController(cfg, self.orch, rec, sink, measure_wire=True)
         self.ctl.on_evaluation.append(_log_evaluation)
-        self.max_bytes = opts.max_message_bytes or (8 * self.num_params + (1 << 20))
+        default_bytes = 8 * self.num_params + (1 << 20)
+        self.max_bytes = default_bytes if opts.max_message_bytes is None else opts.max_message_bytes
+        if self.max_bytes < 4 * self.num_params:  # also 0 or negative
+            raise ValueError(
+                f"max message bytes {self.max_bytes} cannot hold one result: its update alone is "
+                f"{4 * self.num_params} bytes ({self.num_params} float32 parameters)"
+            )
         self.stats = TransportStats()
         self.applied = AppliedLog(None if opts.checkpoint is None else ckpt.applied_log_path(opts.checkpoint))
         self.seq_marks: dict[int, dict[str, int]] = {}  # client -> message-id prefix -> highest sequence

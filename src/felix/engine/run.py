@@ -10,7 +10,7 @@ from typing import Any
 from felix.config import Config, ConfigError, deep_merge, read_yaml, validate
 from felix.engine.interrupt import stop_on_signals
 from felix.metrics.recorder import EvalRow
-from felix.metrics.report import EvalLog, rejections_by_reason
+from felix.metrics.report import EvalLog, make_output_dir, rejections_by_reason
 from felix.presets import scenario_preset, strategy_preset
 from felix.sim.build import Built, build
 from felix.strategies.dataplans.plans import plan_summary
@@ -56,6 +56,9 @@ def run_config(
     run after the event in hand, with ``stop_reason: interrupted`` and all it measured.
     ``objects``: ``population``, ``model``, ``trace`` for ``felix.sim.build.build`` (the Python
     API, felix.api)."""
+    for folder in (out_dir, live_dir):
+        if folder is not None:
+            make_output_dir(folder)
     built = build(cfg, **objects)
     cfg = built.cfg  # a prepared population sets partition.num_clients
     if prepare is not None:

@@ -32,6 +32,7 @@ from felix.metrics.multiseed import (
     table_markdown,
 )
 from felix.metrics.provenance import provenance
+from felix.metrics.report import make_output_dir
 from felix.presets import comparison_file, scenario_preset, slug, strategy_preset
 
 _FILE_KEYS = ("name", "description", "extends", "base", "variants", "seeds", "targets", "reference")
@@ -293,7 +294,7 @@ def run_comparison(
             file=sys.stderr,
         )
         jobs = 1
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_output_dir(out_dir)
     _write_manifest(out_dir, comp, runs, argv, started, None, None)
     runner = make_backend(backend, jobs, address, gpus_per_run)
     try:

@@ -20,6 +20,7 @@ import yaml
 from felix.config import ConfigError, deep_merge, load_yaml, parse_set
 from felix.engine.run import resolve_config
 from felix.experiments.runs import RunSpec, close_backend, make_backend, run_all
+from felix.metrics.report import make_output_dir
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def sweep(
     pts = points(strategies, grid, seeds)
     out_dir = out_dir.resolve()
     specs = specs_for(config_path, scenario, sets, pts, out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_output_dir(out_dir)
     runner = make_backend(backend, jobs, address, gpus_per_run)
     try:
         outcome = run_all(specs, runner, force)

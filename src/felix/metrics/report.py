@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from felix.config import ConfigError
 from felix.core.orchestrator import OrchestratorStats
 from felix.metrics.provenance import provenance
 from felix.metrics.recorder import EvalRow, Recorder
@@ -121,6 +122,16 @@ def summary(
     if extra:
         out.update(extra)
     return out
+
+
+def make_output_dir(path: Path, what: str = "output folder") -> Path:
+    """Create ``path`` (and its parents) before a run starts: a folder that cannot be made (a file
+    of that name, no permission) is a ``ConfigError`` at once, not a traceback once results exist."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
+    return path
 
 
 def write_run(out_dir: Path, summ: dict[str, Any], rows: list[EvalRow], plots: bool = True) -> None:
