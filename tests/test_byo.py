@@ -287,6 +287,43 @@ def test_python_api_rejects_bad_populations():
         api.build({}, population=api.population(parts), model=bn_net)
 
 
+def test_python_api_rejects_what_could_only_train_in_vain():
+    """NaN samples or weights make every update refused, a model with the wrong number of outputs
+    trains silently with classes the data never has: each is an error at build. The check runs the
+    model once in eval mode, so its BatchNorm statistics and each module's mode stay as they were."""
+    parts, test = _arrays(3)
+    bad_x = parts[1][0].copy()
+    bad_x[0, 0] = np.nan
+    with pytest.raises(DatasetError, match="client 1: x holds NaN or infinite values"):
+        api.population([parts[0], (bad_x, parts[1][1])], test)
+    data = api.population(parts, test)
+    with pytest.raises(ConfigError, match=r"maps inputs of shape \(2, 6\) to \(2, 5\), not \(2, 3\) logits"):
+        api.build({}, population=data, model=lambda shape, classes: bn_net(shape, 5))
+    with pytest.raises(ConfigError, match=r"fails on inputs of shape \(2, 6\)"):
+        api.build({}, population=data, model=lambda shape, classes: nn.Linear(7, classes))
+    nan_net = bn_net(SHAPE, 3)
+    with torch.no_grad():
+        next(nan_net.parameters())[0, 0] = float("inf")
+    with pytest.raises(ConfigError, match="'BNNet' starts from weights that hold NaN or infinite values"):
+        api.build({}, population=data, model=nan_net)
+    with pytest.raises(ConfigError, match="trace must be a felix AvailabilityTrace, not str"):
+        api.build({}, population=data, model=bn_net, trace="always")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="a config is a Config, a mapping of sections"):
+        api.build(5, population=data, model=bn_net)  # type: ignore[arg-type]
+    frozen = bn_net(SHAPE, 3)
+    frozen.train()
+    bn = next(m for m in frozen.modules() if isinstance(m, nn.BatchNorm1d))
+    bn.eval()  # a user's frozen statistics
+    stats = {k: v.clone() for k, v in frozen.state_dict().items()}
+    built = api.build({}, population=data, model=frozen)
+    assert frozen.training and not bn.training
+    assert all(torch.equal(v, frozen.state_dict()[k]) for k, v in stats.items())
+    assert (
+        built.population.model.training
+        and not next(m for m in built.population.model.modules() if isinstance(m, nn.BatchNorm1d)).training
+    )
+
+
 def test_registered_model_by_name_in_process():
     @MODELS.register("test_byo_tiny")
     def tiny(sample_shape: tuple[int, ...], num_classes: int) -> nn.Module:

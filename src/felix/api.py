@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import nn
 
-from felix.config import Config
+from felix.config import Config, ConfigError
 from felix.engine.run import RunResult, resolve_config, run_config
 from felix.scenario.build import ClientDatasets, Population
 from felix.scenario.datasets import ArrayDataset
@@ -44,6 +44,10 @@ def config(source: Config | Mapping[str, Any] | str | Path | None = None) -> Con
         return source
     if isinstance(source, (str, Path)):
         return resolve_config(str(source), None, {})
+    if source is not None and not isinstance(source, Mapping):
+        raise ConfigError(
+            f"a config is a Config, a mapping of sections, a YAML file's path or None, not {type(source).__name__}"
+        )
     return resolve_config(None, None, dict(source or {}))
 
 

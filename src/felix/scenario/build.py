@@ -44,7 +44,7 @@ from felix.metrics.recorder import Recorder
 from felix.scenario.datasets import ArrayDataset, DatasetError, check_dataset, first_classes, load_dataset
 from felix.scenario.locations import dataset_root
 from felix.scenario.long_tail import long_tail_indices
-from felix.scenario.models import ModelFactory, check_model, make_model
+from felix.scenario.models import ModelFactory, check_model, check_model_fits, make_model, model_ref
 from felix.scenario.partition import partition
 from felix.scenario.profiles import FELIX_HALFNORMAL_SCALE, halfnormal_runtimes, uniform_runtimes
 from felix.scenario.random_access import ram_probabilities
@@ -370,9 +370,11 @@ def build_population(
         keep = np.sort(np.concatenate([np.flatnonzero(y == c)[:per_class] for c in range(test.num_classes)]))
         test = test.subset(keep[: d.test_limit] if len(keep) > d.test_limit else keep)
     if isinstance(model, nn.Module):
-        check_model(model, type(model).__name__)
+        ref = type(model).__name__
+        check_model(model, ref)
         net = copy.deepcopy(model)
     else:
+        ref = model_ref(cfg.model if model is None else model)
         seed = int(_stream(cfg.seed, _MODEL).integers(2**31))
         net = make_model(
             cfg.model if model is None else model,
@@ -381,6 +383,7 @@ def build_population(
             seed=seed,
             params=cfg.model_params,
         )
+    check_model_fits(net, train.x[:2], train.num_classes, ref)
     return Population(train, test, datas, model_vector(net, cfg.client.buffers), net)
 
 

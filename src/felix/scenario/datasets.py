@@ -127,8 +127,8 @@ def load_dataset(
 
 
 def check_dataset(d: object, what: str) -> None:
-    """What the engine needs of a dataset: an ``ArrayDataset`` of float32 samples and int64 labels in
-    ``[0, len(classes))``, as many labels as samples, at least one sample."""
+    """What the engine needs of a dataset: an ``ArrayDataset`` of finite float32 samples and int64
+    labels in ``[0, len(classes))``, as many labels as samples, at least one sample."""
     if not isinstance(d, ArrayDataset):
         raise DatasetError(f"{what}: expected a felix.scenario.datasets.ArrayDataset, got {type(d).__name__}")
     if not isinstance(d.x, torch.Tensor) or not isinstance(d.y, torch.Tensor):
@@ -143,6 +143,8 @@ def check_dataset(d: object, what: str) -> None:
         )
     if len(d) == 0:
         raise DatasetError(f"{what}: no samples")
+    if not bool(torch.isfinite(d.x).all()):  # every update trained on it would be refused
+        raise DatasetError(f"{what}: x holds NaN or infinite values")
     if not d.classes or not all(isinstance(c, str) for c in d.classes):
         raise DatasetError(f"{what}: classes must be a non-empty list of class names")
     lo, hi = int(d.y.min()), int(d.y.max())

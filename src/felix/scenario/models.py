@@ -117,6 +117,11 @@ def mlp(sample_shape: tuple[int, ...], num_classes: int, hidden: int = 64) -> nn
     return MLP(tuple(sample_shape), num_classes, hidden)
 
 
+def model_ref(name: str | ModelFactory) -> str:
+    """How errors name a model: its registered name or import path, or a factory's qualified name."""
+    return name if isinstance(name, str) else getattr(name, "__qualname__", repr(name))
+
+
 def make_model(
     name: str | ModelFactory,
     in_shape: tuple[int, ...],
@@ -131,7 +136,7 @@ def make_model(
     Raises ``ConfigError`` for a factory that fails on these inputs or does not return a module
     with float parameters.
     """
-    ref = name if isinstance(name, str) else getattr(name, "__qualname__", repr(name))
+    ref = model_ref(name)
     factory = MODELS.resolve(name) if isinstance(name, str) else name
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -145,6 +150,30 @@ def make_model(
             ) from None
     check_model(model, ref)
     return model
+
+
+def check_model_fits(model: nn.Module, x: torch.Tensor, num_classes: int, ref: str) -> None:
+    """A ``ConfigError`` unless ``model`` starts from finite weights and maps the samples ``x`` to
+    ``num_classes`` logits each. A model with more outputs would train silently with classes the
+    data never has; NaN weights make every update refused. The forward runs in eval mode without
+    gradients, so it changes no state (BatchNorm statistics, random draws)."""
+    if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        raise MODELS.wrong(ref, "starts from weights that hold NaN or infinite values")
+    modes = [(m, m.training) for m in model.modules()]  # each module's own: a user may freeze some
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(x)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise MODELS.wrong(ref, f"fails on inputs of shape {tuple(x.shape)}: {exc}") from None
+    finally:
+        for m, training in modes:
+            m.training = training
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (x.shape[0], num_classes):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise MODELS.wrong(
+            ref, f"maps inputs of shape {tuple(x.shape)} to {got}, not ({x.shape[0]}, {num_classes}) logits"
+        )
 
 
 def check_model(model: object, ref: str) -> None:

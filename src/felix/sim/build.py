@@ -135,6 +135,8 @@ def build(
             f"the dataset has no test set, but run.eval_every is {cfg.run.eval_every}: give it a "
             "test set, or set run.eval_every: 0"
         )
+    if trace is not None and not isinstance(trace, AvailabilityTrace):
+        raise ConfigError(f"build: trace must be a felix AvailabilityTrace, not {type(trace).__name__}")
     trace = build_trace(cfg, pop) if trace is None else trace
     runtimes = build_runtimes(cfg, [len(d) for d in pop.client_data])
     trainer = build_trainer(cfg, pop)
