@@ -244,6 +244,21 @@ def test_truncated_anywhere_is_an_error() -> None:
             wire.decode(data[:cut])
 
 
+def test_a_deeply_nested_header_is_an_error_not_a_recursion_error() -> None:
+    """JSON nesting thousands deep fits in the header's 64 KiB and blows Python's parser stack."""
+    for depth in (30000, 2000):
+        inner = "[" * depth + "]" * depth
+        hdr = (
+            inner.encode()
+            if depth > 10000
+            else json.dumps({"fmt": wire.FORMAT_VERSION}).replace("}", f', "x": {inner}}}').encode()
+        )
+        data = wire._PREFIX.pack(wire.MAGIC, wire.FORMAT_VERSION, len(hdr)) + hdr
+        with pytest.raises(MessageError) as err:
+            wire.decode(data)
+        assert err.value.code is ErrorCode.BAD_HEADER
+
+
 def test_msg_ids_are_unique_per_sender() -> None:
     ids = wire.MsgIds("inc")
     assert [ids.next() for _ in range(3)] == ["inc-1", "inc-2", "inc-3"]

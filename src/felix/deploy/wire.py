@@ -385,6 +385,8 @@ def decode(
         header = json.loads(data[PREFIX_BYTES : PREFIX_BYTES + hlen].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise MessageError(ErrorCode.BAD_HEADER, f"header is not UTF-8 JSON ({exc})") from None
+    except RecursionError:  # thousands of nested brackets fit in the header's 64 KiB
+        raise MessageError(ErrorCode.BAD_HEADER, "header nests too deeply") from None
     if not isinstance(header, dict):
         raise MessageError(ErrorCode.BAD_HEADER, f"header must be a JSON object, got {type(header).__name__}")
     if header.get("fmt") != FORMAT_VERSION:
