@@ -56,6 +56,31 @@ def test_server_inbox_blocks_a_flood_at_its_bound(tmp_path: Path) -> None:
     assert not th.is_alive() and queued == 64
 
 
+def test_a_client_flooding_refused_messages_cannot_flood_the_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every refusal is counted, but a client's refusals are logged only at first and then one in
+    REFUSALS_LOG_EVERY: a client publishing garbage as fast as it can must not fill the disk."""
+    from felix.deploy.server import REFUSALS_LOG_EVERY, REFUSALS_LOGGED
+
+    cfg = load_config(
+        write_config(tmp_path / "cfg.yaml", partition={"num_clients": 2}), {"strategy": "fedbuff"}
+    )
+    server = Server(cfg, ServeOptions(BrokerOptions("127.0.0.1", 1), run_id="t"))
+    topic = server.topics.result(1)  # a client's own topic, a payload that is not a message
+    n = 2 * REFUSALS_LOG_EVERY + 5
+    with caplog.at_level("WARNING", logger="felix"):
+        for i in range(n):
+            server.handle_inbound(Inbound(topic, b"garbage", i, 1, False, 0, time.monotonic()))
+        server._on_inbound = lambda m: 1 / 0  # type: ignore[method-assign]  # handling that raises
+        server.handle_inbound(Inbound(topic, b"x", n, 1, False, 0, time.monotonic()))
+    assert server.stats.rejected == n + 1 and len(server._pending_acks) == n + 1  # all counted and acked
+    lines = [r for r in caplog.records if "rejected message from client 1" in r.getMessage()]
+    assert len(lines) == REFUSALS_LOGGED + 2  # the first ones, then the 1000th and the 2000th
+    assert f"every {REFUSALS_LOG_EVERY}th is logged" in lines[REFUSALS_LOGGED - 1].getMessage()
+    assert server.stats.rejected_by_reason  # the summary's tally has them all
+
+
 def test_inbox_bounds_bytes_and_count_and_close_releases_a_blocked_put() -> None:
     box = Inbox(max_bytes=3 * MB, max_messages=1000)
     th = flood(box.put, 10)

@@ -86,6 +86,11 @@ log = logging.getLogger("felix.deploy.server")
 SEQ_PREFIXES_PER_CLIENT = 4  # message-id prefixes (incarnations, wills) whose sequence watermark is kept
 INBOX_BATCH = 64  # inbound messages handled per loop turn at most (timers and commits run between turns)
 RESULT_DIGESTS = 65536  # results remembered by task id (digest) to tell a redelivery from a replay
+# A client's refused messages are all counted (summary: rejected_by_reason), but only its first
+# REFUSALS_LOGGED and then every REFUSALS_LOG_EVERY-th are logged: one client publishing refused
+# messages as fast as it can must not fill the server's disk with log lines.
+REFUSALS_LOGGED = 20
+REFUSALS_LOG_EVERY = 1000
 
 
 @dataclass
@@ -186,6 +191,7 @@ class Server:
                 f"{4 * self.num_params} bytes ({self.num_params} float32 parameters)"
             )
         self.stats = TransportStats()
+        self._refused: dict[int, int] = {}  # client id (-1: no client) -> messages refused
         self.applied = AppliedLog(None if opts.checkpoint is None else ckpt.applied_log_path(opts.checkpoint))
         self.seq_marks: dict[int, dict[str, int]] = {}  # client -> message-id prefix -> highest sequence
         self.result_digests: dict[int, bytes] = {}  # task id -> digest of the result that closed it
@@ -335,15 +341,24 @@ class Server:
             self._pending_bytes = sum(m[3] for m in self._pending_acks)
         self._publish_status("running")  # retained; after a reconnect too, in case the broker lost it
 
-    def _reject(self, cid: int, task_id: int, reason: str, detail: str = "") -> None:
+    def _reject(self, cid: int, task_id: int, reason: str, detail: str = "", error: bool = False) -> None:
+        """Count a refused message; log it within the per-client limit (``error``: with the
+        traceback of the exception being handled)."""
         self.stats.rejected += 1
         tally_rejection(self.stats.rejected_by_reason, reason)
+        n = self._refused[cid] = self._refused.get(cid, 0) + 1
+        if n > REFUSALS_LOGGED and n % REFUSALS_LOG_EVERY:
+            return
         log.warning(
-            "rejected message from client %d (task %d): %s%s",
+            "rejected message from client %d (task %d): %s%s%s",
             cid,
             task_id,
             reason,
             f" ({detail})" if detail else "",
+            f" [{n} refused from this client; from now on every {REFUSALS_LOG_EVERY}th is logged]"
+            if n >= REFUSALS_LOGGED
+            else "",
+            exc_info=error,
         )
 
     def handle_inbound(self, m: Inbound) -> None:
@@ -355,11 +370,14 @@ class Server:
         self._pending_bytes += len(m.payload)
         try:
             self._on_inbound(m)
-        except Exception as exc:  # any client message is hostile; the loop must survive it
+        except Exception as exc:  # noqa: BLE001 - any client message is hostile; the loop must survive it
             parsed = self.topics.parse_inbound_to_server(m.topic)
-            log.exception("handling a message on %s raised", m.topic[:80])
             self._reject(
-                parsed[1] if parsed else -1, 0, f"internal error: {type(exc).__name__}", str(exc)[:200]
+                parsed[1] if parsed else -1,
+                0,
+                f"internal error: {type(exc).__name__}",
+                f"handling a message on {m.topic[:80]}: {str(exc)[:200]}",
+                error=True,
             )
         if (
             self._pending_bytes >= self.opts.max_pending_bytes
