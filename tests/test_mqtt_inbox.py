@@ -79,6 +79,12 @@ def test_a_client_flooding_refused_messages_cannot_flood_the_log(
     assert len(lines) == REFUSALS_LOGGED + 2  # the first ones, then the 1000th and the 2000th
     assert f"every {REFUSALS_LOG_EVERY}th is logged" in lines[REFUSALS_LOGGED - 1].getMessage()
     assert server.stats.rejected_by_reason  # the summary's tally has them all
+    # Made-up ids beyond the population (a broker without ACLs) share one count: no growth per id.
+    for i in range(500):
+        server.handle_inbound(
+            Inbound(server.topics.result(10**6 + i), b"x", i, 1, False, 0, time.monotonic())
+        )
+    assert set(server._refused) == {1, -1} and server._refused[-1] == 500
 
 
 def test_inbox_bounds_bytes_and_count_and_close_releases_a_blocked_put() -> None:

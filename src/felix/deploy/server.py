@@ -191,7 +191,7 @@ class Server:
                 f"{4 * self.num_params} bytes ({self.num_params} float32 parameters)"
             )
         self.stats = TransportStats()
-        self._refused: dict[int, int] = {}  # client id (-1: no client) -> messages refused
+        self._refused: dict[int, int] = {}  # client id (-1: none, or outside the population) -> refused
         self.applied = AppliedLog(None if opts.checkpoint is None else ckpt.applied_log_path(opts.checkpoint))
         self.seq_marks: dict[int, dict[str, int]] = {}  # client -> message-id prefix -> highest sequence
         self.result_digests: dict[int, bytes] = {}  # task id -> digest of the result that closed it
@@ -346,7 +346,10 @@ class Server:
         traceback of the exception being handled)."""
         self.stats.rejected += 1
         tally_rejection(self.stats.rejected_by_reason, reason)
-        n = self._refused[cid] = self._refused.get(cid, 0) + 1
+        # Ids outside the population share one count: a broker without ACLs lets anyone publish
+        # under any id, and a count per id would grow with every id made up.
+        key = cid if 0 <= cid < self.num_clients else -1
+        n = self._refused[key] = self._refused.get(key, 0) + 1
         if n > REFUSALS_LOGGED and n % REFUSALS_LOG_EVERY:
             return
         log.warning(
