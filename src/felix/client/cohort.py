@@ -533,14 +533,36 @@ class _Row:
 class _Slab:
     """A stack's per-row tensors, stacked on dim 0 with spare capacity, so a joining task is one copy
     into the next free slot (capacity doubles when full) rather than a concatenation of the whole
-    stack; rows leave by reordering in place and truncating."""
+    stack; rows leave by reordering in place and truncating.
 
-    def __init__(self) -> None:
+    The weights and each optimiser state are one flat buffer ``[capacity, P]`` each, read as one
+    view per parameter (:meth:`unflat`): a joining task is one copy per buffer, not one per
+    parameter, a reorder moves each buffer's rows at once, and a finished task's weights are its
+    row as they stand (a small model's step on a CPU is dozens of dispatched operations, and each
+    of these would add one per parameter)."""
+
+    def __init__(self, shapes: list[torch.Size]) -> None:
         self._bufs: dict[str, torch.Tensor] = {}
+        self._shapes = shapes
+        self._unflat: dict[str, list[torch.Tensor]] = {}  # per-parameter views of whole flat buffers
         self.n = 0
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._bufs[name][: self.n]
+
+    def unflat(self, name: str, rows: int) -> list[torch.Tensor]:
+        """The first ``rows`` rows of the flat buffer ``name``, one stacked view per parameter
+        (``[rows, *shape]``; views, so in-place updates land in the buffer)."""
+        views = self._unflat.get(name)
+        if views is None:
+            buf, at = self._bufs[name], 0
+            views = []
+            for shape in self._shapes:
+                size = math.prod(shape)
+                views.append(buf[:, at : at + size].view(buf.shape[0], *shape))
+                at += size
+            self._unflat[name] = views
+        return [v[:rows] for v in views]
 
     def append(self, values: dict[str, torch.Tensor], zeros: dict[str, torch.Tensor]) -> None:
         """Add one row: ``values`` maps names to the row's tensors (copied in); the rows of the names
@@ -551,6 +573,7 @@ class _Slab:
             for k, b in self._bufs.items():
                 grown[k][: self.n] = b[: self.n]
             self._bufs = grown
+            self._unflat.clear()
         for k, t in values.items():
             self._bufs[k][self.n].copy_(t)
         for k in zeros:
@@ -650,27 +673,25 @@ class _Stack:
     def __init__(self, trainer: CohortTrainer) -> None:
         self.tr = trainer
         self.rows: list[_Row] = []
-        self.slab = _Slab()
-        n = len(trainer.names)
-        self._p = [f"p{i}" for i in range(n)]
+        self.slab = _Slab(trainer.shapes)
         opt = trainer.cfg.optimizer == "adam"
-        self._m = [f"m{i}" for i in range(n)] if (opt or trainer.cfg.momentum) else []  # momentum / Adam m
-        self._v = [f"v{i}" for i in range(n)] if opt else []  # Adam's second moment
+        # The flat buffers: weights, momentum / Adam's first moment, Adam's second moment.
+        self._state = ["p", *(["m"] if (opt or trainer.cfg.momentum) else []), *(["v"] if opt else [])]
         self._x: list[str] = []  # the objective's per-client tensors
         self._scalar = torch.zeros((), device=trainer.device)  # the shape of a row's loss sums
 
     # The stacked tensors, live rows only (views into the slab: in-place updates land there).
     @property
     def params(self) -> list[torch.Tensor]:
-        return [self.slab[k] for k in self._p]
+        return self.slab.unflat("p", self.slab.n)
 
     @property
     def bufs(self) -> list[torch.Tensor]:
-        return [self.slab[k] for k in self._m]
+        return self.slab.unflat("m", self.slab.n) if "m" in self._state else []
 
     @property
     def sq(self) -> list[torch.Tensor]:
-        return [self.slab[k] for k in self._v]
+        return self.slab.unflat("v", self.slab.n) if "v" in self._state else []
 
     @property
     def extra(self) -> dict[str, torch.Tensor]:
@@ -713,13 +734,11 @@ class _Stack:
             steps=int(batches.shape[0]),
         )
         extra = tr.objective.cohort_begin([ctx])
-        params = [t.view(sh) for t, sh in zip(flat0[0].split(tr.numels), tr.shapes)]
         self._x = list(extra)
-        values = {"flat0": flat0[0], **dict(zip(self._p, params))}
+        values = {"flat0": flat0[0], "p": flat0[0]}
         values.update(("x:" + k, v[0]) for k, v in extra.items())
         zeros = {"sq_sum": self._scalar, "loss_sum": self._scalar}
-        zeros.update(zip(self._m, params))
-        zeros.update(zip(self._v, params))
+        zeros.update((k, flat0[0]) for k in self._state[1:])
         self.slab.append(values, zeros)
         self.rows.append(_Row(key, task, batches, ep0_rows, ep0_samples, offset, ctx))
 
@@ -747,7 +766,7 @@ class _Stack:
         order = self._lockstep_order(target.remaining)
         if order != list(range(len(self.rows))):
             self._take(order)
-        rows, K, bs, S = self.rows, len(self.rows), cfg.batch_size, target.remaining
+        rows, bs, S = self.rows, cfg.batch_size, target.remaining
         x_all, y_all = tr.pool.x, tr.pool.y
         assert x_all is not None and y_all is not None
         ran = [min(r.remaining, S) for r in rows]
@@ -797,7 +816,7 @@ class _Stack:
         # The tasks that are done form the suffix: their updates, then the stack keeps the rest.
         f = sum(1 for r in rows if r.remaining > 0)
         fin = rows[f:]
-        final = torch.cat([p[f:].reshape(K - f, -1) for p in self.params], dim=1)
+        final = self.slab["p"][f:]  # the finished rows' weights, flat
         tr.objective.cohort_end([r.ctx for r in fin], {k: v[f:] for k, v in self.extra.items()}, final)
         delta = (final - self.flat0[f:]).cpu().numpy()
         sq, ls = self.sq_sum[f:].cpu().tolist(), self.loss_sum[f:].cpu().tolist()
@@ -833,12 +852,12 @@ class _Stack:
 
     def _views(self, a: int, bind: Callable[[dict[str, torch.Tensor]], Bound] | None) -> _Views:
         """The first ``a`` rows' stacked tensors (views into the slab)."""
-        params = [p[:a] for p in self.params]
+        params = self.slab.unflat("p", a)
         named = dict(zip(self.tr.names, params))
         return _Views(
             params=params,
             bound=bind(named) if bind is not None else named,
-            bufs=[b[:a] for b in self.bufs],
+            bufs=self.slab.unflat("m", a) if "m" in self._state else [],
             extra={k: v[:a] for k, v in self.extra.items()},
             sq_sum=self.sq_sum[:a],
             loss_sum=self.loss_sum[:a],

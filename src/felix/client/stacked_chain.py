@@ -262,8 +262,8 @@ class StackedChain:
                 weights.append(params[layer.weight].transpose(1, 2))
                 biases.append(None if b is None else b.unsqueeze(1))
             elif layer.kind == "conv":
-                weights.append(params[layer.weight].flatten(0, 1))
-                biases.append(None if b is None else b.reshape(1, -1, 1, 1))
+                weights.append(params[layer.weight])  # grouped at each use (see Bound)
+                biases.append(b)
             else:
                 weights.append(None)
                 biases.append(None)
@@ -296,10 +296,10 @@ class StackedChain:
                     if keep:
                         acts[i] = h
                 h = torch.ops.aten.convolution(
-                    h, w, None, layer.stride, layer.padding, layer.dilation, False, [0, 0], K
+                    h, w.flatten(0, 1), None, layer.stride, layer.padding, layer.dilation, False, [0, 0], K
                 )
                 if b is not None:
-                    h = h + b
+                    h = h + b.reshape(1, -1, 1, 1)
             elif layer.kind == "pool":
                 pool = (layer.kernel, layer.stride, layer.padding, layer.dilation, layer.ceil_mode)
                 if keep:
@@ -348,7 +348,7 @@ class StackedChain:
                 gi, gw, _ = torch.ops.aten.convolution_backward(
                     g,
                     inp,
-                    bound.weights[i],
+                    bound.weights[i].flatten(0, 1),  # type: ignore[union-attr]
                     None,
                     layer.stride,
                     layer.padding,
@@ -381,10 +381,13 @@ class StackedChain:
 @dataclass(frozen=True)
 class Bound:
     """A stack's parameters with the views its products read (each Linear's transposed weight and
-    broadcastable bias, each convolution's grouped weight), by layer. They are views, so the
-    optimiser's in-place steps show through: the cohort trainer binds once per stack shape instead
-    of making these views again at every step (each view is one more dispatched operation, and a
-    small model's step on a CPU is dozens of them)."""
+    broadcastable bias, each convolution's stacked weight and broadcastable bias), by layer. They
+    are views, so the optimiser's in-place steps show through: the cohort trainer binds once per
+    stack shape instead of making these views again at every step (each view is one more dispatched
+    operation, and a small model's step on a CPU is dozens of them). A convolution's weight and bias
+    are grouped (``[K * out, in, kh, kw]``, ``[1, K * out, 1, 1]``) at each use: the cohort trainer's
+    stacked parameters are column blocks of one flat buffer, where that grouping is a copy, which
+    would not see the steps."""
 
     params: dict[str, torch.Tensor]
     weights: list[torch.Tensor | None]
