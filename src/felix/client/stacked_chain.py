@@ -295,8 +295,9 @@ class StackedChain:
                     h = h.movedim(0, 1).reshape(B, K * h.shape[2], *h.shape[3:])
                     if keep:
                         acts[i] = h
+                grouped = w.flatten(0, 1)  # type: ignore[union-attr]
                 h = torch.ops.aten.convolution(
-                    h, w.flatten(0, 1), None, layer.stride, layer.padding, layer.dilation, False, [0, 0], K
+                    h, grouped, None, layer.stride, layer.padding, layer.dilation, False, [0, 0], K
                 )
                 if b is not None:
                     h = h + b.reshape(1, -1, 1, 1)
