@@ -519,6 +519,7 @@ class _Row:
     ep0_samples: int
     offset: int  # where the client's data starts in the trainer's data pool
     ctx: TaskContext
+    w0: np.ndarray  # the weights as dispatched, float32 on the host (the delta's base)
     done: int = 0
 
     @property
@@ -698,10 +699,6 @@ class _Stack:
         return {k: self.slab["x:" + k] for k in self._x}
 
     @property
-    def flat0(self) -> torch.Tensor:
-        return self.slab["flat0"]  # each row's weights as dispatched
-
-    @property
     def sq_sum(self) -> torch.Tensor:
         return self.slab["sq_sum"]  # first-epoch squared per-sample losses
 
@@ -722,10 +719,11 @@ class _Stack:
             raise ValueError(f"task {key} is already in the cohort stack")
         batches, ep0_rows, ep0_samples = batch_rows(len(task.data), cfg, task.generator)
         (offset,) = tr.pool.offsets([task.data])
-        flat0 = torch.from_numpy(np.array(task.weights, dtype=np.float32)).to(dev).unsqueeze(0)
+        w0 = np.array(task.weights, dtype=np.float32)
+        flat0 = torch.from_numpy(w0).to(dev)
         ctx = TaskContext(
             model=tr.model,
-            global_params=flat0[0],
+            global_params=flat0,
             lr=cfg.lr,
             num_classes=tr.num_classes,
             class_counts=task.data.class_counts(tr.num_classes),
@@ -735,12 +733,12 @@ class _Stack:
         )
         extra = tr.objective.cohort_begin([ctx])
         self._x = list(extra)
-        values = {"flat0": flat0[0], "p": flat0[0]}
+        values = {"p": flat0}
         values.update(("x:" + k, v[0]) for k, v in extra.items())
         zeros = {"sq_sum": self._scalar, "loss_sum": self._scalar}
-        zeros.update((k, flat0[0]) for k in self._state[1:])
+        zeros.update((k, flat0) for k in self._state[1:])
         self.slab.append(values, zeros)
-        self.rows.append(_Row(key, task, batches, ep0_rows, ep0_samples, offset, ctx))
+        self.rows.append(_Row(key, task, batches, ep0_rows, ep0_samples, offset, ctx, w0))
 
     def drop(self, key: int) -> bool:
         at = next((j for j, r in enumerate(self.rows) if r.key == key), None)
@@ -818,7 +816,9 @@ class _Stack:
         fin = rows[f:]
         final = self.slab["p"][f:]  # the finished rows' weights, flat
         tr.objective.cohort_end([r.ctx for r in fin], {k: v[f:] for k, v in self.extra.items()}, final)
-        delta = (final - self.flat0[f:]).cpu().numpy()
+        # The deltas on the host, from the weights as dispatched (the same float32 subtraction as on
+        # the device): the stack keeps no copy of them, which every join and reorder would move.
+        trained = final.cpu().numpy()
         sq, ls = self.sq_sum[f:].cpu().tolist(), self.loss_sum[f:].cpu().tolist()
         out: dict[int, ClientUpdate] = {}
         for j, r in enumerate(fin):
@@ -828,7 +828,7 @@ class _Stack:
                 stat_utility=oort_utility(sq[j], r.ep0_samples, n),
                 loss=ls[j] / r.steps if r.steps else 0.0,
                 duration=0.0,
-                delta=delta[j],
+                delta=trained[j] - r.w0,
                 aux=r.ctx.aux_out,
             )
         self.rows = rows[:f]
