@@ -203,6 +203,15 @@ class DataPool:
         self.size = 0
         self._at: dict[int, tuple[int, ClientData]] = {}  # id(data) -> (offset, data kept alive)
         self._root: tuple[torch.Tensor, torch.Tensor] | None = None  # the adopted shared (x, y)
+        self._batch: torch.Tensor | None = None  # see batch_buffer
+
+    def batch_buffer(self, rows: int) -> torch.Tensor:
+        """A buffer of at least ``rows`` samples' shape and dtype, kept from call to call (a step's
+        batch is gathered into it; the previous step's is no longer read)."""
+        assert self.x is not None
+        if self._batch is None or self._batch.shape[0] < rows:
+            self._batch = self.x.new_empty((rows, *self.x.shape[1:]))
+        return self._batch
 
     def offsets(self, datas: list[ClientData]) -> list[int]:
         missing = [
@@ -780,6 +789,10 @@ class _Stack:
         views: dict[int, _Views] = {}
         bind = tr.chain.bind if tr.chain is not None else None
         xshape = x_all.shape[1:]
+        # Each step's samples are gathered into one buffer, reused from step to step: a fresh
+        # tensor per step would be memory the CPU's caches have not seen (on this workload the
+        # gather is a tenth of the training time, bound by memory).
+        xbuf = tr.pool.batch_buffer(len(rows) * bs)
         extra = self.extra  # the hooks update its rows in place
         for s in range(S):
             a = plan.active[s]
@@ -787,7 +800,7 @@ class _Stack:
             if v is None:
                 v = views[a] = self._views(a, bind)
             ix, full = plan.index[s], plan.full[s]
-            xb = x_all.index_select(0, ix).view(a, bs, *xshape)
+            xb = torch.index_select(x_all, 0, ix, out=xbuf[: a * bs]).view(a, bs, *xshape)
             yb = y_all.index_select(0, ix).view(a, bs)
             # ``None``: every sample is real (the stacked kernel's heads skip the mask); vmap needs it.
             mb = None if full and bind is not None else plan.mask[s].view(a, bs)
