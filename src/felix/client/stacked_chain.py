@@ -272,14 +272,15 @@ class StackedChain:
     def _run(
         self, bound: Bound, x: torch.Tensor, keep: bool = True
     ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
-        """Every layer's input, then the logits, and the pools' argmax indices by layer: ``x`` is
-        ``[K, B, ...]``, parameters ``[K, ...]``. With ``keep`` false (a forward pass alone) only the
-        logits come back and each activation is freed once the next is made, as in vmap's forward:
-        a probe's stacked batch (256 samples of up to 64 clients) would otherwise hold every
-        layer's activations at once."""
+        """Every layer's input, then the logits, and by layer what the backward reads besides them
+        (a pool's argmax indices, a convolution's grouped weight): ``x`` is ``[K, B, ...]``,
+        parameters ``[K, ...]``. With ``keep`` false (a forward pass alone) only the logits come
+        back and each activation is freed once the next is made, as in vmap's forward: a probe's
+        stacked batch (256 samples of up to 64 clients) would otherwise hold every layer's
+        activations at once."""
         K, B = x.shape[0], x.shape[1]
         acts = [x]
-        indices: dict[int, torch.Tensor] = {}
+        saved: dict[int, torch.Tensor] = {}
         h = x
         for i, layer in enumerate(self.layers):
             w, b = bound.weights[i], bound.biases[i]
@@ -296,22 +297,24 @@ class StackedChain:
                     if keep:
                         acts[i] = h
                 grouped = w.flatten(0, 1)  # type: ignore[union-attr]
+                if keep:
+                    saved[i] = grouped
                 h = torch.ops.aten.convolution(
                     h, grouped, None, layer.stride, layer.padding, layer.dilation, False, [0, 0], K
                 )
-                if b is not None:
-                    h = h + b.reshape(1, -1, 1, 1)
+                if b is not None:  # [B, K*out, H, W] + [K, out] per client, through views
+                    h = (h.unflatten(1, b.shape) + b[None, :, :, None, None]).flatten(1, 2)
             elif layer.kind == "pool":
                 pool = (layer.kernel, layer.stride, layer.padding, layer.dilation, layer.ceil_mode)
                 if keep:
-                    h, indices[i] = torch.ops.aten.max_pool2d_with_indices(h, *pool)
+                    h, saved[i] = torch.ops.aten.max_pool2d_with_indices(h, *pool)
                 else:  # the same maxima, without the indices a backward needs
                     h = torch.ops.aten.max_pool2d(h, *pool)
             else:
                 h = torch.relu(h)
             if keep:
                 acts.append(h)
-        return (acts if keep else [h]), indices
+        return (acts if keep else [h]), saved
 
     def forward(self, params: dict[str, torch.Tensor] | Bound, x: torch.Tensor) -> torch.Tensor:
         """Stacked logits ``[K, B, classes]`` (the vmapped ``functional_call``'s)."""
@@ -331,7 +334,7 @@ class StackedChain:
         ``mask`` ``None``: every sample is real."""
         K, B = x.shape[0], x.shape[1]
         bound = params if isinstance(params, Bound) else self.bind(params)
-        acts, indices = self._run(bound, x)
+        acts, saved = self._run(bound, x)
         g, aux = self.head(acts[-1], y, mask, extra)
         grads: dict[str, torch.Tensor] = {}
         for i in range(len(self.layers) - 1, self._first_param - 1, -1):
@@ -349,7 +352,7 @@ class StackedChain:
                 gi, gw, _ = torch.ops.aten.convolution_backward(
                     g,
                     inp,
-                    bound.weights[i].flatten(0, 1),  # type: ignore[union-attr]
+                    saved[i],
                     None,
                     layer.stride,
                     layer.padding,
@@ -370,7 +373,7 @@ class StackedChain:
                     layer.padding,
                     layer.dilation,
                     layer.ceil_mode,
-                    indices[i],
+                    saved[i],
                 )
             elif layer.kind == "relu":
                 g = torch.ops.aten.threshold_backward(g, acts[i + 1], 0)
@@ -385,10 +388,10 @@ class Bound:
     broadcastable bias, each convolution's stacked weight and broadcastable bias), by layer. They
     are views, so the optimiser's in-place steps show through: the cohort trainer binds once per
     stack shape instead of making these views again at every step (each view is one more dispatched
-    operation, and a small model's step on a CPU is dozens of them). A convolution's weight and bias
-    are grouped (``[K * out, in, kh, kw]``, ``[1, K * out, 1, 1]``) at each use: the cohort trainer's
-    stacked parameters are column blocks of one flat buffer, where that grouping is a copy, which
-    would not see the steps."""
+    operation, and a small model's step on a CPU is dozens of them). A convolution's weight is
+    grouped (``[K * out, in, kh, kw]``) once per step, for the forward and the backward, and its bias
+    is added through views: the cohort trainer's stacked parameters are column blocks of one flat
+    buffer, where such a grouping is a copy, which would not see the steps."""
 
     params: dict[str, torch.Tensor]
     weights: list[torch.Tensor | None]
