@@ -13,15 +13,22 @@ of the scenario); the bare loop is training only. Evaluations are not part of th
 (``cpu_ratio_to_bare``) come too: on a machine shared with other work they are steadier than wall time.
 ``--cohort`` sets ``run.cohort`` (auto, 1 or N); ``run.threads`` applies as in any run.
 
-On a shared machine one run and one loop can land in different load: ``--rounds N`` repeats the
-pair (the run, then its bare loop) N times in this process, checks that every round ran the same
-run, and reports the median round (by ``ratio_to_bare``) with every round's wall time, bare time
-and ratio beside it (``*_rounds``) and the smallest ratio (``ratio_to_bare_min``).
+On a shared machine one run and one loop can land in different load, so the bare loop is
+interleaved with the run: after every ``--interleave`` aggregations (default 10) the run pauses and
+the bare loop does the updates trained since the last pause (each chunk timed as the best of
+``--bare-repeats``); the run's wall and CPU times leave those pauses out. Both then see the same
+load, a second at a time, instead of one taking the run's half minute and the other the next.
+``--interleave 0`` runs the whole bare loop after the run (as before 2 December). ``--rounds N``
+repeats the pair N times in this process, checks that every round ran the same run, and reports
+the median round (by ``ratio_to_bare``) with every round's wall time, bare time and ratio beside
+it (``*_rounds``) and the smallest ratio (``ratio_to_bare_min``).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import gc
 import json
 import sys
@@ -52,9 +59,33 @@ class Simulated:
     out: SimOutcome
     tasks: list[tuple[ClientData, int, np.ndarray]]  # every training task: its data, id and weights
     eval_s: float  # wall seconds in the global evaluation
-    cpu_s: float  # process CPU seconds of the run
+    cpu_s: float  # process CPU seconds of the run (without the bare loop's chunks)
     gc_s: float  # wall seconds in Python's cyclic garbage collector (within the parts above)
     gc_collections: int
+    bare: BareLoop | None  # the bare loop interleaved with the run, if it was
+
+
+Task = tuple[ClientData, int, np.ndarray]
+
+
+class BareLoop:
+    """:func:`bare_loop` in chunks, each timed as the best of ``repeats``; the times add up."""
+
+    def __init__(self, built: Built, repeats: int) -> None:
+        self.built, self.repeats = built, repeats
+        self.model = copy.deepcopy(built.sim.trainer.model)  # the run's own models stay untouched
+        self.wall_s = self.cpu_s = 0.0  # the sums of the chunks' best times
+        self.paused_s = self.paused_cpu_s = 0.0  # everything the chunks took, repeats included
+
+    def chunk(self, tasks: list[Task]) -> None:
+        if torch.device(self.built.cfg.run.device).type == "cuda":
+            torch.cuda.synchronize()  # the run's queued work is the run's, not the pause's
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        runs = [bare_loop(self.built, tasks, self.model) for _ in range(self.repeats)]
+        self.wall_s += min(r[0] for r in runs)
+        self.cpu_s += min(r[1] for r in runs)
+        self.paused_s += time.perf_counter() - t0
+        self.paused_cpu_s += time.process_time() - cpu0
 
 
 def simulate(
@@ -62,8 +93,11 @@ def simulate(
     aggregations: int,
     cohort: str | None = None,
     around: AbstractContextManager[Any] | None = None,
+    interleave: int = 0,
 ) -> Simulated:
-    """Build and run the config; ``around`` wraps the run alone (e.g. a profiler), not the build."""
+    """Build and run the config; ``around`` wraps the run alone (e.g. a profiler), not the build.
+    ``interleave`` above 0: pause the run after every that many aggregations for a chunk of the
+    bare loop (the training tasks completed since the last chunk; see the module docstring)."""
     sets = parse_set(args.set)
     run = sets.setdefault("run", {})
     run.update({"max_aggregations": aggregations, "stop_at_target": False})
@@ -71,8 +105,18 @@ def simulate(
         run["cohort"] = cohort if cohort == "auto" else int(cohort)
     cfg = resolve_config(None, args.preset, sets, args.scenario)
     built = build(cfg)
-    tasks: list[tuple[ClientData, int, np.ndarray]] = []
-    built.sim._on_train = lambda dev, task: tasks.append((dev.data, task.task_id, task.weights))
+    tasks: list[Task] = []
+    bare = BareLoop(built, args.bare_repeats) if interleave > 0 else None
+    done = [0, interleave]  # tasks already in a chunk; the version that ends the current chunk
+
+    def on_train(dev: Any, task: Any) -> None:
+        # Called at a training task's completion, before the engine times its training.
+        tasks.append((dev.data, task.task_id, task.weights))
+        if bare is not None and built.orch.version >= done[1]:
+            bare.chunk(tasks[done[0] :])
+            done[0], done[1] = len(tasks), built.orch.version + interleave
+
+    built.sim._on_train = on_train
     evaluate, eval_s = built.recorder.evaluate, [0.0]
 
     def timed_evaluate(weights: np.ndarray) -> tuple[float, float]:
@@ -100,16 +144,20 @@ def simulate(
             cpu_s = time.process_time() - cpu0
     finally:
         gc.callbacks.remove(timed_collection)
-    return Simulated(built, out, tasks, eval_s[0], cpu_s, collector[1], int(collector[2]))
+    if bare is not None:
+        out = dataclasses.replace(out, wall_time_s=out.wall_time_s - bare.paused_s)
+        cpu_s -= bare.paused_cpu_s
+        bare.chunk(tasks[done[0] :])  # the updates since the last pause
+    return Simulated(built, out, tasks, eval_s[0], cpu_s, collector[1], int(collector[2]), bare)
 
 
-def bare_loop(built: Built, tasks: list[tuple[ClientData, int, np.ndarray]]) -> tuple[float, float]:
+def bare_loop(built: Built, tasks: list[Task], model: torch.nn.Module) -> tuple[float, float]:
     """The same updates, one after another, in the plainest PyTorch: load the weights, SGD over the
-    client's batches in its seeded order, take the delta. Data already on the device."""
+    client's batches in its seeded order, take the delta. Data already on the device. ``model``:
+    one of the run's architecture, whose parameters the loop overwrites."""
     cfg = built.cfg
     c = cfg.client
     device = torch.device(cfg.run.device)
-    model = built.sim.trainer.model
     params = list(model.parameters())
     model.train()
     if device.type == "cuda":
@@ -163,11 +211,16 @@ def engine(args: argparse.Namespace, aggregations: int, cohort: str | None) -> d
 
 
 def measure_round(args: argparse.Namespace, aggregations: int, cohort: str | None) -> dict[str, Any]:
-    """One simulated run and its bare loop (the best of ``--bare-repeats``), side by side."""
-    run = simulate(args, aggregations, cohort)
+    """One simulated run and its bare loop (the best of ``--bare-repeats``, chunk by chunk when
+    interleaved), side by side."""
+    run = simulate(args, aggregations, cohort, interleave=args.interleave)
     built, out, tasks, eval_s, sim_cpu = run.built, run.out, run.tasks, run.eval_s, run.cpu_s
-    runs = [bare_loop(built, tasks) for _ in range(args.bare_repeats)]
-    bare, bare_cpu = min(r[0] for r in runs), min(r[1] for r in runs)
+    if run.bare is None:
+        model = copy.deepcopy(built.sim.trainer.model)
+        runs = [bare_loop(built, tasks, model) for _ in range(args.bare_repeats)]
+        bare, bare_cpu = min(r[0] for r in runs), min(r[1] for r in runs)
+    else:
+        bare, bare_cpu = run.bare.wall_s, run.bare.cpu_s
     cfg, sim = built.cfg, built.sim
     aggs = built.orch.version
     wall = out.wall_time_s
@@ -214,6 +267,7 @@ def measure_round(args: argparse.Namespace, aggregations: int, cohort: str | Non
         "virtual_h_per_wall_h": round(out.virtual_time_s / wall, 1) if wall else None,
         "final_accuracy": built.recorder.rows[-1].accuracy,
         "bare_sequential_s": round(bare, 3),
+        "interleave": args.interleave,
         "ratio_to_bare": round(wall / bare, 3) if bare else None,
         # Process CPU seconds: less sensitive than wall time to other load on a shared machine.
         "cpu_s": round(sim_cpu, 3),
@@ -270,7 +324,18 @@ def main(argv: list[str] | None = None) -> int:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="config override, as felix run"
     )
     ap.add_argument(
-        "--bare-repeats", type=int, default=2, help="the bare loop's time is the best of this many"
+        "--bare-repeats",
+        type=int,
+        default=2,
+        help="the bare loop's time is the best of this many (per chunk when interleaved)",
+    )
+    ap.add_argument(
+        "--interleave",
+        type=int,
+        default=10,
+        metavar="N",
+        help="run a chunk of the bare loop after every N aggregations of the run (0: the whole "
+        "bare loop after the run)",
     )
     ap.add_argument(
         "--rounds",
@@ -297,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.bare_repeats < 1:
         ap.error("--rounds and --bare-repeats must be at least 1")
+    if args.interleave < 0:
+        ap.error("--interleave must be 0 or more")
     if args.selection is not None:
         try:
             from selection_speed import measure_selection  # benchmarks/selection_speed.py

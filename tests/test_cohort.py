@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any, Self
 from unittest import mock
@@ -574,6 +576,37 @@ def test_engine_speed_benchmark_prints_one_json_line(
     # two) is the line, with every round's figures beside it.
     assert line["rounds"] == 2 and len(line["wall_s_rounds"]) == len(line["bare_sequential_s_rounds"]) == 2
     assert line["ratio_to_bare_min"] == min(line["ratio_to_bare_rounds"]) == line["ratio_to_bare"]
+
+
+def test_engine_speed_interleaves_the_bare_loop_with_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``--interleave 1`` the run pauses after every aggregation for the bare loop's chunk of
+    the updates trained since: every update is in exactly one chunk, in order, the run is the one
+    a plain run gives, and the pauses are not in the run's wall time."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import engine_speed
+    finally:
+        sys.path.pop(0)
+    chunks: list[list[int]] = []
+    pause = 0.3
+
+    def fake_bare(built: Any, tasks: list[Any], model: Any) -> tuple[float, float]:
+        chunks.append([task_id for _, task_id, _ in tasks])
+        time.sleep(pause)
+        return 1.0, 0.5
+
+    monkeypatch.setattr(engine_speed, "bare_loop", fake_bare)
+    ns = argparse.Namespace(scenario="default", preset="felix", set=["model=mlp"], bare_repeats=1)
+    run = engine_speed.simulate(ns, 4, "4", interleave=1)
+    plain = engine_speed.simulate(ns, 4, "4")
+    ids = [task_id for _, task_id, _ in run.tasks]
+    assert len(chunks) >= 3 and [i for c in chunks for i in c] == ids  # the last chunk after the run
+    assert run.bare is not None and run.bare.wall_s == len(chunks) and run.bare.cpu_s == 0.5 * len(chunks)
+    assert plain.bare is None and [t for _, t, _ in plain.tasks] == ids
+    assert run.out.virtual_time_s == plain.out.virtual_time_s
+    assert run.built.recorder.rows[-1].accuracy == plain.built.recorder.rows[-1].accuracy
+    # The pauses inside the run (all chunks but the last) are left out of its wall time.
+    assert 0 < run.out.wall_time_s < pause * (len(chunks) - 1)
 
 
 @pytest.mark.parametrize("opt", ["sgd-2-epochs", "adam-drop-last"])
