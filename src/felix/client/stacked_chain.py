@@ -385,7 +385,7 @@ class StackedChain:
 @dataclass(frozen=True)
 class Bound:
     """A stack's parameters with the views its products read (each Linear's transposed weight and
-    broadcastable bias, each convolution's stacked weight and broadcastable bias), by layer. They
+    broadcastable bias, each convolution's stacked weight and bias), by layer. They
     are views, so the optimiser's in-place steps show through: the cohort trainer binds once per
     stack shape instead of making these views again at every step (each view is one more dispatched
     operation, and a small model's step on a CPU is dozens of them). A convolution's weight is
