@@ -12,6 +12,7 @@ import struct
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
@@ -168,6 +169,54 @@ def test_every_message_arrives_in_order_and_only_what_was_taken_is_acknowledged(
             link.close()
             link = connect(fresh=False)
             assert [m.payload for m in drain(2, wait_s=2.0)] == [b"marker"]  # the one not acked
+        finally:
+            pub.close()
+            link.close()
+
+
+@pytest.mark.mqtt
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto broker not installed")
+def test_close_lets_a_read_pass_being_handed_over_acknowledge_what_the_owner_took(tmp_path: Path) -> None:
+    """The owner may hold a read pass's messages (and close because of them) before the network
+    thread has queued their acks: ``close`` waits for that pass, so the next connection gets none of
+    them again. The sink here holds the network thread after the owner has the messages, as a
+    loaded machine may (CI once saw 12 messages come back)."""
+    with MosquittoBroker(1, workdir=tmp_path / "broker") as broker:
+        u = users(broker)
+        opts = BrokerOptions("127.0.0.1", broker.port, SERVER_USER, u[SERVER_USER], connect_timeout_s=10)
+        box = Inbox(1 << 20, 1000)
+        handed = threading.Event()
+
+        def slow_sink(items: list[Inbound]) -> bool:
+            taken = box.put_many(items)
+            handed.set()
+            time.sleep(0.5)  # the owner has them; the acks are not queued yet
+            return taken
+
+        def connect(fresh: bool, sink: Any) -> MqttLink:
+            link = MqttLink("srv", opts, ["felix/t/server/state/+"], box.put, batch_sink=sink)
+            link.start(fresh=fresh)
+            return link
+
+        link = connect(True, slow_sink)
+        pub = Publisher(broker.port, u["client-0"])
+        try:
+            for i in range(5):
+                pub.send(b"m%d" % i)
+            got: list[Inbound] = []
+            deadline = time.monotonic() + 10
+            while len(got) < 5 and time.monotonic() < deadline:
+                handed.wait(1.0)
+                got += [m for _, m in box.get_batch(0.05, 100) if isinstance(m, Inbound)]
+                if len(got) == 5:
+                    link.close()  # at once, while the last pass may still be in the sink
+            assert [m.payload for m in got] == [b"m%d" % i for i in range(5)]
+            link = connect(False, box.put_many)
+            again: list[Inbound] = []
+            deadline = time.monotonic() + 1.5
+            while time.monotonic() < deadline:
+                again += [m for _, m in box.get_batch(0.2, 100) if isinstance(m, Inbound)]
+            assert again == []
         finally:
             pub.close()
             link.close()

@@ -315,6 +315,9 @@ class MqttLink:
         self._rx: list[Inbound] = []  # received in the current read pass (network thread only)
         self._rx_acks: list[int] = []  # ... and the packet ids to acknowledge once they are handed over
         self._rx_bytes = 0
+        # A read pass is being handed to the owner and acknowledged (set by the network thread):
+        # ``close`` lets it finish, so what the owner took is acknowledged before the DISCONNECT.
+        self._handing_over = False
         # paho never acknowledges by itself: the link does, after the owner has the message
         # (``manual_ack=False``), or the owner does, once the message's effect is durable.
         self._client = self._new_client(True)
@@ -446,12 +449,14 @@ class MqttLink:
 
     def close(self, timeout: float = 5.0) -> None:
         """Disconnect cleanly (so no will is sent), after waiting up to ``timeout`` s for the broker
-        to acknowledge what was published (QoS 1 acks come in order, so the last one suffices)."""
+        to acknowledge what was published (QoS 1 acks come in order, so the last one suffices) and
+        for a read pass being handed over to queue its acknowledgements: the owner may already hold
+        its messages (and be closing because of them), and unacknowledged they would be delivered
+        again on the next connection. The acks go out ahead of the DISCONNECT (one queue)."""
         last = self._last_publish
         deadline = time.monotonic() + timeout
         while (
-            last is not None
-            and not last.is_published()
+            ((last is not None and not last.is_published()) or self._handing_over)
             and self._client.is_connected()
             and time.monotonic() < deadline
         ):
@@ -597,11 +602,15 @@ class MqttLink:
             return
         rx, acks = self._rx, self._rx_acks
         self._rx, self._rx_acks, self._rx_bytes = [], [], 0
-        if self.batch_sink is not None:
-            taken = self.batch_sink(rx)
-        else:
-            for item in rx:
-                self.sink(item)
-            taken = True
-        if taken and not self.manual_ack:
-            self._send_acks(acks)
+        self._handing_over = True
+        try:
+            if self.batch_sink is not None:
+                taken = self.batch_sink(rx)
+            else:
+                for item in rx:
+                    self.sink(item)
+                taken = True
+            if taken and not self.manual_ack:
+                self._send_acks(acks)
+        finally:
+            self._handing_over = False
