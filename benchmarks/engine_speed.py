@@ -50,6 +50,8 @@ from felix.metrics.provenance import provenance
 from felix.sim.build import Built, build
 from felix.sim.engine import SimOutcome
 
+Task = tuple[ClientData, int, np.ndarray]  # a training task: its client's data, its id, its weights
+
 
 @dataclass
 class Simulated:
@@ -57,15 +59,12 @@ class Simulated:
 
     built: Built
     out: SimOutcome
-    tasks: list[tuple[ClientData, int, np.ndarray]]  # every training task: its data, id and weights
+    tasks: list[Task]  # every training task: its data, id and weights
     eval_s: float  # wall seconds in the global evaluation
     cpu_s: float  # process CPU seconds of the run (without the bare loop's chunks)
     gc_s: float  # wall seconds in Python's cyclic garbage collector (within the parts above)
     gc_collections: int
     bare: BareLoop | None  # the bare loop interleaved with the run, if it was
-
-
-Task = tuple[ClientData, int, np.ndarray]
 
 
 class BareLoop:
@@ -215,12 +214,11 @@ def measure_round(args: argparse.Namespace, aggregations: int, cohort: str | Non
     interleaved), side by side."""
     run = simulate(args, aggregations, cohort, interleave=args.interleave)
     built, out, tasks, eval_s, sim_cpu = run.built, run.out, run.tasks, run.eval_s, run.cpu_s
-    if run.bare is None:
-        model = copy.deepcopy(built.sim.trainer.model)
-        runs = [bare_loop(built, tasks, model) for _ in range(args.bare_repeats)]
-        bare, bare_cpu = min(r[0] for r in runs), min(r[1] for r in runs)
-    else:
-        bare, bare_cpu = run.bare.wall_s, run.bare.cpu_s
+    loop = run.bare
+    if loop is None:  # not interleaved: the whole bare loop now, as one chunk
+        loop = BareLoop(built, args.bare_repeats)
+        loop.chunk(tasks)
+    bare, bare_cpu = loop.wall_s, loop.cpu_s
     cfg, sim = built.cfg, built.sim
     aggs = built.orch.version
     wall = out.wall_time_s

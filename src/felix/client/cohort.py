@@ -691,17 +691,22 @@ class _Stack:
         self._scalar = torch.zeros((), device=trainer.device)  # the shape of a row's loss sums
 
     # The stacked tensors, live rows only (views into the slab: in-place updates land there).
+    def _flat(self, name: str, rows: int) -> list[torch.Tensor]:
+        """The first ``rows`` rows of the flat buffer ``name`` as per-parameter views; none for an
+        optimiser state this stack does not keep."""
+        return self.slab.unflat(name, rows) if name in self._state else []
+
     @property
     def params(self) -> list[torch.Tensor]:
-        return self.slab.unflat("p", self.slab.n)
+        return self._flat("p", self.slab.n)
 
     @property
     def bufs(self) -> list[torch.Tensor]:
-        return self.slab.unflat("m", self.slab.n) if "m" in self._state else []
+        return self._flat("m", self.slab.n)
 
     @property
     def sq(self) -> list[torch.Tensor]:
-        return self.slab.unflat("v", self.slab.n) if "v" in self._state else []
+        return self._flat("v", self.slab.n)
 
     @property
     def extra(self) -> dict[str, torch.Tensor]:
@@ -865,12 +870,12 @@ class _Stack:
 
     def _views(self, a: int, bind: Callable[[dict[str, torch.Tensor]], Bound] | None) -> _Views:
         """The first ``a`` rows' stacked tensors (views into the slab)."""
-        params = self.slab.unflat("p", a)
+        params = self._flat("p", a)
         named = dict(zip(self.tr.names, params))
         return _Views(
             params=params,
             bound=bind(named) if bind is not None else named,
-            bufs=self.slab.unflat("m", a) if "m" in self._state else [],
+            bufs=self._flat("m", a),
             extra={k: v[:a] for k, v in self.extra.items()},
             sq_sum=self.sq_sum[:a],
             loss_sum=self.loss_sum[:a],
