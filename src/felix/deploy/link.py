@@ -454,9 +454,10 @@ class MqttLink:
         its messages (and be closing because of them), and unacknowledged they would be delivered
         again on the next connection. The acks go out ahead of the DISCONNECT (one queue)."""
         last = self._last_publish
+        on_loop = threading.current_thread() is self._client._thread  # a sink closing: its own pass
         deadline = time.monotonic() + timeout
         while (
-            ((last is not None and not last.is_published()) or self._handing_over)
+            ((last is not None and not last.is_published()) or (self._handing_over and not on_loop))
             and self._client.is_connected()
             and time.monotonic() < deadline
         ):
