@@ -87,6 +87,44 @@ def test_a_client_flooding_refused_messages_cannot_flood_the_log(
     assert set(server._refused) == {1, -1} and server._refused[-1] == 500
 
 
+def test_many_clients_refused_together_cannot_flood_the_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each client's first refusals are within its own limit, but a population of them (stolen
+    credentials, or a broker without ACLs) is held to the server-wide budget: after
+    REFUSALS_LOGGED_TOTAL lines, only every REFUSALS_LOG_EVERY-th refusal of the server is logged."""
+    from felix.deploy.server import REFUSALS_LOG_EVERY, REFUSALS_LOGGED, REFUSALS_LOGGED_TOTAL
+
+    clients, each = 300, 8
+    assert each <= REFUSALS_LOGGED and clients * each > REFUSALS_LOGGED_TOTAL + REFUSALS_LOG_EVERY
+    cfg = load_config(
+        write_config(tmp_path / "cfg.yaml", partition={"num_clients": clients}), {"strategy": "fedbuff"}
+    )
+    server = Server(cfg, ServeOptions(BrokerOptions("127.0.0.1", 1), run_id="t"))
+    with caplog.at_level("WARNING", logger="felix"):
+        for i in range(each):
+            for cid in range(clients):
+                server.handle_inbound(
+                    Inbound(
+                        server.topics.result(cid),
+                        b"garbage",
+                        i * clients + cid,
+                        1,
+                        False,
+                        0,
+                        time.monotonic(),
+                    )
+                )
+    total = clients * each
+    assert server.stats.rejected == total and sum(server.stats.rejected_by_reason.values()) == total
+    lines = [r.getMessage() for r in caplog.records if "rejected message from client" in r.getMessage()]
+    # the budget, then the server's 1000th, 2000th, ... refusals (without it: one line per refusal)
+    assert len(lines) == REFUSALS_LOGGED_TOTAL + total // REFUSALS_LOG_EVERY
+    assert f"{REFUSALS_LOGGED_TOTAL} refused in all" in lines[REFUSALS_LOGGED_TOTAL - 1]
+    assert f"{REFUSALS_LOG_EVERY} refused in all" in lines[REFUSALS_LOGGED_TOTAL]
+    assert f"{total // REFUSALS_LOG_EVERY * REFUSALS_LOG_EVERY} refused in all" in lines[-1]
+
+
 def test_inbox_bounds_bytes_and_count_and_close_releases_a_blocked_put() -> None:
     box = Inbox(max_bytes=3 * MB, max_messages=1000)
     th = flood(box.put, 10)

@@ -88,8 +88,12 @@ INBOX_BATCH = 64  # inbound messages handled per loop turn at most (timers and c
 RESULT_DIGESTS = 65536  # results remembered by task id (digest) to tell a redelivery from a replay
 # A client's refused messages are all counted (summary: rejected_by_reason), but only its first
 # REFUSALS_LOGGED and then every REFUSALS_LOG_EVERY-th are logged: one client publishing refused
-# messages as fast as it can must not fill the server's disk with log lines.
+# messages as fast as it can must not fill the server's disk with log lines. Nor may many clients
+# (a population's worth of credentials, or made-up ids on a broker without ACLs): once
+# REFUSALS_LOGGED_TOTAL lines have been logged in all, only every REFUSALS_LOG_EVERY-th refusal
+# of the whole server is.
 REFUSALS_LOGGED = 20
+REFUSALS_LOGGED_TOTAL = 500
 REFUSALS_LOG_EVERY = 1000
 
 
@@ -192,6 +196,7 @@ class Server:
             )
         self.stats = TransportStats()
         self._refused: dict[int, int] = {}  # client id (-1: none, or outside the population) -> refused
+        self._refusals_logged = 0  # refusal lines logged in all, within REFUSALS_LOGGED_TOTAL
         self.applied = AppliedLog(None if opts.checkpoint is None else ckpt.applied_log_path(opts.checkpoint))
         self.seq_marks: dict[int, dict[str, int]] = {}  # client -> message-id prefix -> highest sequence
         self.result_digests: dict[int, bytes] = {}  # task id -> digest of the result that closed it
@@ -342,15 +347,28 @@ class Server:
         self._publish_status("running")  # retained; after a reconnect too, in case the broker lost it
 
     def _reject(self, cid: int, task_id: int, reason: str, detail: str = "", error: bool = False) -> None:
-        """Count a refused message; log it within the per-client limit (``error``: with the
-        traceback of the exception being handled)."""
+        """Count a refused message; log it within the per-client and the server-wide limits
+        (``error``: with the traceback of the exception being handled)."""
         self.stats.rejected += 1
+        total = self.stats.rejected
         tally_rejection(self.stats.rejected_by_reason, reason)
         # Ids outside the population share one count: a broker without ACLs lets anyone publish
         # under any id, and a count per id would grow with every id made up.
         key = cid if 0 <= cid < self.num_clients else -1
         n = self._refused[key] = self._refused.get(key, 0) + 1
-        if n > REFUSALS_LOGGED and n % REFUSALS_LOG_EVERY:
+        if (
+            n <= REFUSALS_LOGGED or n % REFUSALS_LOG_EVERY == 0
+        ) and self._refusals_logged < REFUSALS_LOGGED_TOTAL:
+            self._refusals_logged += 1
+            if self._refusals_logged == REFUSALS_LOGGED_TOTAL:
+                note = f" [{total} refused in all; from now on every {REFUSALS_LOG_EVERY}th of the server's is logged]"
+            elif n >= REFUSALS_LOGGED:
+                note = f" [{n} refused from this client; from now on every {REFUSALS_LOG_EVERY}th is logged]"
+            else:
+                note = ""
+        elif total % REFUSALS_LOG_EVERY == 0:
+            note = f" [{total} refused in all, {n} from this client; every {REFUSALS_LOG_EVERY}th is logged]"
+        else:
             return
         log.warning(
             "rejected message from client %d (task %d): %s%s%s",
@@ -358,9 +376,7 @@ class Server:
             task_id,
             reason,
             f" ({detail})" if detail else "",
-            f" [{n} refused from this client; from now on every {REFUSALS_LOG_EVERY}th is logged]"
-            if n >= REFUSALS_LOGGED
-            else "",
+            note,
             exc_info=error,
         )
 
