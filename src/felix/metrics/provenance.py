@@ -16,6 +16,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import felix
 
 
@@ -66,7 +68,7 @@ def provenance(run_settings: dict[str, Any] | None = None) -> dict[str, Any]:
         "git": git_commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "numpy": __import__("numpy").__version__,
+        "numpy": np.__version__,
         "torch_threads": torch.get_num_threads(),
         "machine": platform.machine(),
         "cpu": cpu_model(),

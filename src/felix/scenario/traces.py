@@ -16,6 +16,7 @@ availability coupled to the data (the Random Access Model's rare clients).
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import math
 import pickle
@@ -302,7 +303,7 @@ def load_fedscale(path: str | Path) -> AvailabilityTrace:
         doc = (
             json.loads(raw_bytes)
             if raw_bytes[:1] in (b"{", b"[")
-            else _PlainUnpickler(__import__("io").BytesIO(raw_bytes)).load()
+            else _PlainUnpickler(io.BytesIO(raw_bytes)).load()
         )
     except TraceError:
         raise
