@@ -11,7 +11,10 @@ Prints wall time per aggregation, client updates per second, virtual hours per w
 same updates one by one). The simulated run includes the global evaluation (``run.eval_every``
 of the scenario); the bare loop is training only. Evaluations are not part of the bare loop. Process CPU times and their ratio
 (``cpu_ratio_to_bare``) come too: on a machine shared with other work they are steadier than wall time.
-``--cohort`` sets ``run.cohort`` (auto, 1 or N); ``run.threads`` applies as in any run.
+``--cohort`` sets ``run.cohort`` (auto, 1 or N); ``run.threads`` applies as in any run, and to the
+bare loop unless ``--bare-threads`` says otherwise (a plain PyTorch loop over an MLP's clients runs
+as fast on one thread as on two: ``--set run.threads=2 --bare-threads 1`` sets the run on two
+threads against the loop on one).
 
 On a shared machine one run and one loop can land in different load, so the bare loop is
 interleaved with the run: after every ``--interleave`` aggregations (default 10) the run pauses and
@@ -68,10 +71,11 @@ class Simulated:
 
 
 class BareLoop:
-    """:func:`bare_loop` in chunks, each timed as the best of ``repeats``; the times add up."""
+    """:func:`bare_loop` in chunks, each timed as the best of ``repeats``; the times add up.
+    ``threads``: torch threads for the chunks (``None``: the run's), the run's restored after."""
 
-    def __init__(self, built: Built, repeats: int) -> None:
-        self.built, self.repeats = built, repeats
+    def __init__(self, built: Built, repeats: int, threads: int | None = None) -> None:
+        self.built, self.repeats, self.threads = built, repeats, threads
         self.model = copy.deepcopy(built.sim.trainer.model)  # the run's own models stay untouched
         self.wall_s = self.cpu_s = 0.0  # the sums of the chunks' best times
         self.paused_s = self.paused_cpu_s = 0.0  # everything the chunks took, repeats included
@@ -79,8 +83,13 @@ class BareLoop:
     def chunk(self, tasks: list[Task]) -> None:
         if torch.device(self.built.cfg.run.device).type == "cuda":
             torch.cuda.synchronize()  # the run's queued work is the run's, not the pause's
+        run_threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads or run_threads)
         t0, cpu0 = time.perf_counter(), time.process_time()
-        runs = [bare_loop(self.built, tasks, self.model) for _ in range(self.repeats)]
+        try:
+            runs = [bare_loop(self.built, tasks, self.model) for _ in range(self.repeats)]
+        finally:
+            torch.set_num_threads(run_threads)
         self.wall_s += min(r[0] for r in runs)
         self.cpu_s += min(r[1] for r in runs)
         self.paused_s += time.perf_counter() - t0
@@ -105,7 +114,7 @@ def simulate(
     cfg = resolve_config(None, args.preset, sets, args.scenario)
     built = build(cfg)
     tasks: list[Task] = []
-    bare = BareLoop(built, args.bare_repeats) if interleave > 0 else None
+    bare = BareLoop(built, args.bare_repeats, args.bare_threads) if interleave > 0 else None
     done = [0, interleave]  # tasks already in a chunk; the version that ends the current chunk
 
     def on_train(dev: Any, task: Any) -> None:
@@ -216,7 +225,7 @@ def measure_round(args: argparse.Namespace, aggregations: int, cohort: str | Non
     built, out, tasks, eval_s, sim_cpu = run.built, run.out, run.tasks, run.eval_s, run.cpu_s
     loop = run.bare
     if loop is None:  # not interleaved: the whole bare loop now, as one chunk
-        loop = BareLoop(built, args.bare_repeats)
+        loop = BareLoop(built, args.bare_repeats, args.bare_threads)
         loop.chunk(tasks)
     bare, bare_cpu = loop.wall_s, loop.cpu_s
     cfg, sim = built.cfg, built.sim
@@ -265,6 +274,7 @@ def measure_round(args: argparse.Namespace, aggregations: int, cohort: str | Non
         "virtual_h_per_wall_h": round(out.virtual_time_s / wall, 1) if wall else None,
         "final_accuracy": built.recorder.rows[-1].accuracy,
         "bare_sequential_s": round(bare, 3),
+        "bare_threads": loop.threads or torch.get_num_threads(),
         "interleave": args.interleave,
         "ratio_to_bare": round(wall / bare, 3) if bare else None,
         # Process CPU seconds: less sensitive than wall time to other load on a shared machine.
@@ -328,6 +338,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the bare loop's time is the best of this many (per chunk when interleaved)",
     )
     ap.add_argument(
+        "--bare-threads",
+        type=int,
+        metavar="N",
+        help="torch threads for the bare loop (default: the run's run.threads); e.g. 1 to set a run "
+        "on two threads against the bare loop on one",
+    )
+    ap.add_argument(
         "--interleave",
         type=int,
         default=10,
@@ -360,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.bare_repeats < 1:
         ap.error("--rounds and --bare-repeats must be at least 1")
+    if args.bare_threads is not None and args.bare_threads < 1:
+        ap.error("--bare-threads must be at least 1")
     if args.interleave < 0:
         ap.error("--interleave must be 0 or more")
     if args.selection is not None:

@@ -517,6 +517,39 @@ def test_threads_and_precision_apply_to_every_build() -> None:
     assert np.isfinite(built.orch.weights).all()
 
 
+@pytest.mark.parametrize(
+    ("cohort", "objective", "params"),
+    [(4, o, p) for o, p in OBJECTIVES] + [(1, "ce", {})],
+    ids=[f"cohort-4-{o}" for o, _ in OBJECTIVES] + ["sequential"],
+)
+def test_a_model_without_convolutions_gives_the_same_run_at_any_thread_count(
+    cohort: int, objective: str, params: dict[str, Any]
+) -> None:
+    """run.threads 1 and 2 give the same bits for an MLP (felix.client.trainer.one_thread): its
+    sequential tasks, probes and one-client cohort steps stay on one thread, its cohorts split by
+    client. felix-cpu-100's MLP, whose single-client products MKL rounds otherwise on two threads;
+    felix (eval tasks) and two epochs with momentum (cohorts shrink to one row)."""
+    runs = []
+    for threads in (1, 2):
+        over = {
+            "model": "mlp",
+            "dataset": {"name": "fashion_mnist", "per_class_limit": 300, "test_limit": 500},
+            "partition": {"num_clients": 24, "alpha": 0.5},
+            "client": {"objective": objective, "objective_params": params, "epochs": 2, "momentum": 0.5},
+            "run": {"threads": threads, "cohort": cohort, "max_aggregations": 8, "stop_at_target": False},
+        }
+        built = build(resolve_config(None, "felix", over))
+        assert torch.get_num_threads() == threads
+        built.sim.run()
+        runs.append(built)
+    one, two = runs
+    assert one.orch.version == two.orch.version == 8
+    assert np.array_equal(one.orch.weights, two.orch.weights)
+    assert [(r.version, r.accuracy, r.loss) for r in one.recorder.rows] == [
+        (r.version, r.accuracy, r.loss) for r in two.recorder.rows
+    ]
+
+
 def test_engine_speed_benchmark_prints_one_json_line(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -591,13 +624,17 @@ def test_engine_speed_interleaves_the_bare_loop_with_the_run(monkeypatch: pytest
     pause = 0.5  # long beside the run itself (well under 0.1 s here), so its wall time cannot hide them
 
     def fake_bare(built: Any, tasks: list[Any], model: Any) -> tuple[float, float]:
+        assert torch.get_num_threads() == 1  # --bare-threads, not the run's two
         chunks.append([task_id for _, task_id, _ in tasks])
         time.sleep(pause)
         return 1.0, 0.5
 
     monkeypatch.setattr(engine_speed, "bare_loop", fake_bare)
-    ns = argparse.Namespace(scenario="default", preset="felix", set=["model=mlp"], bare_repeats=1)
+    ns = argparse.Namespace(
+        scenario="default", preset="felix", set=["model=mlp", "run.threads=2"], bare_repeats=1, bare_threads=1
+    )
     run = engine_speed.simulate(ns, 4, "4", interleave=1)
+    assert torch.get_num_threads() == 2  # the run's threads, restored after each chunk
     plain = engine_speed.simulate(ns, 4, "4")
     ids = [task_id for _, task_id, _ in run.tasks]
     assert len(chunks) >= 3 and [i for c in chunks for i in c] == ids  # the last chunk after the run

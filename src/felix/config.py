@@ -417,7 +417,9 @@ class RunCfg(_Strict):
         1,
         ge=1,
         description="torch intra-op threads, applied to every run, compare "
-        "worker and benchmark (null: torch's default); small models run fastest on one",
+        "worker and benchmark (null: torch's default). On a CPU a model without convolutions "
+        "gives the same results at any count (its cohorts split by client over the threads; "
+        "one client's work stays on one); a model with convolutions may differ in its last bits",
     )
     cohort: Literal["auto"] | Annotated[int, Field(ge=1)] = Field(
         "auto",

@@ -38,7 +38,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from felix.client.stacked_chain import Aux, Bound, StackedChain, autograd_head, masked_ce_grad
-from felix.client.trainer import ClientData, TrainConfig, autocast, oort_utility
+from felix.client.trainer import ClientData, TrainConfig, autocast, one_thread, oort_utility, thread_invariant
 from felix.core.types import ClientUpdate
 from felix.strategies.objectives import Objective, TaskContext
 
@@ -320,6 +320,9 @@ class CohortTrainer:
             self.chain.grad if self.chain is not None else vmap(grad(self._loss, has_aux=True))
         )
         self._forward = self.chain.forward if self.chain is not None else vmap(self._logits)
+        # A step of one client is a single-client product: on one thread, as in the sequential
+        # trainer (felix.client.trainer.one_thread), so that the run's bits do not depend on run.threads.
+        self.one_thread = thread_invariant(self.model, self.device)
         obj = type(objective)
         self.has_before = obj.cohort_before_step is not Objective.cohort_before_step
         self.has_after = obj.cohort_after_step is not Objective.cohort_after_step
@@ -809,7 +812,8 @@ class _Stack:
             yb = y_all.index_select(0, ix).view(a, bs)
             # ``None``: every sample is real (the stacked kernel's heads skip the mask); vmap needs it.
             mb = None if full and bind is not None else plan.mask[s].view(a, bs)
-            g, (per, loss, stat) = tr.grad(v.bound, xb, yb, mb, v.extra)
+            with one_thread(a == 1 and tr.one_thread):
+                g, (per, loss, stat) = tr.grad(v.bound, xb, yb, mb, v.extra)
             grads = [g[n] for n in tr.names]
             if tr.has_before:
                 tr.objective.cohort_before_step(grads, v.params, extra, a, stat)

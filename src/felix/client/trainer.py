@@ -9,7 +9,8 @@ buffers travel with the parameters and which are kept per client is ``TrainConfi
 from __future__ import annotations
 
 import math
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +99,38 @@ def autocast(device: torch.device | str, dtype: torch.dtype | None) -> AbstractC
     return torch.autocast(torch.device(device).type, dtype=dtype) if dtype is not None else nullcontext()
 
 
+@contextmanager
+def one_thread(when: bool = True) -> Iterator[None]:
+    """torch on one intra-op thread inside (``run.threads`` restored after), when ``when``.
+
+    MKL splits a single small product over the threads it is given, and then rounds it
+    differently: a client's ``[10, 32] x [32, 64]`` weight gradient has other bits on two threads
+    than on one. A product over a cohort's clients splits by client instead, each client's part on
+    one thread, with the same bits at any thread count. So a model without convolutions runs its
+    single-client products on one thread (:func:`thread_invariant`), and its run gives the same
+    bits at any ``run.threads``: the threads go to the cohorts and the evaluation, which gain from
+    them. Setting the thread count costs well under a microsecond."""
+    n = torch.get_num_threads()
+    if not when or n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def thread_invariant(model: nn.Module, device: torch.device | str) -> bool:
+    """Whether ``model`` on ``device`` keeps its single-client products on one thread
+    (:func:`one_thread`): on a CPU, a model without convolutions, whose products are too small to
+    gain from more (the sequential MLP loop ran as fast on two threads as on one). A convolution's
+    threads are worth their other bits."""
+    return torch.device(device).type == "cpu" and not any(
+        isinstance(m, nn.modules.conv._ConvNd) for m in model.modules()
+    )
+
+
 class LocalTrainer:
     def __init__(
         self,
@@ -120,6 +153,7 @@ class LocalTrainer:
         kind = type(objective)
         self._before = kind.before_step is not Objective.before_step
         self._after = kind.after_step is not Objective.after_step
+        self._one_thread = thread_invariant(self.model, device)
 
     def load(self, weights: np.ndarray) -> torch.Tensor:
         """Load the received vector (parameters, and buffers under ``aggregate``) into the
@@ -140,8 +174,19 @@ class LocalTrainer:
         generator: torch.Generator,
     ) -> ClientUpdate:
         """Run the local epochs; the utility comes from the losses seen in the first epoch."""
+        with one_thread(self._one_thread):
+            return self._train(weights, data, state, aux_in, generator)
+
+    def _train(
+        self,
+        weights: np.ndarray,
+        data: ClientData,
+        state: dict[str, Any],
+        aux_in: dict[str, np.ndarray],
+        generator: torch.Generator,
+    ) -> ClientUpdate:
         cfg = self.cfg
-        received_loss = None if cfg.probe_loss_key is None else self.probe(weights, data).loss
+        received_loss = None if cfg.probe_loss_key is None else self._probe(weights, data).loss
         flat = self.load(weights)
         self.weights.begin_task(state)
         n = len(data)
@@ -215,10 +260,14 @@ class LocalTrainer:
             aux=ctx.aux_out,
         )
 
-    @torch.no_grad()
     def probe(self, weights: np.ndarray, data: ClientData, batch_size: int = 256) -> ClientUpdate:
         """TierSelect's eval task: one forward pass, reply with the statistical utility only (kept
         buffers at the factory's values, as the global model is evaluated)."""
+        with one_thread(self._one_thread):
+            return self._probe(weights, data, batch_size)
+
+    @torch.no_grad()
+    def _probe(self, weights: np.ndarray, data: ClientData, batch_size: int = 256) -> ClientUpdate:
         self.load(weights)
         self.model.eval()
         x, y = data.on(self.device)
