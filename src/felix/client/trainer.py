@@ -8,11 +8,12 @@ buffers travel with the parameters and which are kept per client is ``TrainConfi
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -131,6 +132,21 @@ def thread_invariant(model: nn.Module, device: torch.device | str) -> bool:
     )
 
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _single_client(method: _Method) -> _Method:
+    """A :class:`LocalTrainer` method, on one thread where its model keeps single-client work
+    there (:func:`one_thread`)."""
+
+    @functools.wraps(method)
+    def on_its_threads(self: LocalTrainer, *args: Any, **kwargs: Any) -> Any:
+        with one_thread(self._one_thread):
+            return method(self, *args, **kwargs)
+
+    return cast(_Method, on_its_threads)
+
+
 class LocalTrainer:
     def __init__(
         self,
@@ -165,6 +181,7 @@ class LocalTrainer:
         self.weights.set_kept(None)
         return flat
 
+    @_single_client
     def train(
         self,
         weights: np.ndarray,
@@ -174,19 +191,8 @@ class LocalTrainer:
         generator: torch.Generator,
     ) -> ClientUpdate:
         """Run the local epochs; the utility comes from the losses seen in the first epoch."""
-        with one_thread(self._one_thread):
-            return self._train(weights, data, state, aux_in, generator)
-
-    def _train(
-        self,
-        weights: np.ndarray,
-        data: ClientData,
-        state: dict[str, Any],
-        aux_in: dict[str, np.ndarray],
-        generator: torch.Generator,
-    ) -> ClientUpdate:
         cfg = self.cfg
-        received_loss = None if cfg.probe_loss_key is None else self._probe(weights, data).loss
+        received_loss = None if cfg.probe_loss_key is None else self.probe(weights, data).loss
         flat = self.load(weights)
         self.weights.begin_task(state)
         n = len(data)
@@ -260,14 +266,11 @@ class LocalTrainer:
             aux=ctx.aux_out,
         )
 
+    @_single_client
+    @torch.no_grad()
     def probe(self, weights: np.ndarray, data: ClientData, batch_size: int = 256) -> ClientUpdate:
         """TierSelect's eval task: one forward pass, reply with the statistical utility only (kept
         buffers at the factory's values, as the global model is evaluated)."""
-        with one_thread(self._one_thread):
-            return self._probe(weights, data, batch_size)
-
-    @torch.no_grad()
-    def _probe(self, weights: np.ndarray, data: ClientData, batch_size: int = 256) -> ClientUpdate:
         self.load(weights)
         self.model.eval()
         x, y = data.on(self.device)
