@@ -38,7 +38,15 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from felix.client.stacked_chain import Aux, Bound, StackedChain, autograd_head, masked_ce_grad
-from felix.client.trainer import ClientData, TrainConfig, autocast, one_thread, oort_utility, thread_invariant
+from felix.client.trainer import (
+    ClientData,
+    TrainConfig,
+    autocast,
+    has_convolutions,
+    one_thread,
+    oort_utility,
+    thread_invariant,
+)
 from felix.core.types import ClientUpdate
 from felix.strategies.objectives import Objective, TaskContext
 
@@ -132,7 +140,7 @@ def resolve_cohort(
         log.warning("run.cohort=%s: training sequentially, since %s", setting, blocker)
         return 1, 1
     if setting == "auto":
-        if not on_gpu and any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules()):
+        if not on_gpu and has_convolutions(model):
             macs = None if sample_shape is None else conv_macs(model, sample_shape)
             if macs is None or macs > CPU_CONV_MACS_LIMIT:
                 log.info(

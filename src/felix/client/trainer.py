@@ -127,9 +127,12 @@ def thread_invariant(model: nn.Module, device: torch.device | str) -> bool:
     (:func:`one_thread`): on a CPU, a model without convolutions, whose products are too small to
     gain from more (the sequential MLP loop ran as fast on two threads as on one). A convolution's
     threads are worth their other bits."""
-    return torch.device(device).type == "cpu" and not any(
-        isinstance(m, nn.modules.conv._ConvNd) for m in model.modules()
-    )
+    return torch.device(device).type == "cpu" and not has_convolutions(model)
+
+
+def has_convolutions(model: nn.Module) -> bool:
+    """Whether any of ``model``'s modules is a convolution (of any dimension)."""
+    return any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
