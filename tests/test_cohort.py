@@ -14,6 +14,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+from synthetic_data import fashion_like_idx
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -523,17 +524,19 @@ def test_threads_and_precision_apply_to_every_build() -> None:
     ids=[f"cohort-4-{o}" for o, _ in OBJECTIVES] + ["sequential"],
 )
 def test_a_model_without_convolutions_gives_the_same_run_at_any_thread_count(
-    cohort: int, objective: str, params: dict[str, Any]
+    cohort: int, objective: str, params: dict[str, Any], tmp_path: Path
 ) -> None:
     """run.threads 1 and 2 give the same bits for an MLP (felix.client.trainer.one_thread): its
     sequential tasks, probes and one-client cohort steps stay on one thread, its cohorts split by
-    client. felix-cpu-100's MLP, whose single-client products MKL rounds otherwise on two threads;
-    felix (eval tasks) and two epochs with momentum (cohorts shrink to one row)."""
+    client. felix-cpu-100's MLP on Fashion-MNIST-shaped images the test makes, whose single-client
+    products MKL rounds otherwise on two threads; felix (eval tasks) and two epochs with momentum
+    (cohorts shrink to one row)."""
+    root = fashion_like_idx(tmp_path / "fashion", per_class=300, test_per_class=50)
     runs = []
     for threads in (1, 2):
         over = {
             "model": "mlp",
-            "dataset": {"name": "fashion_mnist", "per_class_limit": 300, "test_limit": 500},
+            "dataset": {"name": "fashion_mnist", "root": str(root), "test_limit": 500},
             "partition": {"num_clients": 24, "alpha": 0.5},
             "client": {"objective": objective, "objective_params": params, "epochs": 2, "momentum": 0.5},
             "run": {"threads": threads, "cohort": cohort, "max_aggregations": 8, "stop_at_target": False},

@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from felix import cpu_kernels
-from felix.client.trainer import ClientData, LocalTrainer, TrainConfig, autocast
+from felix.client.trainer import ClientData, LocalTrainer, TrainConfig, autocast, one_thread, thread_invariant
 from felix.client.weights import ModelWeights, model_vector, weights_for
 from felix.config import Config, ConfigError, deep_merge, validate
 from felix.core.availability import AVAILABILITY
@@ -161,7 +161,12 @@ def make_evaluator(
     """The global model's test accuracy and loss. The test set is copied to ``device`` once; the
     sums stay there, one transfer per evaluation. ``model`` must carry its factory's buffers: a
     parameters-only vector (``client.buffers: local``) is evaluated with them. Without a test set,
-    the evaluator raises ``ConfigError`` when called."""
+    the evaluator raises ``ConfigError`` when called.
+
+    A model whose single-client work stays on one thread (:func:`thread_invariant`) is evaluated on
+    one thread as well: MKL rounds the test set's ``[N, 784] x [784, 64]`` product differently on
+    two threads, and a last-bit change of a logit can flip a tied prediction and so the time to a
+    target; on one thread the evaluation gives the same bits at any ``run.threads``."""
     if test is None:
 
         def no_test_set(weights: np.ndarray) -> tuple[float, float]:
@@ -174,9 +179,14 @@ def make_evaluator(
     model = model.to(device)
     layouts: dict[int, ModelWeights] = {}
     x, y = test.x.to(device), test.y.to(device)
+    single_thread = thread_invariant(model, device)
 
     @torch.no_grad()
     def evaluate(weights: np.ndarray) -> tuple[float, float]:
+        with one_thread(single_thread):
+            return _evaluate(weights)
+
+    def _evaluate(weights: np.ndarray) -> tuple[float, float]:
         size = int(np.asarray(weights).size)
         if size not in layouts:
             layouts[size] = weights_for(model, size)
