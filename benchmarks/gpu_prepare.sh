@@ -31,5 +31,5 @@ python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --
 du -sh .gpu
 cat <<'EOF'
 gpu_prepare: ready. On the device (run, carry [".gpu"], timeout_s 540):
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl && export PYTHONPATH=/tmp/site && OUT=$OUT bash benchmarks/gpu_check.sh
+python3 -m pip install -q --no-index --no-deps --no-compile --target .gpu/site .gpu/whl/*.whl && export PYTHONPATH=$PWD/.gpu/site && OUT=$OUT bash benchmarks/gpu_check.sh
 EOF

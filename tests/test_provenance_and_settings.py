@@ -153,3 +153,25 @@ def test_an_output_folder_that_cannot_be_made_is_named_before_anything_runs(
     assert main(args + (["--strategies", "fedbuff"] if command == "compare" else [])) == 2
     err = capsys.readouterr().err
     assert f"output folder {a_file / 'out'}: " in err and "Traceback" not in err
+
+
+def test_result_files_record_portable_paths_and_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A result's command and file name no machine's absolute paths: felix's entry point is
+    ``felix``, a shipped file is named under ``felix/``, a file below the working directory
+    relative to it, and any other absolute path by its name."""
+    from felix.metrics.provenance import portable_command, portable_path
+    from felix.presets import CONFIG_DIR
+
+    monkeypatch.chdir(tmp_path)
+    shipped = CONFIG_DIR / "comparisons" / "federage.yaml"
+    assert portable_path(shipped) == "felix/configs/comparisons/federage.yaml"
+    assert portable_path(tmp_path / "runs" / "x.yaml") == "runs/x.yaml"
+    assert portable_path("rel/x.yaml") == "rel/x.yaml"
+    assert portable_path("/elsewhere/else/x.yaml") == "x.yaml"
+    main = str(Path(__import__("felix").__file__).parent / "__main__.py")
+    assert portable_command([main, "federage-compare", "--out", str(tmp_path / "o")]) == [
+        "felix",
+        "federage-compare",
+        "--out",
+        "o",
+    ]

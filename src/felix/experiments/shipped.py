@@ -18,6 +18,7 @@ from felix.config import ConfigError, parse_set
 from felix.engine.run import run_config
 from felix.experiments.compare import Comparison, load_comparison, variant_config
 from felix.experiments.runs import RunSpec, load
+from felix.metrics.provenance import portable_command, portable_path
 from felix.presets import CONFIG_DIR
 
 #: The shipped comparison files (package data; the repository's configs/ links there).
@@ -97,11 +98,11 @@ def run_from_args(args: argparse.Namespace) -> tuple[Comparison, list[dict[str, 
         comp, Path(args.out) / "runs", args.seeds, variants, sets, args.quiet, args.force
     )
     settings = {
-        "file": str(args.file),
+        "file": portable_path(args.file),
         "seeds": args.seeds or comp.seeds or [],
         "variants": variants or list(comp.variants),
         "set": args.set,
-        "command": " ".join(sys.argv),
+        "command": " ".join(portable_command(sys.argv)),
     }
     return comp, results, settings
 

@@ -79,3 +79,31 @@ def provenance(run_settings: dict[str, Any] | None = None) -> dict[str, Any]:
     if run_settings is not None:
         out["run"] = run_settings
     return out
+
+
+def portable_path(path: str | Path) -> str:
+    """``path`` as a result file records it: as given when relative, under ``felix/`` for a file
+    shipped in the package (a comparison file under ``felix/configs``), relative to the working
+    directory when below it, else its name alone. A machine's absolute paths say nothing to a reader
+    of the result elsewhere; the commit in the provenance says which files were used."""
+    p = Path(path)
+    if not p.is_absolute():
+        return str(p)
+    resolved = p.resolve()
+    for base, prefix in ((Path(felix.__file__).resolve().parent, "felix"), (Path.cwd().resolve(), "")):
+        try:
+            rel = resolved.relative_to(base)
+        except ValueError:
+            continue
+        return str(Path(prefix) / rel) if prefix else str(rel)
+    return p.name
+
+
+def portable_command(argv: list[str]) -> list[str]:
+    """A command line as a result file records it: the program as ``felix`` when it is felix's entry
+    point (``felix`` or ``python -m felix``'s ``__main__.py``) and every absolute path argument made
+    portable (:func:`portable_path`), so the line can be rerun from a checkout anywhere."""
+    out = [portable_path(a) if Path(a).is_absolute() else a for a in argv]
+    if out and Path(argv[0]).name in ("felix", "__main__.py"):
+        out[0] = "felix"
+    return out
