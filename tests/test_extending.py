@@ -191,7 +191,35 @@ def test_an_objective_by_import_path_with_typed_parameters() -> None:
         build_objective(resolve_config(None, None, deep_merge(TINY, over)))
 
 
+def test_an_objective_that_overrides_one_hook_trains_the_same_alone_and_in_cohorts() -> None:
+    """``ScaledCE`` writes ``batch_loss`` only: its cohorts must not silently train the inherited
+    cross-entropy. Without cohort hooks of its own it trains one client at a time on either path,
+    so ``run.cohort`` 1 and 8 give the same model, and that model is not plain cross-entropy's."""
+    assert not ScaledCE.cohort and Objective.cohort
+
+    def final(objective: str, cohort: int) -> np.ndarray:
+        over = {
+            "client": {
+                "objective": objective,
+                "objective_params": {"scale": 2.5} if ":" in objective else {},
+            },
+            "run": {"cohort": cohort, "max_aggregations": 4, "stop_at_target": False},
+        }
+        res = run_config(resolve_config(None, "fedbuff", deep_merge(TINY_DATA, over)), None, plots=False)
+        return res.built.orch.weights
+
+    alone, stacked = final("test_extending:ScaledCE", 1), final("test_extending:ScaledCE", 8)
+    assert np.array_equal(alone, stacked)
+    assert not np.array_equal(alone, final("ce", 8))
+
+
 # ---------------------------------------------------------------------- runs
+TINY_DATA: dict[str, Any] = {
+    "model": "mlp",
+    "dataset": {"name": "digits"},
+    "partition": {"num_clients": 12, "alpha": 0.5},
+    "trace": {"kind": "always"},
+}
 TINY: dict[str, Any] = {
     "model": "mlp",
     "dataset": {"name": "digits"},

@@ -85,8 +85,29 @@ class Objective:
 
     # -- Cohort hooks (felix.client.cohort): the same rule for a stack of clients trained together.
     # ``extra`` holds per-client tensors stacked on dim 0; the first ``a`` rows are the clients still
-    # stepping. ``cohort = False`` on a subclass sends its tasks to the sequential trainer.
+    # stepping. ``cohort = False`` on a subclass sends its tasks to the sequential trainer; a subclass
+    # that leaves ``cohort`` unset gets it from the hooks it overrides (``__init_subclass__``).
     cohort = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """``cohort`` is False for a subclass that overrides a sequential hook below its cohort
+        counterpart (``batch_loss`` but not ``cohort_loss``, say) without saying ``cohort`` itself:
+        its cohorts would otherwise train the inherited rule, e.g. plain cross-entropy, and give a
+        different model than its sequential tasks without a word. Such an objective trains one
+        client at a time until it writes the cohort hooks (docs/python-api.md)."""
+        super().__init_subclass__(**kwargs)
+        if "cohort" in cls.__dict__:
+            return
+        mro = cls.__mro__
+
+        def owner(hook: str) -> int:
+            return next(i for i, c in enumerate(mro) if hook in c.__dict__)
+
+        cls.cohort = all(
+            owner(seq) >= owner(coh) or mro[owner(seq)] is Objective
+            for seqs, coh in _COHORT_COUNTERPARTS
+            for seq in seqs
+        )
 
     def cohort_begin(self, ctxs: list[TaskContext]) -> dict[str, torch.Tensor]:
         """Per-client tensors the other cohort hooks read (``begin`` for K clients at once)."""
@@ -120,6 +141,15 @@ class Objective:
     ) -> None:
         """``end`` for every client; ``final`` is the clients' trained weights, flat, stacked [K, P]."""
 
+
+# Each sequential hook and the cohort hook that carries the same rule for a stack of clients.
+_COHORT_COUNTERPARTS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("batch_loss", "loss_from_ce"), "cohort_loss"),
+    (("begin",), "cohort_begin"),
+    (("before_step",), "cohort_before_step"),
+    (("after_step",), "cohort_after_step"),
+    (("end",), "cohort_end"),
+)
 
 OBJECTIVES: dict[str, type[Objective]] = {"ce": Objective}
 
@@ -716,7 +746,10 @@ class FedeRage(Objective):
         ctx.state["federage_beta"] = beta
         ctx.aux_out["federage_beta"] = np.array(beta, dtype=np.float64)
 
-    # Cohort form: beta per client, ``extra["beta"]`` ``[K]``.
+    # Cohort form: beta per client, ``extra["beta"]`` ``[K]``. The batch loss is the base class's
+    # cohort_loss (``batch_loss`` above only records f), so the cohort hooks are complete.
+    cohort = True
+
     def cohort_begin(self, ctxs: list[TaskContext]) -> dict[str, torch.Tensor]:
         self._cohort_lr = ctxs[0].lr
         dev = ctxs[0].global_params.device
