@@ -25,18 +25,28 @@ load, a second at a time, instead of one taking the run's half minute and the ot
 repeats the pair N times in this process, checks that every round ran the same run, and reports
 the median round (by ``ratio_to_bare``) with every round's wall time, bare time and ratio beside
 it (``*_rounds``) and the smallest ratio (``ratio_to_bare_min``).
+
+``--busy N`` starts N processes that each keep a core busy (a Python loop) for the whole
+measurement and ends them after: the run under contention, as when a user runs other work beside
+it (``busy`` in the JSON). On two cores, ``--set run.threads=2 --bare-threads 1 --busy 1`` is the
+two-thread run with one of its cores taken.
 """
 
 from __future__ import annotations
 
+import felix  # noqa: F401  (before torch: felix sets torch's CPU kernels and thread waiting at import)
+
+# isort: split
 import argparse
 import copy
 import dataclasses
 import gc
 import json
+import subprocess
 import sys
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -374,7 +384,12 @@ def main(argv: list[str] | None = None) -> int:
         "torch.profiler and write its operator table to FILE",
     )
     ap.add_argument("--profile-aggregations", type=int, default=20, help="aggregations of the profiled run")
+    ap.add_argument(
+        "--busy", type=int, default=0, metavar="N", help="processes keeping a core busy meanwhile"
+    )
     args = ap.parse_args(argv)
+    if args.busy < 0:
+        ap.error("--busy must be 0 or more")
     if args.rounds < 1 or args.bare_repeats < 1:
         ap.error("--rounds and --bare-repeats must be at least 1")
     if args.bare_threads is not None and args.bare_threads < 1:
@@ -404,11 +419,24 @@ def main(argv: list[str] | None = None) -> int:
         aggs *= len(cohorts)
     if len(aggs) != len(cohorts):
         ap.error("--aggregations needs one value, or one per --cohort value")
-    for cohort, n in zip(cohorts, aggs):
-        report(engine(args, n, cohort), args.json)
+    with busy_cores(args.busy):
+        for cohort, n in zip(cohorts, aggs):
+            report({**engine(args, n, cohort), "busy": args.busy}, args.json)
     if args.profile:
         profile(args, args.profile_aggregations, cohorts[0], args.profile)
     return 0
+
+
+@contextmanager
+def busy_cores(n: int) -> Iterator[None]:
+    """``n`` processes spinning in a Python loop while the block runs (other work on the cores)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
 
 
 def report(res: dict[str, Any], as_json: bool) -> None:

@@ -19,6 +19,9 @@ def no_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     monkeypatch.delenv(cpu_kernels.ENV, raising=False)
     monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"sse2", "avx2", "fma", "avx512f"})
+    monkeypatch.setattr(cpu_kernels, "_spinning", False)
+    monkeypatch.setattr(cpu_kernels, "_warned_spinning", False)
+    monkeypatch.setenv(cpu_kernels.WAIT_ENV, os.environ.get(cpu_kernels.WAIT_ENV, "PASSIVE"))
     return monkeypatch
 
 
@@ -80,3 +83,39 @@ def test_importing_felix_gives_a_fresh_process_the_avx2_kernels() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "AVX2"
+
+
+def test_importing_felix_makes_torchs_threads_wait_without_spinning() -> None:
+    """OpenMP's threads spin 300,000 rounds between parallel regions by default; after ``import
+    felix`` they do not (``GOMP_SPINCOUNT`` 0, as GNU OpenMP reports it), and a user's own
+    ``OMP_WAIT_POLICY`` is kept."""
+    code = "import felix, torch; torch.ones(4).sum()"
+    for policy, spins in ((None, "0"), ("ACTIVE", None)):
+        env = {k: v for k, v in os.environ.items() if k != cpu_kernels.WAIT_ENV}
+        env["OMP_DISPLAY_ENV"] = "VERBOSE"
+        if policy is not None:
+            env[cpu_kernels.WAIT_ENV] = policy
+        out = subprocess.run(
+            [sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        if "GOMP_SPINCOUNT" not in out.stderr:
+            pytest.skip("torch's OpenMP runtime is not GNU OpenMP (it reports no GOMP_SPINCOUNT)")
+        if spins is not None:
+            assert f"GOMP_SPINCOUNT = '{spins}'" in out.stderr
+        else:
+            assert "OMP_WAIT_POLICY = 'ACTIVE'" in out.stderr
+
+
+def test_check_warns_once_when_torch_was_loaded_before_felix_set_the_wait_policy(
+    no_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    no_env.setenv(cpu_kernels.ENV, "avx2")
+    no_env.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    no_env.delenv(cpu_kernels.WAIT_ENV)
+    cpu_kernels.pin()  # torch is loaded in this process: its threads already spin
+    assert os.environ[cpu_kernels.WAIT_ENV] == "PASSIVE"
+    with caplog.at_level(logging.WARNING, logger="felix"):
+        cpu_kernels.check()
+        cpu_kernels.check()
+    assert [r.getMessage().count("spin") for r in caplog.records] == [1]

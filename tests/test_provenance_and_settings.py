@@ -155,7 +155,9 @@ def test_an_output_folder_that_cannot_be_made_is_named_before_anything_runs(
     assert f"output folder {a_file / 'out'}: " in err and "Traceback" not in err
 
 
-def test_result_files_record_portable_paths_and_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_result_files_record_portable_paths_and_commands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A result's command and file name no machine's absolute paths: felix's entry point is
     ``felix``, a shipped file is named under ``felix/``, a file below the working directory
     relative to it, and any other absolute path by its name."""

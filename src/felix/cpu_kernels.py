@@ -16,6 +16,13 @@ slower than its AVX2 one), the bare training loop the same (docs/architecture.md
 torch reads the variable once, at its first CPU operation, so :func:`pin` runs when the ``felix``
 package is imported; :func:`check` warns once when torch had already chosen other kernels
 (operations ran before felix was imported).
+
+:func:`pin` also makes torch's worker threads wait passively (``OMP_WAIT_POLICY=PASSIVE``, unless
+set): by default GNU OpenMP's threads spin between parallel regions, and a run on ``run.threads=2``
+whose cores other work also uses spent its time spinning against that work (the engine benchmark's
+ratio to the bare loop went from 0.47 on a quiet machine to 8.45). Waiting passively costs a
+wake-up per parallel region on a quiet machine (docs/architecture.md has both figures). OpenMP
+reads the variable when torch loads it, so this too must happen before ``import torch``.
 """
 
 from __future__ import annotations
@@ -23,17 +30,25 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import sys
 from pathlib import Path
 
 log = logging.getLogger("felix")
 
 ENV = "ATEN_CPU_CAPABILITY"
 PINNED = "avx2"
+WAIT_ENV = "OMP_WAIT_POLICY"
 _warned = False
+_spinning = False  # torch (and its OpenMP runtime) was loaded before felix set the wait policy
+_warned_spinning = False
 
 
 def pin() -> None:
-    """Set ``ATEN_CPU_CAPABILITY=avx2`` for this process and its children where it applies."""
+    """Set ``ATEN_CPU_CAPABILITY=avx2`` for this process and its children where it applies, and
+    ``OMP_WAIT_POLICY=PASSIVE`` unless the environment says otherwise."""
+    global _spinning
+    _spinning = WAIT_ENV not in os.environ and "torch" in sys.modules
+    os.environ.setdefault(WAIT_ENV, "PASSIVE")
     if ENV in os.environ or platform.machine().lower() not in ("x86_64", "amd64"):
         return
     if _cpu_flags() >= {"avx2", "fma"}:
@@ -52,10 +67,11 @@ def _cpu_flags() -> set[str]:
 
 def check() -> str:
     """The CPU capability torch uses; a warning (once) when felix pinned AVX2 and torch uses other
-    kernels, since runs then differ in their last bits from those made with the AVX2 kernels."""
+    kernels, since runs then differ in their last bits from those made with the AVX2 kernels, and
+    one (once) when torch was loaded before felix could make its threads wait passively."""
     import torch
 
-    global _warned
+    global _warned, _warned_spinning
     capability = str(torch.backends.cpu.get_cpu_capability())
     if os.environ.get(ENV) == PINNED and capability != "AVX2" and not _warned:
         _warned = True
@@ -65,5 +81,13 @@ def check() -> str:
             "environment",
             capability,
             ENV,
+        )
+    if _spinning and not _warned_spinning:
+        _warned_spinning = True
+        log.warning(
+            "torch was imported before felix, so its worker threads spin between operations and "
+            "slow a run on several threads when other work shares the cores: import felix first, "
+            "or set %s=PASSIVE in the environment",
+            WAIT_ENV,
         )
     return capability
