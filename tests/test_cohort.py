@@ -624,7 +624,7 @@ def test_engine_speed_interleaves_the_bare_loop_with_the_run(monkeypatch: pytest
     finally:
         sys.path.pop(0)
     chunks: list[list[int]] = []
-    pause = 0.5  # long beside the run itself (well under 0.1 s here), so its wall time cannot hide them
+    pause = 1.0  # the wall time of the run with its pauses is measured around it
 
     def fake_bare(built: Any, tasks: list[Any], model: Any) -> tuple[float, float]:
         assert torch.get_num_threads() == 1  # --bare-threads, not the run's two
@@ -636,7 +636,9 @@ def test_engine_speed_interleaves_the_bare_loop_with_the_run(monkeypatch: pytest
     ns = argparse.Namespace(
         scenario="default", preset="felix", set=["model=mlp", "run.threads=2"], bare_repeats=1, bare_threads=1
     )
+    started = time.perf_counter()
     run = engine_speed.simulate(ns, 4, "4", interleave=1)
+    elapsed = time.perf_counter() - started
     assert torch.get_num_threads() == 2  # the run's threads, restored after each chunk
     plain = engine_speed.simulate(ns, 4, "4")
     ids = [task_id for _, task_id, _ in run.tasks]
@@ -645,8 +647,9 @@ def test_engine_speed_interleaves_the_bare_loop_with_the_run(monkeypatch: pytest
     assert plain.bare is None and [t for _, t, _ in plain.tasks] == ids
     assert run.out.virtual_time_s == plain.out.virtual_time_s
     assert run.built.recorder.rows[-1].accuracy == plain.built.recorder.rows[-1].accuracy
-    # The pauses inside the run (all chunks but the last) are left out of its wall time.
-    assert 0 < run.out.wall_time_s < pause * (len(chunks) - 1)
+    # The pauses inside the run (all chunks but the last) are left out of its wall time, however
+    # slowly a loaded machine runs the rest.
+    assert 0 < run.out.wall_time_s <= elapsed - pause * len(chunks)
 
 
 @pytest.mark.parametrize("opt", ["sgd-2-epochs", "adam-drop-last"])
