@@ -16,7 +16,7 @@ from felix.deploy.link import BrokerOptions
 
 def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
     if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed: cannot make a test certificate")
+        pytest.skip("openssl not installed (apt-get install openssl): cannot make a test certificate")
     cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]

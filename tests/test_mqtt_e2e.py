@@ -130,7 +130,7 @@ def test_tls_option(tmp_path: Path) -> None:
     from felix.deploy.link import BrokerOptions, Connected, Inbound, LinkError, MqttLink
 
     if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed: cannot make test certificates")
+        pytest.skip("openssl not installed (apt-get install openssl): cannot make test certificates")
     with MosquittoBroker(1, workdir=tmp_path / "broker", tls=True) as broker:
         u = users(broker)
         got: list[Inbound | Connected] = []

@@ -148,7 +148,9 @@ def test_inbox_bounds_bytes_and_count_and_close_releases_a_blocked_put() -> None
 
 
 @pytest.mark.mqtt
-@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto broker not installed")
+@pytest.mark.skipif(
+    find_mosquitto() is None, reason="mosquitto broker not installed (apt-get install mosquitto)"
+)
 def test_client_inbox_bounds_a_task_flood_and_loses_nothing(tmp_path: Path) -> None:
     """A flood of task messages to one client while its loop is busy: the client host's inbox
     stays at its bound (the network thread waits, the broker and TCP hold the rest), and once the

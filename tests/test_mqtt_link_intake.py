@@ -114,7 +114,9 @@ class Publisher:
 
 @pytest.mark.parametrize("manual", [True, False])
 @pytest.mark.mqtt
-@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto broker not installed")
+@pytest.mark.skipif(
+    find_mosquitto() is None, reason="mosquitto broker not installed (apt-get install mosquitto)"
+)
 def test_every_message_arrives_in_order_and_only_what_was_taken_is_acknowledged(
     tmp_path: Path, manual: bool
 ) -> None:
@@ -175,7 +177,9 @@ def test_every_message_arrives_in_order_and_only_what_was_taken_is_acknowledged(
 
 
 @pytest.mark.mqtt
-@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto broker not installed")
+@pytest.mark.skipif(
+    find_mosquitto() is None, reason="mosquitto broker not installed (apt-get install mosquitto)"
+)
 def test_close_lets_a_read_pass_being_handed_over_acknowledge_what_the_owner_took(tmp_path: Path) -> None:
     """The owner may hold a read pass's messages (and close because of them) before the network
     thread has queued their acks: ``close`` waits for that pass, so the next connection gets none of
@@ -223,7 +227,9 @@ def test_close_lets_a_read_pass_being_handed_over_acknowledge_what_the_owner_too
 
 
 @pytest.mark.mqtt
-@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto broker not installed")
+@pytest.mark.skipif(
+    find_mosquitto() is None, reason="mosquitto broker not installed (apt-get install mosquitto)"
+)
 def test_start_returns_once_subscribed_and_a_refused_subscription_is_an_error(tmp_path: Path) -> None:
     """``start`` waits for the SUBACK: a message published the moment it returns is delivered (it
     was lost when the link returned on the CONNACK alone), and a refused subscription is recorded
