@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from felix.config import ConfigError
+from felix.scenario.errors import DatasetError
 from felix.scenario.registry import Registry
 
 log = logging.getLogger("felix")
@@ -47,10 +48,6 @@ FASHION_CLASSES = [
 ]
 FASHION_DEFAULT_ROOT = "/usr/share/datasets/fashion-mnist"
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp"}
-
-
-class DatasetError(ValueError):
-    """A dataset folder, archive or file that cannot be read as the named dataset."""
 
 
 @dataclass

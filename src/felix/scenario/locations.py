@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from felix.scenario.errors import DatasetError, TraceError
+
 DATA_ENV = "FELIX_DATA"
 TRACES_ENV = "FELIX_TRACES"
 
@@ -59,14 +61,10 @@ def _resolve(path: str, folder: Path, env: str, what: str, error: type[Exception
 def trace_file(path: str) -> Path:
     """A config's ``trace.path`` as a file that exists (see the module docstring for the rule); a
     ``TraceError`` naming ``FELIX_TRACES`` when there is none."""
-    from felix.scenario.traces import TraceError
-
     return _resolve(path, traces_dir(), TRACES_ENV, "trace file", TraceError)
 
 
 def dataset_root(root: str) -> Path:
     """A config's ``dataset.root`` (a folder or archive) as a path that exists; a ``DatasetError``
     naming ``FELIX_DATA`` when there is none."""
-    from felix.scenario.datasets import DatasetError
-
     return _resolve(root, data_dir(), DATA_ENV, "dataset root", DatasetError)

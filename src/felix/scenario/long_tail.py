@@ -9,9 +9,14 @@ Access Model coupled to rarity (``trace.kind: ram``) then makes the rarely-parti
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from felix.scenario.partition import dirichlet_partition
+from felix.scenario.partition import PARTITIONERS, dirichlet_partition
+
+if TYPE_CHECKING:
+    from felix.config import PartitionCfg
 
 
 def long_tail_indices(
@@ -59,3 +64,12 @@ def rare_clients_partition(
     for k, ix in enumerate(dirichlet_partition(labels[rare], n_rare, alpha, rng)):
         parts[first_rare + k] = np.sort(np.concatenate([parts[first_rare + k], rare[ix]]))
     return parts
+
+
+@PARTITIONERS.register("rare_clients")
+def _rare_clients(
+    labels: np.ndarray, num_classes: int, cfg: PartitionCfg, rng: np.random.Generator
+) -> list[np.ndarray]:
+    return rare_clients_partition(
+        labels, cfg.num_clients, cfg.rare_fraction, cfg.rare_classes, cfg.alpha, rng, cfg.min_samples
+    )

@@ -95,17 +95,6 @@ def _table(
         raise ConfigError(f"partition.table: {exc}") from None
 
 
-@PARTITIONERS.register("rare_clients")
-def _rare_clients(
-    labels: np.ndarray, num_classes: int, cfg: PartitionCfg, rng: np.random.Generator
-) -> list[np.ndarray]:
-    from felix.scenario.long_tail import rare_clients_partition  # it builds on this module
-
-    return rare_clients_partition(
-        labels, cfg.num_clients, cfg.rare_fraction, cfg.rare_classes, cfg.alpha, rng, cfg.min_samples
-    )
-
-
 def dirichlet_partition(
     labels: np.ndarray, num_clients: int, alpha: float, rng: np.random.Generator, min_samples: int = 1
 ) -> list[np.ndarray]:

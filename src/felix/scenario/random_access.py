@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from felix.core.types import Tier
-from felix.scenario.traces import AvailabilityTrace, DeviceTrace
+from felix.scenario.traces import TRACES, AvailabilityTrace, DeviceTrace
 
 if TYPE_CHECKING:
     from felix.config import TraceCfg
@@ -245,6 +245,7 @@ def ram_probabilities(
         raise ConfigError(f"trace.ram: {exc}") from None
 
 
+@TRACES.register("ram")
 def ram_trace(
     cfg: TraceCfg, num_clients: int, rng: np.random.Generator, class_counts: np.ndarray | None = None
 ) -> AvailabilityTrace:

@@ -29,6 +29,7 @@ import numpy as np
 
 from felix.config import ConfigError
 from felix.core.types import Tier
+from felix.scenario.errors import TraceError
 from felix.scenario.locations import trace_file
 from felix.scenario.registry import Registry
 
@@ -40,10 +41,6 @@ MOBIPERF_SERIES = {
     "3_50": "avl_events_3_state_50",
     "3_75": "avl_events_3_state_75",
 }
-
-
-class TraceError(ValueError):
-    """A trace file that cannot be read; the message names the device and the event."""
 
 
 @dataclass(frozen=True)
@@ -389,12 +386,3 @@ def _fedscale(cfg: TraceCfg, num_clients: int, rng: np.random.Generator) -> Avai
     if cfg.path is None:
         raise ConfigError("trace.kind 'fedscale' needs trace.path")
     return load_fedscale(trace_file(cfg.path))
-
-
-@TRACES.register("ram")
-def _ram(
-    cfg: TraceCfg, num_clients: int, rng: np.random.Generator, class_counts: np.ndarray | None = None
-) -> AvailabilityTrace:
-    from felix.scenario.random_access import ram_trace  # it builds on this module
-
-    return ram_trace(cfg, num_clients, rng, class_counts)
