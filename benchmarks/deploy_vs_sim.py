@@ -1,0 +1,185 @@
+"""Config time over MQTT against the simulator's: time to target of one scenario through both.
+
+Run: ``PYTHONPATH=src nice -n 10 python benchmarks/deploy_vs_sim.py [--clients 50] [--seeds 0 1 2]
+[--scales 0.03 0.1 0.3] [--processes 2] [--out FILE.json]`` (needs Mosquitto: tests/broker.py).
+
+The scenario is the default one (digits, Dirichlet 0.3, 90% slotted churn, half-normal runtimes)
+with the ``felix`` preset and ``--clients`` clients. Per seed the simulator runs it once (virtual
+time); per seed and time scale the deployment runs it over a local Mosquitto: the server in this
+process (built before its clock starts, as ``felix serve`` is), the clients as ``felix emulate``
+with ``--processes`` workers. The clients start ``--warmup-s`` before the server's clock and are
+given that moment as their trace's start (``--t0``), so the deployment's config time and trace
+time both start when the server does, with every client loaded (``registered_at_s`` in the result
+says when the last one registered, in config seconds: near 0 means the warm-up was long enough).
+
+The deployment's config time is wall time divided by the scale, so anything that takes wall time
+and no config time in the simulator (the clients' own training, the server's evaluation and
+aggregation, MQTT hops) adds ``wall / scale`` config seconds: the ratio of the two times to target
+falls towards the simulator's as the scale grows. Reports per scale the ratio (deployment over
+simulator) of each seed, and their mean and spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from broker import MosquittoBroker
+
+from felix.config import Config, parse_set
+from felix.deploy.link import BrokerOptions
+from felix.deploy.server import ServeOptions, Server
+from felix.deploy.topics import SERVER_USER
+from felix.engine.run import resolve_config, run_config
+from felix.metrics.provenance import provenance
+
+RUN_ID = "bench"
+
+
+def scenario(clients: int, seed: int, preset: str, max_time_s: float) -> tuple[Config, list[str]]:
+    """The config and the ``--set`` arguments that give it to ``felix emulate``."""
+    sets = [f"partition.num_clients={clients}", f"seed={seed}", f"run.max_time_s={max_time_s}"]
+    return resolve_config(None, preset, parse_set(sets)), sets
+
+
+def simulate(cfg: Config) -> dict[str, Any]:
+    start = time.perf_counter()
+    result = run_config(cfg, plots=False)
+    s = result.summary
+    return {
+        "time_to_target_s": s["time_to_target_s"],
+        "aggregations": s["aggregations"],
+        "wall_s": round(time.perf_counter() - start, 2),
+    }
+
+
+def deploy(
+    cfg: Config, sets: list[str], preset: str, scale: float, processes: int, warmup_s: float, folder: Path
+) -> dict[str, Any]:
+    clients = cfg.partition.num_clients
+    with MosquittoBroker(clients, run_id=RUN_ID, workdir=folder / "broker") as broker:
+        users = json.loads(broker.credentials_file.read_text())
+        server = Server(
+            cfg,
+            ServeOptions(
+                BrokerOptions("127.0.0.1", broker.port, SERVER_USER, users[SERVER_USER]),
+                run_id=RUN_ID,
+                out_dir=folder / "serve",
+                time_scale=scale,
+                status_every_s=1e9,
+            ),
+        )
+        t0 = time.time() + warmup_s
+        cmd = [sys.executable, "-m", "felix", "emulate", "--preset", preset, "--run-id", RUN_ID]
+        cmd += ["--broker", broker.address, "--credentials", str(broker.credentials_file)]
+        cmd += ["--clients", str(clients), "--processes", str(processes), "--time-scale", str(scale)]
+        cmd += ["--t0", repr(t0), "--max-wall-s", str(warmup_s + cfg.run.max_time_s * scale + 120)]
+        for item in sets:
+            cmd += ["--set", item]
+        with open(folder / "emulate.log", "wb") as log:
+            emulate = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        registered: list[float] = []
+        result: dict[str, Any] = {}
+
+        def watch() -> None:  # config second at which the last client registered
+            while not result and len(registered) == 0:
+                if len(server.orch.clients) >= clients:
+                    registered.append(server.now())
+                time.sleep(0.05)
+
+        time.sleep(max(0.0, t0 - time.time()))
+        started = time.perf_counter()
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            summary = server.run()
+        finally:
+            result["done"] = True
+            emulate.send_signal(signal.SIGTERM)
+            try:
+                emulate.wait(30)
+            except subprocess.TimeoutExpired:
+                emulate.kill()
+                emulate.wait(10)
+    return {
+        "time_to_target_s": summary["time_to_target_s"],
+        "aggregations": summary["aggregations"],
+        "stop_reason": summary["stop_reason"],
+        "registered_at_s": round(registered[0], 1) if registered else None,
+        "wall_s": round(time.perf_counter() - started, 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=50)
+    parser.add_argument("--preset", default="felix")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--scales", type=float, nargs="+", default=[0.03, 0.1, 0.3])
+    parser.add_argument("--processes", type=int, default=2, help="felix emulate workers")
+    parser.add_argument("--warmup-s", type=float, default=40.0, help="clients' start before the server's")
+    parser.add_argument("--max-time-s", type=float, default=3000.0, help="run.max_time_s of both")
+    parser.add_argument("--out", help="write the result here as one JSON object")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    sims, runs = {}, []
+    with tempfile.TemporaryDirectory(prefix="felix-deploy-vs-sim-") as tmp:
+        for seed in args.seeds:
+            cfg, _ = scenario(args.clients, seed, args.preset, args.max_time_s)
+            sims[seed] = simulate(cfg)
+            print(json.dumps({"simulator": seed, **sims[seed]}), flush=True)
+        for scale in args.scales:
+            for seed in args.seeds:
+                cfg, sets = scenario(args.clients, seed, args.preset, args.max_time_s)
+                folder = Path(tmp) / f"s{seed}-x{scale}"
+                row = deploy(cfg, sets, args.preset, scale, args.processes, args.warmup_s, folder)
+                sim, dep = sims[seed]["time_to_target_s"], row["time_to_target_s"]
+                row = {"scale": scale, "seed": seed, **row, "simulator_time_to_target_s": sim}
+                row["ratio"] = round(dep / sim, 3) if dep is not None and sim else None
+                runs.append(row)
+                print(json.dumps(row), flush=True)
+    by_scale = []
+    for scale in args.scales:
+        ratios = [r["ratio"] for r in runs if r["scale"] == scale and r["ratio"] is not None]
+        by_scale.append(
+            {
+                "scale": scale,
+                "ratios": ratios,
+                "mean": round(statistics.mean(ratios), 3) if ratios else None,
+                "stdev": round(statistics.stdev(ratios), 3) if len(ratios) > 1 else None,
+                "within_10_percent": bool(ratios) and abs(statistics.mean(ratios) - 1) <= 0.1,
+            }
+        )
+        print(json.dumps(by_scale[-1]), flush=True)
+    if args.out:
+        out = {
+            "benchmark": "deploy_vs_sim",
+            "command": "PYTHONPATH=src nice -n 10 python benchmarks/deploy_vs_sim.py --clients "
+            f"{args.clients} --seeds {' '.join(map(str, args.seeds))} --scales "
+            f"{' '.join(map(str, args.scales))} --processes {args.processes} --warmup-s {args.warmup_s}",
+            "scenario": f"default, preset {args.preset}, {args.clients} clients",
+            "simulator": {str(k): v for k, v in sims.items()},
+            "deployment": runs,
+            "by_scale": by_scale,
+            "cpus": os.cpu_count(),
+            "load_average_at_end": os.getloadavg(),
+            "provenance": provenance(),
+        }
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
