@@ -122,6 +122,7 @@ def main() -> None:
     parser.add_argument("--out", help="write the rows and provenance here as one JSON object")
     args = parser.parse_args()
     env = {**os.environ}
+    git = git_commit()  # the code that runs, read before it runs
     plan_dafl(partition("D1"), DaflParams())  # load the kernel in this process
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,7 +140,7 @@ def main() -> None:
             f"--repeats {args.repeats} --out {Path(args.out).name}",
             "rows": rows,
             "provenance": {
-                "git": git_commit(),
+                "git": git,
                 "python": sys.version.split()[0],
                 "numpy": np.__version__,
                 "numba": __import__("numba").__version__,

@@ -135,6 +135,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
+    prov = provenance()  # the code that runs, read before it runs
     sims, runs = {}, []
     with tempfile.TemporaryDirectory(prefix="felix-deploy-vs-sim-") as tmp:
         for seed in args.seeds:
@@ -176,7 +177,7 @@ def main() -> None:
             "by_scale": by_scale,
             "cpus": os.cpu_count(),
             "load_average_at_end": os.getloadavg(),
-            "provenance": provenance(),
+            "provenance": prov,
         }
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
 

@@ -354,16 +354,16 @@ class _Watch:
             projected = elapsed * self.phase1 / steps
             if projected > self.budget_s:
                 self.reason = (
-                    f"Phase 1 alone would take about {projected:,.0f} s ({self.phase1:,} greedy steps of "
-                    f"{self.step} samples, {steps:,} done in {elapsed:.1f} s), above the time budget of "
+                    f"Phase 1 alone would take about {projected:,.0f} s ({self.phase1:,} greedy steps at "
+                    f"step {self.step}, {steps:,} done in {elapsed:.1f} s), above the time budget of "
                     f"{self.budget_s:g} s: use a step of at least {self._suggest(projected)} samples, "
                     f"or a larger budget"
                 )
                 return True
         if elapsed > self.budget_s:
             self.reason = (
-                f"planning passed the time budget of {self.budget_s:g} s after {steps:,} greedy steps of "
-                f"{self.step} samples (Phase {phase}; Phase 1 has {self.phase1:,}): use a step of at "
+                f"planning passed the time budget of {self.budget_s:g} s after {steps:,} greedy steps at "
+                f"step {self.step} (Phase {phase}; Phase 1 has {self.phase1:,}): use a step of at "
                 f"least {self._suggest(max(elapsed, self.budget_s) * 2)} samples, or a larger budget"
             )
             return True
