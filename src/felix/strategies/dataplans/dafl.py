@@ -298,7 +298,7 @@ def plan_dafl(
     limit = max_total_samples(n_mat.shape[1])
     _check_total(int(totals.sum()) + phase1 * params.step, limit, "after Phase 1")
     rows = np.flatnonzero(n_mat.sum(axis=1) > 0)
-    watch = _Watch(start, time.perf_counter(), phase1, params.step, time_budget_s, progress)
+    watch = _Watch(start, phase1, params.step, time_budget_s, progress)
     check_every = 0
     if time_budget_s is not None or progress is not None:
         check_every = max(1, CHECK_VISITS // (rows.size * n_mat.shape[1]))
@@ -330,38 +330,41 @@ def plan_dafl(
 class _Watch:
     """The monitor of one plan: reports progress and stops the greedy loop at the time budget.
 
-    Phase 1's length is known, so once the greedy loop has run ``PROJECT_AFTER_S`` its speed
-    projects Phase 1's end (the time before the loop, the water-fill that counts Phase 1, is added
-    as spent, not extrapolated);
-    Phase 2's length is not known (its moves continue while P falls), so there only the budget
-    itself stops it. The step suggested scales the step by twice the projected overrun: the number
-    of steps, and so the time, falls about in proportion to the step, and Phase 2 (on random tables
-    about as many steps as Phase 1, each scanning every cell) needs room of its own.
+    Phase 1's length is known, so its speed, measured from the loop's first check over at least
+    ``PROJECT_AFTER_S`` (what comes before, the water-fill that counts Phase 1 and the loop's own
+    start, is spent time, not a rate), projects when it will end; Phase 2's length is not known (its
+    moves continue while P falls), so there only the budget itself stops it. The step suggested
+    scales the step by twice the projected overrun: the number of steps, and so the time, falls
+    about in proportion to the step, and Phase 2 (on random tables about as many steps as Phase 1,
+    each scanning every cell) needs room of its own.
     """
 
     start: float
     """When planning started (the budget counts from here)."""
-    loop_start: float
-    """When the greedy loop started (its speed is measured from here)."""
     phase1: int
     step: int
     budget_s: float | None
     progress: Callable[[PlanProgress], None] | None
     reason: str = ""
+    mark: tuple[float, int] | None = None
+    """Time and step of the loop's first check: Phase 1's speed is measured from there."""
 
     def __call__(self, steps: int, phase: int) -> bool:
         now = time.perf_counter()
-        elapsed, in_loop = now - self.start, now - self.loop_start
+        elapsed = now - self.start
         if self.progress is not None:
             self.progress(PlanProgress(steps, phase, self.phase1, elapsed))
         if self.budget_s is None:
             return False
-        if phase == 1 and in_loop >= min(PROJECT_AFTER_S, self.budget_s):
-            projected = (elapsed - in_loop) + in_loop * self.phase1 / steps
+        if self.mark is None:
+            self.mark = (now, steps)
+        measured, done = now - self.mark[0], steps - self.mark[1]
+        if phase == 1 and done > 0 and measured >= min(PROJECT_AFTER_S, self.budget_s / 10):
+            projected = elapsed + (self.phase1 - steps) * measured / done
             if projected > self.budget_s:
                 self.reason = (
                     f"Phase 1 alone would take about {projected:,.0f} s ({self.phase1:,} greedy steps at "
-                    f"step {self.step}, {steps:,} done in {in_loop:.1f} s), above the time budget of "
+                    f"step {self.step}, {done:,} in {measured:.1f} s), above the time budget of "
                     f"{self.budget_s:g} s: use a step of at least {self._suggest(projected)} samples, "
                     f"or a larger budget"
                 )
