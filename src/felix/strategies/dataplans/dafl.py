@@ -258,7 +258,7 @@ class PlanProgress:
     phase1: int
     """Steps Phase 1 takes in all (known before planning: it depends on the class totals only)."""
     elapsed_s: float
-    """Seconds since the greedy loop started."""
+    """Seconds since planning started (what the time budget counts)."""
 
 
 #: Seconds of Phase 1 after which its measured speed is trusted to project its length.
