@@ -130,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
         if args.out is not None:
             write_plan(Path(args.out), table, plan)
     except PlanTooLargeError as exc:
-        print(f"felix {COMMAND}: error: {_one_line(exc)} (options --step, --time-budget)", file=sys.stderr)
+        options = "--step" if args.method == "lb" else "--step, --time-budget"
+        print(f"felix {COMMAND}: error: {_one_line(exc)} (options {options})", file=sys.stderr)
         return 2
     except (OSError, ValueError) as exc:
         print(f"felix {COMMAND}: error: {_one_line(exc)}", file=sys.stderr)
