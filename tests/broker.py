@@ -2,13 +2,13 @@
 
 The broker listens on 127.0.0.1 only, on a free port, with authentication on (the generated
 password file and ACL), and persistence on so that a restart keeps the persistent sessions and
-their queued QoS 1 messages (what the broker-restart test exercises). A production broker is
-configured by hand from the same pieces; docs/deployment.md lists the settings that matter.
+their queued QoS 1 messages (what the broker-restart test exercises). Its configuration is the
+package's (``felix.deploy.broker_config``, what ``felix mqtt-credentials`` writes for a
+deployment); docs/deployment.md lists the settings that matter.
 """
 
 from __future__ import annotations
 
-import getpass
 import os
 import resource
 import shutil
@@ -17,12 +17,16 @@ import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 from felix.deploy import security
+from felix.deploy.broker_config import BrokerLimits, mosquitto_conf
 
+#: Messages a session may queue in tests: floods of junk and staged outages must not drop any.
+TEST_QUEUED_MESSAGES = 1_000_000
 MOSQUITTO_CANDIDATES = ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto", "/usr/bin/mosquitto")
 
 
@@ -131,64 +135,6 @@ def make_test_ca(folder: Path) -> tuple[Path, Path, Path]:
     return ca, cert, key
 
 
-def broker_config(
-    port: int,
-    password_file: Path,
-    acl_file: Path,
-    persistence_dir: Path,
-    log_file: Path,
-    max_message_bytes: int,
-    tls: tuple[Path, Path, Path] | None = None,
-) -> str:
-    """The mosquitto.conf text. The queue and in-flight limits matter for a federated server:
-
-    - ``max_queued_messages``: messages kept for a disconnected persistent session (a server
-      restarting, clients offline); Mosquitto's default of 1000 would drop tier reports of a few
-      hundred clients during a short server outage.
-    - ``max_inflight_messages 0``: the server acknowledges inbound messages only after it has
-      checkpointed their effect, so it holds many unacknowledged messages at once.
-    - ``set_tcp_nodelay true``: without it, Nagle's algorithm and delayed ACKs hold small
-      messages (tier reports, eval results) for up to ~40 ms at each hop.
-    - ``autosave_interval 5`` (seconds; ``autosave_on_changes false``): Mosquitto writes its
-      persistence database only on a clean shutdown and at autosaves, so a ``kill -9`` loses
-      what it acknowledged since the last one. Sessions and subscriptions come back from the
-      last autosave; results the broker lost are published again by their clients after they
-      reconnect (``felix.deploy.client``) and the server drops the copies it already has;
-      a task the broker lost times out on the server and is given to another client.
-    """
-    tls_lines = [] if tls is None else [f"cafile {tls[0]}", f"certfile {tls[1]}", f"keyfile {tls[2]}"]
-    return "\n".join(
-        [
-            f"listener {port} 127.0.0.1",
-            *tls_lines,
-            # Started as root, Mosquitto would switch to user 'mosquitto', which cannot read our files.
-            f"user {getpass.getuser()}",
-            "allow_anonymous false",
-            # The client id is the login: no client can claim the server's id (or another client's) and
-            # take over its session; reconnecting under one's own login disturbs no one else.
-            "use_username_as_clientid true",
-            f"password_file {password_file}",
-            f"acl_file {acl_file}",
-            "persistence true",
-            f"persistence_location {persistence_dir}/",
-            "autosave_interval 5",
-            "autosave_on_changes false",
-            "max_inflight_messages 0",
-            "set_tcp_nodelay true",
-            "max_queued_messages 1000000",
-            "max_queued_bytes 0",
-            f"max_packet_size {max_message_bytes + 65536}",
-            "persistent_client_expiration 1d",
-            f"log_dest file {log_file}",
-            "log_type error",
-            "log_type warning",
-            "log_type notice",
-            "connection_messages false",
-            "",
-        ]
-    )
-
-
 class MosquittoBroker:
     """A Mosquitto process with generated credentials (and, with ``tls=True``, a TLS listener with
     a throwaway CA). Use as a context manager.
@@ -219,15 +165,20 @@ class MosquittoBroker:
         (self.dir / "db").mkdir(exist_ok=True)
         certs = make_test_ca(self.dir) if tls else None
         self.ca_file = certs[0] if certs else None  # clients verify the broker against it (--tls-ca)
+        # The package's configuration, with room for the tests: messages up to ``max_message_bytes``
+        # (64 MiB by default, so that the server's own size refusal is what tests meet) and a
+        # message queue large enough for the floods and outages they stage.
+        limits = BrokerLimits.for_run(num_clients, num_clients, max_message_bytes)
+        limits = replace(limits, max_queued_messages=max(limits.max_queued_messages, TEST_QUEUED_MESSAGES))
         self.conf.write_text(
-            broker_config(
-                self.port,
-                self.creds.password_file,
-                self.creds.acl_file,
-                self.dir / "db",
-                self.log_file,
-                max_message_bytes,
-                certs,
+            mosquitto_conf(
+                listen=("127.0.0.1", self.port),
+                password_file=self.creds.password_file,
+                acl_file=self.creds.acl_file,
+                persistence_dir=self.dir / "db",
+                limits=limits,
+                log_file=self.log_file,
+                tls=certs,
             )
         )
         self._proc: subprocess.Popen[bytes] | None = None

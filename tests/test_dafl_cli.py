@@ -99,14 +99,65 @@ def test_out_csv_keeps_header_and_ids(tmp_path: Path, capsys: pytest.CaptureFixt
     assert list(csv.reader(out_path.open(newline=""))) == [["cat", "dog"], ["0", "0"], ["0", "1"]]
 
 
-def test_id_column_detected_from_non_integer_cells(tmp_path: Path) -> None:
-    table = dafl_cli.read_counts(_write(tmp_path, "name,a,b\nx,1,2\ny,3,4\n"))
-    assert table.clients == ("x", "y") and table.classes == ("a", "b")
-    assert table.counts.tolist() == [[1, 2], [3, 4]]
+def test_ids_only_from_a_declared_header_or_the_option(tmp_path: Path) -> None:
     table = dafl_cli.read_counts(_write(tmp_path, "\ufeffclient,a\n7,1\n8,2\n"))  # BOM, integer ids
     assert table.clients == ("7", "8") and table.counts.tolist() == [[1], [2]]
     table = dafl_cli.read_counts(_write(tmp_path, "a,b\n1,2\n\n3,4\n"))  # blank line skipped
     assert table.clients is None and table.counts.tolist() == [[1, 2], [3, 4]]
+    # Any column, by name; the plan keeps it where it was.
+    path = _write(tmp_path, "a,name,b\n1,x,2\n3,y,4\n")
+    table = dafl_cli.read_counts(path, id_column="name")
+    assert table.clients == ("x", "y") and table.classes == ("a", "b")
+    assert table.counts.tolist() == [[1, 2], [3, 4]]
+    # A class that happens to be called "id": --no-ids reads every column as a class.
+    table = dafl_cli.read_counts(_write(tmp_path, "id,b\n1,2\n3,4\n"), no_ids=True)
+    assert table.clients is None and table.classes == ("id", "b")
+
+
+def test_id_column_keeps_its_place_in_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, "cat,who,dog\n2,n1,1\n1,n2,1\n")
+    out_path = tmp_path / "plan.csv"
+    code, _, err = _main(capsys, str(path), "--id-column", "who", "--out", str(out_path))
+    assert code == 0, err
+    assert list(csv.reader(out_path.open(newline=""))) == [
+        ["cat", "who", "dog"],
+        ["0", "n1", "0"],
+        ["0", "n2", "1"],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "argv", "message"),
+    [
+        # Numbers that are not integers are never taken for client ids: the column is a class.
+        ("a,b\n1e8,2\n3,4\n", (), "row 2, column 1 (a): '1e8' is not an integer count"),
+        ("a,b\n1.0,2\n3,4\n", (), "row 2, column 1 (a): '1.0' is not an integer count"),
+        ("a,b\n2.5,2\n3,4\n", (), "row 2, column 1 (a): '2.5' is not an integer count"),
+        ("name,a,b\nx,1,2\ny,3,4\n", (), "'x' is not an integer count (a first column of client ids"),
+        ("a,b\n\uff11\uff12,2\n3,4\n", (), "has digits outside ASCII 0-9"),
+        ("client,a\n\u0661,1\n2,2\n", (), ""),  # an id may be any text
+        ("client,a\nx,1\ny,2\nx,3\n", (), "rows 2 and 4 have the same client id 'x'"),
+        ("client,a\nx,1\n,2\n", (), "row 3 has an empty client id"),
+        ("a,b\n1,2\n", ("--id-column", "c"), "no column(s) named 'c' (--id-column)"),
+        ("a,a\n1,2\n", ("--id-column", "a"), "2 column(s) named 'a'"),
+    ],
+)
+def test_ids_and_digits_are_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, argv: tuple[str, ...], message: str
+) -> None:
+    code, out, err = _main(capsys, str(_write(tmp_path, text)), *argv)
+    if not message:
+        assert code == 0, err
+        return
+    assert code == 2 and out == ""
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_id_options_exclude_each_other(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        dafl_cli.main([str(_write(tmp_path, "a\n1\n")), "--id-column", "a", "--no-ids"])
+    assert "not allowed with" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -231,24 +282,33 @@ def test_felix_plan_augmentation_does_not_import_torch(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
 
 
-def test_small_tables_plan_interpreted_with_the_same_result(tmp_path: Path) -> None:
-    """A small table is planned without numba's start-up (the CLI sets NUMBA_DISABLE_JIT in its
-    own process), a large one with the kernel; the interpreted plan equals the compiled one."""
-    from felix.strategies.dataplans.dafl import interpreted_is_faster
+def test_only_provably_tiny_tables_plan_interpreted(tmp_path: Path) -> None:
+    """The CLI plans interpreted (NUMBA_DISABLE_JIT in its own process) only when an upper bound on
+    the work proves it cheaper than loading the kernel; Table II's cases (whose Phase 1 estimate
+    is 0 for D3 while the plan takes 39,060 steps) run compiled. Either way the plan is the same."""
+    from felix.strategies.dataplans.dafl import provably_tiny, step_upper_bound
+    from felix.strategies.dataplans.dafl_tables import DATASET_NAMES, partition
 
+    tiny = np.array([[3, 1, 2], [1, 2, 2]], dtype=np.int64)
+    assert provably_tiny(tiny) and provably_tiny(tiny, method="lb")
+    for name in DATASET_NAMES:
+        for lambda2 in (1e2, 1e3, 1e4):
+            params = DaflParams(lambda2=lambda2)
+            counts = partition(name)
+            assert not provably_tiny(counts, params)
+            assert step_upper_bound(counts, params) * params.step >= plan_dafl(counts, params).added
     rng = np.random.default_rng(3)
-    counts = np.stack([rng.multinomial(300, rng.dirichlet(np.full(6, 0.3))) for _ in range(12)]).astype(
-        np.int64
-    )
-    assert interpreted_is_faster(counts)
-    assert not interpreted_is_faster(np.array([[100_000, 1]] * 1000, dtype=np.int64))
+    for _ in range(5):
+        counts = np.stack([rng.multinomial(30, rng.dirichlet(np.full(4, 0.5))) + 1 for _ in range(5)])
+        for params in (
+            DaflParams(),
+            DaflParams(lambda2=1.0, step=3),
+            DaflParams(lambda1=0.0),
+            DaflParams(tau=0.0),
+        ):
+            assert step_upper_bound(counts, params) * params.step >= plan_dafl(counts, params).added
     path = tmp_path / "counts.csv"
-    path.write_text(
-        "client,"
-        + ",".join(f"c{j}" for j in range(6))
-        + "\n"
-        + "".join(f"{k}," + ",".join(map(str, row)) + "\n" for k, row in enumerate(counts))
-    )
+    path.write_text("client,a,b,c\nx,3,1,2\ny,1,2,2\n")
     out = subprocess.run(
         [sys.executable, "-m", "felix", "plan-augmentation", str(path), "--json"],
         capture_output=True,
@@ -256,4 +316,35 @@ def test_small_tables_plan_interpreted_with_the_same_result(tmp_path: Path) -> N
         timeout=120,
         check=True,
     )
-    assert np.array_equal(np.array(json.loads(out.stdout)["A"]), plan_dafl(counts, DaflParams()).A)
+    assert np.array_equal(np.array(json.loads(out.stdout)["A"]), plan_dafl(tiny, DaflParams()).A)
+
+
+def test_time_budget_refuses_with_a_step_and_progress_is_reported() -> None:
+    """A plan projected past the budget stops early, naming a step; progress arrives meanwhile."""
+    from felix.strategies.dataplans.dafl import PlanProgress, PlanTooLargeError
+
+    rng = np.random.default_rng(0)
+    counts = np.stack([rng.multinomial(400, rng.dirichlet(np.full(8, 0.2))) for _ in range(400)])
+    counts[:, 0] += 200  # class 0 common everywhere: a long Phase 1
+    seen: list[PlanProgress] = []
+    with pytest.raises(PlanTooLargeError, match=r"use a step of at least \d+ samples, or a larger budget"):
+        plan_dafl(counts, DaflParams(), time_budget_s=0.05, progress=seen.append)
+    assert seen and all(p.phase == 1 and p.phase1 > p.steps for p in seen)
+    assert [p.steps for p in seen] == sorted(p.steps for p in seen)
+    plan = plan_dafl(counts[:20], DaflParams(step=5), progress=seen.append)  # no budget: runs to the end
+    assert plan.J_after <= 1e-3
+
+
+def test_progress_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from felix.strategies.dataplans.dafl import PlanProgress
+
+    progress = dafl_cli._Progress(sys.stderr)
+    progress(PlanProgress(10, 1, 100, 0.5))  # too early: nothing
+    progress(PlanProgress(50, 1, 100, dafl_cli.PROGRESS_AFTER_S + 0.1))
+    progress(PlanProgress(60, 1, 100, dafl_cli.PROGRESS_AFTER_S + 0.2))  # too soon after the last
+    progress(PlanProgress(150, 2, 100, dafl_cli.PROGRESS_AFTER_S + dafl_cli.PROGRESS_EVERY_S + 1))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "felix plan-augmentation: planning: Phase 1, 50 of 100 steps, 2 s",
+        "felix plan-augmentation: planning: Phase 2, 150 steps (Phase 1 had 100), 8 s",
+    ]

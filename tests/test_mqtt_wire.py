@@ -167,6 +167,31 @@ def test_malformed(data: bytes, code: ErrorCode, fragment: str) -> None:
     _expect(data, code, fragment)
 
 
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"msg": "m-\ud800"},  # a lone high surrogate in a string field
+        {"run": "\udfff"},  # a lone low surrogate
+        {"incarnation": "ab\udc80cd"},
+        {"extra\ud800": 1},  # in a key: refused before the unknown-field check names it
+        {"arrays": [{"name": "delta\ud83d", "dtype": "<f4", "shape": [1]}]},  # nested
+    ],
+)
+def test_lone_surrogates_are_refused_at_decode(over: dict) -> None:
+    data = _frame(_state_header(**over))
+    assert b"\\ud8" in data or b"\\udf" in data or b"\\udc" in data  # JSON escapes, valid UTF-8 bytes
+    with pytest.raises(MessageError) as info:
+        wire.decode(data)
+    assert info.value.code is ErrorCode.BAD_HEADER
+    assert "not valid Unicode" in str(info.value)
+    str(info.value).encode("utf-8")  # the refusal itself is printable anywhere
+
+
+def test_proper_surrogate_pairs_are_unicode() -> None:
+    msg = wire.decode(_frame(_state_header(msg="m-\U0001f600", incarnation="\u00e9t\u00e9")))
+    assert isinstance(msg, wire.State) and msg.msg_id == "m-\U0001f600"
+
+
 def _result_header(**over: object) -> dict:
     h = {
         "fmt": 1,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -51,6 +52,15 @@ def crash_once(spec: RunSpec) -> RunOutput:
         os._exit(7)
     if spec.key == "bad":
         raise ValueError("bad run")
+    return fake_output(spec)
+
+
+def slow_run(spec: RunSpec) -> RunOutput:
+    """A stand-in for a long simulation: marks that it started, then runs for up to two minutes."""
+    spec.out_dir.with_suffix(".started").write_text("1")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
     return fake_output(spec)
 
 
@@ -232,3 +242,33 @@ def test_compare_cli_on_ray(local_ray, tmp_path, capsys):
     doc = json.loads((out / "comparison.json").read_text())
     assert set(doc["strategies"]) == {"oort"} and doc["failed"] == {} and doc["reference"] == "oort"
     assert (out / "oort" / "summary.json").exists() and "done 1/1" in capsys.readouterr().err
+
+
+def test_ctrl_c_cancels_the_runs_already_sent_to_workers(local_ray, tmp_path):
+    """Two runs running on the two CPUs and one queued: a SIGINT to the driver cancels all three
+    (ray.cancel), at once rather than after the two minutes the running ones would take."""
+    specs = [tiny_spec(tmp_path, k) for k in ("a", "b", "c")]
+    backend = RayTaskBackend(fn=slow_run)
+    lines: list[str] = []
+
+    def interrupt_once_two_run() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if sum(s.out_dir.with_suffix(".started").exists() for s in specs) >= 2:
+                break
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends; run_all catches it
+
+    threading.Thread(target=interrupt_once_two_run, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        out = run_all(specs, backend, log=lines.append)
+    finally:
+        backend.close()
+    assert time.monotonic() - t0 < 90, lines
+    assert not out.outputs and not out.failed, lines
+    assert sorted(line for line in lines if "cancelled" in line) == [
+        f"run {k} cancelled (interrupted)" for k in ("a", "b", "c")
+    ], lines
+    # The queued run never started; the two that ran were stopped in their workers.
+    assert sum(s.out_dir.with_suffix(".started").exists() for s in specs) == 2

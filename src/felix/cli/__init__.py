@@ -43,7 +43,7 @@ LAZY_COMMANDS = {
     "mqtt-credentials": (
         "felix.deploy.cli",
         "add_parsers",
-        "write a Mosquitto password file, ACL and client logins",
+        "write a Mosquitto password file, ACL, client logins and mosquitto.conf",
     ),
 }
 

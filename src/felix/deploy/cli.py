@@ -352,19 +352,57 @@ def _wait_child(child: subprocess.Popen[bytes], stop: dict[str, Any]) -> int:
 
 # ---------------------------------------------------------------------- credentials
 def _credentials(args: argparse.Namespace) -> int:
+    """Logins and ACL, and a mosquitto.conf whose size limits follow the run's model when a config
+    is given (``felix.deploy.broker_config``)."""
     from felix.deploy import security
+    from felix.deploy.broker_config import (
+        UNSIZED_MESSAGE_BYTES,
+        BrokerLimits,
+        default_max_message_bytes,
+        mosquitto_conf,
+    )
+    from felix.deploy.link import BrokerOptions
 
     n = args.clients
     run_id = args.run_id
-    if args.config or args.preset or args.set:
+    max_bytes, concurrency, sized = (
+        UNSIZED_MESSAGE_BYTES,
+        None,
+        "not sized to a model (give the run's config)",
+    )
+    if args.config or args.preset or args.set or args.scenario:
+        from felix.scenario.build import build_population
+
         cfg = _resolve(args)
         n = n or cfg.partition.num_clients
+        num_params = int(build_population(cfg).initial_weights.size)
+        max_bytes = default_max_message_bytes(num_params)
+        concurrency = cfg.orchestrator.concurrency
+        sized = f"sized to {num_params:,} parameters"
+    if args.max_message_bytes is not None:
+        max_bytes, sized = args.max_message_bytes, "sized by --max-message-bytes"
     if not n:
         raise ValueError("give --clients N or a config")
+    limits = BrokerLimits.for_run(n, concurrency or n, max_bytes)
+    host, port = BrokerOptions.parse_address(args.listen)
     out = security.generate(args.out, n, run_id)
+    folder = Path(args.out).resolve()
+    (folder / "db").mkdir(exist_ok=True)
+    conf = Path(args.out) / "mosquitto.conf"
+    conf.write_text(
+        mosquitto_conf(
+            listen=(host, port),
+            password_file=folder / "passwd",
+            acl_file=folder / "acl",
+            persistence_dir=folder / "db",
+            limits=limits,
+        )
+    )
     print(
         f"wrote {out.password_file} ({n} clients + {security.SERVER_USER}), {out.acl_file} "
-        f"(run {run_id or 'any'}), {out.credentials} (plaintext, mode 0600)",
+        f"(run {run_id or 'any'}), {out.credentials} (plaintext, mode 0600), {conf} (messages up to "
+        f"{limits.max_message_bytes:,} bytes, {sized}; at most {limits.max_queued_messages:,} messages "
+        f"and {limits.max_queued_bytes:,} bytes queued per session)",
         file=sys.stderr,
     )
     return 0
@@ -436,11 +474,24 @@ def add_parsers(subparsers: Any) -> None:
     e.set_defaults(func=_guard(_emulate))
 
     m = subparsers.add_parser(
-        "mqtt-credentials", help="write a Mosquitto password file, ACL and client logins"
+        "mqtt-credentials",
+        help="write a Mosquitto password file, ACL, client logins and mosquitto.conf",
     )
     _config_args(m)
     m.add_argument("--clients", type=int, help="number of clients (default: the config's)")
-    m.add_argument("--out", required=True, help="folder for passwd, acl and credentials.json")
+    m.add_argument("--out", required=True, help="folder for passwd, acl, credentials.json and mosquitto.conf")
+    m.add_argument(
+        "--listen",
+        default="127.0.0.1:1883",
+        metavar="HOST:PORT",
+        help="the broker's listener in mosquitto.conf (default %(default)s)",
+    )
+    m.add_argument(
+        "--max-message-bytes",
+        type=int,
+        help="largest message the broker passes (default: the server's, from the config's model: "
+        "8 bytes per parameter + 1 MiB; without a config 64 MiB); give the server the same",
+    )
     m.set_defaults(func=_guard(_credentials))
 
 

@@ -54,6 +54,7 @@ from felix.client.trainer import LocalTrainer
 from felix.config import Config
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
+from felix.deploy.broker_config import default_max_message_bytes
 from felix.deploy.inbox import Inbox
 from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
 from felix.deploy.topics import ALLOWED, Topics, client_user
@@ -150,7 +151,7 @@ class ClientHost:
         self.topics = Topics(opts.run_id)
         pop = build_population(cfg)
         self.trainer: LocalTrainer = build_trainer(cfg, pop)
-        self.max_bytes = 8 * int(pop.initial_weights.size) + (1 << 20)
+        self.max_bytes = default_max_message_bytes(int(pop.initial_weights.size))
         if traces is None:
             trace = build_trace(cfg)
             traces = {

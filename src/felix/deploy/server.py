@@ -66,6 +66,7 @@ from felix.core.events import ClientRegistered, Event, TaskFailed, TaskFinished,
 from felix.core.types import ClientUpdate, TaskKind
 from felix.deploy import checkpoint as ckpt
 from felix.deploy import wire
+from felix.deploy.broker_config import default_max_message_bytes
 from felix.deploy.checkpoint import AppliedLog, AppliedUpdate
 from felix.deploy.inbox import Inbox
 from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
@@ -187,7 +188,7 @@ class Server:
         sink = None if opts.out_dir is None else EvalLog(opts.out_dir / "evaluations.csv")
         self.ctl = RunController(cfg, self.orch, rec, sink, measure_wire=True)
         self.ctl.on_evaluation.append(_log_evaluation)
-        default_bytes = 8 * self.num_params + (1 << 20)
+        default_bytes = default_max_message_bytes(self.num_params)
         self.max_bytes = default_bytes if opts.max_message_bytes is None else opts.max_message_bytes
         if self.max_bytes < 4 * self.num_params:  # also 0 or negative
             raise ValueError(

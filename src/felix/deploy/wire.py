@@ -351,6 +351,33 @@ def encode(msg: Message) -> bytes:
 
 
 # ---------------------------------------------------------------------- decode
+def _check_unicode(header: dict[str, Any]) -> None:
+    """Every string of the header (keys and values, at any depth) must be proper Unicode.
+
+    The bytes are valid UTF-8 by then, but JSON's ``\\ud800`` escapes still produce lone
+    surrogates, which no UTF-8 encoder accepts: caught here, they are a refusal like any other bad
+    header instead of an internal error wherever the string is next encoded (a log line, a topic,
+    the checkpoint). Iterative, so a deeply nested header cannot exhaust the stack.
+    """
+    stack: list[Any] = [header]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise MessageError(
+                    ErrorCode.BAD_HEADER,
+                    f"header string {node[:40]!a} is not valid Unicode "
+                    f"(lone surrogate at character {exc.start})",
+                ) from None
+
+
 def decode(
     data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, aux_spec: AuxSpec | None = None
 ) -> Message:
@@ -389,6 +416,7 @@ def decode(
         raise MessageError(ErrorCode.BAD_HEADER, "header nests too deeply") from None
     if not isinstance(header, dict):
         raise MessageError(ErrorCode.BAD_HEADER, f"header must be a JSON object, got {type(header).__name__}")
+    _check_unicode(header)
     if header.get("fmt") != FORMAT_VERSION:
         raise MessageError(
             ErrorCode.BAD_HEADER, f"header fmt {header.get('fmt')!r} disagrees with the prefix"

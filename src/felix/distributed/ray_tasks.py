@@ -4,6 +4,8 @@ Each run is one task that calls the same run function as the local backends (``f
 and returns its small output (summary and evaluation rows) to the driver, which stores it; nothing
 is written on the node that ran it. Ray's own retries are off (``max_retries=0``): ``felix.experiments.runs``
 retries a failed run once, whether its code raised or its worker or node died, and reports it after.
+A Ctrl-C or SIGTERM of the driver cancels every task it sent (``ray.cancel``): a queued one never
+starts, a running one is interrupted in its worker, and each is reported as cancelled.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from felix.config import ConfigError
 from felix.distributed.ray_runtime import Resources, session
-from felix.experiments.runs import RunFunction, RunOutput, RunSpec, execute, warm_process
+from felix.experiments.runs import RunCancelled, RunFunction, RunOutput, RunSpec, execute, warm_process
 
 
 class RayTaskBackend:
@@ -38,6 +40,7 @@ class RayTaskBackend:
         self.ray = self._stack.enter_context(session(address, num_cpus))
         self._task = self.ray.remote(fn)
         self._capacity = self.ray.cluster_resources()
+        self._live: set[Any] = set()  # tasks sent and not yet returned by ``wait``
         if address is None:
             warm = self.ray.remote(warm_process).options(num_cpus=1, max_retries=0, name="felix-warm-up")
             self.ray.get([warm.remote() for _ in range(min(64, int(self._capacity.get("CPU", 1))))])
@@ -56,15 +59,28 @@ class RayTaskBackend:
             spec = replace(
                 spec, config=spec.config.model_copy(update={"run": run.model_copy(update={"device": "cuda"})})
             )
-        return self._task.options(
+        ref = self._task.options(
             num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_retries=0, name=f"felix-run:{spec.key}"
         ).remote(spec)
+        self._live.add(ref)
+        return ref
+
+    def interrupt(self) -> None:
+        """The driver was interrupted: cancel every task sent and not yet collected. ``ray.cancel``
+        (not forced) drops a queued task and raises ``KeyboardInterrupt`` in a running one, so its
+        worker stays usable; ``wait`` then reports each as :class:`RunCancelled`. Called again while
+        the driver stops, it only cancels what is still live (cancelling twice is harmless)."""
+        for ref in list(self._live):
+            self.ray.cancel(ref, force=False)
 
     def wait(self, handles: list[Any]) -> Iterator[tuple[object, RunOutput | BaseException]]:
         ready, _ = self.ray.wait(handles, num_returns=1)
         for ref in ready:
+            self._live.discard(ref)
             try:
                 yield ref, self.ray.get(ref)
+            except self.ray.exceptions.TaskCancelledError:
+                yield ref, RunCancelled("cancelled by the interrupted driver")
             except self.ray.exceptions.RayError as exc:  # task raised, worker crashed, node died
                 yield ref, exc
 

@@ -143,6 +143,11 @@ def load(spec: RunSpec) -> RunOutput:
     return RunOutput(summary, rows)
 
 
+class RunCancelled(Exception):
+    """A run that a backend stopped because the driver was interrupted (Ctrl-C, SIGTERM): neither
+    finished nor failed, so it is reported as cancelled and never retried."""
+
+
 class Backend(Protocol):
     """Where runs execute. ``submit`` starts one; ``wait`` blocks until at least one started run
     has finished and yields (handle, output or the error that ended it)."""
@@ -280,6 +285,9 @@ def run_all(
                     break
             for handle, result in backend.wait(list(pending)):
                 spec = pending.pop(handle)
+                if isinstance(result, RunCancelled):
+                    say(f"run {spec.key} cancelled (interrupted)")
+                    continue
                 if isinstance(result, BaseException):
                     reason = _reason(result)
                     if attempts[spec.key] < MAX_ATTEMPTS and not stopping:

@@ -56,7 +56,10 @@ additions) could exceed ``max_total_samples(C)`` is refused, because the exact
 integer arithmetic needs ``C * n^2 < 2^62``; a plan that needs more than
 ``max_steps`` greedy steps (``MAX_STEPS`` by default) is refused up front when a
 lower bound on Phase 1 already exceeds it, and stopped with the same error
-otherwise. Nothing proportional to the number of steps is held in memory.
+otherwise. Nothing proportional to the number of steps is held in memory. With a
+``time_budget_s`` the loop reports to a monitor every few milliseconds and stops at the budget, or
+earlier when Phase 1's measured speed projects it past the budget (Phase 1's length is known
+before it starts); the error then suggests a step that fits.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Final, Literal
@@ -86,11 +90,14 @@ __all__ = [
     "RULES",
     "AugmentationPlan",
     "DaflParams",
+    "PlanProgress",
     "PlanTooLargeError",
     "max_total_samples",
     "phase1_steps",
     "plan_dafl",
     "plan_local_balancing",
+    "provably_tiny",
+    "step_upper_bound",
     "validate_counts",
 ]
 
@@ -100,7 +107,10 @@ P_RTOL: Final = 1e-12
 #: The rules for ``J <= tau`` and P ties (module docstring); the first is the default.
 RULES: Final = ("float", "exact")
 
-#: Default bound on greedy steps per plan (about 1-3 s of CPU at 1000 clients x 100 classes).
+#: Default bound on greedy steps per plan. It bounds the work, not the wait: a step costs O(K) in
+#: Phase 1 and O(K x C) in Phase 2, about 40 us compiled at 1000 clients x 100 classes, so 10^7
+#: steps there are 4-15 minutes (interpreted, hours). ``plan_dafl``'s ``time_budget_s`` (the CLI's
+#: ``--time-budget``, 60 s by default) is what bounds the time.
 MAX_STEPS: Final = 10_000_000
 
 
@@ -237,16 +247,48 @@ def validate_counts(counts: ArrayLike) -> NDArray[np.int64]:
     return n_mat
 
 
+@dataclass(frozen=True)
+class PlanProgress:
+    """Where a running DAFL plan stands, passed to ``plan_dafl``'s ``progress`` callback."""
+
+    steps: int
+    """Greedy steps taken so far."""
+    phase: int
+    """1 while ``J > tau`` (its length is known: ``phase1``), 2 while moves still lower P."""
+    phase1: int
+    """Steps Phase 1 takes in all (known before planning: it depends on the class totals only)."""
+    elapsed_s: float
+    """Seconds since planning started (what the time budget counts)."""
+
+
+#: Seconds of Phase 1 after which its measured speed is trusted to project its length.
+PROJECT_AFTER_S: Final = 0.5
+
+#: Cell visits (clients x classes per step) between two checks of the budget and progress: a few
+#: milliseconds of compiled work, so a check (a call into the interpreter) costs well under 1%.
+CHECK_VISITS: Final = 4_000_000
+
+
 def plan_dafl(
-    counts: ArrayLike, params: DaflParams | None = None, *, max_steps: int = MAX_STEPS
+    counts: ArrayLike,
+    params: DaflParams | None = None,
+    *,
+    max_steps: int = MAX_STEPS,
+    time_budget_s: float | None = None,
+    progress: Callable[[PlanProgress], None] | None = None,
 ) -> AugmentationPlan:
     """Run Algorithm 1 of the paper on ``N`` (see the module docstring for the rules and bounds).
 
     Raises :class:`PlanTooLargeError` when the plan needs more than ``max_steps`` greedy steps
-    (use a larger ``step``) or more samples than :func:`max_total_samples`.
+    (use a larger ``step``) or more samples than :func:`max_total_samples`, and, with a
+    ``time_budget_s``, as soon as Phase 1's measured speed projects it past the budget (after
+    ``PROJECT_AFTER_S``; the message suggests a step that fits) or the plan runs past it.
+    ``progress`` is called every few milliseconds of planning with a :class:`PlanProgress`.
     """
     params = DaflParams() if params is None else params
     _check_max_steps(max_steps)
+    if time_budget_s is not None and not (math.isfinite(time_budget_s) and time_budget_s > 0):
+        raise ValueError(f"time budget must be a finite number of seconds > 0, got {time_budget_s!r}")
     n_mat = validate_counts(counts)
     kernel = _load_kernel()
     rule = _rule_code(kernel, params.rule)
@@ -256,24 +298,90 @@ def plan_dafl(
     limit = max_total_samples(n_mat.shape[1])
     _check_total(int(totals.sum()) + phase1 * params.step, limit, "after Phase 1")
     rows = np.flatnonzero(n_mat.sum(axis=1) > 0)
-    added = kernel.greedy(
-        n_mat[rows],
-        params.step,
-        params.tau,
-        params.lambda1 * params.zeta_prime / params.epsilon,
-        params.lambda2 * params.zeta,
-        params.drift_weight,
-        rule,
-        P_RTOL,
-        max_steps,
-        limit,
-    )
+    watch = _Watch(start, phase1, params.step, time_budget_s, progress)
+    check_every = 0
+    if time_budget_s is not None or progress is not None:
+        check_every = max(1, CHECK_VISITS // (rows.size * n_mat.shape[1]))
+    with kernel.monitor(watch):
+        added = kernel.greedy(
+            n_mat[rows],
+            params.step,
+            params.tau,
+            params.lambda1 * params.zeta_prime / params.epsilon,
+            params.lambda2 * params.zeta,
+            params.drift_weight,
+            rule,
+            P_RTOL,
+            max_steps,
+            limit,
+            check_every,
+        )
     if added[0, 0] < 0:
+        if added[0, 0] == kernel.STOPPED:
+            raise PlanTooLargeError(watch.reason)
         _stopped(int(added[0, 0]), max_steps, limit, params.step)
     augmentation = np.zeros_like(n_mat)
     augmentation[rows] = added
     seconds = time.perf_counter() - start
     return _summarise(n_mat, augmentation, "dafl", seconds)
+
+
+@dataclass
+class _Watch:
+    """The monitor of one plan: reports progress and stops the greedy loop at the time budget.
+
+    Phase 1's length is known, so its speed, measured from the loop's first check over at least
+    ``PROJECT_AFTER_S`` (what comes before, the water-fill that counts Phase 1 and the loop's own
+    start, is spent time, not a rate), projects when it will end; Phase 2's length is not known (its
+    moves continue while P falls), so there only the budget itself stops it. The step suggested
+    scales the step by four times the projected overrun: the number of steps falls in proportion to
+    the step but the time per step does not stay the same (measured on the 5,000 x 100 table of
+    ``benchmarks/dafl_cli.py``: 6x fewer Phase 1 steps took 2.6x less time), and Phase 2 (on random
+    tables about as many steps as Phase 1, each scanning every cell) needs room of its own.
+    """
+
+    start: float
+    """When planning started (the budget counts from here)."""
+    phase1: int
+    step: int
+    budget_s: float | None
+    progress: Callable[[PlanProgress], None] | None
+    reason: str = ""
+    mark: tuple[float, int] | None = None
+    """Time and step of the loop's first check: Phase 1's speed is measured from there."""
+
+    def __call__(self, steps: int, phase: int) -> bool:
+        now = time.perf_counter()
+        elapsed = now - self.start
+        if self.progress is not None:
+            self.progress(PlanProgress(steps, phase, self.phase1, elapsed))
+        if self.budget_s is None:
+            return False
+        if self.mark is None:
+            self.mark = (now, steps)
+        measured, done = now - self.mark[0], steps - self.mark[1]
+        if phase == 1 and done > 0 and measured >= min(PROJECT_AFTER_S, self.budget_s / 10):
+            projected = elapsed + (self.phase1 - steps) * measured / done
+            if projected > self.budget_s:
+                self.reason = (
+                    f"Phase 1 alone would take about {projected:,.0f} s ({self.phase1:,} greedy steps at "
+                    f"step {self.step}, {done:,} in {measured:.1f} s), above the time budget of "
+                    f"{self.budget_s:g} s: use a step of at least {self._suggest(projected)} samples, "
+                    f"or a larger budget"
+                )
+                return True
+        if elapsed > self.budget_s:
+            self.reason = (
+                f"planning passed the time budget of {self.budget_s:g} s after {steps:,} greedy steps at "
+                f"step {self.step} (Phase {phase}; Phase 1 has {self.phase1:,}): use a step of at "
+                f"least {self._suggest(max(elapsed, self.budget_s))} samples, or a larger budget"
+            )
+            return True
+        return False
+
+    def _suggest(self, projected_s: float) -> int:
+        assert self.budget_s is not None
+        return min(MAX_COUNT, math.ceil(self.step * 4 * projected_s / self.budget_s))
 
 
 def phase1_steps(
@@ -360,7 +468,7 @@ def _load_kernel() -> ModuleType:
     from felix.strategies.dataplans import dafl_kernel
 
     dafl_kernel.greedy(
-        np.ones((1, 2), dtype=np.int64), 1, 1e-3, 1.0, 1.0, 1.0, dafl_kernel.RULE_FLOAT, P_RTOL, 1, 4
+        np.ones((1, 2), dtype=np.int64), 1, 1e-3, 1.0, 1.0, 1.0, dafl_kernel.RULE_FLOAT, P_RTOL, 1, 4, 0
     )
     dafl_kernel.water_fill(np.ones(2, dtype=np.int64), 1, 1e-3, dafl_kernel.RULE_FLOAT, 1, 4)
     return dafl_kernel
@@ -370,20 +478,73 @@ def _rule_code(kernel: ModuleType, rule: str) -> int:
     return int(kernel.RULE_FLOAT if rule == "float" else kernel.RULE_EXACT)
 
 
-def interpreted_is_faster(counts: NDArray[np.int64], step: int = 1, tau: float = 1e-3) -> bool:
-    """Whether planning ``counts`` in the interpreter (numba's ``NUMBA_DISABLE_JIT``) would beat
-    numba's start-up (0.5-1 s to load the cached kernel). The greedy visits every cell once per
-    step (about 0.2 us a visit interpreted); its steps are estimated as twice the water-fill's lower
-    bound on the samples balance needs (``_water_fill``), and up to about 3 million visits (well
-    under a second) count as small. Only a process that plans once may act on it (the CLI)."""
-    n = np.asarray(counts, dtype=np.int64)
-    if n.ndim != 2 or n.size == 0 or n.sum() == 0:
-        return True
-    k, c = n.shape
-    totals = n.sum(axis=0)
-    needed = math.ceil(int(totals.max()) / (1.0 / c + math.sqrt(max(tau, 0.0))))
-    steps = 2 * max(0, needed - int(totals.sum())) // max(1, step)
-    return k * c * steps <= 3_000_000
+def step_upper_bound(counts: ArrayLike, params: DaflParams | None = None) -> int:
+    """An upper bound on the greedy steps of ``plan_dafl(counts, params)``, from numpy alone.
+
+    Phase 1 is a water-fill of the class totals (module docstring). Filling every class up to the
+    largest total ``m`` takes ``sum_c ceil((m - n^(c)) / s)`` steps; from then on the totals stay
+    within ``s`` of each other, so ``J <= C s^2 / n^2``, which is ``<= tau`` once
+    ``n >= s sqrt(C / tau)`` (one more round of ``C`` steps per ``C s`` samples short of it).
+    Phase 2 accepts only moves that lower P below its value at the end of Phase 1, ``P1``, and P is at
+    least ``alpha * max_k (n_k + a_k) + beta * max_k a_k`` (``alpha = lambda1 zeta' / epsilon``,
+    ``beta = lambda2 zeta``; ``I >= 0``), so each client's additions stay below both
+    ``P1 / beta`` and ``P1 / alpha - n_k``; ``P1`` itself is at most
+    ``alpha (max_k n_k + a) (1 + kappa) + beta a`` with ``a`` Phase 1's additions (``I <= 1``).
+    The bound is loose (for Table II's D3 at lambda2 = 100, millions against 39,060), which is what
+    it is for: proving that a table is tiny, never estimating a run's length.
+    """
+    params = DaflParams() if params is None else params
+    n_mat = validate_counts(counts)
+    n_mat = n_mat[n_mat.sum(axis=1) > 0]
+    s = params.step
+    phase1 = _fill_upper_bound(n_mat.sum(axis=0), s, params.tau)
+    added = phase1 * s
+    alpha = params.lambda1 * params.zeta_prime / params.epsilon
+    beta = params.lambda2 * params.zeta
+    sizes = n_mat.sum(axis=1)
+    p_end = (alpha * (int(sizes.max()) + added) * (1 + params.drift_weight) + beta * added) * (1 + 1e-6)
+    per_client = np.full(sizes.size, math.inf)
+    if beta > 0:
+        per_client = np.minimum(per_client, p_end / beta)
+    if alpha > 0:
+        per_client = np.minimum(per_client, p_end / alpha - sizes)
+    if math.isinf(float(per_client.max())):  # alpha = beta = 0: P is 0, Phase 2 never moves
+        return phase1
+    return phase1 + int(np.floor(np.maximum(per_client, 0) / s).sum()) + int(sizes.size)
+
+
+def _fill_upper_bound(totals: NDArray[np.int64], s: int, tau: float) -> int:
+    """Upper bound on the steps of the water-fill of ``totals`` to ``J <= tau`` (see
+    :func:`step_upper_bound`)."""
+    classes = totals.size
+    top = int(totals.max())
+    steps = sum(-(-(top - int(t)) // s) for t in totals.tolist()) + classes
+    if tau > 0:
+        reached = int(totals.sum()) + steps * s
+        needed = s * math.sqrt(classes / tau) * (1 + 1e-6) + 1
+        steps += classes * math.ceil(max(0.0, needed - reached) / (classes * s))
+    return steps
+
+
+def provably_tiny(
+    counts: ArrayLike,
+    params: DaflParams | None = None,
+    *,
+    method: Literal["dafl", "lb"] = "dafl",
+    visits: int = 1_000_000,
+) -> bool:
+    """Whether the plan visits at most ``visits`` cells (clients x classes per greedy step of DAFL,
+    by :func:`step_upper_bound`; classes per water-fill step of each LB client): about 0.2 s
+    interpreted, less than numba needs to load the compiled kernel. Only a process that plans once
+    may act on it (the CLI)."""
+    params = DaflParams() if params is None else params
+    n_mat = validate_counts(counts)
+    n_mat = n_mat[n_mat.sum(axis=1) > 0]
+    classes = n_mat.shape[1]
+    if method == "lb":
+        work = sum(classes * _fill_upper_bound(row, params.step, params.tau) for row in n_mat if row.all())
+        return work <= visits
+    return n_mat.shape[0] * classes * step_upper_bound(n_mat, params) <= visits
 
 
 def _check_step(step: int, tau: float) -> None:

@@ -15,17 +15,33 @@ that they stay below ``2**62`` (``C * n^2`` included), so no operation here can 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Final
 
 import numpy as np
 from numba import njit, objmode
 
-__all__ = ["RULE_EXACT", "RULE_FLOAT", "fsum", "greedy", "j_float", "msum_add", "msum_round", "water_fill"]
+__all__ = [
+    "RULE_EXACT",
+    "RULE_FLOAT",
+    "STOPPED",
+    "fsum",
+    "greedy",
+    "j_float",
+    "monitor",
+    "msum_add",
+    "msum_round",
+    "water_fill",
+]
 
 #: ``J <= tau`` in floating point, strict argmin of P (the default; see felix.strategies.dataplans.dafl).
 RULE_FLOAT: Final = 0
 #: ``J <= tau`` in exact arithmetic, P ties within a relative ``P_RTOL``.
 RULE_EXACT: Final = 1
+
+#: ``greedy``'s ``[0, 0]`` when the monitor (:func:`monitor`) asked it to stop.
+STOPPED: Final = -3
 
 #: Relative band around ``tau`` inside which the cheap float test of ``J <= tau`` is not trusted
 #: and the rule's own evaluation decides. Far above the float error of the cheap test (~1e-15).
@@ -34,6 +50,28 @@ _NEAR: Final = 1e-9
 #: Room for the partials of an exact float sum: non-overlapping doubles span at most
 #: 2098 bits (the float64 exponent range plus the mantissa), 40 partials of 53 bits.
 _PARTIALS: Final = 64
+
+
+#: The callback ``greedy`` calls every ``check_every`` steps (from object mode), as
+#: ``callback(steps, phase) -> stop``; a list so that the compiled code refers to one fixed global
+#: and the caller (``felix.strategies.dataplans.dafl``) can swap what it holds per plan.
+_MONITORS: list[Callable[[int, int], bool]] = []
+
+
+@contextmanager
+def monitor(callback: Callable[[int, int], bool]) -> Iterator[None]:
+    """Route ``greedy``'s periodic checks to ``callback`` while the block runs (one plan at a time
+    per process; nested blocks see the innermost)."""
+    _MONITORS.append(callback)
+    try:
+        yield
+    finally:
+        _MONITORS.pop()
+
+
+def _check(steps: int, phase: int) -> bool:
+    """Object-mode trampoline: True when the current monitor asks the plan to stop."""
+    return bool(_MONITORS) and bool(_MONITORS[-1](steps, phase))
 
 
 @njit(cache=True)
@@ -185,10 +223,13 @@ def greedy(
     p_rtol: float,
     max_steps: int,
     max_total: int,
+    check_every: int,
 ) -> np.ndarray:  # pragma: no cover - compiled
     """Algorithm 1 on ``counts`` (non-empty clients only): the added-sample matrix, or a matrix
     whose ``[0, 0]`` is -1 when more than ``max_steps`` steps, -2 when more than ``max_total``
-    samples, would be needed.
+    samples, would be needed, ``STOPPED`` when the monitor said stop. Every ``check_every`` steps
+    (never when 0) the monitor (:func:`monitor`) is asked, from object mode, whether to go on: that
+    is how a caller reports progress and keeps a time budget on a loop that runs compiled.
 
     P after adding ``s`` to ``(k, c)`` is ``width_k * (inner_k + slope * h_kc) + extra_k`` with
     ``h_kc = x_kc / (n_k + s) - n^(c) / (n + s)`` (see felix.strategies.dataplans.dafl for the derivation).
@@ -349,6 +390,12 @@ def greedy(
         if n > max_total - s:
             added[0, 0] = -2
             return added
+        if check_every > 0 and steps > 0 and steps % check_every == 0:
+            with objmode(stop="boolean"):
+                stop = _check(steps, phase)
+            if stop:
+                added[0, 0] = STOPPED
+                return added
         # ---- the move
         k, c = best_k, best_c
         xv = counts[k, c] + added[k, c]
