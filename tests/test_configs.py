@@ -11,11 +11,12 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from felix.cli import main
-from felix.config import ConfigError
+from felix.config import ConfigError, deep_merge
 from felix.engine.run import resolve_config
 from felix.experiments.compare import (
     expand_dotted,
@@ -497,3 +498,33 @@ def test_table1_comparisons_are_the_faithful_presets(trace: str) -> None:
             f"felix-cpu-{trace}",
         )
         assert cfg.model_copy(update={"name": plain.name}) == plain
+
+
+@pytest.mark.parametrize(
+    ("name", "scenario", "changed"),
+    [
+        ("felix-tiertrack-90", "felix-cpu-90", {"felix-oracle": {"orchestrator": {"knowledge": "oracle"}}}),
+        ("felix-tiertrack-mobiperf", "felix-cpu-mobiperf", {}),
+        ("felix-alpha-90", "felix-cpu-90", {"felix-a10": {"partition": {"alpha": 10.0}}}),
+        ("felix-trace-2state", "felix-cpu-mobiperf", {"felix": {"trace": {"series": "2"}}}),
+        ("felix-trace-3state75", "felix-cpu-mobiperf", {"felix": {"trace": {"series": "3_75"}}}),
+        (
+            "felix-eval-goal-mobiperf",
+            "felix-cpu-mobiperf",
+            {"egf-0": {"eval_selector": {"params": {"eval_goal_factor": 0.0}}}},
+        ),
+        ("felix-tierfuse-sens-90", "felix-cpu-90", {"sigma-0.2": {"aggregator": {"params": {"sigma": 0.2}}}}),
+    ],
+)
+def test_evaluation_comparisons_change_one_axis(name: str, scenario: str, changed: dict[str, Any]) -> None:
+    """The section 6.3-6.4 files: each variant is a faithful preset on its scenario (the MobiPerf
+    ones from 300 s in) with at most the one setting its name says."""
+    comp = load_comparison(name)
+    offset = 300.0 if scenario.endswith("mobiperf") else 0.0
+    for v, over in changed.items():
+        cfg = variant_config(comp, v, {}, 1, 0.82)
+        sets = deep_merge({"seed": 1, "run": {"target_accuracy": 0.82}, "trace": {"offset_s": offset}}, over)
+        plain = resolve_config(None, cfg.strategy, sets, scenario)
+        assert cfg.model_copy(update={"name": plain.name, "strategy": plain.strategy}) == plain
+    for v in comp.variants:
+        assert variant_config(comp, v, {}).trace.offset_s == offset
