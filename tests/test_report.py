@@ -9,7 +9,15 @@ import pytest
 
 from felix.cli import main
 from felix.config import ConfigError
-from felix.experiments.report import DEFAULT_CATALOG, Claim, judge, load_catalog, read_folder
+from felix.experiments.report import (
+    DEFAULT_CATALOG,
+    Claim,
+    judge,
+    load_catalog,
+    raw_weights,
+    read_folder,
+    report,
+)
 
 
 def spread(mean: float | None, std: float = 0.0) -> dict[str, float | int | None]:
@@ -100,3 +108,27 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFi
     )
     with pytest.raises(ConfigError, match="kind must be one of"):
         load_catalog(cat)
+
+
+def test_weights_of_the_variants_that_divide_by_the_buffer_size(tmp_path: Path) -> None:
+    """Recorded weights are w_i / K under count: the page shows K x them, and leaves out variants
+    whose weights were divided by their sum (their scale is lost)."""
+    d = folder(tmp_path)
+    doc = json.loads((d / "comparison.json").read_text())
+    diag = {"agg_weight_p5": 0.08, "agg_weight_p50": 0.085, "agg_weight_p95": 0.09}
+    doc["runs"] = {"felix": {"0": {"diagnostics": diag}}, "oort-async*": {"0": {"diagnostics": diag}}}
+    (d / "comparison.json").write_text(json.dumps(doc))
+    manifest = json.loads((d / "manifest.json").read_text())
+    conf = {"orchestrator": {"mode": "async", "agg_goal": 10}}
+    manifest["runs"] = {
+        "felix/seed=0": {"variant": "felix", "config": {**conf, "aggregator": {"normalize": "count"}}},
+        "oort-async*/seed=0": {
+            "variant": "oort-async*",
+            "config": {**conf, "aggregator": {"normalize": "weights"}},
+        },
+    }
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    weights = raw_weights(read_folder(d))
+    assert list(weights) == ["felix"] and weights["felix"] == pytest.approx((0.8, 0.85, 0.9))
+    out = report([d], tmp_path / "w.html")
+    assert "Fig. 15" in out.read_text()

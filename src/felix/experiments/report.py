@@ -134,6 +134,7 @@ class Folder:
     seeds: list[int]
     stats: dict[str, dict[str, Any]]
     manifest: dict[str, Any] = field(default_factory=dict)
+    runs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def spread(self, variant: str, target: float, key: str) -> dict[str, Any] | None:
         per = self.stats.get(variant, {}).get(f"{target:g}")
@@ -169,6 +170,7 @@ def read_folder(path: Path) -> Folder:
         seeds=[int(s) for s in doc.get("seeds") or []],
         stats=doc["stats"],
         manifest=manifest if isinstance(manifest, dict) else {},
+        runs=doc.get("runs") if isinstance(doc.get("runs"), dict) else {},
     )
 
 
@@ -310,6 +312,52 @@ def claims_plot(verdicts: Sequence[Verdict]) -> str | None:
     return out
 
 
+def raw_weights(folder: Folder) -> dict[str, tuple[float, float, float]]:
+    """The 5th, 50th and 95th percentile of the update weights w_i (mean over seeds) of each async
+    variant that divides by the buffer size: there the recorded weights, w_i / K, times K are the
+    w_i themselves (under the sum of the weights their scale is lost, so those variants are left
+    out). From ``diagnostics.agg_weight_p5/p50/p95`` of each run and the configs in the manifest."""
+    configs: dict[str, dict[str, Any]] = {}
+    for run in (folder.manifest.get("runs") or {}).values():
+        if isinstance(run, dict) and isinstance(run.get("config"), dict):
+            configs.setdefault(str(run.get("variant")), run["config"])
+    out: dict[str, tuple[float, float, float]] = {}
+    for variant, per_seed in folder.runs.items():
+        cfg = configs.get(variant) or {}
+        orch, agg = cfg.get("orchestrator") or {}, cfg.get("aggregator") or {}
+        if orch.get("mode") != "async" or agg.get("normalize") != "count" or not per_seed:
+            continue
+        k = float(orch.get("agg_goal") or 0)
+        rows = [(r.get("diagnostics") or {}) for r in per_seed.values() if isinstance(r, dict)]
+        pct = [[d.get(f"agg_weight_p{q}") for d in rows] for q in (5, 50, 95)]
+        if k > 0 and all(v is not None for col in pct for v in col):
+            p5, p50, p95 = (k * sum(col) / len(col) for col in pct)
+            out[variant] = (p5, p50, p95)
+    return out
+
+
+def weights_plot(weights: dict[str, tuple[float, float, float]]) -> str:
+    """Each variant's weight range, p5 to p95 with the median marked; base64 PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 0.7 + 0.45 * len(weights)))
+    for i, (name, (p5, p50, p95)) in enumerate(weights.items()):
+        ax.plot([p5, p95], [i, i], lw=6, color="#3b7dd8", solid_capstyle="butt")
+        ax.plot([p50], [i], "k|", ms=14, mew=2)
+    ax.axvline(0.8, color="#b3391a", lw=0.8, ls="--")
+    ax.set_yticks(range(len(weights)), list(weights), fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(1.6, max(p95 for _, _, p95 in weights.values()) * 1.05))
+    ax.set_xlabel("update weight w_i: 5th-95th percentile (bar), median (|); dashed: 0.8")
+    fig.tight_layout()
+    out = _png(fig)
+    plt.close(fig)
+    return out
+
+
 def regenerate_command(folder: Folder) -> str:
     """The command that made the folder, with its output folder written as OUT."""
     cmd = [str(c) for c in folder.manifest.get("command") or []]
@@ -412,6 +460,24 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
                 )
         else:
             body.append("<p class='not'>The catalog has no figure of the paper for this comparison.</p>")
+        weights = raw_weights(f)
+        if weights:
+            body.append("<h3>Update weights (the paper's Fig. 15 argument)</h3>")
+            body.append(
+                "<p class='small'>The paper (§6.3, Fig. 15): TierFuse gives weights of 0.8 or more to over 90% "
+                "of the updates, a FedBuff-style policy to fewer than 10%, typically about 0.5. Ours: the "
+                "weights of the async variants that divide by the buffer size (5th / 50th / 95th percentile "
+                "over every aggregated update, mean over seeds).</p><table><tr><th>variant</th><th>p5</th>"
+                "<th>median</th><th>p95</th></tr>"
+            )
+            for name, (p5, p50, p95) in weights.items():
+                body.append(
+                    f"<tr><td>{e(name)}</td><td>{p5:.2f}</td><td>{p50:.2f}</td><td>{p95:.2f}</td></tr>"
+                )
+            body.append("</table>")
+            body.append(
+                f"<img alt='update weights, {e(f.name)}' src='data:image/png;base64,{weights_plot(weights)}'>"
+            )
         body.append("<h3>Ours: time and bytes to each target (mean ± std over seeds)</h3>")
         head = "".join(f"<th>time to {t:g} (s)</th><th>MB to {t:g}</th>" for t in f.targets)
         body.append(f"<table><tr><th>variant</th>{head}</tr>")
