@@ -170,7 +170,7 @@ def read_folder(path: Path) -> Folder:
         seeds=[int(s) for s in doc.get("seeds") or []],
         stats=doc["stats"],
         manifest=manifest if isinstance(manifest, dict) else {},
-        runs=doc.get("runs") if isinstance(doc.get("runs"), dict) else {},
+        runs=runs if isinstance(runs := doc.get("runs"), dict) else {},
     )
 
 
@@ -329,8 +329,11 @@ def raw_weights(folder: Folder) -> dict[str, tuple[float, float, float]]:
             continue
         k = float(orch.get("agg_goal") or 0)
         rows = [(r.get("diagnostics") or {}) for r in per_seed.values() if isinstance(r, dict)]
-        pct = [[d.get(f"agg_weight_p{q}") for d in rows] for q in (5, 50, 95)]
-        if k > 0 and all(v is not None for col in pct for v in col):
+        pct: list[list[float]] = []
+        for q in (5, 50, 95):
+            col = [d.get(f"agg_weight_p{q}") for d in rows]
+            pct.append([float(v) for v in col if isinstance(v, (int, float))])
+        if k > 0 and rows and all(len(col) == len(rows) for col in pct):
             p5, p50, p95 = (k * sum(col) / len(col) for col in pct)
             out[variant] = (p5, p50, p95)
     return out
