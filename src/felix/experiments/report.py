@@ -229,7 +229,7 @@ def judge(folder: Folder, claim: Claim, tolerance: float) -> Verdict:
 
 def _png(fig: Any) -> str:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
+    fig.savefig(buf, format="png", dpi=72)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
