@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from felix.cli import main
 from felix.engine.run import resolve_config
+from felix.experiments.compare import load_comparison
 from felix.presets import MAIN_STRATEGIES, STRATEGIES
 
 TINY = [
@@ -97,3 +99,17 @@ def test_compare_runs_strategies_on_the_same_scenario(tmp_path, capsys):
         assert (out / png).stat().st_size > 1000
     assert summaries["felix"]["bytes_by_kind"]["down"]["eval"] >= 0
     assert summaries["fedbuff"]["bytes_by_kind"]["down"]["eval"] == 0  # no eval tasks without TierSelect
+
+
+def test_result_files_record_a_portable_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """comparison.json / manifest.json name a shipped file by its package path, a file under the
+    working directory relative to it, any other file by its name: no path of the machine."""
+    from felix.experiments.compare import portable_source
+
+    shipped = load_comparison("felix-cpu-100").source
+    assert portable_source(shipped) == "felix/configs/comparisons/felix-cpu-100.yaml"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine").mkdir()
+    assert portable_source(str(tmp_path / "mine" / "c.yaml")) == "mine/c.yaml"
+    assert portable_source("/elsewhere/c.yaml") == "c.yaml"
+    assert portable_source("command line") == "command line"

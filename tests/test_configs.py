@@ -11,11 +11,12 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from felix.cli import main
-from felix.config import ConfigError
+from felix.config import ConfigError, deep_merge
 from felix.engine.run import resolve_config
 from felix.experiments.compare import (
     expand_dotted,
@@ -103,6 +104,10 @@ def test_a_scenario_file_is_a_run_config() -> None:
     assert cfg.model_copy(update={"description": ""}) == resolve_config(None, "felix", {}, "felix-cpu-90")
 
 
+# The presets that follow published FedBuff (the buffer's weighted sum divided by its size).
+FEDBUFF_FAMILY = ("fedbuff", "oort-async", "oort-async*", "oort-async+tiertrack", "felix-no-tierfuse")
+
+
 @pytest.mark.parametrize("name", ["felix-cpu-100", "felix-cpu-90", "felix-cpu-50", "felix-cpu-mobiperf"])
 def test_shipped_comparisons_resolve(name: str) -> None:
     comp = load_comparison(name)
@@ -120,11 +125,18 @@ def test_shipped_comparisons_resolve(name: str) -> None:
     for v in comp.variants:
         cfg = variant_config(comp, v, {}, 2, max(comp.targets))
         assert (cfg.name, cfg.strategy, cfg.seed, cfg.run.target_accuracy) == (name, v, 2, 0.82)
-        # The variant is exactly its strategy preset on the scenario (plus the comparison's base).
+        # The variant is its strategy preset on the scenario (plus the comparison's base), with the
+        # FedBuff family pinned to the sum of the weights, the presets' reading when the results were made.
+        pinned = {"aggregator": {"normalize": "weights"}} if v in FEDBUFF_FAMILY else {}
         plain = resolve_config(
             None,
             v,
-            {"seed": 2, "run": {"target_accuracy": 0.82}, "trace": {"offset_s": cfg.trace.offset_s}},
+            {
+                "seed": 2,
+                "run": {"target_accuracy": 0.82},
+                "trace": {"offset_s": cfg.trace.offset_s},
+                **pinned,
+            },
             name,
         )
         assert cfg == plain
@@ -173,6 +185,7 @@ def test_long_horizon_comparisons_are_the_cpu_scenarios_at_a_tenth_of_the_learni
                 "client": {"lr": 0.004},
                 "run": {"target_accuracy": 0.82},
                 "trace": {"offset_s": offset},
+                **({"aggregator": {"normalize": "weights"}} if v in FEDBUFF_FAMILY else {}),
             },
             f"felix-cpu-{trace}",
         )
@@ -445,3 +458,73 @@ def test_comparison_extends_errors(tmp_path: Path, text: str, needle: str) -> No
     (tmp_path / "self.yaml").write_text(text)
     with pytest.raises(ConfigError, match=needle):
         load_comparison(tmp_path / "self.yaml")
+
+
+def test_each_preset_names_its_reading_of_the_buffer() -> None:
+    """Published FedBuff divides by the buffer size; sync strategies are sample-weighted FedAvg;
+    felix is the paper's text (TierFuse over the sum of its weights, beta capped); felix-authors is
+    the authors' runs (divided by the buffer size, beta uncapped); the equal-step control is FedBuff
+    over the sum of its weights (FedScale's async aggregator)."""
+    for name in FEDBUFF_FAMILY:
+        a = resolve_config(None, name, {}).aggregator
+        assert (a.name, a.normalize) == ("fedbuff", "count"), name
+    for name in ("fedavg", "oort", "oort*"):
+        a = resolve_config(None, name, {}).aggregator
+        assert (a.name, a.normalize, a.server_lr) == ("fedavg", "weights", 1.0), name
+    felix = resolve_config(None, "felix", {}).aggregator
+    assert (felix.name, felix.normalize, felix.server_lr, felix.params) == ("tierfuse", "weights", 0.3, {})
+    authors = resolve_config(None, "felix-authors", {})
+    assert (authors.aggregator.normalize, authors.aggregator.params) == ("count", {"cap_beta": False})
+    assert authors.eval_selector.params == {"eval_goal_factor": 1.5}
+    control = resolve_config(None, "oort-async*-equal-step", {})
+    star = resolve_config(None, "oort-async*", {})
+    assert control.aggregator.normalize == "weights"
+    assert control.model_copy(update={"aggregator": star.aggregator, "strategy": "oort-async*"}) == star
+
+
+@pytest.mark.parametrize("trace", ["100", "90", "50", "mobiperf"])
+def test_table1_comparisons_are_the_faithful_presets(trace: str) -> None:
+    """felix-table1-<trace>: every variant is its preset, unpinned, on felix-cpu-<trace>'s base."""
+    comp = load_comparison(f"felix-table1-{trace}")
+    cpu = load_comparison(f"felix-cpu-{trace}")
+    assert comp.reference == "oort-async*" and comp.seeds == [0, 1, 2]
+    offset = variant_config(cpu, "felix", {}).trace.offset_s
+    for v in comp.variants:
+        cfg = variant_config(comp, v, {}, 1, 0.82)
+        plain = resolve_config(
+            None,
+            v,
+            {"seed": 1, "run": {"target_accuracy": 0.82}, "trace": {"offset_s": offset}},
+            f"felix-cpu-{trace}",
+        )
+        assert cfg.model_copy(update={"name": plain.name}) == plain
+
+
+@pytest.mark.parametrize(
+    ("name", "scenario", "changed"),
+    [
+        ("felix-tiertrack-90", "felix-cpu-90", {"felix-oracle": {"orchestrator": {"knowledge": "oracle"}}}),
+        ("felix-tiertrack-mobiperf", "felix-cpu-mobiperf", {}),
+        ("felix-alpha-90", "felix-cpu-90", {"felix-a10": {"partition": {"alpha": 10.0}}}),
+        ("felix-trace-2state", "felix-cpu-mobiperf", {"felix": {"trace": {"series": "2"}}}),
+        ("felix-trace-3state75", "felix-cpu-mobiperf", {"felix": {"trace": {"series": "3_75"}}}),
+        (
+            "felix-eval-goal-mobiperf",
+            "felix-cpu-mobiperf",
+            {"egf-0": {"eval_selector": {"params": {"eval_goal_factor": 0.0}}}},
+        ),
+        ("felix-tierfuse-sens-90", "felix-cpu-90", {"sigma-0.2": {"aggregator": {"params": {"sigma": 0.2}}}}),
+    ],
+)
+def test_evaluation_comparisons_change_one_axis(name: str, scenario: str, changed: dict[str, Any]) -> None:
+    """The section 6.3-6.4 files: each variant is a faithful preset on its scenario (the MobiPerf
+    ones from 300 s in) with at most the one setting its name says."""
+    comp = load_comparison(name)
+    offset = 300.0 if scenario.endswith("mobiperf") else 0.0
+    for v, over in changed.items():
+        cfg = variant_config(comp, v, {}, 1, 0.82)
+        sets = deep_merge({"seed": 1, "run": {"target_accuracy": 0.82}, "trace": {"offset_s": offset}}, over)
+        plain = resolve_config(None, cfg.strategy, sets, scenario)
+        assert cfg.model_copy(update={"name": plain.name, "strategy": plain.strategy}) == plain
+    for v in comp.variants:
+        assert variant_config(comp, v, {}).trace.offset_s == offset

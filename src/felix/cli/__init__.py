@@ -33,6 +33,11 @@ LAZY_COMMANDS = {
         "add_parser",
         "the DAFL paper's Table IV (configs/comparisons/dafl-table4.yaml)",
     ),
+    "report": (
+        "felix.experiments.report",
+        "add_parser",
+        "comparison folders as one offline HTML page, ours beside the paper's",
+    ),
     "serve": ("felix.deploy.cli", "add_parsers", "run the federated server over MQTT (deployment)"),
     "client": ("felix.deploy.cli", "add_parsers", "run one (or a range of) federated client(s) over MQTT"),
     "emulate": (

@@ -33,7 +33,7 @@ from felix.metrics.multiseed import (
 )
 from felix.metrics.provenance import provenance
 from felix.metrics.report import make_output_dir
-from felix.presets import comparison_file, scenario_preset, slug, strategy_preset
+from felix.presets import CONFIG_DIR, comparison_file, scenario_preset, slug, strategy_preset
 
 _FILE_KEYS = ("name", "description", "extends", "base", "variants", "seeds", "targets", "reference")
 
@@ -165,6 +165,21 @@ def _read_extended(p: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     merged = {k: v for k, v in doc.items() if k != "extends"}
     merged["base"] = _merged(expand_dotted(inherited), expand_dotted(base))
     return merged
+
+
+def portable_source(source: str) -> str:
+    """``source`` as result files record it: a shipped file as ``felix/configs/comparisons/NAME.yaml``,
+    a file under the working directory relative to it, any other file by its name alone, so that
+    results carry no path of the machine they were made on (a description such as ``command line``
+    is kept)."""
+    p = Path(source)
+    if not p.is_absolute() and not p.suffix:
+        return source
+    resolved = p.resolve()
+    for root, prefix in ((CONFIG_DIR.parent, "felix/"), (Path.cwd().resolve(), "")):
+        if resolved.is_relative_to(root):
+            return prefix + resolved.relative_to(root).as_posix()
+    return p.name
 
 
 def load_comparison(path_or_name: str | Path) -> Comparison:
@@ -310,7 +325,7 @@ def run_comparison(
     doc: dict[str, Any] = {
         "name": comp.name,
         "description": comp.description,
-        "source": comp.source,
+        "source": portable_source(comp.source),
         "scenario": configs[0].name,
         "seed": first_seed,
         "seeds": sorted({r.seed for r in runs}),
@@ -397,7 +412,11 @@ def _write_manifest(
 
     doc = {
         "command": list(sys.argv if argv is None else argv),
-        "comparison": {"name": comp.name, "source": comp.source, "description": comp.description},
+        "comparison": {
+            "name": comp.name,
+            "source": portable_source(comp.source),
+            "description": comp.description,
+        },
         "started_utc": started,
         "ended_utc": ended,
         "provenance": provenance(),

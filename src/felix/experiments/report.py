@@ -1,0 +1,566 @@
+"""``felix report DIR...``: comparison folders as one self-contained HTML page, ours beside the paper's.
+
+Each DIR is a folder ``felix compare`` wrote (``comparison.json`` and ``manifest.json``). For each
+one the page shows the time and bytes to every target (mean ± std over seeds) as a table and an
+embedded plot, the paper's figures for that experiment (from a catalog of the paper's claims,
+``configs/reports/felix.yaml`` by default) against ours with a flag where they differ by more
+than the catalog's tolerance, and the command that regenerates the folder. Plots are PNGs
+embedded as base64, so the page reads offline and can be committed as one file.
+
+Our side of a claim is computed from the folder's per-target statistics: a speed-up is the
+baseline's mean time to the target over the subject's (the ratio of means, so that any pair of
+variants can be read, not only pairs with the comparison's reference), a bytes saving is one
+minus the ratio of the mean bytes. A claim holds when the paper's value lies within the
+tolerance of our range over the targets (for a lower bound: our largest value reaches it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import fnmatch
+import html
+import io
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from felix.config import ConfigError, read_yaml
+from felix.presets import CONFIG_DIR
+
+COMMAND = "report"
+DEFAULT_CATALOG = CONFIG_DIR / "reports" / "felix.yaml"
+_KINDS = ("speedup", "bytes_saving", "time_ratio")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One of the paper's figures for an experiment (see the catalog's header)."""
+
+    kind: str
+    subject: str
+    baseline: str
+    source: str
+    paper: float | None = None
+    at_least: bool = False
+    low: float | None = None
+    high: float | None = None
+    tolerance: float | None = None  # this claim's own, for a claim finer than the catalog's (5-7%)
+
+    def paper_text(self) -> str:
+        if self.kind == "time_ratio":
+            return f"{self.low:.2f}-{self.high:.2f}"
+        assert self.paper is not None
+        if self.kind == "bytes_saving":
+            return f"{self.paper:.0%} fewer"
+        return (">" if self.at_least else "") + f"{self.paper:.2f}x"
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """The paper's side of one experiment: which comparisons it covers and its claims."""
+
+    match: tuple[str, ...]
+    title: str
+    section: str
+    claims: tuple[Claim, ...]
+
+
+@dataclass(frozen=True)
+class Catalog:
+    title: str
+    paper: str
+    tolerance: float
+    experiments: tuple[Experiment, ...]
+
+    def experiment(self, name: str) -> Experiment | None:
+        """The first entry whose patterns match the comparison's name."""
+        return next((e for e in self.experiments if any(fnmatch.fnmatch(name, m) for m in e.match)), None)
+
+
+def load_catalog(path: Path) -> Catalog:
+    """The paper's claims from ``path``; every error is one line that names the file."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such catalog of the paper's figures")
+    doc = read_yaml(path)
+    if not isinstance(doc, dict) or not isinstance(doc.get("experiments"), list):
+        raise ConfigError(f"{path}: a catalog needs 'experiments', a list of entries")
+    experiments = []
+    for i, e in enumerate(doc["experiments"]):
+        where = f"{path}: experiments[{i}]"
+        if not isinstance(e, dict) or not isinstance(e.get("match"), list) or not e.get("title"):
+            raise ConfigError(f"{where}: needs 'match' (a list of name patterns) and 'title'")
+        claims = []
+        for j, c in enumerate(e.get("claims") or []):
+            if not isinstance(c, dict):
+                raise ConfigError(f"{where}.claims[{j}]: a claim is a mapping")
+            try:
+                claim = Claim(**c)
+            except TypeError as exc:
+                raise ConfigError(f"{where}.claims[{j}]: {exc}") from None
+            if claim.kind not in _KINDS:
+                raise ConfigError(
+                    f"{where}.claims[{j}]: kind must be one of {list(_KINDS)}, not {claim.kind!r}"
+                )
+            if claim.kind == "time_ratio" and (claim.low is None or claim.high is None):
+                raise ConfigError(f"{where}.claims[{j}]: a time_ratio claim needs 'low' and 'high'")
+            if claim.kind != "time_ratio" and not isinstance(claim.paper, (int, float)):
+                raise ConfigError(f"{where}.claims[{j}]: a {claim.kind} claim needs a number 'paper'")
+            claims.append(claim)
+        experiments.append(
+            Experiment(
+                tuple(str(m) for m in e["match"]), str(e["title"]), str(e.get("section", "")), tuple(claims)
+            )
+        )
+    tol = doc.get("tolerance", 0.15)
+    if not isinstance(tol, (int, float)) or not 0 <= tol < 1:
+        raise ConfigError(f"{path}: tolerance must be a fraction in [0, 1), not {tol!r}")
+    return Catalog(str(doc.get("title", "Report")), str(doc.get("paper", "")), float(tol), tuple(experiments))
+
+
+@dataclass
+class Folder:
+    """One comparison folder as the report reads it."""
+
+    path: Path
+    name: str
+    description: str
+    reference: str
+    targets: list[float]
+    seeds: list[int]
+    stats: dict[str, dict[str, Any]]
+    manifest: dict[str, Any] = field(default_factory=dict)
+    runs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def spread(self, variant: str, target: float, key: str) -> dict[str, Any] | None:
+        per = self.stats.get(variant, {}).get(f"{target:g}")
+        return None if per is None else per.get(key)
+
+    def mean(self, variant: str, target: float, key: str) -> float | None:
+        s = self.spread(variant, target, key)
+        return None if s is None else s.get("mean")
+
+
+def read_folder(path: Path) -> Folder:
+    """A folder ``felix compare`` wrote; a clear one-line error for anything else."""
+    cj = path / "comparison.json"
+    if not path.is_dir():
+        raise ConfigError(f"{path}: no such folder")
+    if not cj.is_file():
+        raise ConfigError(f"{path}: no comparison.json (give folders written by felix compare)")
+    try:
+        doc = json.loads(cj.read_text())
+        manifest = (
+            json.loads((path / "manifest.json").read_text()) if (path / "manifest.json").is_file() else {}
+        )
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: unreadable result file ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("stats"), dict) or not doc.get("targets"):
+        raise ConfigError(f"{cj}: not a comparison result (no 'stats' or 'targets')")
+    return Folder(
+        path=path,
+        name=str(doc.get("name") or path.name),
+        description=str(doc.get("description") or ""),
+        reference=str(doc.get("reference") or ""),
+        targets=[float(t) for t in doc["targets"]],
+        seeds=[int(s) for s in doc.get("seeds") or []],
+        stats=doc["stats"],
+        manifest=manifest if isinstance(manifest, dict) else {},
+        runs=runs if isinstance(runs := doc.get("runs"), dict) else {},
+    )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Our side of one claim: the value at each target (None: a side never reached it)."""
+
+    claim: Claim
+    ours: dict[float, float | None]
+    status: str  # "agrees", "differs", "not measured"
+
+    def ours_text(self) -> str:
+        def one(v: float | None) -> str:
+            if v is None:
+                return "n.r."
+            if self.claim.kind == "bytes_saving":
+                return f"{v:.0%}" if v >= 0 else f"{-v:.0%} more"
+            return f"{v:.2f}" + ("x" if self.claim.kind == "speedup" else "")
+
+        return " / ".join(one(v) for v in self.ours.values())
+
+
+def judge(folder: Folder, claim: Claim, tolerance: float) -> Verdict:
+    """Our value of ``claim`` at each target of ``folder`` and whether the paper's lies in range."""
+    ours: dict[float, float | None] = {}
+    for t in folder.targets:
+        key = "bytes_total" if claim.kind == "bytes_saving" else "time_s"
+        a, b = folder.mean(claim.subject, t, key), folder.mean(claim.baseline, t, key)
+        if a is None or b is None or a <= 0 or b <= 0:
+            ours[t] = None
+        elif claim.kind == "speedup":
+            ours[t] = b / a
+        elif claim.kind == "bytes_saving":
+            ours[t] = 1.0 - a / b
+        else:
+            ours[t] = a / b
+    values = [v for v in ours.values() if v is not None]
+    if claim.subject not in folder.stats or claim.baseline not in folder.stats or not values:
+        return Verdict(claim, ours, "not measured")
+    lo, hi = min(values), max(values)
+    tolerance = claim.tolerance if claim.tolerance is not None else tolerance
+    if claim.kind == "time_ratio":
+        assert claim.low is not None and claim.high is not None
+        ok = hi >= claim.low * (1 - tolerance) and lo <= claim.high * (1 + tolerance)
+    elif claim.kind == "bytes_saving":
+        assert claim.paper is not None
+        ok = lo - tolerance <= claim.paper <= hi + tolerance
+    elif claim.at_least:
+        assert claim.paper is not None
+        ok = hi >= claim.paper * (1 - tolerance)
+    else:
+        assert claim.paper is not None
+        ok = lo * (1 - tolerance) <= claim.paper <= hi * (1 + tolerance)
+    return Verdict(claim, ours, "agrees" if ok else "differs")
+
+
+def _png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=72)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def time_plot(folder: Folder) -> str:
+    """Mean time to each target per variant, std error bars; base64 PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(folder.stats)
+    width = 0.8 / max(1, len(folder.targets))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
+    for ax, key, scale, label in (
+        (axes[0], "time_s", 1.0, "virtual time to target (s)"),
+        (axes[1], "bytes_total", 1e6, "MB to target"),
+    ):
+        for j, t in enumerate(folder.targets):
+            xs = [i + (j - (len(folder.targets) - 1) / 2) * width for i in range(len(names))]
+            means, errs = [], []
+            for n in names:
+                s = folder.spread(n, t, key) or {}
+                means.append((s.get("mean") or 0.0) / scale)
+                errs.append((s.get("std") or 0.0) / scale)
+            ax.bar(xs, means, width, yerr=errs, capsize=2, label=f"target {t:g}")
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+    axes[0].set_title("mean ± std over seeds (0 = not reached)", fontsize=8)
+    fig.tight_layout()
+    out = _png(fig)
+    plt.close(fig)
+    return out
+
+
+def claims_plot(verdicts: Sequence[Verdict]) -> str | None:
+    """The paper's value beside ours (our range over the targets as the error bar); base64 PNG."""
+    shown = [
+        v for v in verdicts if v.claim.kind != "bytes_saving" and any(x is not None for x in v.ours.values())
+    ]
+    if not shown:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 0.6 + 0.55 * len(shown)))
+    for i, v in enumerate(shown):
+        vals = [x for x in v.ours.values() if x is not None]
+        mid = sorted(vals)[len(vals) // 2]
+        if v.claim.kind == "time_ratio":
+            assert v.claim.low is not None and v.claim.high is not None
+            paper = (v.claim.low + v.claim.high) / 2
+        else:
+            assert v.claim.paper is not None
+            paper = v.claim.paper
+        ax.barh(i + 0.2, paper, 0.38, color="#999999", label="paper" if i == 0 else None)
+        ax.barh(
+            i - 0.2,
+            mid,
+            0.38,
+            xerr=[[mid - min(vals)], [max(vals) - mid]],
+            capsize=3,
+            color="#3b7dd8" if v.status == "agrees" else "#d8643b",
+            label="ours (range over targets)" if i == 0 else None,
+        )
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_yticks(
+        range(len(shown)),
+        [f"{v.claim.subject} vs {v.claim.baseline} ({v.claim.kind.replace('_', ' ')})" for v in shown],
+        fontsize=8,
+    )
+    ax.invert_yaxis()
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_xlabel("speed-up (x) or time ratio; orange: differs from the paper")
+    fig.tight_layout()
+    out = _png(fig)
+    plt.close(fig)
+    return out
+
+
+def raw_weights(folder: Folder) -> dict[str, tuple[float, float, float]]:
+    """The 5th, 50th and 95th percentile of the update weights w_i (mean over seeds) of each async
+    variant that divides by the buffer size: there the recorded weights, w_i / K, times K are the
+    w_i themselves (under the sum of the weights their scale is lost, so those variants are left
+    out). From ``diagnostics.agg_weight_p5/p50/p95`` of each run and the configs in the manifest."""
+    configs: dict[str, dict[str, Any]] = {}
+    for run in (folder.manifest.get("runs") or {}).values():
+        if isinstance(run, dict) and isinstance(run.get("config"), dict):
+            configs.setdefault(str(run.get("variant")), run["config"])
+    out: dict[str, tuple[float, float, float]] = {}
+    for variant, per_seed in folder.runs.items():
+        cfg = configs.get(variant) or {}
+        orch, agg = cfg.get("orchestrator") or {}, cfg.get("aggregator") or {}
+        if orch.get("mode") != "async" or agg.get("normalize") != "count" or not per_seed:
+            continue
+        k = float(orch.get("agg_goal") or 0)
+        rows = [(r.get("diagnostics") or {}) for r in per_seed.values() if isinstance(r, dict)]
+        pct: list[list[float]] = []
+        for q in (5, 50, 95):
+            col = [d.get(f"agg_weight_p{q}") for d in rows]
+            pct.append([float(v) for v in col if isinstance(v, (int, float))])
+        if k > 0 and rows and all(len(col) == len(rows) for col in pct):
+            p5, p50, p95 = (k * sum(col) / len(col) for col in pct)
+            out[variant] = (p5, p50, p95)
+    return out
+
+
+def weights_plot(weights: dict[str, tuple[float, float, float]]) -> str:
+    """Each variant's weight range, p5 to p95 with the median marked; base64 PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 0.7 + 0.45 * len(weights)))
+    for i, (name, (p5, p50, p95)) in enumerate(weights.items()):
+        ax.plot([p5, p95], [i, i], lw=6, color="#3b7dd8", solid_capstyle="butt")
+        ax.plot([p50], [i], "k|", ms=14, mew=2)
+    ax.axvline(0.8, color="#b3391a", lw=0.8, ls="--")
+    ax.set_yticks(range(len(weights)), list(weights), fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(1.6, max(p95 for _, _, p95 in weights.values()) * 1.05))
+    ax.set_xlabel("update weight w_i: 5th-95th percentile (bar), median (|); dashed: 0.8")
+    fig.tight_layout()
+    out = _png(fig)
+    plt.close(fig)
+    return out
+
+
+def regenerate_command(folder: Folder) -> str:
+    """The command that made the folder, with its output folder written as OUT."""
+    cmd = [str(c) for c in folder.manifest.get("command") or []]
+    if not cmd:
+        return f"felix compare {folder.name} --out OUT"
+    if cmd[0].endswith("felix") or cmd[0].endswith("__main__.py"):
+        cmd[0] = "felix"
+    for i, c in enumerate(cmd[:-1]):
+        if c == "--out":
+            cmd[i + 1] = "OUT"
+    return " ".join(c if c and all(ch.isalnum() or ch in "-_.=/,:" for ch in c) else f"'{c}'" for c in cmd)
+
+
+def provenance_text(folder: Folder) -> str:
+    p = folder.manifest.get("provenance") or {}
+    git = p.get("git") or {}
+    bits = [
+        f"commit {str(git.get('commit', '?'))[:10]}" + (" (dirty)" if git.get("dirty") else ""),
+        f"torch {p.get('torch', '?')}",
+        f"{p.get('cpu', '?')} ({p.get('torch_cpu_capability', '?')} kernels)",
+        f"run threads {folder.manifest.get('threads', '?')}",
+        f"{folder.manifest.get('started_utc', '?')} to {folder.manifest.get('ended_utc', '?')}",
+    ]
+    return ", ".join(bits)
+
+
+def _fmt_spread(s: dict[str, Any] | None, scale: float = 1.0, digits: int = 0) -> str:
+    if not s or s.get("mean") is None:
+        return "not reached"
+    mean, std = s["mean"] / scale, (s.get("std") or 0.0) / scale
+    txt = f"{mean:.{digits}f} ± {std:.{digits}f}" if not math.isnan(std) else f"{mean:.{digits}f}"
+    if s.get("n", 0) < s.get("of", 0):
+        txt += f" ({s['n']}/{s['of']} reached)"
+    return txt
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;max-width:1250px;
+color:#222;line-height:1.4;padding:0 1em}
+h1{font-size:1.6em}h2{font-size:1.25em;border-top:2px solid #ddd;padding-top:1em;margin-top:2em}
+table{border-collapse:collapse;font-size:0.85em;margin:0.6em 0}
+td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}th{background:#f2f2f2}
+td:first-child,th:first-child{text-align:left}
+code,pre{background:#f6f6f6;padding:2px 4px;font-size:0.85em}pre{padding:8px;overflow-x:auto}
+.agrees{color:#1a6e1a;font-weight:600}.differs{color:#b3391a;font-weight:600}.not{color:#777}
+.small{font-size:0.8em;color:#555}img{max-width:100%}
+"""
+
+
+def render(folders: Sequence[Folder], catalog: Catalog) -> str:
+    """The whole page."""
+    e = html.escape
+    parts = [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        f"<title>{e(catalog.title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{e(catalog.title)}</h1><p>{e(catalog.paper)}</p>",
+        (
+            f"<p class='small'>A claim <span class='agrees'>agrees</span> when the paper's value lies within "
+            f"{catalog.tolerance:.0%} of our range over the targets (for the paper's lower bounds: our largest "
+            "value reaches it), else it <span class='differs'>differs</span>. Speed-up = the baseline's mean "
+            "time to the target / the subject's; bytes saving = 1 - the subject's mean bytes / the baseline's.</p>"
+        ),
+    ]
+    summary: list[tuple[Folder, Verdict]] = []
+    body: list[str] = []
+    for f in folders:
+        exp = catalog.experiment(f.name)
+        verdicts = [judge(f, c, catalog.tolerance) for c in exp.claims] if exp else []
+        summary += [(f, v) for v in verdicts]
+        body.append(f"<h2 id='{e(f.name)}'>{e(f.name)}" + (f": {e(exp.title)}" if exp else "") + "</h2>")
+        body.append(f"<p>{e(f.description)}</p>")
+        body.append(f"<p><b>Regenerate:</b> <code>{e(regenerate_command(f))}</code><br>")
+        body.append(
+            f"<span class='small'>Seeds {e(str(f.seeds))}; reference {e(f.reference)}; made at "
+            f"{e(provenance_text(f))}.</span></p>"
+        )
+        if exp and not exp.claims:
+            body.append(
+                f"<p class='not'>The paper ({e(exp.section)}) gives no figure to set beside these.</p>"
+            )
+        elif exp:
+            body.append(f"<h3>The paper ({e(exp.section)}) beside ours</h3>")
+            body.append(
+                "<table><tr><th>claim</th><th>paper</th><th>source</th><th>ours at "
+                + " / ".join(f"{t:g}" for t in f.targets)
+                + "</th><th></th></tr>"
+            )
+            for v in verdicts:
+                cls = "not" if v.status == "not measured" else v.status
+                body.append(
+                    f"<tr><td>{e(v.claim.subject)} vs {e(v.claim.baseline)} ({e(v.claim.kind.replace('_', ' '))})"
+                    f"</td><td>{e(v.claim.paper_text())}</td><td>{e(v.claim.source)}</td>"
+                    f"<td>{e(v.ours_text())}</td><td class='{cls}'>{e(v.status)}</td></tr>"
+                )
+            body.append("</table>")
+            img = claims_plot(verdicts)
+            if img:
+                body.append(
+                    f"<img alt='the paper against ours, {e(f.name)}' src='data:image/png;base64,{img}'>"
+                )
+        else:
+            body.append("<p class='not'>The catalog has no figure of the paper for this comparison.</p>")
+        weights = raw_weights(f)
+        if weights:
+            body.append("<h3>Update weights (the paper's Fig. 15 argument)</h3>")
+            body.append(
+                "<p class='small'>The paper (§6.3, Fig. 15): TierFuse gives weights of 0.8 or more to over 90% "
+                "of the updates, a FedBuff-style policy to fewer than 10%, typically about 0.5. Ours: the "
+                "weights of the async variants that divide by the buffer size (5th / 50th / 95th percentile "
+                "over every aggregated update, mean over seeds).</p><table><tr><th>variant</th><th>p5</th>"
+                "<th>median</th><th>p95</th></tr>"
+            )
+            for name, (p5, p50, p95) in weights.items():
+                body.append(
+                    f"<tr><td>{e(name)}</td><td>{p5:.2f}</td><td>{p50:.2f}</td><td>{p95:.2f}</td></tr>"
+                )
+            body.append("</table>")
+            body.append(
+                f"<img alt='update weights, {e(f.name)}' src='data:image/png;base64,{weights_plot(weights)}'>"
+            )
+        body.append("<h3>Ours: time and bytes to each target (mean ± std over seeds)</h3>")
+        head = "".join(f"<th>time to {t:g} (s)</th><th>MB to {t:g}</th>" for t in f.targets)
+        body.append(f"<table><tr><th>variant</th>{head}</tr>")
+        for name in f.stats:
+            cells = "".join(
+                f"<td>{e(_fmt_spread(f.spread(name, t, 'time_s')))}</td>"
+                f"<td>{e(_fmt_spread(f.spread(name, t, 'bytes_total'), 1e6))}</td>"
+                for t in f.targets
+            )
+            body.append(f"<tr><td>{e(name)}</td>{cells}</tr>")
+        body.append("</table>")
+        body.append(
+            f"<img alt='time and bytes to target, {e(f.name)}' src='data:image/png;base64,{time_plot(f)}'>"
+        )
+    parts.append("<h2>Summary: every claim</h2><table><tr><th>comparison</th><th>claim</th><th>paper</th>")
+    parts.append("<th>ours (per target)</th><th></th></tr>")
+    for f, v in summary:
+        cls = "not" if v.status == "not measured" else v.status
+        parts.append(
+            f"<tr><td><a href='#{e(f.name)}'>{e(f.name)}</a></td><td>{e(v.claim.subject)} vs "
+            f"{e(v.claim.baseline)} ({e(v.claim.kind.replace('_', ' '))})</td><td>{e(v.claim.paper_text())}</td>"
+            f"<td>{e(v.ours_text())}</td><td class='{cls}'>{e(v.status)}</td></tr>"
+        )
+    parts.append("</table>")
+    parts += body
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+def report(dirs: Sequence[Path], out: Path, catalog_path: Path = DEFAULT_CATALOG) -> Path:
+    """Read ``dirs``, write the page to ``out`` and return it."""
+    if not dirs:
+        raise ConfigError("felix report: give at least one comparison folder")
+    catalog = load_catalog(catalog_path)
+    folders = [read_folder(Path(d)) for d in dirs]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(folders, catalog))
+    return out
+
+
+def _configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="folders written by felix compare")
+    p.add_argument("--out", default="report.html", help="the HTML page to write (default report.html)")
+    p.add_argument(
+        "--catalog",
+        help="YAML of the paper's figures per experiment (default: the FeLiX paper's, configs/reports/felix.yaml)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = report(
+        [Path(d) for d in args.dirs], Path(args.out), Path(args.catalog) if args.catalog else DEFAULT_CATALOG
+    )
+    print(f"felix report: {len(args.dirs)} comparison(s) -> {out}")
+    return 0
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``felix report`` on the CLI's subparsers."""
+    p = subparsers.add_parser(
+        COMMAND,
+        help="comparison folders as one offline HTML page, ours beside the paper's",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _configure(p)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Standalone entry point (``python -m felix.experiments.report``)."""
+    p = argparse.ArgumentParser(prog="python -m felix.experiments.report", description=__doc__)
+    _configure(p)
+    try:
+        return run(p.parse_args(argv))
+    except ConfigError as exc:
+        print(f"felix report: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

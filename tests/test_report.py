@@ -1,0 +1,134 @@
+"""felix report: comparison folders as one offline page, ours beside the paper's claims."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from felix.cli import main
+from felix.config import ConfigError
+from felix.experiments.report import (
+    DEFAULT_CATALOG,
+    Claim,
+    judge,
+    load_catalog,
+    raw_weights,
+    read_folder,
+    report,
+)
+
+
+def spread(mean: float | None, std: float = 0.0) -> dict[str, float | int | None]:
+    return {"mean": mean, "std": std, "n": 3 if mean is not None else 0, "of": 3, "min": mean, "max": mean}
+
+
+def folder(tmp_path: Path, name: str = "felix-table1-90") -> Path:
+    """A comparison folder: felix 100 s / 200 MB to 0.8, oort-async* 150 s / 400 MB, oort-async 250 s."""
+    times = {"felix": (100.0, 200e6), "oort-async*": (150.0, 400e6), "oort-async": (250.0, 300e6)}
+    stats = {
+        v: {
+            "0.8": {"time_s": spread(t), "bytes_total": spread(b), "speedup_of_reference": spread(1.0)},
+            "0.82": {
+                "time_s": spread(2 * t),
+                "bytes_total": spread(2 * b),
+                "speedup_of_reference": spread(1.0),
+            },
+        }
+        for v, (t, b) in times.items()
+    }
+    d = tmp_path / name
+    d.mkdir()
+    doc = {"name": name, "description": "test", "reference": "oort-async*", "targets": [0.8, 0.82]}
+    (d / "comparison.json").write_text(json.dumps({**doc, "seeds": [0, 1, 2], "stats": stats}))
+    manifest = {
+        "command": ["/somewhere/bin/felix", "compare", name, "--jobs", "2", "--out", "runs/x"],
+        "provenance": {"git": {"commit": "abc123", "dirty": False}, "torch": "2.x"},
+        "threads": [1],
+    }
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    return d
+
+
+def test_our_side_of_each_kind_of_claim(tmp_path: Path) -> None:
+    f = read_folder(folder(tmp_path))
+    v = judge(f, Claim("speedup", "felix", "oort-async*", "s", paper=1.5), 0.15)
+    assert v.ours == {0.8: 1.5, 0.82: 1.5} and v.status == "agrees"
+    assert judge(f, Claim("speedup", "felix", "oort-async*", "s", paper=2.0), 0.15).status == "differs"
+    # A lower bound ("more than 2x"): 2.5 reaches it; "more than 4x" does not.
+    assert (
+        judge(f, Claim("speedup", "felix", "oort-async", "s", paper=2.0, at_least=True), 0.15).status
+        == "agrees"
+    )
+    assert (
+        judge(f, Claim("speedup", "felix", "oort-async", "s", paper=4.0, at_least=True), 0.15).status
+        == "differs"
+    )
+    b = judge(f, Claim("bytes_saving", "felix", "oort-async*", "s", paper=0.4), 0.15)
+    assert b.ours[0.8] == pytest.approx(0.5) and b.status == "agrees"
+    r = judge(f, Claim("time_ratio", "felix", "oort-async*", "s", low=0.93, high=0.95), 0.15)
+    assert r.ours[0.8] == pytest.approx(2 / 3) and r.status == "differs"
+    assert judge(f, Claim("speedup", "felix", "refl*", "s", paper=1.0), 0.15).status == "not measured"
+
+
+def test_the_page_is_self_contained_and_names_the_command(tmp_path: Path) -> None:
+    out = tmp_path / "r.html"
+    assert main(["report", str(folder(tmp_path)), "--out", str(out)]) == 0
+    page = out.read_text()
+    assert "data:image/png;base64," in page
+    assert "http://" not in page and "https://" not in page and "<script" not in page
+    assert "felix compare felix-table1-90 --jobs 2 --out OUT" in page
+    assert "/somewhere" not in page
+    # The shipped catalog's 90% entry: the paper's 2.37x over OORT+Async and 1.32x over OORT+Async*.
+    assert "2.37x" in page and "1.32x" in page and "differs" in page and "agrees" in page
+
+
+def test_shipped_catalog_reads_and_covers_table1() -> None:
+    cat = load_catalog(DEFAULT_CATALOG)
+    for trace in ("100", "90", "50", "mobiperf"):
+        exp = cat.experiment(f"felix-table1-{trace}")
+        assert exp is not None and any(c.baseline == "oort-async*" for c in exp.claims)
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["report", str(empty)]) == 2
+    assert "no comparison.json" in capsys.readouterr().err
+    bad = folder(tmp_path, "bad")
+    (bad / "comparison.json").write_text("{")
+    with pytest.raises(ConfigError, match="unreadable result file"):
+        read_folder(bad)
+    cat = tmp_path / "c.yaml"
+    cat.write_text(
+        "experiments:\n  - {match: [x], title: t, claims: [{kind: speed, subject: a, baseline: b, source: s}]}\n"
+    )
+    with pytest.raises(ConfigError, match="kind must be one of"):
+        load_catalog(cat)
+
+
+def test_weights_of_the_variants_that_divide_by_the_buffer_size(tmp_path: Path) -> None:
+    """Recorded weights are w_i / K under count: the page shows K x them, and leaves out variants
+    whose weights were divided by their sum (their scale is lost)."""
+    d = folder(tmp_path)
+    doc = json.loads((d / "comparison.json").read_text())
+    diag = {"agg_weight_p5": 0.08, "agg_weight_p50": 0.085, "agg_weight_p95": 0.09}
+    doc["runs"] = {"felix": {"0": {"diagnostics": diag}}, "oort-async*": {"0": {"diagnostics": diag}}}
+    (d / "comparison.json").write_text(json.dumps(doc))
+    manifest = json.loads((d / "manifest.json").read_text())
+    conf = {"orchestrator": {"mode": "async", "agg_goal": 10}}
+    manifest["runs"] = {
+        "felix/seed=0": {"variant": "felix", "config": {**conf, "aggregator": {"normalize": "count"}}},
+        "oort-async*/seed=0": {
+            "variant": "oort-async*",
+            "config": {**conf, "aggregator": {"normalize": "weights"}},
+        },
+    }
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    weights = raw_weights(read_folder(d))
+    assert list(weights) == ["felix"] and weights["felix"] == pytest.approx((0.8, 0.85, 0.9))
+    out = report([d], tmp_path / "w.html")
+    assert "Fig. 15" in out.read_text()
