@@ -4,7 +4,6 @@ held-out speaker, as the simulator does."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +16,7 @@ from mqtt_support import (
     start_server,
     write_config,
 )
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_speech import make_fsdd  # noqa: E402
+from test_speech import make_fsdd
 
 pytestmark = needs_mosquitto
 SCALE = 0.02
