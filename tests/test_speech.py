@@ -193,6 +193,8 @@ def test_fsdd_holds_out_speakers_and_caches_its_features(tmp_path: Path) -> None
     assert torch.equal(again.x, train.x)
     wave_train, _ = load_dataset("fsdd", str(root), params={**params, "features": "waveform", "clip_s": 0.5})
     assert wave_train.sample_shape == (1, 4000)
+    one_name, _ = load_dataset("fsdd", str(root), params={**params, "test_speakers": "cy"})
+    assert torch.equal(one_name.x, train.x)
 
 
 def test_fsdd_errors_are_one_line(tmp_path: Path) -> None:
@@ -375,6 +377,29 @@ def test_felix_speech_first_aggregations_on_cpu(tmp_path: Path) -> None:
     res = run_config(cfg, tmp_path / "out", plots=False)
     assert res.summary["aggregations"] == 2 and res.summary["diagnostics"]["rejected"] == 0, res.summary
     assert res.summary["num_params"] > 7_000_000
+
+
+def test_the_speech_comparisons_run_the_eight_strategies() -> None:
+    eight = ["fedbuff", "oort", "oort*", "oort-async", "oort-async*", "refl*", "felix", "felix-plus"]
+    cpu, gpu = load_comparison("felix-speech-cpu"), load_comparison("felix-speech")
+    assert list(cpu.variants) == list(gpu.variants) == eight
+    assert cpu.seeds == gpu.seeds == [0, 1, 2] and len(cpu.targets or []) >= 2 and len(gpu.targets or []) >= 2
+    for v in eight:
+        c = variant_config(cpu, v, {})
+        assert (c.dataset.name, c.model, c.partition.kind, c.partition.num_clients) == (
+            "fsdd",
+            "kws_cnn",
+            "speaker",
+            100,
+        )
+        assert (c.trace.kind, c.trace.offset_s) == ("mobiperf", 300.0)
+        g = variant_config(gpu, v, {})
+        assert (g.dataset.name, g.model, g.partition.num_clients, g.aggregator.server_lr) == (
+            "speech_commands",
+            "resnet34_1d",
+            100,
+            1.0,
+        )
 
 
 # ---------------------------------------------------------------------- real clips

@@ -285,7 +285,7 @@ def _folder(root: str | None, name: str, where: str) -> Path:
 def load_fsdd(
     root: str | None,
     download: bool,
-    test_speakers: list[str] | tuple[str, ...] = ("theo",),
+    test_speakers: str | list[str] | tuple[str, ...] = ("theo",),
     clip_s: float = 1.0,
     features: str = "logmel",
     n_mels: int = 40,
@@ -311,6 +311,8 @@ def load_fsdd(
         if m is None:
             raise DatasetError(f"{p}: not named {{digit}}_{{speaker}}_{{index}}.wav")
         clips.append(Clip(p, int(m.group(1)), m.group(2)))
+    if isinstance(test_speakers, str):  # one name given without a list
+        test_speakers = [test_speakers]
     speakers = {c.speaker for c in clips}
     unknown = sorted(set(test_speakers) - speakers)
     if unknown or set(test_speakers) >= speakers:
