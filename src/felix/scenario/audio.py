@@ -211,25 +211,36 @@ def _features(waves: np.ndarray, rate: int, feats: Features) -> np.ndarray:
 
 @dataclass
 class Clip:
+    """One WAV file of a dataset: its class and who spoke it."""
+
     path: Path
     label: int
     speaker: str
 
 
 def clips_dataset(
-    train: list[Clip], test: list[Clip], classes: list[str], rate: int, clip_s: float, feats: Features
+    where: Path,
+    train: list[Clip],
+    test: list[Clip],
+    classes: list[str],
+    rate: int,
+    clip_s: float,
+    feats: Features,
 ) -> tuple[ArrayDataset, ArrayDataset]:
-    """The train and test sets of these clips: read, padded or cut to ``clip_s``, featurised (from
-    the cache when the same files and settings were seen before), log-mel standardised per band by
-    the training set; groups are speaker ids, numbered over both splits."""
+    """The train and test sets of these clips (from the folder ``where``, named in errors): read,
+    padded or cut to ``clip_s``, featurised (from the cache when the same files and settings were
+    seen before), log-mel standardised per band by the training set; groups are speaker ids,
+    numbered over both splits."""
     counts = np.bincount([c.label for c in train], minlength=len(classes))
     if (counts == 0).any():
         empty = [classes[k] for k in np.flatnonzero(counts == 0)]
-        raise DatasetError(f"the training split has no clips of class {', '.join(empty)}")
+        raise DatasetError(f"{where}: the training split has no clips of class {', '.join(empty)}")
     if not test:
-        raise DatasetError("the test split has no clips")
-    everything = train + test
+        raise DatasetError(f"{where}: the test split has no clips")
     length = round(clip_s * rate)
+    if length < 1:
+        raise DatasetError(f"dataset.params.clip_s: {clip_s} s is not a clip length")
+    everything = train + test
     key_text = json.dumps(
         [[str(c.path), c.path.stat().st_size] for c in everything] + [rate, length, asdict(feats)]
     )
@@ -322,6 +333,7 @@ def load_fsdd(
         )
     held = set(test_speakers)
     return clips_dataset(
+        folder,
         [c for c in clips if c.speaker not in held],
         [c for c in clips if c.speaker in held],
         [str(d) for d in range(10)],
@@ -386,4 +398,4 @@ def load_speech_commands(
             (test if rel in lists["testing_list.txt"] else train).append(clip)
     if not train:
         raise DatasetError(f"{base}: no training clips")
-    return clips_dataset(train, test, words, SPEECH_COMMANDS_RATE, clip_s, feats)
+    return clips_dataset(base, train, test, words, SPEECH_COMMANDS_RATE, clip_s, feats)
