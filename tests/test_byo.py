@@ -153,17 +153,20 @@ def test_yaml_file_with_import_paths(tmp_path):
 @pytest.mark.parametrize(
     ("sets", "expect"),
     [
-        ({"model": "resnet9000"}, "unknown model 'resnet9000'; registered: felix_cnn, mlp, small_cnn"),
+        (
+            {"model": "resnet9000"},
+            "unknown model 'resnet9000'; registered: felix_cnn, kws_cnn, mlp, resnet34_1d, small_cnn",
+        ),
         ({"model": "no_such_pkg.nets:make"}, "cannot import module 'no_such_pkg.nets'"),
         ({"model": "test_byo:nothing_here"}, "module 'test_byo' has no attribute 'nothing_here'"),
         ({"model": "test_byo:NUM_CLASSES"}, "is a int, not callable"),
         (
             {"dataset": {"name": "mnist9"}},
-            "unknown dataset 'mnist9'; registered: cifar10, digits, fashion_mnist",
+            "unknown dataset 'mnist9'; registered: cifar10, digits, fashion_mnist, fsdd, speech_commands",
         ),
         (
             {"partition": {"kind": "pathological"}},
-            "unknown partitioner 'pathological'; registered: dirichlet, iid, rare_clients, table",
+            "unknown partitioner 'pathological'; registered: dirichlet, iid, rare_clients, speaker, table",
         ),
         ({"trace": {"kind": "weekly"}}, "unknown trace 'weekly'; registered: always,"),
     ],

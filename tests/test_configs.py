@@ -87,7 +87,16 @@ def test_unknown_names_list_the_known_ones() -> None:
 
 @pytest.mark.parametrize(
     "scenario",
-    ["default", "felix-cpu-100", "felix-cpu-90", "felix-cpu-50", "felix-cpu-mobiperf", "felix-cifar10"],
+    [
+        "default",
+        "felix-cpu-100",
+        "felix-cpu-90",
+        "felix-cpu-50",
+        "felix-cpu-mobiperf",
+        "felix-cifar10",
+        "felix-speech-cpu",
+        "felix-speech",
+    ],
 )
 def test_every_scenario_validates_with_every_strategy(scenario: str) -> None:
     for strategy in strategy_names():

@@ -68,3 +68,29 @@ def test_plots_zoom_to_the_race(tmp_path: Path) -> None:
     from felix.metrics.multiseed import time_axis_limit
 
     assert time_axis_limit(stats, curves) == 2 * 15.0  # the 'never' run's 50,000 s is not the axis
+
+
+def test_the_summary_splits_bytes_into_train_and_eval() -> None:
+    """Eval traffic is part of the result: MB to each target, then of it the training and the
+    evaluation tasks' MB (the rest is control)."""
+
+    def rows(eval_mb: int) -> list[EvalRow]:
+        accs = [0.0, 0.5, 0.9]
+        return [
+            EvalRow(10.0 * i, i, a, 0.0, i * 4_000_000, 0, 0, i * 3_000_000, i * eval_mb * 1_000_000)
+            for i, a in enumerate(accs)
+        ]
+
+    curves = {"felix": {0: rows(1), 1: rows(1)}, "fedbuff": {0: rows(0), 1: rows(0)}}
+    stats = compare_seeds(curves, [0.8], window=1, reference="felix")
+    a = stats["felix"][0.8]
+    assert (a.bytes_total.mean, a.bytes_train.mean, a.bytes_eval.mean) == (8e6, 6e6, 2e6)
+    md = table_markdown(stats, "felix", "test")
+    assert "| MB to 0.8 | train MB to 0.8 | eval MB to 0.8 |" in md
+    assert (
+        "| felix | 20 ± 0 [20-20] | 8.0 ± 0.0 [8.0-8.0] | 6.0 ± 0.0 [6.0-6.0] | 2.0 ± 0.0 [2.0-2.0] | - |"
+        in md
+    )
+    assert (
+        "| fedbuff | 20 ± 0 [20-20] | 8.0 ± 0.0 [8.0-8.0] | 6.0 ± 0.0 [6.0-6.0] | 0.0 ± 0.0 [0.0-0.0] |" in md
+    )

@@ -80,7 +80,7 @@ def _registered(module: str, registry: str, value: str) -> str:
 class DatasetCfg(_Strict):
     name: str = Field(
         "digits",
-        description="a registered dataset (felix.scenario.datasets.DATASETS: digits, "
+        description="a registered dataset (felix.scenario.datasets.DATASETS: digits, fsdd, speech_commands, "
         "fashion_mnist, cifar10) or an import path 'package.module:loader' (docs/python-api.md)",
     )
     root: str | None = None
@@ -107,7 +107,7 @@ class PartitionCfg(_Strict):
     kind: str = Field(
         "dirichlet",
         description="a registered partitioner (felix.scenario.partition.PARTITIONERS: "
-        "dirichlet, iid, table, rare_clients) or an import path 'package.module:partitioner'",
+        "dirichlet, iid, table, rare_clients, speaker) or an import path 'package.module:partitioner'",
     )
     num_clients: int = Field(100, ge=1)
     alpha: float = Field(0.5, gt=0)
@@ -492,7 +492,7 @@ class Config(_Strict):
     seed: int = Field(0, ge=0, le=2**32 - 1)
     model: str = Field(
         "small_cnn",
-        description="a registered model (felix.scenario.models.MODELS: felix_cnn, "
+        description="a registered model (felix.scenario.models.MODELS: felix_cnn, kws_cnn, resnet34_1d, "
         "small_cnn, mlp) or an import path 'package.module:factory' (docs/python-api.md)",
     )
     model_params: dict[str, Any] = Field(

@@ -37,7 +37,7 @@ the orchestrator sees them (transport errors, duplicates) are wire bytes only.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -276,7 +276,9 @@ def _columns(rows: list[Any], cls: type) -> dict[str, np.ndarray]:
 
 
 def _rows(cols: dict[str, np.ndarray], cls: type) -> list[Any]:
-    names = [f.name for f in fields(cls)]
+    """The rows ``_columns`` wrote; a field with a default that an older checkpoint lacks takes
+    its default."""
+    names = [f.name for f in fields(cls) if f.name in cols or f.default is MISSING]
     ints = {f.name for f in fields(cls) if f.type in ("int", int)}
     lists = [np.asarray(cols[k]).tolist() for k in names]
     return [

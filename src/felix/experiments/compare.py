@@ -186,7 +186,16 @@ def load_comparison(path_or_name: str | Path) -> Comparison:
     """A comparison file by path, or a shipped one by name (``configs/comparisons/<name>.yaml``);
     ``extends`` resolved (see ``_read_extended``)."""
     p = _comparison_path(path_or_name)
-    return parse_comparison(_read_extended(p), str(p), p.stem)
+    return parse_comparison(_read_extended(p), _source_name(p), p.stem)
+
+
+def _source_name(p: Path) -> str:
+    """How results name a comparison file: a shipped one as ``configs/comparisons/<name>.yaml``
+    (where it is in any installation, so manifests hold no machine's path), another as given."""
+    try:
+        return str(Path("configs") / p.resolve().relative_to(CONFIG_DIR))
+    except ValueError:
+        return str(p)
 
 
 def is_comparison_file(path: str) -> bool:

@@ -133,6 +133,8 @@ def load(spec: RunSpec) -> RunOutput:
                     int(r["bytes_total"]),
                     int(r["bytes_down"]),
                     int(r["bytes_up"]),
+                    int(r.get("bytes_train") or 0),  # absent from runs written before the split
+                    int(r.get("bytes_eval") or 0),
                 )
                 for r in csv.DictReader(f)
             ]

@@ -25,11 +25,14 @@ Curves = dict[str, dict[int, list[EvalRow]]]
 
 @dataclass(frozen=True)
 class TargetHit:
-    """Where one run first met one target: virtual time, total bytes and model version."""
+    """Where one run first met one target: virtual time, total bytes (and those of training and of
+    evaluation tasks) and model version."""
 
     time_s: float
     bytes_total: int
     version: int
+    bytes_train: int = 0
+    bytes_eval: int = 0
 
 
 def first_hits(
@@ -42,7 +45,7 @@ def first_hits(
         accs.append(r.accuracy)
         for t in targets:
             if out[t] is None and reached_target(accs, t, window):
-                out[t] = TargetHit(r.time_s, r.bytes_total, r.version)
+                out[t] = TargetHit(r.time_s, r.bytes_total, r.version, r.bytes_train, r.bytes_eval)
     return out
 
 
@@ -83,6 +86,8 @@ class StrategyAtTarget:
     time_s: Spread
     bytes_total: Spread
     speedup_of_reference: Spread  # this strategy's time / the reference's time, paired by seed
+    bytes_train: Spread  # of bytes_total, training tasks' (model down, update up)
+    bytes_eval: Spread  # and evaluation tasks' (model down, utility up)
 
 
 def compare_seeds(
@@ -105,23 +110,34 @@ def compare_seeds(
             at_t = [h[t] for h in by_seed.values()]
             times = [x.time_s if x else None for x in at_t]
             nbytes = [float(x.bytes_total) if x else None for x in at_t]
+            ntrain = [float(x.bytes_train) if x else None for x in at_t]
+            neval = [float(x.bytes_eval) if x else None for x in at_t]
             ratios: list[float | None] = []
             for seed, h in by_seed.items():
                 ref = hits[reference].get(seed, {}).get(t)
                 mine = h[t]
                 ratios.append(mine.time_s / ref.time_s if mine and ref and ref.time_s > 0 else None)
             out[s][t] = StrategyAtTarget(
-                Spread.of_values(times), Spread.of_values(nbytes), Spread.of_values(ratios)
+                Spread.of_values(times),
+                Spread.of_values(nbytes),
+                Spread.of_values(ratios),
+                Spread.of_values(ntrain),
+                Spread.of_values(neval),
             )
     return out
 
 
 def table_markdown(stats: dict[str, dict[float, StrategyAtTarget]], reference: str, title: str) -> str:
-    """One row per strategy; for each target: time (s), MB and the reference's speed-up, mean ± std."""
+    """One row per strategy; for each target: time (s), MB (all, then of training and of evaluation
+    tasks) and the reference's speed-up, mean ± std."""
     targets = list(next(iter(stats.values())))
     head = (
         "| strategy | "
-        + " | ".join(f"time to {t:g} (s) | MB to {t:g} | speed-up of {reference} at {t:g}" for t in targets)
+        + " | ".join(
+            f"time to {t:g} (s) | MB to {t:g} | train MB to {t:g} | eval MB to {t:g} "
+            f"| speed-up of {reference} at {t:g}"
+            for t in targets
+        )
         + " |"
     )
     lines = [
@@ -129,11 +145,13 @@ def table_markdown(stats: dict[str, dict[float, StrategyAtTarget]], reference: s
         "",
         (
             f"Mean ± standard deviation over seeds; speed-up = strategy's time / {reference}'s time on the "
-            "same seed (above 1: the reference is faster); '(n/m reached)' when not every seed met the target."
+            "same seed (above 1: the reference is faster); '(n/m reached)' when not every seed met the target. "
+            "Train / eval MB: the bytes of training and of evaluation tasks (both directions); "
+            "the rest of MB is control traffic."
         ),
         "",
         head,
-        "|---|" + "---|---|---|" * len(targets),
+        "|---|" + "---|---|---|---|---|" * len(targets),
     ]
     for s, per_t in stats.items():
         cells = []
@@ -148,7 +166,13 @@ def table_markdown(stats: dict[str, dict[float, StrategyAtTarget]], reference: s
                     else "-"
                 )
             )
-            cells += [a.time_s.text(), a.bytes_total.text(".1f", 1e6), speed]
+            cells += [
+                a.time_s.text(),
+                a.bytes_total.text(".1f", 1e6),
+                a.bytes_train.text(".1f", 1e6),
+                a.bytes_eval.text(".1f", 1e6),
+                speed,
+            ]
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -46,6 +46,10 @@ class EvalRow:
     bytes_total: int
     bytes_down: int
     bytes_up: int
+    # Of bytes_total, what training and evaluation tasks moved (both directions); the rest is
+    # control traffic. Eval traffic is part of the result: each eval task ships the whole model.
+    bytes_train: int = 0
+    bytes_eval: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,17 @@ class Recorder:
     def record(self, time_s: float, version: int, weights: np.ndarray) -> EvalRow:
         acc, loss = self.evaluate(weights)
         b = self.bytes
-        row = EvalRow(time_s, version, acc, loss, b.total, b.total_down, b.total_up)
+        row = EvalRow(
+            time_s,
+            version,
+            acc,
+            loss,
+            b.total,
+            b.total_down,
+            b.total_up,
+            b.down["train"] + b.up["train"],
+            b.down["eval"] + b.up["eval"],
+        )
         self.rows.append(row)
         if self.time_to_target is None and reached_target(
             [r.accuracy for r in self.rows], self.target, self.window

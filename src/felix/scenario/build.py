@@ -93,19 +93,23 @@ def _dataset(
     return train, test
 
 
-def partition_indices(cfg: Config, labels: np.ndarray, num_classes: int) -> list[np.ndarray]:
-    """Each client's training-set indices, from the configured partitioner and the partition stream."""
+def partition_indices(
+    cfg: Config, labels: np.ndarray, num_classes: int, groups: np.ndarray | None = None
+) -> list[np.ndarray]:
+    """Each client's training-set indices, from the configured partitioner and the partition
+    stream; ``groups``: each sample's speaker, for the partitioners that split by it."""
     p = cfg.partition
     rng = _stream(cfg.seed, _PARTITION)
     if p.imbalance == 1:
-        return partition(p, labels, num_classes, rng)
+        return partition(p, labels, num_classes, rng, groups)
     # A long tail first (partition.imbalance): the split is of the kept subset.
     head = p.head_per_class or int(np.bincount(labels, minlength=num_classes).max())
     try:
         keep, _ = long_tail_indices(labels, num_classes, head, p.imbalance, rng)
     except ValueError as exc:
         raise ConfigError(f"partition: {exc}") from None
-    return [keep[ix] for ix in partition(p, labels[keep], num_classes, rng)]
+    kept_groups = None if groups is None else groups[keep]
+    return [keep[ix] for ix in partition(p, labels[keep], num_classes, rng, kept_groups)]
 
 
 def build_trace(cfg: Config, population: Population | None = None) -> AvailabilityTrace:
@@ -363,7 +367,8 @@ def build_population(
             d.num_classes,
             json.dumps(d.params, sort_keys=True, default=str),
         )
-        parts = partition_indices(cfg, train.y.numpy(), train.num_classes)
+        groups = None if train.groups is None else train.groups.numpy()
+        parts = partition_indices(cfg, train.y.numpy(), train.num_classes, groups)
         # One gather into client order; each client's data is a row slice of it, so a cohort
         # trainer's data pool adopts the whole without copying it again (cohort.DataPool).
         order = torch.as_tensor(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))

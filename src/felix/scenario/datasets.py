@@ -55,6 +55,9 @@ class ArrayDataset:
     x: torch.Tensor  # float32, N x C x H x W, normalised
     y: torch.Tensor  # int64, N
     classes: list[str]
+    # int64, N: who produced each sample (a speaker), for partitions that split by it
+    # (felix.scenario.partition's ``speaker``); None for datasets without such groups
+    groups: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
@@ -69,7 +72,9 @@ class ArrayDataset:
 
     def subset(self, idx: np.ndarray) -> ArrayDataset:
         t = torch.as_tensor(idx, dtype=torch.long)
-        return ArrayDataset(self.x[t], self.y[t], self.classes)
+        return ArrayDataset(
+            self.x[t], self.y[t], self.classes, None if self.groups is None else self.groups[t]
+        )
 
     def class_counts(self) -> np.ndarray:
         return np.bincount(self.y.numpy(), minlength=self.num_classes)
@@ -147,6 +152,10 @@ def check_dataset(d: object, what: str) -> None:
     lo, hi = int(d.y.min()), int(d.y.max())
     if lo < 0 or hi >= d.num_classes:
         raise DatasetError(f"{what}: labels span [{lo}, {hi}] but there are {d.num_classes} classes")
+    if d.groups is not None and (
+        not isinstance(d.groups, torch.Tensor) or d.groups.dtype != torch.int64 or d.groups.shape != d.y.shape
+    ):
+        raise DatasetError(f"{what}: groups must be an int64 vector of {len(d)} group ids, or None")
 
 
 def _limit(d: ArrayDataset, n: int) -> ArrayDataset:
@@ -163,8 +172,8 @@ def first_classes(d: ArrayDataset, n: int) -> ArrayDataset:
         raise DatasetError(f"cannot keep the first {n} classes of a dataset with {d.num_classes}")
     if n == d.num_classes:
         return d
-    keep = np.flatnonzero(d.y.numpy() < n)
-    return ArrayDataset(d.x[torch.from_numpy(keep)], d.y[torch.from_numpy(keep)], d.classes[:n])
+    keep = d.subset(np.flatnonzero(d.y.numpy() < n))
+    return ArrayDataset(keep.x, keep.y, d.classes[:n], keep.groups)
 
 
 def _normalise(x_uint8: np.ndarray) -> torch.Tensor:
@@ -367,3 +376,7 @@ def _torchvision(cls_name: str, classes: list[str]) -> tuple[ArrayDataset, Array
             )
         )
     return out[0], out[1]
+
+
+# The speech datasets register themselves here (felix.scenario.audio builds on this module).
+from felix.scenario import audio as _audio  # noqa: F401

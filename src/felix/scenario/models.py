@@ -90,6 +90,108 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class KwsCNN(nn.Module):
+    """A CPU-sized keyword-spotting CNN on log-mel spectrograms (1 x mels x frames): three 3x3
+    conv blocks, each halving time and frequency, and a small dense head. A plain chain, so the
+    cohort trainer's stacked-chain kernel applies."""
+
+    sequential_forward = ("features", "flatten", "head")
+
+    def __init__(self, in_shape: tuple[int, int, int], num_classes: int, width: int = 16) -> None:
+        super().__init__()
+        c, h, w = in_shape
+        if h < 8 or w < 8:
+            raise ValueError(f"kws_cnn needs at least 8 mel bands and 8 frames, got {h} x {w}")
+        self.features = nn.Sequential(
+            nn.Conv2d(c, width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(2 * width, 2 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.flatten = nn.Flatten()
+        self.head = nn.Sequential(
+            nn.Linear(2 * width * (h // 8) * (w // 8), 64), nn.ReLU(), nn.Linear(64, num_classes)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.flatten(self.features(x)))
+
+
+def _norm1d(kind: str, channels: int) -> nn.Module:
+    return nn.BatchNorm1d(channels) if kind == "batch" else nn.GroupNorm(32, channels)
+
+
+class BasicBlock1D(nn.Module):
+    """ResNet's basic block with 1-D convolutions (kernel 3), as in the FeLiX authors' speech model."""
+
+    def __init__(self, cin: int, cout: int, stride: int, norm: str) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = _norm1d(norm, cout)
+        self.conv2 = nn.Conv1d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = _norm1d(norm, cout)
+        self.relu = nn.ReLU()
+        self.downsample: nn.Module | None = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(
+                nn.Conv1d(cin, cout, 1, stride=stride, bias=False), _norm1d(norm, cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        identity = x if self.downsample is None else self.downsample(x)
+        return self.relu(out + identity)
+
+
+class ResNet34_1D(nn.Module):
+    """The FeLiX authors' speech network (``ResNet34_1D`` in their Flame fork,
+    ``examples/async_google_speech/trainer/pytorch/main_resnet.py``): ResNet-34's stages (3, 4, 6, 3
+    basic blocks of 64-512 channels) with 1-D convolutions, over a raw waveform (1 x samples) in
+    their runs; 7.2M parameters for 35 words. Here the input may also be a log-mel spectrogram, its
+    mel bands the input channels. Their forward ends in log-softmax for an NLL loss; this one
+    returns the logits, which cross-entropy turns into the same loss.
+
+    ``norm``: ``batch`` (theirs: BatchNorm, whose running statistics are buffers, so clients
+    train one at a time) or ``group`` (GroupNorm with 32 groups: no buffers, so cohorts of clients
+    train in one vectorised pass)."""
+
+    def __init__(self, in_channels: int, num_classes: int, norm: str = "batch") -> None:
+        super().__init__()
+        if norm not in ("batch", "group"):
+            raise ValueError(f"norm must be 'batch' or 'group', got {norm!r}")
+        self.conv1 = nn.Conv1d(in_channels, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = _norm1d(norm, 64)
+        self.relu = nn.ReLU()
+        self.maxpool = nn.MaxPool1d(3, stride=2, padding=1)
+        stages: list[nn.Module] = []
+        cin = 64
+        for cout, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+            stages.append(
+                nn.Sequential(
+                    *(
+                        BasicBlock1D(cin if b == 0 else cout, cout, stride if b == 0 else 1, norm)
+                        for b in range(blocks)
+                    )
+                )
+            )
+            cin = cout
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.avgpool = nn.AdaptiveAvgPool1d(1)
+        self.fc = nn.Linear(512, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 4:  # a log-mel spectrogram 1 x mels x frames: the mel bands are the channels
+            x = x.flatten(1, 2)
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
 ModelFactory = Callable[..., nn.Module]
 MODELS: Registry[ModelFactory] = Registry(
     "model",
@@ -110,6 +212,26 @@ def small_cnn(sample_shape: tuple[int, ...], num_classes: int, width: int = 16) 
     if len(sample_shape) != 3:
         raise ValueError(f"small_cnn expects C x H x W inputs, got {sample_shape}")
     return SmallCNN(tuple(sample_shape), num_classes, width)  # type: ignore[arg-type]
+
+
+@MODELS.register("kws_cnn")
+def kws_cnn(sample_shape: tuple[int, ...], num_classes: int, width: int = 16) -> nn.Module:
+    if len(sample_shape) != 3 or sample_shape[0] != 1:
+        raise ValueError(f"kws_cnn expects a log-mel spectrogram 1 x mels x frames, got {sample_shape}")
+    return KwsCNN(tuple(sample_shape), num_classes, width)  # type: ignore[arg-type]
+
+
+@MODELS.register("resnet34_1d")
+def resnet34_1d(sample_shape: tuple[int, ...], num_classes: int, norm: str = "batch") -> nn.Module:
+    if len(sample_shape) == 3 and sample_shape[0] == 1:
+        channels = sample_shape[1]  # log-mel: the mel bands
+    elif len(sample_shape) == 2:
+        channels = sample_shape[0]  # a waveform (1 x samples) or channels x time
+    else:
+        raise ValueError(
+            f"resnet34_1d expects channels x time (a waveform 1 x samples) or 1 x mels x frames, got {sample_shape}"
+        )
+    return ResNet34_1D(channels, num_classes, norm)
 
 
 @MODELS.register("mlp")

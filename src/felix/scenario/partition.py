@@ -5,7 +5,9 @@
 training set's int labels, ``cfg`` the run's ``PartitionCfg`` (``num_clients``, ``alpha``, ...),
 ``rng`` the scenario's partition stream, ``params`` ``partition.params``; it returns one array of
 training-set indices per client (``cfg.num_clients`` of them). A config names it
-``partition.kind: NAME`` or ``package.module:partitioner``.
+``partition.kind: NAME`` or ``package.module:partitioner``. A partitioner with the attribute
+``needs_groups = True`` (``speaker``) also gets ``groups=``: each sample's group id (its speaker,
+``ArrayDataset.groups``).
 """
 
 from __future__ import annotations
@@ -31,13 +33,26 @@ PARTITIONERS: Registry[Partitioner] = Registry(
 
 
 def partition(
-    cfg: PartitionCfg, labels: np.ndarray, num_classes: int, rng: np.random.Generator
+    cfg: PartitionCfg,
+    labels: np.ndarray,
+    num_classes: int,
+    rng: np.random.Generator,
+    groups: np.ndarray | None = None,
 ) -> list[np.ndarray]:
     """Split ``labels``' indices over ``cfg.num_clients`` clients with the configured partitioner,
-    checking what it returns (one int index array per client, every index in range)."""
+    checking what it returns (one int index array per client, every index in range). ``groups``:
+    each sample's group id (speaker), for a partitioner that ``needs_groups``."""
     fn = PARTITIONERS.resolve(cfg.kind)
+    extra: dict[str, np.ndarray] = {}
+    if getattr(fn, "needs_groups", False):
+        if groups is None:
+            raise ConfigError(
+                f"partition.kind {cfg.kind!r} splits by speaker, but the dataset gives no speaker "
+                "per sample (ArrayDataset.groups; fsdd and speech_commands do)"
+            )
+        extra["groups"] = groups
     try:
-        parts = fn(labels, num_classes, cfg, rng, **cfg.params)
+        parts = fn(labels, num_classes, cfg, rng, **extra, **cfg.params)
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise
@@ -93,6 +108,38 @@ def _table(
         return count_table_partition(labels, table, rng)
     except ValueError as exc:
         raise ConfigError(f"partition.table: {exc}") from None
+
+
+@PARTITIONERS.register("speaker")
+def _speaker(
+    labels: np.ndarray, num_classes: int, cfg: PartitionCfg, rng: np.random.Generator, groups: np.ndarray
+) -> list[np.ndarray]:
+    return speaker_partition(groups, cfg.num_clients, rng)
+
+
+_speaker.needs_groups = True  # type: ignore[attr-defined]
+
+
+def speaker_partition(groups: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Each client the samples of one or a few speakers, speech's natural non-IID split (a phone
+    hears its owner). With at least as many speakers as clients, the speakers in a random order
+    are dealt out in turn (client k: speakers k, k + n, ...), so clients differ in size as
+    speakers do; with fewer speakers, client k takes speaker k mod S, and each speaker's samples
+    are shuffled and cut into equal parts for its clients."""
+    speakers = np.unique(groups)
+    if num_clients <= len(speakers):
+        order = rng.permutation(speakers)
+        parts = [np.flatnonzero(np.isin(groups, order[k::num_clients])) for k in range(num_clients)]
+    else:
+        parts = [np.empty(0, dtype=np.int64)] * num_clients
+        for i, s in enumerate(speakers):
+            mine = list(range(i, num_clients, len(speakers)))
+            idx = rng.permutation(np.flatnonzero(groups == s))
+            if len(idx) < len(mine):
+                raise ValueError(f"speaker {s} has {len(idx)} samples for {len(mine)} clients")
+            for k, chunk in zip(mine, np.array_split(idx, len(mine))):
+                parts[k] = chunk
+    return [np.sort(p).astype(np.int64) for p in parts]
 
 
 def dirichlet_partition(
