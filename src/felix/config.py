@@ -380,6 +380,18 @@ class ClientCfg(_Strict):
         "the client's data (one forward pass) and send it as aux qffl_loss: the F_k q-FFL "
         "needs (aggregator qffl only; trains one client at a time)",
     )
+    flower_app: str | None = Field(
+        None,
+        description="a Flower ClientApp by import path 'package.module:app' whose train handler "
+        "trains every task (extra felix-fl[flower]; docs/flower.md); null: felix's own trainer",
+    )
+
+    @field_validator("flower_app")
+    @classmethod
+    def _flower_app(cls, v: str | None) -> str | None:
+        if v is not None and (v.count(":") != 1 or not all(v.partition(":")[::2])):
+            raise ValueError(f"{v!r} is not an import path 'package.module:app'")
+        return v
 
 
 class DaflCfg(_Strict):
