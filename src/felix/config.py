@@ -479,6 +479,17 @@ class RunCfg(_Strict):
         "(the DAFL paper's convergence rule; null: no such stop)",
     )
     converge_patience: int = Field(5, ge=1)
+    log_to: list[Literal["tensorboard", "mlflow"]] = Field(
+        default_factory=list,
+        description="trackers that receive each evaluation and the final summary "
+        "(felix.metrics.tracking; extra felix-fl[tracking]): tensorboard = event files in "
+        "<run folder>/tensorboard; mlflow = a run in run.mlflow_uri",
+    )
+    mlflow_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI for log_to mlflow (null: a local file store, <run folder>/mlruns)",
+    )
+    mlflow_experiment: str | None = Field(None, description="MLflow experiment (null: the config's name)")
 
     @field_validator("device")
     @classmethod

@@ -94,9 +94,11 @@ def execute(spec: RunSpec) -> RunOutput:
         torch.set_num_threads(spec.config.run.threads)
     # Evaluations go to the run's folder as they happen where the driver's output folder is reachable
     # (this machine, or a shared file system); the driver rewrites the file whole when the run ends.
-    live = spec.out_dir if spec.out_dir.parent.is_dir() else None
+    # (A comparison's run folder is <out>/<variant>/seed-<n>: its grandparent is the driver's folder.)
+    reachable = spec.out_dir.parent.is_dir() or spec.out_dir.parent.parent.is_dir()
+    live = spec.out_dir if reachable else None
     try:
-        res = run_config(spec.config, None, plots=False, interruptible=True, live_dir=live)
+        res = run_config(spec.config, None, plots=False, interruptible=True, live_dir=live, run_name=spec.key)
     finally:
         torch.set_num_threads(threads)
     return RunOutput(res.summary, res.rows)
