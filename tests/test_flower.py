@@ -22,16 +22,38 @@ from torch.utils.data import DataLoader, TensorDataset
 
 flwr = pytest.importorskip("flwr", reason='needs Flower: pip install "felix-fl[flower]"')
 
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
 
 from felix.cli import main
 from felix.config import ConfigError
 from felix.engine.run import resolve_config, run_config
 from felix.flower import client_data
+from felix.flower.helpers import apply_plan, class_counts_reply, objective
+from felix.strategies.aggregation.tierfuse import TierFuseAggregator
+
+pytestmark = pytest.mark.flower
 
 # The import paths below (test_flower:app, test_flower:make_net) name this module.
 sys.path.insert(0, str(Path(__file__).parent))
+
+#: Every address this process connects or binds a socket to (an audit hook cannot be removed:
+#: one for the module, its list cleared by the tests that read it).
+SOCKETS: list[Any] = []
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if event in ("socket.connect", "socket.bind"):
+        SOCKETS.append(args[1])
+
+
+sys.addaudithook(_audit)
+
+
+def _non_loopback() -> list[Any]:
+    hosts = [a for a in SOCKETS if isinstance(a, tuple) and a and isinstance(a[0], str)]
+    return [a for a in hosts if a[0] not in ("127.0.0.1", "::1", "localhost")]
 
 
 # ------------------------------------------------- the user's Flower app (quickstart-pytorch, digits)
@@ -57,11 +79,22 @@ def make_net(sample_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return Net(tuple(sample_shape), num_classes)
 
 
-def load_data(context: Context, batch_size: int, seed: int) -> DataLoader:
-    """The client's partition: felix's data for this client when felix drives the app."""
+def load_partition(context: Context) -> tuple[torch.Tensor, torch.Tensor]:
+    """The client's partition: felix's data for this client when felix drives the app, else (under
+    Flower's runtime) an even split of the digits by ``partition-id``."""
     data = client_data(context)
-    assert data is not None, "this test app runs under felix"
-    x, y = data
+    if data is None:
+        from sklearn.datasets import load_digits
+
+        pid, parts = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+        digits = load_digits()
+        x_all = torch.tensor(digits.images[pid::parts] / 16.0, dtype=torch.float32).unsqueeze(1)
+        data = (x_all, torch.tensor(digits.target[pid::parts]))
+    return data
+
+
+def load_data(context: Context, batch_size: int, seed: int) -> DataLoader:
+    x, y = load_partition(context)
     return DataLoader(
         TensorDataset(x, y),
         batch_size=batch_size,
@@ -95,7 +128,8 @@ def train(msg: Message, context: Context) -> Message:
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     config = msg.content["config"]
     loader = load_data(context, int(config["batch-size"]), int(config["seed"]))
-    train_loss = train_fn(model, loader, int(context.run_config["local-epochs"]), float(config["lr"]))
+    epochs = int(context.run_config.get("local-epochs", 1))  # a pyproject.toml setting under Flower
+    train_loss = train_fn(model, loader, epochs, float(config["lr"]))
     metrics = MetricRecord({"train_loss": train_loss, "num-examples": len(loader.dataset)})
     content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics})
     return Message(content=content, reply_to=msg)
@@ -107,7 +141,8 @@ exact = ClientApp()
 @exact.train()
 def train_exact(msg: Message, context: Context) -> Message:
     """felix's own local loop written as a Flower handler (batch order from the task's seed,
-    per-sample losses for Oort's utility): the same updates as felix's trainer, bit for bit."""
+    per-sample losses for Oort's utility, felix's objective through the helper): the same updates
+    as felix's trainer, bit for bit."""
     config = msg.content["config"]
     model = Net()
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
@@ -115,22 +150,27 @@ def train_exact(msg: Message, context: Context) -> Message:
     assert data is not None
     x, y = data
     n, bs = len(y), int(config["batch-size"])
+    obj = objective(msg, context, model, class_counts=torch.bincount(y, minlength=int(config["num-classes"])))
     opt = torch.optim.SGD(model.parameters(), lr=float(config["lr"]))
     gen = torch.Generator().manual_seed(int(config["seed"]))
     sq_sum, loss_sum, seen, batches = 0.0, 0.0, 0, 0
+    stop = n - n % bs if config["drop-last"] else n
     model.train()
     for epoch in range(int(config["local-epochs"])):
         order = torch.randperm(n, generator=gen)
-        for start in range(0, n, bs):
+        for start in range(0, stop, bs):
             idx = order[start : start + bs]
-            per = F.cross_entropy(model(x[idx]), y[idx], reduction="none")
+            logits = model(x[idx])
             if epoch == 0:
-                sq_sum += float(per.detach().square().sum())
+                per = F.cross_entropy(logits.detach(), y[idx], reduction="none")
+                sq_sum += float(per.square().sum())
                 seen += len(idx)
-            loss = per.mean()
+            loss = obj.loss(logits, y[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            obj.before_step()
             opt.step()
+            obj.after_step()
             loss_sum += float(loss.detach())
             batches += 1
     metrics = MetricRecord(
@@ -140,7 +180,44 @@ def train_exact(msg: Message, context: Context) -> Message:
             "stat-utility": n * (sq_sum / seen) ** 0.5 if seen else 0.0,
         }
     )
-    return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics}), reply_to=msg)
+    content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics})
+    obj.finish(content)
+    return Message(content, reply_to=msg)
+
+
+helped = ClientApp()
+
+
+@helped.query("felix_counts")
+def counts(msg: Message, context: Context) -> Message:
+    """Answers FelixStrategy's DAFL count query."""
+    return class_counts_reply(msg, load_partition(context)[1], 10)
+
+
+@helped.train()
+def train_helped(msg: Message, context: Context) -> Message:
+    """The quickstart handler with felix's helpers: the DAFL row applied to the data, the
+    objective (FedeRage, named in the config) applied to the loop."""
+    config = msg.content["config"]
+    model = Net()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    x, y = apply_plan(msg, context, *load_partition(context))
+    obj = objective(msg, context, model, num_classes=10)
+    opt = torch.optim.SGD(model.parameters(), lr=float(config["lr"]))
+    loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+    total = 0.0
+    for xb, yb in loader:
+        loss = obj.loss(model(xb), yb)
+        opt.zero_grad()
+        loss.backward()
+        obj.before_step()
+        opt.step()
+        obj.after_step()
+        total += float(loss.detach())
+    metrics = MetricRecord({"train_loss": total / len(loader), "num-examples": len(y)})
+    content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics})
+    obj.finish(content)
+    return Message(content, reply_to=msg)
 
 
 broken = ClientApp()
@@ -165,6 +242,7 @@ SMALL = {
 
 def test_flower_app_runs_through_felix_run_under_churn(tmp_path: Path, capsys: Any) -> None:
     out = tmp_path / "run"
+    SOCKETS.clear()
     rc = main(
         [
             "run",
@@ -187,6 +265,7 @@ def test_flower_app_runs_through_felix_run_under_churn(tmp_path: Path, capsys: A
     assert len(rows) == 14  # the header, the initial model and one row per aggregation
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["client"]["flower_app"] == "test_flower:app"
+    assert not _non_loopback(), _non_loopback()  # the app ran in process: no network at all
 
 
 def test_flower_app_in_felix_compare(tmp_path: Path, capsys: Any) -> None:
@@ -211,16 +290,21 @@ def test_flower_app_in_felix_compare(tmp_path: Path, capsys: Any) -> None:
     assert "fedbuff" in (out / "comparison.md").read_text()
 
 
-def test_a_flower_app_of_felix_loop_gives_felix_trainer_run_exactly() -> None:
+@pytest.mark.parametrize(
+    "client",
+    [{}, {"objective": "federage", "objective_params": {"alpha": 0.2, "gamma": 0.5}}],
+    ids=["ce", "federage"],
+)
+def test_a_flower_app_of_felix_loop_gives_felix_trainer_run_exactly(client: dict[str, Any]) -> None:
     """Everything downstream of the trainer is felix's: an app that computes felix's updates gives
-    the run felix's own trainer gives (one client at a time, as the Flower path trains)."""
-    over = {**SMALL, "run": {**SMALL["run"], "max_aggregations": 6}}
+    the run felix's own trainer gives (one client at a time, as the Flower path trains), FedeRage
+    through the objective helper included (its beta averaged by the server and sent back)."""
+    over = {**SMALL, "client": client, "run": {**SMALL["run"], "max_aggregations": 6}}
     own = run_config(resolve_config(None, "felix", over), None, plots=False)
-    via = run_config(
-        resolve_config(None, "felix", {**over, "client": {"flower_app": "test_flower:exact"}}),
-        None,
-        plots=False,
-    )
+    app_client = {**client, "flower_app": "test_flower:exact"}
+    via = run_config(resolve_config(None, "felix", {**over, "client": app_client}), None, plots=False)
+    if client:
+        assert "federage_beta" in via.built.orch.aux
     assert [(r.version, r.time_s, r.accuracy, r.bytes_total) for r in via.rows] == [
         (r.version, r.time_s, r.accuracy, r.bytes_total) for r in own.rows
     ]
@@ -254,3 +338,58 @@ def _sets(d: dict[str, Any], prefix: str = "") -> list[str]:
 
 def test_telemetry_is_off() -> None:
     assert os.environ["FLWR_TELEMETRY_ENABLED"] == "0"
+
+
+# ------------------------------------------------ felix's strategy inside Flower's simulation
+ROUNDS: list[Any] = []
+server = ServerApp()
+
+
+@server.main()
+def server_main(grid: Grid, context: Context) -> None:
+    from felix.flower.strategy import FelixStrategy
+
+    strategy = FelixStrategy(
+        clients_per_round=3,
+        aggregator=TierFuseAggregator(server_lr=1.0),
+        data_plan="dafl",
+        fraction_evaluate=0.0,
+    )
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(Net().state_dict()),
+        num_rounds=3,
+        train_config=ConfigRecord(
+            {
+                "lr": 0.1,
+                "felix.objective": "federage",
+                "felix.objective-params": json.dumps({"alpha": 0.2, "fixed_batch": False}),
+            }
+        ),
+    )
+    ROUNDS.append((result, strategy))
+
+
+def test_felix_strategy_runs_inside_flower_simulation_on_loopback_only() -> None:
+    ray = pytest.importorskip("ray", reason='needs Ray: pip install "felix-fl[flower]"')
+    from test_ray_backend import ConnectionWatch
+
+    from felix.flower.strategy import run_simulation
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import tests/
+    SOCKETS.clear()
+    ROUNDS.clear()
+    with ConnectionWatch() as watch:
+        run_simulation(server, helped, num_supernodes=6, num_cpus=2)
+    ((result, strategy),) = ROUNDS
+    assert sorted(result.train_metrics_clientapp) == [1, 2, 3]
+    assert result.arrays is not None
+    # felix's selector saw every reply: three nodes per round, their utilities measured.
+    assert int(strategy.clients.column("times_selected").sum()) == 9
+    assert int((strategy.clients.column("times_updated") > 0).sum()) >= 3
+    # DAFL planned over the six nodes' counts; FedeRage's beta came back and was averaged.
+    assert strategy.plan is not None and len(strategy.plan_rows) == 6
+    assert "federage_beta" in strategy.aux
+    assert watch.seen > 0, "the watch saw no sockets"
+    assert not watch.bad, "non-loopback sockets:\n" + "\n".join(watch.bad[:20])
+    assert not _non_loopback(), _non_loopback()  # and none of this process's own Python-level sockets

@@ -13,7 +13,7 @@ What the handler receives (``message_type`` ``"train"``):
   ``ArrayRecord``: ``to_torch_state_dict()`` loads it into the app's own model of the same
   architecture as felix's ``model``);
 - ``content["config"]``: a ``ConfigRecord`` with ``lr``, ``batch-size``, ``local-epochs``,
-  ``momentum``, ``weight-decay``, ``optimizer``, ``max-steps`` (when set), ``seed`` (the task's
+  ``momentum``, ``weight-decay``, ``optimizer``, ``drop-last``, ``max-steps`` (when set), ``seed`` (the task's
   seed: felix's own trainer draws its batch order from it), ``server-round`` (the number of
   training tasks this client received so far) and ``num-classes``, plus ``felix.objective`` and
   ``felix.objective-params`` (JSON) for :func:`felix.flower.helpers.objective`;
@@ -100,6 +100,7 @@ class FlowerTrainer(LocalTrainer):
             "momentum": float(cfg.momentum),
             "weight-decay": float(cfg.weight_decay),
             "optimizer": cfg.optimizer,
+            "drop-last": bool(cfg.drop_last),
             "num-classes": int(num_classes),
             "felix.objective": objective.name,
             "felix.objective-params": json.dumps(objective_params, sort_keys=True),
@@ -209,9 +210,7 @@ def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _array_record(app_mod: Any, arrays: dict[str, np.ndarray]) -> Any:
-    return app_mod.ArrayRecord(
-        {k: app_mod.Array(np.ascontiguousarray(np.asarray(v))) for k, v in sorted(arrays.items())}
-    )
+    return app_mod.ArrayRecord({k: app_mod.Array(np.array(v, order="C")) for k, v in sorted(arrays.items())})
 
 
 def _one(records: Any, key: str, exclude: str | None = None) -> Any:
