@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -393,3 +394,30 @@ def test_felix_strategy_runs_inside_flower_simulation_on_loopback_only() -> None
     assert watch.seen > 0, "the watch saw no sockets"
     assert not watch.bad, "non-loopback sockets:\n" + "\n".join(watch.bad[:20])
     assert not _non_loopback(), _non_loopback()  # and none of this process's own Python-level sockets
+
+
+@pytest.mark.parametrize(
+    "a",
+    [
+        np.arange(12, dtype=np.float32).reshape(3, 4),
+        np.array(2.5),
+        np.zeros((0, 3), dtype=np.float64),
+        np.arange(5, dtype=np.int64),
+        np.asfortranarray(np.arange(6, dtype=np.float32).reshape(2, 3)),
+    ],
+    ids=["matrix", "scalar", "empty", "int64", "fortran"],
+)
+def test_npy_codec_is_flowers_array_byte_for_byte(a: np.ndarray) -> None:
+    """The Flower path's fast arrays hold the bytes Flower's ``Array(a)`` holds, and read back
+    (by felix and by ``Array.numpy()`` in the app) as Flower reads them."""
+    from flwr.app import Array
+
+    from felix.flower.trainer import NpyCodec
+
+    codec = NpyCodec(Array)
+    fast, plain = codec.encode(a), Array(np.ascontiguousarray(a) if a.ndim else a)
+    assert (fast.data, fast.dtype, tuple(fast.shape)) == (plain.data, plain.dtype, tuple(plain.shape))
+    fortran = [Array(np.asfortranarray(a))] if a.ndim >= 2 else []  # Flower's bytes, Fortran order
+    for arr in (fast, plain, *fortran):
+        assert np.array_equal(codec.decode(arr), a) and codec.decode(arr).shape == a.shape
+    assert np.array_equal(fast.numpy(), a)

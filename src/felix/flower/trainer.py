@@ -34,6 +34,7 @@ What it must return: a reply (``Message(content, reply_to=msg)``) with an ``Arra
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from typing import Any
@@ -108,6 +109,21 @@ class FlowerTrainer(LocalTrainer):
         if cfg.max_steps is not None:
             self._config["max-steps"] = int(cfg.max_steps)
         self._run_config = {k: self._config[k] for k in ("lr", "local-epochs", "batch-size")}
+        self._codec = NpyCodec(flwr.app.Array)
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        """The workspace's tensors by ``state_dict`` key, as loaded now (``load`` rebinds the
+        parameters to each task's vector): views, so copying into them loads the model."""
+        return dict(self.model.state_dict())
+
+    def _encode(self) -> Any:
+        """The workspace model as an ``ArrayRecord`` (``np.save`` bytes, as Flower writes them),
+        its arrays set one by one: ``ArrayRecord(array_dict=...)`` would copy them into plain
+        ``Array`` objects, losing the fast ``numpy()``."""
+        record = self._flwr.app.ArrayRecord()
+        for k, v in self._tensors().items():
+            record[k] = self._codec.encode(v.detach().cpu().numpy())
+        return record
 
     def _context(self, cid: int) -> Any:
         ctx = self._contexts.get(cid)
@@ -142,7 +158,7 @@ class FlowerTrainer(LocalTrainer):
         self._rounds[cid] = rnd = self._rounds.get(cid, 0) + 1
         content = app_mod.RecordDict(
             {
-                ARRAYS: app_mod.ArrayRecord(_cpu_state(self.model)),
+                ARRAYS: self._encode(),
                 CONFIG: app_mod.ConfigRecord(
                     {**self._config, "seed": int(generator.initial_seed()), "server-round": rnd}
                 ),
@@ -184,11 +200,21 @@ class FlowerTrainer(LocalTrainer):
         arrays = _one(records.array_records, ARRAYS, exclude=AUX)
         if arrays is None:
             raise ConfigError(f"{where} has no ArrayRecord of the trained model")
-        try:
-            self.model.load_state_dict(arrays.to_torch_state_dict())
-        except (RuntimeError, KeyError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"{where} does not fit felix's model ({first})") from None
+        tensors = self._tensors()
+        if list(arrays.keys()) != list(tensors):
+            raise ConfigError(
+                f"{where} does not fit felix's model (its arrays {list(arrays.keys())[:4]}..., "
+                f"the model's {list(tensors)[:4]}...)"
+            )
+        with torch.no_grad():
+            for key, target in tensors.items():
+                value = self._codec.decode(arrays[key])
+                if value.shape != tuple(target.shape):
+                    raise ConfigError(
+                        f"{where} does not fit felix's model ({key}: shape {value.shape}, "
+                        f"the model's {tuple(target.shape)})"
+                    )
+                target.copy_(torch.from_numpy(value))
         self.weights.end_task(state)
         with torch.no_grad():
             delta = (self.weights.vector() - flat).cpu().numpy()
@@ -205,8 +231,55 @@ class FlowerTrainer(LocalTrainer):
         )
 
 
-def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+class NpyCodec:
+    """Flower's ``Array`` bytes (the ``.npy`` format ``np.save`` writes) without ``np.save`` and
+    ``np.load`` per array: the header depends only on the dtype and shape, so it is made once per
+    (dtype, shape) and the data follows it. Bytes that do not start with the expected header
+    (another writer, Fortran order) are read by Flower's own ``Array.numpy()``. Flower's own way
+    parses every header with ``ast.literal_eval``: most of the Flower path's cost on a small model.
+
+    The arrays it makes are a subclass of Flower's ``Array`` whose ``numpy()`` (what
+    ``ArrayRecord.to_torch_state_dict`` calls in the app's handler) decodes the same way: the same
+    values, and the same bytes for anything else that reads them."""
+
+    def __init__(self, array_type: Any) -> None:
+        self.base = array_type
+        codec = self
+
+        class FastArray(array_type):  # type: ignore[misc, valid-type]
+            def numpy(self) -> np.ndarray:
+                return codec.decode(self)
+
+        self.fast = FastArray
+        self._headers: dict[tuple[str, tuple[int, ...]], bytes] = {}
+
+    def header(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
+        key = (dtype.str, shape)
+        head = self._headers.get(key)
+        if head is None:
+            buf = io.BytesIO()
+            np.save(buf, np.zeros(shape, dtype=dtype), allow_pickle=False)
+            raw = buf.getvalue()
+            head = raw[: len(raw) - dtype.itemsize * int(np.prod(shape))]
+            self._headers[key] = head
+        return head
+
+    def encode(self, a: np.ndarray) -> Any:
+        """``a`` as a Flower ``Array``, byte for byte what ``Array(a)`` holds."""
+        a = np.ascontiguousarray(a) if a.ndim else np.array(a)
+        data = self.header(a.dtype, a.shape) + a.tobytes()
+        return self.fast(dtype=str(a.dtype), shape=tuple(a.shape), stype="numpy.ndarray", data=data)
+
+    def decode(self, arr: Any) -> np.ndarray:
+        """An ``Array``'s values, as a writable array."""
+        if arr.stype == "numpy.ndarray":
+            dtype, shape = np.dtype(arr.dtype), tuple(arr.shape)
+            head = self.header(dtype, shape)
+            if arr.data.startswith(head) and len(arr.data) == len(head) + dtype.itemsize * int(
+                np.prod(shape)
+            ):
+                return np.frombuffer(arr.data, dtype=dtype, offset=len(head)).reshape(shape).copy()
+        return np.asarray(self.base.numpy(arr))
 
 
 def _array_record(app_mod: Any, arrays: dict[str, np.ndarray]) -> Any:
