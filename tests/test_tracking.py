@@ -111,6 +111,10 @@ def test_compare_gives_one_tracker_run_per_variant_and_seed(tmp_path: Path, caps
         "fedbuff/seed=1",
     ]
     assert {r.data.params["seed"] for r in runs} == {"0", "1"}
+    # The finished runs are read back, not refused, when only the trackers change.
+    again = ["compare", "--strategies", "fedavg,fedbuff", "--seeds", "0", "1", "--out", str(out), *SMALL]
+    assert main(again) == 0
+    assert "finished run of a different config" not in capsys.readouterr().err
     events = sorted(p.parent.relative_to(out).as_posix() for p in out.glob("**/tensorboard/events.*"))
     assert events == [
         "fedavg/seed-0/tensorboard",

@@ -110,6 +110,13 @@ def store(spec: RunSpec, out: RunOutput) -> None:
     (spec.out_dir / "config.json").write_text(spec.config.model_dump_json(indent=2) + "\n")
 
 
+def _results_part(cfg: Config) -> Config:
+    """``cfg`` without the keys that do not change a run's results (the trackers it reports to):
+    a finished run is read back whatever they say (and not reported again; --force reruns it)."""
+    run = cfg.run.model_copy(update={"log_to": [], "mlflow_uri": None, "mlflow_experiment": None})
+    return cfg.model_copy(update={"run": run})
+
+
 def load(spec: RunSpec) -> RunOutput:
     """A finished run read back from its folder; refuses a folder that holds a different config."""
     cfg_file = spec.out_dir / "config.json"
@@ -118,7 +125,7 @@ def load(spec: RunSpec) -> RunOutput:
             stored = Config.model_validate_json(cfg_file.read_text())
         except ValueError as exc:
             raise ConfigError(f"{cfg_file}: unreadable config of a finished run ({exc})") from None
-        if stored != spec.config:
+        if _results_part(stored) != _results_part(spec.config):
             raise ConfigError(
                 f"{spec.out_dir} holds a finished run of a different config than {spec.key}; "
                 "pass --force to run it again, or choose another --out"
