@@ -198,10 +198,10 @@ def main() -> None:
     p.add_argument("--json", help="append the results as JSON lines to this file")
     args = p.parse_args()
     torch.set_num_threads(1)
+    prov = provenance()  # the code that runs (before any edit of the tree during a long run)
     results = [] if args.skip_speed else [speed(args.repeats, args.aggregations, w) for w in WORKLOADS]
     if not args.skip_curve:
         results.append(curve(args.seeds, args.curve_aggregations, args.targets))
-    prov = provenance()
     for r in results:
         r["provenance"] = prov
         print(json.dumps(r))

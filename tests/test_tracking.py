@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from felix.cli import main
 from felix.config import ConfigError
 from felix.engine.run import resolve_config, run_config
+
+#: Every address this process connects a socket to (the audit hook stays for the process).
+CONNECTS: list[Any] = []
+sys.addaudithook(lambda event, args: CONNECTS.append(args[1]) if event == "socket.connect" else None)
 
 SMALL = [
     "--set=partition.num_clients=20",
@@ -46,8 +51,10 @@ def _mlflow_runs(store: Path) -> list[Any]:
 
 def test_run_logs_every_evaluation_and_the_summary_to_tensorboard_and_mlflow(tmp_path: Path) -> None:
     out = tmp_path / "run"
+    CONNECTS.clear()
     rc = main(["run", "-q", "--out", str(out), "--set=run.log_to=[tensorboard, mlflow]", *SMALL])
     assert rc == 0
+    assert not CONNECTS, CONNECTS  # local files only: no socket at all
     rows = _evaluations(out)
     summary = json.loads((out / "summary.json").read_text())
     assert len(rows) == 6

@@ -4,16 +4,16 @@ Each evaluation (accuracy, loss, bytes down/up/total, virtual time, at the aggre
 the step) goes to TensorBoard event files and/or an MLflow run as it happens, next to
 ``evaluations.csv``; the final summary follows when the run ends. One tracker run per felix run,
 so ``felix compare`` and ``felix sweep`` give one per variant and seed, named by its key
-(``felix/seed-0``), with the flattened config as its parameters.
+(``felix/seed=0``), with the flattened config as its parameters.
 
 - TensorBoard: event files in ``<run folder>/tensorboard`` (the extra felix-fl[tracking], or any
   ``tensorboard`` install); ``tensorboard --logdir runs/`` shows every run below. An
   evaluation's TensorBoard wall time is its *virtual* time (seconds from the run's start), so
   TensorBoard's "relative" horizontal axis is felix's virtual clock.
 - MLflow: a local file store, ``<run folder>/mlruns``, by default: no server and no network
-  (``mlflow ui --backend-store-uri <run folder>/mlruns`` reads it). ``run.mlflow_uri`` names any other
-  store (``sqlite:///runs/mlflow.db`` to gather a comparison's runs in one place, or a
-  tracking server the user runs); ``run.mlflow_experiment`` the experiment (default: the
+  (``mlflow ui --backend-store-uri <run folder>/mlruns`` reads it). ``run.mlflow_uri`` names any
+  other store (an absolute ``file:`` URI to gather a comparison's runs in one place, a database,
+  a tracking server the user runs); ``run.mlflow_experiment`` the experiment (default: the
   config's ``name``). MLflow's usage telemetry is switched off in code, before mlflow is imported.
 """
 
