@@ -120,7 +120,9 @@ def main(grid: Grid, context: Context) -> None:
     """felix-fl's Oort selection, TierFuse aggregation and DAFL plan, FedeRage on the clients."""
     from felix.flower.strategy import FelixStrategy
 
-    strategy = FelixStrategy(clients_per_round=5, data_plan="dafl", fraction_evaluate=0.0)
+    strategy = FelixStrategy(
+        clients_per_round=5, data_plan="dafl", fraction_evaluate=0.0, min_available_nodes=10
+    )
     result = strategy.start(
         grid=grid,
         initial_arrays=ArrayRecord(Net().state_dict()),

@@ -360,6 +360,7 @@ def server_main(grid: Grid, context: Context) -> None:
         aggregator=TierFuseAggregator(server_lr=1.0),
         data_plan="dafl",
         fraction_evaluate=0.0,
+        min_available_nodes=6,  # the DAFL plan covers every node
     )
     result = strategy.start(
         grid=grid,

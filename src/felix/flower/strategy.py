@@ -47,6 +47,7 @@ flwr = import_flwr()
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from flwr.supercore import log
 
 
@@ -114,14 +115,14 @@ class FelixStrategy(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Register newly connected nodes and let felix's selector pick this round's trainers."""
-        nodes = sorted(int(n) for n in grid.get_node_ids())
+        # Flower's own wait: until min_available_nodes are connected (they register as the run starts).
+        _, connected = sample_nodes(grid, self.min_available_nodes, 0)
+        nodes = sorted(int(n) for n in connected)
         for nid in nodes:
             if nid not in self._felix_id:
                 self._felix_id[nid] = cid = len(self.node_ids)
                 self.node_ids.append(nid)
                 self.clients.add(ClientRecord(cid, 1, Tier.AVL_TRAIN, Tier.AVL_TRAIN))
-        if len(nodes) < self.min_available_nodes:
-            return []
         if self.data_plan == "dafl" and self.plan is None:
             self._plan_dafl(nodes, grid)
         ids = sorted(self._felix_id[n] for n in nodes)
