@@ -27,6 +27,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
+from felix import api
 from felix.cli import main
 from felix.config import ConfigError
 from felix.engine.run import resolve_config, run_config
@@ -308,7 +309,7 @@ def test_a_flower_app_of_felix_loop_gives_felix_trainer_run_exactly(client: dict
     over = {**SMALL, "client": client, "run": {**SMALL["run"], "max_aggregations": 6}}
     own = run_config(resolve_config(None, "felix", over), None, plots=False)
     app_client = {**client, "flower_app": "test_flower:exact"}
-    via = run_config(resolve_config(None, "felix", {**over, "client": app_client}), None, plots=False)
+    via = api.run({**over, "strategy": "felix", "client": app_client})  # the Python API's way in
     if client:
         assert "federage_beta" in via.built.orch.aux
     assert [(r.version, r.time_s, r.accuracy, r.bytes_total) for r in via.rows] == [
