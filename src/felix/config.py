@@ -380,6 +380,18 @@ class ClientCfg(_Strict):
         "the client's data (one forward pass) and send it as aux qffl_loss: the F_k q-FFL "
         "needs (aggregator qffl only; trains one client at a time)",
     )
+    flower_app: str | None = Field(
+        None,
+        description="a Flower ClientApp by import path 'package.module:app' whose train handler "
+        "trains every task (extra felix-fl[flower]; docs/flower.md); null: felix's own trainer",
+    )
+
+    @field_validator("flower_app")
+    @classmethod
+    def _flower_app(cls, v: str | None) -> str | None:
+        if v is not None and (v.count(":") != 1 or not all(v.partition(":")[::2])):
+            raise ValueError(f"{v!r} is not an import path 'package.module:app'")
+        return v
 
 
 class DaflCfg(_Strict):
@@ -467,6 +479,17 @@ class RunCfg(_Strict):
         "(the DAFL paper's convergence rule; null: no such stop)",
     )
     converge_patience: int = Field(5, ge=1)
+    log_to: list[Literal["tensorboard", "mlflow"]] = Field(
+        default_factory=list,
+        description="trackers that receive each evaluation and the final summary "
+        "(felix.metrics.tracking; extra felix-fl[tracking]): tensorboard = event files in "
+        "<run folder>/tensorboard; mlflow = a run in run.mlflow_uri",
+    )
+    mlflow_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI for log_to mlflow (null: a local file store, <run folder>/mlruns)",
+    )
+    mlflow_experiment: str | None = Field(None, description="MLflow experiment (null: the config's name)")
 
     @field_validator("device")
     @classmethod

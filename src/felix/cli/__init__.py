@@ -58,10 +58,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from felix.config import parse_set
     from felix.engine.run import resolve_config, run_config
 
-    cfg = resolve_config(args.config, args.preset, parse_set(args.set), args.scenario)
+    cfg = resolve_config(args.config, args.preset, _sets(args), args.scenario)
     out = Path(args.out or f"runs/{cfg.name}-{cfg.strategy}-s{cfg.seed}")
     print(f"felix run: {cfg.name} / {cfg.strategy} (seed {cfg.seed}) -> {out}", file=sys.stderr)
     res = run_config(cfg, out, progress=not args.quiet, interruptible=True)  # Ctrl-C: summary "interrupted"
@@ -86,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from felix.config import ConfigError, parse_set
+    from felix.config import ConfigError
     from felix.experiments.compare import compare, is_comparison_file, load_comparison, run_comparison
     from felix.presets import MAIN_STRATEGIES
 
@@ -109,7 +108,7 @@ def _compare(args: argparse.Namespace) -> int:
         )
         doc = run_comparison(
             comp,
-            parse_set(args.set),
+            _sets(args),
             out,
             seeds,
             targets,
@@ -128,7 +127,7 @@ def _compare(args: argparse.Namespace) -> int:
         doc = compare(
             args.config,
             strategies,
-            parse_set(args.set),
+            _sets(args),
             out,
             args.scenario,
             args.jobs,
@@ -146,6 +145,16 @@ def _compare(args: argparse.Namespace) -> int:
     if any(s.get("stop_reason") == "interrupted" for s in doc["strategies"].values()):
         return 130  # Ctrl-C / SIGTERM: the interrupted run is rerun next time (the finished ones are kept)
     return 0 if doc["strategies"] and not doc["failed"] else 1
+
+
+def _sets(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--set`` overrides, with ``--flower-app`` as ``client.flower_app``."""
+    from felix.config import deep_merge, parse_set
+
+    sets = parse_set(args.set)
+    if args.flower_app is not None:
+        sets = deep_merge(sets, {"client": {"flower_app": args.flower_app}})
+    return sets
 
 
 def _numbers(items: list[str] | None, kind: type, flag: str) -> list[Any] | None:
@@ -174,7 +183,6 @@ def _names(value: str | None) -> list[str]:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from felix.config import parse_set
     from felix.experiments.sweep import parse_grid, parse_seeds, sweep
 
     strategies: list[str | None] = [*_names(args.strategies)] or [None]
@@ -182,7 +190,7 @@ def _sweep(args: argparse.Namespace) -> int:
     doc = sweep(
         args.config,
         args.scenario,
-        parse_set(args.set),
+        _sets(args),
         strategies,
         parse_grid(args.grid),
         parse_seeds(args.seeds),
@@ -197,6 +205,14 @@ def _sweep(args: argparse.Namespace) -> int:
     if any(r["summary"].get("stop_reason") == "interrupted" for r in doc["runs"]):
         return 130  # Ctrl-C / SIGTERM: the interrupted runs are rerun next time
     return 0 if not doc["failed"] else 1
+
+
+def _add_flower_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--flower-app",
+        metavar="MODULE:APP",
+        help="train every task with this Flower ClientApp (client.flower_app; docs/flower.md)",
+    )
 
 
 def _add_backend_args(p: argparse.ArgumentParser) -> None:
@@ -231,6 +247,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     r.add_argument("--scenario", help="named scenario to start from (default: 'default' when no config)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     r.add_argument("--out", help="output folder (default runs/<name>-<strategy>-s<seed>)")
+    _add_flower_arg(r)
     r.add_argument("-q", "--quiet", action="store_true", help="no live progress line")
     r.set_defaults(func=_run)
     c = sub.add_parser(
@@ -269,6 +286,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     c.add_argument("--out", help="output folder (default runs/compare)")
+    _add_flower_arg(c)
     c.add_argument(
         "--jobs",
         type=int,
@@ -297,6 +315,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="fixed override for every run"
     )
     w.add_argument("--out", help="output folder (default runs/sweep)")
+    _add_flower_arg(w)
     w.add_argument(
         "--jobs",
         type=int,

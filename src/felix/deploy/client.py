@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from felix.client.trainer import LocalTrainer
-from felix.config import Config
+from felix.config import Config, ConfigError
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
 from felix.deploy.broker_config import default_max_message_bytes
@@ -149,6 +149,11 @@ class ClientHost:
         self.cfg = cfg
         self.opts = opts
         self.topics = Topics(opts.run_id)
+        if cfg.client.flower_app is not None:
+            raise ConfigError(
+                "client.flower_app runs in the simulator (felix run, compare, sweep); "
+                "the MQTT client trains with felix's own trainer"
+            )
         pop = build_population(cfg)
         self.trainer: LocalTrainer = build_trainer(cfg, pop)
         self.max_bytes = default_max_message_bytes(int(pop.initial_weights.size))

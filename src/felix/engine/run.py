@@ -48,6 +48,7 @@ def run_config(
     prepare: Callable[[Built], None] | None = None,
     interruptible: bool = False,
     live_dir: Path | None = None,
+    run_name: str | None = None,
     **objects: Any,
 ) -> RunResult:
     """Build and simulate ``cfg``; ``prepare`` may instrument the built run (e.g. wrap its
@@ -55,7 +56,8 @@ def run_config(
     /evaluations.csv as they happen. ``interruptible`` (the CLI's runs): SIGINT and SIGTERM end the
     run after the event in hand, with ``stop_reason: interrupted`` and all it measured.
     ``objects``: ``population``, ``model``, ``trace`` for ``felix.sim.build.build`` (the Python
-    API, felix.api)."""
+    API, felix.api). ``run.log_to`` trackers write under the same folder, as one tracker run named
+    ``run_name`` (default: the folder's name)."""
     for folder in (out_dir, live_dir):
         if folder is not None:
             make_output_dir(folder)
@@ -70,6 +72,12 @@ def run_config(
     live = live_dir or out_dir
     if live is not None:
         ctl.sink = EvalLog(live / "evaluations.csv")  # evaluations land on disk as they happen
+    tracked = None
+    if cfg.run.log_to:
+        from felix.metrics.tracking import TrackedSink, make_trackers
+
+        name = run_name or (live.name if live is not None else cfg.name)
+        ctl.sink = tracked = TrackedSink(ctl.sink, make_trackers(cfg, live, name))
     with stop_on_signals(ctl.request_stop, enabled=interruptible):
         outcome = built.sim.run()
     summ = ctl.summary(
@@ -80,6 +88,8 @@ def run_config(
             "rejected_by_reason": rejections_by_reason(r.reason for r in outcome.rejected),
         },
     )
+    if tracked is not None:
+        tracked.finish(summ)
     if out_dir is not None:
         ctl.write_outputs(out_dir, summ, plots)
     return RunResult(summ, built.recorder.rows, built)

@@ -94,9 +94,11 @@ def execute(spec: RunSpec) -> RunOutput:
         torch.set_num_threads(spec.config.run.threads)
     # Evaluations go to the run's folder as they happen where the driver's output folder is reachable
     # (this machine, or a shared file system); the driver rewrites the file whole when the run ends.
-    live = spec.out_dir if spec.out_dir.parent.is_dir() else None
+    # (A comparison's run folder is <out>/<variant>/seed-<n>: its grandparent is the driver's folder.)
+    reachable = spec.out_dir.parent.is_dir() or spec.out_dir.parent.parent.is_dir()
+    live = spec.out_dir if reachable else None
     try:
-        res = run_config(spec.config, None, plots=False, interruptible=True, live_dir=live)
+        res = run_config(spec.config, None, plots=False, interruptible=True, live_dir=live, run_name=spec.key)
     finally:
         torch.set_num_threads(threads)
     return RunOutput(res.summary, res.rows)
@@ -108,6 +110,13 @@ def store(spec: RunSpec, out: RunOutput) -> None:
     (spec.out_dir / "config.json").write_text(spec.config.model_dump_json(indent=2) + "\n")
 
 
+def _results_part(cfg: Config) -> Config:
+    """``cfg`` without the keys that do not change a run's results (the trackers it reports to):
+    a finished run is read back whatever they say (and not reported again; --force reruns it)."""
+    run = cfg.run.model_copy(update={"log_to": [], "mlflow_uri": None, "mlflow_experiment": None})
+    return cfg.model_copy(update={"run": run})
+
+
 def load(spec: RunSpec) -> RunOutput:
     """A finished run read back from its folder; refuses a folder that holds a different config."""
     cfg_file = spec.out_dir / "config.json"
@@ -116,7 +125,7 @@ def load(spec: RunSpec) -> RunOutput:
             stored = Config.model_validate_json(cfg_file.read_text())
         except ValueError as exc:
             raise ConfigError(f"{cfg_file}: unreadable config of a finished run ({exc})") from None
-        if stored != spec.config:
+        if _results_part(stored) != _results_part(spec.config):
             raise ConfigError(
                 f"{spec.out_dir} holds a finished run of a different config than {spec.key}; "
                 "pass --force to run it again, or choose another --out"

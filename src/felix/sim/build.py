@@ -57,6 +57,8 @@ def build_cohort(
     )
     if size == 1 or cfg.client.probe_loss:  # the received-model loss is measured by the sequential trainer
         return None, 1, 1
+    if cfg.client.flower_app is not None:  # a Flower app trains one message at a time
+        return None, 1, 1
     bs = cfg.client.batch_size
     if bs > largest_client:
         why = (
@@ -140,6 +142,10 @@ def build(
     trace = build_trace(cfg, pop) if trace is None else trace
     runtimes = build_runtimes(cfg, [len(d) for d in pop.client_data])
     trainer = build_trainer(cfg, pop)
+    if cfg.client.flower_app is not None:
+        from felix.flower.trainer import build_flower_trainer
+
+        trainer = build_flower_trainer(cfg, trainer)
     cohort, cohort_size, min_cohort = build_cohort(
         cfg, trainer, tuple(pop.train.sample_shape), max(len(d) for d in pop.client_data)
     )
@@ -158,6 +164,11 @@ def build(
         orch.data_plan if isinstance(orch.data_plan, PlannedDataPlan) else None,
     )
     devices = make_devices(pop.client_data, runtimes, trace.for_client)
+    if cfg.client.flower_app is not None:
+        from felix.flower.trainer import CLIENT_KEY
+
+        for dev in devices:  # the Flower trainer addresses each task's app context by client
+            dev.state[CLIENT_KEY] = dev.cid
     settings = SimSettings(
         seed=cfg.seed, eval_fraction=cfg.runtime.eval_fraction, cohort_size=cohort_size, min_cohort=min_cohort
     )

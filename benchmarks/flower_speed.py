@@ -1,0 +1,215 @@
+"""The Flower path's cost and learning curve against felix's own trainer (docs/flower.md).
+
+    python benchmarks/flower_speed.py [--repeats 3] [--aggregations 60] [--seeds 0 1 2] [--json FILE]
+
+Speed, on the same updates: the default scenario (digits, 90% slotted churn; 100 clients of one
+or two SGD steps per task, and 20 clients x 5 local epochs, about 25 steps) with the fedbuff preset, one client at a time on both sides (``run.cohort: 1``; the Flower path trains
+one message at a time), run with felix's ``LocalTrainer`` and with ``felix_loop`` below, a Flower
+``ClientApp`` whose train handler is felix's local loop: the two runs give the same evaluations
+(checked), so the difference is the Flower path's own cost (the model as an ``ArrayRecord`` and
+back, the messages, the reply's checks). The two sides alternate in one process, ``--repeats``
+times each; reported: min and median of the time inside the trainer and of the whole run's wall
+time, and their ratios (Flower / felix).
+
+Learning curve: the Flower quickstart app of docs/flower_example.py (its own DataLoader order, so
+other updates) against felix's trainer over ``--seeds``: final accuracy and virtual time to the
+``--targets`` (felix's rule: the mean of the last 5 evaluations and the last one), mean
+and spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from felix import api
+from felix.flower import client_data
+from felix.metrics.provenance import provenance
+from felix.metrics.recorder import reached_target
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "docs")]  # flower_speed:felix_loop, flower_example:app
+from flower_example import Net
+
+felix_loop = ClientApp()
+
+
+@felix_loop.train()
+def train(msg: Message, context: Context) -> Message:
+    """felix's local loop (SGD, batch order from the task's seed, Oort's utility) as a handler."""
+    config = msg.content["config"]
+    model = Net()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    data = client_data(context)
+    assert data is not None
+    x, y = data
+    n, bs = len(y), int(config["batch-size"])
+    opt = torch.optim.SGD(model.parameters(), lr=float(config["lr"]))
+    gen = torch.Generator().manual_seed(int(config["seed"]))
+    sq_sum = loss_sum = torch.zeros(())
+    seen = batches = 0
+    model.train()
+    for epoch in range(int(config["local-epochs"])):
+        order = torch.randperm(n, generator=gen)
+        for start in range(0, n, bs):
+            idx = order[start : start + bs]
+            per = F.cross_entropy(model(x[idx]), y[idx], reduction="none")
+            if epoch == 0:
+                sq_sum = sq_sum + per.detach().square().sum()
+                seen += len(idx)
+            loss = per.mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            loss_sum = loss_sum + loss.detach()
+            batches += 1
+    metrics = MetricRecord(
+        {
+            "num-examples": n,
+            "train_loss": float(loss_sum) / max(batches, 1),
+            "stat-utility": n * (float(sq_sum) / seen) ** 0.5 if seen else 0.0,
+        }
+    )
+    return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics}), reply_to=msg)
+
+
+#: The speed workloads: the default scenario's clients take one or two SGD steps per task (the
+#: Flower path's fixed cost per task weighs most); 20 clients x 5 local epochs take about 25.
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "default (100 clients, 1 epoch)": {},
+    "20 clients, 5 epochs": {"partition": {"num_clients": 20}, "client": {"epochs": 5}},
+}
+
+
+def _config(
+    aggregations: int, seed: int, app: str | None, stop_at_target: bool, over: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    over = over or {}
+    client: dict[str, Any] = {**over.get("client", {}), **({} if app is None else {"flower_app": app})}
+    return {
+        **{k: v for k, v in over.items() if k != "client"},
+        "strategy": "fedbuff",
+        "seed": seed,
+        "model": "flower_example:make_net",
+        "client": client,
+        "run": {
+            "max_aggregations": aggregations,
+            "stop_at_target": stop_at_target,
+            "target_accuracy": 0.8,
+            "cohort": 1,
+            "threads": 1,
+        },
+    }
+
+
+def _run(cfg: dict[str, Any]) -> tuple[float, float, list[Any], dict[str, Any]]:
+    built = api.build(cfg)
+    out = built.sim.run()
+    s = built.controller.summary(out.virtual_time_s, out.wall_time_s) if built.controller else {}
+    return out.train_seconds, out.wall_time_s, built.recorder.rows, s
+
+
+def speed(repeats: int, aggregations: int, workload: str) -> dict[str, Any]:
+    over = WORKLOADS[workload]
+    train: dict[str, list[float]] = {"felix": [], "flower": []}
+    wall: dict[str, list[float]] = {"felix": [], "flower": []}
+    rows: dict[str, Any] = {}
+    _run(_config(3, 0, "flower_speed:felix_loop", False, over))  # warm both paths (imports, first optimiser)
+    _run(_config(3, 0, None, False, over))
+    for _ in range(repeats):
+        for side, app in (("felix", None), ("flower", "flower_speed:felix_loop")):
+            t, w, r, _ = _run(_config(aggregations, 0, app, False, over))
+            train[side].append(t)
+            wall[side].append(w)
+            rows[side] = [(x.version, x.time_s, x.accuracy, x.bytes_total) for x in r]
+    same = rows["felix"] == rows["flower"]
+
+    def stats(d: dict[str, list[float]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for side, v in d.items():
+            out[side] = {"min": round(min(v), 3), "median": round(statistics.median(v), 3), "all": v}
+        out["ratio_min"] = round(min(d["flower"]) / min(d["felix"]), 3)
+        out["ratio_median"] = round(statistics.median(d["flower"]) / statistics.median(d["felix"]), 3)
+        return out
+
+    return {
+        "what": "speed",
+        "workload": workload,
+        "aggregations": aggregations,
+        "repeats": repeats,
+        "same_evaluations": same,
+        "train_s": stats(train),
+        "wall_s": stats(wall),
+    }
+
+
+def curve(seeds: list[int], aggregations: int, targets: list[float]) -> dict[str, Any]:
+    out: dict[str, Any] = {"what": "curve", "aggregations": aggregations, "seeds": seeds, "targets": targets}
+    for side, app in (("felix", None), ("flower_quickstart", "flower_example:app")):
+        finals: list[float] = []
+        ttt: dict[float, list[float | None]] = {t: [] for t in targets}
+        for seed in seeds:
+            _, _, rows, _ = _run(_config(aggregations, seed, app, False))
+            finals.append(rows[-1].accuracy)
+            for t in targets:
+                ttt[t].append(_time_to(rows, t))
+        out[side] = {
+            "final_accuracy": finals,
+            "final_mean": round(statistics.mean(finals), 4),
+            "final_std": round(statistics.stdev(finals), 4) if len(finals) > 1 else 0.0,
+        }
+        for t, times in ttt.items():
+            reached = [x for x in times if x is not None]
+            out[side][f"time_to_{t}_s"] = times
+            out[side][f"time_to_{t}_mean"] = round(statistics.mean(reached), 1) if reached else None
+            out[side][f"time_to_{t}_std"] = round(statistics.stdev(reached), 1) if len(reached) > 1 else None
+    return out
+
+
+def _time_to(rows: list[Any], target: float, window: int = 5) -> float | None:
+    """Virtual seconds to ``target`` by felix's rule (mean of the last ``window`` evaluations and
+    the last one at or above it), or None."""
+    accs: list[float] = []
+    for r in rows:
+        accs.append(r.accuracy)
+        if reached_target(accs, target, window):
+            return float(r.time_s)
+    return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--aggregations", type=int, default=60)
+    p.add_argument("--curve-aggregations", type=int, default=150)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--targets", type=float, nargs="+", default=[0.3, 0.4, 0.5])
+    p.add_argument("--skip-curve", action="store_true")
+    p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--json", help="append the results as JSON lines to this file")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    prov = provenance()  # the code that runs (before any edit of the tree during a long run)
+    results = [] if args.skip_speed else [speed(args.repeats, args.aggregations, w) for w in WORKLOADS]
+    if not args.skip_curve:
+        results.append(curve(args.seeds, args.curve_aggregations, args.targets))
+    for r in results:
+        r["provenance"] = prov
+        print(json.dumps(r))
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

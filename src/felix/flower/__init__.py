@@ -1,0 +1,73 @@
+"""Flower interop (the ``felix-fl[flower]`` extra): both directions between felix-fl and Flower.
+
+- :mod:`felix.flower.trainer`: a user's Flower ``ClientApp`` trains felix's tasks
+  (``client.flower_app``), driven by felix's simulator under any trace, strategy and runtime
+  profile, with the same outputs as felix's own trainer.
+- :mod:`felix.flower.strategy`: felix-fl's Oort/TierSelect selection and TierFuse aggregation as a
+  Flower message-API ``Strategy`` for synchronous rounds, and :func:`run_simulation`, Flower's
+  simulation on a loopback-only Ray instance.
+- :mod:`felix.flower.helpers`: felix's client objectives (FedeRage, ...) and its data plans (DAFL)
+  for use inside a Flower ``@app.train()`` handler.
+
+Flower's telemetry is switched off here, in code, before ``flwr`` is first imported: Flower reads
+``FLWR_TELEMETRY_ENABLED`` when its telemetry module loads and would otherwise post usage events to
+Flower's servers (tests/test_flower.py watches the sockets). Importing this package does not import
+``flwr``; :func:`import_flwr` does, with a clear error when the extra is missing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from felix.config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from felix.client.trainer import ClientData
+
+#: Set before any ``flwr`` import (an explicit user value is overridden too: felix never reports).
+SAFE_ENV = {"FLWR_TELEMETRY_ENABLED": "0"}
+os.environ.update(SAFE_ENV)
+
+
+def import_flwr() -> ModuleType:
+    """``flwr``, with telemetry off, or a one-line error naming the extra that installs it."""
+    os.environ.update(SAFE_ENV)
+    try:
+        import flwr
+        import flwr.app
+        import flwr.clientapp
+    except ImportError:
+        raise ConfigError('Flower interop needs Flower: pip install "felix-fl[flower]"') from None
+    return flwr
+
+
+_serving: ContextVar[ClientData | None] = ContextVar("felix_flower_task_data", default=None)
+
+
+def client_data(context: Any = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The running task's client data ``(x, y)`` (x of shape N x sample shape, y the labels, on
+    the CPU) when a handler runs under felix (``client.flower_app``), after any DAFL augmentation;
+    None under Flower's own runtime, where the app loads its partition itself
+    (``context.node_config["partition-id"]``)."""
+    data = _serving.get()
+    return None if data is None else (data.x, data.y)
+
+
+@contextmanager
+def serving(data: ClientData) -> Iterator[None]:
+    """:func:`client_data` returns ``data`` inside (the Flower trainer, around each handler call)."""
+    token = _serving.set(data)
+    try:
+        yield
+    finally:
+        _serving.reset(token)
+
+
+__all__ = ["SAFE_ENV", "client_data", "import_flwr", "serving"]

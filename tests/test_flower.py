@@ -1,0 +1,430 @@
+"""Flower interop: a Flower ``ClientApp`` written here (Flower's quickstart-pytorch app, with
+scikit-learn's digits in place of CIFAR-10) trains felix's tasks through ``felix run`` and
+``felix compare`` under the slotted trace; felix-fl's Strategy runs inside Flower's
+``run_simulation``; neither opens a socket beyond loopback, and Flower's telemetry is off.
+
+Skipped without the extra: ``pip install "felix-fl[flower]"``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+flwr = pytest.importorskip("flwr", reason='needs Flower: pip install "felix-fl[flower]"')
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from felix import api
+from felix.cli import main
+from felix.config import ConfigError
+from felix.engine.run import resolve_config, run_config
+from felix.flower import client_data
+from felix.flower.helpers import apply_plan, class_counts_reply, objective
+from felix.strategies.aggregation.tierfuse import TierFuseAggregator
+
+pytestmark = pytest.mark.flower
+
+# The import paths below (test_flower:app, test_flower:make_net) name this module.
+sys.path.insert(0, str(Path(__file__).parent))
+
+#: Every address this process connects or binds a socket to (an audit hook cannot be removed:
+#: one for the module, its list cleared by the tests that read it).
+SOCKETS: list[Any] = []
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if event in ("socket.connect", "socket.bind"):
+        SOCKETS.append(args[1])
+
+
+sys.addaudithook(_audit)
+
+
+def _non_loopback() -> list[Any]:
+    hosts = [a for a in SOCKETS if isinstance(a, tuple) and a and isinstance(a[0], str)]
+    return [a for a in hosts if a[0] not in ("127.0.0.1", "::1", "localhost")]
+
+
+# ------------------------------------------------- the user's Flower app (quickstart-pytorch, digits)
+class Net(nn.Module):
+    """The quickstart's CNN, sized for 8x8 digits."""
+
+    def __init__(self, in_shape: tuple[int, ...] = (1, 8, 8), num_classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_shape[0], 8, 3, padding=1)
+        self.pool = nn.MaxPool2d(2, 2)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.fc1 = nn.Linear(16 * (in_shape[1] // 4) * (in_shape[2] // 4), 32)
+        self.fc2 = nn.Linear(32, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(F.relu(self.conv1(x)))
+        x = self.pool(F.relu(self.conv2(x)))
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def make_net(sample_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """felix's ``model`` for these runs: the app's own network."""
+    return Net(tuple(sample_shape), num_classes)
+
+
+def load_partition(context: Context) -> tuple[torch.Tensor, torch.Tensor]:
+    """The client's partition: felix's data for this client when felix drives the app, else (under
+    Flower's runtime) an even split of the digits by ``partition-id``."""
+    data = client_data(context)
+    if data is None:
+        from sklearn.datasets import load_digits
+
+        pid, parts = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+        digits = load_digits()
+        # every parts-th sample, and only one in four of classes 0-2: imbalanced classes, each
+        # present on every node (DAFL then has something to balance)
+        idx = [
+            i for i in range(pid, len(digits.target), parts) if digits.target[i] >= 3 or (i // parts) % 4 == 0
+        ]
+        x_all = torch.tensor(digits.images[idx] / 16.0, dtype=torch.float32).unsqueeze(1)
+        data = (x_all, torch.tensor(digits.target[idx]))
+    return data
+
+
+def load_data(context: Context, batch_size: int, seed: int) -> DataLoader:
+    x, y = load_partition(context)
+    return DataLoader(
+        TensorDataset(x, y),
+        batch_size=batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def train_fn(net: nn.Module, loader: DataLoader, epochs: int, lr: float) -> float:
+    net.train()
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    total, batches = 0.0, 0
+    for _ in range(epochs):
+        for xb, yb in loader:
+            opt.zero_grad()
+            loss = F.cross_entropy(net(xb), yb)
+            loss.backward()
+            opt.step()
+            total += float(loss.detach())
+            batches += 1
+    return total / max(batches, 1)
+
+
+app = ClientApp()
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """The quickstart's train handler."""
+    model = Net()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    config = msg.content["config"]
+    loader = load_data(context, int(config["batch-size"]), int(config["seed"]))
+    epochs = int(context.run_config.get("local-epochs", 1))  # a pyproject.toml setting under Flower
+    train_loss = train_fn(model, loader, epochs, float(config["lr"]))
+    metrics = MetricRecord({"train_loss": train_loss, "num-examples": len(loader.dataset)})
+    content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics})
+    return Message(content=content, reply_to=msg)
+
+
+exact = ClientApp()
+
+
+@exact.train()
+def train_exact(msg: Message, context: Context) -> Message:
+    """felix's own local loop written as a Flower handler (batch order from the task's seed,
+    per-sample losses for Oort's utility, felix's objective through the helper): the same updates
+    as felix's trainer, bit for bit."""
+    config = msg.content["config"]
+    model = Net()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    data = client_data(context)
+    assert data is not None
+    x, y = data
+    n, bs = len(y), int(config["batch-size"])
+    obj = objective(msg, context, model, class_counts=torch.bincount(y, minlength=int(config["num-classes"])))
+    opt = torch.optim.SGD(model.parameters(), lr=float(config["lr"]))
+    gen = torch.Generator().manual_seed(int(config["seed"]))
+    sq_sum, loss_sum, seen, batches = 0.0, 0.0, 0, 0
+    stop = n - n % bs if config["drop-last"] else n
+    model.train()
+    for epoch in range(int(config["local-epochs"])):
+        order = torch.randperm(n, generator=gen)
+        for start in range(0, stop, bs):
+            idx = order[start : start + bs]
+            logits = model(x[idx])
+            if epoch == 0:
+                per = F.cross_entropy(logits.detach(), y[idx], reduction="none")
+                sq_sum += float(per.square().sum())
+                seen += len(idx)
+            loss = obj.loss(logits, y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            obj.before_step()
+            opt.step()
+            obj.after_step()
+            loss_sum += float(loss.detach())
+            batches += 1
+    metrics = MetricRecord(
+        {
+            "num-examples": n,
+            "train_loss": loss_sum / max(batches, 1),
+            "stat-utility": n * (sq_sum / seen) ** 0.5 if seen else 0.0,
+        }
+    )
+    content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics})
+    obj.finish(content)
+    return Message(content, reply_to=msg)
+
+
+helped = ClientApp()
+
+
+@helped.query("felix_counts")
+def counts(msg: Message, context: Context) -> Message:
+    """Answers FelixStrategy's DAFL count query."""
+    return class_counts_reply(msg, load_partition(context)[1], 10)
+
+
+@helped.train()
+def train_helped(msg: Message, context: Context) -> Message:
+    """The quickstart handler with felix's helpers: the DAFL row applied to the data, the
+    objective (FedeRage, named in the config) applied to the loop."""
+    config = msg.content["config"]
+    model = Net()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    x, y = apply_plan(msg, context, *load_partition(context))
+    obj = objective(msg, context, model, num_classes=10)
+    opt = torch.optim.SGD(model.parameters(), lr=float(config["lr"]))
+    loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+    total = 0.0
+    for xb, yb in loader:
+        loss = obj.loss(model(xb), yb)
+        opt.zero_grad()
+        loss.backward()
+        obj.before_step()
+        opt.step()
+        obj.after_step()
+        total += float(loss.detach())
+    metrics = MetricRecord({"train_loss": total / len(loader), "num-examples": len(y)})
+    content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics})
+    obj.finish(content)
+    return Message(content, reply_to=msg)
+
+
+broken = ClientApp()
+
+
+@broken.train()
+def train_broken(msg: Message, context: Context) -> Message:
+    raise RuntimeError("out of cheese")
+
+
+not_an_app = "a string"
+
+# ----------------------------------------------------------------------------- the runs
+SMALL = {
+    "model": "test_flower:make_net",
+    "partition": {"num_clients": 20},
+    "trace": {"kind": "slotted", "unavailable_fraction": 0.3, "slot_s": 60.0},
+    "orchestrator": {"agg_goal": 4, "concurrency": 6},
+    "run": {"max_aggregations": 12, "stop_at_target": False, "cohort": 1},
+}
+
+
+def test_flower_app_runs_through_felix_run_under_churn(tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "run"
+    SOCKETS.clear()
+    rc = main(
+        [
+            "run",
+            "--flower-app",
+            "test_flower:app",
+            "--preset",
+            "fedbuff",
+            "-q",
+            "--out",
+            str(out),
+            *[f"--set={k}" for k in _sets(SMALL)],
+        ]
+    )
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["aggregations"] == 12
+    rows = (out / "evaluations.csv").read_text().splitlines()
+    first = float(rows[1].split(",")[2])
+    assert summary["final_accuracy"] > first + 0.05  # it learns
+    assert len(rows) == 14  # the header, the initial model and one row per aggregation
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["client"]["flower_app"] == "test_flower:app"
+    assert not _non_loopback(), _non_loopback()  # the app ran in process: no network at all
+
+
+def test_flower_app_in_felix_compare(tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "cmp"
+    sets = _sets({**SMALL, "run": {**SMALL["run"], "max_aggregations": 6}})
+    rc = main(
+        [
+            "compare",
+            "--flower-app",
+            "test_flower:app",
+            "--strategies",
+            "fedbuff,felix",
+            "--out",
+            str(out),
+            *[f"--set={k}" for k in sets],
+        ]
+    )
+    assert rc == 0
+    doc = json.loads((out / "comparison.json").read_text())
+    assert set(doc["strategies"]) == {"fedbuff", "felix"}
+    assert all(s["aggregations"] == 6 for s in doc["strategies"].values())
+    assert "fedbuff" in (out / "comparison.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "client",
+    [{}, {"objective": "federage", "objective_params": {"alpha": 0.2, "gamma": 0.5}}],
+    ids=["ce", "federage"],
+)
+def test_a_flower_app_of_felix_loop_gives_felix_trainer_run_exactly(client: dict[str, Any]) -> None:
+    """Everything downstream of the trainer is felix's: an app that computes felix's updates gives
+    the run felix's own trainer gives (one client at a time, as the Flower path trains), FedeRage
+    through the objective helper included (its beta averaged by the server and sent back)."""
+    over = {**SMALL, "client": client, "run": {**SMALL["run"], "max_aggregations": 6}}
+    own = run_config(resolve_config(None, "felix", over), None, plots=False)
+    app_client = {**client, "flower_app": "test_flower:exact"}
+    via = api.run({**over, "strategy": "felix", "client": app_client})  # the Python API's way in
+    if client:
+        assert "federage_beta" in via.built.orch.aux
+    assert [(r.version, r.time_s, r.accuracy, r.bytes_total) for r in via.rows] == [
+        (r.version, r.time_s, r.accuracy, r.bytes_total) for r in own.rows
+    ]
+    assert len(own.rows) == 7
+
+
+def test_bad_flower_apps_are_one_line_errors(tmp_path: Path) -> None:
+    for ref, says in (
+        ("test_flower:broken", "raised on client"),
+        ("test_flower:not_an_app", "not a flwr ClientApp"),
+        ("test_flower:nothing", "has no attribute"),
+        ("no_such_module:app", "cannot import module"),
+    ):
+        cfg = resolve_config(None, None, {**SMALL, "client": {"flower_app": ref}})
+        with pytest.raises(ConfigError, match=says) as err:
+            run_config(cfg, None, plots=False)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="import path"):
+        resolve_config(None, None, {"client": {"flower_app": "no-colon"}})
+
+
+def _sets(d: dict[str, Any], prefix: str = "") -> list[str]:
+    out: list[str] = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out += _sets(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}={json.dumps(v)}")
+    return out
+
+
+def test_telemetry_is_off() -> None:
+    assert os.environ["FLWR_TELEMETRY_ENABLED"] == "0"
+
+
+# ------------------------------------------------ felix's strategy inside Flower's simulation
+ROUNDS: list[Any] = []
+server = ServerApp()
+
+
+@server.main()
+def server_main(grid: Grid, context: Context) -> None:
+    from felix.flower.strategy import FelixStrategy
+
+    strategy = FelixStrategy(
+        clients_per_round=3,
+        aggregator=TierFuseAggregator(server_lr=1.0),
+        data_plan="dafl",
+        fraction_evaluate=0.0,
+        min_available_nodes=6,  # the DAFL plan covers every node
+    )
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(Net().state_dict()),
+        num_rounds=3,
+        train_config=ConfigRecord(
+            {
+                "lr": 0.1,
+                "felix.objective": "federage",
+                "felix.objective-params": json.dumps({"alpha": 0.2, "fixed_batch": False}),
+            }
+        ),
+    )
+    ROUNDS.append((result, strategy))
+
+
+def test_felix_strategy_runs_inside_flower_simulation_on_loopback_only() -> None:
+    ray = pytest.importorskip("ray", reason='needs Ray: pip install "felix-fl[flower]"')
+    from test_ray_backend import ConnectionWatch
+
+    from felix.flower.strategy import run_simulation
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import tests/
+    SOCKETS.clear()
+    ROUNDS.clear()
+    with ConnectionWatch() as watch:
+        run_simulation(server, helped, num_supernodes=6, num_cpus=2)
+    ((result, strategy),) = ROUNDS
+    assert sorted(result.train_metrics_clientapp) == [1, 2, 3]
+    assert result.arrays is not None
+    # felix's selector saw every reply: three nodes per round, their utilities measured.
+    assert int(strategy.clients.column("times_selected").sum()) == 9
+    assert int((strategy.clients.column("times_updated") > 0).sum()) >= 3
+    # DAFL planned over the six nodes' counts; FedeRage's beta came back and was averaged.
+    assert strategy.plan is not None and len(strategy.plan_rows) == 6 and strategy.plan.added > 0
+    assert "federage_beta" in strategy.aux
+    assert watch.seen > 0, "the watch saw no sockets"
+    assert not watch.bad, "non-loopback sockets:\n" + "\n".join(watch.bad[:20])
+    assert not _non_loopback(), _non_loopback()  # and none of this process's own Python-level sockets
+
+
+@pytest.mark.parametrize(
+    "a",
+    [
+        np.arange(12, dtype=np.float32).reshape(3, 4),
+        np.array(2.5),
+        np.zeros((0, 3), dtype=np.float64),
+        np.arange(5, dtype=np.int64),
+        np.asfortranarray(np.arange(6, dtype=np.float32).reshape(2, 3)),
+    ],
+    ids=["matrix", "scalar", "empty", "int64", "fortran"],
+)
+def test_npy_codec_is_flowers_array_byte_for_byte(a: np.ndarray) -> None:
+    """The Flower path's fast arrays hold the bytes Flower's ``Array(a)`` holds, and read back
+    (by felix and by ``Array.numpy()`` in the app) as Flower reads them."""
+    from flwr.app import Array
+
+    from felix.flower.trainer import NpyCodec
+
+    codec = NpyCodec(Array)
+    fast, plain = codec.encode(a), Array(np.ascontiguousarray(a) if a.ndim else a)
+    assert (fast.data, fast.dtype, tuple(fast.shape)) == (plain.data, plain.dtype, tuple(plain.shape))
+    fortran = [Array(np.asfortranarray(a))] if a.ndim >= 2 else []  # Flower's bytes, Fortran order
+    for arr in (fast, plain, *fortran):
+        assert np.array_equal(codec.decode(arr), a) and codec.decode(arr).shape == a.shape
+    assert np.array_equal(fast.numpy(), a)
