@@ -376,7 +376,3 @@ def _torchvision(cls_name: str, classes: list[str]) -> tuple[ArrayDataset, Array
             )
         )
     return out[0], out[1]
-
-
-# The speech datasets register themselves here (felix.scenario.audio builds on this module).
-from felix.scenario import audio as _audio  # noqa: F401
