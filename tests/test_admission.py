@@ -4,9 +4,12 @@ is sent per unit of time. The same rules run in the simulator and in ``felix ser
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from felix.cli import main
 from felix.core.admission import Admission, AdmissionConfig
 from felix.core.commands import CancelTask, Command, DispatchEval, DispatchTrain
 from felix.core.events import ClientRegistered, TaskFinished, Tick, TierChanged
@@ -172,3 +175,17 @@ def test_admission_state_survives_a_checkpoint() -> None:
 def test_bad_admission_settings_are_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         AdmissionConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_serve_names_a_bad_message_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The server's per-client message budget is checked at start-up (port 1: nothing listens)."""
+    base = ["serve", "--username", "u", "--password", "p", "--broker", "127.0.0.1:1"]
+    base += ["--out", str(tmp_path / "o")]
+    assert main([*base, "--client-msg-rate", "-1"]) == 2
+    assert main([*base, "--client-msg-burst", "0.5"]) == 2
+    assert main([*base, "--set", "orchestrator.admission.flap_limit=0"]) == 2
+    err = capsys.readouterr().err
+    assert "client message rate must be positive, not -1.0" in err
+    assert "client message burst must be at least 1, not 0.5" in err
+    assert "orchestrator.admission.flap_limit" in err
+    assert "Traceback" not in err
