@@ -47,7 +47,9 @@ def main() -> int:
         t = 0.0
         while orch.stats.updates_applied < args.updates:
             for task in orch.tasks():
-                t += 0.001
+                # A client's pace: each of the 200 answers every ~20 s, within the default task budget
+                # (orchestrator.admission: 2 tasks a second), which would hold back clients paced at 1 ms.
+                t += 0.1
                 upd = ClientUpdate(30, 1.0, 0.5, 1.0, delta)
                 for cmd in orch.handle(TaskFinished(t, task.client_id, task.task_id, upd)):
                     if isinstance(cmd, NewModelVersion):

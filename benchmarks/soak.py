@@ -17,7 +17,14 @@ Schedule, spread evenly over the run:
   topic, verbatim and altered replays) of the genuine REGISTER, STATE and RESULT messages it
   sends, on every topic it may publish to; and it answers the tasks it receives with poisoning
   attempts (finite but huge deltas, 2**40 samples, a new aux entry with a different shape each
-  time) or with honest zero updates.
+  time) or with honest zero updates;
+- before that schedule, two windows of ``attack_s`` wall seconds with no kills and no fuzzing:
+  a quiet one, then one under attack, where a flapping client (a valid login) flips its tier
+  between AVL_TRAIN and UN_AVL ``flap_per_s`` times a second and a flooding client publishes
+  tier flips at ``flood_per_s``; the honest aggregation rate is measured in both. An
+  aux-poisoning client (a valid login) answers every training task it gets, all run long, with a
+  zero update whose SCAFFOLD ``sum:scaffold_dc`` entry has the declared key, shape and dtype but
+  the value 1e30 (the soak runs SCAFFOLD so that such an entry is declared).
 
 The JSON line:
 - ``acked_lost``: training updates the server applied and made durable (covered by a checkpoint,
@@ -32,7 +39,23 @@ The JSON line:
 - ``rss_start_mb`` / ``rss_end_mb``: the server process's RSS once its first life is warm (its
   first checkpoint written) and just before the final stop (the last life);
 - ``tier_msgs_per_s`` / ``round_trips_per_s``: tier reports and task results the server handled
-  per wall second (from its summary, all lives).
+  per wall second (from its summary, all lives);
+- ``aux_poisoning_attempts``: 1e30 aux answers the aux-poisoning client sent (they count in
+  ``bad_updates_applied`` if applied);
+- ``attack_msgs_per_s``: tier messages the two attackers published per wall second (what this
+  Python publisher reached, which may fall short of the plan's rates on a busy machine);
+- ``attack_bytes_up`` / ``attack_bytes_down``: payload bytes the flapping and flooding clients
+  published, and received on their task topics (tasks and cancels), while attacking;
+  ``amplification`` is their ratio, and ``amplification_bound`` what admission control allows:
+  each attacker is sent at most one task per change to an available tier it gets through (a task
+  holds its slot until a flip away frees it) and at most one cancel per task, and it is damped
+  after ``flap_limit`` changes in ``flap_window_s``, while its task budget caps the same count at
+  ``2 (task_burst + task_rate T) + 2`` over T config seconds: the smaller of the two, times the
+  largest task message, over the bytes it sent;
+- ``versions_per_s_quiet`` / ``versions_per_s_attack``: new model versions per wall second in the
+  quiet window and under attack, and ``throughput_ratio`` the second over the first;
+- ``rate_limited`` / ``damped``: messages the server refused at intake for the sender's message
+  budget, and clients it damped for flapping (the last life's summary).
 
 ``--quick`` is a few minutes (fewer kills, 1,000 fuzzed messages); ``--tiny`` is the test suite's
 version. Run: ``python benchmarks/soak.py [--quick]``.
@@ -43,6 +66,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import random
 import signal
@@ -60,6 +84,7 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import yaml
 
+from felix.config import AdmissionCfg
 from felix.core.types import TaskKind, Tier
 from felix.deploy import checkpoint as ckpt
 from felix.deploy import wire
@@ -82,17 +107,44 @@ class Plan:
     fuzz: int
     duration_s: float
     scale: float = 0.05  # wall seconds per config second
+    attack_s: float = 10.0  # wall seconds of each measurement window (quiet, then under attack)
+    flap_per_s: float = 200.0  # the flapping client's tier changes per wall second
+    flood_per_s: float = 2000.0  # the flooding client's tier messages per wall second
 
 
 PLANS = {
     "full": Plan(
-        clients=200, groups=8, client_kills=100, broker_kills=5, server_kills=5, fuzz=10_000, duration_s=600
+        clients=200,
+        groups=8,
+        client_kills=100,
+        broker_kills=5,
+        server_kills=5,
+        fuzz=10_000,
+        duration_s=600,
+        attack_s=25.0,
+        flood_per_s=5000.0,
     ),
     "quick": Plan(
-        clients=60, groups=6, client_kills=20, broker_kills=2, server_kills=2, fuzz=1_000, duration_s=150
+        clients=60,
+        groups=6,
+        client_kills=20,
+        broker_kills=2,
+        server_kills=2,
+        fuzz=1_000,
+        duration_s=150,
+        attack_s=25.0,
+        flood_per_s=5000.0,
     ),
     "tiny": Plan(
-        clients=12, groups=2, client_kills=6, broker_kills=1, server_kills=1, fuzz=150, duration_s=40
+        clients=12,
+        groups=2,
+        client_kills=6,
+        broker_kills=1,
+        server_kills=1,
+        fuzz=150,
+        duration_s=40,
+        attack_s=10.0,
+        flood_per_s=1000.0,
     ),
 }
 
@@ -121,21 +173,169 @@ def write_config(path: Path, n: int) -> None:
         "partition": {"kind": "dirichlet", "num_clients": n, "alpha": 0.5},
         "trace": {"kind": "slotted", "unavailable_fraction": 0.2, "slot_s": 60.0, "horizon_s": 3600.0},
         "runtime": {"kind": "constant", "constant_s": 20.0},
-        "client": {"lr": 0.1, "batch_size": 16},
+        # SCAFFOLD declares model-sized aux entries: the aux-poisoning client sends one of them.
+        "client": {"lr": 0.1, "batch_size": 16, "objective": "scaffold"},
         "orchestrator": {"agg_goal": 5, "concurrency": max(2, n // 2)},
         "run": {"target_accuracy": 1.0, "target_window": 3, "max_time_s": 1e7, "eval_every": 5},
     }
     path.write_text(yaml.safe_dump(doc))
 
 
-def hostile_class_counts(cfg_path: Path, cid: int) -> tuple[int, ...]:
-    """The class counts of client ``cid``'s partition (what ``felix client`` registers)."""
+def hostile_class_counts(cfg_path: Path, ids: list[int]) -> dict[int, tuple[int, ...]]:
+    """The class counts of each client's partition (what ``felix client`` registers)."""
     from felix.engine.run import resolve_config
     from felix.scenario.build import build_population
 
     pop = build_population(resolve_config(str(cfg_path), None, {}))
-    y = pop.client_data[cid].y.numpy()
-    return tuple(int(c) for c in np.bincount(y, minlength=pop.train.num_classes))
+    return {
+        cid: tuple(
+            int(c) for c in np.bincount(pop.client_data[cid].y.numpy(), minlength=pop.train.num_classes)
+        )
+        for cid in ids
+    }
+
+
+class Hostile:
+    """A raw paho client holding a valid login (client ``cid``) that registers its partition's
+    real counts, reporting AVL_TRAIN, on every new server session; counts the payload bytes it
+    publishes and receives on its task topic."""
+
+    def __init__(self, port: int, password: str, cid: int, class_counts: tuple[int, ...], tag: str) -> None:
+        self.topics = Topics(RUN)
+        self.cid = cid
+        self.tag = tag
+        self.class_counts = class_counts
+        self.num_samples = sum(class_counts)
+        self.seq = 0
+        self.session: str | None = None
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.messages_down = 0
+        self.largest_down = 0
+        self.lock = threading.Lock()
+        self.c = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2, client_id=f"felix-{RUN}-c{cid}", protocol=mqtt.MQTTv5
+        )
+        self.c.username_pw_set(client_user(cid), password)
+        self.c.reconnect_delay_set(0.25, 2)
+        self.c.on_connect = lambda c, u, f, rc, p: c.subscribe(
+            [(self.topics.task(cid), 1), (self.topics.status, 1)]
+        )
+        self.c.on_message = self._on_message
+        self.c.connect_async("127.0.0.1", port)
+        self.c.loop_start()
+
+    def env(self) -> dict[str, Any]:
+        with self.lock:
+            self.seq += 1
+            seq = self.seq
+        return {"run": RUN, "msg_id": f"{self.tag}-{seq}", "sent_at": time.time()}
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1) -> None:
+        self.bytes_up += len(payload)
+        self.c.publish(topic, payload, qos=qos)
+
+    def _on_message(self, client: mqtt.Client, userdata: object, m: mqtt.MQTTMessage) -> None:
+        try:
+            msg = wire.decode(m.payload)
+        except wire.MessageError:
+            return
+        if isinstance(msg, wire.Status):
+            if msg.session != self.session:
+                self.session = msg.session
+                reg = wire.Register(
+                    **self.env(),
+                    client=self.cid,
+                    incarnation=self.tag,
+                    num_samples=self.num_samples,
+                    tier=Tier.AVL_TRAIN,
+                    class_counts=self.class_counts,
+                )
+                self.publish(self.topics.register(self.cid), wire.encode(reg))
+            return
+        self.bytes_down += len(m.payload)
+        self.messages_down += 1
+        self.largest_down = max(self.largest_down, len(m.payload))
+        self.on_task(msg)
+
+    def on_task(self, msg: wire.Message) -> None:
+        """A task or a cancel arrived (its bytes are counted)."""
+
+    def close(self) -> None:
+        self.c.disconnect()
+        self.c.loop_stop()
+
+
+class Flapper(Hostile):
+    """Flips its tier between UN_AVL and AVL_TRAIN ``per_s`` times a wall second while active
+    (qos 0, as a flood goes); never answers a task."""
+
+    def __init__(self, *args: Any, per_s: float) -> None:
+        super().__init__(*args)
+        self.per_s = per_s
+        self.flips = 0
+        self.active = threading.Event()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name=f"flapper-{self.cid}", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        topic = self.topics.state(self.cid)
+        while not self.stop.is_set():
+            if not self.active.wait(0.2):
+                continue
+            start, base = time.monotonic(), self.flips
+            while self.active.is_set() and not self.stop.is_set():
+                due = base + (time.monotonic() - start) * self.per_s
+                while self.flips < due:
+                    tier = Tier.UN_AVL if self.flips % 2 == 0 else Tier.AVL_TRAIN
+                    msg = wire.State(**self.env(), client=self.cid, incarnation=self.tag, tier=tier)
+                    self.publish(topic, wire.encode(msg), qos=0)
+                    self.flips += 1
+                time.sleep(0.002)
+
+    def close(self) -> None:
+        self.active.clear()
+        self.stop.set()
+        self.thread.join(5)
+        super().close()
+
+
+class AuxPoisoner(Hostile):
+    """Answers every training task with a zero update whose ``sum:scaffold_dc`` is 1e30 (the
+    declared key, shape and dtype), and every eval task honestly."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.poisoned: set[int] = set()
+
+    def on_task(self, msg: wire.Message) -> None:
+        if not isinstance(msg, (wire.TrainTask, wire.EvalTask)):
+            return
+        train = isinstance(msg, wire.TrainTask)
+        n = msg.weights.size
+        aux = (
+            {"scaffold_c": np.zeros(n, np.float32), "sum:scaffold_dc": np.full(n, 1e30, np.float32)}
+            if train
+            else {}
+        )
+        res = wire.Result(
+            **self.env(),
+            client=self.cid,
+            incarnation=self.tag,
+            task=msg.task,
+            kind=TaskKind.TRAIN if train else TaskKind.EVAL,
+            version=msg.version,
+            num_samples=self.num_samples,
+            stat_utility=1.0,
+            loss=0.5,
+            duration=1.0,
+            delta=np.zeros(n, np.float32) if train else None,
+            aux=aux,
+        )
+        if train:
+            self.poisoned.add(msg.task)
+        self.publish(self.topics.result(self.cid), wire.encode(res))
 
 
 # ---------------------------------------------------------------------- the hostile client
@@ -347,7 +547,7 @@ class Soak:
         self.work = work
         self.rng = random.Random(seed)
         self.cfg = work / "soak.yaml"
-        n = plan.clients + 1  # the last client id is the hostile one
+        n = plan.clients + 4  # the last four ids: fuzzer, aux poisoner, flapper, flooder
         write_config(self.cfg, n)
         self.broker = MosquittoBroker(n, run_id=RUN, workdir=work / "broker")
         self.users = json.loads(self.broker.credentials_file.read_text())
@@ -366,6 +566,10 @@ class Soak:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.rss_start: float | None = None
         self.rss_end: float | None = None
+        # The attack measurement (measure_attack).
+        self.quiet = self.attack = self.attack_wall_s = self.flapper_amplification = 0.0
+        self.quiet_updates = self.attack_updates = 0.0
+        self.attack_up = self.attack_down = self.attack_flips = self.attack_msgs_down = self.largest_task = 0
 
     def _common(self) -> list[str]:
         return [
@@ -389,8 +593,18 @@ class Soak:
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             )
 
+    admission = True
+
     def start_server(self, resume: bool) -> None:
         args = ["serve", *self._common(), "--out", str(self.out), "--checkpoint", str(self.ck)]
+        if not self.admission:  # the comparison: no intake limit, no damping, no task budget
+            args += ["--client-msg-rate", "0"]
+            args += [
+                "--set",
+                "orchestrator.admission.flap_limit=null",
+                "--set",
+                "orchestrator.admission.task_rate=null",
+            ]
         if resume:
             args.append("--resume")
         env = {"FELIX_MQTT_PASSWORD": self.users[SERVER_USER]}
@@ -458,25 +672,43 @@ class Soak:
         self.start_server(resume=False)
         for g in range(len(self.groups)):
             self.start_group(g)
+        ids = [p.clients + i for i in range(4)]
+        counts = hostile_class_counts(self.cfg, ids)
         fz = Fuzzer(
             self.broker.port,
-            self.users[client_user(p.clients)],
-            p.clients,
+            self.users[client_user(ids[0])],
+            ids[0],
             p.fuzz,
             p.duration_s * 0.8,
             fuzzer_seed,
-            hostile_class_counts(self.cfg, p.clients),
+            counts[ids[0]],
             self.poison,
         )
+        port = self.broker.port
+
+        def login(i: int) -> tuple[int, str, int, tuple[int, ...]]:
+            return (port, self.users[client_user(ids[i])], ids[i], counts[ids[i]])
+
+        poisoner = AuxPoisoner(*login(1), "ap")
+        attackers = [
+            Flapper(*login(2), "fl", per_s=p.flap_per_s),
+            Flapper(*login(3), "fd", per_s=p.flood_per_s),
+        ]
         deadline = time.monotonic() + 180
         while not self.ck.exists():  # warm: the first version is checkpointed
             if time.monotonic() > deadline:
                 raise RuntimeError("no checkpoint within 180 s of the start")
             self.check_server()
             time.sleep(0.2)
-        log("warm: the first checkpoint is written; the schedule starts")
+        log("warm: the first checkpoint is written; the quiet window starts")
         if self.server is not None:
             self.rss_start = rss_mb(self.server.pid)
+        try:
+            self.measure_attack(attackers)
+        finally:
+            for a in attackers:
+                a.close()
+        log("the attack window is over; the schedule starts")
         started = time.monotonic()
         # Events at evenly spaced times over the run (after a warm-up fifth), in a shuffled order.
         group_size = self.groups[0][1] - self.groups[0][0] + 1
@@ -525,6 +757,7 @@ class Soak:
                     self.server_crashes += 1
         finally:
             fz.close()
+            poisoner.close()
             for proc in [*self.procs.values(), *([self.server] if self.server else [])]:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
@@ -534,9 +767,64 @@ class Soak:
                 except subprocess.TimeoutExpired:
                     proc.kill()
             self.broker.close()
-        return self._result(fz, killed_clients)
+        return self._result(fz, poisoner, killed_clients)
 
-    def _result(self, fz: Fuzzer, killed_clients: int) -> dict[str, Any]:
+    def versions(self) -> tuple[int, int]:
+        """The newest model version and the updates applied, from the applied-update log (written
+        at each checkpoint)."""
+        try:
+            with open(ckpt.applied_log_path(self.ck), newline="") as f:
+                rows = list(csv.DictReader(f))
+        except OSError:
+            return 0, 0
+        return max((int(r["version"]) for r in rows), default=0), len(rows)
+
+    def _window(self) -> tuple[float, float]:
+        """Versions and applied updates per wall second over one window of ``attack_s``."""
+        t0, (v0, u0) = time.monotonic(), self.versions()
+        while time.monotonic() - t0 < self.plan.attack_s:
+            time.sleep(0.2)
+            self.check_server()
+        v1, u1 = self.versions()
+        wall = time.monotonic() - t0
+        return (v1 - v0) / wall, (u1 - u0) / wall
+
+    def measure_attack(self, attackers: list[Flapper]) -> None:
+        """The quiet window, then the attack window (no kills or fuzzing in either); the
+        attackers' bytes are those of the attack window and one second after it."""
+        self.quiet, self.quiet_updates = self._window()
+        log(f"quiet: {self.quiet:.2f} versions/s; the flapping and flooding clients start")
+        t0 = time.monotonic()
+        for a in attackers:
+            a.active.set()
+        self.attack, self.attack_updates = self._window()
+        for a in attackers:
+            a.active.clear()
+        time.sleep(1.0)
+        self.attack_wall_s = time.monotonic() - t0
+        self.attack_up = sum(a.bytes_up for a in attackers)
+        self.attack_down = sum(a.bytes_down for a in attackers)
+        self.attack_flips = sum(a.flips for a in attackers)
+        self.attack_msgs_down = sum(a.messages_down for a in attackers)
+        flapper = attackers[0]
+        self.flapper_amplification = flapper.bytes_down / max(1, flapper.bytes_up)
+        self.largest_task = max(a.largest_down for a in attackers)
+        log(
+            f"attack: {self.attack:.2f} versions/s; {self.attack_flips} flips sent "
+            f"({self.attack_up} B up), {self.attack_msgs_down} messages down ({self.attack_down} B)"
+        )
+
+    def amplification_bound(self, largest_task: int) -> float:
+        """What admission control allows the attackers to be sent, over what they sent (see the
+        module docstring), at the config's defaults."""
+        a = AdmissionCfg()
+        config_s = self.attack_wall_s / self.plan.scale
+        budget = 2 * (a.task_burst + (a.task_rate or math.inf) * config_s) + 2
+        damping = math.inf if a.flap_limit is None else 2 * (a.flap_limit + 2)
+        per_attacker = min(budget, damping)
+        return 2 * per_attacker * largest_task / max(1, self.attack_up)
+
+    def _result(self, fz: Fuzzer, poisoner: AuxPoisoner, killed_clients: int) -> dict[str, Any]:
         summary_path = self.out / "summary.json"
         if summary_path.exists():
             summ = json.loads(summary_path.read_text())
@@ -562,12 +850,34 @@ class Soak:
             "acked_lost": len(self.durable - set(final)),
             "applied_twice": len(final) - len(set(final)),
             "server_crashes": max(self.server_crashes, crashed_logs),
-            "bad_updates_applied": len(fz.poisoned & set(final)),
+            "bad_updates_applied": len((fz.poisoned | poisoner.poisoned) & set(final)),
             "poisoning_attempts": fz.poison_attempts,
             "rss_start_mb": None if self.rss_start is None else round(self.rss_start, 1),
             "rss_end_mb": None if self.rss_end is None else round(self.rss_end, 1),
             "tier_msgs_per_s": round(t["tier_messages"] / wall, 1),
             "round_trips_per_s": round(t["results"] / wall, 1),
+            "aux_poisoning_attempts": len(poisoner.poisoned),
+            "attack_msgs_per_s": round(self.attack_flips / max(1e-9, self.attack_wall_s), 1),
+            "attack_bytes_up": self.attack_up,
+            "attack_bytes_down": self.attack_down,
+            "amplification": round(self.attack_down / max(1, self.attack_up), 4),
+            "amplification_bound": round(
+                self.amplification_bound(max(self.largest_task, poisoner.largest_down)), 4
+            )
+            if self.admission
+            else None,
+            "flapper_amplification": round(self.flapper_amplification, 4),
+            "versions_per_s_quiet": round(self.quiet, 2),
+            "versions_per_s_attack": round(self.attack, 2),
+            "updates_per_s_quiet": round(self.quiet_updates, 2),
+            "updates_per_s_attack": round(self.attack_updates, 2),
+            "throughput_ratio": round(self.attack / self.quiet, 3) if self.quiet > 0 else None,
+            "rate_limited": sum(
+                v
+                for k, v in summ.get("rejected_by_reason", {}).items()
+                if k.startswith("transport: rate limit")
+            ),
+            "damped": summ.get("admission", {}).get("damped"),
         }
         log(
             f"lives {self.lives}, clients killed {killed_clients}, fuzzed {fz.sent}, hostile client's "
@@ -593,6 +903,11 @@ def main(argv: list[str] | None = None) -> int:
         help="poisoning attempts: all kinds; all but aux injection (to exercise the rest on a "
         "build whose server still dies of it); none",
     )
+    ap.add_argument(
+        "--no-admission",
+        action="store_true",
+        help="serve without the per-client message limit, flap damping and task budget (to compare)",
+    )
     ap.add_argument("--keep", help="keep the run's files (logs, outputs) in this folder")
     args = ap.parse_args(argv)
     if find_mosquitto() is None:
@@ -606,6 +921,7 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         soak = Soak(plan, work, args.seed)
         soak.poison = args.poison
+        soak.admission = not args.no_admission
         result = soak.run(args.seed + 1)
     print(json.dumps(result), flush=True)
     return 0

@@ -1,6 +1,9 @@
 """The soak benchmark's shortest version (``benchmarks/soak.py --tiny``): a server and 12 emulated
 clients under churn while a client group, the broker and the server are each killed with SIGKILL
-(and come back), and a hostile client sends 150 fuzzed messages and poisoning attempts."""
+(and come back), and a hostile client sends 150 fuzzed messages and poisoning attempts; before
+that, a flapping client (200 tier flips a second) and a flooding one (1,000 a second) attack for
+10 s while the honest aggregation rate is compared with a quiet window, and an aux-poisoning
+client answers its training tasks with a 1e30 SCAFFOLD entry all along."""
 
 from __future__ import annotations
 
@@ -46,6 +49,20 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "rss_end_mb",
         "tier_msgs_per_s",
         "round_trips_per_s",
+        "aux_poisoning_attempts",
+        "attack_msgs_per_s",
+        "attack_bytes_up",
+        "attack_bytes_down",
+        "amplification",
+        "amplification_bound",
+        "flapper_amplification",
+        "versions_per_s_quiet",
+        "versions_per_s_attack",
+        "updates_per_s_quiet",
+        "updates_per_s_attack",
+        "throughput_ratio",
+        "rate_limited",
+        "damped",
     }
     return result  # type: ignore[no-any-return]
 
@@ -60,3 +77,21 @@ def test_soak_no_crash_and_no_poison_applied(soak: dict[str, Any]) -> None:
     assert soak["poisoning_attempts"] > 0, soak  # the hostile client got training tasks to poison
     # Without crashes, the last life runs long enough to compare memory (a crash loop's lives do not).
     assert soak["rss_end_mb"] < 1.2 * soak["rss_start_mb"], soak
+
+
+def test_soak_aux_poisoning_is_refused(soak: dict[str, Any]) -> None:
+    assert soak["aux_poisoning_attempts"] > 0, soak  # it got training tasks to poison
+    assert soak["bad_updates_applied"] == 0, soak
+
+
+def test_soak_attack_is_bounded(soak: dict[str, Any]) -> None:
+    """What the flapping and flooding clients are sent stays within what admission control allows
+    (the bound: one task per accepted change to an available tier and one cancel per task, until
+    damping after 100 changes a minute, and at most the task budget), and the honest aggregation
+    rate under the attack keeps at least half of the quiet window's (without admission control a
+    5,000 flips/s flood took it from 14.0 to 5.6 versions/s, a ratio of 0.4)."""
+    assert soak["rate_limited"] > 0 and soak["damped"] >= 1, soak
+    assert 0 < soak["amplification"] <= soak["amplification_bound"], soak
+    assert soak["amplification"] < 1.0, soak  # the attackers are sent less than they send
+    assert soak["versions_per_s_quiet"] > 0, soak
+    assert soak["throughput_ratio"] >= 0.5, soak

@@ -319,7 +319,9 @@ def _long_honest_run(floor: float) -> tuple[int, UpdateValidator]:
 
 def test_norm_floor_keeps_late_honest_updates_as_the_median_shrinks() -> None:
     without, v0 = _long_honest_run(0.0)
-    assert without > 0 and v0._median() < 0.01 * v0.peak  # the problem: the bound shrank with the median
+    assert (
+        without > 0 and v0.updates.median() < 0.01 * v0.peak
+    )  # the problem: the bound shrank with the median
     false, v = _long_honest_run(FLOOR)  # the default
     assert false == 0
     theta = np.ones(DIM, np.float32)
@@ -344,12 +346,12 @@ def test_running_median_equals_numpy_median_through_evictions_and_repeats() -> N
     for i in range(400):
         client = int(rng.integers(12))
         norm = float(rng.choice([0.5, 1.0, 2.0])) if i % 5 == 0 else float(rng.lognormal())
-        v._remember(client, norm)
+        v.updates.remember(client, norm)
         assert len(v.norms) <= 7
-        assert v._median() == float(np.median(np.fromiter(v.norms.values(), dtype=np.float64)))
+        assert v.updates.median() == float(np.median(np.fromiter(v.norms.values(), dtype=np.float64)))
     w = UpdateValidator(v.config)
     w.load_state_dict(v.state_dict())
-    assert w._median() == v._median() and w.peak == v.peak
+    assert w.updates.median() == v.updates.median() and w.peak == v.peak
     for bad in (float("nan"), float("inf"), -1.0):  # a damaged checkpoint: a clear error, not a broken order
         with pytest.raises(ValueError, match="finite and non-negative"):
             w.load_state_dict({"norms": [[1, 0.5], [2, bad]], "peak": 0.5})

@@ -262,6 +262,26 @@ class RuntimeCfg(_Strict):
     eval_fraction: float = Field(0.05, gt=0, le=1)
 
 
+class AdmissionCfg(_Strict):
+    """Per-client admission control (felix.core.admission): flap damping and a task budget. The
+    defaults are far above what honest clients of the shipped scenarios and the MobiPerf trace do."""
+
+    flap_limit: int | None = Field(
+        100,
+        ge=1,
+        description="a client whose reported tier changes more than this many times within "
+        "flap_window_s is treated as unavailable (null: never)",
+    )
+    flap_window_s: float = Field(60.0, gt=0)
+    flap_hold_s: float = Field(
+        600.0, gt=0, description="a damped client is available again after this long without a tier change"
+    )
+    task_rate: float | None = Field(
+        2.0, gt=0, description="tasks and cancels per second a client's budget refills (null: no budget)"
+    )
+    task_burst: float = Field(30.0, ge=1, description="the task budget's capacity")
+
+
 class OrchestratorCfg(_Strict):
     mode: str = Field(
         "async",
@@ -309,6 +329,7 @@ class OrchestratorCfg(_Strict):
     knowledge_params: dict[str, Any] = Field(
         default_factory=dict, description="the availability policy's typed parameters"
     )
+    admission: AdmissionCfg = AdmissionCfg()
 
 
 class PolicyCfg(_Strict):

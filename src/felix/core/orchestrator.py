@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from felix.core.admission import Admission, AdmissionConfig
 from felix.core.availability import AVAILABILITY, AvailabilityPolicy
 from felix.core.client_map import ClientMap, ClientRecord
 from felix.core.commands import (
@@ -90,6 +91,9 @@ class OrchestratorConfig:
     knowledge: Knowledge | str = Knowledge.NONE
     mode_params: Any = None  # the round policy's parameters (a mapping or its pydantic model)
     knowledge_params: Any = None  # the availability policy's parameters
+    # Per-client flap damping and task budget (felix.core.admission); the defaults never bind on
+    # the shipped scenarios' honest clients.
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def __post_init__(self) -> None:
         ROUND_POLICIES.entry(
@@ -170,6 +174,7 @@ class Orchestrator:
             validator if validator is not None else UpdateValidator(ValidationConfig(norm_policy="off"))
         )
         self.clients = ClientMap()
+        self.admission = Admission(config.admission)
         self.stats = OrchestratorStats()
         self.version = 0
         self.round = 0  # sync: rounds started; async: equals the version
@@ -227,6 +232,9 @@ class Orchestrator:
             times.append(deadline)
         if self._rejoin_at is not None and self._rejoin_at > self.now:  # one due now is taken by _fill
             times.append(self._rejoin_at)
+        admit = self.admission.next_wakeup()
+        if admit is not None:
+            times.append(admit)
         return min(times) if times else None
 
     def handle(self, event: Event) -> list[Command]:
@@ -244,14 +252,26 @@ class Orchestrator:
             self._on_failed(event, out)
         elif not isinstance(event, Tick):
             raise TypeError(f"not an orchestrator event: {event!r}")
+        self._admit_due()
         self._fire_timers(out)
         self._fill(out)
         for task in self._expired:
+            self.admission.charge(task.client_id, self.now)
             out.append(
                 CancelTask(task.task_id, task.client_id, "lost its slot behind an older one still open")
             )
         self._expired.clear()
         return out
+
+    def _admit_due(self) -> None:
+        """Damped clients whose hold has passed act on their last reported tier again; clients
+        whose task budget has refilled may be selected again."""
+        if self.admission.next_wakeup() is None:
+            return
+        for cid in self.admission.due(self.now):
+            if cid in self.clients:
+                rec = self.clients[cid]
+                self.availability.on_tier(self, rec, rec.reported_tier)
 
     # ------------------------------------------------------------------ events
     def _on_registered(self, ev: ClientRegistered, out: list[Command]) -> None:
@@ -283,8 +303,15 @@ class Orchestrator:
             self._reject(ev.client_id, 0, "tier change from an unknown client", out)
             return
         rec = self.clients[ev.client_id]
+        damped = self.admission.is_damped(ev.client_id)
+        if ev.tier is not rec.reported_tier:
+            flapping = self.admission.tier_changed(ev.client_id, self.now)
+            if flapping and not damped:  # it starts flapping now: it is treated as unavailable
+                self.availability.on_tier(self, rec, Tier.UN_AVL)
+            damped = flapping
         rec.reported_tier = ev.tier
-        self.availability.on_tier(self, rec, ev.tier)
+        if not damped:  # a damped client's reports are kept, and acted on when its hold ends
+            self.availability.on_tier(self, rec, ev.tier)
 
     def _on_finished(self, ev: TaskFinished, out: list[Command]) -> None:
         valid = self._validate(ev, out)
@@ -487,6 +514,7 @@ class Orchestrator:
         self._close(task.task_id, TaskState.CANCELLED)
         if task.kind is TaskKind.TRAIN:
             self.stats.train_cancelled += 1
+        self.admission.charge(task.client_id, self.now)
         out.append(CancelTask(task.task_id, task.client_id, reason))
 
     # ------------------------------------------------------------------ selection
@@ -508,6 +536,8 @@ class Orchestrator:
         """
         m = self.clients
         rows = self.availability.train_rows(m, self.now)
+        if self.admission.any_excluded and len(rows):
+            rows = rows[~np.isin(m.ids_of(rows), self.admission.excluded_ids())]
         fresh = np.ones(len(rows), dtype=bool)
         if self.rounds.one_task_per_round:
             fresh = m.column("selected_round")[rows] != self.round
@@ -540,6 +570,8 @@ class Orchestrator:
                 cands = cands[~np.isin(cands, np.fromiter(self._probe_dropped, dtype=np.int64))]
             if not self.cfg.probe_busy_clients and len(cands):
                 cands = cands[~np.isin(cands, self._owing())]
+            if self.admission.any_excluded and len(cands):
+                cands = cands[~np.isin(cands, self.admission.excluded_ids())]
             if len(cands):
                 for cid in self.eval_selector.select(cands, budget, self._ctx()):
                     self._dispatch(cid, TaskKind.EVAL, out)
@@ -550,6 +582,7 @@ class Orchestrator:
             raise RuntimeError(f"selector picked client {cid}, which already holds task {rec.in_flight}")
         task = Task(self._next_task, cid, kind, self.version, self.round, self.now)
         self._next_task += 1
+        self.admission.charge(cid, self.now)
         self._tasks[task.task_id] = task
         self.clients.set_in_flight(cid, task.task_id)
         held = kind is TaskKind.TRAIN and self.data_plan.pending
@@ -797,6 +830,7 @@ class Orchestrator:
             "round_policy": self.rounds.state_dict(),
             "availability": self.availability.state_dict(),
             "data_plan": self.data_plan.state_dict(),
+            "admission": self.admission.state_dict(),
         }
 
     def _stat_array(self, name: str) -> np.ndarray:
@@ -893,6 +927,8 @@ class Orchestrator:
         self.rounds.load_state_dict(state["round_policy"])
         self.availability.load_state_dict(state["availability"])
         self.data_plan.load_state_dict(state["data_plan"])
+        if "admission" in state:  # checkpoints from before admission control start with fresh budgets
+            self.admission.load_state_dict(state["admission"])
 
 
 _LIST_STATS = frozenset({"aggregation_times", "staleness", "agg_weights", "utility_age_at_selection"})

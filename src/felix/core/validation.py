@@ -14,6 +14,19 @@ it is *plausible*, with bounds that a single client cannot move:
   declared shape and dtype (``AuxDecl``). An undeclared key is refused, so a client can neither
   make aggregation raise with shapes that do not broadcast nor plant a large entry that the server
   would then ship with every later task. The MQTT shell applies the same check at decode.
+- aux values, by size: a declared entry of the right shape holding 1e30 (SCAFFOLD's
+  ``sum:scaffold_dc``, say) would be summed into the server's aux state and shipped to every
+  client with its next training task. Each key's L2 norm (a scalar's magnitude) is screened like
+  the update's, with the same policy, factor, window, minimum history and floor, over the latest
+  accepted value of each of the last ``norm_window`` clients for that key; no step count enters
+  (a control variate or a loss does not grow with the local steps). Before ``norm_min_history``
+  clients have sent a key, its bound is ``norm_factor`` x max(1, the model's norm): the declared
+  entries are gradients, losses and loss quantiles, and the first SCAFFOLD controls measured
+  5-20 (``benchmarks/scaffold_ram.py``). Non-finite values are refused whatever the policy.
+  ``norm_policy: clip`` scales a float entry down to its bound; ``off`` turns this off with the
+  update screen (the FedeRage comparisons run the methods as published, unscreened). Honest
+  runs (digits, 200-400 aggregations) had their largest entry at 8.9x its basis (SCAFFOLD's
+  ``sum:scaffold_dc``; FedeRage's beta 4.9x) and warm-up entries below 0.02 x max(1, ||model||).
 - the update's L2 norm against a robust statistic of recently accepted updates. An update is the
   sum of its client's local steps, ``k = min(ceil(num_samples / batch_size) * epochs, max_steps)``
   from the client config, so its norm grows with k: like sqrt(k) for noisy steps, up to k for
@@ -155,16 +168,77 @@ def l2_norm(a: np.ndarray) -> float:
     return math.sqrt(sq)
 
 
+class RecentScale:
+    """The typical size of recent accepted values: the latest value of each of the last ``window``
+    distinct clients (one client holds one entry, so it cannot drag the median), their median,
+    and the peak of that median once ``min_history`` clients have contributed."""
+
+    def __init__(self, window: int, min_history: int) -> None:
+        self.window = window
+        self.min_history = min_history
+        self.norms: dict[int, float] = {}  # client id -> its latest accepted value, oldest first
+        # The values of ``norms``, sorted: the median without a sort per update.
+        self._sorted: list[float] = []
+        self.peak = 0.0  # the highest median of ``norms`` since it had min_history entries
+
+    @property
+    def ready(self) -> bool:
+        return len(self.norms) >= self.min_history
+
+    def median(self) -> float:
+        """The median of ``norms`` (as ``np.median``: the mean of the middle two when even)."""
+        v, n = self._sorted, len(self._sorted)
+        return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+    def basis(self, floor: float) -> float:
+        """The median, never below ``floor`` x its peak (only when ``ready``)."""
+        return max(self.median(), floor * self.peak)
+
+    def remember(self, client_id: int, norm: float) -> None:
+        old = self.norms.pop(client_id, None)
+        if old is not None:
+            self._unsort(old)
+        self.norms[client_id] = norm
+        bisect.insort(self._sorted, norm)
+        while len(self.norms) > self.window:
+            self._unsort(self.norms.pop(next(iter(self.norms))))
+        if self.ready:
+            self.peak = max(self.peak, self.median())
+
+    def _unsort(self, norm: float) -> None:
+        del self._sorted[bisect.bisect_left(self._sorted, norm)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"norms": [[int(c), float(n)] for c, n in self.norms.items()], "peak": self.peak}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        norms = {int(c): float(n) for c, n in state["norms"]}
+        if not all(math.isfinite(n) and n >= 0 for n in norms.values()):
+            raise ValueError("validator norms must be finite and non-negative")
+        self.norms, self._sorted = norms, sorted(norms.values())
+        self.peak = float(state.get("peak", 0.0))  # absent in checkpoints from before the floor
+
+
 class UpdateValidator:
-    """Checks one result against the client's registration, the declared aux and recent norms."""
+    """Checks one result against the client's registration, the declared aux, recent update norms
+    and recent aux values."""
 
     def __init__(self, config: ValidationConfig | None = None, aux_spec: AuxSpec | None = None) -> None:
         self.config = config if config is not None else ValidationConfig()
         self.aux_spec: dict[str, AuxDecl] = dict(aux_spec or {})
-        self.norms: dict[int, float] = {}  # client id -> its latest accepted norm / sqrt(steps), oldest first
-        # The values of ``norms``, sorted: the median without a sort per update.
-        self._sorted: list[float] = []
-        self.peak = 0.0  # the highest median of ``norms`` since it had norm_min_history entries
+        c = self.config
+        # Update norm / sqrt(steps), and each declared aux key's norm.
+        self.updates = RecentScale(c.norm_window, c.norm_min_history)
+        self.aux_scales = {k: RecentScale(c.norm_window, c.norm_min_history) for k in self.aux_spec}
+
+    @property
+    def norms(self) -> dict[int, float]:
+        """Client id -> its latest accepted update norm / sqrt(steps), oldest first."""
+        return self.updates.norms
+
+    @property
+    def peak(self) -> float:
+        return self.updates.peak
 
     # ------------------------------------------------------------------ checks
     def check(
@@ -188,8 +262,17 @@ class UpdateValidator:
         problem = aux_problem(upd.aux, self.aux_spec)
         if problem is not None:
             return Verdict(None, problem)
+        aux_norms: dict[str, float] = {}
+        aux_clipped = False
+        if upd.aux:
+            screened = self._screen_aux(upd, theta, aux_norms)
+            if isinstance(screened, str):
+                return Verdict(None, screened)
+            aux_clipped = screened is not upd
+            upd = screened
         if kind is not TaskKind.TRAIN or upd.delta is None or self.config.norm_policy == "off":
-            return Verdict(upd)
+            self._remember_aux(client_id, aux_norms)
+            return Verdict(upd, clipped=aux_clipped)
         norm = l2_norm(upd.delta)
         steps = self.config.local_steps(upd.num_samples)
         bound = self.norm_bound(theta, steps)
@@ -203,27 +286,67 @@ class UpdateValidator:
             delta = (upd.delta.astype(np.float64) * scale).astype(np.float32)
             upd, norm, clipped = replace(upd, delta=delta), bound, True
         if norm > 0:
-            self._remember(client_id, norm / math.sqrt(steps))
-        return Verdict(upd, clipped=clipped)
+            self.updates.remember(client_id, norm / math.sqrt(steps))
+        self._remember_aux(client_id, aux_norms)
+        return Verdict(upd, clipped=clipped or aux_clipped)
+
+    def _screen_aux(
+        self, upd: ClientUpdate, theta: np.ndarray, norms: dict[str, float]
+    ) -> ClientUpdate | str:
+        """The update with its aux entries within their bounds (a copy with clipped entries under
+        ``clip``), or why it is refused. Fills ``norms`` with each entry's accepted norm, to be
+        remembered once the whole update is accepted."""
+        policy = self.config.norm_policy
+        clipped: dict[str, np.ndarray] = {}
+        for key, value in upd.aux.items():
+            arr = np.asarray(value)
+            norm = l2_norm(arr)
+            if not math.isfinite(norm):
+                return f"aux {key!r} holds non-finite values"
+            bound = None if policy == "off" else self.aux_bound(key, theta)
+            if bound is not None and norm > bound:
+                if policy == "reject" or arr.dtype.kind != "f":
+                    return (
+                        f"aux {key!r} norm {norm:.3g} exceeds the bound {bound:.3g} ({self._aux_basis(key)})"
+                    )
+                clipped[key] = (arr.astype(np.float64) * (bound / norm)).astype(arr.dtype)
+                norm = bound
+            norms[key] = norm
+        return replace(upd, aux={**upd.aux, **clipped}) if clipped else upd
+
+    def aux_bound(self, key: str, theta: np.ndarray) -> float | None:
+        """The bound on the norm of aux entry ``key``, or None while there is no basis for one."""
+        c = self.config
+        scale = self.aux_scales.get(key)
+        if scale is not None and scale.ready:
+            return c.norm_factor * scale.basis(c.norm_floor)
+        return c.norm_factor * max(1.0, l2_norm(theta)) if c.warmup_factor > 0 else None
+
+    def _aux_basis(self, key: str) -> str:
+        c = self.config
+        scale = self.aux_scales.get(key)
+        if scale is not None and scale.ready:
+            return f"{c.norm_factor:g} x the median of {len(scale.norms)} clients' latest {key!r} norms"
+        return f"{c.norm_factor:g} x max(1, the model's norm), until {c.norm_min_history} clients have sent {key!r}"
+
+    def _remember_aux(self, client_id: int, norms: dict[str, float]) -> None:
+        for key, norm in norms.items():
+            scale = self.aux_scales.get(key)
+            if scale is not None and norm > 0:
+                scale.remember(client_id, norm)
 
     def norm_bound(self, theta: np.ndarray, steps: int = 1) -> float | None:
         """The bound on the norm of an update of ``steps`` local steps, or None while there is no
         basis for one."""
         c = self.config
-        if len(self.norms) >= c.norm_min_history:
-            basis = max(self._median(), c.norm_floor * self.peak)
-            return c.norm_factor * basis * math.sqrt(steps)
+        if self.updates.ready:
+            return c.norm_factor * self.updates.basis(c.norm_floor) * math.sqrt(steps)
         model = l2_norm(theta)
         return c.warmup_factor * model if c.warmup_factor > 0 and model > 0 else None
 
-    def _median(self) -> float:
-        """The median of ``norms`` (as ``np.median``: the mean of the middle two when even)."""
-        v, n = self._sorted, len(self._sorted)
-        return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
-
     def _bound_basis(self) -> str:
         c = self.config
-        if len(self.norms) >= c.norm_min_history:
+        if self.updates.ready:
             floor = f" (at least {c.norm_floor:g} x its peak {self.peak:.3g})" if c.norm_floor > 0 else ""
             return (
                 f"{c.norm_factor:g} x the median of {len(self.norms)} clients' norm/sqrt(steps){floor} "
@@ -231,27 +354,15 @@ class UpdateValidator:
             )
         return f"{c.warmup_factor:g} x the model's norm, until {c.norm_min_history} clients have sent updates"
 
-    def _remember(self, client_id: int, norm: float) -> None:
-        old = self.norms.pop(client_id, None)
-        if old is not None:
-            self._unsort(old)
-        self.norms[client_id] = norm
-        bisect.insort(self._sorted, norm)
-        while len(self.norms) > self.config.norm_window:
-            self._unsort(self.norms.pop(next(iter(self.norms))))
-        if len(self.norms) >= self.config.norm_min_history:
-            self.peak = max(self.peak, self._median())
-
-    def _unsort(self, norm: float) -> None:
-        del self._sorted[bisect.bisect_left(self._sorted, norm)]
-
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {"norms": [[int(c), float(n)] for c, n in self.norms.items()], "peak": self.peak}
+        return {
+            **self.updates.state_dict(),
+            "aux": {k: scale.state_dict() for k, scale in self.aux_scales.items()},
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        norms = {int(c): float(n) for c, n in state["norms"]}
-        if not all(math.isfinite(n) and n >= 0 for n in norms.values()):
-            raise ValueError("validator norms must be finite and non-negative")
-        self.norms, self._sorted = norms, sorted(norms.values())
-        self.peak = float(state.get("peak", 0.0))  # absent in checkpoints from before the floor
+        self.updates.load_state_dict(state)
+        for key, scale_state in state.get("aux", {}).items():  # absent before aux values were screened
+            if key in self.aux_scales:
+                self.aux_scales[key].load_state_dict(scale_state)

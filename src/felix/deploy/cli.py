@@ -153,6 +153,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_pending_bytes=args.max_pending_bytes,
         max_inbox_bytes=args.max_inbox_bytes,
         checkpoint_interval_s=args.checkpoint_interval,
+        client_msg_rate=args.client_msg_rate or None,
+        client_msg_burst=args.client_msg_burst,
     )
     print(
         f"felix serve: {cfg.name} / {cfg.strategy} (seed {cfg.seed}), run {run_id} on {args.broker} -> {out}",
@@ -446,6 +448,19 @@ def add_parsers(subparsers: Any) -> None:
         type=float,
         default=0.2,
         help="wall seconds between checkpoints at most; one covers every aggregation since the last",
+    )
+    s.add_argument(
+        "--client-msg-rate",
+        type=float,
+        default=10.0,
+        help="messages per config second each client may send (a token bucket; the rest are refused "
+        "as 'transport: rate limit'); 0 turns the limit off (default 10)",
+    )
+    s.add_argument(
+        "--client-msg-burst",
+        type=float,
+        default=50.0,
+        help="the per-client message bucket's capacity (default 50)",
     )
     s.add_argument("--plots", action="store_true", help="also write the accuracy plots")
     s.set_defaults(func=_guard(_serve))

@@ -9,6 +9,8 @@ the config's seconds) and clients are real MQTT peers. Every ``Tick`` is deliver
 
 One loop thread owns the orchestrator: paho's network thread only puts received messages on a
 queue (``felix.deploy.link``). For each message the loop checks, in order: the topic, the
+sender's message budget (a token bucket per client, ``client_msg_rate`` per config second up to
+``client_msg_burst``; checked before decoding, so a flood costs a topic parse per message), the
 header (``wire.decode``: magic, version, type, field types, sizes), that the header's client id
 is the topic's (the broker's ACL ties the topic to the login), the run id, and the message id
 (a byte-identical repeat is an at-least-once duplicate, counted and dropped; the same id with
@@ -43,6 +45,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import math
 import secrets
 import threading
 import time
@@ -54,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from felix.config import Config
+from felix.core.admission import TokenBuckets
 from felix.core.commands import (
     CancelTask,
     Command,
@@ -137,6 +141,10 @@ class ServeOptions:
     max_inbox_bytes: int = 64 << 20  # inbound payload bytes received but not yet handled ...
     max_inbox_messages: int = 50000  # ... and messages: reaching either blocks paho's network thread
     checkpoint_interval_s: float = 0.2  # wall seconds between checkpoints at most (group commit)
+    # Per-client message limit at intake (token bucket per client, in config seconds like the
+    # orchestrator's rules): None turns it off.
+    client_msg_rate: float | None = 10.0
+    client_msg_burst: float = 50.0
     plots: bool = False
     status_every_s: float = 10.0
 
@@ -151,6 +159,10 @@ class Server:
             raise ValueError("time scale must be positive")
         if opts.max_pending_bytes < 1 or opts.max_pending_messages < 1 or opts.checkpoint_interval_s < 0:
             raise ValueError("max pending bytes and messages must be positive, the checkpoint interval >= 0")
+        if opts.client_msg_rate is not None and not (0 < opts.client_msg_rate < math.inf):
+            raise ValueError(f"client message rate must be positive, not {opts.client_msg_rate}")
+        if not (1 <= opts.client_msg_burst < math.inf):
+            raise ValueError(f"client message burst must be at least 1, not {opts.client_msg_burst}")
         # Folders first: a run must not train for hours and then fail to write what it measured.
         if opts.out_dir is not None:
             make_output_dir(opts.out_dir)
@@ -198,6 +210,12 @@ class Server:
         self.stats = TransportStats()
         self._refused: dict[int, int] = {}  # client id (-1: none, or outside the population) -> refused
         self._refusals_logged = 0  # refusal lines logged in all, within REFUSALS_LOGGED_TOTAL
+        # Each client's message budget (ids outside the population share one: key -1).
+        self.msg_buckets = (
+            None
+            if opts.client_msg_rate is None
+            else TokenBuckets(opts.client_msg_rate, opts.client_msg_burst)
+        )
         self.applied = AppliedLog(None if opts.checkpoint is None else ckpt.applied_log_path(opts.checkpoint))
         self.seq_marks: dict[int, dict[str, int]] = {}  # client -> message-id prefix -> highest sequence
         self.result_digests: dict[int, bytes] = {}  # task id -> digest of the result that closed it
@@ -319,6 +337,7 @@ class Server:
                 "latency_p95_ms": _ms(self.latency, 95),
                 "inbox_full_waits": self.inbox.full_waits,
             },
+            "admission": asdict(self.orch.admission.stats),
             "deployment": {
                 "run_id": self.opts.run_id,
                 "time_scale": self.opts.time_scale,
@@ -412,6 +431,13 @@ class Server:
             self._reject(-1, 0, f"transport: message on an unexpected topic {m.topic[:80]!r}")
             return
         kind, cid = parsed
+        if self.msg_buckets is not None and not self.msg_buckets.take(
+            cid if 0 <= cid < self.num_clients else -1, self.now()
+        ):
+            # Before decoding: a flood costs the server a topic parse and a counter per message.
+            self.ctl.count_wire("up", "control", len(m.payload))
+            self._reject(cid, 0, f"transport: rate limit ({kind})")
+            return
         try:
             msg = wire.decode(m.payload, self.max_bytes, self.orch.validator.aux_spec)
         except wire.MessageError as exc:

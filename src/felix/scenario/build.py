@@ -32,6 +32,7 @@ from felix import cpu_kernels
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig, autocast, one_thread, thread_invariant
 from felix.client.weights import ModelWeights, model_vector, weights_for
 from felix.config import Config, ConfigError, deep_merge, validate
+from felix.core.admission import AdmissionConfig
 from felix.core.availability import AVAILABILITY
 from felix.core.orchestrator import Orchestrator, OrchestratorConfig
 from felix.core.policies import AGGREGATORS, EVAL_SELECTORS, TRAIN_SELECTORS, Aggregator
@@ -488,6 +489,7 @@ def build_orchestrator(
             probe_busy_clients=o.probe_busy_clients,
             mode_params=o.mode_params,
             knowledge_params=o.knowledge_params,
+            admission=AdmissionConfig(**o.admission.model_dump()),
         )
         rounds = ROUND_POLICIES.create(o.mode, o.mode_params, ocfg, where="orchestrator.mode_params")
         availability = AVAILABILITY.create(
