@@ -14,6 +14,7 @@ from felix.metrics.report import EvalLog, make_output_dir, rejections_by_reason
 from felix.presets import scenario_preset, strategy_preset
 from felix.sim.build import Built, build
 from felix.strategies.dataplans.plans import plan_summary
+from felix.stream.summary import stream_summary
 
 
 @dataclass
@@ -78,10 +79,13 @@ def run_config(
         {
             **plan_summary(built.data_plan),
             "rejected_by_reason": rejections_by_reason(r.reason for r in outcome.rejected),
+            **stream_summary(built, outcome.virtual_time_s),
         },
     )
     if out_dir is not None:
         ctl.write_outputs(out_dir, summ, plots)
+        if built.freshness is not None:
+            built.freshness.write(out_dir, outcome.virtual_time_s, plots)
     return RunResult(summ, built.recorder.rows, built)
 
 
