@@ -323,3 +323,22 @@ def test_a_shift_to_an_unknown_class_is_refused() -> None:
 def test_a_config_without_streams_is_written_as_before() -> None:
     assert "stream" not in validate({}).model_dump()
     assert validate({"stream": {"enabled": True}}).model_dump()["stream"]["enabled"] is True
+
+
+# ---------------------------------------------------------------------- TierFuse on streams
+def test_tierfuse_data_age_option_weighs_fresher_data_more_and_is_off_by_default() -> None:
+    from felix.core.types import BufferedUpdate, ClientUpdate
+    from felix.strategies.aggregation.tierfuse import TierFuseAggregator, TierFuseParams
+
+    def item(span: tuple[float, float] | None) -> BufferedUpdate:
+        upd = ClientUpdate(10, 0.0, 0.0, 1.0, np.zeros(3, np.float32), data_span=span)
+        return BufferedUpdate(0, 0, 0, 5000.0, upd, 0)
+
+    fresh, old, none = item((100.0, 5000.0)), item((100.0, 1400.0)), item(None)
+    paper = TierFuseAggregator()
+    assert paper.weights([fresh, old, none]) == pytest.approx([0.7, 0.7, 0.7])  # sigma + (1-sigma) beta(0)
+    aware = TierFuseAggregator(TierFuseParams(freshness="data_age", age_half_life_s=1800.0))
+    # Age 0 keeps 0.7; age 3600 s = two half-lives: 0.7 / 4; no span (no stream): unchanged.
+    assert aware.weights([fresh, old, none]) == pytest.approx([0.7, 0.175, 0.7])
+    with pytest.raises(ValueError, match="age_half_life_s"):
+        TierFuseParams(freshness="data_age", age_half_life_s=0.0)
