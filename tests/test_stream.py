@@ -100,7 +100,7 @@ def test_availability_tied_arrivals_only_while_the_device_is_in_use() -> None:
     assert abs(z) < 3.5
     assert not any(in_train_tier(3, t) for t in times)
     with pytest.raises(ValueError, match="availability trace"):
-        model(cfg, tier_at=None)
+        model(cfg, tier_at=None).client(0)
 
 
 def test_streams_do_not_depend_on_when_they_are_read() -> None:
@@ -342,3 +342,34 @@ def test_tierfuse_data_age_option_weighs_fresher_data_more_and_is_off_by_default
     assert aware.weights([fresh, old, none]) == pytest.approx([0.7, 0.175, 0.7])
     with pytest.raises(ValueError, match="age_half_life_s"):
         TierFuseParams(freshness="data_age", age_half_life_s=0.0)
+
+
+def test_a_result_carries_its_data_span_over_the_wire_only_on_streams() -> None:
+    from felix.core.types import TaskKind
+    from felix.deploy import wire
+
+    def result(span: tuple[float, float] | None) -> bytes:
+        return wire.encode(
+            wire.Result(
+                run="r",
+                msg_id="m-1",
+                sent_at=1.0,
+                client=3,
+                incarnation="i",
+                task=7,
+                kind=TaskKind.TRAIN,
+                version=2,
+                num_samples=5,
+                stat_utility=1.0,
+                loss=0.5,
+                duration=2.0,
+                delta=np.zeros(4, np.float32),
+                data_span=span,
+            )
+        )
+
+    msg = wire.decode(result((-120.5, 300.25)))
+    assert isinstance(msg, wire.Result) and msg.data_span == (-120.5, 300.25)
+    plain = result(None)
+    assert b"span" not in plain and wire.decode(plain).data_span is None  # type: ignore[union-attr]
+    assert len(result((0.0, 1.0))) == len(plain) + 16 + len(b',{"name":"span","dtype":"<f8","shape":[2]}')

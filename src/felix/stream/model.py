@@ -134,8 +134,7 @@ class StreamModel:
         seed: int,
         tier_at: TierAt | None = None,
     ) -> None:
-        if cfg.arrivals.kind == "availability" and tier_at is None:
-            raise ValueError("stream.arrivals.kind 'availability' needs the clients' availability trace")
+        self._needs_trace = cfg.arrivals.kind == "availability" and tier_at is None
         self.cfg = cfg
         self.seed = seed
         self.num_classes = num_classes
@@ -154,6 +153,8 @@ class StreamModel:
         self._clients: dict[int, ClientStream] = {}
 
     def client(self, cid: int) -> ClientStream:
+        if self._needs_trace:
+            raise ValueError("stream.arrivals.kind 'availability' needs the clients' availability trace")
         s = self._clients.get(cid)
         if s is None:
             s = self._clients[cid] = ClientStream(self, cid)

@@ -4,6 +4,7 @@ each device's feed, and the freshness measure on the recorder."""
 from __future__ import annotations
 
 import copy
+from typing import Protocol
 
 import torch
 
@@ -12,7 +13,7 @@ from felix.core.types import Tier
 from felix.metrics.freshness import FreshnessTracker, make_class_evaluator
 from felix.metrics.recorder import Recorder
 from felix.scenario.build import Population
-from felix.scenario.traces import AvailabilityTrace
+from felix.scenario.traces import DeviceTrace
 from felix.stream.drift import check_classes
 from felix.stream.feed import StreamFeed
 from felix.stream.model import StreamModel
@@ -39,11 +40,19 @@ def check_stream(cfg: Config, num_classes: int) -> None:
         )
 
 
-def build_stream(cfg: Config, pop: Population, trace: AvailabilityTrace) -> StreamModel:
-    """The run's stream model over ``pop``'s training pool (``trace`` for availability-tied arrivals)."""
+class ClientTraces(Protocol):
+    """The clients' availability (an ``AvailabilityTrace``, or an MQTT process's share of it)."""
+
+    def for_client(self, cid: int) -> DeviceTrace: ...
+
+
+def build_stream(cfg: Config, pop: Population, trace: ClientTraces | None) -> StreamModel:
+    """The run's stream model over ``pop``'s training pool; ``trace`` for availability-tied
+    arrivals (None where no client's samples are drawn: the MQTT server's mix and shifts)."""
     check_stream(cfg, pop.train.num_classes)
 
     def in_train_tier(cid: int, t: float) -> bool:
+        assert trace is not None
         return trace.for_client(cid).tier_at(t) is Tier.AVL_TRAIN
 
     return StreamModel(
@@ -52,7 +61,7 @@ def build_stream(cfg: Config, pop: Population, trace: AvailabilityTrace) -> Stre
         pop.train.num_classes,
         cfg.partition.num_clients,
         cfg.seed,
-        in_train_tier,
+        None if trace is None else in_train_tier,
     )
 
 
