@@ -1,8 +1,10 @@
 """The stream model: every client's arrivals, classes, pool samples, label delays and proxy
 labels, generated lazily and seeded, sans-I/O (a time in, the client's samples out).
 
-A client's stream is generated in fixed blocks of ``BLOCK_S`` seconds from the stream's start
-(``-warmup_s``), each block from the client's own generator, in order. A block is drawn whole
+A client's stream is generated in fixed blocks from the stream's start (``-warmup_s``), each
+block from the client's own generator, in order; a block is ``BLOCK_S`` seconds, or as many hours
+as it takes to expect ``BLOCK_ARRIVALS`` samples at the client's highest rate (a slow client's
+week is a few blocks, not 168). A block is drawn whole
 (a Poisson count at the highest rate, uniform times, thinned to the rate at each time), so the
 samples do not depend on when, or how often, the client is asked: the simulator (which asks at
 each task start, a strategy's choice) and the MQTT client (which asks in wall-clock time) see
@@ -10,6 +12,7 @@ the same stream for the same seed, and so does every strategy of a comparison.""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +24,8 @@ from felix.stream.labels import draw_delays
 from felix.stream.store import LocalStore, Snapshot
 
 BLOCK_S = 3600.0
+BLOCK_ARRIVALS = 16
+MAX_BLOCK_S = 7 * 86400.0
 DAY_S = 86400.0
 _STREAM = 5  # the stream's id under the run seed (felix.scenario.build's streams are 0-4)
 
@@ -43,6 +48,10 @@ class ClientStream:
         self.cid = cid
         self.rng = np.random.default_rng(np.random.SeedSequence([model.seed, _STREAM, 1, cid]))
         self.rate_s = float(model.rates[cid]) / 3600.0
+        a = model.cfg.arrivals
+        self.peak_s = self.rate_s * (1.0 + a.diurnal_amplitude if a.kind == "diurnal" else 1.0)
+        hours = math.ceil(BLOCK_ARRIVALS / (self.peak_s * 3600.0)) if self.peak_s > 0 else math.inf
+        self.block_s = min(BLOCK_S * max(1, hours), MAX_BLOCK_S)
         self.generated_to = -model.cfg.arrivals.warmup_s
         self.store = LocalStore(model.cfg.store.cap)
         self.now = -np.inf
@@ -59,7 +68,7 @@ class ClientStream:
             return
         self.now = now
         while self.generated_to < now:
-            self._block(self.generated_to, self.generated_to + BLOCK_S)
+            self._block(self.generated_to, self.generated_to + self.block_s)
         p = self._pending
         if p is not None:
             k = int(np.searchsorted(p["arrival"], now, side="right"))
@@ -79,8 +88,7 @@ class ClientStream:
     def _block(self, t0: float, t1: float) -> None:
         m, rng = self.model, self.rng
         a = m.cfg.arrivals
-        peak = self.rate_s * (1.0 + a.diurnal_amplitude if a.kind == "diurnal" else 1.0)
-        n = int(rng.poisson(peak * (t1 - t0)))
+        n = int(rng.poisson(self.peak_s * (t1 - t0)))
         times = np.sort(rng.uniform(t0, t1, n))
         if a.kind == "diurnal":
             u = rng.random(n)
@@ -93,14 +101,20 @@ class ClientStream:
                 np.array([m.tier_at(self.cid, max(float(t), 0.0)) == want for t in times], dtype=bool)
             ]
         n = len(times)
-        mix = m.mix.at(times) if n else np.zeros((0, m.num_classes))
         d = m.cfg.drift
-        if self.pref is not None:
+        prefs: list[np.ndarray] | None = None
+        changes = np.zeros(0)
+        if self.pref is not None:  # the client's interest changes whether or not samples arrive
             changes = np.sort(
                 rng.uniform(t0, t1, int(rng.poisson(d.personal_shifts_per_day * (t1 - t0) / DAY_S)))
             )
             prefs = [self.pref, *(rng.dirichlet(np.full(m.num_classes, d.personal_alpha)) for _ in changes)]
             self.pref = prefs[-1]
+        self.generated_to = t1
+        if n == 0:
+            return
+        mix = m.mix.at(times)
+        if prefs is not None:
             mix = (1.0 - d.personal_weight) * mix + d.personal_weight * np.asarray(prefs)[
                 np.searchsorted(changes, times, side="right")
             ]
@@ -118,7 +132,6 @@ class ClientStream:
         if self._pending is not None:
             new = {f: np.concatenate([self._pending[f], v]) for f, v in new.items()}
         self._pending = new
-        self.generated_to = t1
 
 
 class StreamModel:
