@@ -84,8 +84,8 @@ def run_config(
     )
     if out_dir is not None:
         ctl.write_outputs(out_dir, summ, plots)
-        if built.freshness is not None:
-            built.freshness.write(out_dir, outcome.virtual_time_s, plots)
+    if live is not None and built.freshness is not None:  # a comparison's runs write it too
+        built.freshness.write(live, outcome.virtual_time_s, plots)
     return RunResult(summ, built.recorder.rows, built)
 
 
