@@ -373,3 +373,36 @@ def test_a_result_carries_its_data_span_over_the_wire_only_on_streams() -> None:
     plain = result(None)
     assert b"span" not in plain and wire.decode(plain).data_span is None  # type: ignore[union-attr]
     assert len(result((0.0, 1.0))) == len(plain) + 16 + len(b',{"name":"span","dtype":"<f8","shape":[2]}')
+
+
+def test_a_task_takes_its_data_when_it_first_starts_and_keeps_it_through_a_pause() -> None:
+    import torch
+
+    from felix.client.trainer import ClientData
+    from felix.core.types import TaskKind, Tier
+    from felix.engine.device import DeviceRunner, TaskRules
+
+    class Feed:
+        def __init__(self) -> None:
+            self.asked: list[float] = []
+
+        def data_at(self, now: float) -> tuple[ClientData, tuple[float, float] | None]:
+            self.asked.append(now)
+            n = int(now)
+            return ClientData(torch.zeros(n, 2), torch.zeros(n, dtype=torch.int64)), (0.0, now)
+
+    feed = Feed()
+    dev: DeviceRunner[object] = DeviceRunner(
+        0, ClientData(torch.zeros(0, 2), torch.zeros(0, dtype=torch.int64)), 10.0, Tier.UN_AVL, feed=feed
+    )
+    rules = TaskRules()
+    dev.receive(3.0, 1, TaskKind.TRAIN, np.zeros(2, np.float32), rules)  # queued: the tier forbids it
+    assert feed.asked == []
+    dev.set_tier(5.0, Tier.AVL_TRAIN)  # starts now
+    assert feed.asked == [5.0] and len(dev.data) == 5
+    dev.set_tier(8.0, Tier.UN_AVL)  # paused
+    step = dev.set_tier(20.0, Tier.AVL_TRAIN)  # resumed: same data, no new read
+    assert feed.asked == [5.0] and len(dev.data) == 5
+    assert step is not None and step.timer is not None
+    task = dev.complete(step.timer.token)
+    assert task is not None and task.data_span == (0.0, 5.0)
