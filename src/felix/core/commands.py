@@ -41,6 +41,7 @@ class AggregationReport:
     weights: tuple[float, ...]
     losses: tuple[float, ...] = ()  # each update's reported local training loss
     task_ids: tuple[int, ...] = ()  # the task each applied update answered (the shells' audit trail)
+    newest_data: float | None = None  # streaming data: arrival time of the newest sample behind these updates
 
 
 @dataclass(frozen=True, slots=True)

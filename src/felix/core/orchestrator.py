@@ -416,6 +416,13 @@ class Orchestrator:
                 if not np.isfinite(np.asarray(val, dtype=np.float64)).all():
                     self._reject(ev.client_id, ev.task_id, f"aux {key!r} holds non-finite values", out)
                     return None
+            span = upd.data_span
+            # (Not checked against the server's clock: a deployed client's clock is its own.)
+            if span is not None and not (
+                len(span) == 2 and all(math.isfinite(v) for v in span) and span[0] <= span[1]
+            ):
+                self._reject(ev.client_id, ev.task_id, "data span not finite or reversed", out)
+                return None
         rec = self.clients[ev.client_id]
         verdict = self.validator.check(
             ev.client_id, task.kind, upd, rec.num_samples, sum(self.plans.get(ev.client_id, ())), self._theta
@@ -724,6 +731,7 @@ class Orchestrator:
             tuple(float(w) for w in norm_w),
             tuple(float(b.update.loss) for b in buffer),
             tuple(b.task_id for b in buffer),
+            max((b.update.data_span[1] for b in buffer if b.update.data_span is not None), default=None),
         )
         out.append(NewModelVersion(self.version, self.now, self._theta, report))
 
@@ -808,6 +816,7 @@ class Orchestrator:
                     "duration": b.update.duration,
                     "delta": None if b.update.delta is None else np.asarray(b.update.delta),
                     "aux": {k: np.asarray(v) for k, v in b.update.aux.items()},
+                    "data_span": None if b.update.data_span is None else np.asarray(b.update.data_span),
                 }
                 for b in self._buffer
             ],
@@ -899,6 +908,7 @@ class Orchestrator:
                     float(b["duration"]),
                     None if b["delta"] is None else np.array(b["delta"]),
                     {k: np.asarray(v) for k, v in b["aux"].items()},
+                    _span(b.get("data_span")),
                 ),
                 int(b["staleness"]),
             )
@@ -938,3 +948,11 @@ _FLOAT_STATS = frozenset({"aggregation_times", "agg_weights"})
 def _frozen(a: np.ndarray) -> np.ndarray:
     a.flags.writeable = False
     return a
+
+
+def _span(value: object) -> tuple[float, float] | None:
+    """A checkpointed update's data span (absent from checkpoints written before streams)."""
+    if value is None:
+        return None
+    a = np.asarray(value, dtype=np.float64)
+    return float(a[0]), float(a[1])

@@ -44,6 +44,9 @@ class ClientUpdate:
 
     ``aux`` carries small extra state that travels with the model, e.g. FedeRage's beta or
     SCAFFOLD's control-variate delta; the orchestrator reduces it with the same weights as the model.
+
+    ``data_span``: on streaming data, the arrival times (run seconds) of the oldest and newest
+    sample the update was trained on, so that an aggregator can weigh by data age; None otherwise.
     """
 
     num_samples: int
@@ -52,6 +55,7 @@ class ClientUpdate:
     duration: float
     delta: np.ndarray | None = None
     aux: dict[str, np.ndarray] = field(default_factory=dict)
+    data_span: tuple[float, float] | None = None
 
 
 @dataclass(slots=True)

@@ -62,6 +62,7 @@ from felix.engine.device import DeviceRunner, Step, Task, TaskRules, task_seed
 from felix.scenario.build import build_population, build_runtimes, build_trace, build_trainer
 from felix.scenario.traces import DeviceTrace
 from felix.strategies.dataplans.plans import PlanApplier, prepare_data_plan
+from felix.stream.setup import build_stream, feed_for
 
 log = logging.getLogger("felix.deploy.client")
 
@@ -179,11 +180,15 @@ class ClientHost:
         t0 = opts.t0 if opts.t0 is not None else time.time()
         self._mono_t0 = clock() - (time.time() - t0)
         self.devices: dict[int, Device] = {}
+        # Streaming data: the simulator's stream model (same seed, same samples), read in trace time.
+        self.stream = build_stream(cfg, pop, _TraceView(traces)) if cfg.stream.enabled else None
         for cid in client_ids:
             dt = traces[cid]
             self.devices[cid] = Device(
                 cid, pop.client_data[cid], float(runtimes[cid]), dt.tier_at(self.trace_time()), trace=dt
             )
+            if self.stream is not None:
+                self.devices[cid].feed = feed_for(self.stream, pop, cid)
         self._credentials = credentials
         # Bounded like the server's: a flood makes the network threads wait (the broker keeps the
         # rest), instead of growing this process's memory; the tag is the client id.
@@ -371,12 +376,16 @@ class ClientHost:
         dev.link.publish(topic, payload)
 
     def _register(self, dev: Device) -> None:
-        counts = tuple(int(c) for c in torch.bincount(dev.data.y, minlength=self.trainer.num_classes))
+        if self.stream is None:
+            size = len(dev.data)
+            counts = tuple(int(c) for c in torch.bincount(dev.data.y, minlength=self.trainer.num_classes))
+        else:  # the most samples a task may hold, as in the simulator
+            size, counts = self.stream.registration(dev.cid)
         msg = wire.Register(
             **self._env(dev),
             client=dev.cid,
             incarnation=dev.incarnation,
-            num_samples=len(dev.data),
+            num_samples=size,
             tier=dev.tier,
             class_counts=counts,
         )
@@ -453,6 +462,7 @@ class ClientHost:
             duration=upd.duration,
             delta=upd.delta if task.kind is TaskKind.TRAIN else None,
             aux=upd.aux if task.kind is TaskKind.TRAIN else {},
+            data_span=task.data_span if task.kind is TaskKind.TRAIN else None,
         )
         self.tasks_done += 1
         self._refresh_tier(dev)  # the tier may have changed while computing
@@ -481,6 +491,16 @@ class ClientHost:
             self._publish(dev, self.topics.result(dev.cid), payload)
         if dev.sent:
             log.info("client %d: re-sent %d recent results after a reconnect", dev.cid, len(dev.sent))
+
+
+class _TraceView:
+    """This process's clients' traces where the stream model reads availability (tied arrivals)."""
+
+    def __init__(self, traces: dict[int, DeviceTrace]) -> None:
+        self.traces = traces
+
+    def for_client(self, cid: int) -> DeviceTrace:
+        return self.traces[cid]
 
 
 def save_trace_shard(path: Path, traces: dict[int, DeviceTrace]) -> None:

@@ -85,6 +85,8 @@ from felix.scenario.build import (
     build_trace,
     make_evaluator,
 )
+from felix.stream.setup import attach_freshness, build_stream
+from felix.stream.summary import stream_summary
 
 log = logging.getLogger("felix.deploy.server")
 
@@ -182,6 +184,13 @@ class Server:
         # Clients derive their data from the config's partition: none may claim more samples (the
         # registered count bounds every later result's num_samples, its weight and its norm bound).
         self.partition_sizes = [len(d) for d in pop.client_data]
+        # Streaming data: the same stream model as the clients' (its mix judges the model, its
+        # registration bounds the sample counts); no client's samples are drawn here.
+        self.stream = None
+        if cfg.stream.enabled:
+            tied = cfg.stream.arrivals.kind == "availability"
+            self.stream = build_stream(cfg, pop, build_trace(cfg, pop) if tied else None)
+            self.partition_sizes = [self.stream.registration(c)[0] for c in range(self.num_clients)]
         self.num_params = int(pop.initial_weights.size)
         # The oracle baselines read the trace on the server's clock (clients replay it on theirs).
         # A data plan the registered counts make impossible is logged and training goes on without it.
@@ -197,6 +206,7 @@ class Server:
         )
         if r.per_client_eval or r.converge_threshold is not None:  # the same run measures as the simulator
             attach_run_measures(cfg, rec, pop, build_trace(cfg, pop))
+        self.freshness = None if self.stream is None else attach_freshness(cfg, rec, pop, self.stream, None)
         sink = None if opts.out_dir is None else EvalLog(opts.out_dir / "evaluations.csv")
         self.ctl = RunController(cfg, self.orch, rec, sink, measure_wire=True)
         self.ctl.on_evaluation.append(_log_evaluation)
@@ -349,6 +359,7 @@ class Server:
         }
         if self.plan_info is not None:
             extra["data_plan"] = self.plan_info
+        extra.update(stream_summary(self, now))
         return self.ctl.summary(now, wall, extra)
 
     def write_outputs(self, summ: dict[str, Any]) -> None:
@@ -356,6 +367,8 @@ class Server:
         assert out is not None
         self.ctl.write_outputs(out, summ, self.opts.plots)
         self.applied.write_csv(out / "applied_updates.csv")
+        if self.freshness is not None:
+            self.freshness.write(out, float(summ["virtual_time_s"]), self.opts.plots)
 
     # ------------------------------------------------------------------ inbound
     def _on_connected(self, c: Connected) -> None:
@@ -610,6 +623,7 @@ class Server:
             duration=msg.duration,
             delta=msg.delta,
             aux=dict(msg.aux),
+            data_span=msg.data_span,
         )
         return self._deliver(TaskFinished(self.now(), msg.client, msg.task, upd))
 

@@ -130,6 +130,9 @@ class Result(Envelope):
     duration: float
     delta: np.ndarray | None = field(default=None, repr=False)
     aux: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    # Streaming data: arrival times of the oldest and newest sample trained on (the array "span",
+    # sent only on streams, so results without it are the bytes they always were).
+    data_span: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -307,6 +310,8 @@ def _header_fields(msg: Message) -> dict[str, Any]:
 def _arrays_of(msg: Message) -> list[tuple[str, np.ndarray]]:
     if isinstance(msg, Result):
         arrays = [] if msg.delta is None else [("delta", msg.delta)]
+        if msg.data_span is not None:
+            arrays.append(("span", np.asarray(msg.data_span, dtype=np.float64)))
         return arrays + [(f"aux/{k}", v) for k, v in sorted(msg.aux.items())]
     if isinstance(msg, TrainTask):
         return [("weights", msg.weights)] + [(f"aux/{k}", v) for k, v in sorted(msg.aux.items())]
@@ -500,15 +505,27 @@ def _split_aux(
     return main_arr, aux
 
 
+def _span(arr: np.ndarray | None) -> tuple[float, float] | None:
+    """A result's data span: two float64 arrival times (the orchestrator checks their order)."""
+    if arr is None:
+        return None
+    if arr.shape != (2,) or arr.dtype.kind != "f" or arr.dtype.itemsize != 8:
+        raise MessageError(
+            ErrorCode.BAD_HEADER, f"array 'span' must be 2 float64 times, not {arr.shape}/{arr.dtype}"
+        )
+    return float(arr[0]), float(arr[1])
+
+
 def _build(mtype: MsgType, v: dict[str, Any], arrays: dict[str, np.ndarray]) -> Message:
     env = {"run": v.pop("run"), "msg_id": v.pop("msg"), "sent_at": v.pop("sent")}
     if mtype is MsgType.RESULT:
+        span = arrays.pop("span", None)
         delta, aux = _split_aux(arrays, "delta", mtype)
         if v["kind"] is TaskKind.TRAIN and delta is None:
             raise MessageError(ErrorCode.BAD_HEADER, "a train result must carry a 'delta' array")
-        if v["kind"] is TaskKind.EVAL and (delta is not None or aux):
+        if v["kind"] is TaskKind.EVAL and (delta is not None or aux or span is not None):
             raise MessageError(ErrorCode.BAD_HEADER, "an eval result carries no arrays")
-        return Result(**env, **v, delta=delta, aux=aux)
+        return Result(**env, **v, delta=delta, aux=aux, data_span=_span(span))
     if mtype in (MsgType.TRAIN, MsgType.EVAL):
         weights, aux = _split_aux(arrays, "weights", mtype)
         if weights is None:

@@ -18,7 +18,10 @@ The rules (the FeLiX authors' clients, and the simulator's model of a checkpoint
 - a result finished while the tier forbids sending it (``compute`` timing, where a task lasts as
   long as its computation and the tier may change meanwhile) is held until the tier allows;
 - the data-plan row (DAFL / LB) is applied once, by the first TRAIN task carrying one, and its
-  augmentation time is added to that task's duration.
+  augmentation time is added to that task's duration;
+- with a data feed (streaming data, :mod:`felix.stream`), a task's data is what the feed gives at
+  the moment the task first starts (a paused task keeps it), and the task notes the arrival
+  times of its oldest and newest sample (``data_span``), which its update carries.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -62,6 +65,14 @@ class Task:
     aux: dict[str, np.ndarray]  # a copy: the server's dict changes at every aggregation
     duration: float  # config seconds of work (0 under compute timing: the computation's own time)
     version: int = 0  # the model version it was dispatched with
+    data_span: tuple[float, float] | None = None  # arrival times of its oldest and newest sample (a feed's)
+
+
+class DataFeed(Protocol):
+    """Where a streaming device's data comes from (:class:`felix.stream.feed.StreamFeed`): the
+    samples it may train on at ``now`` and the arrival times of the oldest and newest of them."""
+
+    def data_at(self, now: float) -> tuple[ClientData, tuple[float, float] | None]: ...
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,7 @@ class DeviceRunner(Generic[R]):
     seen: set[int] = field(default_factory=set)  # task ids received or cancelled: each runs at most once
     held: list[Held[R]] = field(default_factory=list)  # results waiting for a tier that allows sending
     augmented: bool = False  # applied its data-plan row (once, on the first task bringing it)
+    feed: DataFeed | None = None  # streaming data: ``data`` is refreshed from it when a task starts
 
     def can_run(self, kind: TaskKind) -> bool:
         return can_run(self.tier, kind)
@@ -216,6 +228,8 @@ class DeviceRunner(Generic[R]):
         if self.current is None and self.queue and self.can_run(self.queue[0].kind):
             self.current = self.queue.popleft()
             self.remaining = self.current.duration
+            if self.feed is not None:
+                self.data, self.current.data_span = self.feed.data_at(now)
             return self._resume(now)
         return None
 

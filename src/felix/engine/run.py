@@ -14,6 +14,7 @@ from felix.metrics.report import EvalLog, make_output_dir, rejections_by_reason
 from felix.presets import scenario_preset, strategy_preset
 from felix.sim.build import Built, build
 from felix.strategies.dataplans.plans import plan_summary
+from felix.stream.summary import stream_summary
 
 
 @dataclass
@@ -86,12 +87,15 @@ def run_config(
         {
             **plan_summary(built.data_plan),
             "rejected_by_reason": rejections_by_reason(r.reason for r in outcome.rejected),
+            **stream_summary(built, outcome.virtual_time_s),
         },
     )
     if tracked is not None:
         tracked.finish(summ)
     if out_dir is not None:
         ctl.write_outputs(out_dir, summ, plots)
+    if live is not None and built.freshness is not None:  # a comparison's runs write it too
+        built.freshness.write(live, outcome.virtual_time_s, plots)
     return RunResult(summ, built.recorder.rows, built)
 
 

@@ -101,12 +101,18 @@ class Recorder:
         self.converge: tuple[float, int] | None = None
         self.converged_at: TrainLossRow | None = None
         self.converged_round: int | None = None
+        # Streaming data: accuracy and loss on the class mix at the evaluation's time
+        # (felix.metrics.freshness), in place of ``evaluate``'s on the test set as it is.
+        self.evaluate_at: Callable[[float, int, np.ndarray], tuple[float, float]] | None = None
 
     def due(self, version: int) -> bool:
         return self.eval_every > 0 and version % self.eval_every == 0
 
     def record(self, time_s: float, version: int, weights: np.ndarray) -> EvalRow:
-        acc, loss = self.evaluate(weights)
+        if self.evaluate_at is not None:
+            acc, loss = self.evaluate_at(time_s, version, weights)
+        else:
+            acc, loss = self.evaluate(weights)
         b = self.bytes
         row = EvalRow(
             time_s,

@@ -19,6 +19,7 @@ from felix.client.trainer import ClientData, LocalTrainer
 from felix.config import Config, ConfigError
 from felix.core.orchestrator import Orchestrator
 from felix.engine.controller import RunController
+from felix.metrics.freshness import FreshnessTracker
 from felix.metrics.recorder import Recorder
 from felix.scenario.build import (
     ClientDatasets,
@@ -39,6 +40,8 @@ from felix.scenario.traces import AvailabilityTrace
 from felix.sim.engine import CohortExecutor, SimSettings, Simulation, make_devices
 from felix.strategies.dataplans.plans import DataPlanRun, prepare_data_plan
 from felix.strategies.dataplans.policy import PlannedDataPlan
+from felix.stream.model import StreamModel
+from felix.stream.setup import attach_freshness, build_stream, feed_for
 
 log = logging.getLogger("felix.sim.build")
 
@@ -108,6 +111,8 @@ class Built:
     population: Population
     data_plan: DataPlanRun | None = None
     controller: RunController | None = None
+    stream: StreamModel | None = None
+    freshness: FreshnessTracker | None = None
 
 
 def build(
@@ -140,21 +145,28 @@ def build(
     if trace is not None and not isinstance(trace, AvailabilityTrace):
         raise ConfigError(f"build: trace must be a felix AvailabilityTrace, not {type(trace).__name__}")
     trace = build_trace(cfg, pop) if trace is None else trace
+    stream = build_stream(cfg, pop, trace) if cfg.stream.enabled else None
     runtimes = build_runtimes(cfg, [len(d) for d in pop.client_data])
     trainer = build_trainer(cfg, pop)
     if cfg.client.flower_app is not None:
         from felix.flower.trainer import build_flower_trainer
 
         trainer = build_flower_trainer(cfg, trainer)
-    cohort, cohort_size, min_cohort = build_cohort(
-        cfg, trainer, tuple(pop.train.sample_shape), max(len(d) for d in pop.client_data)
-    )
+    if stream is None:
+        cohort, cohort_size, min_cohort = build_cohort(
+            cfg, trainer, tuple(pop.train.sample_shape), max(len(d) for d in pop.client_data)
+        )
+    else:  # every task trains on new data, which a cohort's data pool would keep: one at a time
+        cohort, cohort_size, min_cohort = None, 1, 1
     executor = build_executor(cfg, cohort, pop.client_data)
     evaluate = make_evaluator(
         copy.deepcopy(pop.model), pop.test, cfg.run.device, autocast_dtype=trainer.autocast_dtype
     )
     recorder = Recorder(evaluate, cfg.run.target_accuracy, cfg.run.target_window, cfg.run.eval_every)
     attach_run_measures(cfg, recorder, pop, trace, trainer.autocast_dtype)
+    freshness = None
+    if stream is not None:
+        freshness = attach_freshness(cfg, recorder, pop, stream, trainer.autocast_dtype)
     orch = build_orchestrator(cfg, pop.initial_weights, trace)
     data_plan = prepare_data_plan(
         cfg,
@@ -169,6 +181,9 @@ def build(
 
         for dev in devices:  # the Flower trainer addresses each task's app context by client
             dev.state[CLIENT_KEY] = dev.cid
+    if stream is not None:
+        for dev in devices:
+            dev.feed = feed_for(stream, pop, dev.cid)
     settings = SimSettings(
         seed=cfg.seed, eval_fraction=cfg.runtime.eval_fraction, cohort_size=cohort_size, min_cohort=min_cohort
     )
@@ -181,5 +196,6 @@ def build(
         settings,
         augment=None if data_plan is None else data_plan.applier,
         cohort=executor,
+        registration=None if stream is None else stream.registration,
     )
-    return Built(cfg, sim, orch, recorder, trace, pop, data_plan, controller)
+    return Built(cfg, sim, orch, recorder, trace, pop, data_plan, controller, stream, freshness)

@@ -169,8 +169,12 @@ class Simulation:
         on_train: Callable[[SimDevice, Task], None] | None = None,
         augment: Callable[[PlanClient, Sequence[int]], float] | None = None,
         cohort: CohortExecutor | None = None,
+        registration: Callable[[int], tuple[int, tuple[int, ...]]] | None = None,
     ) -> None:
         self.orch = orch
+        # Streaming data: what a client registers (its most samples and their class split), in
+        # place of its fixed data's size and class counts.
+        self._registration = registration
         self.devices = devices
         self.trainer = trainer
         self.cohort = cohort if settings.cohort_size > 1 else None
@@ -218,8 +222,11 @@ class Simulation:
         wall0 = time.perf_counter()
         self.ctl.start()
         for dev in self.devices:
-            counts = tuple(dev.data.class_counts(self.trainer.num_classes).tolist())
-            self._deliver(ClientRegistered(0.0, dev.cid, len(dev.data), dev.tier, counts))
+            if self._registration is None:
+                size, counts = len(dev.data), tuple(dev.data.class_counts(self.trainer.num_classes).tolist())
+            else:
+                size, counts = self._registration(dev.cid)
+            self._deliver(ClientRegistered(0.0, dev.cid, size, dev.tier, counts))
             self._schedule_tier(dev)
         try:
             with _gc_frozen():
@@ -323,6 +330,7 @@ class Simulation:
                 upd = done.update
                 dev.state.clear()
                 dev.state.update(done.state)
+            upd.data_span = task.data_span
             self._train_seconds += time.perf_counter() - t0
         else:
             t0 = time.perf_counter()

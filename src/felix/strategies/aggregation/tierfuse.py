@@ -41,6 +41,12 @@ class TierFuseParams:
     size of Oort's |D|-scaled utility, which saturates beta (weight CV 0.055, issue 12). Pair it
     with a larger ``b`` (and ``cap_beta: false``) for beta to separate clients around L = 1.
 
+    ``freshness``: on streaming data (``stream:``), ``"data_age"`` multiplies each weight by
+    2^(-age / ``age_half_life_s``), where age is how old the newest sample behind the update was
+    when the update arrived (``ClientUpdate.data_span``): of two equally stale updates, the one
+    trained on the more recent data counts more when the class mix moves. ``"none"`` (default)
+    is the paper's TierFuse; an update without a data span (no stream) keeps its weight.
+
     ``t_max``: the paper's safeguard, "updates older than T_max are clipped or dropped". We drop
     them: their weight is 0, so they neither move the model nor count in the normaliser. (Clamping
     T at T_max would instead *raise* their weight, the opposite of a safeguard.) ``None``: off,
@@ -54,6 +60,8 @@ class TierFuseParams:
     utility: Literal["stat_utility", "loss"] = "stat_utility"
     t_max: int | None = None
     utility_scale: Literal["absolute", "buffer_mean"] = "absolute"
+    freshness: Literal["none", "data_age"] = "none"
+    age_half_life_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.sigma <= 1.0:
@@ -64,6 +72,10 @@ class TierFuseParams:
             raise ValueError(f"utility must be 'stat_utility' or 'loss', not {self.utility!r}")
         if self.utility_scale not in ("absolute", "buffer_mean"):
             raise ValueError(f"utility_scale must be 'absolute' or 'buffer_mean', not {self.utility_scale!r}")
+        if self.freshness not in ("none", "data_age"):
+            raise ValueError(f"freshness must be 'none' or 'data_age', not {self.freshness!r}")
+        if not self.age_half_life_s > 0:
+            raise ValueError(f"age_half_life_s must be > 0 seconds, not {self.age_half_life_s}")
         if self.t_max is not None and self.t_max < 0:
             raise ValueError(f"t_max must be >= 0 versions, or None, not {self.t_max}")
 
@@ -81,6 +93,11 @@ def utility_gain(loss: float, b: float, cap: bool = True) -> float:
     """
     g = 1.5 - 1.0 / (1.0 + max(loss, 0.0)) ** b
     return min(g, 1.0) if cap else g
+
+
+def data_age_decay(age_s: float, half_life_s: float) -> float:
+    """2^(-age / half-life): the freshness factor of ``freshness: data_age`` (age 0 or less: 1)."""
+    return 2.0 ** (-max(age_s, 0.0) / half_life_s)
 
 
 class TierFuseAggregator(Aggregator):
@@ -113,9 +130,13 @@ class TierFuseAggregator(Aggregator):
         utility = float(getattr(item.update, p.utility))
         if p.utility_scale == "buffer_mean":
             utility = utility / utility_mean if utility_mean > 0 else 1.0
-        return p.sigma * staleness_decay(item.staleness, p.a) + (1.0 - p.sigma) * utility_gain(
+        w = p.sigma * staleness_decay(item.staleness, p.a) + (1.0 - p.sigma) * utility_gain(
             utility, p.b, p.cap_beta
         )
+        span = item.update.data_span
+        if p.freshness == "data_age" and span is not None:
+            w *= data_age_decay(item.arrived_at - span[1], p.age_half_life_s)
+        return w
 
     def weights(self, buffer: Sequence[BufferedUpdate]) -> np.ndarray:
         """The weights of one buffer; under ``"buffer_mean"`` L is relative to the buffer's mean
