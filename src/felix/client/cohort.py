@@ -113,7 +113,7 @@ def conv_macs(model: nn.Module, sample_shape: tuple[int, ...]) -> int:
 # On a CPU, vmap turns a batch of clients' convolutions into one grouped convolution, slower than
 # the clients' own convolutions once they are big: measured on 2 cores (fp32, batch 32), the small
 # CNN on 8x8 inputs (83k conv MACs per sample) ran at 0.54-0.73x the sequential time per client
-# step, on 16x16 (332k) at 0.90-1.00x, on 28x28 (1M) at 1.2-2.0x; the FeLiX CNN (19M) at 1.3-1.9x (issue 10).
+# step, on 16x16 (332k) at 0.90-1.00x, on 28x28 (1M) at 1.2-2.0x; the FeLiX CNN (19M) at 1.3-1.9x.
 CPU_CONV_MACS_LIMIT = 150_000
 
 

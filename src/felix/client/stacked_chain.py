@@ -4,7 +4,7 @@ MaxPool2d: the MLP, the small CNN and the FeLiX authors' CNN.
 functorch's ``vmap(grad(...))`` costs a few milliseconds per call in Python and dispatch (pytree
 flattening, batching rules, a fresh autograd graph per call, copies between its physical layouts):
 on a CPU more than the arithmetic of one step of ten MLP clients, and on a GPU the whole of a
-cohort step, whose kernels take far less (issue 10). For a model that is a chain of these layers
+cohort step, whose kernels take far less. For a model that is a chain of these layers
 the cohort trainer uses this kernel instead. It issues the very operations vmap's batching rules
 produce for such a chain:
 
