@@ -149,6 +149,24 @@ def start_clients(
     return host, thread
 
 
+def run_deployed(
+    cfg: Config, workdir: Path, time_scale: float, timeout: float = 60.0
+) -> tuple[Server, dict[str, Any]]:
+    """One whole deployed run: a broker, the server and one client per config client, until the
+    server finishes; both are told to stop however it ends. Returns the server and its summary."""
+    ids = list(range(cfg.partition.num_clients))
+    with MosquittoBroker(len(ids), workdir=workdir / "broker") as broker:
+        server, thread = start_server(cfg, broker, workdir / "out", time_scale)
+        host, clients = start_clients(cfg, broker, ids, time_scale)
+        try:
+            summ = thread.result(timeout)
+            clients.result(20)
+        finally:
+            server.stop_requested.set()
+            host.stop_requested.set()
+    return server, summ
+
+
 def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     """``python -m felix.deploy ARGS`` with its output in ``log``."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

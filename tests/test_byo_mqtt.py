@@ -9,13 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from broker import MosquittoBroker
 from mqtt_support import (
     load_config,
     needs_mosquitto,
     one_torch_thread,  # noqa: F401  (a fixture)
-    start_clients,
-    start_server,
+    run_deployed,
     write_config,
 )
 
@@ -40,15 +38,7 @@ def test_batchnorm_model_over_mqtt(tmp_path: Path, mode: str) -> None:
         run={"max_aggregations": 3, "stop_at_target": False},
     )
     cfg = load_config(cfg_path, {"orchestrator": {"agg_goal": 2, "concurrency": 4}})
-    with MosquittoBroker(6, workdir=tmp_path / "broker") as broker:
-        server, thread = start_server(cfg, broker, tmp_path / "out", SCALE)
-        host, clients = start_clients(cfg, broker, list(range(6)), SCALE)
-        try:
-            summ = thread.result(60)
-            clients.result(20)
-        finally:
-            server.stop_requested.set()
-            host.stop_requested.set()
+    server, summ = run_deployed(cfg, tmp_path, SCALE, timeout=60)
     w = ModelWeights(build_population(cfg).model, mode)
     assert summ["aggregations"] == 3 and summ["diagnostics"]["rejected"] == 0, summ
     assert summ["num_params"] == w.size == (w.num_params + 16 if mode == "aggregate" else w.num_params)

@@ -7,13 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from broker import MosquittoBroker
 from mqtt_support import (
     load_config,
     needs_mosquitto,
     one_torch_thread,  # noqa: F401  (a fixture)
-    start_clients,
-    start_server,
+    run_deployed,
     write_config,
 )
 from test_speech import make_fsdd
@@ -40,14 +38,6 @@ def test_mqtt_clients_train_a_speech_model(tmp_path: Path, monkeypatch: pytest.M
         run={"max_aggregations": 3, "stop_at_target": False},
     )
     cfg = load_config(cfg_path, {"orchestrator": {"agg_goal": 2, "concurrency": 4}})
-    with MosquittoBroker(6, workdir=tmp_path / "broker") as broker:
-        server, thread = start_server(cfg, broker, tmp_path / "out", SCALE)
-        host, clients = start_clients(cfg, broker, list(range(6)), SCALE)
-        try:
-            summ = thread.result(90)
-            clients.result(20)
-        finally:
-            server.stop_requested.set()
-            host.stop_requested.set()
+    _server, summ = run_deployed(cfg, tmp_path, SCALE, timeout=90)
     assert summ["aggregations"] == 3 and summ["diagnostics"]["rejected"] == 0, summ
     assert summ["bytes_by_kind"]["up"]["train"] > 0 and summ["final_accuracy"] is not None
