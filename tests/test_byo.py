@@ -19,11 +19,12 @@ from felix import api
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
 from felix.client.weights import BUFFERS_KEY, ModelWeights
 from felix.config import ConfigError
-from felix.engine.run import resolve_config, run_config
-from felix.scenario.build import make_evaluator
+from felix.engine.components import make_evaluator
+from felix.engine.setup import resolve_config
 from felix.scenario.datasets import ArrayDataset, DatasetError
 from felix.scenario.models import MODELS, make_model
 from felix.scenario.traces import AvailabilityTrace, always_available, slotted_churn
+from felix.sim.run import run_config
 from felix.strategies.objectives import make_objective
 
 # The import paths below name this module: make it importable whatever pytest's import mode.

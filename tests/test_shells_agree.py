@@ -30,8 +30,8 @@ from mqtt_support import (
 )
 
 from felix.engine.controller import EVAL_RESULT_BYTES
-from felix.engine.run import run_config
 from felix.metrics.recorder import HEADER_BYTES
+from felix.sim.run import run_config
 
 pytestmark = needs_mosquitto
 SCALE = 0.02  # 10 config seconds a task = 0.2 wall seconds

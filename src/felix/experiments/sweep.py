@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from felix.config import ConfigError, deep_merge, load_yaml, parse_set
-from felix.engine.run import resolve_config
+from felix.engine.setup import resolve_config
 from felix.experiments.runs import RunSpec, close_backend, make_backend, run_all
 from felix.metrics.report import make_output_dir
 
