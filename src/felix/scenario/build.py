@@ -192,7 +192,46 @@ class ClientDatasets:
                 raise DatasetError(
                     f"test set: samples of shape {test_set.sample_shape}, the clients' are {shape}"
                 )
-        return cls([ClientData(x, y) for x, y in pairs], test_set, names)
+        return cls(held_once([ClientData(x, y) for x, y in pairs])[2], test_set, names)
+
+
+def _row_slices(clients: Sequence[ClientData]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """All the clients' rows as one ``(x, y)``, without a copy, when their data are consecutive row
+    slices of one pair of contiguous tensors in client order (as :func:`held_once` and the
+    configured partition lay them out); else None."""
+    first = clients[0]
+    bx, by = first.x._base, first.y._base
+    if bx is None or by is None or not (bx.is_contiguous() and by.is_contiguous()) or by.dim() != 1:
+        return None
+    row = max(1, int(np.prod(bx.shape[1:])))
+    start = first.y.storage_offset() - by.storage_offset()
+    at = start
+    for c in clients:
+        if c.x._base is not bx or c.y._base is not by or not (c.x.is_contiguous() and c.y.is_contiguous()):
+            return None
+        if c.x.shape[1:] != bx.shape[1:] or c.x.dtype != bx.dtype or c.y.dtype != by.dtype:
+            return None
+        if (c.x.storage_offset() - bx.storage_offset(), c.y.storage_offset() - by.storage_offset()) != (
+            at * row,
+            at,
+        ):
+            return None
+        at += len(c)
+    return bx[start:at], by[start:at]
+
+
+def held_once(clients: Sequence[ClientData]) -> tuple[torch.Tensor, torch.Tensor, list[ClientData]]:
+    """The clients' samples as one training pool ``(x, y)`` and each client's data as a row slice
+    of it: the data are held once. Clients that are row slices of one tensor already are taken as
+    they are (no copy); others are concatenated once. A cohort's data pool (``cohort.DataPool``)
+    adopts such a pool instead of copying every client in again, and streams draw from it."""
+    whole = _row_slices(clients)
+    if whole is not None:
+        return whole[0], whole[1], list(clients)
+    x = torch.cat([c.x for c in clients])
+    y = torch.cat([c.y for c in clients])
+    ends = np.cumsum([len(c) for c in clients]).tolist()
+    return x, y, [ClientData(x[a:b], y[a:b]) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 
 
 def _pair(d: Any, what: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,8 +307,8 @@ def build_population(
         ends = np.cumsum([len(ix) for ix in parts]).tolist()
         datas = [ClientData(xs[a:b], ys[a:b]) for a, b in zip([0, *ends[:-1]], ends)]
     else:
-        datas, test = data.clients, data.test
-        train = ArrayDataset(torch.cat([c.x for c in datas]), torch.cat([c.y for c in datas]), data.classes)
+        pool_x, pool_y, datas = held_once(data.clients)  # no copy of one made by ClientDatasets.from_arrays
+        train, test = ArrayDataset(pool_x, pool_y, data.classes), data.test
     if test is not None and d.test_limit is not None and d.test_limit < len(test):
         # Folder datasets list the test set class by class: take a class-balanced subset, not a prefix.
         per_class = -(-d.test_limit // test.num_classes)
