@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 
 from felix.core.commands import Command, DispatchEval, DispatchTrain, NewModelVersion
+from felix.core.eval_selection import EvalSelector
 from felix.core.events import ClientRegistered, TaskFailed, TaskFinished, Tick, TierChanged
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
-from felix.core.policies import EvalSelector, TrainSelector
+from felix.core.selection import TrainSelector
 from felix.core.types import ClientUpdate, Tier
 from felix.core.validation import UpdateValidator, ValidationConfig
 from felix.strategies.aggregation.fedavg import FedAvgAggregator, FedBuffAggregator

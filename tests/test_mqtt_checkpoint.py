@@ -122,7 +122,7 @@ def test_restored_orchestrator_behaves_identically(preset: str, tmp_path: Path) 
 def test_closed_task_ids_are_compacted_by_a_watermark() -> None:
     """Closed task ids are remembered one by one only above the oldest open task; below it a
     result is still refused (as for a closed task), and the remembered set stays bounded."""
-    from felix.core.orchestrator import CLOSED_COMPACT_AT
+    from felix.core.ledger import CLOSED_COMPACT_AT
 
     orch = _orch("fedbuff")
     for c in range(N):

@@ -12,7 +12,7 @@ from felix.core.client_map import ClientMap, ClientRecord
 from felix.core.commands import Command, DispatchEval, DispatchTrain, NewModelVersion
 from felix.core.events import ClientRegistered, TaskFinished
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
-from felix.core.policies import SelectionContext
+from felix.core.selection import SelectionContext
 from felix.core.types import ClientUpdate, Tier
 from felix.strategies.aggregation.fedavg import FedBuffAggregator
 from felix.strategies.selection.oort import OortParams, OortSelector, get_norm, weighted_sample

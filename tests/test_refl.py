@@ -13,7 +13,7 @@ from felix.core.client_map import ClientMap, ClientRecord
 from felix.core.commands import Command, DispatchTrain, NewModelVersion
 from felix.core.events import ClientRegistered, TaskFinished
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
-from felix.core.policies import SelectionContext
+from felix.core.selection import SelectionContext
 from felix.core.types import BufferedUpdate, ClientUpdate, Tier
 from felix.strategies.aggregation.refl_saa import ReflSAAAggregator, ReflSAAParams
 from felix.strategies.selection.oort import OortParams, OortSelector

@@ -12,7 +12,7 @@ from felix.core.client_map import ClientMap, ClientRecord
 from felix.core.commands import Command, DispatchEval, DispatchTrain, NewModelVersion
 from felix.core.events import ClientRegistered, TaskFinished
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
-from felix.core.policies import SelectionContext
+from felix.core.selection import SelectionContext
 from felix.core.types import ClientUpdate, Tier
 from felix.strategies.aggregation.tierfuse import TierFuseAggregator
 from felix.strategies.selection.oort import OortParams, OortSelector

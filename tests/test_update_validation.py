@@ -12,10 +12,10 @@ import pytest
 
 from felix.cli import main
 from felix.config import ConfigError, validate
+from felix.core.aggregation import Aggregator
 from felix.core.commands import DispatchEval, DispatchTrain, NewModelVersion, UpdateRejected
 from felix.core.events import ClientRegistered, TaskFinished, TierChanged
 from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
-from felix.core.policies import Aggregator
 from felix.core.types import BufferedUpdate, ClientUpdate, TaskKind, Tier
 from felix.core.validation import AuxDecl, UpdateValidator, ValidationConfig, aux_problem
 from felix.engine.run import resolve_config
