@@ -27,12 +27,12 @@ import torch.nn.functional as F
 from felix.client.trainer import autocast
 from felix.client.weights import ModelWeights, weights_for
 from felix.core.commands import NewModelVersion
-from felix.scenario.datasets import ArrayDataset
+from felix.metrics.per_client import LabelledSet
 from felix.stream.drift import Shift
 
 
 def make_class_evaluator(
-    model: torch.nn.Module, test: ArrayDataset, device: str, autocast_dtype: torch.dtype | None = None
+    model: torch.nn.Module, test: LabelledSet, device: str, autocast_dtype: torch.dtype | None = None
 ) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """The model's accuracy and mean loss on each class's test samples (NaN for a class with none)."""
     model = model.to(device)
