@@ -29,10 +29,10 @@ from felix.core.dataplan import DataPlanPolicy
 from felix.core.eval_selection import EvalSelector
 from felix.core.events import ClientRegistered, Event, TaskFailed, TaskFinished, Tick, TierChanged
 from felix.core.ledger import TaskLedger
-from felix.core.orchestrator_config import Knowledge, OrchestratorConfig
+from felix.core.orchestrator_config import AvailabilityName, OrchestratorConfig
 from felix.core.rounds import ROUND_POLICIES, RoundPolicy
 from felix.core.selection import AvailabilityOracle, SelectionContext, TrainSelector
-from felix.core.stats import OrchestratorStats, StatsCheckpoint
+from felix.core.stats import ModelPath, OrchestratorStats, StatsCheckpoint
 from felix.core.types import BufferedUpdate, ClientUpdate, Task, TaskKind, TaskState, Tier
 from felix.core.validation import UpdateValidator, ValidationConfig, malformed
 
@@ -69,9 +69,10 @@ class Orchestrator:
         self.eval_selector = eval_selector or EvalSelector()
         self.rng = rng
         self.oracle = oracle
-        self.rounds = round_policy or ROUND_POLICIES.create(config.mode, config.mode_params, config)
-        knowledge = config.knowledge.value if isinstance(config.knowledge, Knowledge) else config.knowledge
-        self.availability = availability or AVAILABILITY.create(knowledge, config.knowledge_params, config)
+        self.rounds = round_policy or ROUND_POLICIES.create(config.round_policy, config.mode_params, config)
+        self.availability = availability or AVAILABILITY.create(
+            config.availability, config.knowledge_params, config
+        )
         self.data_plan = data_plan or DataPlanPolicy()
         # Without one from the shell (``build_orchestrator`` makes it from the config, norms included),
         # samples are bounded and no aux entry is admitted; the norm bound needs the clients' local
@@ -97,11 +98,7 @@ class Orchestrator:
         )  # clients whose eval task dropped this round: not probed again in it
         self._rejoin_at: float | None = None  # when blocked clients may train again (the stall rule)
         self._stats_ckpt = StatsCheckpoint()
-        # The model's path: cumulative relative movement (sum over aggregations of the step's norm
-        # over the new model's norm) when each round began, for eval selectors that skip probes
-        # when the model has barely moved since a client's utility was measured.
-        self._path = np.zeros(64, dtype=np.float64)
-        self._path_total = 0.0
+        self.model_path = ModelPath()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -337,7 +334,7 @@ class Orchestrator:
     # ------------------------------------------------------------------ selection and dispatch
     def _ctx(self) -> SelectionContext:
         return SelectionContext(
-            self.now, self.round, self.clients, self.rng, self.oracle, self._path[: self.round + 1]
+            self.now, self.round, self.clients, self.rng, self.oracle, self.model_path.upto(self.round)
         )
 
     def _train_candidates(self) -> np.ndarray:
@@ -473,11 +470,7 @@ class Orchestrator:
 
     def start_round(self, round_: int) -> None:
         """Number the round ``round_``; the eval-probe budget and the probe rejoin rule restart."""
-        if round_ >= len(self._path):
-            grown = np.zeros(max(2 * len(self._path), round_ + 1), dtype=np.float64)
-            grown[: len(self._path)] = self._path
-            self._path = grown
-        self._path[self.round + 1 : round_ + 1] = self._path_total
+        self.model_path.start_round(self.round, round_)
         self.round = round_
         self._evals_this_round = 0
         self._probe_dropped.clear()
@@ -491,9 +484,7 @@ class Orchestrator:
                 self._reject(b.client_id, b.task_id, f"update cannot be aggregated ({str(exc)[:120]})", out)
             return
         new = theta.astype(np.float32, copy=False)
-        norm = float(np.linalg.norm(new))
-        if norm > 0:
-            self._path_total += float(np.linalg.norm(new - self._theta)) / norm
+        self.model_path.moved(self._theta, new)
         self._theta = _frozen(new)
         self.aux.update(aux)
         self.version += 1
@@ -554,8 +545,7 @@ class Orchestrator:
             "held": np.array(self._held, dtype=np.int64),
             "evals_this_round": self._evals_this_round,
             "probe_dropped": np.array(sorted(self._probe_dropped), dtype=np.int64),
-            "model_path": np.array(self._path[: self.round + 1]),
-            "model_path_total": self._path_total,
+            **self.model_path.state_dict(self.round),
             "rng": self.rng.bit_generator.state,
             "stats": self._stats_ckpt.state_dict(self.stats),
             "clients": self.clients.state_dict(),
@@ -589,11 +579,7 @@ class Orchestrator:
         self._held = np.asarray(state["held"]).tolist()
         self._evals_this_round = int(state["evals_this_round"])
         self._probe_dropped = set(np.asarray(state["probe_dropped"]).tolist())
-        # A checkpoint from before the model's path was kept restarts it at 0 (no movement known).
-        path = np.asarray(state.get("model_path", np.zeros(self.round + 1)), dtype=np.float64)
-        self._path = np.zeros(max(64, 2 * len(path)), dtype=np.float64)
-        self._path[: len(path)] = path
-        self._path_total = float(state.get("model_path_total", 0.0))
+        self.model_path.load_state_dict(state, self.round)
         self.rng.bit_generator.state = state["rng"]
         self._stats_ckpt.load_state_dict(self.stats, state["stats"])
         self.clients.load_state_dict(state["clients"])
@@ -613,4 +599,4 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a
 
 
-__all__ = ["Knowledge", "Orchestrator", "OrchestratorConfig", "OrchestratorStats"]
+__all__ = ["AvailabilityName", "Orchestrator", "OrchestratorConfig", "OrchestratorStats"]

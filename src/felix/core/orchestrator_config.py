@@ -16,7 +16,7 @@ from felix.core.availability import AVAILABILITY
 from felix.core.rounds import ROUND_POLICIES
 
 
-class Knowledge(str, Enum):
+class AvailabilityName(str, Enum):
     """The built-in availability policies' names (``felix.core.availability`` has their behaviour);
     ``OrchestratorConfig.knowledge`` also takes the name of any other registered policy."""
 
@@ -30,7 +30,11 @@ class OrchestratorConfig:
     """The round policy (``mode``) and availability policy (``knowledge``) are registered names
     (``felix.core.rounds.ROUND_POLICIES``, ``felix.core.availability.AVAILABILITY``), with their own
     parameters in ``mode_params`` / ``knowledge_params``; the fields between are the settings the
-    built-in round policies share."""
+    built-in round policies share.
+
+    The two fields keep the names of the config keys they come from (``orchestrator.mode``,
+    ``orchestrator.knowledge``), which committed comparison files use; code reads them as
+    ``round_policy`` and ``availability``, the names of what they choose."""
 
     mode: str = "async"  # "sync" rounds or "async" buffered, or another registered round policy
     agg_goal: int = 10
@@ -57,19 +61,30 @@ class OrchestratorConfig:
     # False: clients that still owe an older task's reply are not probed (their eval would wait
     # behind that task, its model download wasted on a stale measurement). True: the paper.
     probe_busy_clients: bool = True
-    knowledge: Knowledge | str = Knowledge.NONE
+    knowledge: AvailabilityName | str = AvailabilityName.NONE
     mode_params: Any = None  # the round policy's parameters (a mapping or its pydantic model)
     knowledge_params: Any = None  # the availability policy's parameters
     # Per-client flap damping and task budget (felix.core.admission); the defaults never bind on
     # the shipped scenarios' honest clients.
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
+    @property
+    def round_policy(self) -> str:
+        """The round policy's registered name or import path (the ``mode`` field)."""
+        return self.mode
+
+    @property
+    def availability(self) -> str:
+        """The availability policy's registered name or import path (the ``knowledge`` field)."""
+        k = self.knowledge
+        return k.value if isinstance(k, AvailabilityName) else str(k)
+
     def __post_init__(self) -> None:
         ROUND_POLICIES.entry(
             self.mode
         )  # a registered name or import path, else a RegistryError naming the key
-        if self.knowledge in set(Knowledge):
-            object.__setattr__(self, "knowledge", Knowledge(self.knowledge))
+        if self.knowledge in set(AvailabilityName):
+            object.__setattr__(self, "knowledge", AvailabilityName(self.knowledge))
         else:
             AVAILABILITY.entry(str(self.knowledge))
         if self.agg_goal < 1:
@@ -86,4 +101,4 @@ class OrchestratorConfig:
             raise ValueError("eval_utility_scale must be > 0")
 
 
-__all__ = ["Knowledge", "OrchestratorConfig"]
+__all__ = ["AvailabilityName", "OrchestratorConfig"]

@@ -67,4 +67,43 @@ class StatsCheckpoint:
             setattr(stats, f.name, np.asarray(v).tolist() if f.name in LIST_STATS else v)
 
 
-__all__ = ["LIST_STATS", "OrchestratorStats", "StatsCheckpoint"]
+class ModelPath:
+    """How far the model has moved: the cumulative relative movement (the sum over aggregations
+    of the step's norm over the new model's norm), and its value when each round began, for eval
+    selectors that skip probes when the model has barely moved since a client's utility was
+    measured (``SelectionContext.model_path``)."""
+
+    def __init__(self) -> None:
+        self._at_round = np.zeros(64, dtype=np.float64)
+        self.total = 0.0
+
+    def moved(self, old: np.ndarray, new: np.ndarray) -> None:
+        """An aggregation replaced ``old`` by ``new``."""
+        norm = float(np.linalg.norm(new))
+        if norm > 0:
+            self.total += float(np.linalg.norm(new - old)) / norm
+
+    def start_round(self, current: int, round_: int) -> None:
+        """Rounds ``current + 1`` to ``round_`` begin now, at the path's total."""
+        if round_ >= len(self._at_round):
+            grown = np.zeros(max(2 * len(self._at_round), round_ + 1), dtype=np.float64)
+            grown[: len(self._at_round)] = self._at_round
+            self._at_round = grown
+        self._at_round[current + 1 : round_ + 1] = self.total
+
+    def upto(self, round_: int) -> np.ndarray:
+        """The path at the start of rounds 0..``round_`` (a view)."""
+        return self._at_round[: round_ + 1]
+
+    def state_dict(self, round_: int) -> dict[str, Any]:
+        return {"model_path": np.array(self._at_round[: round_ + 1]), "model_path_total": self.total}
+
+    def load_state_dict(self, state: dict[str, Any], round_: int) -> None:
+        # A checkpoint from before the model's path was kept restarts it at 0 (no movement known).
+        path = np.asarray(state.get("model_path", np.zeros(round_ + 1)), dtype=np.float64)
+        self._at_round = np.zeros(max(64, 2 * len(path)), dtype=np.float64)
+        self._at_round[: len(path)] = path
+        self.total = float(state.get("model_path_total", 0.0))
+
+
+__all__ = ["LIST_STATS", "ModelPath", "OrchestratorStats", "StatsCheckpoint"]
