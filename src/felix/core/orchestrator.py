@@ -20,30 +20,29 @@ from felix.core.commands import (
     AggregationReport,
     CancelTask,
     Command,
-    DispatchEval,
-    DispatchTrain,
     NewModelVersion,
     UpdateRejected,
 )
 from felix.core.dataplan import DataPlanPolicy
+from felix.core.dispatch import Dispatch
 from felix.core.eval_selection import EvalSelector
 from felix.core.events import ClientRegistered, Event, TaskFailed, TaskFinished, Tick, TierChanged
 from felix.core.ledger import TaskLedger
 from felix.core.orchestrator_config import AvailabilityName, OrchestratorConfig
 from felix.core.rounds import ROUND_POLICIES, RoundPolicy
-from felix.core.selection import AvailabilityOracle, SelectionContext, TrainSelector
+from felix.core.selection import AvailabilityOracle, TrainSelector
 from felix.core.stats import ModelPath, OrchestratorStats, StatsCheckpoint
 from felix.core.types import BufferedUpdate, ClientUpdate, Task, TaskKind, TaskState, Tier
 from felix.core.validation import UpdateValidator, ValidationConfig, malformed
 
 
-class Orchestrator:
+class Orchestrator(Dispatch):
     """Turns events into commands. Its concerns each have a module: the tasks and their states in
-    ``TaskLedger`` (``felix.core.ledger``), the waiting updates in ``AggregationBuffer``
-    (``felix.core.buffer``), the counters in ``OrchestratorStats`` (``felix.core.stats``), the
-    strategy decisions in one policy per axis. What stays here is their wiring: handling each
-    event, choosing whom to dispatch, applying an aggregation, and the checkpoint that gathers
-    every part's state."""
+    ``TaskLedger`` (``felix.core.ledger``), selection and dispatch in ``Dispatch``
+    (``felix.core.dispatch``), the waiting updates in ``AggregationBuffer`` (``felix.core.buffer``),
+    the counters in ``OrchestratorStats`` (``felix.core.stats``), the strategy decisions in one
+    policy per axis. What stays here is their wiring: handling each event, applying an
+    aggregation, and the checkpoint that gathers every part's state."""
 
     def __init__(
         self,
@@ -144,7 +143,7 @@ class Orchestrator:
             raise TypeError(f"not an orchestrator event: {event!r}")
         self._admit_due()
         self._fire_timers(out)
-        self._fill(out)
+        self._fill(self.rounds.need(self), out)
         for task in self.ledger.take_expired():
             self.admission.charge(task.client_id, self.now)
             out.append(
@@ -293,12 +292,6 @@ class Orchestrator:
         out.append(UpdateRejected(self.now, client_id, task_id, reason))
 
     # ------------------------------------------------------------------ slots and timers
-    def _close(self, task: Task, state: TaskState) -> None:
-        """Close ``task`` in the ledger, freeing its client's slot if it held one."""
-        if task.holds_slot:
-            self.clients.set_in_flight(task.client_id, None)
-        self.ledger.close(task, state)
-
     def _release(self, task: Task, state: TaskState) -> None:
         """A task loses its slot mid-way; its late reply may still come (and be accepted), unless
         the ledger's one-late-task rule closes it (its cancel goes out with the event's commands)."""
@@ -330,120 +323,6 @@ class Orchestrator:
             self.stats.train_cancelled += 1
         self.admission.charge(task.client_id, self.now)
         out.append(CancelTask(task.task_id, task.client_id, reason))
-
-    # ------------------------------------------------------------------ selection and dispatch
-    def _ctx(self) -> SelectionContext:
-        return SelectionContext(
-            self.now, self.round, self.clients, self.rng, self.oracle, self.model_path.upto(self.round)
-        )
-
-    def _train_candidates(self) -> np.ndarray:
-        """Idle clients that may train now (ids, in id order), from the ClientMap's columns.
-
-        The rejoin rule: a client that dropped its task this round is not picked again in it; in
-        sync mode nobody trains twice in one round. One vectorised filter over the idle set.
-
-        The stall rule: when no training task holds a slot and the rejoin rule leaves nobody to pick,
-        no reply, timer or new version could ever lift it (async rounds follow the version), so the
-        blocked clients may train again ``task_timeout_s`` later (at once without a timeout); until
-        then ``next_wakeup`` returns that time.
-        """
-        m = self.clients
-        rows = self.availability.train_rows(m, self.now)
-        if self.admission.any_excluded and len(rows):
-            rows = rows[~np.isin(m.ids_of(rows), self.admission.excluded_ids())]
-        fresh = np.ones(len(rows), dtype=bool)
-        if self.rounds.one_task_per_round:
-            fresh = m.column("selected_round")[rows] != self.round
-        keep = fresh & (m.column("blocked_round")[rows] != self.round)
-        if keep.all():  # the usual case: nobody to leave out, no copy
-            self._rejoin_at = None
-            return m.ids_of(rows)
-        if keep.any() or self.ledger.train_in_flight > 0 or not fresh.any():
-            self._rejoin_at = None
-            return m.ids_of(rows[keep])
-        if self._rejoin_at is None:
-            self._rejoin_at = self.now + (self.cfg.task_timeout_s or 0.0)
-        if self.now < self._rejoin_at:
-            return m.ids_of(rows[keep])
-        self._rejoin_at = None
-        return m.ids_of(rows[fresh])
-
-    def _fill(self, out: list[Command]) -> None:
-        need = self.rounds.need(self)
-        if need > 0:
-            candidates = self._train_candidates()
-            if len(candidates):
-                picked = self.selector.select(candidates, min(need, len(candidates)), self._ctx())
-                for cid in picked:
-                    self._dispatch(cid, TaskKind.TRAIN, out)
-        budget = self.eval_selector.per_round_budget - self._evals_this_round
-        if budget > 0:
-            cands = self.clients.idle_in(Tier.AVL_TRAIN, Tier.AVL_EVAL)
-            if self._probe_dropped:
-                cands = cands[~np.isin(cands, np.fromiter(self._probe_dropped, dtype=np.int64))]
-            if not self.cfg.probe_busy_clients and len(cands):
-                cands = cands[~np.isin(cands, self.ledger.owing())]
-            if self.admission.any_excluded and len(cands):
-                cands = cands[~np.isin(cands, self.admission.excluded_ids())]
-            if len(cands):
-                for cid in self.eval_selector.select(cands, budget, self._ctx()):
-                    self._dispatch(cid, TaskKind.EVAL, out)
-
-    def _dispatch(self, cid: int, kind: TaskKind, out: list[Command]) -> None:
-        rec = self.clients[cid]
-        if rec.in_flight is not None:
-            raise RuntimeError(f"selector picked client {cid}, which already holds task {rec.in_flight}")
-        task = self.ledger.open(cid, kind, self.version, self.round, self.now)
-        self.admission.charge(cid, self.now)
-        self.clients.set_in_flight(cid, task.task_id)
-        held = kind is TaskKind.TRAIN and self.data_plan.pending
-        if not held:
-            self.ledger.start_timer(task, self.now)
-        if kind is TaskKind.TRAIN:
-            self.stats.train_dispatched += 1
-            rec.selected_round = self.round
-            rec.times_selected += 1
-            if rec.explored:
-                self.stats.utility_age_at_selection.append(self.round - rec.last_utility_round)
-            else:
-                self.stats.never_explored_at_selection += 1
-            if held:
-                self._held.append(task.task_id)
-            else:
-                out.append(
-                    DispatchTrain(
-                        task.task_id, cid, self.version, self._theta, self.aux, self.plans.get(cid, ())
-                    )
-                )
-        else:
-            self._evals_this_round += 1
-            self.stats.eval_dispatched += 1
-            out.append(DispatchEval(task.task_id, cid, self.version, self._theta))
-
-    def _send_held(self, out: list[Command]) -> None:
-        """The data plan exists: send the training tasks held for it, in the order they were
-        assigned, each with its row and the current model; their timeouts start now."""
-        held, self._held = self._held, []
-        for tid in held:
-            task = self.ledger.get(tid)
-            if task is None:
-                continue
-            if not task.holds_slot:  # it lost its slot while held (its client left): never sent, so closed
-                self._close(task, TaskState.CANCELLED)
-                continue
-            task.base_version = self.version
-            self.ledger.start_timer(task, self.now)
-            out.append(
-                DispatchTrain(
-                    tid,
-                    task.client_id,
-                    self.version,
-                    self._theta,
-                    self.aux,
-                    self.plans.get(task.client_id, ()),
-                )
-            )
 
     # ------------------------------------------------------------------ the policies' API (felix.core.view)
     @property
