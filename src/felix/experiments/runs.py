@@ -337,34 +337,3 @@ def _brief(s: dict[str, Any]) -> str:
     acc = "-" if s["final_accuracy"] is None else f"{s['final_accuracy']:.4f}"
     stopped = " (interrupted)" if s.get("stop_reason") == "interrupted" else ""
     return f"time-to-target {ttt}, final acc {acc}, wall {s['wall_time_s']:.1f}s{stopped}"
-
-
-def make_backend(
-    kind: str,
-    jobs: int | None,
-    address: str | None = None,
-    gpus_per_run: float = 1.0,
-    fn: RunFunction = execute,
-) -> Backend:
-    """``local``: in this process (``jobs`` None or 1) or ``jobs`` spawned processes; ``ray``: Ray
-    tasks on a local instance with ``jobs`` CPUs (None: all of this machine's), or on the cluster at
-    ``address`` (its own resources; ``jobs`` must be None)."""
-    if jobs is not None and jobs < 1:
-        raise ConfigError(f"--jobs must be at least 1, got {jobs}")
-    if kind == "local":
-        return InlineBackend(fn) if (jobs or 1) == 1 else ProcessBackend(jobs or 1, fn)
-    if kind == "ray":
-        from felix.distributed.ray_tasks import RayTaskBackend
-
-        if address is not None and jobs is not None:
-            raise ConfigError(
-                "--jobs sizes a local Ray instance; with --address the cluster's resources decide"
-            )
-        return RayTaskBackend(address=address, num_cpus=jobs, gpus_per_run=gpus_per_run, fn=fn)
-    raise ConfigError(f"unknown backend {kind!r}; choose local or ray")
-
-
-def close_backend(backend: Backend) -> None:
-    close = getattr(backend, "close", None)
-    if close is not None:
-        close()
