@@ -159,15 +159,12 @@ def build_client_side(
     stream: StreamModel | None = None,
     planned: PlannedDataPlan | None = None,
 ) -> ClientSide:
-    """The client side of ``cfg`` over ``pop``: the trainer (a Flower app's, with
-    ``client.flower_app``), the runtimes, and the data plan beside the server's ``planned``
-    policy (the simulator shares its orchestrator's; a deployed client's is its own)."""
+    """The client side of ``cfg`` over ``pop``: the trainer, the runtimes, and the data plan
+    beside the server's ``planned`` policy (the simulator shares its orchestrator's; a deployed
+    client's is its own). A Flower app (``client.flower_app``) wraps the trainer in the simulator,
+    the only shell that runs one."""
     apply_run_settings(cfg)
     runtimes = build_runtimes(cfg, [len(d) for d in pop.client_data])
     trainer = build_trainer(cfg, pop)
-    if cfg.client.flower_app is not None:
-        from felix.flower.trainer import build_flower_trainer
-
-        trainer = build_flower_trainer(cfg, trainer)
     data_plan = prepare_data_plan(cfg, pop.client_data, pop.train.num_classes, runtimes, planned)
     return ClientSide(pop, trainer, runtimes, data_plan, stream)

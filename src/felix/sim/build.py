@@ -141,6 +141,10 @@ def build(
     server = build_server_side(cfg, pop, trace, stream)
     planned = server.orch.data_plan
     clients = build_client_side(cfg, pop, stream, planned if isinstance(planned, PlannedDataPlan) else None)
+    if cfg.client.flower_app is not None:
+        from felix.flower.trainer import build_flower_trainer
+
+        clients.trainer = build_flower_trainer(cfg, clients.trainer)
     trainer = clients.trainer
     if stream is None:
         cohort, cohort_size, min_cohort = build_cohort(
