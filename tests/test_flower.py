@@ -609,3 +609,18 @@ def test_a_flower_app_that_sends_nan_has_its_updates_refused_by_the_server() -> 
     )
     assert via.built.orch.stats.rejected > 0
     assert via.built.orch.version == 2 and np.isfinite(via.built.orch.weights).all()
+
+
+def test_state_dict_record_is_flowers_array_record() -> None:
+    """The helper's reply record holds plain Flower ``Array`` s with Flower's bytes (a
+    non-contiguous tensor: the same values, written in C order), and felix reads it back."""
+    from felix.flower.helpers import state_dict_record
+
+    sd = {**BnNet().state_dict(), "t": torch.arange(6.0).reshape(2, 3).t(), "s": torch.tensor(3)}
+    ours, flowers = state_dict_record(sd), ArrayRecord(sd)
+    assert list(ours.keys()) == list(flowers.keys())
+    for k, arr in ours.items():
+        assert type(arr) is flwr.app.Array and np.array_equal(arr.numpy(), flowers[k].numpy())
+        if k != "t":
+            assert arr == flowers[k], k
+    assert ours["t"].numpy().flags.c_contiguous and tuple(ours["t"].shape) == (3, 2)
