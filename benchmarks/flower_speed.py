@@ -13,9 +13,9 @@ All runs give the same evaluations (checked), so the difference is the Flower pa
 part (the model as an ``ArrayRecord`` and back, the messages, the reply's checks; reported as the
 time outside the handler) and the handler's own fixed cost per message. The sides alternate in
 one process, ``--repeats`` times each; reported: min and median of the time inside the trainer,
-inside the handler and of the whole run's wall time, and the ratios (Flower / felix), with the
-load average before and after (the timings are of a shared machine); ``--busy-core`` keeps a
-second process looping meanwhile.
+inside the handler, of the whole run's wall time and of its CPU time, and the ratios (Flower /
+felix), with the load average before and after (the timings are of a shared machine);
+``--busy-core`` keeps a second process looping meanwhile.
 
 Learning curve: the Flower quickstart app of docs/flower_example.py (its own DataLoader order, so
 other updates) against felix's trainer over ``--seeds``: final accuracy and virtual time to the
@@ -184,11 +184,15 @@ def _config(
     }
 
 
-def _run(cfg: dict[str, Any]) -> tuple[float, float, list[Any], dict[str, Any]]:
+def _run(cfg: dict[str, Any]) -> tuple[float, float, float, list[Any]]:
+    """One run: the wall seconds inside the trainer and of the whole run, the process's CPU
+    seconds over the run (one torch thread: less sensitive than wall time to other work on the
+    machine), and the evaluations."""
     built = api.build(cfg)
+    cpu = time.process_time()
     out = built.sim.run()
-    s = built.controller.summary(out.virtual_time_s, out.wall_time_s) if built.controller else {}
-    return out.train_seconds, out.wall_time_s, built.recorder.rows, s
+    cpu = time.process_time() - cpu
+    return out.train_seconds, out.wall_time_s, cpu, built.recorder.rows
 
 
 def speed(repeats: int, aggregations: int, workload: str) -> dict[str, Any]:
@@ -199,6 +203,7 @@ def speed(repeats: int, aggregations: int, workload: str) -> dict[str, Any]:
     sides = {"felix": None, **APPS}
     train: dict[str, list[float]] = {side: [] for side in sides}
     wall: dict[str, list[float]] = {side: [] for side in sides}
+    cpu: dict[str, list[float]] = {side: [] for side in sides}
     handler: dict[str, list[float]] = {side: [] for side in APPS}
     rows: dict[str, Any] = {}
     load = [round(x, 2) for x in os.getloadavg()]
@@ -207,9 +212,10 @@ def speed(repeats: int, aggregations: int, workload: str) -> dict[str, Any]:
     for _ in range(repeats):
         for side, app in sides.items():
             handler_s.clear()
-            t, w, r, _ = _run(_config(aggregations, 0, app, False, over))
+            t, w, c, r = _run(_config(aggregations, 0, app, False, over))
             train[side].append(t)
             wall[side].append(w)
+            cpu[side].append(c)
             if app is not None:
                 handler[side].append(handler_s[app.split(":")[1]])
             rows[side] = [(x.version, x.time_s, x.accuracy, x.bytes_total) for x in r]
@@ -243,6 +249,7 @@ def speed(repeats: int, aggregations: int, workload: str) -> dict[str, Any]:
         "handler_s": stats(handler, ratios=False),
         "outside_handler_s": stats(outside, ratios=False),
         "wall_s": stats(wall),
+        "cpu_s": stats(cpu),
     }
 
 
@@ -252,7 +259,7 @@ def curve(seeds: list[int], aggregations: int, targets: list[float]) -> dict[str
         finals: list[float] = []
         ttt: dict[float, list[float | None]] = {t: [] for t in targets}
         for seed in seeds:
-            _, _, rows, _ = _run(_config(aggregations, seed, app, False))
+            _, _, _, rows = _run(_config(aggregations, seed, app, False))
             finals.append(rows[-1].accuracy)
             for t in targets:
                 ttt[t].append(_time_to(rows, t))
