@@ -1,6 +1,7 @@
 """The Flower path's cost and learning curve against felix's own trainer (docs/flower.md).
 
     python benchmarks/flower_speed.py [--repeats 3] [--aggregations 60] [--busy-core] [--seeds 0 1 2] [--json FILE]
+    python benchmarks/flower_speed.py --overhead 2000 [--repeats 5]
 
 Speed, on the same updates: the default scenario (digits, 90% slotted churn; 100 clients of one
 or two SGD steps per task, and 20 clients x 5 local epochs, about 25 steps) with the fedbuff
@@ -16,6 +17,9 @@ one process, ``--repeats`` times each; reported: min and median of the time insi
 inside the handler, of the whole run's wall time and of its CPU time, and the ratios (Flower /
 felix), with the load average before and after (the timings are of a shared machine);
 ``--busy-core`` keeps a second process looping meanwhile.
+
+``--overhead TASKS``: the Flower path's own cost per task alone (``overhead``: no training, an app
+that echoes the received arrays), CPU time per task.
 
 Learning curve: the Flower quickstart app of docs/flower_example.py (its own DataLoader order, so
 other updates) against felix's trainer over ``--seeds``: final accuracy and virtual time to the
@@ -44,7 +48,6 @@ from flwr.clientapp import ClientApp
 
 from felix import api
 from felix.flower import client_data
-from felix.flower.helpers import state_dict_record
 from felix.metrics.provenance import provenance
 from felix.metrics.recorder import reached_target
 
@@ -138,6 +141,8 @@ def train_lean(msg: Message, context: Context) -> Message:
     buffers and SGD without momentum no state, so loading the message's weights is all a task
     needs) and the reply through felix's ``state_dict_record`` (Flower's bytes, without
     ``np.save`` per tensor)."""
+    from felix.flower.helpers import state_dict_record  # here: --overhead runs on checkouts without it
+
     if not _NET:
         _NET.append(Net())
     model = _NET[0]
@@ -146,6 +151,68 @@ def train_lean(msg: Message, context: Context) -> Message:
     return Message(
         RecordDict({"arrays": state_dict_record(model.state_dict()), "metrics": metrics}), reply_to=msg
     )
+
+
+echo = ClientApp()
+#: CPU seconds inside ``echo``'s handler (``overhead`` reads and resets it).
+ECHO_CPU_S = [0.0]
+
+
+@echo.train()
+def train_echo(msg: Message, context: Context) -> Message:
+    """No training: the received arrays back as plain Flower ``Array`` s (as a handler's own
+    record holds them) with fixed metrics, so a task's time is the Flower path's own."""
+    t0 = time.process_time()
+    arrays = ArrayRecord(dict(msg.content["arrays"].items()))  # Flower copies them into plain Arrays
+    metrics = MetricRecord({"num-examples": 16, "train_loss": 0.0})
+    reply = Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+    ECHO_CPU_S[0] += time.process_time() - t0
+    return reply
+
+
+def overhead(tasks: int, repeats: int) -> dict[str, Any]:
+    """The Flower path's own cost per task, without training: ``FlowerTrainer`` over ``echo``
+    on the quickstart's ``Net`` (8 tensors), ``tasks`` tasks per repeat, CPU time per task
+    (the whole ``train`` call, and the part outside the handler: felix's), min and median
+    over the repeats. Runs on any felix checkout with the Flower trainer (``PYTHONPATH``)."""
+    from felix.client.trainer import ClientData, TrainConfig
+    from felix.client.weights import model_vector
+    from felix.flower.trainer import CLIENT_KEY, FlowerTrainer
+    from felix.strategies.objectives import make_objective
+
+    trainer = FlowerTrainer(
+        echo, "flower_speed:echo", Net(), make_objective("ce"), TrainConfig(), 10, 100, {}
+    )
+    weights = model_vector(Net())
+    data = ClientData(torch.zeros(16, 1, 8, 8), torch.zeros(16, dtype=torch.long))
+    gen = torch.Generator().manual_seed(0)
+    total: list[float] = []
+    outside: list[float] = []
+    for _ in range(repeats + 1):  # the first: warm-up, not reported
+        ECHO_CPU_S[0] = 0.0
+        t0 = time.process_time()
+        for i in range(tasks):
+            upd = trainer.train(weights, data, {CLIENT_KEY: i % 100}, {}, gen)
+        spent = time.process_time() - t0
+        assert not upd.delta.any()
+        total.append(spent / tasks * 1e6)
+        outside.append((spent - ECHO_CPU_S[0]) / tasks * 1e6)
+
+    def stats(v: list[float]) -> dict[str, Any]:
+        return {
+            "min": round(min(v), 1),
+            "median": round(statistics.median(v), 1),
+            "all": [round(x, 1) for x in v],
+        }
+
+    return {
+        "what": "overhead",
+        "tasks": tasks,
+        "repeats": repeats,
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "cpu_us_per_task": stats(total[1:]),
+        "outside_handler_cpu_us_per_task": stats(outside[1:]),
+    }
 
 
 #: The Flower sides of the speed comparison: the app each runs.
@@ -301,12 +368,20 @@ def main() -> None:
         action="store_true",
         help="keep one core busy (a second Python process looping) during the speed part",
     )
+    p.add_argument(
+        "--overhead",
+        type=int,
+        metavar="TASKS",
+        help="only the Flower path's own cost per task (no training), TASKS tasks per repeat",
+    )
     p.add_argument("--json", help="append the results as JSON lines to this file")
     args = p.parse_args()
     torch.set_num_threads(1)
     prov = provenance()  # the code that runs (before any edit of the tree during a long run)
     results = []
-    if not args.skip_speed:
+    if args.overhead:
+        results.append(overhead(args.overhead, args.repeats))
+    elif not args.skip_speed:
         busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy_core else None
         BUSY[0] = busy is not None
         try:
@@ -315,7 +390,7 @@ def main() -> None:
             if busy is not None:
                 busy.kill()
                 busy.wait()
-    if not args.skip_curve:
+    if not args.skip_curve and not args.overhead:
         results.append(curve(args.seeds, args.curve_aggregations, args.targets))
     for r in results:
         r["provenance"] = prov
