@@ -7,8 +7,8 @@
   and felix's own runs both do). Under ``felix run --flower-app`` the objective and its
   parameters come from felix's config (``client.objective``) in the message.
 - :func:`state_dict_record`: Flower's ``ArrayRecord(model.state_dict())`` (the reply's model),
-  the same arrays without ``np.save`` per tensor: on a small model, most of a handler's fixed
-  cost per message after building its network.
+  the same arrays without ``np.save`` per tensor: on a small model, a large part of a handler's
+  fixed cost per message.
 - DAFL's server-planned augmentation: :func:`class_counts_reply` answers the strategy's count query
   (``FelixStrategy(data_plan="dafl")``), the strategy plans with felix's DAFL planner, and
   :func:`apply_plan` creates the client's planned samples from its data (felix's augmenters).
@@ -139,7 +139,8 @@ def state_dict_record(state_dict: Mapping[str, torch.Tensor]) -> Any:
     non-contiguous one is written in C order, the same values), so it serves under Flower's own
     runtime as under felix. Flower writes every tensor through ``np.save``, which formats and
     checks the ``.npy`` header anew each time; here the header is made once per dtype and shape.
-    On the quickstart's CNN (8 tensors) that is about a tenth of the cost."""
+    On the quickstart's CNN (8 tensors) that is about half the cost (the rest: Flower's ``Array``
+    and record classes)."""
     record = flwr.app.ArrayRecord()
     for key, tensor in state_dict.items():
         a = tensor.detach().cpu().numpy()

@@ -243,7 +243,7 @@ class FlowerTrainer(LocalTrainer):
             )
         # Entries the state_dict does not name (a non-persistent float buffer) keep the received values.
         trained = flat.copy()
-        kept: list[np.ndarray] = []
+        kept: dict[int, np.ndarray] = {}
         for e in layout.entries:
             try:
                 value = self._codec.read(arrays[e.key], e.shape)
@@ -252,11 +252,11 @@ class FlowerTrainer(LocalTrainer):
             if e.kept is None:
                 trained[e.start : e.stop] = value.reshape(-1)
             else:
-                kept.append(value)
+                kept[e.kept] = value
         if kept:
             with torch.no_grad():
-                for tensor, value in zip(layout.kept_tensors, kept):
-                    tensor.copy_(torch.from_numpy(np.array(value)))
+                for i, value in kept.items():
+                    layout.kept_tensors[i].copy_(torch.from_numpy(np.array(value)))
             self.weights.end_task(state)
         delta = np.subtract(trained, flat, out=trained)
         metrics = _one(metric_recs, METRICS) or {}
