@@ -1,15 +1,25 @@
 """The Flower path's cost and learning curve against felix's own trainer (docs/flower.md).
 
-    python benchmarks/flower_speed.py [--repeats 3] [--aggregations 60] [--seeds 0 1 2] [--json FILE]
+    python benchmarks/flower_speed.py [--repeats 3] [--aggregations 60] [--busy-core] [--seeds 0 1 2] [--json FILE]
+    python benchmarks/flower_speed.py --overhead 2000 [--repeats 5]
 
 Speed, on the same updates: the default scenario (digits, 90% slotted churn; 100 clients of one
-or two SGD steps per task, and 20 clients x 5 local epochs, about 25 steps) with the fedbuff preset, one client at a time on both sides (``run.cohort: 1``; the Flower path trains
-one message at a time), run with felix's ``LocalTrainer`` and with ``felix_loop`` below, a Flower
-``ClientApp`` whose train handler is felix's local loop: the two runs give the same evaluations
-(checked), so the difference is the Flower path's own cost (the model as an ``ArrayRecord`` and
-back, the messages, the reply's checks). The two sides alternate in one process, ``--repeats``
-times each; reported: min and median of the time inside the trainer and of the whole run's wall
-time, and their ratios (Flower / felix).
+or two SGD steps per task, and 20 clients x 5 local epochs, about 25 steps) with the fedbuff
+preset, one client at a time on every side (``run.cohort: 1``; the Flower path trains one message
+at a time), run with felix's ``LocalTrainer`` and with two Flower ``ClientApp`` s whose train
+handler runs felix's local loop (``local_loop``): ``felix_loop`` in the quickstart's pattern (a new
+network per message, Flower's ``ArrayRecord(model.state_dict())`` as the reply) and
+``felix_loop_lean`` (one network per process, the reply through felix's ``state_dict_record``).
+All runs give the same evaluations (checked), so the difference is the Flower path's cost: felix's
+part (the model as an ``ArrayRecord`` and back, the messages, the reply's checks; reported as the
+time outside the handler) and the handler's own fixed cost per message. The sides alternate in
+one process, ``--repeats`` times each; reported: min and median of the time inside the trainer,
+inside the handler, of the whole run's wall time and of its CPU time, and the ratios (Flower /
+felix), with the load average before and after (the timings are of a shared machine);
+``--busy-core`` keeps a second process looping meanwhile.
+
+``--overhead TASKS``: the Flower path's own cost per task alone (``overhead``: no training, an app
+that echoes the received arrays), CPU time per task.
 
 Learning curve: the Flower quickstart app of docs/flower_example.py (its own DataLoader order, so
 other updates) against felix's trainer over ``--seeds``: final accuracy and virtual time to the
@@ -20,9 +30,14 @@ and spread.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import statistics
+import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +55,34 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "docs")]  # flower_speed:felix_loop, flower_example:app
 from flower_example import Net
 
-felix_loop = ClientApp()
+#: Seconds spent inside the handlers below, by app (the benchmark reads and resets it per run).
+HANDLER_S: dict[str, float] = {}
 
 
-@felix_loop.train()
-def train(msg: Message, context: Context) -> Message:
-    """felix's local loop (SGD, batch order from the task's seed, Oort's utility) as a handler."""
+def _timed(
+    name: str,
+) -> Callable[[Callable[[Message, Context], Message]], Callable[[Message, Context], Message]]:
+    """The handler, its wall time added to ``HANDLER_S[name]``: the Flower path's time outside
+    it is felix's (the message, the dispatch, the reply's checks)."""
+
+    def wrap(handler: Callable[[Message, Context], Message]) -> Callable[[Message, Context], Message]:
+        @functools.wraps(handler)
+        def timed(msg: Message, context: Context) -> Message:
+            t0 = time.perf_counter()
+            try:
+                return handler(msg, context)
+            finally:
+                HANDLER_S[name] = HANDLER_S.get(name, 0.0) + time.perf_counter() - t0
+
+        return timed
+
+    return wrap
+
+
+def local_loop(model: torch.nn.Module, msg: Message, context: Context) -> MetricRecord:
+    """felix's local loop (SGD, batch order from the task's seed, Oort's utility) on ``model``,
+    as loaded with the received weights: what both handlers below run."""
     config = msg.content["config"]
-    model = Net()
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     data = client_data(context)
     assert data is not None
     x, y = data
@@ -72,15 +106,121 @@ def train(msg: Message, context: Context) -> Message:
             opt.step()
             loss_sum = loss_sum + loss.detach()
             batches += 1
-    metrics = MetricRecord(
+    return MetricRecord(
         {
             "num-examples": n,
             "train_loss": float(loss_sum) / max(batches, 1),
             "stat-utility": n * (float(sq_sum) / seen) ** 0.5 if seen else 0.0,
         }
     )
+
+
+felix_loop = ClientApp()
+
+
+@felix_loop.train()
+@_timed("felix_loop")
+def train(msg: Message, context: Context) -> Message:
+    """felix's local loop in the quickstart's pattern: a new network per message, loaded from
+    the message, and Flower's ``ArrayRecord(model.state_dict())`` as the reply."""
+    model = Net()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    metrics = local_loop(model, msg, context)
     return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics}), reply_to=msg)
 
+
+felix_loop_lean = ClientApp()
+#: ``felix_loop_lean``'s network, built once per process (every message loads all its weights).
+_NET: list[Net] = []
+
+
+@felix_loop_lean.train()
+@_timed("felix_loop_lean")
+def train_lean(msg: Message, context: Context) -> Message:
+    """The same loop with the handler's own fixed costs cut: one network per process (Net has no
+    buffers and SGD without momentum no state, so loading the message's weights is all a task
+    needs) and the reply through felix's ``state_dict_record`` (Flower's bytes, without
+    ``np.save`` per tensor)."""
+    from felix.flower.helpers import state_dict_record  # here: --overhead runs on checkouts without it
+
+    if not _NET:
+        _NET.append(Net())
+    model = _NET[0]
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    metrics = local_loop(model, msg, context)
+    return Message(
+        RecordDict({"arrays": state_dict_record(model.state_dict()), "metrics": metrics}), reply_to=msg
+    )
+
+
+echo = ClientApp()
+#: CPU seconds inside ``echo``'s handler (``overhead`` reads and resets it).
+ECHO_CPU_S = [0.0]
+
+
+@echo.train()
+def train_echo(msg: Message, context: Context) -> Message:
+    """No training: the received arrays back as plain Flower ``Array`` s (as a handler's own
+    record holds them) with fixed metrics, so a task's time is the Flower path's own."""
+    t0 = time.process_time()
+    arrays = ArrayRecord(dict(msg.content["arrays"].items()))  # Flower copies them into plain Arrays
+    metrics = MetricRecord({"num-examples": 16, "train_loss": 0.0})
+    reply = Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+    ECHO_CPU_S[0] += time.process_time() - t0
+    return reply
+
+
+def overhead(tasks: int, repeats: int) -> dict[str, Any]:
+    """The Flower path's own cost per task, without training: ``FlowerTrainer`` over ``echo``
+    on the quickstart's ``Net`` (8 tensors), ``tasks`` tasks per repeat, CPU time per task
+    (the whole ``train`` call, and the part outside the handler: felix's), min and median
+    over the repeats. Runs on any felix checkout with the Flower trainer (``PYTHONPATH``)."""
+    from felix.client.trainer import ClientData, TrainConfig
+    from felix.client.weights import model_vector
+    from felix.flower.trainer import CLIENT_KEY, FlowerTrainer
+    from felix.strategies.objectives import make_objective
+
+    trainer = FlowerTrainer(
+        echo, "flower_speed:echo", Net(), make_objective("ce"), TrainConfig(), 10, 100, {}
+    )
+    weights = model_vector(Net())
+    data = ClientData(torch.zeros(16, 1, 8, 8), torch.zeros(16, dtype=torch.long))
+    gen = torch.Generator().manual_seed(0)
+    total: list[float] = []
+    outside: list[float] = []
+    for _ in range(repeats + 1):  # the first: warm-up, not reported
+        ECHO_CPU_S[0] = 0.0
+        t0 = time.process_time()
+        for i in range(tasks):
+            upd = trainer.train(weights, data, {CLIENT_KEY: i % 100}, {}, gen)
+        spent = time.process_time() - t0
+        assert not upd.delta.any()
+        total.append(spent / tasks * 1e6)
+        outside.append((spent - ECHO_CPU_S[0]) / tasks * 1e6)
+
+    def stats(v: list[float]) -> dict[str, Any]:
+        return {
+            "min": round(min(v), 1),
+            "median": round(statistics.median(v), 1),
+            "all": [round(x, 1) for x in v],
+        }
+
+    return {
+        "what": "overhead",
+        "tasks": tasks,
+        "repeats": repeats,
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "cpu_us_per_task": stats(total[1:]),
+        "outside_handler_cpu_us_per_task": stats(outside[1:]),
+    }
+
+
+#: The Flower sides of the speed comparison: the app each runs.
+APPS = {"flower": "flower_speed:felix_loop", "flower_lean": "flower_speed:felix_loop_lean"}
+
+
+#: Whether a busy-looping process shared the machine during the speed part (``--busy-core``).
+BUSY = [False]
 
 #: The speed workloads: the default scenario's clients take one or two SGD steps per task (the
 #: Flower path's fixed cost per task weighs most); 20 clients x 5 local epochs take about 25.
@@ -111,44 +251,72 @@ def _config(
     }
 
 
-def _run(cfg: dict[str, Any]) -> tuple[float, float, list[Any], dict[str, Any]]:
+def _run(cfg: dict[str, Any]) -> tuple[float, float, float, list[Any]]:
+    """One run: the wall seconds inside the trainer and of the whole run, the process's CPU
+    seconds over the run (one torch thread: less sensitive than wall time to other work on the
+    machine), and the evaluations."""
     built = api.build(cfg)
+    cpu = time.process_time()
     out = built.sim.run()
-    s = built.controller.summary(out.virtual_time_s, out.wall_time_s) if built.controller else {}
-    return out.train_seconds, out.wall_time_s, built.recorder.rows, s
+    cpu = time.process_time() - cpu
+    return out.train_seconds, out.wall_time_s, cpu, built.recorder.rows
 
 
 def speed(repeats: int, aggregations: int, workload: str) -> dict[str, Any]:
+    # The apps run as felix imports them (``flower_speed:...``): that module's handler times.
+    from flower_speed import HANDLER_S as handler_s
+
     over = WORKLOADS[workload]
-    train: dict[str, list[float]] = {"felix": [], "flower": []}
-    wall: dict[str, list[float]] = {"felix": [], "flower": []}
+    sides = {"felix": None, **APPS}
+    train: dict[str, list[float]] = {side: [] for side in sides}
+    wall: dict[str, list[float]] = {side: [] for side in sides}
+    cpu: dict[str, list[float]] = {side: [] for side in sides}
+    handler: dict[str, list[float]] = {side: [] for side in APPS}
     rows: dict[str, Any] = {}
-    _run(_config(3, 0, "flower_speed:felix_loop", False, over))  # warm both paths (imports, first optimiser)
-    _run(_config(3, 0, None, False, over))
+    load = [round(x, 2) for x in os.getloadavg()]
+    for app in sides.values():  # warm every path (imports, first optimiser)
+        _run(_config(3, 0, app, False, over))
     for _ in range(repeats):
-        for side, app in (("felix", None), ("flower", "flower_speed:felix_loop")):
-            t, w, r, _ = _run(_config(aggregations, 0, app, False, over))
+        for side, app in sides.items():
+            handler_s.clear()
+            t, w, c, r = _run(_config(aggregations, 0, app, False, over))
             train[side].append(t)
             wall[side].append(w)
+            cpu[side].append(c)
+            if app is not None:
+                handler[side].append(handler_s[app.split(":")[1]])
             rows[side] = [(x.version, x.time_s, x.accuracy, x.bytes_total) for x in r]
-    same = rows["felix"] == rows["flower"]
+    same = all(rows[side] == rows["felix"] for side in APPS)
 
-    def stats(d: dict[str, list[float]]) -> dict[str, Any]:
+    def stats(d: dict[str, list[float]], ratios: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for side, v in d.items():
             out[side] = {"min": round(min(v), 3), "median": round(statistics.median(v), 3), "all": v}
-        out["ratio_min"] = round(min(d["flower"]) / min(d["felix"]), 3)
-        out["ratio_median"] = round(statistics.median(d["flower"]) / statistics.median(d["felix"]), 3)
+        if ratios:
+            for side in APPS:
+                tail = side.removeprefix("flower")
+                out[f"ratio_min{tail}"] = round(min(d[side]) / min(d["felix"]), 3)
+                out[f"ratio_median{tail}"] = round(
+                    statistics.median(d[side]) / statistics.median(d["felix"]), 3
+                )
         return out
 
+    # The Flower path's time outside the handler: felix's own part (message, dispatch, checks).
+    outside = {side: [t - h for t, h in zip(train[side], handler[side])] for side in APPS}
     return {
         "what": "speed",
         "workload": workload,
         "aggregations": aggregations,
         "repeats": repeats,
+        "busy_core": BUSY[0],
+        "loadavg_before": load,
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "same_evaluations": same,
         "train_s": stats(train),
+        "handler_s": stats(handler, ratios=False),
+        "outside_handler_s": stats(outside, ratios=False),
         "wall_s": stats(wall),
+        "cpu_s": stats(cpu),
     }
 
 
@@ -158,7 +326,7 @@ def curve(seeds: list[int], aggregations: int, targets: list[float]) -> dict[str
         finals: list[float] = []
         ttt: dict[float, list[float | None]] = {t: [] for t in targets}
         for seed in seeds:
-            _, _, rows, _ = _run(_config(aggregations, seed, app, False))
+            _, _, _, rows = _run(_config(aggregations, seed, app, False))
             finals.append(rows[-1].accuracy)
             for t in targets:
                 ttt[t].append(_time_to(rows, t))
@@ -195,12 +363,34 @@ def main() -> None:
     p.add_argument("--targets", type=float, nargs="+", default=[0.3, 0.4, 0.5])
     p.add_argument("--skip-curve", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument(
+        "--busy-core",
+        action="store_true",
+        help="keep one core busy (a second Python process looping) during the speed part",
+    )
+    p.add_argument(
+        "--overhead",
+        type=int,
+        metavar="TASKS",
+        help="only the Flower path's own cost per task (no training), TASKS tasks per repeat",
+    )
     p.add_argument("--json", help="append the results as JSON lines to this file")
     args = p.parse_args()
     torch.set_num_threads(1)
     prov = provenance()  # the code that runs (before any edit of the tree during a long run)
-    results = [] if args.skip_speed else [speed(args.repeats, args.aggregations, w) for w in WORKLOADS]
-    if not args.skip_curve:
+    results = []
+    if args.overhead:
+        results.append(overhead(args.overhead, args.repeats))
+    elif not args.skip_speed:
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy_core else None
+        BUSY[0] = busy is not None
+        try:
+            results = [speed(args.repeats, args.aggregations, w) for w in WORKLOADS]
+        finally:
+            if busy is not None:
+                busy.kill()
+                busy.wait()
+    if not args.skip_curve and not args.overhead:
         results.append(curve(args.seeds, args.curve_aggregations, args.targets))
     for r in results:
         r["provenance"] = prov

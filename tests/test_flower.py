@@ -432,3 +432,196 @@ def test_npy_codec_is_flowers_array_byte_for_byte(a: np.ndarray) -> None:
     for arr in (fast, plain, *fortran):
         assert np.array_equal(codec.decode(arr), a) and codec.decode(arr).shape == a.shape
     assert np.array_equal(fast.numpy(), a)
+
+
+# ------------------------------------------------ the Flower path's encoding and its reply checks
+class BnNet(nn.Module):
+    """A network with BatchNorm: float buffers (shipped under ``aggregate``) and an integer
+    counter (always kept), a tied weight, for the state_dict layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 8 * 8, 10)
+        self.head = self.fc  # the same tensors under two state_dict names
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def make_bn_net(sample_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    assert tuple(sample_shape) == (1, 8, 8) and num_classes == 10
+    return BnNet()
+
+
+#: What ``hostile``'s handler does to the reply (set by the tests).
+REPLY: dict[str, Any] = {}
+hostile = ClientApp()
+
+
+@hostile.train()
+def train_hostile(msg: Message, context: Context) -> Message | str:
+    """Replies as ``REPLY["kind"]`` says: the received model plus one (``plus_one``) or a bad reply."""
+    kind = REPLY["kind"]
+    sd = msg.content["arrays"].to_torch_state_dict()
+    sd = {k: v + 1 if v.is_floating_point() else v + 5 for k, v in sd.items()}
+    key = next(iter(sd))
+    metrics = MetricRecord({"num-examples": 7, "train_loss": 0.5})
+    if kind == "not_a_message":
+        return "done"
+    if kind == "error":
+        return Message(flwr.app.Error(code=0, reason="out of memory"), reply_to=msg)
+    if kind == "no_arrays":
+        return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+    arrays = ArrayRecord(sd)
+    if kind == "nan_some":  # NaN from odd clients, the received model from the others
+        kind = "nan" if int(context.node_config["partition-id"]) % 2 else "echo"
+    if kind == "echo":
+        arrays = msg.content["arrays"]
+    elif kind == "missing_key":
+        del arrays[key]
+    elif kind == "shape":
+        arrays[key] = flwr.app.Array(np.zeros((2, 2), dtype=np.float32))
+    elif kind == "strings":
+        arrays[key] = flwr.app.Array(np.full(tuple(sd[key].shape), "x"))
+    elif kind == "truncated":
+        good = arrays[key]
+        arrays[key] = flwr.app.Array(
+            dtype=good.dtype, shape=tuple(good.shape), stype=good.stype, data=good.data[:-4]
+        )
+    elif kind == "float64":
+        arrays[key] = flwr.app.Array(sd[key].double().numpy())
+    elif kind == "nan":
+        arrays[key] = flwr.app.Array(np.full(tuple(sd[key].shape), np.nan, dtype=np.float32))
+    return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+
+
+def _hostile_trainer(model: nn.Module, buffers: str = "aggregate") -> Any:
+    from felix.client.trainer import TrainConfig
+    from felix.flower.trainer import FlowerTrainer
+    from felix.strategies.objectives import make_objective
+
+    return FlowerTrainer(
+        hostile, "test_flower:hostile", model, make_objective("ce"), TrainConfig(buffers=buffers), 10, 4, {}
+    )
+
+
+def _task(trainer: Any, weights: np.ndarray, kind: str, state: dict[str, Any] | None = None) -> Any:
+    from felix.client.trainer import ClientData
+    from felix.flower.trainer import CLIENT_KEY
+
+    REPLY["kind"] = kind
+    data = ClientData(torch.zeros(7, 1, 8, 8), torch.zeros(7, dtype=torch.long))
+    state = {CLIENT_KEY: 2} if state is None else state
+    return trainer.train(weights, data, state, {}, torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("buffers", ["aggregate", "local"])
+def test_the_flower_path_lays_the_vector_out_as_the_models_state_dict(buffers: str) -> None:
+    """The message carries the received vector as the workspace model's state_dict (the kept
+    counter at the factory's value or the client's own), byte for byte what Flower's
+    ``ArrayRecord(state_dict)`` holds; the reply comes back as its difference from it (a tied
+    tensor once), the kept counter into the client's state under ``local``."""
+    from felix.client.weights import BUFFERS_KEY, ModelWeights
+
+    model = BnNet()
+    trainer = _hostile_trainer(model, buffers)
+    layout = ModelWeights(model, buffers)
+    weights = np.random.default_rng(0).standard_normal(layout.size).astype(np.float32)
+    sent: list[Any] = []
+    handler = hostile._registered_funcs["train.default"]
+
+    def spy(msg: Message, context: Context) -> Message:
+        sent.append(msg.content["arrays"])
+        return handler(msg, context)
+
+    hostile._registered_funcs["train.default"] = spy
+    try:
+        state: dict[str, Any] = {"flower_client_id": 1}
+        upd = _task(trainer, weights, "plus_one", state)
+        echo = _task(trainer, weights, "echo", state)
+    finally:
+        hostile._registered_funcs["train.default"] = handler
+    reference = BnNet()
+    ModelWeights(reference, buffers).load(torch.from_numpy(weights.copy()))
+    expected = ArrayRecord(reference.state_dict())
+    fields = ("dtype", "shape", "stype", "data")
+    assert list(sent[0].keys()) == list(expected.keys())
+    for k in expected:
+        assert [getattr(sent[0][k], f) for f in fields] == [getattr(expected[k], f) for f in fields], k
+        got = sent[0][k].numpy()
+        got += 1  # a writable copy: the record's next reader still sees the sent values
+        assert np.array_equal(sent[0][k].numpy(), expected[k].numpy())
+    assert upd.delta.dtype == np.float32 and upd.delta.shape == weights.shape
+    assert np.array_equal(upd.delta, (weights + 1) - weights)  # every shipped value, tied ones once
+    assert not echo.delta.any()
+    assert (upd.num_samples, upd.loss) == (7, 0.5)
+    counter = int(sent[1]["bn.num_batches_tracked"].numpy())
+    if buffers == "local":  # the client's buffers as its reply left them, sent with its next task
+        mean, var, count = state[BUFFERS_KEY]
+        assert (mean == 1).all() and (var == 2).all() and int(count) == 5 == counter
+        assert np.array_equal(sent[1]["bn.running_var"].numpy(), np.full(4, 2, dtype=np.float32))
+    else:  # the counter does not travel: every task starts from the factory's
+        assert BUFFERS_KEY not in state and counter == 0
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("not_a_message", "is a str, not a flwr Message"),
+        ("error", "is an error: out of memory"),
+        ("no_arrays", "has no ArrayRecord"),
+        ("missing_key", "does not fit felix's model \\(its arrays"),
+        ("shape", "conv.weight: shape \\(2, 2\\), the model's \\(4, 1, 3, 3\\)"),
+        ("strings", "conv.weight: dtype <U1, not a number type"),
+        ("truncated", "conv.weight: its bytes are not a .npy array"),
+    ],
+)
+def test_the_flower_path_refuses_replies_that_do_not_fit(kind: str, says: str) -> None:
+    trainer = _hostile_trainer(BnNet())
+    weights = np.zeros(trainer.layout.size, dtype=np.float32)
+    with pytest.raises(ConfigError, match=says) as err:
+        _task(trainer, weights, kind)
+    assert "\n" not in str(err.value) and "client 2" in str(err.value)
+
+
+def test_the_flower_path_reads_other_dtypes_and_leaves_non_finite_values_to_the_server() -> None:
+    trainer = _hostile_trainer(BnNet())
+    weights = np.full(trainer.layout.size, 0.1, dtype=np.float32)
+    upd = _task(trainer, weights, "float64")  # cast to float32 as torch's copy_ casts it
+    assert np.array_equal(upd.delta, (np.float32(0.1) + 1) - weights)
+    nan = _task(trainer, weights, "nan")
+    assert np.isnan(nan.delta[: 4 * 9]).all() and np.isfinite(nan.delta[4 * 9 :]).all()
+
+
+def test_a_flower_app_that_sends_nan_has_its_updates_refused_by_the_server() -> None:
+    """Non-finite values pass the trainer, as from felix's own, and the orchestrator's update
+    validation refuses them: the run goes on with a finite model."""
+    REPLY["kind"] = "nan_some"
+    run = {**SMALL["run"], "max_aggregations": 2}
+    via = api.run(
+        {
+            **SMALL,
+            "model": "test_flower:make_bn_net",
+            "client": {"flower_app": "test_flower:hostile"},
+            "run": run,
+        }
+    )
+    assert via.built.orch.stats.rejected > 0
+    assert via.built.orch.version == 2 and np.isfinite(via.built.orch.weights).all()
+
+
+def test_state_dict_record_is_flowers_array_record() -> None:
+    """The helper's reply record holds plain Flower ``Array`` s with Flower's bytes (a
+    non-contiguous tensor: the same values, written in C order), and felix reads it back."""
+    from felix.flower.helpers import state_dict_record
+
+    sd = {**BnNet().state_dict(), "t": torch.arange(6.0).reshape(2, 3).t(), "s": torch.tensor(3)}
+    ours, flowers = state_dict_record(sd), ArrayRecord(sd)
+    assert list(ours.keys()) == list(flowers.keys())
+    for k, arr in ours.items():
+        assert type(arr) is flwr.app.Array and np.array_equal(arr.numpy(), flowers[k].numpy())
+        if k != "t":
+            assert arr == flowers[k], k
+    assert ours["t"].numpy().flags.c_contiguous and tuple(ours["t"].shape) == (3, 2)

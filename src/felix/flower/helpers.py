@@ -6,6 +6,9 @@
   beta) sent back as ``felix.aux`` for the server to average (:class:`~felix.flower.strategy.FelixStrategy`
   and felix's own runs both do). Under ``felix run --flower-app`` the objective and its
   parameters come from felix's config (``client.objective``) in the message.
+- :func:`state_dict_record`: Flower's ``ArrayRecord(model.state_dict())`` (the reply's model),
+  the same arrays without ``np.save`` per tensor: on a small model, a large part of a handler's
+  fixed cost per message.
 - DAFL's server-planned augmentation: :func:`class_counts_reply` answers the strategy's count query
   (``FelixStrategy(data_plan="dafl")``), the strategy plans with felix's DAFL planner, and
   :func:`apply_plan` creates the client's planned samples from its data (felix's augmenters).
@@ -25,7 +28,7 @@ A sketch (docs/flower.md has the whole app)::
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,11 +38,13 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from felix.flower import import_flwr
-from felix.flower.trainer import AUX, CONFIG
+from felix.flower.trainer import AUX, CONFIG, NpyCodec
 from felix.strategies.dataplans.augment import augment_client, get_augmenter
 from felix.strategies.objectives import TaskContext, make_objective
 
 flwr = import_flwr()
+#: The ``.npy`` headers of :func:`state_dict_record`, made once per dtype and shape.
+_CODEC = NpyCodec(flwr.app.Array)
 
 #: Where a node's objective state lives in ``context.state`` between its rounds.
 STATE_SCALARS, STATE_ARRAYS = "felix.objective-state", "felix.objective-arrays"
@@ -128,6 +133,27 @@ def objective(
     return LocalObjective(obj, ctx, context)
 
 
+def state_dict_record(state_dict: Mapping[str, torch.Tensor]) -> Any:
+    """``ArrayRecord(state_dict)``, for a reply: plain Flower ``Array`` objects with the bytes
+    Flower's ``Array(tensor)`` holds (``np.save``'s, byte for byte for contiguous tensors; a
+    non-contiguous one is written in C order, the same values), so it serves under Flower's own
+    runtime as under felix. Flower writes every tensor through ``np.save``, which formats and
+    checks the ``.npy`` header anew each time; here the header is made once per dtype and shape.
+    On the quickstart's CNN (8 tensors) that is about half the cost (the rest: Flower's ``Array``
+    and record classes)."""
+    record = flwr.app.ArrayRecord()
+    for key, tensor in state_dict.items():
+        a = tensor.detach().cpu().numpy()
+        a = np.ascontiguousarray(a) if a.ndim else np.array(a)
+        record[key] = flwr.app.Array(
+            dtype=str(a.dtype),
+            shape=tuple(a.shape),
+            stype="numpy.ndarray",
+            data=_CODEC.header(a.dtype, a.shape) + a.tobytes(),
+        )
+    return record
+
+
 def class_counts_reply(msg: Any, y: torch.Tensor | np.ndarray, num_classes: int) -> Any:
     """The reply to :class:`~felix.flower.strategy.FelixStrategy`'s DAFL count query (a
     ``query`` message): the node's samples per class, for the server's planner."""
@@ -155,4 +181,4 @@ def apply_plan(
     return torch.cat([x, x_new]), torch.cat([y, y_new])
 
 
-__all__ = ["LocalObjective", "apply_plan", "class_counts_reply", "objective"]
+__all__ = ["LocalObjective", "apply_plan", "class_counts_reply", "objective", "state_dict_record"]

@@ -37,6 +37,7 @@ from __future__ import annotations
 import io
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,7 @@ import torch
 from torch import nn
 
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig, _single_client
+from felix.client.weights import ModelWeights
 from felix.config import Config, ConfigError
 from felix.core.registry import RegistryError, import_object
 from felix.core.types import ClientUpdate
@@ -70,8 +72,15 @@ def load_client_app(ref: str) -> Any:
 
 class FlowerTrainer(LocalTrainer):
     """Felix's trainer interface over a Flower ``ClientApp``: ``train`` runs the app's train
-    handler; the workspace model (felix's ``model``) only lays the weight vector out as a
-    ``state_dict`` and back, and runs TierSelect's forward-pass probes."""
+    handler; the workspace model (felix's ``model``) lays the weight vector out as a
+    ``state_dict`` (:class:`StateLayout`, once) and runs TierSelect's forward-pass probes.
+
+    The Flower path's fixed cost per task is what a task of one or two SGD steps notices, so the
+    message is built from parts made once per run: the layout of the vector as ``state_dict``
+    entries, the ``.npy`` headers, the config record (copied per task, two entries set), the
+    contexts (one per client). The received vector is encoded straight into ``Array`` bytes
+    (no load into the workspace) and the reply is decoded straight into one flat vector, whose
+    difference from the received one is the update."""
 
     def __init__(
         self,
@@ -109,20 +118,27 @@ class FlowerTrainer(LocalTrainer):
         if cfg.max_steps is not None:
             self._config["max-steps"] = int(cfg.max_steps)
         self._run_config = {k: self._config[k] for k in ("lr", "local-epochs", "batch-size")}
+        #: The task-independent part of every message's config (each task gets a copy of it).
+        self._config_record = flwr.app.ConfigRecord(self._config)
         self._codec = NpyCodec(flwr.app.Array)
+        self.layout = StateLayout(self.model, self.weights)
 
-    def _tensors(self) -> dict[str, torch.Tensor]:
-        """The workspace's tensors by ``state_dict`` key, as loaded now (``load`` rebinds the
-        parameters to each task's vector): views, so copying into them loads the model."""
-        return dict(self.model.state_dict())
-
-    def _encode(self) -> Any:
-        """The workspace model as an ``ArrayRecord`` (``np.save`` bytes, as Flower writes them),
-        its arrays set one by one: ``ArrayRecord(array_dict=...)`` would copy them into plain
-        ``Array`` objects, losing the fast ``numpy()``."""
+    def _encode(self, flat: np.ndarray) -> Any:
+        """The received vector as the workspace model's ``state_dict`` in an ``ArrayRecord`` (the
+        ``np.save`` bytes Flower's ``Array`` holds), the kept buffers (if any) as the workspace
+        holds them for this task. Its arrays are set one by one: ``ArrayRecord(array_dict=...)``
+        would copy them into plain ``Array`` objects, losing the fast ``numpy()``."""
         record = self._flwr.app.ArrayRecord()
-        for k, v in self._tensors().items():
-            record[k] = self._codec.encode(v.detach().cpu().numpy())
+        encode = self._codec.encode
+        kept = self.layout.kept_tensors
+        for e in self.layout.entries:
+            if e.kept is None:
+                value = flat[e.start : e.stop].reshape(e.shape)
+                if value.dtype != e.dtype:
+                    value = value.astype(e.dtype)
+                record[e.key] = encode(value, e.dtype_name)
+            else:
+                record[e.key] = encode(kept[e.kept].detach().cpu().numpy().copy())
         return record
 
     def _context(self, cid: int) -> Any:
@@ -153,17 +169,22 @@ class FlowerTrainer(LocalTrainer):
             raise ConfigError("client.flower_app: a task reached the Flower trainer without its client id")
         cid = int(state[CLIENT_KEY])
         app_mod = self._flwr.app
-        flat = self.load(weights)
-        self.weights.begin_task(state)
+        # One copy of the received vector for the task: the arrays' ``numpy()`` reads views of it
+        # (so a later change of the caller's vector cannot reach a record the app kept).
+        flat = np.array(weights, dtype=np.float32, copy=True)
+        if flat.shape != (self.layout.size,):
+            raise ValueError(
+                f"weight vector of {flat.size} values for a model of {self.layout.size} "
+                f"({self.weights.num_params} parameters + {self.layout.size - self.weights.num_params} "
+                "buffer values)"
+            )
+        flat.flags.writeable = False
+        self.weights.begin_task(state)  # the kept buffers (if any): the client's or the factory's
         self._rounds[cid] = rnd = self._rounds.get(cid, 0) + 1
-        content = app_mod.RecordDict(
-            {
-                ARRAYS: self._encode(),
-                CONFIG: app_mod.ConfigRecord(
-                    {**self._config, "seed": int(generator.initial_seed()), "server-round": rnd}
-                ),
-            }
-        )
+        config = self._config_record.copy()
+        config["seed"] = int(generator.initial_seed())
+        config["server-round"] = rnd
+        content = app_mod.RecordDict({ARRAYS: self._encode(flat), CONFIG: config})
         if aux_in:
             content[AUX] = _array_record(app_mod, aux_in)
         meta = app_mod.Metadata(
@@ -189,45 +210,110 @@ class FlowerTrainer(LocalTrainer):
         return self._update(reply, cid, flat, data, state)
 
     def _update(
-        self, reply: Any, cid: int, flat: torch.Tensor, data: ClientData, state: dict[str, Any]
+        self, reply: Any, cid: int, flat: np.ndarray, data: ClientData, state: dict[str, Any]
     ) -> ClientUpdate:
+        """The reply as felix's update, or a one-line ``ConfigError`` for a reply that does not fit:
+        not a ``Message``, an error, no ``ArrayRecord``, other keys than the model's (or in
+        another order), another shape, a non-numeric dtype, bytes that are not what its dtype and
+        shape say. Non-finite values are the server's to refuse (update validation), as from
+        felix's trainer."""
         where = f"client.flower_app {self.ref}: the reply of client {cid}"
-        if not isinstance(reply, self._flwr.app.Message):
+        app_mod = self._flwr.app
+        if not isinstance(reply, app_mod.Message):
             raise ConfigError(f"{where} is a {type(reply).__name__}, not a flwr Message")
         if reply.has_error():
             raise ConfigError(f"{where} is an error: {reply.error.reason}")
-        records = reply.content
-        arrays = _one(records.array_records, ARRAYS, exclude=AUX)
+        # One pass over the reply's records (``array_records`` and ``metric_records`` would each
+        # build a filtered copy).
+        array_recs: dict[str, Any] = {}
+        metric_recs: dict[str, Any] = {}
+        for key, rec in reply.content.items():
+            if isinstance(rec, app_mod.ArrayRecord):
+                array_recs[key] = rec
+            elif isinstance(rec, app_mod.MetricRecord):
+                metric_recs[key] = rec
+        arrays = _one(array_recs, ARRAYS, exclude=AUX)
         if arrays is None:
             raise ConfigError(f"{where} has no ArrayRecord of the trained model")
-        tensors = self._tensors()
-        if list(arrays.keys()) != list(tensors):
+        layout = self.layout
+        if list(arrays.keys()) != layout.keys:
             raise ConfigError(
                 f"{where} does not fit felix's model (its arrays {list(arrays.keys())[:4]}..., "
-                f"the model's {list(tensors)[:4]}...)"
+                f"the model's {layout.keys[:4]}...)"
             )
-        with torch.no_grad():
-            for key, target in tensors.items():
-                value = self._codec.decode(arrays[key])
-                if value.shape != tuple(target.shape):
-                    raise ConfigError(
-                        f"{where} does not fit felix's model ({key}: shape {value.shape}, "
-                        f"the model's {tuple(target.shape)})"
-                    )
-                target.copy_(torch.from_numpy(value))
-        self.weights.end_task(state)
-        with torch.no_grad():
-            delta = (self.weights.vector() - flat).cpu().numpy()
-        # Non-finite values are the server's to refuse (update validation), as from felix's trainer.
-        metrics = _one(records.metric_records, METRICS) or {}
+        # Entries the state_dict does not name (a non-persistent float buffer) keep the received values.
+        trained = flat.copy()
+        kept: dict[int, np.ndarray] = {}
+        for e in layout.entries:
+            try:
+                value = self._codec.read(arrays[e.key], e.shape)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{where} does not fit felix's model ({e.key}: {exc})") from None
+            if e.kept is None:
+                trained[e.start : e.stop] = value.reshape(-1)
+            else:
+                kept[e.kept] = value
+        if kept:
+            with torch.no_grad():
+                for i, value in kept.items():
+                    layout.kept_tensors[i].copy_(torch.from_numpy(np.array(value)))
+            self.weights.end_task(state)
+        delta = np.subtract(trained, flat, out=trained)
+        metrics = _one(metric_recs, METRICS) or {}
         n = int(metrics.get("num-examples", len(data)))
         loss = float(metrics.get("train_loss", metrics.get("loss", 0.0)))
         utility = float(metrics.get("stat-utility", n * loss))
-        aux_rec = records.array_records.get(AUX)
+        aux_rec = array_recs.get(AUX)
         aux = {k: np.asarray(v.numpy()) for k, v in aux_rec.items()} if aux_rec is not None else {}
         return ClientUpdate(
             num_samples=n, stat_utility=utility, loss=loss, duration=0.0, delta=delta, aux=aux
         )
+
+
+@dataclass(frozen=True)
+class LayoutEntry:
+    """One ``state_dict`` entry: where it lies in the weight vector (``start:stop``), or which of
+    the kept buffers it is (``kept``), and its shape and dtype (and the dtype's name, which numpy
+    makes anew on every ``str``)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    dtype_name: str
+    start: int = 0
+    stop: int = 0
+    kept: int | None = None
+
+
+class StateLayout:
+    """The weight vector as the workspace model's ``state_dict``, worked out once: the vector
+    holds the parameters, then the shipped buffers (:class:`~felix.client.weights.ModelWeights`),
+    and a ``state_dict`` names each of them (a tied tensor under each of its names) and the kept
+    buffers, in the model's order. The tensors themselves are not read per task: loading would
+    rebind the parameters, the layout stays."""
+
+    def __init__(self, model: nn.Module, weights: ModelWeights) -> None:
+        where: dict[int, tuple[int, int]] = {}
+        at = 0
+        for t in [*weights.params, *weights.shipped_buffers]:
+            where[id(t)] = (at, at + t.numel())
+            at += t.numel()
+        kept_index = {id(t): i for i, t in enumerate(weights.kept)}
+        self.size = weights.size
+        self.kept_tensors = weights.kept
+        self.entries: list[LayoutEntry] = []
+        for key, t in model.state_dict(keep_vars=True).items():
+            shape, dtype = tuple(t.shape), torch.empty(0, dtype=t.dtype).numpy().dtype
+            if id(t) in where:
+                start, stop = where[id(t)]
+                self.entries.append(LayoutEntry(key, shape, dtype, str(dtype), start, stop))
+            elif id(t) in kept_index:
+                self.entries.append(LayoutEntry(key, shape, dtype, str(dtype), kept=kept_index[id(t)]))
+            else:  # a state_dict entry that is neither a parameter nor a buffer of the model
+                raise ConfigError(
+                    f"client.flower_app: felix's model has a state_dict entry {key!r} it cannot send"
+                )
+        self.keys = [e.key for e in self.entries]
 
 
 class NpyCodec:
@@ -237,9 +323,12 @@ class NpyCodec:
     (another writer, Fortran order) are read by Flower's own ``Array.numpy()``. Flower's own way
     parses every header with ``ast.literal_eval``: most of the Flower path's cost on a small model.
 
-    The arrays it makes are a subclass of Flower's ``Array`` whose ``numpy()`` (what
-    ``ArrayRecord.to_torch_state_dict`` calls in the app's handler) decodes the same way: the same
-    values, and the same bytes for anything else that reads them."""
+    The arrays it makes are a subclass of Flower's ``Array`` that also keep the array their bytes
+    were made from: their ``numpy()`` (what ``ArrayRecord.to_torch_state_dict`` calls in the app's
+    handler) returns a copy of it, the values ``Array.numpy()`` would parse from the bytes, until
+    any field is set (then it parses the bytes). They are built without ``Array.__init__``'s
+    argument matching (its fields set as that sets them, on a fresh object): the same fields, equal
+    to ``Array(a)``, for anything else that reads them."""
 
     def __init__(self, array_type: Any) -> None:
         self.base = array_type
@@ -247,10 +336,17 @@ class NpyCodec:
 
         class FastArray(array_type):  # type: ignore[misc, valid-type]
             def numpy(self) -> np.ndarray:
-                return codec.decode(self)
+                src = self.__dict__.get("_src")
+                return src.copy() if src is not None else codec.decode(self)
+
+            def __setattr__(self, name: str, value: Any) -> None:
+                if name in FIELDS:  # the bytes may no longer be the kept array's
+                    self.__dict__.pop("_src", None)
+                super().__setattr__(name, value)
 
         self.fast = FastArray
         self._headers: dict[tuple[str, tuple[int, ...]], bytes] = {}
+        self._specs: dict[tuple[Any, Any], tuple[np.dtype[Any], tuple[int, ...], bytes, int]] = {}
 
     def header(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
         key = (dtype.str, shape)
@@ -263,11 +359,25 @@ class NpyCodec:
             self._headers[key] = head
         return head
 
-    def encode(self, a: np.ndarray) -> Any:
-        """``a`` as a Flower ``Array``, byte for byte what ``Array(a)`` holds."""
+    def encode(self, a: np.ndarray, dtype_name: str | None = None) -> Any:
+        """``a`` as a Flower ``Array``, byte for byte what ``Array(a)`` holds; its ``numpy()``
+        returns copies of ``a`` as it is now (``a`` is copied unless it is read-only).
+        ``dtype_name``: ``str(a.dtype)`` when the caller knows it (numpy makes the name anew each
+        time)."""
         a = np.ascontiguousarray(a) if a.ndim else np.array(a)
-        data = self.header(a.dtype, a.shape) + a.tobytes()
-        return self.fast(dtype=str(a.dtype), shape=tuple(a.shape), stype="numpy.ndarray", data=data)
+        if a.flags.writeable:
+            a = a.copy()
+            a.flags.writeable = False
+        shape = a.shape
+        arr = object.__new__(self.fast)
+        arr.__dict__.update(
+            dtype=str(a.dtype) if dtype_name is None else dtype_name,
+            shape=shape,
+            stype="numpy.ndarray",
+            data=self.header(a.dtype, shape) + a.tobytes(),
+            _src=a,
+        )
+        return arr
 
     def decode(self, arr: Any) -> np.ndarray:
         """An ``Array``'s values, as a writable array."""
@@ -279,6 +389,70 @@ class NpyCodec:
             ):
                 return np.frombuffer(arr.data, dtype=dtype, offset=len(head)).reshape(shape).copy()
         return np.asarray(self.base.numpy(arr))
+
+    def spec(self, dtype_name: Any, shape: Any) -> tuple[np.dtype[Any], tuple[int, ...], bytes, int]:
+        """What an ``Array``'s ``dtype`` and ``shape`` fields say: the dtype, the shape, the
+        ``.npy`` header ``np.save`` writes for them (empty for a dtype that is not a number) and the
+        length of the bytes; cached, or ``ValueError``. Parsing a dtype name costs more than
+        the rest of reading a small array."""
+        try:
+            return self._specs[(dtype_name, shape)]
+        except (KeyError, TypeError):  # new, or fields that cannot be a key (a list, ...)
+            pass
+        try:
+            dtype, got = np.dtype(dtype_name), tuple(int(v) for v in shape)
+        except (TypeError, ValueError):
+            raise ValueError(f"dtype {dtype_name!r} and shape {shape!r} are not an array's") from None
+        if dtype.kind in NUMERIC:
+            head = self.header(dtype, got)
+            spec = (dtype, got, head, len(head) + dtype.itemsize * int(np.prod(got)))
+        else:
+            spec = (dtype, got, b"", -1)
+        try:
+            self._specs[(dtype_name, shape)] = spec
+        except TypeError:
+            pass
+        return spec
+
+    def read(self, arr: Any, shape: tuple[int, ...]) -> np.ndarray:
+        """A reply's ``Array`` of the expected ``shape`` as a numeric array (read-only: a view of
+        its bytes, or its kept array), or ``TypeError`` (not an ``Array``) or ``ValueError``
+        saying why it is not one: another shape, not a number type, bytes that are not the ``.npy`` array its
+        fields describe."""
+        if not isinstance(arr, self.base):
+            raise TypeError(f"a {type(arr).__name__}, not a flwr Array")
+        src = arr.__dict__.get("_src") if isinstance(arr, self.fast) else None
+        if src is not None:
+            value = src
+        else:
+            if arr.stype != "numpy.ndarray":
+                raise ValueError(f"stype {arr.stype!r}, not numpy.ndarray")
+            dtype, got, head, size = self.spec(arr.dtype, arr.shape)
+            if got != shape:
+                raise ValueError(f"shape {got}, the model's {shape}")
+            if dtype.kind not in NUMERIC:
+                raise ValueError(f"dtype {dtype}, not a number type")
+            data = arr.data
+            if isinstance(data, bytes) and len(data) == size and data.startswith(head):
+                value = np.frombuffer(data, dtype=dtype, offset=len(head)).reshape(shape)
+            else:  # another writer's header (Fortran order, ...), or not a .npy array at all
+                try:
+                    value = np.asarray(self.base.numpy(arr))
+                except Exception as exc:  # noqa: BLE001 - bytes from the user's app
+                    raise ValueError(
+                        f"its bytes are not a .npy array ({type(exc).__name__}: {exc})"
+                    ) from None
+        if value.dtype.kind not in NUMERIC:
+            raise ValueError(f"dtype {value.dtype}, not a number type")
+        if tuple(value.shape) != shape:
+            raise ValueError(f"shape {tuple(value.shape)}, the model's {shape}")
+        return value
+
+
+#: ``Array``'s dataclass fields.
+FIELDS = ("dtype", "shape", "stype", "data")
+#: The dtype kinds a reply's arrays may have (bool, integers, floats): what a state_dict holds.
+NUMERIC = "biuf"
 
 
 def _array_record(app_mod: Any, arrays: dict[str, np.ndarray]) -> Any:
