@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from felix.config import deep_merge
-from felix.engine.run import resolve_config, run_config
+from felix.engine.setup import resolve_config
+from felix.sim.run import run_config
 
 VARIES = ("wall_time_s", "provenance")
 

@@ -43,8 +43,9 @@ from felix.config import Config, parse_set
 from felix.deploy.link import BrokerOptions
 from felix.deploy.server import ServeOptions, Server
 from felix.deploy.topics import SERVER_USER
-from felix.engine.run import resolve_config, run_config
+from felix.engine.setup import resolve_config
 from felix.metrics.provenance import provenance
+from felix.sim.run import run_config
 
 RUN_ID = "bench"
 

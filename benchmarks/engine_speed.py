@@ -58,7 +58,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from felix.client.trainer import ClientData
 from felix.config import parse_set
-from felix.engine.run import resolve_config
+from felix.engine.setup import resolve_config
 from felix.metrics.provenance import provenance
 from felix.sim.build import Built, build
 from felix.sim.engine import SimOutcome

@@ -40,7 +40,7 @@ import yaml
 
 from felix.core.commands import DispatchEval, DispatchTrain
 from felix.core.events import TierChanged
-from felix.engine.run import resolve_config
+from felix.engine.setup import resolve_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test broker fixture
 from broker import MosquittoBroker, find_mosquitto

@@ -436,7 +436,7 @@ class LoadGen:
 
 def client_infos(cfg_path: str, n: int) -> tuple[list[ClientInfo], int]:
     """Each client's sample and class counts as ``felix client`` derives them, and the model size."""
-    from felix.engine.run import resolve_config
+    from felix.engine.setup import resolve_config
     from felix.scenario.build import build_population
 
     cfg = resolve_config(cfg_path, None, {})

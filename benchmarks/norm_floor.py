@@ -29,8 +29,9 @@ import torch
 
 from felix.core.types import TaskKind
 from felix.core.validation import UpdateValidator, Verdict, l2_norm
-from felix.engine.run import resolve_config, run_config
+from felix.engine.setup import resolve_config
 from felix.sim.build import Built
+from felix.sim.run import run_config
 
 
 def instrument(v: UpdateValidator, log: list[dict[str, float]]) -> None:

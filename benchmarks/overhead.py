@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from felix.engine.run import resolve_config
+from felix.engine.setup import resolve_config
 from felix.sim.build import build
 
 

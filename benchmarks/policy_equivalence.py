@@ -45,7 +45,8 @@ def write(out: Path) -> None:
     import torch
 
     from felix.config import parse_set
-    from felix.engine.run import resolve_config, run_config
+    from felix.engine.setup import resolve_config
+    from felix.sim.run import run_config
 
     torch.set_num_threads(1)
     out.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from felix.engine.run import resolve_config
+from felix.engine.setup import resolve_config
 from felix.experiments.runs import InlineBackend, RunOutput, RunSpec, execute, run_all
 
 

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from felix.engine.run import resolve_config
+from felix.engine.setup import resolve_config
 from felix.experiments.runs import InlineBackend, Outcome, RunOutput, RunSpec, run_all
 
 

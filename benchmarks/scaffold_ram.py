@@ -24,10 +24,10 @@ import torch
 
 from felix.client.trainer import LocalTrainer
 from felix.config import parse_set
-from felix.engine.run import run_config
 from felix.experiments.compare import load_comparison, variant_config
 from felix.experiments.shipped import COMPARISONS
 from felix.sim.build import Built
+from felix.sim.run import run_config
 from felix.strategies import objectives
 
 COUPLED = [

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the te
 from broker import MosquittoBroker
 from mqtt_support import load_config, start_clients, start_server, write_config
 
-from felix.engine.run import run_config
+from felix.sim.run import run_config
 
 SCALE, CLIENTS = 0.02, 6
 

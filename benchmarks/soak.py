@@ -183,7 +183,7 @@ def write_config(path: Path, n: int) -> None:
 
 def hostile_class_counts(cfg_path: Path, ids: list[int]) -> dict[int, tuple[int, ...]]:
     """The class counts of each client's partition (what ``felix client`` registers)."""
-    from felix.engine.run import resolve_config
+    from felix.engine.setup import resolve_config
     from felix.scenario.build import build_population
 
     pop = build_population(resolve_config(str(cfg_path), None, {}))

@@ -97,8 +97,9 @@ def run_stream(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_engine(args: argparse.Namespace) -> dict[str, Any]:
-    from felix.engine.run import resolve_config, run_config
+    from felix.engine.setup import resolve_config
     from felix.sim.build import Built
+    from felix.sim.run import run_config
 
     sets = {
         "model": "mlp",

@@ -26,7 +26,7 @@ from felix.deploy.client import ClientHost, ClientOptions, credentials_from_map
 from felix.deploy.link import BrokerOptions
 from felix.deploy.server import ServeOptions, Server
 from felix.deploy.topics import SERVER_USER
-from felix.engine.run import resolve_config
+from felix.engine.setup import resolve_config
 
 
 @pytest.fixture

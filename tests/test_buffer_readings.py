@@ -16,7 +16,7 @@ import pytest
 
 from felix.core.aggregation import AGGREGATORS
 from felix.core.types import BufferedUpdate, ClientUpdate
-from felix.engine.run import resolve_config
+from felix.engine.setup import resolve_config
 
 THETA = np.array([1.0, 2.0, 3.0], dtype=np.float32)
 

@@ -19,11 +19,12 @@ from felix import api
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
 from felix.client.weights import BUFFERS_KEY, ModelWeights
 from felix.config import ConfigError
-from felix.engine.run import resolve_config, run_config
-from felix.scenario.build import make_evaluator
+from felix.engine.components import make_evaluator
+from felix.engine.setup import resolve_config
 from felix.scenario.datasets import ArrayDataset, DatasetError
 from felix.scenario.models import MODELS, make_model
 from felix.scenario.traces import AvailabilityTrace, always_available, slotted_churn
+from felix.sim.run import run_config
 from felix.strategies.objectives import make_objective
 
 # The import paths below name this module: make it importable whatever pytest's import mode.
@@ -218,9 +219,12 @@ def test_a_dataset_without_a_test_set_needs_eval_every_0():
         make_evaluator(bn_net(SHAPE, 3), None, "cpu")(np.zeros(3, dtype=np.float32))
 
 
-def test_scenario_build_and_the_deployment_do_not_import_the_simulator():
+def test_the_shared_setup_imports_no_shell_and_the_deployment_not_the_simulator():
     code = (
-        "import sys, felix.scenario.build, felix.deploy.server, felix.deploy.client\n"
+        "import sys, felix.engine.setup, felix.engine.components, felix.scenario.build\n"
+        "shells = sorted(m for m in sys.modules if m.startswith(('felix.sim', 'felix.deploy')))\n"
+        "assert not shells, shells\n"
+        "import felix.deploy.server, felix.deploy.client\n"
         "sim = sorted(m for m in sys.modules if m.startswith('felix.sim'))\n"
         "assert not sim, sim\n"
     )
@@ -276,6 +280,33 @@ def test_python_api_runs_a_prepared_population_with_a_model_factory(tmp_path):
     assert again.population is built.population and again.cfg.partition.num_clients == 5
     with pytest.raises(ConfigError, match="not with a built Population"):
         api.build({}, population=built.population, model=bn_net)
+
+
+def test_a_prepared_population_is_held_once():
+    """Per-client arrays are gathered into one pool once, each client a row slice of it, which the
+    run takes as its training set and the cohorts' data pool adopts (no second copy); clients
+    that are already row slices of one tensor are not copied at all."""
+    parts, test = _arrays(4)
+    data = api.population(parts, test=test)
+    built = api.build({"run": {"max_aggregations": 1}}, population=data, model=bn_net)
+    pool = built.population.train.x
+    assert all(d.x._base is pool._base for d in built.population.client_data)
+    assert pool.untyped_storage().data_ptr() == data.clients[0].x.untyped_storage().data_ptr()
+    assert torch.equal(pool, torch.cat([torch.as_tensor(x) for x, _ in parts]))
+    # Row slices of one client-ordered tensor: taken as they are.
+    xs = torch.as_tensor(np.concatenate([x for x, _ in parts]))
+    ys = torch.as_tensor(np.concatenate([y for _, y in parts]))
+    ends = np.cumsum([len(y) for _, y in parts]).tolist()
+    slices = [(xs[a:b], ys[a:b]) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    again = api.build(
+        {"run": {"max_aggregations": 1}}, population=api.population(slices, test=test), model=bn_net
+    )
+    assert again.population.train.x.data_ptr() == xs.data_ptr()
+    assert again.population.client_data[2].x.data_ptr() == slices[2][0].data_ptr()
+    # Out of order, the clients are gathered (a run's clients must be consecutive rows).
+    shuffled = api.population([slices[1], slices[0]], test=test)
+    assert shuffled.clients[0].x.data_ptr() != slices[1][0].data_ptr()
+    assert torch.equal(shuffled.clients[0].x, slices[1][0])
 
 
 def test_python_api_rejects_bad_populations():

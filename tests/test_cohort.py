@@ -31,7 +31,7 @@ from felix.client.cohort import (
 from felix.client.stacked_chain import StackedChain, masked_ce_grad
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
 from felix.config import ConfigError, deep_merge
-from felix.engine.run import resolve_config
+from felix.engine.setup import resolve_config
 from felix.scenario.models import make_model
 from felix.sim.build import build
 from felix.strategies.objectives import make_objective

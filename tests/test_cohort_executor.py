@@ -19,8 +19,9 @@ from felix.client.cohort import CohortTask, CohortTrainer, task_steps
 from felix.client.trainer import ClientData, TrainConfig
 from felix.config import deep_merge
 from felix.distributed.cohort_executor import generator_seed, make_generator, split_shares
-from felix.engine.run import resolve_config, run_config
+from felix.engine.setup import resolve_config
 from felix.scenario.models import make_model
+from felix.sim.run import run_config
 from felix.strategies.objectives import make_objective
 
 SIZES = [1, 3, 17, 40, 16, 65, 9, 33, 20]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from felix.cli import main
-from felix.engine.run import resolve_config
+from felix.engine.setup import resolve_config
 from felix.experiments.compare import load_comparison
 from felix.presets import MAIN_STRATEGIES, STRATEGIES
 
@@ -36,7 +36,8 @@ TINY = [
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_every_preset_validates_and_builds(name):
-    from felix.scenario.build import build_orchestrator, build_trace
+    from felix.engine.components import build_orchestrator
+    from felix.scenario.build import build_trace
 
     cfg = resolve_config(None, name, {})
     import numpy as np

@@ -17,7 +17,7 @@ import pytest
 
 from felix.cli import main
 from felix.config import ConfigError, deep_merge
-from felix.engine.run import resolve_config
+from felix.engine.setup import resolve_config
 from felix.experiments.compare import (
     expand_dotted,
     load_comparison,

@@ -15,10 +15,11 @@ from felix.core.commands import CancelTask, DispatchEval, DispatchTrain
 from felix.core.events import ClientRegistered, TaskFailed, TaskFinished, Tick, TierChanged
 from felix.core.types import ClientUpdate, Tier
 from felix.engine.controller import EVAL_RESULT_BYTES, downstream_bytes, upstream_bytes
-from felix.engine.run import resolve_config, run_config
+from felix.engine.setup import resolve_config
 from felix.experiments.runs import RunSpec
 from felix.metrics.recorder import HEADER_BYTES
 from felix.sim.build import Built
+from felix.sim.run import run_config
 
 SMALL = {
     "partition": {"num_clients": 12, "alpha": 0.5},

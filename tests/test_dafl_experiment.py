@@ -126,7 +126,7 @@ def test_the_engine_stops_at_convergence() -> None:
     """run.converge_threshold: with a threshold no change can miss, the run converges after
     patience + 1 rounds and stops there; the summary says when."""
     from felix.config import parse_set
-    from felix.engine.run import run_config
+    from felix.sim.run import run_config
 
     comp = load_comparison(COMPARISONS / "dafl-table4.yaml")
     sets = parse_set(

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from felix.config import ConfigError, deep_merge
-from felix.engine.run import resolve_config, run_config
+from felix.engine.setup import resolve_config
 from felix.scenario.build import build_runtimes
 from felix.sim.build import build
+from felix.sim.run import run_config
 from felix.strategies.dataplans.dafl import plan_dafl, plan_local_balancing
 from felix.strategies.dataplans.plans import dafl_params, registered_counts
 

@@ -18,7 +18,7 @@ from felix.deploy.client import ClientHost, ClientOptions, Device
 from felix.deploy.link import BrokerOptions, Inbound
 from felix.deploy.topics import Topics
 from felix.engine.device import DeviceRunner, DeviceTask, TaskRules, Timer, task_seed
-from felix.engine.run import resolve_config
+from felix.engine.setup import resolve_config
 from felix.scenario.traces import DeviceTrace
 
 TRAIN, EVAL = TaskKind.TRAIN, TaskKind.EVAL

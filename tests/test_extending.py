@@ -25,8 +25,9 @@ from felix.core.orchestrator import Orchestrator, OrchestratorConfig
 from felix.core.policies import AGGREGATORS, TRAIN_SELECTORS, Aggregator, SelectionContext, TrainSelector
 from felix.core.rounds import ROUND_POLICIES, RoundPolicy
 from felix.core.types import BufferedUpdate, ClientUpdate, Task, Tier
-from felix.engine.run import resolve_config, run_config
-from felix.scenario.build import build_objective
+from felix.engine.components import build_objective
+from felix.engine.setup import resolve_config
+from felix.sim.run import run_config
 from felix.strategies.objectives import Objective
 
 

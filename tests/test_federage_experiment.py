@@ -137,7 +137,8 @@ def test_felix_cli_answers_bad_input_without_a_traceback(
 
 def test_federage_trains_on_full_model_batches_only() -> None:
     """FedeRage fixes the model mini-batch b (drop_last); the baselines keep the short last batch."""
-    from felix.scenario.build import build_population, build_trainer
+    from felix.engine.components import build_trainer
+    from felix.scenario.build import build_population
 
     comp = load_comparison(COMPARISONS / "federage.yaml")
     fr = variant_config(comp, "federage-capped-a0.1-g0.5", small_sets(), 0)
@@ -147,7 +148,8 @@ def test_federage_trains_on_full_model_batches_only() -> None:
 
 
 def test_rare_clients_scenario_holds_rare_classes_at_rare_clients() -> None:
-    from felix.scenario.build import _stream, build_population, per_client_setup
+    from felix.engine.components import per_client_setup
+    from felix.scenario.build import _stream, build_population
     from felix.scenario.random_access import ram_probabilities
 
     cfg = variant_config(load_comparison(COMPARISONS / "federage.yaml"), "fedavg", small_sets(), 0)

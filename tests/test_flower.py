@@ -30,9 +30,10 @@ from flwr.serverapp import Grid, ServerApp
 from felix import api
 from felix.cli import main
 from felix.config import ConfigError
-from felix.engine.run import resolve_config, run_config
+from felix.engine.setup import resolve_config
 from felix.flower import client_data
 from felix.flower.helpers import apply_plan, class_counts_reply, objective
+from felix.sim.run import run_config
 from felix.strategies.aggregation.tierfuse import TierFuseAggregator
 
 pytestmark = pytest.mark.flower

@@ -16,8 +16,9 @@ from felix.core.orchestrator import Orchestrator
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import checkpoint as ckpt
 from felix.deploy import security
-from felix.engine.run import resolve_config
-from felix.scenario.build import build_orchestrator, build_population
+from felix.engine.components import build_orchestrator
+from felix.engine.setup import resolve_config
+from felix.scenario.build import build_population
 
 N = 16
 

@@ -15,7 +15,7 @@ from felix.deploy.client import ClientHost, ClientOptions, Device
 from felix.deploy.link import BrokerOptions, Inbound
 from felix.deploy.topics import Topics
 from felix.engine.device import DeviceTask
-from felix.engine.run import resolve_config
+from felix.engine.setup import resolve_config
 from felix.scenario.traces import DeviceTrace
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

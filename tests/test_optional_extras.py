@@ -44,7 +44,8 @@ def test_asking_for_an_absent_extra_names_it(tmp_path: Path) -> None:
         for m in ("flwr", "mlflow", "tensorboard", "torch.utils.tensorboard"):
             sys.modules[m] = None  # as if not installed
         from felix.config import ConfigError
-        from felix.engine.run import resolve_config, run_config
+        from felix.engine.setup import resolve_config
+        from felix.sim.run import run_config
         small = {"partition": {"num_clients": 5}, "run": {"max_aggregations": 1}}
         for over in ({"client": {"flower_app": "mypkg.client_app:app"}},
                      {"run": {**small["run"], "log_to": ["mlflow"]}},

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from felix.config import parse_set
-from felix.engine.run import resolve_config, run_config
+from felix.engine.setup import resolve_config
 from felix.metrics.per_client import PerClientSetup, per_client_metrics
+from felix.sim.run import run_config
 
 TINY = [
     "partition.num_clients=8",

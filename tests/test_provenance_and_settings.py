@@ -9,8 +9,9 @@ import pytest
 
 from felix.config import ConfigError, load_yaml, parse_set, read_yaml, validate
 from felix.core.types import Tier
-from felix.engine.run import resolve_config, run_config
+from felix.engine.setup import resolve_config
 from felix.scenario.traces import AvailabilityTrace, DeviceTrace
+from felix.sim.run import run_config
 
 
 @pytest.mark.parametrize("text", ["3_75", "3_50", "2", "failures_48h"])

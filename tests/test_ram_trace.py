@@ -9,9 +9,9 @@ import pytest
 from felix.config import ConfigError, deep_merge, parse_set, validate
 from felix.core.commands import NewModelVersion
 from felix.core.types import Tier
-from felix.engine.run import run_config
 from felix.scenario.build import _stream, build_population, build_trace
 from felix.scenario.random_access import RandomAccessModel, participation_trace, ram_probabilities
+from felix.sim.run import run_config
 
 #: 10 digits clients, sync rounds of one 60 s RAM slot, every drawn client trains.
 RAM_RUN = {
@@ -123,7 +123,7 @@ def test_bad_settings_name_the_key(sets: dict, message: str) -> None:
 
 def test_probe_loss_sends_the_received_model_loss() -> None:
     """client.probe_loss: q-FFL's F_k is the loss at the received weights over the client's data."""
-    from felix.scenario.build import build_trainer
+    from felix.engine.components import build_trainer
 
     cfg = cfg_of(**{"client.probe_loss": True, "aggregator.name": "qffl", "aggregator.params": "{q: 1}"})
     pop = build_population(cfg)

@@ -13,7 +13,7 @@ import pytest
 from felix.cli import main
 from felix.config import ConfigError
 from felix.distributed.ray_runtime import Resources
-from felix.engine.run import resolve_config
+from felix.engine.setup import resolve_config
 from felix.experiments.runs import InlineBackend, ProcessBackend, RunOutput, RunSpec, execute, run_all
 from felix.experiments.sweep import parse_grid, parse_seeds, points
 

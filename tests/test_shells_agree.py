@@ -30,8 +30,8 @@ from mqtt_support import (
 )
 
 from felix.engine.controller import EVAL_RESULT_BYTES
-from felix.engine.run import run_config
 from felix.metrics.recorder import HEADER_BYTES
+from felix.sim.run import run_config
 
 pytestmark = needs_mosquitto
 SCALE = 0.02  # 10 config seconds a task = 0.2 wall seconds
@@ -134,3 +134,22 @@ def test_interrupted_server_keeps_its_evaluations(tmp_path: Path) -> None:
     assert m["stop_reason"] == "interrupted"
     written = rows()
     assert len(written) == m["evaluations"] >= 3 and int(written[-1]["version"]) == m["aggregations"]
+
+
+def test_the_server_and_the_simulator_evaluate_alike(tmp_path: Path) -> None:
+    """Both shells build their evaluator through felix.engine.setup: under ``run.precision: bf16``
+    the MQTT server's evaluation of a model is the simulator's to the bit (its own setup once ran
+    the evaluator without the configured autocast)."""
+    from felix import api
+    from felix.deploy.link import BrokerOptions
+    from felix.deploy.server import ServeOptions, Server
+
+    results = {}
+    for precision in ("fp32", "bf16"):
+        cfg = load_config(write_config(tmp_path / f"{precision}.yaml"), {"run": {"precision": precision}})
+        server = Server(cfg, ServeOptions(BrokerOptions("127.0.0.1", 1), run_id="t"))
+        sim = api.build(cfg)
+        weights = sim.population.initial_weights
+        results[precision] = server.ctl.rec.evaluate(weights)
+        assert results[precision] == sim.recorder.evaluate(weights)
+    assert results["fp32"][1] != results["bf16"][1]  # the autocast shows in the loss

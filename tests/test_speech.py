@@ -21,7 +21,7 @@ from felix.client.stacked_chain import StackedChain, masked_ce_grad
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
 from felix.client.weights import model_vector
 from felix.config import ConfigError
-from felix.engine.run import resolve_config, run_config
+from felix.engine.setup import resolve_config
 from felix.experiments.compare import load_comparison, variant_config
 from felix.scenario.audio import (
     SPEECH_COMMANDS_V1,
@@ -35,6 +35,7 @@ from felix.scenario.build import build_population
 from felix.scenario.datasets import DatasetError, load_dataset
 from felix.scenario.models import make_model
 from felix.scenario.partition import speaker_partition
+from felix.sim.run import run_config
 from felix.strategies.objectives import make_objective
 
 DATA = os.environ.get("FELIX_DATA")

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from felix.config import ConfigError
-from felix.engine.run import resolve_config, run_config
+from felix.engine.setup import resolve_config
 from felix.sim.build import Built
+from felix.sim.run import run_config
 
 STREAM = {
     "stream.enabled": True,

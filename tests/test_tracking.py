@@ -23,7 +23,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from felix.cli import main
 from felix.config import ConfigError
-from felix.engine.run import resolve_config, run_config
+from felix.engine.setup import resolve_config
+from felix.sim.run import run_config
 
 #: Every address this process connects a socket to (the audit hook stays for the process).
 CONNECTS: list[Any] = []

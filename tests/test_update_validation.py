@@ -18,9 +18,9 @@ from felix.core.events import ClientRegistered, TaskFinished, TierChanged
 from felix.core.orchestrator import AvailabilityName, Orchestrator, OrchestratorConfig
 from felix.core.types import BufferedUpdate, ClientUpdate, TaskKind, Tier
 from felix.core.validation import AuxDecl, UpdateValidator, ValidationConfig, aux_problem
-from felix.engine.run import resolve_config
+from felix.engine.components import build_orchestrator
+from felix.engine.setup import resolve_config
 from felix.metrics.report import REASON_KEYS_MAX, reason_key, rejections_by_reason
-from felix.scenario.build import build_orchestrator
 from felix.sim.build import build
 from felix.strategies.aggregation.fedavg import FedAvgAggregator, FedBuffAggregator
 from felix.strategies.aggregation.robust import RobustAggregator, weighted_median, weighted_trimmed_mean

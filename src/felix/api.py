@@ -25,13 +25,14 @@ from typing import Any
 from torch import nn
 
 from felix.config import Config, ConfigError
-from felix.engine.run import RunResult, resolve_config, run_config
+from felix.engine.setup import resolve_config
 from felix.scenario.build import ClientDatasets, Population
 from felix.scenario.datasets import ArrayDataset
 from felix.scenario.models import ModelFactory
 from felix.scenario.traces import AvailabilityTrace, DeviceTrace
 from felix.sim.build import Built
 from felix.sim.build import build as _build
+from felix.sim.run import RunResult, run_config
 
 PopulationLike = ClientDatasets | Population
 

@@ -58,7 +58,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from felix.engine.run import resolve_config, run_config
+    from felix.engine.setup import resolve_config
+    from felix.sim.run import run_config
 
     cfg = resolve_config(args.config, args.preset, _sets(args), args.scenario)
     out = Path(args.out or f"runs/{cfg.name}-{cfg.strategy}-s{cfg.seed}")

@@ -68,7 +68,7 @@ def _client_args(p: argparse.ArgumentParser) -> None:
 
 
 def _resolve(args: argparse.Namespace) -> Config:
-    from felix.engine.run import resolve_config
+    from felix.engine.setup import resolve_config
 
     return resolve_config(args.config, args.preset, parse_set(args.set), args.scenario)
 

@@ -59,10 +59,11 @@ from felix.deploy.inbox import Inbox
 from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
 from felix.deploy.topics import ALLOWED, Topics, client_user
 from felix.engine.device import DeviceRunner, DeviceTask, Step, TaskRules, task_seed
-from felix.scenario.build import build_population, build_runtimes, build_trace, build_trainer
+from felix.engine.setup import build_client_side
+from felix.scenario.build import build_population, build_trace
 from felix.scenario.traces import DeviceTrace
-from felix.strategies.dataplans.plans import PlanApplier, prepare_data_plan
-from felix.stream.setup import build_stream, feed_for
+from felix.strategies.dataplans.plans import PlanApplier
+from felix.stream.setup import build_stream
 
 log = logging.getLogger("felix.deploy.client")
 
@@ -156,7 +157,6 @@ class ClientHost:
                 "the MQTT client trains with felix's own trainer"
             )
         pop = build_population(cfg)
-        self.trainer: LocalTrainer = build_trainer(cfg, pop)
         self.max_bytes = default_max_message_bytes(int(pop.initial_weights.size))
         if traces is None:
             trace = build_trace(cfg)
@@ -167,10 +167,14 @@ class ClientHost:
         missing = [c for c in client_ids if c not in traces]
         if missing:
             raise ValueError(f"no availability trace for clients {missing[:5]}")
-        runtimes = build_runtimes(cfg, [len(d) for d in pop.client_data])
-        # The simulator's client side of a data plan (lb / dafl): same augmentation, seeds and time charge.
-        plan = prepare_data_plan(cfg, pop.client_data, pop.train.num_classes, runtimes)
-        self.plan_applier: PlanApplier | None = None if plan is None else plan.applier
+        # Streaming data: the simulator's stream model (same seed, same samples), read in trace time.
+        stream = build_stream(cfg, pop, _TraceView(traces)) if cfg.stream.enabled else None
+        # The simulator's client side: the same trainer, runtimes, data plan (augmentation, seeds and
+        # time charge) and stream feeds.
+        side = build_client_side(cfg, pop, stream)
+        self.trainer: LocalTrainer = side.trainer
+        self.stream = side.stream
+        self.plan_applier: PlanApplier | None = side.plan_applier
         self.rules = TaskRules(
             eval_fraction=cfg.runtime.eval_fraction,
             compute=opts.runtime == "compute",
@@ -180,15 +184,12 @@ class ClientHost:
         t0 = opts.t0 if opts.t0 is not None else time.time()
         self._mono_t0 = clock() - (time.time() - t0)
         self.devices: dict[int, Device] = {}
-        # Streaming data: the simulator's stream model (same seed, same samples), read in trace time.
-        self.stream = build_stream(cfg, pop, _TraceView(traces)) if cfg.stream.enabled else None
         for cid in client_ids:
             dt = traces[cid]
             self.devices[cid] = Device(
-                cid, pop.client_data[cid], float(runtimes[cid]), dt.tier_at(self.trace_time()), trace=dt
+                cid, side.data[cid], float(side.runtimes[cid]), dt.tier_at(self.trace_time()), trace=dt
             )
-            if self.stream is not None:
-                self.devices[cid].feed = feed_for(self.stream, pop, cid)
+            self.devices[cid].feed = side.feed(cid)
         self._credentials = credentials
         # Bounded like the server's: a flood makes the network threads wait (the broker keeps the
         # rest), instead of growing this process's memory; the tag is the client id.

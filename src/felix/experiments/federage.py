@@ -5,7 +5,7 @@ The file holds the scenario (long-tailed Fashion-MNIST, the rare classes held on
 rarely-participating clients, ``trace.kind: ram``: sync rounds of one Random Access Model slot,
 every drawn client trains, an empty slot leaves the model as it is) and one variant per method
 (FedAvg, FedProx, SCAFFOLD, q-FFL, FedeRage at a few alpha / gamma / step rules), each a set of
-config overrides. Every run goes through ``felix.engine.run.run_config`` with
+config overrides. Every run goes through ``felix.sim.run.run_config`` with
 ``run.per_client_eval``: the final model's per-client measures (``felix.metrics.per_client``).
 
     felix federage-compare --out runs/federage-compare            # the file's seeds and variants

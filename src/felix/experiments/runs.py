@@ -70,7 +70,7 @@ def warm_process() -> None:
     process's does. Ray backends run it once per worker when they start."""
     import torch
 
-    import felix.engine.run  # noqa: F401  (the imports are the point)
+    import felix.sim.run  # noqa: F401  (the imports are the point)
 
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
@@ -81,7 +81,7 @@ def execute(spec: RunSpec) -> RunOutput:
     results."""
     import torch
 
-    from felix.engine.run import run_config
+    from felix.sim.run import run_config
 
     if os.getcwd() != spec.workdir:
         if not os.path.isdir(spec.workdir):

@@ -1,7 +1,7 @@
 """Run a shipped comparison file (``configs/comparisons/*.yaml``) through the one engine.
 
 The file is read and each run's config made by ``felix.experiments.compare`` (the format is in
-docs/configs.md); each run goes through ``felix.engine.run.run_config`` one after another, and
+docs/configs.md); each run goes through ``felix.sim.run.run_config`` one after another, and
 ``felix federage-compare`` / ``felix dafl-experiment`` tabulate the per-client and per-class
 measures of their papers from the summaries (``felix compare FILE`` runs the same files with
 seeds in parallel, the skip rule and the time-to-target tables).
@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from felix.config import ConfigError, parse_set
-from felix.engine.run import run_config
 from felix.experiments.compare import Comparison, load_comparison, variant_config
 from felix.experiments.runs import RunSpec, load
 from felix.metrics.provenance import portable_command, portable_path
 from felix.presets import CONFIG_DIR
+from felix.sim.run import run_config
 
 #: The shipped comparison files (package data; the repository's configs/ links there).
 COMPARISONS = CONFIG_DIR / "comparisons"

@@ -1,6 +1,7 @@
-"""Turn a validated ``Config`` into a run's parts: data, population, traces, runtimes, trainer,
-policies. Shared by the simulator (``felix.sim.build`` assembles a simulation from these) and the
-MQTT deployment, so nothing here imports either shell.
+"""Turn a validated ``Config`` into a run's inputs: data, population, initial model, availability
+traces, runtimes. The components that train, judge and orchestrate are built from these by
+``felix.engine.components`` and put together by ``felix.engine.setup``, for every shell alike;
+nothing here imports a shell or builds a component.
 
 The population comes from the config (a registered or imported dataset, split by a partitioner)
 or prepared by the caller (``ClientDatasets``: each client's samples and a test set; see
@@ -14,34 +15,21 @@ same clients, data and availability.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from pydantic import ValidationError
 from torch import nn
 
-from felix import cpu_kernels
-from felix.client.trainer import ClientData, LocalTrainer, TrainConfig, autocast, one_thread, thread_invariant
-from felix.client.weights import ModelWeights, model_vector, weights_for
+from felix.client.trainer import ClientData
+from felix.client.weights import model_vector
 from felix.config import Config, ConfigError, deep_merge, validate
-from felix.core.admission import AdmissionConfig
-from felix.core.availability import AVAILABILITY
-from felix.core.orchestrator import Orchestrator, OrchestratorConfig
-from felix.core.policies import AGGREGATORS, EVAL_SELECTORS, TRAIN_SELECTORS, Aggregator
-from felix.core.registry import Registry, RegistryError
-from felix.core.rounds import ROUND_POLICIES
 from felix.core.types import Tier
-from felix.core.validation import UpdateValidator, ValidationConfig
-from felix.metrics.per_client import PerClientSetup, make_per_client_eval
-from felix.metrics.recorder import Recorder
 from felix.scenario.datasets import ArrayDataset, DatasetError, check_dataset, first_classes, load_dataset
 from felix.scenario.locations import dataset_root
 from felix.scenario.long_tail import long_tail_indices
@@ -50,8 +38,6 @@ from felix.scenario.partition import partition
 from felix.scenario.profiles import FELIX_HALFNORMAL_SCALE, halfnormal_runtimes, uniform_runtimes
 from felix.scenario.random_access import ram_probabilities
 from felix.scenario.traces import AvailabilityTrace, make_trace
-from felix.strategies.dataplans.plans import build_data_plan
-from felix.strategies.objectives import Objective, make_objective, objective_class, objective_params_model
 
 log = logging.getLogger("felix.scenario.build")
 
@@ -63,13 +49,9 @@ def _stream(seed: int, which: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, which]))
 
 
-# ---------------------------------------------------------------------- policies
-def _create(registry: Registry[Any], name: str, params: Any, where: str, ctx: Any) -> Any:
-    """A policy from its registry (``felix.core.registry``), its errors as ``ConfigError``."""
-    try:
-        return registry.create(name, params, ctx, where=where)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+def strategy_stream(seed: int) -> np.random.Generator:
+    """The strategy's random stream (the orchestrator's), independent of every scenario stream."""
+    return _stream(seed, _STRATEGY)
 
 
 # ---------------------------------------------------------------------- scenario parts
@@ -156,97 +138,6 @@ def build_runtimes(cfg: Config, sizes: list[int] | None = None) -> np.ndarray:
     return uniform_runtimes(n, rng, r.low_s, r.high_s)
 
 
-def make_evaluator(
-    model: torch.nn.Module,
-    test: ArrayDataset | None,
-    device: str,
-    batch_size: int = 1000,
-    autocast_dtype: torch.dtype | None = None,
-) -> Callable[[np.ndarray], tuple[float, float]]:
-    """The global model's test accuracy and loss. The test set is copied to ``device`` once; the
-    sums stay there, one transfer per evaluation. ``model`` must carry its factory's buffers: a
-    parameters-only vector (``client.buffers: local``) is evaluated with them. Without a test set,
-    the evaluator raises ``ConfigError`` when called.
-
-    A model whose single-client work stays on one thread (:func:`thread_invariant`) is evaluated on
-    one thread as well: MKL rounds the test set's ``[N, 784] x [784, 64]`` product differently on
-    two threads, and a last-bit change of a logit can flip a tied prediction and so the time to a
-    target; on one thread the evaluation gives the same bits at any ``run.threads``."""
-    if test is None:
-
-        def no_test_set(weights: np.ndarray) -> tuple[float, float]:
-            raise ConfigError(
-                "the dataset has no test set, but the run evaluates the global model: give the "
-                "loader or the population a test set"
-            )
-
-        return no_test_set
-    model = model.to(device)
-    layouts: dict[int, ModelWeights] = {}
-    x, y = test.x.to(device), test.y.to(device)
-    single_thread = thread_invariant(model, device)
-
-    @torch.no_grad()
-    def evaluate(weights: np.ndarray) -> tuple[float, float]:
-        with one_thread(single_thread):
-            return _evaluate(weights)
-
-    def _evaluate(weights: np.ndarray) -> tuple[float, float]:
-        size = int(np.asarray(weights).size)
-        if size not in layouts:
-            layouts[size] = weights_for(model, size)
-        layout = layouts[size]
-        layout.load(torch.from_numpy(np.array(weights, dtype=np.float32)).to(device))
-        layout.set_kept(None)
-        model.eval()
-        correct = torch.zeros((), dtype=torch.long, device=device)
-        loss = torch.zeros((), device=device)
-        for s in range(0, len(test), batch_size):
-            xb, yb = x[s : s + batch_size], y[s : s + batch_size]
-            with autocast(device, autocast_dtype):
-                logits = model(xb).float()
-            loss += F.cross_entropy(logits, yb, reduction="sum")
-            correct += (logits.argmax(1) == yb).sum()
-        return int(correct.cpu()) / len(test), float(loss.cpu()) / len(test)
-
-    return evaluate
-
-
-def apply_run_settings(cfg: Config) -> None:
-    """``run.threads`` for this process, and ``run.device`` checked (runs, ``felix compare``
-    workers and benchmarks all build through here, before any data is loaded): results and speed
-    must not depend on the machine's core count, and a device torch cannot use here is a
-    ``ConfigError`` at once. Also a warning if torch does not use the CPU kernels felix pins
-    (:mod:`felix.cpu_kernels`)."""
-    cpu_kernels.check()
-    if cfg.run.threads is not None and torch.get_num_threads() != cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    check_device(cfg.run.device)
-
-
-def check_device(device: str) -> None:
-    """A ``ConfigError`` naming ``run.device`` when torch cannot allocate on it here (no CUDA build,
-    no GPU visible, an index beyond the GPUs there are)."""
-    dev = torch.device(device)  # the config validated the spelling
-    if dev.type == "cpu":
-        return
-    try:
-        torch.empty(0, device=dev)
-    except (RuntimeError, AssertionError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"run.device {device!r} is not usable here: {reason}") from None
-
-
-def apply_precision(cfg: Config) -> torch.dtype | None:
-    """``run.precision``: TF32 matmuls (CUDA) or the bf16 autocast dtype; fp32 changes nothing."""
-    on_cuda = str(cfg.run.device).startswith("cuda")
-    if on_cuda:
-        tf32 = cfg.run.precision == "tf32"
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        torch.backends.cudnn.allow_tf32 = tf32
-    return torch.bfloat16 if cfg.run.precision == "bf16" else None
-
-
 @dataclass
 class Population:
     """The scenario side of a run, shared by the simulator and the deployment's server/clients.
@@ -301,7 +192,46 @@ class ClientDatasets:
                 raise DatasetError(
                     f"test set: samples of shape {test_set.sample_shape}, the clients' are {shape}"
                 )
-        return cls([ClientData(x, y) for x, y in pairs], test_set, names)
+        return cls(held_once([ClientData(x, y) for x, y in pairs])[2], test_set, names)
+
+
+def _row_slices(clients: Sequence[ClientData]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """All the clients' rows as one ``(x, y)``, without a copy, when their data are consecutive row
+    slices of one pair of contiguous tensors in client order (as :func:`held_once` and the
+    configured partition lay them out); else None."""
+    first = clients[0]
+    bx, by = first.x._base, first.y._base
+    if bx is None or by is None or not (bx.is_contiguous() and by.is_contiguous()) or by.dim() != 1:
+        return None
+    row = max(1, int(np.prod(bx.shape[1:])))
+    start = first.y.storage_offset() - by.storage_offset()
+    at = start
+    for c in clients:
+        if c.x._base is not bx or c.y._base is not by or not (c.x.is_contiguous() and c.y.is_contiguous()):
+            return None
+        if c.x.shape[1:] != bx.shape[1:] or c.x.dtype != bx.dtype or c.y.dtype != by.dtype:
+            return None
+        if (c.x.storage_offset() - bx.storage_offset(), c.y.storage_offset() - by.storage_offset()) != (
+            at * row,
+            at,
+        ):
+            return None
+        at += len(c)
+    return bx[start:at], by[start:at]
+
+
+def held_once(clients: Sequence[ClientData]) -> tuple[torch.Tensor, torch.Tensor, list[ClientData]]:
+    """The clients' samples as one training pool ``(x, y)`` and each client's data as a row slice
+    of it: the data are held once. Clients that are row slices of one tensor already are taken as
+    they are (no copy); others are concatenated once. A cohort's data pool (``cohort.DataPool``)
+    adopts such a pool instead of copying every client in again, and streams draw from it."""
+    whole = _row_slices(clients)
+    if whole is not None:
+        return whole[0], whole[1], list(clients)
+    x = torch.cat([c.x for c in clients])
+    y = torch.cat([c.y for c in clients])
+    ends = np.cumsum([len(c) for c in clients]).tolist()
+    return x, y, [ClientData(x[a:b], y[a:b]) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 
 
 def _pair(d: Any, what: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,8 +307,8 @@ def build_population(
         ends = np.cumsum([len(ix) for ix in parts]).tolist()
         datas = [ClientData(xs[a:b], ys[a:b]) for a, b in zip([0, *ends[:-1]], ends)]
     else:
-        datas, test = data.clients, data.test
-        train = ArrayDataset(torch.cat([c.x for c in datas]), torch.cat([c.y for c in datas]), data.classes)
+        pool_x, pool_y, datas = held_once(data.clients)  # no copy of one made by ClientDatasets.from_arrays
+        train, test = ArrayDataset(pool_x, pool_y, data.classes), data.test
     if test is not None and d.test_limit is not None and d.test_limit < len(test):
         # Folder datasets list the test set class by class: take a class-balanced subset, not a prefix.
         per_class = -(-d.test_limit // test.num_classes)
@@ -401,192 +331,3 @@ def build_population(
         )
     check_model_fits(net, train.x[:2], train.num_classes, ref)
     return Population(train, test, datas, model_vector(net, cfg.client.buffers), net)
-
-
-def build_objective(cfg: Config) -> Objective:
-    """The client objective, its ``objective_params`` validated against the objective's own typed
-    parameters (``objective_params_model``): a misspelt key fails with its dotted path."""
-    c = cfg.client
-    params = dict(c.objective_params)
-    if c.objective == "scaffold":
-        params.setdefault("num_clients", cfg.partition.num_clients)  # SCAFFOLD's N
-    try:
-        typed = objective_params_model(c.objective).model_validate(params)
-    except ValueError as exc:
-        if not isinstance(exc, ValidationError):
-            raise ConfigError(f"client.objective: {exc}") from None
-        raise ConfigError(
-            "; ".join(
-                f"client.objective_params.{'.'.join(str(x) for x in e['loc'])}: "
-                f"{'unknown key' if e['type'] == 'extra_forbidden' else e['msg']}"
-                for e in exc.errors()
-            )
-        ) from None
-    try:
-        return make_objective(c.objective, **typed.model_dump(exclude_unset=True))
-    except ValueError as exc:
-        raise ConfigError(f"client: {exc}") from None
-
-
-def build_trainer(cfg: Config, pop: Population) -> LocalTrainer:
-    apply_run_settings(cfg)
-    c = cfg.client
-    try:
-        tcfg = TrainConfig(
-            c.lr,
-            c.batch_size,
-            c.epochs,
-            c.max_steps,
-            c.momentum,
-            c.weight_decay,
-            c.drop_last,
-            c.optimizer,
-            c.buffers,
-            "qffl_loss" if c.probe_loss else None,
-        )
-    except ValueError as exc:
-        raise ConfigError(f"client: {exc}") from None
-    w = ModelWeights(pop.model, c.buffers)
-    if w.size != w.num_params and c.objective == "scaffold":
-        raise ConfigError(
-            "client.objective 'scaffold' keeps control variates of the parameters only: with a "
-            "model that has buffers, set client.buffers: local"
-        )
-    objective = build_objective(cfg)
-    if getattr(objective, "fixed_batch", False) and not tcfg.drop_last:
-        tcfg = dataclasses.replace(tcfg, drop_last=True)  # FedeRage's model mini-batch b is fixed
-    return LocalTrainer(
-        copy.deepcopy(pop.model), objective, tcfg, pop.train.num_classes, cfg.run.device, apply_precision(cfg)
-    )
-
-
-def build_orchestrator(
-    cfg: Config,
-    weights: np.ndarray,
-    trace: AvailabilityTrace | Callable[[], AvailabilityTrace] | None,
-    plan_errors: str = "raise",
-) -> Orchestrator:
-    """The orchestrator with the config's policies, each looked up in its registry by name (or
-    import path) with its parameters validated. ``trace`` (or a function making it, called only
-    then) is the oracle of an availability policy that reads one; ``plan_errors`` as
-    ``PlanSetup.on_error``."""
-    o = cfg.orchestrator
-    try:
-        ocfg = OrchestratorConfig(
-            mode=o.mode,
-            agg_goal=o.agg_goal,
-            concurrency=o.concurrency,
-            overcommit=o.overcommit,
-            deadline_s=o.deadline_s,
-            cancel_stragglers=o.cancel_stragglers,
-            task_timeout_s=o.task_timeout_s,
-            accept_late=o.accept_late,
-            max_staleness=o.max_staleness,
-            one_late_task_per_client=o.one_late_task_per_client,
-            knowledge=o.knowledge,
-            eval_utility_scale=o.eval_utility_scale,
-            spare_queued_evals=o.spare_queued_evals,
-            probe_busy_clients=o.probe_busy_clients,
-            mode_params=o.mode_params,
-            knowledge_params=o.knowledge_params,
-            admission=AdmissionConfig(**o.admission.model_dump()),
-        )
-        rounds = ROUND_POLICIES.create(o.mode, o.mode_params, ocfg, where="orchestrator.mode_params")
-        availability = AVAILABILITY.create(
-            o.knowledge, o.knowledge_params, ocfg, where="orchestrator.knowledge_params"
-        )
-    except RegistryError as exc:
-        raise ConfigError(str(exc)) from None
-    except ValueError as exc:
-        raise ConfigError(f"orchestrator: {exc}") from None
-    selector = _create(TRAIN_SELECTORS, cfg.selector.name, cfg.selector.params, "selector.params", cfg)
-    eval_selector = _create(
-        EVAL_SELECTORS, cfg.eval_selector.name, cfg.eval_selector.params, "eval_selector.params", cfg
-    )
-    aggregator = _create(AGGREGATORS, cfg.aggregator.name, cfg.aggregator.params, "aggregator.params", cfg)
-    if cfg.aggregator.robust != "none":
-        from felix.strategies.aggregation.robust import RobustAggregator
-
-        aggregator = RobustAggregator(aggregator, cfg.aggregator.robust, cfg.aggregator.trim_fraction)
-    validator = build_validator(cfg, aggregator, int(weights.size))
-    oracle = None
-    if availability.needs_oracle:
-        oracle = trace() if callable(trace) else trace
-        if oracle is None:
-            raise ConfigError(f"orchestrator.knowledge {o.knowledge!r} needs an availability trace")
-    return Orchestrator(
-        ocfg,
-        weights,
-        selector,
-        aggregator,
-        _stream(cfg.seed, _STRATEGY),
-        eval_selector,
-        oracle,
-        validator,
-        build_data_plan(cfg, plan_errors),
-        rounds,
-        availability,
-    )
-
-
-def build_validator(cfg: Config, aggregator: Aggregator, num_params: int) -> UpdateValidator:
-    """Update validation with the aux entries the configured objective and aggregator declare."""
-    try:
-        objective = objective_class(cfg.client.objective)
-    except ValueError as exc:
-        raise ConfigError(f"client.objective: {exc}") from None
-    v = cfg.validation
-    try:
-        c = cfg.client
-        vcfg = ValidationConfig(
-            v.max_samples_factor,
-            v.norm_policy,
-            v.norm_factor,
-            v.norm_window,
-            v.norm_min_history,
-            v.warmup_factor,
-            v.norm_floor,
-            c.batch_size,
-            c.epochs,
-            c.max_steps,
-        )
-    except ValueError as exc:
-        raise ConfigError(f"validation: {exc}") from None
-    spec = {**objective.declared_aux(num_params), **aggregator.declared_aux(num_params)}
-    return UpdateValidator(vcfg, spec)
-
-
-def per_client_setup(cfg: Config, trace: AvailabilityTrace, class_counts: np.ndarray) -> PerClientSetup:
-    """The federation facts ``run.per_client_eval`` reports against: participation (rare clients)
-    and the tail classes (under ``partition.kind: rare_clients`` the rare clients' classes, else
-    the rarest 30% of classes by global training count)."""
-    totals = class_counts.sum(axis=0)
-    n_tail = (
-        cfg.partition.rare_classes if cfg.partition.kind == "rare_clients" else max(1, len(totals) * 3 // 10)
-    )
-    tail = np.sort(np.argsort(totals, kind="stable")[:n_tail])
-    return PerClientSetup(class_counts, participation_shares(cfg, trace, class_counts), tail, cfg.run.rare_p)
-
-
-def attach_run_measures(
-    cfg: Config,
-    recorder: Recorder,
-    pop: Population,
-    trace: AvailabilityTrace,
-    autocast_dtype: torch.dtype | None = None,
-) -> None:
-    """The run measures a config may switch on, on ``recorder`` (any shell): ``run.per_client_eval``
-    (felix.metrics.per_client) and ``run.converge_threshold`` (the DAFL paper's stop rule)."""
-    if cfg.run.per_client_eval:
-        if pop.test is None:
-            raise ConfigError("run.per_client_eval needs a test set")
-        counts = np.stack([d.class_counts(pop.train.num_classes).numpy() for d in pop.client_data])
-        recorder.per_client = make_per_client_eval(
-            copy.deepcopy(pop.model),
-            pop.test,
-            cfg.run.device,
-            per_client_setup(cfg, trace, counts),
-            autocast_dtype,
-        )
-    if cfg.run.converge_threshold is not None:
-        recorder.converge = (cfg.run.converge_threshold, cfg.run.converge_patience)

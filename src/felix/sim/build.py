@@ -1,9 +1,10 @@
-"""Assemble a simulation from a config: the scenario's parts (felix.scenario.build), the cohort
-trainer and executor, the simulated devices and the simulation shell around the orchestrator.
+"""Assemble a simulation from a config: the scenario's inputs (felix.scenario.build), the run's
+server and client sides (felix.engine.setup, shared with the MQTT deployment), and what only the
+simulator has: the cohort trainer and its executor, the simulated devices and the virtual-clock
+shell around the orchestrator.
 
-Lives on the simulator's side, so the scenario and the MQTT deployment do not depend on the
-simulator. ``build`` takes a prepared population and trace as well as a config (the Python API,
-felix.api, passes them).
+``build`` takes a prepared population and trace as well as a config (the Python API, felix.api,
+passes them).
 """
 
 from __future__ import annotations
@@ -18,30 +19,19 @@ from felix.client.cohort import CohortTrainer, resolve_cohort
 from felix.client.trainer import ClientData, LocalTrainer
 from felix.config import Config, ConfigError
 from felix.core.orchestrator import Orchestrator
+from felix.engine.components import apply_run_settings, build_objective
 from felix.engine.controller import RunController
+from felix.engine.setup import build_client_side, build_server_side, check_population
 from felix.metrics.freshness import FreshnessTracker
 from felix.metrics.recorder import Recorder
-from felix.scenario.build import (
-    ClientDatasets,
-    Population,
-    apply_run_settings,
-    attach_run_measures,
-    build_objective,
-    build_orchestrator,
-    build_population,
-    build_runtimes,
-    build_trace,
-    build_trainer,
-    fit_config,
-    make_evaluator,
-)
+from felix.scenario.build import ClientDatasets, Population, build_population, build_trace, fit_config
 from felix.scenario.models import ModelFactory
 from felix.scenario.traces import AvailabilityTrace
 from felix.sim.engine import CohortExecutor, SimSettings, Simulation, make_devices
-from felix.strategies.dataplans.plans import DataPlanRun, prepare_data_plan
+from felix.strategies.dataplans.plans import DataPlanRun
 from felix.strategies.dataplans.policy import PlannedDataPlan
 from felix.stream.model import StreamModel
-from felix.stream.setup import attach_freshness, build_stream, feed_for
+from felix.stream.setup import build_stream
 
 log = logging.getLogger("felix.sim.build")
 
@@ -103,6 +93,8 @@ def build_executor(
 
 @dataclass
 class Built:
+    """A simulation ready to run (``sim.run()``) and the parts it was built from."""
+
     cfg: Config
     sim: Simulation
     orch: Orchestrator
@@ -124,7 +116,11 @@ def build(
     """A ready simulation of ``cfg``. ``population``: a built ``Population`` (its model included)
     or prepared ``ClientDatasets`` (with ``model``, or ``cfg.model``), instead of the configured
     dataset and partition; ``partition.num_clients`` becomes its size (``Built.cfg`` is the config
-    that ran). ``trace`` replaces the configured one (``trace.offset_s`` is not applied to it)."""
+    that ran). ``trace`` replaces the configured one (``trace.offset_s`` is not applied to it).
+
+    The run's server side and client side come from ``felix.engine.setup``, as the MQTT server's
+    and clients' do; what is the simulator's own is added here: the cohorts and their executor,
+    the simulated devices and the virtual-clock shell."""
     apply_run_settings(cfg)
     if isinstance(population, Population):
         if model is not None:
@@ -137,21 +133,19 @@ def build(
         if population is not None:
             cfg = fit_config(cfg, len(population.clients))
         pop = build_population(cfg, population, model)
-    if pop.test is None and cfg.run.eval_every > 0:
-        raise ConfigError(
-            f"the dataset has no test set, but run.eval_every is {cfg.run.eval_every}: give it a "
-            "test set, or set run.eval_every: 0"
-        )
+    check_population(cfg, pop)
     if trace is not None and not isinstance(trace, AvailabilityTrace):
         raise ConfigError(f"build: trace must be a felix AvailabilityTrace, not {type(trace).__name__}")
     trace = build_trace(cfg, pop) if trace is None else trace
     stream = build_stream(cfg, pop, trace) if cfg.stream.enabled else None
-    runtimes = build_runtimes(cfg, [len(d) for d in pop.client_data])
-    trainer = build_trainer(cfg, pop)
+    server = build_server_side(cfg, pop, trace, stream)
+    planned = server.orch.data_plan
+    clients = build_client_side(cfg, pop, stream, planned if isinstance(planned, PlannedDataPlan) else None)
     if cfg.client.flower_app is not None:
         from felix.flower.trainer import build_flower_trainer
 
-        trainer = build_flower_trainer(cfg, trainer)
+        clients.trainer = build_flower_trainer(cfg, clients.trainer)
+    trainer = clients.trainer
     if stream is None:
         cohort, cohort_size, min_cohort = build_cohort(
             cfg, trainer, tuple(pop.train.sample_shape), max(len(d) for d in pop.client_data)
@@ -159,43 +153,36 @@ def build(
     else:  # every task trains on new data, which a cohort's data pool would keep: one at a time
         cohort, cohort_size, min_cohort = None, 1, 1
     executor = build_executor(cfg, cohort, pop.client_data)
-    evaluate = make_evaluator(
-        copy.deepcopy(pop.model), pop.test, cfg.run.device, autocast_dtype=trainer.autocast_dtype
-    )
-    recorder = Recorder(evaluate, cfg.run.target_accuracy, cfg.run.target_window, cfg.run.eval_every)
-    attach_run_measures(cfg, recorder, pop, trace, trainer.autocast_dtype)
-    freshness = None
-    if stream is not None:
-        freshness = attach_freshness(cfg, recorder, pop, stream, trainer.autocast_dtype)
-    orch = build_orchestrator(cfg, pop.initial_weights, trace)
-    data_plan = prepare_data_plan(
-        cfg,
-        pop.client_data,
-        pop.train.num_classes,
-        runtimes,
-        orch.data_plan if isinstance(orch.data_plan, PlannedDataPlan) else None,
-    )
-    devices = make_devices(pop.client_data, runtimes, trace.for_client)
+    devices = make_devices(pop.client_data, clients.runtimes, trace.for_client)
     if cfg.client.flower_app is not None:
         from felix.flower.trainer import CLIENT_KEY
 
         for dev in devices:  # the Flower trainer addresses each task's app context by client
             dev.state[CLIENT_KEY] = dev.cid
-    if stream is not None:
-        for dev in devices:
-            dev.feed = feed_for(stream, pop, dev.cid)
+    for dev in devices:
+        dev.feed = clients.feed(dev.cid)
     settings = SimSettings(
         seed=cfg.seed, eval_fraction=cfg.runtime.eval_fraction, cohort_size=cohort_size, min_cohort=min_cohort
     )
-    controller = RunController(cfg, orch, recorder)
     sim = Simulation(
-        orch,
+        server.orch,
         devices,
         trainer,
-        controller,
+        server.controller,
         settings,
-        augment=None if data_plan is None else data_plan.applier,
+        augment=clients.plan_applier,
         cohort=executor,
         registration=None if stream is None else stream.registration,
     )
-    return Built(cfg, sim, orch, recorder, trace, pop, data_plan, controller, stream, freshness)
+    return Built(
+        cfg,
+        sim,
+        server.orch,
+        server.recorder,
+        trace,
+        pop,
+        clients.data_plan,
+        server.controller,
+        stream,
+        server.freshness,
+    )

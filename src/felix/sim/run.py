@@ -1,4 +1,4 @@
-"""One simulated run from a config: build, run, summarise, write outputs."""
+"""One simulated run from a config: build (``felix.sim.build``), run, summarise, write outputs."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from felix.config import Config, ConfigError, deep_merge, read_yaml, validate
+from felix.config import Config, ConfigError
 from felix.engine.interrupt import stop_on_signals
 from felix.metrics.recorder import EvalRow
 from felix.metrics.report import EvalLog, make_output_dir, rejections_by_reason
-from felix.presets import scenario_preset, strategy_preset
 from felix.sim.build import Built, build
 from felix.strategies.dataplans.plans import plan_summary
 from felix.stream.summary import stream_summary
@@ -22,23 +21,6 @@ class RunResult:
     summary: dict[str, Any]
     rows: list[EvalRow]
     built: Built
-
-
-def resolve_config(
-    config_path: str | None, preset: str | None, sets: dict[str, Any], scenario: str | None = None
-) -> Config:
-    """defaults <- scenario (the embedded default when no file is given) <- file <- strategy preset <- --set."""
-    raw: dict[str, Any] = {}
-    if config_path is None or scenario is not None:
-        raw = deep_merge(raw, scenario_preset(scenario or "default"))
-    if config_path is not None:
-        raw = deep_merge(raw, read_yaml(config_path))
-    strategy = preset or sets.get("strategy") or raw.get("strategy")
-    if strategy and strategy != "custom":
-        raw = deep_merge(raw, strategy_preset(strategy))
-        raw["strategy"] = strategy
-    raw = deep_merge(raw, sets)
-    return validate(raw, config_path or f"scenario {scenario or 'default'}")
 
 
 def run_config(
@@ -99,4 +81,4 @@ def run_config(
     return RunResult(summ, built.recorder.rows, built)
 
 
-__all__ = ["ConfigError", "RunResult", "resolve_config", "run_config"]
+__all__ = ["ConfigError", "RunResult", "run_config"]

@@ -1,0 +1,561 @@
+"""The deployment's server protocol as a sans-I/O object: bytes and a topic in, events or a typed
+refusal out; commands in, a topic and bytes out.
+
+Everything the server decides about a client's message before the orchestrator sees it lives
+here, beside no socket, thread or clock: the topic, the sender's message budget, the wire format
+(``felix.deploy.wire``), the run id, that the header's client is the topic's, duplicates and
+replays, the population's bounds, registrations (class counts, sample bounds, incarnations: a
+client that restarted loses the tasks it held), tier reports of a previous incarnation, and a
+result's kind and model version against the task it answers. Time is passed in (config seconds),
+so tests drive it with hostile payloads alone, and the MQTT server (``felix.deploy.server``) is
+left with the link, the threads, the clock and the checkpoints.
+
+Refusals are a closed set (:class:`Refusal`), counted by kind; each also keeps the reason text
+the summary's ``rejected_by_reason`` has always counted.
+
+Duplicates are recognised by what a message is about, not by remembering every message id: a
+result by its task id (the result that closed a task is remembered by digest, a bounded number of
+them), a REGISTER or STATE by its sender's sequence number (message ids are
+``<incarnation>-<sequence>``; one watermark per client and id prefix, a few prefixes per client).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+import numpy as np
+
+from felix.core.admission import TokenBuckets
+from felix.core.commands import CancelTask, Command, DispatchEval, DispatchTrain, UpdateRejected
+from felix.core.events import ClientRegistered, Event, TaskFailed, TaskFinished, TierChanged
+from felix.core.orchestrator import Orchestrator
+from felix.core.types import ClientUpdate, TaskKind
+from felix.deploy import wire
+from felix.deploy.topics import ALLOWED, Topics
+from felix.metrics.report import tally_rejection
+
+SEQ_PREFIXES_PER_CLIENT = 4  # message-id prefixes (incarnations, wills) whose sequence watermark is kept
+RESULT_DIGESTS = 65536  # results remembered by task id (digest) to tell a redelivery from a replay
+
+
+class Refusal(str, Enum):
+    """Why a message was refused; the value is the kind's key in ``refused_by_kind``."""
+
+    TOPIC = "topic"  # not a topic the server subscribes to
+    RATE_LIMIT = "rate_limit"  # the sender's message budget is spent
+    OVERSIZED = "oversized"  # the wire format's checks (wire.ErrorCode) ...
+    TRUNCATED = "truncated"
+    BAD_MAGIC = "bad_magic"
+    UNKNOWN_VERSION = "unknown_version"
+    UNKNOWN_TYPE = "unknown_type"
+    BAD_HEADER = "bad_header"
+    BAD_FIELD = "bad_field"
+    BAD_PAYLOAD = "bad_payload"
+    BAD_AUX = "bad_aux"  # ... up to here
+    TYPE_ON_TOPIC = "type_on_topic"  # a message type the topic does not carry
+    OTHER_RUN = "other_run"
+    SENDER_MISMATCH = "sender_mismatch"  # the header's client is not the topic's
+    MESSAGE_ID = "message_id"  # not <incarnation>-<sequence>
+    REPLAY = "replay"  # a known message id with other content
+    OUTSIDE_POPULATION = "outside_population"
+    CLASS_COUNTS = "class_counts"  # a registration's counts do not match the classes or samples
+    TOO_MANY_SAMPLES = "too_many_samples"  # a registration claims more than the partition holds
+    OLD_INCARNATION = "old_incarnation"  # a tier report of a restarted client's previous process
+    WRONG_KIND = "wrong_kind"  # a train result for an eval task, or the reverse
+    WRONG_VERSION = "wrong_version"  # computed on another model version than dispatched
+    UPDATE = "update"  # refused by the orchestrator's own checks (felix.core.validation)
+    INTERNAL = "internal"  # handling the message raised
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A refused message: its kind, the sender (-1: none known) and task (0: none), the reason text
+    counted under ``rejected_by_reason`` and a detail for the log (not counted: it may quote what
+    a client sent)."""
+
+    kind: Refusal
+    client: int
+    task: int
+    reason: str
+    detail: str = ""
+    msg: wire.Message | None = None  # the decoded message, if it was decoded
+    wire_kind: str | None = None  # the byte account it counts under (None: not counted)
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    """A redelivery of a message already handled (QoS 1 is at least once): dropped."""
+
+    msg: wire.Message
+    wire_kind: str
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A new message: the events to hand to the orchestrator, in order, each with whether it is the
+    client's own (its modelled bytes count) or derived by the server (a restarted client's lost
+    task). Call :meth:`ServerProtocol.accepted` once the orchestrator took them all."""
+
+    msg: wire.Message
+    wire_kind: str
+    events: tuple[tuple[Event, bool], ...]
+    digest: bytes | None = None  # a result's, remembered once the orchestrator accepted it
+
+
+Received = Accepted | Duplicate | Refused
+
+
+@dataclass(frozen=True)
+class Outbound:
+    """A message to publish: its topic, payload and byte account (train, eval, control)."""
+
+    topic: str
+    payload: bytes
+    wire_kind: str
+
+
+@dataclass
+class TransportStats:
+    messages_in: int = 0
+    messages_out: int = 0
+    duplicates: int = 0  # byte-identical redeliveries (QoS 1 at-least-once), dropped
+    rejected: int = 0
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
+    registrations: int = 0
+    re_registrations: int = 0
+    client_restarts: int = 0
+    tier_messages: int = 0
+    results: int = 0
+    reconnects: int = 0
+    checkpoints: int = 0
+    refused_by_kind: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ShadowTask:
+    """What the protocol remembers of a dispatched task, to check a result's kind and version."""
+
+    client_id: int
+    kind: TaskKind
+    version: int
+
+
+class Orchestration(Protocol):
+    """What the protocol reads of the orchestrator: who registered, what a client holds, its
+    data-plan row (a registration may count the rows it was planned to add)."""
+
+    @property
+    def plans(self) -> Mapping[int, tuple[int, ...]]: ...
+
+    def is_registered(self, cid: int) -> bool: ...
+
+    def held_task(self, cid: int) -> int | None: ...
+
+    def late_task(self, cid: int) -> int | None: ...
+
+
+class OrchestratorView:
+    """The orchestrator as the protocol reads it (:class:`Orchestration`)."""
+
+    def __init__(self, orch: Orchestrator) -> None:
+        self._orch = orch
+
+    @property
+    def plans(self) -> Mapping[int, tuple[int, ...]]:
+        return self._orch.plans
+
+    def is_registered(self, cid: int) -> bool:
+        return cid in self._orch.clients
+
+    def held_task(self, cid: int) -> int | None:
+        return self._orch.clients[cid].in_flight
+
+    def late_task(self, cid: int) -> int | None:
+        return self._orch.late_task(cid)
+
+
+@dataclass(frozen=True)
+class ProtocolLimits:
+    """The bounds the protocol checks: the population, each client's most samples, the largest
+    message, the aux entries the objective and aggregator declare, and the per-client message
+    budget (``rate`` per config second up to ``burst``; None: no budget)."""
+
+    num_clients: int
+    num_classes: int
+    partition_sizes: list[int]
+    max_bytes: int
+    aux_spec: Mapping[str, Any]
+    rate: float | None = None
+    burst: float = 50.0
+
+
+def digest(msg_id: str, payload: bytes) -> bytes:
+    """16 bytes: 8 of the message id, 8 of the payload (a replay keeps the id, changes the rest)."""
+    return (
+        hashlib.blake2b(msg_id.encode(), digest_size=8).digest()
+        + hashlib.blake2b(payload, digest_size=8).digest()
+    )
+
+
+def _wire_kind(msg: wire.Message) -> str:
+    return msg.kind.value if isinstance(msg, wire.Result) else "control"
+
+
+class ServerProtocol:
+    """The server's side of the wire protocol for run ``run_id``: :meth:`receive` and
+    :meth:`send`, with the state they keep (sequence watermarks, result digests, incarnations,
+    dispatched tasks) and its part of a checkpoint (:meth:`state_dict`)."""
+
+    def __init__(self, run_id: str, session: str, limits: ProtocolLimits, orch: Orchestration) -> None:
+        self.run_id = run_id
+        self.session = session
+        self.topics = Topics(run_id)
+        self.limits = limits
+        self.orch = orch
+        self.ids = wire.MsgIds(f"s{session}")
+        self.stats = TransportStats()
+        # Each client's message budget (ids outside the population share one: key -1).
+        self.buckets = None if limits.rate is None else TokenBuckets(limits.rate, limits.burst)
+        self.seq_marks: dict[int, dict[str, int]] = {}  # client -> message-id prefix -> highest sequence
+        self.result_digests: dict[int, bytes] = {}  # task id -> digest of the result that closed it
+        self.incarnations: dict[int, str] = {}
+        self.shadow: dict[int, ShadowTask] = {}
+
+    # ------------------------------------------------------------------ inbound
+    def receive(self, topic: str, payload: bytes, now: float) -> Received:
+        """Check one inbound message at config time ``now``; refusals are counted here."""
+        self.stats.messages_in += 1
+        parsed = self.topics.parse_inbound_to_server(topic)
+        if parsed is None:
+            return self.refuse(
+                Refusal.TOPIC, -1, 0, f"transport: message on an unexpected topic {topic[:80]!r}"
+            )
+        kind, cid = parsed
+        lim = self.limits
+        if self.buckets is not None and not self.buckets.take(cid if 0 <= cid < lim.num_clients else -1, now):
+            # Before decoding: a flood costs the server a topic parse and a counter per message.
+            return self.refuse(
+                Refusal.RATE_LIMIT, cid, 0, f"transport: rate limit ({kind})", wire_kind="control"
+            )
+        try:
+            msg = wire.decode(payload, lim.max_bytes, lim.aux_spec)
+        except wire.MessageError as exc:
+            return self.refuse(
+                Refusal(exc.code.value),
+                cid,
+                0,
+                f"transport: {exc.code.value}",
+                exc.detail,
+                wire_kind="control",
+            )
+        wk = _wire_kind(msg)
+        if msg.TYPE not in ALLOWED[kind]:
+            return self.refuse(
+                Refusal.TYPE_ON_TOPIC,
+                cid,
+                0,
+                f"transport: {msg.TYPE.value} message on a {kind} topic",
+                msg=msg,
+            )
+        if msg.run != self.run_id:
+            return self.refuse(Refusal.OTHER_RUN, cid, 0, f"transport: message for run {msg.run!r}", msg=msg)
+        sender = getattr(msg, "client", None)
+        if sender != cid:
+            return self.refuse(
+                Refusal.SENDER_MISMATCH,
+                cid,
+                getattr(msg, "task", 0),
+                f"transport: sender mismatch: header says client {sender}, topic belongs to client {cid}",
+                msg=msg,
+            )
+        seen = self._first_delivery(cid, msg, payload)
+        if seen is not None:
+            return seen
+        if cid >= lim.num_clients:
+            return self.refuse(
+                Refusal.OUTSIDE_POPULATION,
+                cid,
+                0,
+                f"transport: client id {cid} is outside the population of {lim.num_clients}",
+                msg=msg,
+            )
+        if isinstance(msg, wire.Register):
+            return self._on_register(msg, now)
+        if isinstance(msg, wire.State):
+            return self._on_state(msg, now)
+        if isinstance(msg, wire.Result):
+            return self._on_result(msg, payload, now)
+        assert isinstance(msg, wire.Failed)  # ALLOWED leaves no other type on a result topic
+        return Accepted(
+            msg, wk, ((TaskFailed(now, cid, msg.task, msg.reason), True),), digest(msg.msg_id, payload)
+        )
+
+    def refuse(
+        self,
+        kind: Refusal,
+        cid: int,
+        task: int,
+        reason: str,
+        detail: str = "",
+        msg: wire.Message | None = None,
+        wire_kind: str | None = None,
+    ) -> Refused:
+        """Count a refusal (by kind, and by its reason text) and describe it."""
+        self.stats.rejected += 1
+        self.stats.refused_by_kind[kind.value] = self.stats.refused_by_kind.get(kind.value, 0) + 1
+        tally_rejection(self.stats.rejected_by_reason, reason)
+        if msg is not None and wire_kind is None:
+            wire_kind = _wire_kind(msg)
+        return Refused(kind, cid, task, reason, detail, msg, wire_kind)
+
+    def accepted(self, received: Accepted) -> None:
+        """The orchestrator took ``received``'s events: a result's or failure's task is closed, and
+        a redelivery of the same message is from now on a duplicate."""
+        msg = received.msg
+        if received.digest is None or not isinstance(msg, (wire.Result, wire.Failed)):
+            return
+        self.result_digests[msg.task] = received.digest
+        if len(self.result_digests) > RESULT_DIGESTS:
+            for t in list(self.result_digests)[: RESULT_DIGESTS // 2]:
+                del self.result_digests[t]
+
+    def closed(self, task_id: int) -> None:
+        """The orchestrator closed ``task_id`` (a result or failure it accepted)."""
+        self.shadow.pop(task_id, None)
+
+    def _first_delivery(self, cid: int, msg: wire.Message, payload: bytes) -> Duplicate | Refused | None:
+        """None if the message is new (or a replay the orchestrator will refuse), else the verdict.
+
+        Results and failure reports are about a task: the result that closed a task is kept by
+        digest (message id and content), so a verbatim redelivery is a duplicate and the same
+        id with other content a replay; any other message for a closed task reaches the
+        orchestrator, which refuses it. REGISTER and STATE carry ``<prefix>-<sequence>`` ids
+        that grow per sender: anything at or below the prefix's watermark was seen already.
+        """
+        if isinstance(msg, (wire.Result, wire.Failed)):
+            prior = self.result_digests.get(msg.task)
+            if prior is None:
+                return None
+            d = digest(msg.msg_id, payload)
+            if prior == d:
+                self.stats.duplicates += 1
+                return Duplicate(msg, _wire_kind(msg))
+            if prior[:8] == d[:8]:
+                return self.refuse(
+                    Refusal.REPLAY,
+                    cid,
+                    msg.task,
+                    "transport: replayed message id with different content",
+                    msg=msg,
+                )
+            return None
+        prefix, sep, seq = msg.msg_id.rpartition("-")
+        if not sep or not seq.isdigit() or len(seq) > 18:
+            return self.refuse(
+                Refusal.MESSAGE_ID, cid, 0, "transport: message id is not <incarnation>-<sequence>", msg=msg
+            )
+        marks = self.seq_marks.setdefault(cid, {})
+        n = int(seq)
+        if n <= marks.get(prefix, -1):
+            self.stats.duplicates += 1
+            return Duplicate(msg, "control")
+        marks.pop(prefix, None)
+        marks[prefix] = n  # most recently used last
+        if len(marks) > SEQ_PREFIXES_PER_CLIENT:
+            del marks[next(iter(marks))]
+        return None
+
+    def _on_register(self, msg: wire.Register, now: float) -> Received:
+        cid = msg.client
+        self.stats.registrations += 1
+        counts = msg.class_counts
+        classes = self.limits.num_classes
+        if len(counts) != classes or sum(counts) != msg.num_samples:
+            return self.refuse(
+                Refusal.CLASS_COUNTS,
+                cid,
+                0,
+                "transport: registration's class counts do not match the classes or the samples",
+                f"{len(counts)} counts summing to {sum(counts)} for {msg.num_samples} samples, {classes} classes",
+                msg=msg,
+            )
+        # After augmenting a client holds its partition plus its row of the data plan.
+        most = self.limits.partition_sizes[cid] + sum(self.orch.plans.get(cid, ()))
+        if msg.num_samples > most:
+            return self.refuse(
+                Refusal.TOO_MANY_SAMPLES,
+                cid,
+                0,
+                "transport: registration claims more samples than the client's partition holds",
+                f"{msg.num_samples} > {most}",
+                msg=msg,
+            )
+        if not self.orch.is_registered(cid):
+            self.incarnations[cid] = msg.incarnation
+            return Accepted(
+                msg, "control", ((ClientRegistered(now, cid, msg.num_samples, msg.tier, counts), True),)
+            )
+        # A known client registers again: the server restarted (same incarnation) or the client did
+        # (new incarnation), in which case the task it held is gone with its process.
+        self.stats.re_registrations += 1
+        events: list[tuple[Event, bool]] = []
+        if self.incarnations.get(cid) != msg.incarnation:
+            self.stats.client_restarts += 1
+            self.incarnations[cid] = msg.incarnation
+            held = self.orch.held_task(cid)
+            if held is not None:
+                events.append((TaskFailed(now, cid, held, "client restarted"), False))
+            late = self.orch.late_task(cid)  # a task it lost the slot of: no late reply will come either
+            if late is not None:
+                events.append((TaskFailed(now, cid, late, "client restarted"), False))
+        events.append((TierChanged(now, cid, msg.tier), True))
+        return Accepted(msg, "control", tuple(events))
+
+    def _on_state(self, msg: wire.State, now: float) -> Received:
+        self.stats.tier_messages += 1
+        known = self.incarnations.get(msg.client)
+        if known is not None and known != msg.incarnation:
+            # e.g. the will of a process that has since been restarted: its tier is not the client's.
+            return self.refuse(
+                Refusal.OLD_INCARNATION,
+                msg.client,
+                0,
+                "transport: tier report from a previous client incarnation",
+                msg=msg,
+            )
+        return Accepted(msg, "control", ((TierChanged(now, msg.client, msg.tier), True),))
+
+    def _on_result(self, msg: wire.Result, payload: bytes, now: float) -> Received:
+        self.stats.results += 1
+        shadow = self.shadow.get(msg.task)
+        if shadow is not None and shadow.client_id == msg.client:
+            if shadow.kind is not msg.kind:
+                return self.refuse(
+                    Refusal.WRONG_KIND,
+                    msg.client,
+                    msg.task,
+                    f"{msg.kind.value} result for a {shadow.kind.value} task",
+                    msg=msg,
+                )
+            if shadow.version != msg.version:
+                return self.refuse(
+                    Refusal.WRONG_VERSION,
+                    msg.client,
+                    msg.task,
+                    f"result computed on version {msg.version}, task was dispatched with version {shadow.version}",
+                    msg=msg,
+                )
+        upd = ClientUpdate(
+            num_samples=msg.num_samples,
+            stat_utility=msg.stat_utility,
+            loss=msg.loss,
+            duration=msg.duration,
+            delta=msg.delta,
+            aux=dict(msg.aux),
+            data_span=msg.data_span,
+        )
+        event = TaskFinished(now, msg.client, msg.task, upd)
+        return Accepted(msg, msg.kind.value, ((event, True),), digest(msg.msg_id, payload))
+
+    # ------------------------------------------------------------------ outbound
+    def send(self, cmd: Command, sent_at: float) -> Outbound | Refused | None:
+        """The message that carries out ``cmd`` (``sent_at``: Unix time, the wire's stamp), or the
+        counted refusal of an update the orchestrator rejected; None for a command the wire does
+        not carry (a new model version)."""
+        if isinstance(cmd, DispatchTrain):
+            msg: wire.Message = wire.TrainTask(
+                **self._env(sent_at),
+                client=cmd.client_id,
+                task=cmd.task_id,
+                version=cmd.version,
+                plan=cmd.plan,
+                weights=cmd.weights,
+                aux=cmd.aux,
+            )
+            self.shadow[cmd.task_id] = ShadowTask(cmd.client_id, TaskKind.TRAIN, cmd.version)
+            return self._out(cmd.client_id, msg, "train")
+        if isinstance(cmd, DispatchEval):
+            msg = wire.EvalTask(
+                **self._env(sent_at),
+                client=cmd.client_id,
+                task=cmd.task_id,
+                version=cmd.version,
+                weights=cmd.weights,
+            )
+            self.shadow[cmd.task_id] = ShadowTask(cmd.client_id, TaskKind.EVAL, cmd.version)
+            return self._out(cmd.client_id, msg, "eval")
+        if isinstance(cmd, CancelTask):
+            self.shadow.pop(cmd.task_id, None)
+            msg = wire.Cancel(**self._env(sent_at), client=cmd.client_id, task=cmd.task_id, reason=cmd.reason)
+            return self._out(cmd.client_id, msg, "control")
+        if isinstance(cmd, UpdateRejected):
+            return self.refuse(Refusal.UPDATE, cmd.client_id, cmd.task_id, cmd.reason)
+        return None
+
+    def status(self, state: str, sent_at: float) -> Outbound:
+        """The retained STATUS: this server session is up (``running``) or the run is over."""
+        msg = wire.Status(**self._env(sent_at), session=self.session, state=state)
+        return Outbound(self.topics.status, wire.encode(msg), "control")
+
+    def _env(self, sent_at: float) -> dict[str, Any]:
+        return {"run": self.run_id, "msg_id": self.ids.next(), "sent_at": sent_at}
+
+    def _out(self, cid: int, msg: wire.Message, kind: str) -> Outbound:
+        self.stats.messages_out += 1
+        return Outbound(self.topics.task(cid), wire.encode(msg), kind)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The protocol's part of a checkpoint, explicit and columnar like ``Orchestrator.state_dict``."""
+        marks = [(c, p, n) for c, m in self.seq_marks.items() for p, n in m.items()]
+        digests = self.result_digests
+        sh = self.shadow
+        return {
+            "seq_marks": {
+                "client": np.array([c for c, _, _ in marks], dtype=np.int64),
+                "prefix": [p for _, p, _ in marks],
+                "seq": np.array([n for _, _, n in marks], dtype=np.int64),
+            },
+            "result_digests": {
+                "task": np.fromiter(digests.keys(), dtype=np.int64, count=len(digests)),
+                "digest": np.frombuffer(b"".join(digests.values()), dtype=np.uint8),
+            },
+            "incarnations": {
+                "client": np.fromiter(self.incarnations.keys(), dtype=np.int64, count=len(self.incarnations)),
+                "incarnation": list(self.incarnations.values()),
+            },
+            "shadow": {
+                "task": np.fromiter(sh.keys(), dtype=np.int64, count=len(sh)),
+                "client": np.fromiter((t.client_id for t in sh.values()), dtype=np.int64, count=len(sh)),
+                "train": np.fromiter(
+                    (t.kind is TaskKind.TRAIN for t in sh.values()), dtype=np.int8, count=len(sh)
+                ),
+                "version": np.fromiter((t.version for t in sh.values()), dtype=np.int64, count=len(sh)),
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        sm = state["seq_marks"]
+        self.seq_marks = {}
+        for c, p, n in zip(sm["client"].tolist(), sm["prefix"], sm["seq"].tolist(), strict=True):
+            self.seq_marks.setdefault(c, {})[p] = n
+        rd = state["result_digests"]
+        flat = rd["digest"].tobytes()
+        self.result_digests = {t: flat[16 * i : 16 * (i + 1)] for i, t in enumerate(rd["task"].tolist())}
+        inc = state["incarnations"]
+        self.incarnations = dict(zip(inc["client"].tolist(), inc["incarnation"], strict=True))
+        sh = state["shadow"]
+        self.shadow = {
+            t: ShadowTask(c, TaskKind.TRAIN if k else TaskKind.EVAL, v)
+            for t, c, k, v in zip(
+                sh["task"].tolist(),
+                sh["client"].tolist(),
+                sh["train"].tolist(),
+                sh["version"].tolist(),
+                strict=True,
+            )
+        }

@@ -1,0 +1,329 @@
+"""A run's components from a validated ``Config``: the orchestrator with its policies, the
+client objective and trainer, the update validator, the global evaluator and the run measures.
+
+The scenario (``felix.scenario.build``) gives a run its inputs: the population, the availability
+trace, the runtimes and the initial model. What trains, judges and orchestrates is built here, once
+for every shell: ``felix.engine.setup`` puts these parts together into a run's server side and
+client side, which the simulator and the MQTT server and clients consume alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import ValidationError
+
+from felix import cpu_kernels
+from felix.client.trainer import LocalTrainer, TrainConfig, autocast, one_thread, thread_invariant
+from felix.client.weights import ModelWeights, weights_for
+from felix.config import Config, ConfigError
+from felix.core.admission import AdmissionConfig
+from felix.core.availability import AVAILABILITY
+from felix.core.orchestrator import Orchestrator, OrchestratorConfig
+from felix.core.policies import AGGREGATORS, EVAL_SELECTORS, TRAIN_SELECTORS, Aggregator
+from felix.core.registry import Registry, RegistryError
+from felix.core.rounds import ROUND_POLICIES
+from felix.core.validation import UpdateValidator, ValidationConfig
+from felix.metrics.per_client import PerClientSetup, make_per_client_eval
+from felix.metrics.recorder import Recorder
+from felix.scenario.build import Population, participation_shares, strategy_stream
+from felix.scenario.datasets import ArrayDataset
+from felix.scenario.traces import AvailabilityTrace
+from felix.strategies.dataplans.plans import build_data_plan
+from felix.strategies.objectives import Objective, make_objective, objective_class, objective_params_model
+
+
+# ---------------------------------------------------------------------- policies
+def _create(registry: Registry[Any], name: str, params: Any, where: str, ctx: Any) -> Any:
+    """A policy from its registry (``felix.core.registry``), its errors as ``ConfigError``."""
+    try:
+        return registry.create(name, params, ctx, where=where)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def make_evaluator(
+    model: torch.nn.Module,
+    test: ArrayDataset | None,
+    device: str,
+    batch_size: int = 1000,
+    autocast_dtype: torch.dtype | None = None,
+) -> Callable[[np.ndarray], tuple[float, float]]:
+    """The global model's test accuracy and loss. The test set is copied to ``device`` once; the
+    sums stay there, one transfer per evaluation. ``model`` must carry its factory's buffers: a
+    parameters-only vector (``client.buffers: local``) is evaluated with them. Without a test set,
+    the evaluator raises ``ConfigError`` when called.
+
+    A model whose single-client work stays on one thread (:func:`thread_invariant`) is evaluated on
+    one thread as well: MKL rounds the test set's ``[N, 784] x [784, 64]`` product differently on
+    two threads, and a last-bit change of a logit can flip a tied prediction and so the time to a
+    target; on one thread the evaluation gives the same bits at any ``run.threads``."""
+    if test is None:
+
+        def no_test_set(weights: np.ndarray) -> tuple[float, float]:
+            raise ConfigError(
+                "the dataset has no test set, but the run evaluates the global model: give the "
+                "loader or the population a test set"
+            )
+
+        return no_test_set
+    model = model.to(device)
+    layouts: dict[int, ModelWeights] = {}
+    x, y = test.x.to(device), test.y.to(device)
+    single_thread = thread_invariant(model, device)
+
+    @torch.no_grad()
+    def evaluate(weights: np.ndarray) -> tuple[float, float]:
+        with one_thread(single_thread):
+            return _evaluate(weights)
+
+    def _evaluate(weights: np.ndarray) -> tuple[float, float]:
+        size = int(np.asarray(weights).size)
+        if size not in layouts:
+            layouts[size] = weights_for(model, size)
+        layout = layouts[size]
+        layout.load(torch.from_numpy(np.array(weights, dtype=np.float32)).to(device))
+        layout.set_kept(None)
+        model.eval()
+        correct = torch.zeros((), dtype=torch.long, device=device)
+        loss = torch.zeros((), device=device)
+        for s in range(0, len(test), batch_size):
+            xb, yb = x[s : s + batch_size], y[s : s + batch_size]
+            with autocast(device, autocast_dtype):
+                logits = model(xb).float()
+            loss += F.cross_entropy(logits, yb, reduction="sum")
+            correct += (logits.argmax(1) == yb).sum()
+        return int(correct.cpu()) / len(test), float(loss.cpu()) / len(test)
+
+    return evaluate
+
+
+def apply_run_settings(cfg: Config) -> None:
+    """``run.threads`` for this process, and ``run.device`` checked (runs, ``felix compare``
+    workers and benchmarks all build through here, before any data is loaded): results and speed
+    must not depend on the machine's core count, and a device torch cannot use here is a
+    ``ConfigError`` at once. Also a warning if torch does not use the CPU kernels felix pins
+    (:mod:`felix.cpu_kernels`)."""
+    cpu_kernels.check()
+    if cfg.run.threads is not None and torch.get_num_threads() != cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    check_device(cfg.run.device)
+
+
+def check_device(device: str) -> None:
+    """A ``ConfigError`` naming ``run.device`` when torch cannot allocate on it here (no CUDA build,
+    no GPU visible, an index beyond the GPUs there are)."""
+    dev = torch.device(device)  # the config validated the spelling
+    if dev.type == "cpu":
+        return
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"run.device {device!r} is not usable here: {reason}") from None
+
+
+def apply_precision(cfg: Config) -> torch.dtype | None:
+    """``run.precision``: TF32 matmuls (CUDA) or the bf16 autocast dtype; fp32 changes nothing."""
+    on_cuda = str(cfg.run.device).startswith("cuda")
+    if on_cuda:
+        tf32 = cfg.run.precision == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+    return torch.bfloat16 if cfg.run.precision == "bf16" else None
+
+
+def build_objective(cfg: Config) -> Objective:
+    """The client objective, its ``objective_params`` validated against the objective's own typed
+    parameters (``objective_params_model``): a misspelt key fails with its dotted path."""
+    c = cfg.client
+    params = dict(c.objective_params)
+    if c.objective == "scaffold":
+        params.setdefault("num_clients", cfg.partition.num_clients)  # SCAFFOLD's N
+    try:
+        typed = objective_params_model(c.objective).model_validate(params)
+    except ValueError as exc:
+        if not isinstance(exc, ValidationError):
+            raise ConfigError(f"client.objective: {exc}") from None
+        raise ConfigError(
+            "; ".join(
+                f"client.objective_params.{'.'.join(str(x) for x in e['loc'])}: "
+                f"{'unknown key' if e['type'] == 'extra_forbidden' else e['msg']}"
+                for e in exc.errors()
+            )
+        ) from None
+    try:
+        return make_objective(c.objective, **typed.model_dump(exclude_unset=True))
+    except ValueError as exc:
+        raise ConfigError(f"client: {exc}") from None
+
+
+def build_trainer(cfg: Config, pop: Population) -> LocalTrainer:
+    apply_run_settings(cfg)
+    c = cfg.client
+    try:
+        tcfg = TrainConfig(
+            c.lr,
+            c.batch_size,
+            c.epochs,
+            c.max_steps,
+            c.momentum,
+            c.weight_decay,
+            c.drop_last,
+            c.optimizer,
+            c.buffers,
+            "qffl_loss" if c.probe_loss else None,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"client: {exc}") from None
+    w = ModelWeights(pop.model, c.buffers)
+    if w.size != w.num_params and c.objective == "scaffold":
+        raise ConfigError(
+            "client.objective 'scaffold' keeps control variates of the parameters only: with a "
+            "model that has buffers, set client.buffers: local"
+        )
+    objective = build_objective(cfg)
+    if getattr(objective, "fixed_batch", False) and not tcfg.drop_last:
+        tcfg = dataclasses.replace(tcfg, drop_last=True)  # FedeRage's model mini-batch b is fixed
+    return LocalTrainer(
+        copy.deepcopy(pop.model), objective, tcfg, pop.train.num_classes, cfg.run.device, apply_precision(cfg)
+    )
+
+
+def build_orchestrator(
+    cfg: Config,
+    weights: np.ndarray,
+    trace: AvailabilityTrace | Callable[[], AvailabilityTrace] | None,
+    plan_errors: str = "raise",
+) -> Orchestrator:
+    """The orchestrator with the config's policies, each looked up in its registry by name (or
+    import path) with its parameters validated. ``trace`` (or a function making it, called only
+    then) is the oracle of an availability policy that reads one; ``plan_errors`` as
+    ``PlanSetup.on_error``."""
+    o = cfg.orchestrator
+    try:
+        ocfg = OrchestratorConfig(
+            mode=o.mode,
+            agg_goal=o.agg_goal,
+            concurrency=o.concurrency,
+            overcommit=o.overcommit,
+            deadline_s=o.deadline_s,
+            cancel_stragglers=o.cancel_stragglers,
+            task_timeout_s=o.task_timeout_s,
+            accept_late=o.accept_late,
+            max_staleness=o.max_staleness,
+            one_late_task_per_client=o.one_late_task_per_client,
+            knowledge=o.knowledge,
+            eval_utility_scale=o.eval_utility_scale,
+            spare_queued_evals=o.spare_queued_evals,
+            probe_busy_clients=o.probe_busy_clients,
+            mode_params=o.mode_params,
+            knowledge_params=o.knowledge_params,
+            admission=AdmissionConfig(**o.admission.model_dump()),
+        )
+        rounds = ROUND_POLICIES.create(o.mode, o.mode_params, ocfg, where="orchestrator.mode_params")
+        availability = AVAILABILITY.create(
+            o.knowledge, o.knowledge_params, ocfg, where="orchestrator.knowledge_params"
+        )
+    except RegistryError as exc:
+        raise ConfigError(str(exc)) from None
+    except ValueError as exc:
+        raise ConfigError(f"orchestrator: {exc}") from None
+    selector = _create(TRAIN_SELECTORS, cfg.selector.name, cfg.selector.params, "selector.params", cfg)
+    eval_selector = _create(
+        EVAL_SELECTORS, cfg.eval_selector.name, cfg.eval_selector.params, "eval_selector.params", cfg
+    )
+    aggregator = _create(AGGREGATORS, cfg.aggregator.name, cfg.aggregator.params, "aggregator.params", cfg)
+    if cfg.aggregator.robust != "none":
+        from felix.strategies.aggregation.robust import RobustAggregator
+
+        aggregator = RobustAggregator(aggregator, cfg.aggregator.robust, cfg.aggregator.trim_fraction)
+    validator = build_validator(cfg, aggregator, int(weights.size))
+    oracle = None
+    if availability.needs_oracle:
+        oracle = trace() if callable(trace) else trace
+        if oracle is None:
+            raise ConfigError(f"orchestrator.knowledge {o.knowledge!r} needs an availability trace")
+    return Orchestrator(
+        ocfg,
+        weights,
+        selector,
+        aggregator,
+        strategy_stream(cfg.seed),
+        eval_selector,
+        oracle,
+        validator,
+        build_data_plan(cfg, plan_errors),
+        rounds,
+        availability,
+    )
+
+
+def build_validator(cfg: Config, aggregator: Aggregator, num_params: int) -> UpdateValidator:
+    """Update validation with the aux entries the configured objective and aggregator declare."""
+    try:
+        objective = objective_class(cfg.client.objective)
+    except ValueError as exc:
+        raise ConfigError(f"client.objective: {exc}") from None
+    v = cfg.validation
+    try:
+        c = cfg.client
+        vcfg = ValidationConfig(
+            v.max_samples_factor,
+            v.norm_policy,
+            v.norm_factor,
+            v.norm_window,
+            v.norm_min_history,
+            v.warmup_factor,
+            v.norm_floor,
+            c.batch_size,
+            c.epochs,
+            c.max_steps,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"validation: {exc}") from None
+    spec = {**objective.declared_aux(num_params), **aggregator.declared_aux(num_params)}
+    return UpdateValidator(vcfg, spec)
+
+
+def per_client_setup(cfg: Config, trace: AvailabilityTrace, class_counts: np.ndarray) -> PerClientSetup:
+    """The federation facts ``run.per_client_eval`` reports against: participation (rare clients)
+    and the tail classes (under ``partition.kind: rare_clients`` the rare clients' classes, else
+    the rarest 30% of classes by global training count)."""
+    totals = class_counts.sum(axis=0)
+    n_tail = (
+        cfg.partition.rare_classes if cfg.partition.kind == "rare_clients" else max(1, len(totals) * 3 // 10)
+    )
+    tail = np.sort(np.argsort(totals, kind="stable")[:n_tail])
+    return PerClientSetup(class_counts, participation_shares(cfg, trace, class_counts), tail, cfg.run.rare_p)
+
+
+def attach_run_measures(
+    cfg: Config,
+    recorder: Recorder,
+    pop: Population,
+    trace: AvailabilityTrace | Callable[[], AvailabilityTrace],
+    autocast_dtype: torch.dtype | None = None,
+) -> None:
+    """The run measures a config may switch on, on ``recorder`` (any shell): ``run.per_client_eval``
+    (felix.metrics.per_client) and ``run.converge_threshold`` (the DAFL paper's stop rule).
+    ``trace``, or a function making it, is read by the per-client measure only."""
+    if cfg.run.per_client_eval:
+        if pop.test is None:
+            raise ConfigError("run.per_client_eval needs a test set")
+        counts = np.stack([d.class_counts(pop.train.num_classes).numpy() for d in pop.client_data])
+        recorder.per_client = make_per_client_eval(
+            copy.deepcopy(pop.model),
+            pop.test,
+            cfg.run.device,
+            per_client_setup(cfg, trace() if callable(trace) else trace, counts),
+            autocast_dtype,
+        )
+    if cfg.run.converge_threshold is not None:
+        recorder.converge = (cfg.run.converge_threshold, cfg.run.converge_patience)
