@@ -659,7 +659,7 @@ def test_engine_speed_interleaves_the_bare_loop_with_the_run(monkeypatch: pytest
     ids=["every-step-below-beta", "free-beta"],
 )
 def test_cohort_federage_balanced_rule_trains_as_alone(opt: str, beta: float | None) -> None:
-    """The ``balanced`` step rule's cohort hooks agree with its sequential ones. Own seeded data
+    """The ``balanced`` step rule trains the same in cohorts as one client at a time. Own seeded data
     (``clients`` draws from the global generator, so its draws depend on the tests before). Beta
     pinned above every loss checks the raised weight below beta on every step, where no step's weight
     can hang on a near-tie between the two paths' float-rounded losses."""

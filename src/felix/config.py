@@ -87,6 +87,21 @@ def _registered(module: str, registry: str, value: str) -> str:
         raise ValueError(str(exc).removeprefix(f"{reg.key}: ")) from None
 
 
+def _component(module: str, registry: str, name: str, params: Any = None, where: str | None = None) -> None:
+    """Check a strategy component against its registry (``felix.core.registry``): ``name`` is
+    registered there or an import path, and ``params`` (when given) validate against the
+    component's own typed parameters, so a config fails with one line naming the component and
+    the key. The registry's module is imported only here (it may import torch); the config keeps
+    the mapping as written, so a run's written config is unchanged."""
+    from felix.core.registry import RegistryError  # pydantic only
+
+    reg = getattr(importlib.import_module(module), registry)
+    try:
+        reg.entry(name) if params is None else reg.parse(name, params, where)
+    except RegistryError as exc:
+        raise ValueError(str(exc).removeprefix(f"{reg.key}: ")) from None
+
+
 class DatasetCfg(_Strict):
     name: str = Field(
         "digits",
@@ -424,6 +439,17 @@ class ClientCfg(_Strict):
             raise ValueError(f"{v!r} is not an import path 'package.module:app'")
         return v
 
+    @model_validator(mode="after")
+    def _objective(self) -> ClientCfg:
+        _component(
+            "felix.strategies.objectives",
+            "OBJECTIVES",
+            self.objective,
+            self.objective_params,
+            "client.objective_params",
+        )
+        return self
+
 
 class DaflCfg(_Strict):
     """Planner and augmentation settings for ``data_plan: lb | dafl``; defaults are the DAFL paper's
@@ -682,7 +708,11 @@ class Config(_Strict):
     model_params: dict[str, Any] = Field(
         default_factory=dict, description="keyword arguments for the model factory"
     )
-    data_plan: Literal["none", "lb", "dafl"] = "none"
+    data_plan: str = Field(
+        "none",
+        description="a registered data plan (felix.core.dataplan.DATA_PLANS: none, lb, dafl; "
+        "settings in dafl) or an import path",
+    )
     dafl: DaflCfg = DaflCfg()
     dataset: DatasetCfg = DatasetCfg()
     partition: PartitionCfg = PartitionCfg()
@@ -710,6 +740,50 @@ class Config(_Strict):
     @classmethod
     def _model(cls, v: str) -> str:
         return _registered("felix.scenario.models", "MODELS", v)
+
+    @field_validator("data_plan")
+    @classmethod
+    def _data_plan(cls, v: str) -> str:
+        _component("felix.core.dataplan", "DATA_PLANS", v)
+        return v
+
+    @model_validator(mode="after")
+    def _components(self) -> Config:
+        """Each strategy component's ``params`` by the component's own model (its registry)."""
+        o = self.orchestrator
+        for module, registry, name, params, where in (
+            ("felix.core.rounds", "ROUND_POLICIES", o.mode, o.mode_params, "orchestrator.mode_params"),
+            (
+                "felix.core.availability",
+                "AVAILABILITY",
+                o.knowledge,
+                o.knowledge_params,
+                "orchestrator.knowledge_params",
+            ),
+            (
+                "felix.core.policies",
+                "TRAIN_SELECTORS",
+                self.selector.name,
+                self.selector.params,
+                "selector.params",
+            ),
+            (
+                "felix.core.policies",
+                "EVAL_SELECTORS",
+                self.eval_selector.name,
+                self.eval_selector.params,
+                "eval_selector.params",
+            ),
+            (
+                "felix.core.policies",
+                "AGGREGATORS",
+                self.aggregator.name,
+                self.aggregator.params,
+                "aggregator.params",
+            ),
+        ):
+            _component(module, registry, name, params, where)
+        return self
 
     @model_validator(mode="after")
     def _ram_and_probe_loss(self) -> Config:

@@ -83,7 +83,7 @@ def cohort_blocker(model: nn.Module, objective: Objective | None = None) -> str 
         if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.Dropout, nn.modules.dropout._DropoutNd)):
             return f"the model has a {type(m).__name__} layer, whose training-mode behaviour differs per call"
     if objective is not None and not objective.cohort:
-        return f"objective {objective.name!r} has no cohort hooks"
+        return f"objective {objective.name!r} sets cohort = False (its loss does not run under vmap)"
     return None
 
 
@@ -319,7 +319,7 @@ class CohortTrainer:
         # A chain of plain layers (the MLP, the CNNs) gets the hand-written stacked kernel,
         # bit-identical to vmap.
         # The plain cross-entropy objective's loss is stacked arithmetic; any other runs per client.
-        plain = type(objective).cohort_loss is Objective.cohort_loss
+        plain = not type(objective).overrides("loss")
         head = masked_ce_grad if plain else autograd_head(vmap(self._head))
         self.chain = StackedChain.of(self.model, head, sample_shape) if autocast is None else None
         # (stacked parameters, x, y, mask, extra) -> (gradients by name, aux); the kernel also takes
@@ -332,8 +332,8 @@ class CohortTrainer:
         # trainer (felix.client.trainer.one_thread), so that the run's bits do not depend on run.threads.
         self.one_thread = thread_invariant(self.model, self.device)
         obj = type(objective)
-        self.has_before = obj.cohort_before_step is not Objective.cohort_before_step
-        self.has_after = obj.cohort_after_step is not Objective.cohort_after_step
+        self.has_before = obj.overrides("before_step")
+        self.has_after = obj.overrides("after_step")
         self._live = _Stack(self)
         self.stats = CohortStats()
 
@@ -356,7 +356,7 @@ class CohortTrainer:
         self, logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, extra: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, Aux]:
         per = F.cross_entropy(logits, y, reduction="none")
-        loss, stat = self.objective.cohort_loss(per, mask, y, extra)
+        loss, stat = self.objective.loss(per, mask, y, extra)
         return loss, (per.detach(), loss.detach(), stat.detach())
 
     # ------------------------------------------------------------------ training
@@ -756,7 +756,7 @@ class _Stack:
             aux_in=task.aux_in,
             steps=int(batches.shape[0]),
         )
-        extra = tr.objective.cohort_begin([ctx])
+        extra = tr.objective.begin([ctx])
         self._x = list(extra)
         values = {"p": flat0}
         values.update(("x:" + k, v[0]) for k, v in extra.items())
@@ -809,7 +809,6 @@ class _Stack:
         # tensor per step would be memory the CPU's caches have not seen (on this workload the
         # gather is a tenth of the training time, bound by memory).
         xbuf = tr.pool.batch_buffer(len(rows) * bs)
-        extra = self.extra  # the hooks update its rows in place
         for s in range(S):
             a = plan.active[s]
             v = views.get(a)
@@ -824,10 +823,10 @@ class _Stack:
                 g, (per, loss, stat) = tr.grad(v.bound, xb, yb, mb, v.extra)
             grads = [g[n] for n in tr.names]
             if tr.has_before:
-                tr.objective.cohort_before_step(grads, v.params, extra, a, stat)
+                tr.objective.before_step(grads, v.params, v.extra, stat)
             self._step(a, grads, v, done_before, s)
             if tr.has_after:
-                tr.objective.cohort_after_step(stat, extra, a)
+                tr.objective.after_step(stat, v.extra)
             # Oort's first-epoch sum of squared per-sample losses; products with a mask or a
             # first-epoch flag of ones are left out (they change no bit).
             sq_step = per * per
@@ -845,7 +844,7 @@ class _Stack:
         f = sum(1 for r in rows if r.remaining > 0)
         fin = rows[f:]
         final = self.slab["p"][f:]  # the finished rows' weights, flat
-        tr.objective.cohort_end([r.ctx for r in fin], {k: v[f:] for k, v in self.extra.items()}, final)
+        tr.objective.end([r.ctx for r in fin], {k: v[f:] for k, v in self.extra.items()}, final)
         # The deltas on the host, from the weights as dispatched (the same float32 subtraction as on
         # the device): the stack keeps no copy of them, which every join and reorder would move.
         trained = final.cpu().numpy()
