@@ -23,11 +23,10 @@ from felix.client.cohort import (
     AUTO_COHORT,
     CohortTask,
     CohortTrainer,
-    batch_rows,
     conv_macs,
     resolve_cohort,
-    task_steps,
 )
+from felix.client.schedule import batch_rows, task_steps
 from felix.client.stacked_chain import StackedChain, masked_ce_grad
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
 from felix.config import ConfigError, deep_merge
@@ -843,7 +842,7 @@ def test_data_pool_adopts_the_partitioned_training_set_without_copying() -> None
     and a client's data pickles with its own rows only."""
     import pickle
 
-    from felix.client.cohort import DataPool
+    from felix.client.cohort_stack import DataPool
 
     built = build(resolve_config(None, "fedavg", deep_merge(SIM, {"run": {"cohort": "auto"}})))
     datas = [d.data for d in built.sim.devices]

@@ -352,15 +352,15 @@ def test_bad_policy_parameters_name_the_key(over: dict[str, Any], needle: str) -
     [
         (
             {"client": {"objective": "fedprox", "objective_params": {"mu": "strong"}}},
-            "client: objective 'fedprox': client.objective_params.mu: Input should be a valid number",
+            "objective 'fedprox': client.objective_params.mu: Input should be a valid number",
         ),
         (
             {"client": {"objective": "test_extending:ScaledCE", "objective_params": {"shift": 1}}},
-            "client: objective 'test_extending:ScaledCE': client.objective_params.shift: unknown key",
+            "objective 'test_extending:ScaledCE': client.objective_params.shift: unknown key",
         ),
         ({"selector": {"name": "oort", "params": {"bse": "fedscale"}}}, "selector.params.bse: unknown key"),
         ({"data_plan": "dafl_v2"}, "data_plan: unknown data plan 'dafl_v2'"),
-        ({"client": {"objective": "nope"}}, "client: unknown objective 'nope'"),
+        ({"client": {"objective": "nope"}}, "client.objective: unknown objective 'nope'"),
     ],
 )
 def test_the_config_checks_each_component_by_its_own_parameters(over: dict[str, Any], needle: str) -> None:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from felix.client.schedule import epoch_batches
 from felix.client.weights import BUFFER_MODES, ModelWeights
 from felix.core.types import ClientUpdate
 from felix.strategies.objectives import Objective, OneClient, TaskContext
@@ -234,13 +235,11 @@ class LocalTrainer:
         loss_sum = torch.zeros((), device=self.device)
         seen, batches = 0, 0
         mixed = self.autocast_dtype is not None
-        for epoch in range(cfg.epochs):
+        bs = cfg.batch_size
+        for epoch, (take, nb) in enumerate(epoch_batches(n, cfg)):  # the cohort trainer's schedule too
             order = torch.randperm(n, generator=generator).to(self.device)
-            stop = n - n % cfg.batch_size if cfg.drop_last else n
-            for start in range(0, stop, cfg.batch_size):
-                if cfg.max_steps is not None and ctx.steps >= cfg.max_steps:
-                    break
-                idx = order[start : start + cfg.batch_size]
+            for start in range(0, nb * bs, bs):
+                idx = order[start : min(start + bs, take)]
                 yb = y[idx]
                 if mixed:
                     with autocast(self.device, self.autocast_dtype):

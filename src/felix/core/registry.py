@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable, Iterable
-from dataclasses import MISSING, dataclass, fields, is_dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, Generic, TypeVar, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
@@ -103,6 +103,7 @@ class Entry(Generic[T]):
     name: str
     factory: Callable[..., Any]
     params: type[BaseModel]
+    traits: Mapping[str, Any] = field(default_factory=dict)
 
     def build(self, params: BaseModel, ctx: Any) -> T:
         make = getattr(self.factory, "from_params", None)
@@ -122,16 +123,21 @@ class Registry(Generic[T]):
         self._loaded = False
         self._entries: dict[str, Entry[T]] = {}
 
-    def register(self, name: str, params: type[BaseModel] | None = None) -> Callable[[Any], Any]:
+    def register(
+        self, name: str, params: type[BaseModel] | None = None, **traits: Any
+    ) -> Callable[[Any], Any]:
         """Decorator: register ``factory(params, ctx) -> policy`` (a function or a class), or a
         class with ``from_params``, under ``name``; ``params`` defaults to the one it owns
-        (:func:`params_of`)."""
+        (:func:`params_of`). ``traits`` are what the component declares about itself for the
+        constraints between axes, checked generically (e.g. ``reads_aux=("qffl_loss",)``: the
+        client aux an aggregator reads)."""
 
         def deco(factory: Any) -> Any:
             old = self._entries.get(name)
             if old is not None and old.factory is not factory:
-                raise RegistryError(f"{self.kind} {name!r} is registered twice")
-            self._entries[name] = Entry(name, factory, params if params is not None else params_of(factory))
+                raise RegistryError(f"{self.kind} {name!r} is already registered")
+            model = params if params is not None else params_of(factory)
+            self._entries[name] = Entry(name, factory, model, dict(traits))
             return factory
 
         return deco
@@ -139,6 +145,11 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         self._load()
         return sorted(self._entries)
+
+    def having(self, trait: str, value: Any) -> list[str]:
+        """The registered names whose ``trait`` holds ``value`` (a member of a tuple trait)."""
+        self._load()
+        return [n for n, e in sorted(self._entries.items()) if value in e.traits.get(trait, ())]
 
     def __contains__(self, name: object) -> bool:
         if not isinstance(name, str):

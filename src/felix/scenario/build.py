@@ -421,12 +421,12 @@ def build_trainer(cfg: Config, pop: Population) -> LocalTrainer:
         raise ConfigError(f"client: {exc}") from None
     w = ModelWeights(pop.model, c.buffers)
     objective = build_objective(cfg)
-    if w.size != w.num_params and getattr(objective, "parameters_only", False):
+    if w.size != w.num_params and objective.parameters_only:
         raise ConfigError(
             f"client.objective {c.objective!r} keeps state of the parameters only: with a "
             "model that has buffers, set client.buffers: local"
         )
-    if getattr(objective, "fixed_batch", False) and not tcfg.drop_last:
+    if objective.fixed_batch and not tcfg.drop_last:
         tcfg = dataclasses.replace(tcfg, drop_last=True)  # FedeRage's model mini-batch b is fixed
     return LocalTrainer(
         copy.deepcopy(pop.model), objective, tcfg, pop.train.num_classes, cfg.run.device, apply_precision(cfg)

@@ -110,7 +110,11 @@ class Objective:
 
     name: ClassVar[str] = "ce"
     cohort: ClassVar[bool] = True
-    # The gradient is changed only by the hooks a subclass overrides: the trainers skip the others.
+    # What the objective declares about itself for the builder's checks (no tests of its name):
+    # ``parameters_only`` keeps per-parameter state (SCAFFOLD's controls), so a model with buffers
+    # needs ``client.buffers: local``; ``fixed_batch`` asks the trainer for ``drop_last``.
+    parameters_only: ClassVar[bool] = False
+    fixed_batch: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Refuse hooks that would be silently ignored: one of the retired per-path hooks, or a
