@@ -18,7 +18,7 @@ import numpy as np
 
 from felix.core.commands import NewModelVersion
 from felix.core.events import ClientRegistered, TaskFinished
-from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
+from felix.core.orchestrator import AvailabilityName, Orchestrator, OrchestratorConfig
 from felix.core.types import ClientUpdate, Tier
 from felix.deploy import checkpoint as ckpt
 from felix.strategies.aggregation.fedavg import FedBuffAggregator
@@ -32,7 +32,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
     orch = Orchestrator(
-        OrchestratorConfig(agg_goal=50, concurrency=100, knowledge=Knowledge.TIERTRACK),
+        OrchestratorConfig(agg_goal=50, concurrency=100, knowledge=AvailabilityName.TIERTRACK),
         np.zeros(64, np.float32),
         RandomSelector(),
         FedBuffAggregator(),

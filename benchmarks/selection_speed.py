@@ -43,7 +43,7 @@ import felix
 from felix.core.client_map import ClientRecord
 from felix.core.commands import DispatchEval, DispatchTrain
 from felix.core.events import TaskFinished, Tick, TierChanged
-from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
+from felix.core.orchestrator import AvailabilityName, Orchestrator, OrchestratorConfig
 from felix.core.types import ClientUpdate, Tier
 from felix.strategies.aggregation.fedavg import FedBuffAggregator
 from felix.strategies.selection.tierselect import tierselect
@@ -64,7 +64,7 @@ def build(registered: int, available: int, seed: int = 0, shuffled: bool = False
     rng = np.random.default_rng(seed)
     train, ev = tierselect(10, reward_cap=320)
     cfg = OrchestratorConfig(
-        mode="async", agg_goal=10, concurrency=K, task_timeout_s=None, knowledge=Knowledge.TIERTRACK
+        mode="async", agg_goal=10, concurrency=K, task_timeout_s=None, knowledge=AvailabilityName.TIERTRACK
     )
     orch = Orchestrator(
         cfg,

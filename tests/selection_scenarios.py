@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 
 from felix.core.commands import Command, DispatchEval, DispatchTrain, NewModelVersion
+from felix.core.eval_selection import EvalSelector
 from felix.core.events import ClientRegistered, TaskFailed, TaskFinished, Tick, TierChanged
-from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
-from felix.core.policies import EvalSelector, TrainSelector
+from felix.core.orchestrator import AvailabilityName, Orchestrator, OrchestratorConfig
+from felix.core.selection import TrainSelector
 from felix.core.types import ClientUpdate, Tier
 from felix.core.validation import UpdateValidator, ValidationConfig
 from felix.strategies.aggregation.fedavg import FedAvgAggregator, FedBuffAggregator
@@ -86,7 +87,7 @@ def _build(
     if name == "felix-async":
         train, ev = tierselect(4, TierSelectEvalParams(staleness_threshold=3), reward_cap=64, pacer_step=2)
         cfg = OrchestratorConfig(
-            mode="async", agg_goal=4, concurrency=8, task_timeout_s=25.0, knowledge=Knowledge.TIERTRACK
+            mode="async", agg_goal=4, concurrency=8, task_timeout_s=25.0, knowledge=AvailabilityName.TIERTRACK
         )
         return cfg, train, ev
     if name == "oort-async-oracle":
@@ -100,7 +101,7 @@ def _build(
             blacklist_max_len=0.05,
         )
         cfg = OrchestratorConfig(
-            mode="async", agg_goal=3, concurrency=6, task_timeout_s=25.0, knowledge=Knowledge.ORACLE
+            mode="async", agg_goal=3, concurrency=6, task_timeout_s=25.0, knowledge=AvailabilityName.ORACLE
         )
         return cfg, OortSelector(params), None
     if name == "oort-sync-none":
@@ -110,13 +111,13 @@ def _build(
             overcommit=1.4,
             deadline_s=30.0,
             task_timeout_s=20.0,
-            knowledge=Knowledge.NONE,
+            knowledge=AvailabilityName.NONE,
         )
         return cfg, OortSelector(OortParams(pacer_step=2, round_threshold=50.0)), None
     if name == "fedscale-blacklist":
         params = replace(OortParams.fedscale(), blacklist_rounds=2, blacklist_max_len=0.1, pacer_step=2)
         cfg = OrchestratorConfig(
-            mode="sync", agg_goal=5, overcommit=1.3, task_timeout_s=25.0, knowledge=Knowledge.TIERTRACK
+            mode="sync", agg_goal=5, overcommit=1.3, task_timeout_s=25.0, knowledge=AvailabilityName.TIERTRACK
         )
         return cfg, OortSelector(params, reward_cap=50), None
     if name == "refl-oort":
@@ -127,17 +128,17 @@ def _build(
             overcommit=1.3,
             deadline_s=40.0,
             task_timeout_s=30.0,
-            knowledge=Knowledge.ORACLE,
+            knowledge=AvailabilityName.ORACLE,
         )
         return cfg, ReflIPSSelector(ReflIPSParams(time_window=60.0, prohibit_reselect=2), oort), None
     if name == "refl-random":
         cfg = OrchestratorConfig(
-            mode="sync", agg_goal=4, overcommit=1.5, task_timeout_s=30.0, knowledge=Knowledge.TIERTRACK
+            mode="sync", agg_goal=4, overcommit=1.5, task_timeout_s=30.0, knowledge=AvailabilityName.TIERTRACK
         )
         return cfg, ReflIPSSelector(ReflIPSParams(time_window=50.0, avail_probability=0.0)), None
     if name == "random-async":
         cfg = OrchestratorConfig(
-            mode="async", agg_goal=4, concurrency=7, task_timeout_s=25.0, knowledge=Knowledge.TIERTRACK
+            mode="async", agg_goal=4, concurrency=7, task_timeout_s=25.0, knowledge=AvailabilityName.TIERTRACK
         )
         return cfg, RandomSelector(), None
     raise KeyError(name)

@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 
-from felix.core.policies import AGGREGATORS
+from felix.core.aggregation import AGGREGATORS
 from felix.core.types import BufferedUpdate, ClientUpdate
 from felix.engine.run import resolve_config
 

@@ -17,7 +17,7 @@ from felix.deploy import wire
 from felix.deploy.client import ClientHost, ClientOptions, Device
 from felix.deploy.link import BrokerOptions, Inbound
 from felix.deploy.topics import Topics
-from felix.engine.device import DeviceRunner, Task, TaskRules, Timer, task_seed
+from felix.engine.device import DeviceRunner, DeviceTask, TaskRules, Timer, task_seed
 from felix.engine.run import resolve_config
 from felix.scenario.traces import DeviceTrace
 
@@ -30,7 +30,7 @@ def runner(tier: Tier = Tier.AVL_TRAIN, runtime_s: float = 10.0) -> DeviceRunner
     return DeviceRunner(0, None, runtime_s, tier)  # type: ignore[arg-type]  # the runner never reads data
 
 
-def run_to_end(dev: DeviceRunner[str], timer: Timer | None) -> tuple[Task, list[str]]:
+def run_to_end(dev: DeviceRunner[str], timer: Timer | None) -> tuple[DeviceTask, list[str]]:
     """Fire ``timer`` and finish its task with the result ``"r<task id>"``; what was sent."""
     assert timer is not None
     task = dev.complete(timer.token)
@@ -304,7 +304,7 @@ def test_client_in_compute_mode_holds_a_result_until_it_may_send_it() -> None:
     host, clock, link = _host(BREAK, runtime="compute")
     compute = host._compute
 
-    def slow(dev: Device, task: Task) -> ClientUpdate:
+    def slow(dev: Device, task: DeviceTask) -> ClientUpdate:
         clock.t += 3.0 * SCALE  # the computation takes 3 config seconds
         return compute(dev, task)
 
@@ -342,7 +342,7 @@ def test_client_reports_a_failed_task_and_runs_the_next() -> None:
     host, clock, link = _host(ALWAYS)
     compute = host._compute
 
-    def flaky(dev: Device, task: Task) -> ClientUpdate:
+    def flaky(dev: Device, task: DeviceTask) -> ClientUpdate:
         if task.task_id == 1:
             raise ValueError("broken weights")
         return compute(dev, task)

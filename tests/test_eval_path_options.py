@@ -11,7 +11,7 @@ from test_tierselect import ctx_for
 
 from felix.core.commands import DispatchEval, DispatchTrain
 from felix.core.events import ClientRegistered, TaskFinished, Tick, TierChanged
-from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
+from felix.core.orchestrator import AvailabilityName, Orchestrator, OrchestratorConfig
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.strategies.aggregation.fedavg import FedAvgAggregator
 from felix.strategies.aggregation.tierfuse import TierFuseAggregator
@@ -61,7 +61,9 @@ def test_min_model_change_skips_clients_measured_on_a_model_that_barely_moved():
 
 def _tiertrack_orchestrator(**cfg_kw: Any) -> Orchestrator:
     """Async, one slot, TierTrack, TierSelect probing whoever is AVL_EVAL (staleness threshold 0)."""
-    cfg = OrchestratorConfig(mode="async", agg_goal=1, concurrency=1, knowledge=Knowledge.TIERTRACK, **cfg_kw)
+    cfg = OrchestratorConfig(
+        mode="async", agg_goal=1, concurrency=1, knowledge=AvailabilityName.TIERTRACK, **cfg_kw
+    )
     train_sel, eval_sel = tierselect(1, TierSelectEvalParams(staleness_threshold=0))
     return Orchestrator(
         cfg,

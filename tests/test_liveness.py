@@ -93,7 +93,7 @@ def test_timed_out_tasks_do_not_accumulate() -> None:
     assert silent_tasks > 50
     assert o.version > 100
     assert len(o.tasks()) <= 4 + 2, f"{len(o.tasks())} open tasks after {silent_tasks} timeouts"
-    assert len(o._closed) <= 8192
+    assert len(o.ledger.state_dict()["closed_ids"]) <= 8192
     assert all(c.client_id == 0 for c in cancels) and len(cancels) >= silent_tasks - 2
 
 

@@ -122,7 +122,7 @@ def test_restored_orchestrator_behaves_identically(preset: str, tmp_path: Path) 
 def test_closed_task_ids_are_compacted_by_a_watermark() -> None:
     """Closed task ids are remembered one by one only above the oldest open task; below it a
     result is still refused (as for a closed task), and the remembered set stays bounded."""
-    from felix.core.orchestrator import CLOSED_COMPACT_AT
+    from felix.core.ledger import CLOSED_COMPACT_AT
 
     orch = _orch("fedbuff")
     for c in range(N):
@@ -147,13 +147,13 @@ def test_checkpoint_cost_does_not_grow_with_history(tmp_path: Path) -> None:
     4.7 s at 100,000 applied updates: every applied and closed task id, re-encoded each time.)"""
     import time
 
-    from felix.core.orchestrator import Knowledge, OrchestratorConfig
+    from felix.core.orchestrator import AvailabilityName, OrchestratorConfig
     from felix.strategies.aggregation.fedavg import FedBuffAggregator
     from felix.strategies.selection.random import RandomSelector
 
     n_clients, active, updates = 10_000, 200, 100_000
     orch = Orchestrator(
-        OrchestratorConfig(agg_goal=50, concurrency=100, knowledge=Knowledge.TIERTRACK),
+        OrchestratorConfig(agg_goal=50, concurrency=100, knowledge=AvailabilityName.TIERTRACK),
         np.zeros(64, np.float32),
         RandomSelector(),
         FedBuffAggregator(),
@@ -190,7 +190,7 @@ def test_checkpoint_cost_does_not_grow_with_history(tmp_path: Path) -> None:
         times.append(time.perf_counter() - t0)
     assert min(times) < 0.1, f"checkpoint took {min(times) * 1000:.0f} ms"
     restored = Orchestrator(
-        OrchestratorConfig(agg_goal=50, concurrency=100, knowledge=Knowledge.TIERTRACK),
+        OrchestratorConfig(agg_goal=50, concurrency=100, knowledge=AvailabilityName.TIERTRACK),
         np.zeros(64, np.float32),
         RandomSelector(),
         FedBuffAggregator(),

@@ -14,7 +14,7 @@ from felix.deploy import wire
 from felix.deploy.client import ClientHost, ClientOptions, Device
 from felix.deploy.link import BrokerOptions, Inbound
 from felix.deploy.topics import Topics
-from felix.engine.device import Task
+from felix.engine.device import DeviceTask
 from felix.engine.run import resolve_config
 from felix.scenario.traces import DeviceTrace
 
@@ -79,7 +79,7 @@ def test_interrupted_task_pauses_and_resumes() -> None:
     started: list[float] = []  # trace time at which the computation of a task starts
     compute = host._compute
 
-    def timed(d: Device, task: Task) -> ClientUpdate:
+    def timed(d: Device, task: DeviceTask) -> ClientUpdate:
         started.append(host.trace_time())
         return compute(d, task)
 

@@ -11,8 +11,8 @@ import pytest
 from felix.core.client_map import ClientMap, ClientRecord
 from felix.core.commands import Command, DispatchEval, DispatchTrain, NewModelVersion
 from felix.core.events import ClientRegistered, TaskFinished
-from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
-from felix.core.policies import SelectionContext
+from felix.core.orchestrator import AvailabilityName, Orchestrator, OrchestratorConfig
+from felix.core.selection import SelectionContext
 from felix.core.types import ClientUpdate, Tier
 from felix.strategies.aggregation.fedavg import FedBuffAggregator
 from felix.strategies.selection.oort import OortParams, OortSelector, get_norm, weighted_sample
@@ -364,7 +364,7 @@ def drive(
 
 def test_oort_selects_inside_the_async_orchestrator():
     sel = OortSelector(OortParams.felix_authors())
-    cfg = OrchestratorConfig(mode="async", agg_goal=4, concurrency=6, knowledge=Knowledge.TIERTRACK)
+    cfg = OrchestratorConfig(mode="async", agg_goal=4, concurrency=6, knowledge=AvailabilityName.TIERTRACK)
     orch = Orchestrator(cfg, np.zeros(5, np.float32), sel, FedBuffAggregator(), np.random.default_rng(1))
     log = drive(orch)
     assert orch.version == 6
@@ -378,7 +378,7 @@ def test_oort_selects_inside_the_async_orchestrator():
 
 def test_oort_selects_inside_the_sync_orchestrator():
     sel = OortSelector(OortParams())
-    cfg = OrchestratorConfig(mode="sync", agg_goal=4, overcommit=1.3, knowledge=Knowledge.NONE)
+    cfg = OrchestratorConfig(mode="sync", agg_goal=4, overcommit=1.3, knowledge=AvailabilityName.NONE)
     orch = Orchestrator(cfg, np.zeros(5, np.float32), sel, FedBuffAggregator(), np.random.default_rng(2))
     drive(orch, versions=5)
     assert orch.version == 5

@@ -7,7 +7,7 @@ import pytest
 
 from felix.core.commands import CancelTask, DispatchTrain, NewModelVersion, UpdateRejected
 from felix.core.events import ClientRegistered, TaskFailed, TaskFinished, Tick, TierChanged
-from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
+from felix.core.orchestrator import AvailabilityName, Orchestrator, OrchestratorConfig
 from felix.core.types import ClientUpdate, Tier
 from felix.core.validation import AuxDecl
 from felix.strategies.aggregation.fedavg import FedAvgAggregator, FedBuffAggregator
@@ -16,7 +16,7 @@ from felix.strategies.selection.random import RandomSelector
 DIM = 4
 
 
-def make(mode: str = "async", knowledge: Knowledge = Knowledge.NONE, **kw) -> Orchestrator:
+def make(mode: str = "async", knowledge: AvailabilityName = AvailabilityName.NONE, **kw) -> Orchestrator:
     cfg = OrchestratorConfig(mode=mode, knowledge=knowledge, **kw)
     agg = FedBuffAggregator() if mode == "async" else FedAvgAggregator()
     return Orchestrator(cfg, np.zeros(DIM, np.float32), RandomSelector(), agg, np.random.default_rng(0))
@@ -112,7 +112,7 @@ def test_timeout_frees_slot_and_late_update_is_still_applied():
 
 
 def test_tiertrack_frees_slot_on_unavailable_and_blocks_rejoin_in_same_round():
-    o = make(concurrency=1, agg_goal=5, knowledge=Knowledge.TIERTRACK)
+    o = make(concurrency=1, agg_goal=5, knowledge=AvailabilityName.TIERTRACK)
     t0 = dispatched(register(o, 2))[0]
     other = 1 - t0.client_id
     out = o.handle(TierChanged(5.0, t0.client_id, Tier.UN_AVL))
@@ -125,7 +125,7 @@ def test_tiertrack_frees_slot_on_unavailable_and_blocks_rejoin_in_same_round():
 
 
 def test_tiertrack_train_to_eval_frees_slot_but_oracle_does_not():
-    for knowledge, freed in ((Knowledge.TIERTRACK, True), (Knowledge.ORACLE, False)):
+    for knowledge, freed in ((AvailabilityName.TIERTRACK, True), (AvailabilityName.ORACLE, False)):
         o = make(concurrency=1, agg_goal=5, knowledge=knowledge)
         t0 = dispatched(register(o, 1))[0]
         o.handle(TierChanged(5.0, t0.client_id, Tier.AVL_EVAL))
@@ -133,7 +133,11 @@ def test_tiertrack_train_to_eval_frees_slot_but_oracle_does_not():
 
 
 def test_oracle_and_tiertrack_select_only_avl_train_none_selects_all():
-    for knowledge, expect in ((Knowledge.NONE, 4), (Knowledge.ORACLE, 2), (Knowledge.TIERTRACK, 2)):
+    for knowledge, expect in (
+        (AvailabilityName.NONE, 4),
+        (AvailabilityName.ORACLE, 2),
+        (AvailabilityName.TIERTRACK, 2),
+    ):
         o = make(concurrency=10, agg_goal=5, knowledge=knowledge)
         cmds = []
         for c, tier in enumerate([Tier.AVL_TRAIN, Tier.UN_AVL, Tier.AVL_EVAL, Tier.AVL_TRAIN]):
@@ -142,7 +146,7 @@ def test_oracle_and_tiertrack_select_only_avl_train_none_selects_all():
 
 
 def test_tiertrack_timeout_marks_client_unavailable_until_it_replies():
-    o = make(concurrency=1, agg_goal=5, knowledge=Knowledge.TIERTRACK)
+    o = make(concurrency=1, agg_goal=5, knowledge=AvailabilityName.TIERTRACK)
     t0 = dispatched(register(o, 1))[0]
     o.handle(Tick(90.0))
     assert o.clients[0].tier is Tier.UN_AVL

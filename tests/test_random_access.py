@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from felix.core.types import Tier
+from felix.metrics.per_client import rare_client_mask
 from felix.scenario.random_access import (
     RandomAccessModel,
     beta_probabilities,
     correlate_with_rarity,
     participation_to_events,
-    rare_client_mask,
     rarity_scores,
     two_level_probabilities,
 )

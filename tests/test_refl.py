@@ -12,8 +12,8 @@ import pytest
 from felix.core.client_map import ClientMap, ClientRecord
 from felix.core.commands import Command, DispatchTrain, NewModelVersion
 from felix.core.events import ClientRegistered, TaskFinished
-from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
-from felix.core.policies import SelectionContext
+from felix.core.orchestrator import AvailabilityName, Orchestrator, OrchestratorConfig
+from felix.core.selection import SelectionContext
 from felix.core.types import BufferedUpdate, ClientUpdate, Tier
 from felix.strategies.aggregation.refl_saa import ReflSAAAggregator, ReflSAAParams
 from felix.strategies.selection.oort import OortParams, OortSelector
@@ -200,7 +200,7 @@ def test_refl_star_runs_inside_the_sync_orchestrator():
     oracle = LeaveOracle(leave)
     selector = ReflIPSSelector(oort=OortSelector(OortParams.fedscale()))
     cfg = OrchestratorConfig(
-        mode="sync", agg_goal=4, overcommit=1.3, cancel_stragglers=False, knowledge=Knowledge.ORACLE
+        mode="sync", agg_goal=4, overcommit=1.3, cancel_stragglers=False, knowledge=AvailabilityName.ORACLE
     )
     orch = Orchestrator(
         cfg, np.zeros(5, np.float32), selector, ReflSAAAggregator(), np.random.default_rng(0), oracle=oracle

@@ -20,7 +20,7 @@ from felix.core.client_map import _LOG_SIZE, ClientMap, ClientRecord
 from felix.core.commands import UpdateRejected
 from felix.core.events import ClientRegistered
 from felix.core.orchestrator import Orchestrator, OrchestratorConfig
-from felix.core.policies import SelectionContext
+from felix.core.selection import SelectionContext
 from felix.core.types import Tier
 from felix.strategies.aggregation.fedavg import FedBuffAggregator
 from felix.strategies.selection.oort import OortParams, OortSelector

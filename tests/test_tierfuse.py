@@ -10,7 +10,7 @@ import pytest
 
 from felix.core.commands import Command, DispatchTrain, NewModelVersion
 from felix.core.events import ClientRegistered, TaskFinished
-from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
+from felix.core.orchestrator import AvailabilityName, Orchestrator, OrchestratorConfig
 from felix.core.types import BufferedUpdate, ClientUpdate
 from felix.strategies.aggregation.tierfuse import (
     TierFuseAggregator,
@@ -119,7 +119,7 @@ def test_aggregator_arguments_are_validated():
 
 def test_tierfuse_produces_versions_inside_the_orchestrator():
     rng = np.random.default_rng(0)
-    cfg = OrchestratorConfig(mode="async", agg_goal=5, concurrency=8, knowledge=Knowledge.TIERTRACK)
+    cfg = OrchestratorConfig(mode="async", agg_goal=5, concurrency=8, knowledge=AvailabilityName.TIERTRACK)
     agg = TierFuseAggregator()
     orch = Orchestrator(cfg, np.zeros(5, np.float32), RandomSelector(), agg, np.random.default_rng(1))
     heap: list = []

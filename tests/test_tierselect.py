@@ -11,8 +11,8 @@ import pytest
 from felix.core.client_map import ClientMap, ClientRecord
 from felix.core.commands import Command, DispatchEval, DispatchTrain, NewModelVersion
 from felix.core.events import ClientRegistered, TaskFinished
-from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
-from felix.core.policies import SelectionContext
+from felix.core.orchestrator import AvailabilityName, Orchestrator, OrchestratorConfig
+from felix.core.selection import SelectionContext
 from felix.core.types import ClientUpdate, Tier
 from felix.strategies.aggregation.tierfuse import TierFuseAggregator
 from felix.strategies.selection.oort import OortParams, OortSelector
@@ -85,7 +85,9 @@ def test_tierselect_dispatches_rate_limited_evals_under_tiertrack():
     """Clients 0-9 AVL_TRAIN, 10-19 AVL_EVAL: evals go out, at most int(1.5 * agg_goal) per version."""
     agg_goal = 4
     train_sel, eval_sel = tierselect(agg_goal, TierSelectEvalParams(staleness_threshold=2))
-    cfg = OrchestratorConfig(mode="async", agg_goal=agg_goal, concurrency=5, knowledge=Knowledge.TIERTRACK)
+    cfg = OrchestratorConfig(
+        mode="async", agg_goal=agg_goal, concurrency=5, knowledge=AvailabilityName.TIERTRACK
+    )
     orch = Orchestrator(
         cfg,
         np.zeros(5, np.float32),
@@ -164,7 +166,11 @@ def test_value_order_probes_high_utility_long_unmeasured_clients_first():
 def test_eval_utility_scale_multiplies_eval_utilities_only(scale):
     """One AVL_TRAIN and one AVL_EVAL client: the eval reply's utility is scaled, the training one's not."""
     cfg = OrchestratorConfig(
-        mode="async", agg_goal=1, concurrency=1, knowledge=Knowledge.TIERTRACK, eval_utility_scale=scale
+        mode="async",
+        agg_goal=1,
+        concurrency=1,
+        knowledge=AvailabilityName.TIERTRACK,
+        eval_utility_scale=scale,
     )
     train_sel, eval_sel = tierselect(1, TierSelectEvalParams(staleness_threshold=0))
     orch = Orchestrator(

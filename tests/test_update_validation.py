@@ -12,10 +12,10 @@ import pytest
 
 from felix.cli import main
 from felix.config import ConfigError, validate
+from felix.core.aggregation import Aggregator
 from felix.core.commands import DispatchEval, DispatchTrain, NewModelVersion, UpdateRejected
 from felix.core.events import ClientRegistered, TaskFinished, TierChanged
-from felix.core.orchestrator import Knowledge, Orchestrator, OrchestratorConfig
-from felix.core.policies import Aggregator
+from felix.core.orchestrator import AvailabilityName, Orchestrator, OrchestratorConfig
 from felix.core.types import BufferedUpdate, ClientUpdate, TaskKind, Tier
 from felix.core.validation import AuxDecl, UpdateValidator, ValidationConfig, aux_problem
 from felix.engine.run import resolve_config
@@ -264,7 +264,7 @@ def test_tier_flips_cost_at_most_one_probe_per_round() -> None:
     """Before: 200 tier flips of one client brought it 1 training task and 15 eval tasks (the
     round's whole eval budget), each a full model download. A client whose probe dropped is not
     probed again in that round, as a client whose training dropped is not picked again."""
-    cfg = OrchestratorConfig(mode="async", agg_goal=10, concurrency=30, knowledge=Knowledge.TIERTRACK)
+    cfg = OrchestratorConfig(mode="async", agg_goal=10, concurrency=30, knowledge=AvailabilityName.TIERTRACK)
     o = Orchestrator(
         cfg, THETA0.copy(), OortSelector(), FedBuffAggregator(), np.random.default_rng(0), TierSelectEval(10)
     )

@@ -397,21 +397,21 @@ class Config(StrictModel):
                 "orchestrator.knowledge_params",
             ),
             (
-                "felix.core.policies",
+                "felix.core.selection",
                 "TRAIN_SELECTORS",
                 self.selector.name,
                 self.selector.params,
                 "selector.params",
             ),
             (
-                "felix.core.policies",
+                "felix.core.eval_selection",
                 "EVAL_SELECTORS",
                 self.eval_selector.name,
                 self.eval_selector.params,
                 "eval_selector.params",
             ),
             (
-                "felix.core.policies",
+                "felix.core.aggregation",
                 "AGGREGATORS",
                 self.aggregator.name,
                 self.aggregator.params,
@@ -434,7 +434,7 @@ class Config(StrictModel):
                 )
         if self.client.probe_loss:
             # declared by the aggregators (their registry entry's reads_aux), not a test of names
-            from felix.core.policies import AGGREGATORS
+            from felix.core.aggregation import AGGREGATORS
 
             if "qffl_loss" not in AGGREGATORS.entry(self.aggregator.name).traits.get("reads_aux", ()):
                 readers = ", ".join(repr(n) for n in AGGREGATORS.having("reads_aux", "qffl_loss"))

@@ -10,21 +10,20 @@ are not interrupted: the oracle baselines know who is online, not who just left.
 The orchestrator keeps each client's last reported tier (``ClientRecord.reported_tier``) and asks
 the policy for the tier it should act on (``ClientRecord.tier``). A new policy (a REFL-style
 availability predictor, say) is one subclass registered in ``AVAILABILITY`` next to it and picked
-by ``orchestrator.knowledge``; the orchestrator is not edited.
+by ``orchestrator.knowledge``; the orchestrator is not edited. A policy acts on the orchestrator
+through ``felix.core.view.OrchestratorView`` (``clients``, ``task``, ``release``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from felix.core.client_map import ClientMap, ClientRecord, ClientView
 from felix.core.registry import NoParams, Registry
 from felix.core.types import Task, TaskKind, TaskState, Tier
-
-if TYPE_CHECKING:
-    from felix.core.orchestrator import Orchestrator, OrchestratorConfig
+from felix.core.view import OrchestratorView, PolicySettings
 
 
 class AvailabilityPolicy:
@@ -37,14 +36,14 @@ class AvailabilityPolicy:
     #: The policy reads ground truth (the trace) through ``SelectionContext.oracle``.
     needs_oracle = False
 
-    def __init__(self, cfg: OrchestratorConfig) -> None:
+    def __init__(self, cfg: PolicySettings) -> None:
         self.cfg = cfg
 
     def registered_tier(self, reported: Tier) -> Tier:
         """The tier the server acts on for a client that registers reporting ``reported``."""
         return reported
 
-    def on_tier(self, orch: Orchestrator, rec: ClientRecord | ClientView, tier: Tier) -> None:
+    def on_tier(self, orch: OrchestratorView, rec: ClientRecord | ClientView, tier: Tier) -> None:
         """``rec`` reported ``tier`` (already stored as ``rec.reported_tier``)."""
         orch.clients.set_tier(rec.client_id, tier)
 
@@ -53,10 +52,10 @@ class AvailabilityPolicy:
         applies the rejoin and once-per-round rules)."""
         return clients.idle_rows(Tier.AVL_TRAIN)
 
-    def on_timeout(self, orch: Orchestrator, task: Task) -> None:
+    def on_timeout(self, orch: OrchestratorView, task: Task) -> None:
         """``task`` ran past the task timeout (its slot is already freed)."""
 
-    def on_reply(self, orch: Orchestrator, rec: ClientRecord | ClientView) -> None:
+    def on_reply(self, orch: OrchestratorView, rec: ClientRecord | ClientView) -> None:
         """A result arrived from ``rec``: it is alive. A timeout may have marked it UN_AVL; its
         reported tier holds again."""
         if rec.tier is Tier.UN_AVL and rec.reported_tier is not Tier.UN_AVL:
@@ -78,13 +77,13 @@ class NoKnowledge(AvailabilityPolicy):
     name = "none"
     tier_reports_sent = False
 
-    def __init__(self, params: NoParams, cfg: OrchestratorConfig) -> None:
+    def __init__(self, params: NoParams, cfg: PolicySettings) -> None:
         super().__init__(cfg)
 
     def registered_tier(self, reported: Tier) -> Tier:
         return Tier.AVL_TRAIN
 
-    def on_tier(self, orch: Orchestrator, rec: ClientRecord | ClientView, tier: Tier) -> None:
+    def on_tier(self, orch: OrchestratorView, rec: ClientRecord | ClientView, tier: Tier) -> None:
         return
 
     def train_rows(self, clients: ClientMap, now: float) -> np.ndarray:
@@ -97,7 +96,7 @@ class OracleKnowledge(AvailabilityPolicy):
     tier_reports_sent = False
     needs_oracle = True
 
-    def __init__(self, params: NoParams, cfg: OrchestratorConfig) -> None:
+    def __init__(self, params: NoParams, cfg: PolicySettings) -> None:
         super().__init__(cfg)
 
 
@@ -105,10 +104,10 @@ class OracleKnowledge(AvailabilityPolicy):
 class TierTrack(AvailabilityPolicy):
     name = "tiertrack"
 
-    def __init__(self, params: NoParams, cfg: OrchestratorConfig) -> None:
+    def __init__(self, params: NoParams, cfg: PolicySettings) -> None:
         super().__init__(cfg)
 
-    def on_tier(self, orch: Orchestrator, rec: ClientRecord | ClientView, tier: Tier) -> None:
+    def on_tier(self, orch: OrchestratorView, rec: ClientRecord | ClientView, tier: Tier) -> None:
         orch.clients.set_tier(rec.client_id, tier)
         if rec.in_flight is None:
             return
@@ -116,5 +115,5 @@ class TierTrack(AvailabilityPolicy):
         if tier is Tier.UN_AVL or (tier is Tier.AVL_EVAL and task.kind is TaskKind.TRAIN):
             orch.release(task, TaskState.INTERRUPTED)
 
-    def on_timeout(self, orch: Orchestrator, task: Task) -> None:
+    def on_timeout(self, orch: OrchestratorView, task: Task) -> None:
         orch.clients.set_tier(task.client_id, Tier.UN_AVL)

@@ -7,7 +7,8 @@ the round at ``agg_goal`` arrivals or the deadline, cancel or keep the straggler
 A policy is called by the orchestrator at four points (``need`` before selection,
 ``on_buffered`` after an update entered the buffer, ``on_aggregated`` after a new model version,
 ``on_timers`` when time advanced) and acts through the orchestrator's small policy API
-(``aggregate``, ``start_round``, ``cancel``, ``round_tasks``, ``buffered``, ``train_in_flight``).
+(``felix.core.view.OrchestratorView``: ``aggregate``, ``start_round``, ``cancel``, ``round_tasks``,
+``buffered``, ``train_in_flight``), not through the orchestrator class itself.
 A new policy (semi-async, say) is one subclass registered in ``ROUND_POLICIES`` next to it and
 picked by ``orchestrator.mode``; the orchestrator is not edited.
 """
@@ -15,14 +16,12 @@ picked by ``orchestrator.mode``; the orchestrator is not edited.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from felix.core.commands import Command
 from felix.core.registry import NoParams, Registry
 from felix.core.types import Task
-
-if TYPE_CHECKING:
-    from felix.core.orchestrator import Orchestrator, OrchestratorConfig
+from felix.core.view import OrchestratorView, PolicySettings
 
 
 class RoundPolicy:
@@ -33,20 +32,20 @@ class RoundPolicy:
     #: soon as it is idle.
     one_task_per_round = False
 
-    def __init__(self, cfg: OrchestratorConfig) -> None:
+    def __init__(self, cfg: PolicySettings) -> None:
         self.cfg = cfg
 
-    def need(self, orch: Orchestrator) -> int:
+    def need(self, orch: OrchestratorView) -> int:
         """How many more training tasks to dispatch now (<= 0: none)."""
         raise NotImplementedError
 
-    def on_buffered(self, orch: Orchestrator, task: Task, out: list[Command]) -> None:
+    def on_buffered(self, orch: OrchestratorView, task: Task, out: list[Command]) -> None:
         """An accepted update of ``task`` entered the buffer: aggregate or close the round if due."""
 
-    def on_aggregated(self, orch: Orchestrator) -> None:
+    def on_aggregated(self, orch: OrchestratorView) -> None:
         """A new model version was made (before the selector's ``on_round_end``)."""
 
-    def on_timers(self, orch: Orchestrator, out: list[Command]) -> None:
+    def on_timers(self, orch: OrchestratorView, out: list[Command]) -> None:
         """Time advanced to ``orch.now`` (after the task timers fired): act on a deadline."""
 
     def wakeup(self) -> float | None:
@@ -71,19 +70,19 @@ class AsyncRounds(RoundPolicy):
 
     name = "async"
 
-    def __init__(self, params: NoParams, cfg: OrchestratorConfig) -> None:
+    def __init__(self, params: NoParams, cfg: PolicySettings) -> None:
         super().__init__(cfg)
         if cfg.concurrency < 1:
             raise ValueError("concurrency must be at least 1")
 
-    def need(self, orch: Orchestrator) -> int:
+    def need(self, orch: OrchestratorView) -> int:
         return self.cfg.concurrency - orch.train_in_flight
 
-    def on_buffered(self, orch: Orchestrator, task: Task, out: list[Command]) -> None:
+    def on_buffered(self, orch: OrchestratorView, task: Task, out: list[Command]) -> None:
         if orch.buffered >= self.cfg.agg_goal:
             orch.aggregate(out)
 
-    def on_aggregated(self, orch: Orchestrator) -> None:
+    def on_aggregated(self, orch: OrchestratorView) -> None:
         orch.start_round(orch.version)
 
 
@@ -96,40 +95,40 @@ class SyncRounds(RoundPolicy):
     name = "sync"
     one_task_per_round = True
 
-    def __init__(self, params: NoParams, cfg: OrchestratorConfig) -> None:
+    def __init__(self, params: NoParams, cfg: PolicySettings) -> None:
         super().__init__(cfg)
         self.active = False
         self.deadline: float | None = None
         self.received = 0
 
-    def need(self, orch: Orchestrator) -> int:
+    def need(self, orch: OrchestratorView) -> int:
         if not self.active:
             self._start(orch)
         # The over-selection at the start, and a top-up for tasks that failed, timed out or left.
         outstanding = sum(1 for t in orch.round_tasks(orch.round) if t.holds_slot)
         return math.ceil(self.cfg.agg_goal * self.cfg.overcommit) - self.received - outstanding
 
-    def on_buffered(self, orch: Orchestrator, task: Task, out: list[Command]) -> None:
+    def on_buffered(self, orch: OrchestratorView, task: Task, out: list[Command]) -> None:
         if task.round == orch.round and self.active:
             self.received += 1
         if self.active and self.received >= self.cfg.agg_goal:
             self._end(orch, out)
 
-    def on_timers(self, orch: Orchestrator, out: list[Command]) -> None:
+    def on_timers(self, orch: OrchestratorView, out: list[Command]) -> None:
         if self.deadline is not None and self.deadline <= orch.now:
             self._end(orch, out)
 
     def wakeup(self) -> float | None:
         return self.deadline
 
-    def _start(self, orch: Orchestrator) -> None:
+    def _start(self, orch: OrchestratorView) -> None:
         orch.start_round(orch.round + 1)
         orch.stats.rounds_started += 1
         self.active = True
         self.received = 0
         self.deadline = None if self.cfg.deadline_s is None else orch.now + self.cfg.deadline_s
 
-    def _end(self, orch: Orchestrator, out: list[Command]) -> None:
+    def _end(self, orch: OrchestratorView, out: list[Command]) -> None:
         if self.cfg.cancel_stragglers:
             for task in orch.round_tasks(orch.round):
                 orch.cancel(task, "round ended", out)

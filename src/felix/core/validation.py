@@ -76,6 +76,35 @@ from felix.core.types import ClientUpdate, TaskKind
 NORM_POLICIES = ("reject", "clip", "off")
 
 
+def malformed(kind: TaskKind, upd: ClientUpdate, theta: np.ndarray) -> str | None:
+    """Why a result is not well-formed (the orchestrator's own checks, before ``UpdateValidator``
+    judges whether it is plausible), or None: finite scalars, samples behind a training update,
+    a float32 delta of the model's shape with finite values, finite aux entries and data span."""
+    if not (math.isfinite(upd.stat_utility) and math.isfinite(upd.loss) and math.isfinite(upd.duration)):
+        return "non-finite loss, utility or duration"
+    if upd.num_samples <= 0 and kind is TaskKind.TRAIN:
+        return "training update over no samples"
+    if kind is not TaskKind.TRAIN:
+        return None
+    d = upd.delta
+    if d is None:
+        return "training result without a model update"
+    if d.shape != theta.shape or d.dtype != np.float32:
+        return f"model update of shape {d.shape}/{d.dtype}, expected {theta.shape}/float32"
+    if not np.isfinite(d).all():
+        return "model update holds non-finite values"
+    for key, val in upd.aux.items():
+        if not np.isfinite(np.asarray(val, dtype=np.float64)).all():
+            return f"aux {key!r} holds non-finite values"
+    span = upd.data_span
+    # (Not checked against the server's clock: a deployed client's clock is its own.)
+    if span is not None and not (
+        len(span) == 2 and all(math.isfinite(v) for v in span) and span[0] <= span[1]
+    ):
+        return "data span not finite or reversed"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class AuxDecl:
     """One aux entry an objective or aggregator uses: its exact shape and numpy dtype string."""

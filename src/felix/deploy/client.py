@@ -58,7 +58,7 @@ from felix.deploy.broker_config import default_max_message_bytes
 from felix.deploy.inbox import Inbox
 from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
 from felix.deploy.topics import ALLOWED, Topics, client_user
-from felix.engine.device import DeviceRunner, Step, Task, TaskRules, task_seed
+from felix.engine.device import DeviceRunner, DeviceTask, Step, TaskRules, task_seed
 from felix.scenario.build import build_population, build_runtimes, build_trace, build_trainer
 from felix.scenario.traces import DeviceTrace
 from felix.strategies.dataplans.plans import PlanApplier, prepare_data_plan
@@ -468,7 +468,7 @@ class ClientHost:
         self._refresh_tier(dev)  # the tier may have changed while computing
         self._follow(dev, dev.finish(self.trace_time(), task, wire.encode(msg)))  # sent now, or held
 
-    def _compute(self, dev: Device, task: Task) -> ClientUpdate:
+    def _compute(self, dev: Device, task: DeviceTask) -> ClientUpdate:
         if self.opts.no_train:
             delta = np.zeros(task.weights.size, np.float32) if task.kind is TaskKind.TRAIN else None
             return ClientUpdate(len(dev.data), 1.0, 1.0, 0.0, delta)

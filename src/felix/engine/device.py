@@ -58,7 +58,10 @@ def can_run(tier: Tier, kind: TaskKind) -> bool:
 
 
 @dataclass
-class Task:
+class DeviceTask:
+    """A task as a device holds it: the model and aux it trains on and the work it costs. The
+    server's record of the same task (its state, round, slot) is ``felix.core.types.Task``."""
+
     task_id: int
     kind: TaskKind
     weights: np.ndarray
@@ -97,7 +100,7 @@ class Timer:
 
 @dataclass(frozen=True)
 class Held(Generic[R]):
-    task: Task
+    task: DeviceTask
     result: R
 
 
@@ -119,8 +122,8 @@ class DeviceRunner(Generic[R]):
     runtime_s: float  # config seconds of one training task
     tier: Tier
     state: dict[str, Any] = field(default_factory=dict)  # objective state kept between the client's tasks
-    queue: deque[Task] = field(default_factory=deque)
-    current: Task | None = None
+    queue: deque[DeviceTask] = field(default_factory=deque)
+    current: DeviceTask | None = None
     started_at: float | None = None  # when the current task (re)started; None while paused
     remaining: float = 0.0  # config seconds of work left on the current task when it (re)started
     token: int = 0
@@ -133,7 +136,7 @@ class DeviceRunner(Generic[R]):
         return can_run(self.tier, kind)
 
     @property
-    def running(self) -> Task | None:
+    def running(self) -> DeviceTask | None:
         """The task whose clock runs now (not paused), for the simulator's cohorts."""
         return self.current if self.started_at is not None else None
 
@@ -172,7 +175,7 @@ class DeviceRunner(Generic[R]):
             duration = augment_s + self.runtime_s  # the runtime after augmentation (it may follow the data)
         else:
             duration = self.runtime_s * rules.eval_fraction
-        self.queue.append(Task(task_id, kind, weights, dict(aux or {}), duration, version))
+        self.queue.append(DeviceTask(task_id, kind, weights, dict(aux or {}), duration, version))
         return Step(self._try_start(now))
 
     def set_tier(self, now: float, tier: Tier) -> Step[R] | None:
@@ -196,7 +199,7 @@ class DeviceRunner(Generic[R]):
         step.released = self._release()
         return step
 
-    def complete(self, token: int) -> Task | None:
+    def complete(self, token: int) -> DeviceTask | None:
         """A completion timer fired: the finished task for the shell to compute (then :meth:`finish`),
         or None when the timer is stale."""
         if token != self.token or self.current is None:
@@ -204,7 +207,7 @@ class DeviceRunner(Generic[R]):
         task, self.current, self.started_at = self.current, None, None
         return task
 
-    def finish(self, now: float, task: Task, result: R) -> Step[R]:
+    def finish(self, now: float, task: DeviceTask, result: R) -> Step[R]:
         """``task``'s result is ready: sent now if the tier allows it, else held; the next task may start."""
         self.held.append(Held(task, result))
         return Step(self._try_start(now), self._release())

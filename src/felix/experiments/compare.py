@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from felix.config import Config, ConfigError, deep_merge, read_yaml, validate
-from felix.experiments.runs import Outcome, RunSpec, close_backend, make_backend, run_all
+from felix.experiments.backends import close_backend, make_backend
+from felix.experiments.runs import Outcome, RunSpec, run_all
 from felix.metrics.multiseed import (
     compare_seeds,
     plot_accuracy_vs_bytes,

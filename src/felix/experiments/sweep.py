@@ -19,7 +19,8 @@ import yaml
 
 from felix.config import ConfigError, deep_merge, load_yaml, parse_set
 from felix.engine.run import resolve_config
-from felix.experiments.runs import RunSpec, close_backend, make_backend, run_all
+from felix.experiments.backends import close_backend, make_backend
+from felix.experiments.runs import RunSpec, run_all
 from felix.metrics.report import make_output_dir
 
 

@@ -33,8 +33,9 @@ from typing import Any
 
 import numpy as np
 
+from felix.core.aggregation import Aggregator
 from felix.core.client_map import ClientMap, ClientRecord
-from felix.core.policies import Aggregator, SelectionContext, TrainSelector
+from felix.core.selection import SelectionContext, TrainSelector
 from felix.core.types import BufferedUpdate, ClientUpdate, Tier
 from felix.flower import import_flwr
 from felix.flower.helpers import COUNTS, COUNTS_QUERY, PLAN_ROW

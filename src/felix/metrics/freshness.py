@@ -15,10 +15,10 @@ any update applied to it so far.
 from __future__ import annotations
 
 import csv
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -27,12 +27,11 @@ import torch.nn.functional as F
 from felix.client.trainer import autocast
 from felix.client.weights import ModelWeights, weights_for
 from felix.core.commands import NewModelVersion
-from felix.scenario.datasets import ArrayDataset
-from felix.stream.drift import Shift
+from felix.metrics.per_client import LabelledSet
 
 
 def make_class_evaluator(
-    model: torch.nn.Module, test: ArrayDataset, device: str, autocast_dtype: torch.dtype | None = None
+    model: torch.nn.Module, test: LabelledSet, device: str, autocast_dtype: torch.dtype | None = None
 ) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """The model's accuracy and mean loss on each class's test samples (NaN for a class with none)."""
     model = model.to(device)
@@ -102,6 +101,17 @@ class _Eval:
     newest_data: float | None  # the model's newest data when evaluated
 
 
+class ShiftMark(Protocol):
+    """A moment the stream's global mix shifts, as the tracker reads it (``felix.stream.drift.Shift``
+    is one): the metrics layer measures recovery after it and knows no stream."""
+
+    @property
+    def at_s(self) -> float: ...
+
+    @property
+    def kind(self) -> str: ...
+
+
 class FreshnessTracker:
     """Accuracy on the current distribution for a run on streams: the recorder's ``evaluate_at``
     and an aggregation hook (the model's newest data), then the summary and ``freshness.csv``."""
@@ -110,7 +120,7 @@ class FreshnessTracker:
         self,
         evaluate: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
         mix_at: Callable[[float], np.ndarray],
-        shifts: list[Shift],
+        shifts: Sequence[ShiftMark],
         tolerance: float,
         before_s: float,
         grid_s: float,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -28,10 +28,28 @@ from numpy.typing import NDArray
 from felix.client.trainer import autocast
 from felix.client.weights import weights_for
 from felix.metrics.classification import class_metrics, confusion_matrix, minority_classes
-from felix.scenario.datasets import ArrayDataset
-from felix.scenario.random_access import rare_client_mask
 
-__all__ = ["PerClientSetup", "confusion_on_test", "make_per_client_eval", "per_client_metrics"]
+__all__ = [
+    "LabelledSet",
+    "PerClientSetup",
+    "confusion_on_test",
+    "make_per_client_eval",
+    "per_client_metrics",
+    "rare_client_mask",
+]
+
+
+class LabelledSet(Protocol):
+    """A test set as the evaluators read it (``felix.scenario.datasets.ArrayDataset`` is one): the
+    metrics layer needs its tensors, not the scenario layer that loads them."""
+
+    x: torch.Tensor  # N x sample shape
+    y: torch.Tensor  # int64 labels, N
+
+    def __len__(self) -> int: ...
+
+    @property
+    def num_classes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -59,7 +77,7 @@ class PerClientSetup:
 def confusion_on_test(
     model: torch.nn.Module,
     weights: np.ndarray,
-    test: ArrayDataset,
+    test: LabelledSet,
     device: str,
     batch_size: int = 1000,
     autocast_dtype: torch.dtype | None = None,
@@ -109,9 +127,37 @@ def per_client_metrics(cm: NDArray[np.int64], setup: PerClientSetup) -> dict[str
     }
 
 
+def rare_client_mask(
+    probabilities: np.ndarray, threshold: float | None = None, fraction: float = 0.25
+) -> np.ndarray:
+    """Which clients count as rare: ``p_i <= threshold`` when a threshold is given, else the
+    ``ceil(fraction * N)`` clients with the lowest ``p`` by rank (ties broken by client index).
+
+    A quantile test such as ``p <= quantile(p, 0.25)`` breaks on ties: with two participation
+    levels and more than 75% frequent clients the quartile *is* the frequent level, so every
+    client passes. The rank rule always selects exactly the lowest-p quarter; the explicit
+    threshold (e.g. the rare level of a two-level RAM) selects every client at or below it.
+    """
+    p = np.asarray(probabilities, dtype=np.float64)
+    if p.ndim != 1 or p.size == 0:
+        raise ValueError(f"probabilities must be a non-empty 1-D array, got shape {p.shape}")
+    if threshold is not None:
+        if not np.isfinite(threshold):
+            raise ValueError(f"rare-client threshold must be finite, not {threshold}")
+        mask = p <= threshold
+        if not mask.any():
+            raise ValueError(f"no client has p <= {threshold} (lowest p is {p.min():.4g})")
+        return mask
+    if not (0.0 < fraction <= 1.0):
+        raise ValueError(f"rare-client fraction must lie in (0, 1], not {fraction}")
+    mask = np.zeros(p.size, dtype=bool)
+    mask[np.argsort(p, kind="stable")[: math.ceil(fraction * p.size)]] = True
+    return mask
+
+
 def make_per_client_eval(
     model: torch.nn.Module,
-    test: ArrayDataset,
+    test: LabelledSet,
     device: str,
     setup: PerClientSetup,
     autocast_dtype: torch.dtype | None = None,

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from felix.config import ConfigError
-from felix.core.orchestrator import OrchestratorStats
+from felix.core.stats import OrchestratorStats
 from felix.metrics.provenance import provenance
 from felix.metrics.recorder import EvalRow, Recorder
 

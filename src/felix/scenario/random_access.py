@@ -13,7 +13,6 @@ event list the trace-driven simulator reads, one slot of ``slot_s`` seconds per 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -145,34 +144,6 @@ def correlate_with_rarity(probabilities: np.ndarray, class_counts: np.ndarray) -
     out = np.empty_like(p)
     out[rarest_first] = np.sort(p)
     return out
-
-
-def rare_client_mask(
-    probabilities: np.ndarray, threshold: float | None = None, fraction: float = 0.25
-) -> np.ndarray:
-    """Which clients count as rare: ``p_i <= threshold`` when a threshold is given, else the
-    ``ceil(fraction * N)`` clients with the lowest ``p`` by rank (ties broken by client index).
-
-    A quantile test such as ``p <= quantile(p, 0.25)`` breaks on ties: with two participation
-    levels and more than 75% frequent clients the quartile *is* the frequent level, so every
-    client passes. The rank rule always selects exactly the lowest-p quarter; the explicit
-    threshold (e.g. the rare level of a two-level RAM) selects every client at or below it.
-    """
-    p = np.asarray(probabilities, dtype=np.float64)
-    if p.ndim != 1 or p.size == 0:
-        raise ValueError(f"probabilities must be a non-empty 1-D array, got shape {p.shape}")
-    if threshold is not None:
-        if not np.isfinite(threshold):
-            raise ValueError(f"rare-client threshold must be finite, not {threshold}")
-        mask = p <= threshold
-        if not mask.any():
-            raise ValueError(f"no client has p <= {threshold} (lowest p is {p.min():.4g})")
-        return mask
-    if not (0.0 < fraction <= 1.0):
-        raise ValueError(f"rare-client fraction must lie in (0, 1], not {fraction}")
-    mask = np.zeros(p.size, dtype=bool)
-    mask[np.argsort(p, kind="stable")[: math.ceil(fraction * p.size)]] = True
-    return mask
 
 
 def participation_to_events(participation: np.ndarray, slot_s: float) -> dict[int, list[tuple[float, str]]]:

@@ -59,7 +59,7 @@ from felix.core.events import ClientRegistered, Event, TaskFinished, Tick, TierC
 from felix.core.orchestrator import Orchestrator
 from felix.core.types import ClientUpdate, TaskKind
 from felix.engine.controller import RunController
-from felix.engine.device import DeviceRunner, Step, Task, TaskRules, task_seed
+from felix.engine.device import DeviceRunner, DeviceTask, Step, TaskRules, task_seed
 from felix.scenario.traces import DeviceTrace
 from felix.strategies.dataplans.plans import PlanClient
 
@@ -166,7 +166,7 @@ class Simulation:
         trainer: LocalTrainer,
         controller: RunController,
         settings: SimSettings,
-        on_train: Callable[[SimDevice, Task], None] | None = None,
+        on_train: Callable[[SimDevice, DeviceTask], None] | None = None,
         augment: Callable[[PlanClient, Sequence[int]], float] | None = None,
         cohort: CohortExecutor | None = None,
         registration: Callable[[int], tuple[int, tuple[int, ...]]] | None = None,
@@ -350,10 +350,12 @@ class Simulation:
         self._live_data.pop(task_id)
         return True
 
-    def _generator(self, task: Task) -> torch.Generator:
+    def _generator(self, task: DeviceTask) -> torch.Generator:
         return torch.Generator().manual_seed(task_seed(self.cfg.seed, task.task_id))
 
-    def _ready(self, dev: SimDevice, task: Task, done: Container[int]) -> list[tuple[SimDevice, Task]]:
+    def _ready(
+        self, dev: SimDevice, task: DeviceTask, done: Container[int]
+    ) -> list[tuple[SimDevice, DeviceTask]]:
         """``(dev, task)`` and the other devices' running tasks of the same kind that have no result
         yet, soonest completion first, up to the cohort size; paused tasks wait (they are the
         likeliest to time out)."""
@@ -365,7 +367,7 @@ class Simulation:
         others.sort(key=lambda p: (p[0].due_at, p[0].cid))  # type: ignore[arg-type, return-value]
         return [(dev, task), *others[: self.cfg.cohort_size - 1]]
 
-    def _train_cohort(self, dev: SimDevice, task: Task) -> _Trained | None:
+    def _train_cohort(self, dev: SimDevice, task: DeviceTask) -> _Trained | None:
         """Train ``task`` (``dev``'s, just completed) with the other ready tasks in a remote executor's
         whole-group pass; None when too few are ready for a vectorised pass to pay."""
         assert self.cohort is not None
@@ -379,7 +381,7 @@ class Simulation:
         return _Trained(updates[0], cohort[0].state, dev.data)
 
     def _advance_live(
-        self, live: LiveCohort, dev: SimDevice, task: Task, done: _Trained | None
+        self, live: LiveCohort, dev: SimDevice, task: DeviceTask, done: _Trained | None
     ) -> _Trained | None:
         """``task``'s result from the live stack (``done``: already finished there); None when it
         trains alone.
@@ -417,13 +419,13 @@ class Simulation:
                 self._trained[task_id] = trained
         return mine
 
-    def _cohort_task(self, dev: SimDevice, task: Task) -> CohortTask:
+    def _cohort_task(self, dev: SimDevice, task: DeviceTask) -> CohortTask:
         state = dict(dev.state)  # the task's own copy: committed only at its completion
         if self._live is not None:
             self._live_state[task.task_id] = state
         return CohortTask(task.weights, dev.data, state, task.aux, self._generator(task))
 
-    def _probe_cohort(self, dev: SimDevice, task: Task) -> _Trained | None:
+    def _probe_cohort(self, dev: SimDevice, task: DeviceTask) -> _Trained | None:
         assert self.cohort is not None
         group = self._ready(dev, task, self._probed)
         if len(group) < self.cfg.min_cohort:

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from felix.core.policies import AGGREGATORS, Aggregator
+from felix.core.aggregation import AGGREGATORS, Aggregator
 from felix.core.registry import NoParams
 from felix.core.types import BufferedUpdate
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from felix.core.policies import Aggregator
+from felix.core.aggregation import Aggregator
 from felix.core.types import BufferedUpdate
 
 

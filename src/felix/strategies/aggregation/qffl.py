@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from felix.core.policies import AGGREGATORS, Aggregator, reduce_aux
+from felix.core.aggregation import AGGREGATORS, Aggregator, reduce_aux
 from felix.core.types import BufferedUpdate
 from felix.core.validation import AuxDecl
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from felix.core.policies import Aggregator, reduce_aux
+from felix.core.aggregation import Aggregator, reduce_aux
 from felix.core.types import BufferedUpdate
 from felix.core.validation import AuxDecl, l2_norm
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from felix.core.policies import AGGREGATORS, Aggregator
+from felix.core.aggregation import AGGREGATORS, Aggregator
 from felix.core.registry import params_from_dataclass
 from felix.core.types import BufferedUpdate
 

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from felix.client.trainer import ClientData
 from felix.config import Config, ConfigError
 from felix.core.dataplan import DATA_PLANS
 from felix.strategies.dataplans.augment import Augmenter, augment_client, get_augmenter
@@ -52,7 +51,7 @@ __all__ = [
 _AUGMENT_STREAM: Final = 101
 
 
-def registered_counts(datas: Sequence[ClientData], num_classes: int) -> NDArray[np.int64]:
+def registered_counts(datas: Sequence[PlanData], num_classes: int) -> NDArray[np.int64]:
     """The client x class count matrix the server assembles from the clients' registrations."""
     return np.stack([np.bincount(d.y.numpy(), minlength=num_classes) for d in datas]).astype(np.int64)
 
@@ -63,13 +62,34 @@ def client_seed(run_seed: int, client_id: int) -> int:
     return int(np.random.SeedSequence([run_seed, _AUGMENT_STREAM, client_id]).generate_state(1)[0])
 
 
-class PlanClient(Protocol):
+class PlanData(Protocol):
+    """A client's training samples as a data plan reads them (``felix.client.trainer.ClientData``
+    is one): this layer plans and augments tensors, and knows no trainer."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None: ...
+
+    def __len__(self) -> int: ...
+
+
+D = TypeVar("D", bound=PlanData)
+
+
+class PlanClient(Protocol, Generic[D]):
     """What :class:`PlanApplier` changes on a client: the simulator's ``SimDevice`` and the
     deployment's emulated ``Device`` both have these."""
 
     cid: int
-    data: ClientData
+    data: D
     runtime_s: float
+
+
+def with_samples(data: D, x: torch.Tensor, y: torch.Tensor) -> D:
+    """Data of ``data``'s own type holding ``x`` and ``y``: made afresh, so that whatever the type
+    derives from its samples (``ClientData``'s cached class counts) starts over."""
+    return type(data)(x, y)
 
 
 @dataclass
@@ -117,7 +137,7 @@ class PlanApplier:
             np.zeros(n, dtype=bool),
         )
 
-    def __call__(self, dev: PlanClient, row: Sequence[int]) -> float:
+    def __call__(self, dev: PlanClient[D], row: Sequence[int]) -> float:
         cid = dev.cid
         if self.applied[cid]:
             raise RuntimeError(f"client {cid} was asked to apply its data plan twice")
@@ -128,7 +148,7 @@ class PlanApplier:
         x_new, y_new, wall = augment_client(
             dev.data.x, dev.data.y, row, self.augmenter, client_seed(self.run_seed, cid)
         )
-        dev.data = ClientData(torch.cat([dev.data.x, x_new]), torch.cat([dev.data.y, y_new]))
+        dev.data = with_samples(dev.data, torch.cat([dev.data.x, x_new]), torch.cat([dev.data.y, y_new]))
         per_sample = float(self.train_s_per_sample[cid])
         if self.runtime_follows_data:
             dev.runtime_s = per_sample * len(dev.data)
@@ -180,7 +200,7 @@ class DataPlanRun:
 
 def prepare_data_plan(
     cfg: Config,
-    client_data: Sequence[ClientData],
+    client_data: Sequence[PlanData],
     num_classes: int,
     runtimes: NDArray[np.float64],
     policy: PlannedDataPlan | None = None,

@@ -38,8 +38,8 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from felix.core.client_map import ClientMap, ClientRecord, ClientRows, ClientView, LogMark
-from felix.core.policies import TRAIN_SELECTORS, SelectionContext, TrainSelector
 from felix.core.registry import params_from_dataclass
+from felix.core.selection import TRAIN_SELECTORS, SelectionContext, TrainSelector
 from felix.strategies.selection.ranking import kth_largest, largest_first
 from felix.strategies.selection.sampling import choice_by_weight
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from felix.core.policies import TRAIN_SELECTORS, SelectionContext, TrainSelector
 from felix.core.registry import NoParams
+from felix.core.selection import TRAIN_SELECTORS, SelectionContext, TrainSelector
 
 
 class RandomSelector(TrainSelector):

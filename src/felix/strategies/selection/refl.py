@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from felix.core.client_map import ClientRecord, ClientView
-from felix.core.policies import TRAIN_SELECTORS, AvailabilityOracle, SelectionContext, TrainSelector
 from felix.core.registry import params_from_dataclass
+from felix.core.selection import TRAIN_SELECTORS, AvailabilityOracle, SelectionContext, TrainSelector
 from felix.strategies.selection.oort import OortSelector, OortSelectorParams, make_oort
 
 

@@ -18,8 +18,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from felix.core.policies import EVAL_SELECTORS, EvalSelector, SelectionContext
+from felix.core.eval_selection import EVAL_SELECTORS, EvalSelector
 from felix.core.registry import params_from_dataclass
+from felix.core.selection import SelectionContext
 from felix.strategies.selection.oort import OortParams, OortSelector
 from felix.strategies.selection.ranking import smallest_first
 

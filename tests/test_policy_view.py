@@ -1,0 +1,117 @@
+"""The round and availability policies act through ``felix.core.view`` alone: driven here by a
+small stand-in for the orchestrator (no ``Orchestrator`` is built), they make the decisions the
+orchestrator's tests see, and they touch nothing the view does not name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from felix.core.availability import AVAILABILITY
+from felix.core.client_map import ClientMap, ClientRecord
+from felix.core.commands import CancelTask, Command
+from felix.core.ledger import TaskLedger
+from felix.core.orchestrator_config import OrchestratorConfig
+from felix.core.rounds import ROUND_POLICIES
+from felix.core.stats import OrchestratorStats
+from felix.core.types import Task, TaskKind, TaskState, Tier
+
+
+@dataclass
+class StandIn:
+    """Everything ``felix.core.view.OrchestratorView`` names, and nothing more, over a real ledger
+    and client map, recording the calls that act."""
+
+    now: float = 0.0
+    version: int = 0
+    round: int = 0
+    clients: ClientMap = field(default_factory=ClientMap)
+    stats: OrchestratorStats = field(default_factory=OrchestratorStats)
+    ledger: TaskLedger = field(default_factory=TaskLedger)
+    pending: int = 0  # updates in the buffer
+    calls: list[str] = field(default_factory=list)
+
+    @property
+    def buffered(self) -> int:
+        return self.pending
+
+    @property
+    def train_in_flight(self) -> int:
+        return self.ledger.train_in_flight
+
+    def task(self, task_id: int) -> Task:
+        return self.ledger.task(task_id)
+
+    def round_tasks(self, round_: int) -> list[Task]:
+        return self.ledger.round_tasks(round_)
+
+    def start_round(self, round_: int) -> None:
+        self.calls.append(f"start_round {round_}")
+        self.round = round_
+
+    def aggregate(self, out: list[Command]) -> None:
+        self.calls.append(f"aggregate {self.pending}")
+        self.pending = 0
+        self.version += 1
+
+    def cancel(self, task: Task, reason: str, out: list[Command]) -> None:
+        self.ledger.close(task, TaskState.CANCELLED)
+        out.append(CancelTask(task.task_id, task.client_id, reason))
+
+    def release(self, task: Task, state: TaskState) -> None:
+        self.calls.append(f"release {task.task_id} {state.value}")
+        self.ledger.release(task, state)
+
+
+def _view(**cfg: object) -> tuple[StandIn, OrchestratorConfig]:
+    view = StandIn()
+    for cid in range(4):
+        view.clients.add(
+            ClientRecord(client_id=cid, num_samples=10, tier=Tier.AVL_TRAIN, reported_tier=Tier.AVL_TRAIN)
+        )
+    return view, OrchestratorConfig(**cfg)
+
+
+def test_async_rounds_keep_concurrency_and_aggregate_at_the_goal() -> None:
+    view, cfg = _view(mode="async", agg_goal=2, concurrency=3)
+    policy = ROUND_POLICIES.create("async", None, cfg)
+    assert policy.need(view) == 3
+    tasks = [view.ledger.open(c, TaskKind.TRAIN, 0, 0, 0.0) for c in range(2)]
+    assert policy.need(view) == 1
+    out: list[Command] = []
+    view.pending = 1
+    policy.on_buffered(view, tasks[0], out)
+    assert view.calls == []  # below the goal
+    view.pending = 2
+    policy.on_buffered(view, tasks[1], out)
+    policy.on_aggregated(view)
+    assert view.calls == ["aggregate 2", "start_round 1"]  # the round follows the version
+
+
+def test_sync_round_over_selects_then_cancels_its_stragglers_at_the_deadline() -> None:
+    view, cfg = _view(mode="sync", agg_goal=2, overcommit=1.5, deadline_s=10.0)
+    policy = ROUND_POLICIES.create("sync", None, cfg)
+    assert policy.need(view) == 3 and view.round == 1 and view.stats.rounds_started == 1
+    tasks = [view.ledger.open(c, TaskKind.TRAIN, 0, view.round, 0.0) for c in range(3)]
+    assert policy.need(view) == 0 and policy.wakeup() == 10.0
+    out: list[Command] = []
+    view.ledger.close(tasks[0], TaskState.DONE)
+    view.pending = 1
+    policy.on_buffered(view, tasks[0], out)
+    view.now = 10.0
+    policy.on_timers(view, out)
+    assert sorted(c.task_id for c in out if isinstance(c, CancelTask)) == [tasks[1].task_id, tasks[2].task_id]
+    assert view.calls[-1] == "aggregate 1" and policy.wakeup() is None
+    assert len(view.ledger) == 0
+
+
+def test_tiertrack_frees_the_slot_of_a_client_that_leaves_and_marks_a_silent_one() -> None:
+    view, cfg = _view(knowledge="tiertrack")
+    policy = AVAILABILITY.create("tiertrack", None, cfg)
+    task = view.ledger.open(1, TaskKind.TRAIN, 0, 0, 0.0)
+    view.clients.set_in_flight(1, task.task_id)
+    rec = view.clients[1]
+    policy.on_tier(view, rec, Tier.UN_AVL)
+    assert view.calls == [f"release {task.task_id} interrupted"] and task.state is TaskState.INTERRUPTED
+    assert view.clients[1].tier is Tier.UN_AVL
+    policy.on_timeout(view, view.ledger.open(2, TaskKind.EVAL, 0, 0, 0.0))
+    assert view.clients[2].tier is Tier.UN_AVL
