@@ -23,11 +23,10 @@ from felix.client.cohort import (
     AUTO_COHORT,
     CohortTask,
     CohortTrainer,
-    batch_rows,
     conv_macs,
     resolve_cohort,
-    task_steps,
 )
+from felix.client.schedule import batch_rows, task_steps
 from felix.client.stacked_chain import StackedChain, masked_ce_grad
 from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
 from felix.config import ConfigError, deep_merge
@@ -659,7 +658,7 @@ def test_engine_speed_interleaves_the_bare_loop_with_the_run(monkeypatch: pytest
     ids=["every-step-below-beta", "free-beta"],
 )
 def test_cohort_federage_balanced_rule_trains_as_alone(opt: str, beta: float | None) -> None:
-    """The ``balanced`` step rule's cohort hooks agree with its sequential ones. Own seeded data
+    """The ``balanced`` step rule trains the same in cohorts as one client at a time. Own seeded data
     (``clients`` draws from the global generator, so its draws depend on the tests before). Beta
     pinned above every loss checks the raised weight below beta on every step, where no step's weight
     can hang on a near-tie between the two paths' float-rounded losses."""
@@ -843,7 +842,7 @@ def test_data_pool_adopts_the_partitioned_training_set_without_copying() -> None
     and a client's data pickles with its own rows only."""
     import pickle
 
-    from felix.client.cohort import DataPool
+    from felix.client.cohort_stack import DataPool
 
     built = build(resolve_config(None, "fedavg", deep_merge(SIM, {"run": {"cohort": "auto"}})))
     datas = [d.data for d in built.sim.devices]

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch.nn.utils import parameters_to_vector
 
-from felix.client.cohort import CohortTask, CohortTrainer, task_steps
+from felix.client.cohort import CohortTask, CohortTrainer
+from felix.client.schedule import task_steps
 from felix.client.trainer import ClientData, TrainConfig
 from felix.config import deep_merge
 from felix.distributed.cohort_executor import generator_seed, make_generator, split_shares

@@ -18,6 +18,7 @@ from felix.core.policies import reduce_aux
 from felix.core.types import BufferedUpdate, ClientUpdate
 from felix.strategies.objectives import (
     FedeRage,
+    OneClient,
     TaskContext,
     balanced_low_weight,
     beta_step,
@@ -46,6 +47,14 @@ def _ctx(
         state={} if state is None else state,
         aux_in={} if aux_in is None else aux_in,
     )
+
+
+def _per(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, y, reduction="none")
+
+
+def _beta(hooks: OneClient) -> float:
+    return float(hooks.extra["beta"][0])
 
 
 def _data(n: int = 40, d: int = 5, classes: int = 3, seed: int = 0) -> ClientData:
@@ -111,19 +120,19 @@ def test_federage_one_step_scales_gradient_and_moves_beta() -> None:
     beta0 = float(f.detach()) - 0.01  # the batch is above beta: w = 0.4 + 2.4 = 2.8
     obj = FedeRage(alpha=alpha, gamma=gamma, beta_init=beta0, step_rule="paper")
     ctx = _ctx(model, lr=lr)
-    obj.begin(ctx)
-    loss = obj.batch_loss(model(x), y, ctx)
+    hooks = OneClient(obj, ctx)
+    loss = hooks.loss(_per(model(x), y), y)
     assert float(loss.detach()) == pytest.approx(float(f.detach()))  # the data loss, never w * f
     loss.backward()
-    obj.before_step(ctx)
+    hooks.before_step()
     with torch.no_grad():
         for p in model.parameters():
             p -= lr * p.grad
-    obj.after_step(ctx)
-    obj.end(ctx)
+    hooks.after_step()
+    hooks.end()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q.detach() - lr * 2.8 * q.grad)
-    assert obj.beta == pytest.approx(beta0 + 0.1 * 1.8)  # beta - lr (1 - 2.8)
+    assert _beta(hooks) == pytest.approx(beta0 + 0.1 * 1.8)  # beta - lr (1 - 2.8)
     assert ctx.state["federage_beta"] == pytest.approx(beta0 + 0.18)
     assert ctx.aux_out["federage_beta"].dtype == np.float64
     assert float(ctx.aux_out["federage_beta"]) == pytest.approx(beta0 + 0.18)
@@ -131,7 +140,7 @@ def test_federage_one_step_scales_gradient_and_moves_beta() -> None:
 
 def _one_federage_step(obj: FedeRage, lr: float, above: bool) -> tuple[nn.Module, nn.Module, float]:
     """One hand-driven step of ``obj`` on a fixed batch; returns the stepped model, a copy of the
-    start with its plain CE gradient, and the batch loss."""
+    start with its plain CE gradient, and the batch loss (the beta after the step: ``obj.beta``)."""
     torch.manual_seed(1)
     model = nn.Linear(3, 2)
     x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
@@ -141,13 +150,14 @@ def _one_federage_step(obj: FedeRage, lr: float, above: bool) -> tuple[nn.Module
     f.backward()
     obj.beta_init = float(f.detach()) + (-0.01 if above else 0.01)
     ctx = _ctx(model, lr=lr)
-    obj.begin(ctx)
-    obj.batch_loss(model(x), y, ctx).backward()
-    obj.before_step(ctx)
+    hooks = OneClient(obj, ctx)
+    hooks.loss(_per(model(x), y), y).backward()
+    hooks.before_step()
     with torch.no_grad():
         for p in model.parameters():
             p -= lr * p.grad
-    obj.after_step(ctx)
+    hooks.after_step()
+    obj.beta = _beta(hooks)  # type: ignore[attr-defined]
     return model, ref, float(f.detach())
 
 
@@ -246,17 +256,20 @@ def test_federage_balanced_and_paper_weights_average_one(alpha: float, gamma: fl
 
 
 def test_federage_after_a_task_is_still_copyable_and_holds_no_graph() -> None:
-    """The objective keeps each step's loss value on the device (no host read per batch), not its
-    autograd graph: a trained objective deep-copies and pickles (Ray ships objectives to actors),
-    and its beta is the task's last, as the update reports it."""
+    """The objective keeps no task's tensors or graph (beta lives in the trainer's ``extra``): a
+    trained objective deep-copies and pickles (Ray ships objectives to actors) and trains on as
+    before, and the task's last beta is what the update reports and the state keeps."""
     objective = make_objective("federage", alpha=0.3, gamma=0.5)
     trainer = LocalTrainer(_mlp(), objective, TrainConfig(lr=0.1, batch_size=8), num_classes=3)
     w0 = parameters_to_vector(trainer.model.parameters()).detach().numpy().copy()
-    upd = trainer.train(w0, _data(), {}, {}, torch.Generator().manual_seed(0))
-    assert not objective._f.requires_grad
-    copied = copy.deepcopy(objective)
-    assert pickle.loads(pickle.dumps(objective)).beta == copied.beta == objective.beta
-    assert objective.beta == float(upd.aux["federage_beta"])
+    state: dict = {}
+    upd = trainer.train(w0, _data(), state, {}, torch.Generator().manual_seed(0))
+    assert not any(isinstance(v, torch.Tensor) and v.requires_grad for v in vars(objective).values())
+    for clone in (copy.deepcopy(objective), pickle.loads(pickle.dumps(objective))):
+        again = LocalTrainer(_mlp(), clone, TrainConfig(lr=0.1, batch_size=8), num_classes=3)
+        twin = again.train(w0, _data(), {}, {}, torch.Generator().manual_seed(0))
+        assert np.array_equal(twin.delta, upd.delta) and twin.aux["federage_beta"] == upd.aux["federage_beta"]
+    assert state["federage_beta"] == float(upd.aux["federage_beta"])
 
 
 def test_federage_separate_beta_learning_rate() -> None:
@@ -306,15 +319,16 @@ def test_federage_starts_from_server_beta_else_its_own() -> None:
     model = _mlp()
     obj = FedeRage(beta_max=5.0)
     ctx = _ctx(model, aux_in={"federage_beta": np.array(3.25)}, state={"federage_beta": 1.0})
-    obj.begin(ctx)
-    assert obj.beta == 3.25  # Algorithm 2's averaged beta, like theta
-    obj.begin(_ctx(model, aux_in={"federage_beta": np.array([9.0])}))
-    assert obj.beta == 5.0  # projected onto B
-    obj.begin(_ctx(model, state={"federage_beta": 1.0}))
-    assert obj.beta == 1.0  # no server average yet: the client's kept beta
+    assert obj.begin([ctx])["beta"].tolist() == [3.25]  # Algorithm 2's averaged beta, like theta
+    assert obj.begin([_ctx(model, aux_in={"federage_beta": np.array([9.0])})])["beta"].tolist() == [
+        5.0
+    ]  # on B
+    # no server average yet: the client's kept beta; a stack of clients, each its own
+    two = [_ctx(model, state={"federage_beta": 1.0}), ctx]
+    assert obj.begin(two)["beta"].tolist() == [1.0, 3.25]
     local = FedeRage(beta_from_server=False)
-    local.begin(_ctx(model, aux_in={"federage_beta": np.array(3.25)}, state={"federage_beta": 1.0}))
-    assert local.beta == 1.0
+    local_ctx = _ctx(model, aux_in={"federage_beta": np.array(3.25)}, state={"federage_beta": 1.0})
+    assert local.begin([local_ctx])["beta"].tolist() == [1.0]
 
 
 def test_federage_keeps_beta_across_tasks_and_server_averages_it() -> None:
@@ -350,9 +364,9 @@ def test_federage_validation(params: dict) -> None:
 
 
 def test_unknown_objective_and_bad_params() -> None:
-    with pytest.raises(ValueError, match="unknown client objective"):
+    with pytest.raises(ValueError, match="unknown objective 'nope'"):
         make_objective("nope")
-    with pytest.raises(ValueError, match="bad parameters"):
+    with pytest.raises(ValueError, match=r"objective 'fedprox': client\.objective_params\.nu: unknown key"):
         make_objective("fedprox", nu=1.0)
 
 
@@ -368,10 +382,13 @@ def test_wce_loss_is_the_weighted_mean() -> None:
     y = torch.tensor([0, 1, 1])
     obj = make_objective("wce")
     ctx = _ctx(nn.Linear(1, 2), counts=[3, 1])  # w = 4/(2*3), 4/(2*1) = 2/3, 2
-    obj.begin(ctx)
-    per = F.cross_entropy(logits, y, reduction="none")
+    per = _per(logits, y)
     expect = (2 / 3 * per[0] + 2 * per[1] + 2 * per[2]) / (2 / 3 + 2 + 2)
-    torch.testing.assert_close(obj.batch_loss(logits, y, ctx), expect)
+    torch.testing.assert_close(OneClient(obj, ctx).loss(per, y), expect)
+    # padded (the cohort trainer's masked batch): the pad's weight drops out
+    row = {k: v[0] for k, v in obj.begin([ctx]).items()}
+    padded, _ = obj.loss(torch.cat([per, per[:1]]), torch.tensor([1.0, 1, 1, 0]), torch.cat([y, y[:1]]), row)
+    torch.testing.assert_close(padded, expect)
 
 
 def test_focal_gamma_zero_is_cross_entropy_and_hand_value() -> None:
@@ -380,19 +397,20 @@ def test_focal_gamma_zero_is_cross_entropy_and_hand_value() -> None:
     y = torch.randint(0, 5, (16,), generator=g)
     ctx = _ctx(nn.Linear(1, 5), num_classes=5)
     torch.testing.assert_close(
-        make_objective("focal", gamma=0.0).batch_loss(logits, y, ctx), F.cross_entropy(logits, y)
+        OneClient(make_objective("focal", gamma=0.0), ctx).loss(_per(logits, y), y),
+        F.cross_entropy(logits, y),
     )
     # one sample with p_y = 0.8 (logits log 0.8, log 0.2): -(1 - 0.8)^2 log 0.8 = 0.04 * 0.22314 = 0.0089257
     two = torch.tensor([[math.log(0.8), math.log(0.2)]])
+    y0 = torch.tensor([0])
     ctx2 = _ctx(nn.Linear(1, 2))
-    assert float(make_objective("focal").batch_loss(two, torch.tensor([0]), ctx2)) == pytest.approx(
+    assert float(OneClient(make_objective("focal"), ctx2).loss(_per(two, y0), y0)) == pytest.approx(
         0.0089257, rel=1e-4
     )
     obj = make_objective("focal", alpha=[0.25, 1.0])
-    obj.begin(ctx2)
-    assert float(obj.batch_loss(two, torch.tensor([0]), ctx2)) == pytest.approx(0.25 * 0.0089257, rel=1e-4)
+    assert float(OneClient(obj, ctx2).loss(_per(two, y0), y0)) == pytest.approx(0.25 * 0.0089257, rel=1e-4)
     with pytest.raises(ValueError, match="focal alpha has 2 entries for 5 classes"):
-        obj.begin(ctx)
+        obj.begin([ctx])
 
 
 # ------------------------------------------------------------------ FedProx
@@ -404,9 +422,9 @@ def test_fedprox_adds_the_proximal_gradient() -> None:
         for p in model.parameters():
             p.add_(0.5)  # w - w_global = 0.5 everywhere
             p.grad = torch.ones_like(p)  # the data gradient
-    obj = make_objective("fedprox", mu=0.2)
-    obj.begin(ctx)
-    obj.before_step(ctx)
+    hooks = OneClient(make_objective("fedprox", mu=0.2), ctx)
+    hooks.loss(torch.ones(1), torch.zeros(1, dtype=torch.long))  # the step's statistic
+    hooks.before_step()
     for p in model.parameters():
         torch.testing.assert_close(p.grad, torch.full_like(p, 1.0 + 0.2 * 0.5))  # g + mu (w - w_g)
 
@@ -431,17 +449,18 @@ def test_scaffold_correction_and_control_update() -> None:
     aux_in = {"scaffold_c": np.array([0.5, 0.0], np.float32), "sum:scaffold_dc": np.array([0.0, 0.25])}
     state = {"scaffold_ci": np.array([0.25, 0.25], np.float32)}
     ctx = _ctx(model, lr=lr, aux_in=aux_in, state=state)
-    obj = make_objective("scaffold", num_clients=n_clients)
-    obj.begin(ctx)  # c = [0.5, 0.25], c_i = [0.25, 0.25]: correction c - c_i = [0.25, 0]
+    # c = [0.5, 0.25], c_i = [0.25, 0.25]: correction c - c_i = [0.25, 0]
+    hooks = OneClient(make_objective("scaffold", num_clients=n_clients), ctx)
     x = torch.tensor([[2.0, 1.0]])
     loss = model(x).sum()  # gradient = x = [2, 1]
+    hooks.loss(loss.detach().reshape(1), torch.zeros(1, dtype=torch.long))  # the step's statistic
     loss.backward()
-    obj.before_step(ctx)
+    hooks.before_step()
     torch.testing.assert_close(model.weight.grad, torch.tensor([[2.25, 1.0]]))
     with torch.no_grad():
         model.weight -= lr * model.weight.grad  # y = [1 - 0.225, -1 - 0.1] = [0.775, -1.1]
     ctx.steps = 1
-    obj.end(ctx)
+    hooks.end()
     # c_i+ = c_i - c + (x - y) / (K lr) = [0.25, 0.25] - [0.5, 0.25] + [0.225, 0.1] / 0.1 = [2.0, 1.0]
     np.testing.assert_allclose(state["scaffold_ci"], [2.0, 1.0], rtol=1e-6)
     np.testing.assert_allclose(ctx.aux_out["scaffold_c"], [0.5, 0.25])
@@ -469,10 +488,8 @@ def test_scaffold_server_control_is_c_plus_sum_dc_over_n() -> None:
     np.testing.assert_allclose(aux["sum:scaffold_dc"], [0.3, -0.5])  # summed, not averaged
     model = nn.Linear(2, 1, bias=False)
     ctx = _ctx(model, aux_in=aux)
-    obj = make_objective("scaffold", num_clients=10)
-    obj.begin(ctx)
     ctx.steps = 0
-    obj.end(ctx)
+    OneClient(make_objective("scaffold", num_clients=10), ctx).end()
     np.testing.assert_allclose(ctx.aux_out["scaffold_c"], [1.3, 1.5], rtol=1e-6)  # next task's c
 
 

@@ -21,7 +21,7 @@ checks that on a probe input before the trainer relies on it (on the device it w
 tests/test_cohort.py checks it for every objective.
 
 The plain objective's masked cross-entropy has a hand-written backward too (:func:`masked_ce_grad`);
-any other objective's loss (``Objective.cohort_loss``, written for one client) runs under ``vmap``,
+any other objective's loss (``Objective.loss``, written for one client) runs under ``vmap``,
 forward only, on the stacked logits, and autograd differentiates it with respect to the logits
 (:func:`autograd_head`), a graph of a few element-wise operations.
 """

@@ -12,7 +12,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from felix.client.schedule import epoch_batches
 from felix.client.weights import BUFFER_MODES, ModelWeights
 from felix.core.types import ClientUpdate
-from felix.strategies.objectives import Objective, TaskContext
+from felix.strategies.objectives import Objective, OneClient, TaskContext
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,17 @@ class TrainConfig:
     optimizer: str = "sgd"  # "sgd" or "adam"
     buffers: str = "aggregate"  # model buffers: "aggregate" (travel with the weights) or "local" (per client)
     probe_loss_key: str | None = None  # send the loss at the received model as this aux entry (q-FFL's F_k)
+
+    @classmethod
+    def of(cls, client: Any) -> TrainConfig:
+        """The trainer's settings from a config's ``client`` section, each field by its name (the
+        section declares them all, with the same meaning); ``probe_loss`` asks for q-FFL's loss at
+        the received model as aux ``qffl_loss``."""
+        names = [f.name for f in fields(cls) if f.name != "probe_loss_key"]
+        return cls(
+            **{n: getattr(client, n) for n in names},
+            probe_loss_key="qffl_loss" if client.probe_loss else None,
+        )
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.batch_size < 1 or self.epochs < 1:
@@ -168,10 +180,6 @@ class LocalTrainer:
         self.autocast_dtype = autocast_dtype
         self.weights = ModelWeights(self.model, cfg.buffers)
         self._params = self.weights.params
-        # Hooks the objective does not override are not called at all.
-        kind = type(objective)
-        self._before = kind.before_step is not Objective.before_step
-        self._after = kind.after_step is not Objective.after_step
         self._one_thread = thread_invariant(self.model, device)
 
     def load(self, weights: np.ndarray) -> torch.Tensor:
@@ -216,7 +224,8 @@ class LocalTrainer:
             )
         else:
             opt = torch.optim.Adam(self._params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.objective.begin(ctx)
+        # The objective's hooks, for a stack of one client (hooks it does not override are not called).
+        hooks = OneClient(self.objective, ctx)
         if not self.model.training:  # a recursive walk over modules; only after an eval probe
             self.model.train()
         x, y = data.on(self.device)
@@ -225,14 +234,12 @@ class LocalTrainer:
         sq_sum = torch.zeros((), device=self.device)
         loss_sum = torch.zeros((), device=self.device)
         seen, batches = 0, 0
-        before, after, mixed = self._before, self._after, self.autocast_dtype is not None
-        for epoch in range(cfg.epochs):
+        mixed = self.autocast_dtype is not None
+        bs = cfg.batch_size
+        for epoch, (take, nb) in enumerate(epoch_batches(n, cfg)):  # the cohort trainer's schedule too
             order = torch.randperm(n, generator=generator).to(self.device)
-            stop = n - n % cfg.batch_size if cfg.drop_last else n
-            for start in range(0, stop, cfg.batch_size):
-                if cfg.max_steps is not None and ctx.steps >= cfg.max_steps:
-                    break
-                idx = order[start : start + cfg.batch_size]
+            for start in range(0, nb * bs, bs):
+                idx = order[start : min(start + bs, take)]
                 yb = y[idx]
                 if mixed:
                     with autocast(self.device, self.autocast_dtype):
@@ -243,18 +250,16 @@ class LocalTrainer:
                 if epoch == 0:
                     sq_sum += per.detach().square().sum()
                     seen += int(idx.shape[0])
-                loss = self.objective.loss_from_ce(per, logits, yb, ctx)
+                loss = hooks.loss(per, yb)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
-                if before:
-                    self.objective.before_step(ctx)
+                hooks.before_step()
                 opt.step()
                 ctx.steps += 1
-                if after:
-                    self.objective.after_step(ctx)
+                hooks.after_step()
                 loss_sum += loss.detach()
                 batches += 1
-        self.objective.end(ctx)
+        hooks.end()
         self.weights.end_task(state)
         if cfg.probe_loss_key is not None:
             ctx.aux_out[cfg.probe_loss_key] = np.array(received_loss, dtype=np.float64)

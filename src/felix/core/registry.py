@@ -5,6 +5,12 @@ A policy module registers its factory with a decorator, next to the class it bui
     @TRAIN_SELECTORS.register("oort", params=OortSelectorParams)
     def _oort(params: OortSelectorParams, ctx: Any) -> OortSelector: ...
 
+or registers a class that builds itself: a class with ``from_params(params, ctx)`` and its typed
+parameters as ``params()`` (or a ``Params`` model), e.g. a client objective::
+
+    @register_objective
+    class FedProx(Objective): ...
+
 and a config picks it by name (``selector: {name: oort, params: {...}}``) or by import path
 (``selector: {name: "mypkg.selectors:make_mine"}``). ``params`` is a pydantic model: the config's
 untyped ``params`` mapping is validated against it, so a misspelt key fails with its dotted path
@@ -18,8 +24,9 @@ core stays cheap and a registry never depends on import order.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterable
-from dataclasses import MISSING, dataclass, fields, is_dataclass
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, Generic, TypeVar, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
@@ -79,11 +86,30 @@ def import_object(ref: str) -> Any:
     return obj
 
 
+def params_of(obj: Any) -> type[BaseModel]:
+    """The parameter model a factory or component class owns: its ``params()`` (a classmethod
+    returning a pydantic model), else its ``Params`` attribute, else ``NoParams``."""
+    owns = isinstance(obj, type) and isinstance(inspect.getattr_static(obj, "params", None), classmethod)
+    model = obj.params() if owns else getattr(obj, "Params", NoParams)
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        raise RegistryError(f"{obj!r}: its parameters are not a pydantic model")
+    return model
+
+
 @dataclass(frozen=True)
 class Entry(Generic[T]):
+    """A registered factory (a function, or a class that builds itself with ``from_params``)."""
+
     name: str
-    factory: Callable[[Any, Any], T]
+    factory: Callable[..., Any]
     params: type[BaseModel]
+    traits: Mapping[str, Any] = field(default_factory=dict)
+
+    def build(self, params: BaseModel, ctx: Any) -> T:
+        make = getattr(self.factory, "from_params", None)
+        if isinstance(self.factory, type) and make is not None:
+            return make(params, ctx)  # type: ignore[no-any-return]
+        return self.factory(params, ctx)  # type: ignore[no-any-return]
 
 
 class Registry(Generic[T]):
@@ -97,14 +123,21 @@ class Registry(Generic[T]):
         self._loaded = False
         self._entries: dict[str, Entry[T]] = {}
 
-    def register(self, name: str, params: type[BaseModel] = NoParams) -> Callable[[Any], Any]:
-        """Decorator: register ``factory(params, ctx) -> policy`` (a function or a class) under ``name``."""
+    def register(
+        self, name: str, params: type[BaseModel] | None = None, **traits: Any
+    ) -> Callable[[Any], Any]:
+        """Decorator: register ``factory(params, ctx) -> policy`` (a function or a class), or a
+        class with ``from_params``, under ``name``; ``params`` defaults to the one it owns
+        (:func:`params_of`). ``traits`` are what the component declares about itself for the
+        constraints between axes, checked generically (e.g. ``reads_aux=("qffl_loss",)``: the
+        client aux an aggregator reads)."""
 
         def deco(factory: Any) -> Any:
             old = self._entries.get(name)
             if old is not None and old.factory is not factory:
-                raise RegistryError(f"{self.kind} {name!r} is registered twice")
-            self._entries[name] = Entry(name, factory, params)
+                raise RegistryError(f"{self.kind} {name!r} is already registered")
+            model = params if params is not None else params_of(factory)
+            self._entries[name] = Entry(name, factory, model, dict(traits))
             return factory
 
         return deco
@@ -112,6 +145,11 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         self._load()
         return sorted(self._entries)
+
+    def having(self, trait: str, value: Any) -> list[str]:
+        """The registered names whose ``trait`` holds ``value`` (a member of a tuple trait)."""
+        self._load()
+        return [n for n, e in sorted(self._entries.items()) if value in e.traits.get(trait, ())]
 
     def __contains__(self, name: object) -> bool:
         if not isinstance(name, str):
@@ -142,9 +180,10 @@ class Registry(Generic[T]):
                 return e
         if not callable(obj):
             raise RegistryError(f"{self.key}: {name!r} is not callable")
-        params = getattr(obj, "Params", NoParams)
-        if not (isinstance(params, type) and issubclass(params, BaseModel)):
-            raise RegistryError(f"{self.key}: {name!r}.Params is not a pydantic model")
+        try:
+            params = params_of(obj)
+        except RegistryError:
+            raise RegistryError(f"{self.key}: {name!r}'s parameters are not a pydantic model") from None
         return Entry(name, obj, params)
 
     def parse(self, name: str, raw: dict[str, Any] | BaseModel | None, where: str | None = None) -> BaseModel:
@@ -169,7 +208,7 @@ class Registry(Generic[T]):
         """Build the policy ``name`` with validated parameters; its own ValueErrors name the policy."""
         params = self.parse(name, raw, where)
         try:
-            return self.entry(name).factory(params, ctx)
+            return self.entry(name).build(params, ctx)
         except RegistryError:
             raise
         except (TypeError, ValueError) as exc:

@@ -36,7 +36,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from felix.client.cohort import CohortTask, CohortTrainer, task_steps
+from felix.client.cohort import CohortTask, CohortTrainer
+from felix.client.schedule import task_steps
 from felix.client.trainer import ClientData, TrainConfig
 from felix.config import ConfigError
 from felix.core.types import ClientUpdate

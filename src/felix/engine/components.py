@@ -17,12 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import ValidationError
 
 from felix import cpu_kernels
 from felix.client.trainer import LocalTrainer, TrainConfig, autocast, one_thread, thread_invariant
 from felix.client.weights import ModelWeights, weights_for
-from felix.config import Config, ConfigError
+from felix.config import Config, ConfigError, OrchestratorCfg
 from felix.core.admission import AdmissionConfig
 from felix.core.availability import AVAILABILITY
 from felix.core.orchestrator import Orchestrator, OrchestratorConfig
@@ -36,7 +35,7 @@ from felix.scenario.build import Population, participation_shares, strategy_stre
 from felix.scenario.datasets import ArrayDataset
 from felix.scenario.traces import AvailabilityTrace
 from felix.strategies.dataplans.plans import build_data_plan
-from felix.strategies.objectives import Objective, make_objective, objective_class, objective_params_model
+from felix.strategies.objectives import OBJECTIVES, Objective, objective_class
 
 
 # ---------------------------------------------------------------------- policies
@@ -140,60 +139,42 @@ def apply_precision(cfg: Config) -> torch.dtype | None:
 
 
 def build_objective(cfg: Config) -> Objective:
-    """The client objective, its ``objective_params`` validated against the objective's own typed
-    parameters (``objective_params_model``): a misspelt key fails with its dotted path."""
+    """The client objective from its registry (``OBJECTIVES``), its ``objective_params`` validated
+    by the objective's own typed parameters: a misspelt key fails with its dotted path."""
     c = cfg.client
-    params = dict(c.objective_params)
-    if c.objective == "scaffold":
-        params.setdefault("num_clients", cfg.partition.num_clients)  # SCAFFOLD's N
     try:
-        typed = objective_params_model(c.objective).model_validate(params)
-    except ValueError as exc:
-        if not isinstance(exc, ValidationError):
-            raise ConfigError(f"client.objective: {exc}") from None
-        raise ConfigError(
-            "; ".join(
-                f"client.objective_params.{'.'.join(str(x) for x in e['loc'])}: "
-                f"{'unknown key' if e['type'] == 'extra_forbidden' else e['msg']}"
-                for e in exc.errors()
-            )
-        ) from None
-    try:
-        return make_objective(c.objective, **typed.model_dump(exclude_unset=True))
-    except ValueError as exc:
-        raise ConfigError(f"client: {exc}") from None
+        return OBJECTIVES.create(c.objective, c.objective_params, ctx=cfg, where="client.objective_params")
+    except RegistryError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def build_trainer(cfg: Config, pop: Population) -> LocalTrainer:
     apply_run_settings(cfg)
     c = cfg.client
     try:
-        tcfg = TrainConfig(
-            c.lr,
-            c.batch_size,
-            c.epochs,
-            c.max_steps,
-            c.momentum,
-            c.weight_decay,
-            c.drop_last,
-            c.optimizer,
-            c.buffers,
-            "qffl_loss" if c.probe_loss else None,
-        )
+        tcfg = TrainConfig.of(c)
     except ValueError as exc:
         raise ConfigError(f"client: {exc}") from None
     w = ModelWeights(pop.model, c.buffers)
-    if w.size != w.num_params and c.objective == "scaffold":
+    objective = build_objective(cfg)
+    if w.size != w.num_params and objective.parameters_only:
         raise ConfigError(
-            "client.objective 'scaffold' keeps control variates of the parameters only: with a "
+            f"client.objective {c.objective!r} keeps state of the parameters only: with a "
             "model that has buffers, set client.buffers: local"
         )
-    objective = build_objective(cfg)
-    if getattr(objective, "fixed_batch", False) and not tcfg.drop_last:
+    if objective.fixed_batch and not tcfg.drop_last:
         tcfg = dataclasses.replace(tcfg, drop_last=True)  # FedeRage's model mini-batch b is fixed
     return LocalTrainer(
         copy.deepcopy(pop.model), objective, tcfg, pop.train.num_classes, cfg.run.device, apply_precision(cfg)
     )
+
+
+def orchestrator_config(o: OrchestratorCfg) -> OrchestratorConfig:
+    """The orchestrator's settings from the config's ``orchestrator`` section, field by field by
+    name (``tests/test_extending.py`` checks the two declare the same fields): a new knob is
+    declared in the config and in ``OrchestratorConfig``, and nothing copies it by hand."""
+    settings = {k: getattr(o, k) for k in type(o).model_fields if k != "admission"}
+    return OrchestratorConfig(**settings, admission=AdmissionConfig(**o.admission.model_dump()))
 
 
 def build_orchestrator(
@@ -208,25 +189,7 @@ def build_orchestrator(
     ``PlanSetup.on_error``."""
     o = cfg.orchestrator
     try:
-        ocfg = OrchestratorConfig(
-            mode=o.mode,
-            agg_goal=o.agg_goal,
-            concurrency=o.concurrency,
-            overcommit=o.overcommit,
-            deadline_s=o.deadline_s,
-            cancel_stragglers=o.cancel_stragglers,
-            task_timeout_s=o.task_timeout_s,
-            accept_late=o.accept_late,
-            max_staleness=o.max_staleness,
-            one_late_task_per_client=o.one_late_task_per_client,
-            knowledge=o.knowledge,
-            eval_utility_scale=o.eval_utility_scale,
-            spare_queued_evals=o.spare_queued_evals,
-            probe_busy_clients=o.probe_busy_clients,
-            mode_params=o.mode_params,
-            knowledge_params=o.knowledge_params,
-            admission=AdmissionConfig(**o.admission.model_dump()),
-        )
+        ocfg = orchestrator_config(o)
         rounds = ROUND_POLICIES.create(o.mode, o.mode_params, ocfg, where="orchestrator.mode_params")
         availability = AVAILABILITY.create(
             o.knowledge, o.knowledge_params, ocfg, where="orchestrator.knowledge_params"

@@ -40,7 +40,7 @@ from torch.nn.utils import parameters_to_vector
 from felix.flower import import_flwr
 from felix.flower.trainer import AUX, CONFIG, NpyCodec
 from felix.strategies.dataplans.augment import augment_client, get_augmenter
-from felix.strategies.objectives import TaskContext, make_objective
+from felix.strategies.objectives import OneClient, TaskContext, make_objective
 
 flwr = import_flwr()
 #: The ``.npy`` headers of :func:`state_dict_record`, made once per dtype and shape.
@@ -59,26 +59,26 @@ class LocalObjective:
         self.obj = obj
         self.ctx = ctx
         self.context = context
-        obj.begin(ctx)
+        self.hooks = OneClient(obj, ctx)  # the objective's stacked hooks, for a stack of one
 
     def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The batch loss of the objective (plain cross-entropy's mean for ``ce``)."""
         per = F.cross_entropy(logits, y, reduction="none")
-        return self.obj.loss_from_ce(per, logits, y, self.ctx)
+        return self.hooks.loss(per, y)
 
     def before_step(self) -> None:
         """After ``backward``, before ``optimizer.step()``: the objective's gradient corrections."""
-        self.obj.before_step(self.ctx)
+        self.hooks.before_step()
 
     def after_step(self) -> None:
         """After ``optimizer.step()``: the objective's state updates (and the step count)."""
         self.ctx.steps += 1
-        self.obj.after_step(self.ctx)
+        self.hooks.after_step()
 
     def finish(self, content: Any) -> None:
         """End the task: keep the objective's state in ``context.state`` for the node's next
         task, and put its aux state (if any) into the reply ``content`` as ``felix.aux``."""
-        self.obj.end(self.ctx)
+        self.hooks.end()
         scalars = {k: v for k, v in self.ctx.state.items() if isinstance(v, (int, float, bool, str))}
         arrays = {k: np.asarray(v) for k, v in self.ctx.state.items() if isinstance(v, np.ndarray)}
         self.context.state[STATE_SCALARS] = flwr.app.ConfigRecord(scalars)

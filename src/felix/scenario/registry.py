@@ -12,51 +12,43 @@ path that fails says why and what was expected.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
 
 from felix.config import ConfigError
-from felix.core.registry import RegistryError, import_object
+from felix.core.registry import NoParams, RegistryError, import_object
+from felix.core.registry import Registry as CoreRegistry
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class Registry(Generic[F]):
-    """Name -> callable for one kind of scenario part.
+class Registry(CoreRegistry[F]):
+    """Name -> callable for one kind of scenario part: the core registry
+    (:class:`felix.core.registry.Registry`, one for every component kind) holding plain callables
+    with the kind's documented signature rather than ``factory(params, ctx)``; their parameters
+    are the config's keyword mapping for the kind (``dataset.params``, ``model_params``).
 
     ``key`` is the config key the value comes from (for error messages), ``signature`` the
     callable's documented signature (said in every error about a wrong entry).
     """
 
     def __init__(self, kind: str, key: str, signature: str) -> None:
-        self.kind = kind
-        self.key = key
+        super().__init__(kind, key=key)
         self.signature = signature
-        self._entries: dict[str, F] = {}
 
-    def register(self, name: str) -> Callable[[F], F]:
+    def register(self, name: str, params: type[BaseModel] | None = None, **traits: Any) -> Callable[[F], F]:
         """Decorator: ``@MODELS.register("my_net")`` above a factory with the kind's signature."""
         if not name or ":" in name:
             raise ValueError(f"{self.kind} name {name!r}: must be non-empty and without ':'")
-
-        def add(fn: F) -> F:
-            if name in self._entries and self._entries[name] is not fn:
-                raise ValueError(f"{self.kind} {name!r} is already registered")
-            self._entries[name] = fn
-            return fn
-
+        add: Callable[[F], F] = super().register(name, params or NoParams, **traits)
         return add
-
-    def names(self) -> list[str]:
-        return sorted(self._entries)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
 
     def resolve(self, ref: str) -> F:
         """The callable a config value names; ``ConfigError`` with the reason when there is none."""
         if ":" not in ref:
             try:
-                return self._entries[ref]
+                return self._entries[ref].factory  # type: ignore[return-value]
             except KeyError:
                 raise ConfigError(
                     f"{self.key}: unknown {self.kind} {ref!r}; registered: {', '.join(self.names())}, "

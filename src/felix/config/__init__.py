@@ -1,0 +1,461 @@
+"""Run configuration: one validated tree, read from YAML, merged with a strategy preset and
+``--set key=value`` overrides. Unknown keys and bad values fail with the key's dotted path.
+
+The sections live beside this module by concern (:mod:`~felix.config.scenario`,
+:mod:`~felix.config.stream`; files and overrides in :mod:`~felix.config.files`); this one holds
+the strategy, client and run sections, the whole ``Config`` and :func:`validate`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    Field,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from felix.config.base import ConfigError, StrictModel, check_component, registered
+from felix.config.files import deep_merge, load_yaml, parse_set, read_yaml
+from felix.config.scenario import DatasetCfg, PartitionCfg, RamCfg, RuntimeCfg, TraceCfg
+from felix.config.stream import ArrivalCfg, DriftCfg, LabelCfg, ShiftCfg, StoreCfg, StreamCfg
+
+__all__ = [
+    "AdmissionCfg",
+    "AggregatorCfg",
+    "ArrivalCfg",
+    "ClientCfg",
+    "Config",
+    "ConfigError",
+    "DaflCfg",
+    "DatasetCfg",
+    "DriftCfg",
+    "LabelCfg",
+    "OrchestratorCfg",
+    "PartitionCfg",
+    "PolicyCfg",
+    "RamCfg",
+    "RunCfg",
+    "RuntimeCfg",
+    "ShiftCfg",
+    "StoreCfg",
+    "StreamCfg",
+    "TraceCfg",
+    "ValidationCfg",
+    "deep_merge",
+    "load_yaml",
+    "parse_set",
+    "read_yaml",
+    "validate",
+]
+
+
+class AdmissionCfg(StrictModel):
+    """Per-client admission control (felix.core.admission): flap damping and a task budget. The
+    defaults are far above what honest clients of the shipped scenarios and the MobiPerf trace do."""
+
+    flap_limit: int | None = Field(
+        100,
+        ge=1,
+        description="a client whose reported tier changes more than this many times within "
+        "flap_window_s is treated as unavailable (null: never)",
+    )
+    flap_window_s: float = Field(60.0, gt=0)
+    flap_hold_s: float = Field(
+        600.0, gt=0, description="a damped client is available again after this long without a tier change"
+    )
+    task_rate: float | None = Field(
+        2.0, gt=0, description="tasks and cancels per second a client's budget refills (null: no budget)"
+    )
+    task_burst: float = Field(30.0, ge=1, description="the task budget's capacity")
+
+
+class OrchestratorCfg(StrictModel):
+    mode: str = Field(
+        "async",
+        description="round policy: sync | async, or a registered name or import path "
+        "(felix.core.rounds.ROUND_POLICIES); its parameters in mode_params",
+    )
+    agg_goal: int = Field(10, ge=1)
+    concurrency: int = Field(30, ge=1)
+    overcommit: float = Field(1.3, ge=1)
+    deadline_s: float | None = Field(None, gt=0)
+    cancel_stragglers: bool = True
+    task_timeout_s: float | None = Field(90.0, gt=0)
+    accept_late: bool = True
+    max_staleness: int | None = Field(None, ge=0)
+    one_late_task_per_client: bool = Field(
+        False,
+        description="keep only each client's oldest task that "
+        "timed out (newer ones cancelled): open tasks bounded by the population; "
+        "felix serve always sets it",
+    )
+    eval_utility_scale: float = Field(
+        1.0,
+        gt=0,
+        description="multiplies the statistical utility an eval task "
+        "reports, to put it on the training utilities' scale (1: as measured)",
+    )
+    spare_queued_evals: bool = Field(
+        False,
+        description="an eval task that times out while its client still owes an "
+        "older task's reply (it waits behind it) does not mark the client unavailable",
+    )
+    probe_busy_clients: bool = Field(
+        True,
+        description="eval probes may go to clients that still owe an older task's "
+        "reply (false: they are skipped, as their eval would wait behind it)",
+    )
+    knowledge: str = Field(
+        "none",
+        description="availability policy: none | oracle | tiertrack, or a registered "
+        "name or import path (felix.core.availability.AVAILABILITY); parameters in knowledge_params",
+    )
+    mode_params: dict[str, Any] = Field(
+        default_factory=dict, description="the round policy's typed parameters"
+    )
+    knowledge_params: dict[str, Any] = Field(
+        default_factory=dict, description="the availability policy's typed parameters"
+    )
+    admission: AdmissionCfg = AdmissionCfg()
+
+
+class PolicyCfg(StrictModel):
+    """A policy by registered name or import path; ``params`` is validated against the policy's own
+    parameter model when the run is built (``felix.core.registry``)."""
+
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class AggregatorCfg(StrictModel):
+    name: str = "fedbuff"
+    server_lr: float = Field(1.0, gt=0)
+    normalize: Literal["weights", "count"] = "weights"
+    clip_norm: float | None = Field(None, gt=0)
+    params: dict[str, Any] = Field(default_factory=dict)
+    robust: Literal["none", "median", "trimmed_mean"] = Field(
+        "none",
+        description="replace the weighted mean of the deltas by a coordinate-wise weighted median "
+        "or trimmed mean, keeping the aggregator's weights (felix.strategies.aggregation.robust)",
+    )
+    trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="trimmed_mean: weight mass cut from each end")
+
+
+class ValidationCfg(StrictModel):
+    """Bounds on client results (felix.core.validation); on by default in simulation and deployment."""
+
+    max_samples_factor: float = Field(
+        1.0, ge=1, description="num_samples <= factor x the registered count (+ the data-plan row)"
+    )
+    norm_policy: Literal["reject", "clip", "off"] = "reject"
+    norm_factor: float = Field(30.0, gt=1, description="norm bound: factor x median of recent accepted norms")
+    norm_window: int = Field(
+        50, ge=1, description="distinct clients whose latest accepted norm forms the median"
+    )
+    norm_min_history: int = Field(5, ge=1, description="clients needed before the median rule applies")
+    warmup_factor: float = Field(
+        1.0, ge=0, description="bound before that: factor x the model's norm (0: none)"
+    )
+    norm_floor: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="the median never counts below this fraction of its peak so far, so that the "
+        "bound does not shrink with the updates as the model converges (0: no floor)",
+    )
+
+
+class ClientCfg(StrictModel):
+    lr: float = Field(0.05, gt=0)
+    batch_size: int = Field(32, ge=1)
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    drop_last: bool = False
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    objective: str = "ce"
+    objective_params: dict[str, Any] = Field(default_factory=dict)
+    buffers: Literal["aggregate", "local"] = Field(
+        "aggregate",
+        description="model buffers (BatchNorm running statistics): aggregate = sent with the "
+        "weights and averaged by the server like parameters; local = kept per client, never sent, and the "
+        "global model is evaluated with the buffers its factory made (felix.client.trainer)",
+    )
+    probe_loss: bool = Field(
+        False,
+        description="before training, measure the loss at the received model over "
+        "the client's data (one forward pass) and send it as aux qffl_loss: the F_k q-FFL "
+        "needs (aggregator qffl only; trains one client at a time)",
+    )
+    flower_app: str | None = Field(
+        None,
+        description="a Flower ClientApp by import path 'package.module:app' whose train handler "
+        "trains every task (extra felix-fl[flower]; docs/flower.md); null: felix's own trainer",
+    )
+
+    @field_validator("flower_app")
+    @classmethod
+    def _flower_app(cls, v: str | None) -> str | None:
+        if v is not None and (v.count(":") != 1 or not all(v.partition(":")[::2])):
+            raise ValueError(f"{v!r} is not an import path 'package.module:app'")
+        return v
+
+
+class DaflCfg(StrictModel):
+    """Planner and augmentation settings for ``data_plan: lb | dafl``; defaults are the DAFL paper's
+    (Sec. VI). ``zeta`` / ``zeta_prime`` are relative per-sample augmentation / training times: the
+    planner weighs with them, and the simulator charges a client ``zeta / zeta_prime`` of its
+    per-sample training time for each sample it augments. LB uses ``tau``, ``step`` and ``augmenter``."""
+
+    lambda1: float = Field(1.0, ge=0)
+    lambda2: float = Field(100.0, ge=0)
+    tau: float = Field(1e-3, ge=0)
+    epsilon: float = Field(1e-3, gt=0)
+    step: int = Field(1, ge=1)
+    zeta: float = Field(1.0, ge=0)
+    zeta_prime: float = Field(2.0, gt=0)
+    local_updates: int = Field(2, ge=1, description="E in the time model's (E-1)^2 L^2CG^2 I term")
+    smoothness: float = Field(1.0, ge=0, description="L^2 C G^2, set to 1 in the paper")
+    augmenter: str = Field("rotate_flip", description="felix.strategies.dataplans.augment.AUGMENTERS name")
+
+
+class RunCfg(StrictModel):
+    target_accuracy: float = Field(0.8, gt=0, le=1)
+    target_window: int = Field(5, ge=1, description="K: mean of the last K evaluations must reach the target")
+    max_time_s: float = Field(86400.0, gt=0)
+    max_aggregations: int | None = Field(None, ge=1)
+    eval_every: int = Field(
+        1,
+        ge=0,
+        description="evaluate every N-th model version (and the initial and final "
+        "models); 0: no evaluation at all",
+    )
+    stop_at_target: bool = True
+    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, ...")
+    threads: int | None = Field(
+        1,
+        ge=1,
+        description="torch intra-op threads, applied to every run, compare "
+        "worker and benchmark (null: torch's default). On a CPU a model without convolutions "
+        "gives the same results at any count (its cohorts split by client over the threads; "
+        "one client's work stays on one); a model with convolutions may differ in its last bits",
+    )
+    cohort: Literal["auto"] | Annotated[int, Field(ge=1)] = Field(
+        "auto",
+        description="clients trained together in one vectorised pass: 1 = one at a time; auto = "
+        "vectorised on a GPU, and on a CPU for models without convolutions (felix.client.cohort)",
+    )
+    executor: Literal["local", "ray"] = Field(
+        "local",
+        description="where cohorts train: local = in this process; ray = split over Ray actors "
+        "(felix.distributed.cohort_executor, extra felix-fl[ray]), with the same results",
+    )
+    ray_actors: int | None = Field(
+        None,
+        ge=1,
+        description="cohort actors for executor ray (null: one per GPU "
+        "of the cluster, or one per run.threads CPUs)",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="Ray cluster for executor ray (HOST:PORT or auto); "
+        "null: a safe local instance, or the one this process is already connected to",
+    )
+    precision: Literal["fp32", "tf32", "bf16"] = Field(
+        "fp32",
+        description="GPU arithmetic: tf32 matmuls, or bf16 autocast of forward passes; fp32 by default",
+    )
+    per_client_eval: bool = Field(
+        False,
+        description="evaluate the final global model per client and per class "
+        "(felix.metrics.per_client): mean, worst, bottom-10%, rare-client and per-class "
+        "accuracy, macro and minority F1, in the summary's per_client section",
+    )
+    rare_p: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="per_client_eval: rare clients are those with "
+        "participation p <= rare_p (null: the lowest-p quarter by rank)",
+    )
+    converge_threshold: float | None = Field(
+        None,
+        gt=0,
+        description="stop when the training loss changes by "
+        "less than this for converge_patience consecutive aggregations "
+        "(the DAFL paper's convergence rule; null: no such stop)",
+    )
+    converge_patience: int = Field(5, ge=1)
+    log_to: list[Literal["tensorboard", "mlflow"]] = Field(
+        default_factory=list,
+        description="trackers that receive each evaluation and the final summary "
+        "(felix.metrics.tracking; extra felix-fl[tracking]): tensorboard = event files in "
+        "<run folder>/tensorboard; mlflow = a run in run.mlflow_uri",
+    )
+    mlflow_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI for log_to mlflow (null: a local file store, <run folder>/mlruns)",
+    )
+    mlflow_experiment: str | None = Field(None, description="MLflow experiment (null: the config's name)")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        import torch  # here, not at the top: reading a config needs no torch otherwise
+
+        try:
+            kind = torch.device(v).type
+        except (RuntimeError, TypeError):
+            raise ValueError(f"{v!r} is not a torch device (cpu, cuda, cuda:1, mps, ...)") from None
+        if kind == "meta":
+            raise ValueError("'meta' tensors hold no data: a run needs a device that computes")
+        return v
+
+
+class Config(StrictModel):
+    name: str = "run"
+    description: str = Field(
+        "", description="what the config runs; documentation only (configs/ files have one)"
+    )
+    strategy: str = "custom"
+    # Task generators are seeded with seed * 1,000,003 + task id, which torch takes as a 64-bit integer.
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+    model: str = Field(
+        "small_cnn",
+        description="a registered model (felix.scenario.models.MODELS: felix_cnn, kws_cnn, resnet34_1d, "
+        "small_cnn, mlp) or an import path 'package.module:factory' (docs/python-api.md)",
+    )
+    model_params: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments for the model factory"
+    )
+    data_plan: str = Field(
+        "none",
+        description="a registered data plan (felix.core.dataplan.DATA_PLANS: none, lb, dafl; "
+        "settings in dafl) or an import path",
+    )
+    dafl: DaflCfg = DaflCfg()
+    dataset: DatasetCfg = DatasetCfg()
+    partition: PartitionCfg = PartitionCfg()
+    trace: TraceCfg = TraceCfg()
+    runtime: RuntimeCfg = RuntimeCfg()
+    orchestrator: OrchestratorCfg = OrchestratorCfg()
+    selector: PolicyCfg = PolicyCfg(name="random")
+    eval_selector: PolicyCfg = PolicyCfg(name="none")
+    aggregator: AggregatorCfg = AggregatorCfg()
+    validation: ValidationCfg = ValidationCfg()
+    client: ClientCfg = ClientCfg()
+    run: RunCfg = RunCfg()
+    stream: StreamCfg = StreamCfg()
+
+    @model_serializer(mode="wrap")
+    def _without_stream_off(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
+        """Leave ``stream`` out of a run's written config while it is off, so that the configs of
+        runs without streams read exactly as they did before streams existed."""
+        out = handler(self)
+        if isinstance(out, dict) and not self.stream.enabled:
+            out.pop("stream", None)
+        return out
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str) -> str:
+        return registered("felix.scenario.models", "MODELS", v)
+
+    @field_validator("data_plan")
+    @classmethod
+    def _data_plan(cls, v: str) -> str:
+        check_component("felix.core.dataplan", "DATA_PLANS", v, keep_key=False)
+        return v
+
+    @model_validator(mode="after")
+    def _components(self) -> Config:
+        """Each strategy component's ``params`` by the component's own model (its registry); here,
+        not on the sections, so that importing the config (which builds default sections) stays
+        free of torch."""
+        o, c = self.orchestrator, self.client
+        for module, registry, name, params, where in (
+            (
+                "felix.strategies.objectives",
+                "OBJECTIVES",
+                c.objective,
+                c.objective_params,
+                "client.objective_params",
+            ),
+            ("felix.core.rounds", "ROUND_POLICIES", o.mode, o.mode_params, "orchestrator.mode_params"),
+            (
+                "felix.core.availability",
+                "AVAILABILITY",
+                o.knowledge,
+                o.knowledge_params,
+                "orchestrator.knowledge_params",
+            ),
+            (
+                "felix.core.selection",
+                "TRAIN_SELECTORS",
+                self.selector.name,
+                self.selector.params,
+                "selector.params",
+            ),
+            (
+                "felix.core.eval_selection",
+                "EVAL_SELECTORS",
+                self.eval_selector.name,
+                self.eval_selector.params,
+                "eval_selector.params",
+            ),
+            (
+                "felix.core.aggregation",
+                "AGGREGATORS",
+                self.aggregator.name,
+                self.aggregator.params,
+                "aggregator.params",
+            ),
+        ):
+            check_component(module, registry, name, params, where)
+        return self
+
+    @model_validator(mode="after")
+    def _ram_and_probe_loss(self) -> Config:
+        t, p = self.trace, self.partition
+        if t.kind == "ram" and t.ram.coupling == "rare_clients":
+            n_rare = p.num_clients - round(t.ram.frequent_fraction * p.num_clients)
+            if p.kind != "rare_clients" or n_rare != round(p.rare_fraction * p.num_clients):
+                raise ValueError(
+                    "trace.ram.coupling 'rare_clients' gives p_rare to the last (1 - frequent_fraction) "
+                    "of the clients: it needs partition.kind 'rare_clients' with the same number of "
+                    f"rare clients ({n_rare} here)"
+                )
+        if self.client.probe_loss:
+            # declared by the aggregators (their registry entry's reads_aux), not a test of names
+            from felix.core.aggregation import AGGREGATORS
+
+            if "qffl_loss" not in AGGREGATORS.entry(self.aggregator.name).traits.get("reads_aux", ()):
+                readers = ", ".join(repr(n) for n in AGGREGATORS.having("reads_aux", "qffl_loss"))
+                raise ValueError(
+                    f"client.probe_loss sends aux qffl_loss, which only aggregator {readers} reads "
+                    f"(aggregator is {self.aggregator.name!r})"
+                )
+        return self
+
+
+def validate(raw: dict[str, Any], source: str = "config") -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            msg = (
+                "unknown key"
+                if err["type"] == "extra_forbidden"
+                else err["msg"].removeprefix("Value error, ")
+            )
+            lines.append(f"  {loc}: {msg}")
+        raise ConfigError(f"{source}: invalid configuration\n" + "\n".join(lines)) from None

@@ -1,0 +1,49 @@
+"""The configuration's foundations: the error every bad setting raises, the strict base model of
+every section, and the checks of a scenario part or a strategy component against its registry
+(imported only when a config is validated, as they may import torch)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says which key and why."""
+
+
+class StrictModel(BaseModel):
+    # A number given where a string is expected (``name: 2024``) is taken as its text. Numbers are
+    # finite: an infinite learning rate, time limit or horizon is a mistyped config, not a setting.
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True, allow_inf_nan=False)
+
+
+def registered(module: str, registry: str, value: str) -> str:
+    """A scenario part given as a registered name or an import path, checked against its registry
+    (``felix.scenario.registry``). The registry's module is imported only here, when a config is
+    validated: it may import torch, which merely importing this module must not."""
+    reg = getattr(importlib.import_module(module), registry)
+    try:
+        return str(reg.check(value))
+    except ConfigError as exc:
+        raise ValueError(str(exc).removeprefix(f"{reg.key}: ")) from None
+
+
+def check_component(
+    module: str, registry: str, name: str, params: Any = None, where: str | None = None, keep_key: bool = True
+) -> None:
+    """Check a strategy component against its registry (``felix.core.registry``): ``name`` is
+    registered there or an import path, and ``params`` (when given) validate against the
+    component's own typed parameters, so a config fails with one line naming the component and
+    the key (``keep_key`` False: without the registry's own key, for a field validator whose
+    error already names it). The registry's module is imported only here (it may import torch);
+    the config keeps the mapping as written, so a run's written config is unchanged."""
+    from felix.core.registry import RegistryError  # pydantic only
+
+    reg = getattr(importlib.import_module(module), registry)
+    try:
+        reg.entry(name) if params is None else reg.parse(name, params, where)
+    except RegistryError as exc:
+        raise ValueError(str(exc) if keep_key else str(exc).removeprefix(f"{reg.key}: ")) from None
