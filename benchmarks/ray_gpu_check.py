@@ -47,7 +47,7 @@ def main() -> None:
     import ray
 
     from felix.distributed.ray_runtime import start_local
-    from felix.distributed.ray_tasks import RayTaskBackend
+    from felix.experiments.ray_backend import RayTaskBackend
 
     with tempfile.TemporaryDirectory() as tmp:
 

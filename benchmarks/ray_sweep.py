@@ -69,7 +69,7 @@ def main() -> None:
     import ray
 
     from felix.distributed.ray_runtime import start_local
-    from felix.distributed.ray_tasks import RayTaskBackend
+    from felix.experiments.ray_backend import RayTaskBackend
 
     quiet = lambda _line: None
 

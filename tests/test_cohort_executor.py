@@ -1,4 +1,4 @@
-"""``run.executor: ray`` (felix.distributed.cohort_executor): a run's cohorts split over Ray actors give
+"""``run.executor: ray`` (felix.sim.ray_cohorts): a run's cohorts split over Ray actors give
 the run the local cohort path gives, bit for bit.
 
 The identity rests on one property of the cohort trainer, checked here without Ray: a client's update
@@ -19,9 +19,9 @@ from felix.client.cohort import CohortTask, CohortTrainer
 from felix.client.schedule import task_steps
 from felix.client.trainer import ClientData, TrainConfig
 from felix.config import deep_merge
-from felix.distributed.cohort_executor import generator_seed, make_generator, split_shares
 from felix.engine.setup import resolve_config
 from felix.scenario.models import make_model
+from felix.sim.ray_cohorts import generator_seed, make_generator, split_shares
 from felix.sim.run import run_config
 from felix.strategies.objectives import make_objective
 
@@ -180,7 +180,7 @@ def test_ray_actors_give_the_local_cohort_run(local_ray: Any) -> None:
 
 @pytest.mark.ray
 def test_executor_probes_and_ships_replaced_data_once(local_ray: Any) -> None:
-    from felix.distributed.cohort_executor import RayCohortExecutor
+    from felix.sim.ray_cohorts import RayCohortExecutor
 
     g = torch.Generator().manual_seed(3)
     rng = np.random.default_rng(3)
@@ -221,7 +221,7 @@ def test_executor_probes_and_ships_replaced_data_once(local_ray: Any) -> None:
 @pytest.mark.ray
 def test_more_actors_than_the_cluster_holds_is_a_clear_error(local_ray: Any) -> None:
     from felix.config import ConfigError
-    from felix.distributed.cohort_executor import RayCohortExecutor
+    from felix.sim.ray_cohorts import RayCohortExecutor
 
     model = make_model("mlp", (1, 8, 8), 6, seed=1)
     trainer = CohortTrainer(model, make_objective("ce"), TrainConfig(), 6)

@@ -21,7 +21,7 @@ psutil = pytest.importorskip("psutil", reason='psutil is not installed: pip inst
 
 from felix.config import ConfigError
 from felix.distributed import ray_runtime
-from felix.distributed.ray_tasks import RayTaskBackend
+from felix.experiments.ray_backend import RayTaskBackend
 from felix.experiments.runs import InlineBackend, RunOutput, RunSpec, run_all
 from felix.experiments.sweep import sweep
 

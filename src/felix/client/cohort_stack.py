@@ -292,7 +292,7 @@ class LiveStack:
     cut off at the end. Each task's arithmetic is its own: which other tasks share a step does not
     change its result (tests/test_cohort.py), except that on a CPU a convolution computed for one
     client alone takes another kernel than a stack of them (a few ulps; see
-    felix.distributed.cohort_executor).
+    felix.sim.ray_cohorts).
 
     SGD (momentum, weight decay) and Adam are ``torch.optim``'s per-element arithmetic: a momentum
     buffer starts at zero, so its first step is ``0 * m + g = g``; Adam's bias corrections use each

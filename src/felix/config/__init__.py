@@ -255,7 +255,7 @@ class RunCfg(StrictModel):
     executor: Literal["local", "ray"] = Field(
         "local",
         description="where cohorts train: local = in this process; ray = split over Ray actors "
-        "(felix.distributed.cohort_executor, extra felix-fl[ray]), with the same results",
+        "(felix.sim.ray_cohorts, extra felix-fl[ray]), with the same results",
     )
     ray_actors: int | None = Field(
         None,

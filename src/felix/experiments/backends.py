@@ -1,8 +1,8 @@
 """Choosing and closing the backend that runs a batch of runs (``felix compare``, ``felix sweep``).
 
 Apart from ``felix.experiments.runs`` (the run function and the local backends) because the Ray
-backend (``felix.distributed.ray_tasks``) is built on that module: choosing among them here keeps
-the import one way, runs <- ray_tasks <- backends.
+backend (``felix.experiments.ray_backend``) is built on that module: choosing among them here keeps
+the import one way, runs <- ray_backend <- backends.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def make_backend(
     if kind == "local":
         return InlineBackend(fn) if (jobs or 1) == 1 else ProcessBackend(jobs or 1, fn)
     if kind == "ray":
-        from felix.distributed.ray_tasks import RayTaskBackend
+        from felix.experiments.ray_backend import RayTaskBackend
 
         if address is not None and jobs is not None:
             raise ConfigError(

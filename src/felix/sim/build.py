@@ -86,7 +86,7 @@ def build_executor(
                 "run.executor ray: this run trains one client at a time (run.cohort), so no actors start"
             )
         return cohort
-    from felix.distributed.cohort_executor import RayCohortExecutor
+    from felix.sim.ray_cohorts import RayCohortExecutor
 
     return RayCohortExecutor(cohort, datas, cfg.run.ray_actors, cfg.run.ray_address, cfg.run.threads)
 

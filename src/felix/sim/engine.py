@@ -77,7 +77,7 @@ class SimDevice(DeviceRunner[ClientUpdate]):
 
 class CohortExecutor(Protocol):
     """Where a cohort's tasks train (``run.executor``): in this process (:class:`~felix.client.cohort.CohortTrainer`) or on
-    Ray actors (:class:`felix.distributed.cohort_executor.RayCohortExecutor`). ``train`` returns one
+    Ray actors (:class:`felix.sim.ray_cohorts.RayCohortExecutor`). ``train`` returns one
     update per task, in order, and writes each client's new objective state into its task."""
 
     def train(self, tasks: list[CohortTask]) -> list[ClientUpdate]: ...
