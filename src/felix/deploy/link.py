@@ -10,6 +10,10 @@ Acknowledgements: paho acknowledges nothing by itself. Without ``manual_ack`` th
 PUBACKs of a read pass once the owner has taken its messages (one write for all of them); with
 it, the owner acknowledges when it chooses (``ack_many``: one write per call).
 
+One file of about 620 lines on purpose: the threading contract above holds across the
+connection's whole life (connect, reconnect, read passes, acknowledgements, close), and splitting
+it would spread one lock discipline over several modules.
+
 Sessions: a process that starts fresh first discards any session the broker still holds for its
 client id (a short clean-start connection), then always connects with ``clean_start=False`` and a
 session expiry, so that subscriptions and queued QoS 1 messages survive reconnects and broker

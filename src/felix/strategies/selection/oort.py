@@ -25,6 +25,10 @@ in columns indexed by the same rows and brought up to date from the ClientMap's 
 decision re-reads nothing that did not change; rankings use partitions
 (``felix.strategies.selection.ranking``) rather than full sorts, and the weighted draws replay
 numpy's ``choice`` without its per-call overhead (``felix.strategies.selection.sampling``).
+
+One file of about 640 lines on purpose: it follows Oort's ``getTopK`` step by step, and reading the
+six steps side by side with the reference is how it is checked; the pieces that stand alone
+(ranking, sampling) are already modules of their own.
 """
 
 from __future__ import annotations
