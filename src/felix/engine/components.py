@@ -237,17 +237,10 @@ def build_validator(cfg: Config, aggregator: Aggregator, num_params: int) -> Upd
     v = cfg.validation
     try:
         c = cfg.client
+        # By field name, as the orchestrator's settings (orchestrator_config): the config's
+        # validation section and the client's local schedule, which counts an update's steps.
         vcfg = ValidationConfig(
-            v.max_samples_factor,
-            v.norm_policy,
-            v.norm_factor,
-            v.norm_window,
-            v.norm_min_history,
-            v.warmup_factor,
-            v.norm_floor,
-            c.batch_size,
-            c.epochs,
-            c.max_steps,
+            **v.model_dump(), batch_size=c.batch_size, epochs=c.epochs, max_steps=c.max_steps
         )
     except ValueError as exc:
         raise ConfigError(f"validation: {exc}") from None
