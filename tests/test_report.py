@@ -12,8 +12,10 @@ from felix.config import ConfigError
 from felix.experiments.report import (
     DEFAULT_CATALOG,
     Claim,
+    best_point,
     judge,
     load_catalog,
+    lr_grid,
     raw_weights,
     read_folder,
     report,
@@ -132,3 +134,39 @@ def test_weights_of_the_variants_that_divide_by_the_buffer_size(tmp_path: Path) 
     assert list(weights) == ["felix"] and weights["felix"] == pytest.approx((0.8, 0.85, 0.9))
     out = report([d], tmp_path / "w.html")
     assert "Fig. 15" in out.read_text()
+
+
+def test_server_lr_grid_counts_a_missed_target_at_the_cap(tmp_path: Path) -> None:
+    """A variant <family>-lr<value> is a grid point; its criterion is the mean over the targets of the
+    seed-mean time, with a seed that missed a target counted at its run's max time, so a setting
+    whose one lucky seed was fast does not win."""
+    d = tmp_path / "felix-lr-tune-50"
+    d.mkdir()
+    # lr 0.3: 100 s / 200 s on all three seeds (criterion 150). lr 0.6: 50 s to 0.8 on all seeds,
+    # 0.82 on one seed only, at 60 s: counted (60 + 2 x 1000) / 3, criterion (50 + 686.7) / 2.
+    # oort*: one point only, so no grid.
+    part = {"n": 1, "of": 3, "mean": 60.0, "std": 0.0}
+    stats = {
+        "x-lr0.3": {"0.8": {"time_s": spread(100.0)}, "0.82": {"time_s": spread(200.0)}},
+        "x-lr0.6": {"0.8": {"time_s": spread(50.0)}, "0.82": {"time_s": part}},
+        "oort*-lr1": {"0.8": {"time_s": spread(80.0)}, "0.82": {"time_s": spread(90.0)}},
+    }
+    for v in stats.values():
+        for t in v.values():
+            t["bytes_total"] = spread(1e6)
+    doc = {"name": d.name, "description": "t", "reference": "x-lr0.3", "targets": [0.8, 0.82]}
+    (d / "comparison.json").write_text(json.dumps({**doc, "seeds": [100, 101, 102], "stats": stats}))
+    runs = {
+        f"{v}/seed={s}": {"variant": v, "config": {"run": {"max_time_s": 1000.0}}}
+        for v in stats
+        for s in (100, 101, 102)
+    }
+    (d / "manifest.json").write_text(json.dumps({"command": ["felix", "compare", d.name], "runs": runs}))
+    grid = lr_grid(read_folder(d))
+    assert list(grid) == ["x"]
+    low, high = grid["x"]
+    assert (low.lr, low.score, low.missed) == (0.3, 150.0, 0)
+    assert high.lr == 0.6 and high.score == pytest.approx((50 + (60 + 2000) / 3) / 2) and high.missed == 2
+    assert best_point(grid["x"]) is low
+    page = report([d], tmp_path / "g.html").read_text()
+    assert "Server learning rate grid" in page and "<b>150</b>" in page and "(2/6 missed)" in page

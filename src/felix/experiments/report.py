@@ -23,6 +23,7 @@ import html
 import io
 import json
 import math
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -339,6 +340,70 @@ def raw_weights(folder: Folder) -> dict[str, tuple[float, float, float]]:
     return out
 
 
+_LR_VARIANT = re.compile(r"^(?P<family>.+)-lr(?P<lr>[0-9]+(?:\.[0-9]+)?)$")
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One server learning rate of a tuning grid: the tuning criterion and what it is made of."""
+
+    lr: float
+    score: float  # mean over the targets of ``times``
+    times: tuple[float, ...]  # per target: the seed-mean time, a seed that missed it counted at the cap
+    missed: int  # (seed, target) pairs not reached
+    runs: int  # seeds x targets
+    bytes_last: float | None  # mean bytes to the highest target over the seeds that reached it
+
+
+def lr_grid(folder: Folder) -> dict[str, list[GridPoint]]:
+    """The tuning criterion of every variant named ``<family>-lr<value>`` (a server-lr grid, as in
+    ``felix-lr-tune-<trace>``), by family, lr ascending; families with one point are left out.
+
+    The criterion is the mean over the targets of the seed-mean time to the target, where a seed that
+    never reached it counts as its run's ``run.max_time_s`` (from the manifest), so that a setting
+    that misses a target is ranked by how long it was given, not by the seeds that made it. It is
+    computed from the folder's statistics alone (mean over the seeds that reached the target, and
+    how many did), so a committed folder without its runs' evaluation tables still shows it."""
+    caps: dict[str, float] = {}
+    for run in (folder.manifest.get("runs") or {}).values():
+        if isinstance(run, dict) and isinstance(run.get("config"), dict):
+            cap = (run["config"].get("run") or {}).get("max_time_s")
+            if isinstance(cap, (int, float)):
+                caps.setdefault(str(run.get("variant")), float(cap))
+    out: dict[str, list[GridPoint]] = {}
+    for variant in folder.stats:
+        m = _LR_VARIANT.match(variant)
+        if m is None or variant not in caps:
+            continue
+        cap, times, missed, runs = caps[variant], [], 0, 0
+        for t in folder.targets:
+            s = folder.spread(variant, t, "time_s") or {}
+            n, of = int(s.get("n") or 0), int(s.get("of") or 0)
+            if of == 0:
+                break
+            mean = float(s["mean"]) if n else 0.0
+            times.append((mean * n + cap * (of - n)) / of)
+            missed, runs = missed + of - n, runs + of
+        if len(times) != len(folder.targets):
+            continue
+        out.setdefault(m["family"], []).append(
+            GridPoint(
+                float(m["lr"]),
+                sum(times) / len(times),
+                tuple(times),
+                missed,
+                runs,
+                folder.mean(variant, folder.targets[-1], "bytes_total"),
+            )
+        )
+    return {f: sorted(points, key=lambda p: p.lr) for f, points in out.items() if len(points) > 1}
+
+
+def best_point(points: Sequence[GridPoint]) -> GridPoint:
+    """The grid point with the lowest criterion; ties by the fewer bytes to the highest target."""
+    return min(points, key=lambda p: (p.score, math.inf if p.bytes_last is None else p.bytes_last))
+
+
 def weights_plot(weights: dict[str, tuple[float, float, float]]) -> str:
     """Each variant's weight range, p5 to p95 with the median marked; base64 PNG."""
     import matplotlib
@@ -481,6 +546,34 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
             body.append(
                 f"<img alt='update weights, {e(f.name)}' src='data:image/png;base64,{weights_plot(weights)}'>"
             )
+        grid = lr_grid(f)
+        if grid:
+            lrs = sorted({p.lr for points in grid.values() for p in points})
+            body.append("<h3>Server learning rate grid (tuning criterion)</h3>")
+            body.append(
+                "<p class='small'>Per strategy and server lr: the mean over "
+                + " / ".join(f"{t:g}" for t in f.targets)
+                + " of the seed-mean time to the target (s), a seed that missed a target counted at its "
+                "run's max time, with how many (seed, target) pairs missed; bold: the chosen lr (lowest "
+                "criterion, ties by bytes).</p>"
+            )
+            body.append(
+                "<table><tr><th>strategy</th>"
+                + "".join(f"<th>lr {lr:g}</th>" for lr in lrs)
+                + "<th>chosen</th></tr>"
+            )
+            for family, points in grid.items():
+                best, by_lr = best_point(points), {p.lr: p for p in points}
+                row: list[str] = []
+                for lr in lrs:
+                    p = by_lr.get(lr)
+                    if p is None:
+                        row.append("<td>-</td>")
+                        continue
+                    txt = f"{p.score:.0f}" + (f" ({p.missed}/{p.runs} missed)" if p.missed else "")
+                    row.append(f"<td><b>{e(txt)}</b></td>" if p is best else f"<td>{e(txt)}</td>")
+                body.append(f"<tr><td>{e(family)}</td>{''.join(row)}<td>{best.lr:g}</td></tr>")
+            body.append("</table>")
         body.append("<h3>Ours: time and bytes to each target (mean ± std over seeds)</h3>")
         head = "".join(f"<th>time to {t:g} (s)</th><th>MB to {t:g}</th>" for t in f.targets)
         body.append(f"<table><tr><th>variant</th>{head}</tr>")
