@@ -7,12 +7,15 @@ seed with the reference (the same clients, data and stream for every variant of 
     python benchmarks/stream_tables.py runs/stream-fmnist-abrupt --out docs/results/stream/stream-fmnist-abrupt
     python benchmarks/stream_tables.py --overview docs/results/stream/stream-fmnist-*.json --out docs/results/stream/overview
 
-Writes ``OUT.json`` (every run's figures and the statistics), ``OUT.md`` (the tables) and
+Writes ``OUT.json`` (every run's figures, the statistics and the contrasts), ``OUT.md`` (the tables) and
 ``OUT.png`` (each variant's accuracy on the current mix over time, mean over seeds, from the runs'
 ``evaluations.csv``). A recovery that did not happen before the next shift or the run's end counts
 as the time left (a lower bound), and the table says how many seeds did not recover. With
 ``--overview``, the ``OUT.json`` files of several comparisons become one table: each variant's
 time-averaged accuracy and its paired difference to the reference, one column per comparison.
+The contrasts are the pairs of variants that differ in one part of the orchestration
+(``CONTRASTS``: TierFuse, TierTrack knowledge with TierSelect probes, an availability oracle, the
+data-age option, asynchrony), each paired by seed, where both ran.
 Variants are named as in the comparison file (``oort-async*``), read from the folder's
 ``manifest.json``; without one, by their folder (``oort-async-oracle``).
 """
@@ -119,14 +122,50 @@ STAT_KEYS = [
     "aggregations",
 ]
 SHIFT_ORDER = ("rotate", "surge", "surge_end")
+# Pairs of variants that differ in one part of the orchestration (the presets' settings otherwise
+# equal), so that their paired difference is that part's effect: (variant, against, what differs).
+CONTRASTS = [
+    ("felix", "felix-no-tierfuse", "TierFuse in place of FedBuff's weights (all else FeLiX)"),
+    (
+        "felix-no-tierfuse",
+        "oort-async",
+        "TierTrack knowledge and TierSelect probes (both FedBuff weights, Oort)",
+    ),
+    ("oort-async*", "oort-async", "an availability oracle (both FedBuff weights, Oort, no probes)"),
+    ("felix-fresh", "felix", "TierFuse's data-age option"),
+    ("oort-async*", "oort*", "an async buffer against sync rounds (both Oort with the oracle)"),
+    ("fedbuff", "fedavg", "an async buffer against sync rounds (both random, no knowledge)"),
+]
 PAIRED_KEYS = ["time_avg_accuracy", "time_avg_accuracy_after_shift", "data_age_mean_s", "total_mb"]
+
+
+def paired(rows: list[dict[str, Any]], ref_rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Figures of ``rows`` against ``ref_rows`` on the seeds both ran: differences (bytes: ratios),
+    their mean and spread, and on how many seeds the first is higher."""
+    ref = {r["seed"]: r for r in ref_rows}
+    out: dict[str, dict[str, Any]] = {}
+    for k in PAIRED_KEYS:
+        pairs = [
+            (float(r[k]), float(ref[r["seed"]][k]))
+            for r in rows
+            if r["seed"] in ref and r.get(k) is not None and ref[r["seed"]].get(k) is not None
+        ]
+        if not pairs:
+            continue
+        diffs = [v / w for v, w in pairs] if k == "total_mb" else [v - w for v, w in pairs]
+        out[k] = {
+            "mean": statistics.fmean(diffs),
+            "std": statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
+            "higher": sum(v > w for v, w in pairs),
+            "seeds": len(pairs),
+        }
+    return out
 
 
 def statistics_of(runs: dict[str, list[dict[str, Any]]], reference: str) -> dict[str, dict[str, Any]]:
     """Mean and spread over seeds of every figure, and each variant's difference to the reference
     on the seeds both ran (``paired_<key>``: mean, spread, seeds where the variant is higher)."""
     stats: dict[str, dict[str, Any]] = {}
-    ref = {r["seed"]: r for r in runs.get(reference, [])}
     for variant, rows in runs.items():
         per_shift = sorted(k for k in rows[0] if k.startswith(("recovery_", "acc_during_")))
         s: dict[str, Any] = {"seeds": [r["seed"] for r in rows]}
@@ -138,24 +177,22 @@ def statistics_of(runs: dict[str, list[dict[str, Any]]], reference: str) -> dict
             if k.startswith("recovery_"):
                 kind = k.removeprefix("recovery_").removesuffix("_s")
                 s[f"not_recovered_{kind}"] = sum(not r[f"recovered_{kind}"] for r in rows)
-        both = [r for r in rows if r["seed"] in ref]
-        if variant != reference and both:
-            for k in PAIRED_KEYS:
-                pairs = [(float(r[k]), float(ref[r["seed"]][k])) for r in both if r[k] is not None]
-                if not pairs:
-                    continue
-                if k == "total_mb":
-                    diffs = [v / w for v, w in pairs]
-                else:
-                    diffs = [v - w for v, w in pairs]
-                s[f"paired_{k}"] = {
-                    "mean": statistics.fmean(diffs),
-                    "std": statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
-                    "higher": sum(v > w for v, w in pairs),
-                    "seeds": len(pairs),
-                }
+        if variant != reference and reference in runs:
+            for k, p in paired(rows, runs[reference]).items():
+                s[f"paired_{k}"] = p
         stats[variant] = s
     return stats
+
+
+def contrasts_of(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The ``CONTRASTS`` whose two variants both ran, each paired by seed."""
+    out = []
+    for a, b, what in CONTRASTS:
+        if a in runs and b in runs:
+            p = paired(runs[a], runs[b])
+            if p:
+                out.append({"variant": a, "against": b, "isolates": what, "paired": p})
+    return out
 
 
 def _pm(s: dict[str, Any], key: str, fmt: str) -> str:
@@ -232,6 +269,40 @@ def tables(stats: dict[str, dict[str, Any]], reference: str) -> list[str]:
     return lines
 
 
+def contrast_table(contrasts: list[dict[str, Any]]) -> list[str]:
+    """The markdown of the contrasts: each pair's paired difference, what the pair isolates."""
+    if not contrasts:
+        return []
+    lines = [
+        "",
+        (
+            "Contrasts (the first variant minus the second, paired by seed; in brackets the seeds on which the "
+            "first is higher; bytes as a ratio):"
+        ),
+        "",
+        "| contrast | isolates | seeds | Δ time-avg acc | Δ from the first shift | Δ data age (s) | bytes ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in contrasts:
+        p = c["paired"]
+        cells = [f"{c['variant']} − {c['against']}", c["isolates"], str(p["time_avg_accuracy"]["seeds"])]
+        for k, fmt in (
+            ("time_avg_accuracy", "+.4f"),
+            ("time_avg_accuracy_after_shift", "+.4f"),
+            ("data_age_mean_s", "+.0f"),
+        ):
+            q = p.get(k)
+            cells.append(
+                "-"
+                if q is None
+                else f"{q['mean']:{fmt}} ± {q['std']:.{fmt[-2]}f} ({q['higher']}/{q['seeds']})"
+            )
+        q = p.get("total_mb")
+        cells.append("-" if q is None else f"{q['mean']:.2f} ± {q['std']:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def overview(paths: list[Path], out: Path) -> list[str]:
     """One row per variant, one column per comparison: time-averaged accuracy (mean ± std) and, in
     brackets, its paired difference to the comparison's reference."""
@@ -289,9 +360,10 @@ def main() -> None:
         runs.setdefault(name, []).append(run_figures(summary, path.parent))
     stats = statistics_of(runs, args.reference)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"reference": args.reference, "runs": runs, "stats": stats}
+    contrasts = contrasts_of(runs)
+    doc = {"reference": args.reference, "runs": runs, "stats": stats, "contrasts": contrasts}
     args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
-    lines = tables(stats, args.reference)
+    lines = tables(stats, args.reference) + contrast_table(contrasts)
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     order = sorted(stats, key=lambda v: -stats[v]["time_avg_accuracy"][0])
     curves = {v: mean_curve(dirs[v]) for v in order}

@@ -74,7 +74,11 @@ def test_folder_to_tables_paired_and_overview(
 ) -> None:
     out = tmp_path / "cmp"
     manifest = {"runs": {}}
-    for variant, folder, shift in (("felix", "felix", 0.0), ("oort-async*", "oort-async-oracle", -0.1)):
+    for variant, folder, shift in (
+        ("felix", "felix", 0.0),
+        ("oort-async*", "oort-async-oracle", -0.1),
+        ("oort-async", "oort-async", -0.2),
+    ):
         for seed in (0, 1, 2):
             curve = [(0.0, 0.5 + shift), (1000.0, 0.7 + shift + 0.01 * seed), (2000.0, 0.9 + shift)]
             _run(
@@ -95,7 +99,7 @@ def test_folder_to_tables_paired_and_overview(
     monkeypatch.setattr(sys, "argv", ["stream_tables.py", str(out), "--out", str(dest)])
     tables.main()
     doc = json.loads(dest.with_suffix(".json").read_text())
-    assert set(doc["stats"]) == {"felix", "oort-async*"}
+    assert set(doc["stats"]) == {"felix", "oort-async*", "oort-async"}
     felix = doc["stats"]["felix"]
     # From the surge (1000 s) to the end (3000 s): 0.7 (+0.01 seed) for 1000 s, then 0.9.
     assert felix["time_avg_accuracy_after_shift"][0] == pytest.approx(0.80 + 0.005 * 1)
@@ -110,7 +114,13 @@ def test_folder_to_tables_paired_and_overview(
     assert (paired["higher"], paired["seeds"]) == (0, 3)
     assert doc["stats"]["oort-async*"]["paired_data_age_mean_s"]["mean"] == pytest.approx(10.0)
     assert doc["stats"]["oort-async*"]["paired_total_mb"]["mean"] == pytest.approx(1.0)
+    # The one contrast whose variants both ran: the oracle's effect, +0.1 on every seed.
+    [contrast] = doc["contrasts"]
+    assert (contrast["variant"], contrast["against"]) == ("oort-async*", "oort-async")
+    assert contrast["paired"]["time_avg_accuracy"]["mean"] == pytest.approx(0.1)
+    assert contrast["paired"]["time_avg_accuracy"]["higher"] == 3
     md = dest.with_suffix(".md").read_text()
+    assert "| oort-async* − oort-async | an availability oracle" in md
     assert "| oort-async* | 3 | -0.1000 ± 0.0000 (0/3)" in md
     assert "533 ± 404 (1 not)" in md
     assert dest.with_suffix(".png").is_file()
