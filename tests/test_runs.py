@@ -3,6 +3,7 @@ backends, and `felix sweep` on the local backend. The Ray backend: tests/test_ra
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -88,6 +89,23 @@ def test_finished_runs_are_skipped_unless_forced(tmp_path):
         assert again.outputs[k].rows == pytest.approx(first.outputs[k].rows)
     forced = run_all(specs, InlineBackend(counting), force=True, log=lambda _: None)
     assert calls == ["a", "b", "a", "b"] and forced.skipped == []
+
+
+def test_a_finished_run_leaves_nothing_alive_in_the_process(tmp_path):
+    """A run's objects sit in reference cycles; ``execute`` collects them, so that a process running
+    many runs in a row (``--jobs 1``, a pool or Ray worker) does not grow by a population per run."""
+    from felix.client.trainer import ClientData
+    from felix.core.orchestrator import Orchestrator
+    from felix.sim.engine import Simulation
+
+    gc.collect()
+    gc.disable()  # the collector's own schedule must not do execute's work here
+    try:
+        execute(tiny_spec(tmp_path, "a"))
+        alive = [o for o in gc.get_objects() if isinstance(o, (Orchestrator, Simulation, ClientData))]
+    finally:
+        gc.enable()
+    assert alive == []
 
 
 def test_a_folder_holding_another_config_is_refused(tmp_path):
