@@ -99,12 +99,15 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def variant_names(folder: Path) -> dict[str, str]:
-    """Folder name -> variant name (``oort-async-oracle`` -> ``oort-async*``) from the manifest."""
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The compare folder's ``manifest.json`` ({} without one)."""
     manifest = folder / "manifest.json"
-    if not manifest.is_file():
-        return {}
-    runs = json.loads(manifest.read_text()).get("runs", {})
+    return json.loads(manifest.read_text()) if manifest.is_file() else {}
+
+
+def variant_names(manifest: dict[str, Any]) -> dict[str, str]:
+    """Folder name -> variant name (``oort-async-oracle`` -> ``oort-async*``) from the manifest."""
+    runs = manifest.get("runs", {})
     return {
         r["folder"].split("/")[0]: r["variant"] for r in runs.values() if "folder" in r and "variant" in r
     }
@@ -348,7 +351,8 @@ def main() -> None:
         return
     if args.folder is None:
         ap.error("give a compare output folder or --overview")
-    names = variant_names(args.folder)
+    manifest = read_manifest(args.folder)
+    names = variant_names(manifest)
     runs: dict[str, list[dict[str, Any]]] = {}
     dirs: dict[str, Path] = {}
     for path in sorted(args.folder.glob("*/seed-*/summary.json")):
@@ -361,7 +365,15 @@ def main() -> None:
     stats = statistics_of(runs, args.reference)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     contrasts = contrasts_of(runs)
-    doc = {"reference": args.reference, "runs": runs, "stats": stats, "contrasts": contrasts}
+    doc = {
+        "comparison": manifest.get("comparison", {}).get("name"),
+        "command": manifest.get("command"),
+        "provenance": manifest.get("provenance"),
+        "reference": args.reference,
+        "runs": runs,
+        "stats": stats,
+        "contrasts": contrasts,
+    }
     args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
     lines = tables(stats, args.reference) + contrast_table(contrasts)
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -73,7 +73,11 @@ def test_folder_to_tables_paired_and_overview(
     tables: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "cmp"
-    manifest = {"runs": {}}
+    manifest: dict[str, Any] = {
+        "runs": {},
+        "command": ["felix", "compare"],
+        "provenance": {"cpu": "AMD EPYC"},
+    }
     for variant, folder, shift in (
         ("felix", "felix", 0.0),
         ("oort-async*", "oort-async-oracle", -0.1),
@@ -100,6 +104,7 @@ def test_folder_to_tables_paired_and_overview(
     tables.main()
     doc = json.loads(dest.with_suffix(".json").read_text())
     assert set(doc["stats"]) == {"felix", "oort-async*", "oort-async"}
+    assert doc["provenance"] == {"cpu": "AMD EPYC"}
     felix = doc["stats"]["felix"]
     # From the surge (1000 s) to the end (3000 s): 0.7 (+0.01 seed) for 1000 s, then 0.9.
     assert felix["time_avg_accuracy_after_shift"][0] == pytest.approx(0.80 + 0.005 * 1)
