@@ -312,7 +312,8 @@ def overview(paths: list[Path], out: Path) -> list[str]:
     docs = {p.stem: json.loads(p.read_text()) for p in paths}
     variants: list[str] = []
     for d in docs.values():
-        variants += [v for v in d["stats"] if v not in variants]
+        order = sorted(d["stats"], key=lambda v: -d["stats"][v]["time_avg_accuracy"][0])
+        variants += [v for v in order if v not in variants]
     lines = [
         "| variant | " + " | ".join(f"`{n}`" for n in docs) + " |",
         "|---|" + "---|" * len(docs),
