@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from felix.engine.run import resolve_config
+from felix.engine.setup import resolve_config
 from felix.experiments.compare import load_comparison, variant_config
 
 FEDBUFF_FAMILY = ("fedbuff", "oort-async", "oort-async*", "felix-no-tierfuse")
