@@ -137,20 +137,15 @@ _NET: list[Net] = []
 @felix_loop_lean.train()
 @_timed("felix_loop_lean")
 def train_lean(msg: Message, context: Context) -> Message:
-    """The same loop with the handler's own fixed costs cut: one network per process (Net has no
-    buffers and SGD without momentum no state, so loading the message's weights is all a task
-    needs) and the reply through felix's ``state_dict_record`` (Flower's bytes, without
-    ``np.save`` per tensor)."""
-    from felix.flower.helpers import state_dict_record  # here: --overhead runs on checkouts without it
+    """The same updates through felix's helpers: one network per process, the message's weights
+    copied into it (``load_arrays``) and felix's own local loop on it (``local_train``, the loop
+    felix's trainer runs), whose content (the ``state_dict`` through ``state_dict_record``, the
+    metrics) is the reply."""
+    from felix.flower.helpers import local_train  # here: --overhead runs on checkouts without it
 
     if not _NET:
         _NET.append(Net())
-    model = _NET[0]
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    metrics = local_loop(model, msg, context)
-    return Message(
-        RecordDict({"arrays": state_dict_record(model.state_dict()), "metrics": metrics}), reply_to=msg
-    )
+    return Message(local_train(msg, context, _NET[0]), reply_to=msg)
 
 
 echo = ClientApp()
