@@ -62,7 +62,7 @@ PLAN_ROW, COUNTS_QUERY, COUNTS = "felix.plan-row", "query.felix_counts", "felix.
 class LocalObjective:
     """One task's felix objective in a user's loop (:func:`objective` builds it)."""
 
-    def __init__(self, obj: Any, ctx: TaskContext, context: Any, params: list[torch.Tensor]) -> None:
+    def __init__(self, obj: Any, ctx: TaskContext, context: Any, params: Sequence[torch.Tensor]) -> None:
         self.obj = obj
         self.ctx = ctx
         self.context = context
@@ -115,20 +115,27 @@ def objective(
     ``felix.objective-params`` (what felix sends); give them under Flower's runtime.
     ``num_classes`` defaults to the message's ``num-classes``; ``class_counts`` (samples per
     class on this client) matters only to the objectives that weight classes (``wce``)."""
-    return _objective(msg, context, model, list(model.parameters()), name, num_classes, class_counts, params)
+    model_params = list(model.parameters())
+    with torch.no_grad():  # parameters_to_vector's values, without its per-tensor device checks
+        global_params = torch.cat([p.detach().reshape(-1) for p in model_params])
+    return _objective(
+        msg, context, model, model_params, global_params, name, num_classes, class_counts, params
+    )
 
 
 def _objective(
     msg: Any,
     context: Any,
     model: nn.Module,
-    model_params: list[torch.Tensor],
+    model_params: Sequence[torch.Tensor],
+    global_params: torch.Tensor,
     name: str | None,
     num_classes: int | None,
     class_counts: torch.Tensor | None,
     params: dict[str, Any],
 ) -> LocalObjective:
-    """:func:`objective`, given ``list(model.parameters())`` (:func:`local_train` has them)."""
+    """:func:`objective`, given ``list(model.parameters())`` and their values as one vector
+    (:func:`local_train` has them)."""
     config = _record(msg.content, CONFIG, flwr.app.ConfigRecord) or {}
     if name is None and not params:  # felix's objective as the config names it (felix's usual case)
         obj = _config_objective(
@@ -145,8 +152,6 @@ def _objective(
     if saved is not None:
         state.update({k: v.numpy() for k, v in saved.items()})
     aux = _record(msg.content, AUX, flwr.app.ArrayRecord)
-    with torch.no_grad():  # parameters_to_vector's values, without its per-tensor device checks
-        global_params = torch.cat([p.detach().reshape(-1) for p in model_params])
     counts = class_counts if class_counts is not None else torch.zeros(max(classes, 1), dtype=torch.long)
     ctx = TaskContext(
         model=model,
@@ -205,10 +210,13 @@ def load_arrays(msg: Any, model: nn.Module) -> None:
     _load(msg, model, "felix.flower.helpers.load_arrays")
 
 
-def _load(msg: Any, model: nn.Module, where: str) -> list[tuple[str, torch.Tensor, np.ndarray | None]]:
+def _load(
+    msg: Any, model: nn.Module, where: str
+) -> list[tuple[str, torch.Tensor, np.ndarray, np.ndarray | None]]:
     """:func:`load_arrays`; returns the model's ``state_dict(keep_vars=True)`` entries it loaded
-    into (the model's own tensors), each with the numpy view of its storage it copied into (None
-    where it copied through torch): :func:`local_train` replies from them without a second walk."""
+    into (the model's own tensors), each with the received values and the numpy view of its
+    storage it copied them into (None where it copied through torch): :func:`local_train`
+    replies from them without a second walk over the modules."""
     arrays = _record(msg.content, ARRAYS, flwr.app.ArrayRecord)
     if arrays is None:
         records = {k: v for k, v in msg.content.items() if isinstance(v, flwr.app.ArrayRecord)}
@@ -221,7 +229,7 @@ def _load(msg: Any, model: nn.Module, where: str) -> list[tuple[str, torch.Tenso
             f"{where}: the message's arrays {list(arrays.keys())[:4]}... are not the model's "
             f"state_dict {list(targets.keys())[:4]}..."
         )
-    loaded: list[tuple[str, torch.Tensor, np.ndarray | None]] = []
+    loaded: list[tuple[str, torch.Tensor, np.ndarray, np.ndarray | None]] = []
     for key, tensor in targets.items():
         try:
             value = _CODEC.read(arrays[key], tuple(tensor.shape))
@@ -236,7 +244,7 @@ def _load(msg: Any, model: nn.Module, where: str) -> list[tuple[str, torch.Tenso
         else:
             with torch.no_grad():
                 tensor.copy_(torch.from_numpy(np.array(value)))
-        loaded.append((key, tensor, view))
+        loaded.append((key, tensor, value, view))
     return loaded
 
 
@@ -297,11 +305,14 @@ def local_train(
     counts = np.bincount(y.cpu().numpy(), minlength=int(config.get("num-classes", 0)))
     # The parameters in ``model.parameters()``'s order (the state_dict lists them module by module
     # as that does, each module's before its buffers; a tied one under each of its names).
-    params: list[torch.Tensor] = list(
-        {id(t): t for _, t, _ in tensors if isinstance(t, nn.Parameter)}.values()
-    )
-    obj = _objective(msg, context, model, params, None, None, torch.from_numpy(counts), {})
-    device = obj.hooks.params[0].device
+    received = {id(t): (t, v) for _, t, v, _ in tensors if isinstance(t, nn.Parameter)}
+    params: list[torch.Tensor] = [t for t, _ in received.values()]
+    device = params[0].device
+    # The received parameters as one vector (the objective's anchor): numpy's concatenation of
+    # the received values costs a fraction of torch's of the loaded tensors.
+    global_params = torch.from_numpy(np.concatenate([v.reshape(-1) for _, v in received.values()]))
+    global_params = global_params.to(device=device, dtype=params[0].dtype)
+    obj = _objective(msg, context, model, params, global_params, None, None, torch.from_numpy(counts), {})
     x, y = x.to(device), y.to(device)
     generator = torch.Generator().manual_seed(int(config["seed"]))
     utility, loss = local_loop(model, obj.hooks.params, x, y, cfg, obj.hooks, generator)
@@ -309,7 +320,7 @@ def local_train(
         flwr.app.MetricRecord, {"num-examples": len(y), "train_loss": loss, "stat-utility": utility}
     )
     # The trained values, through the views the weights were copied into (training steps in place).
-    trained = {k: v if v is not None else t.detach().cpu().numpy() for k, t, v in tensors}
+    trained = {k: v if v is not None else t.detach().cpu().numpy() for k, t, _, v in tensors}
     content = filled(flwr.app.RecordDict, {ARRAYS: _record_of(trained), METRICS: metrics})
     obj.finish(content)
     return content

@@ -344,12 +344,12 @@ class NpyCodec:
                 super().__setattr__(name, value)
 
         self.fast = FastArray
-        self._headers: dict[tuple[str, tuple[int, ...]], bytes] = {}
+        self._headers: dict[tuple[np.dtype[Any], tuple[int, ...]], bytes] = {}
         self._names: dict[np.dtype[Any], str] = {}
         self._specs: dict[tuple[Any, Any], tuple[np.dtype[Any], tuple[int, ...], bytes, int]] = {}
 
     def header(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
-        key = (dtype.str, shape)
+        key = (dtype, shape)  # a dtype hashes as its .str would, without making the string
         head = self._headers.get(key)
         if head is None:
             buf = io.BytesIO()
