@@ -163,7 +163,7 @@ def local_loop(
     trainer's schedule too), the objective's ``hooks`` around each step (the step count in
     ``hooks.ctx.steps``; ``hooks.end()`` is the caller's). Returns Oort's statistical utility
     (over the first epoch's samples) and the mean batch loss. :class:`LocalTrainer` and the
-    Flower helper :func:`felix.flower.helpers.train` both run it: one loop, the same updates."""
+    Flower helper :func:`felix.flower.helpers.local_train` both run it: one loop, the same updates."""
     opt: torch.optim.Optimizer
     if cfg.optimizer == "sgd":
         opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)

@@ -6,11 +6,14 @@
   beta) sent back as ``felix.aux`` for the server to average (:class:`~felix.flower.strategy.FelixStrategy`
   and felix's own runs both do). Under ``felix run --flower-app`` the objective and its
   parameters come from felix's config (``client.objective``) in the message.
-- :func:`local_train`: felix's own local loop (the one :class:`~felix.client.trainer.LocalTrainer`
-  runs) on the handler's model with the message's config and objective: the reply's content, the
-  same update felix's trainer computes, bit for bit, at felix's trainer's cost. With
-  :func:`load_arrays` (the message's model copied into a model the handler keeps between
-  messages) it is the cheapest handler felix knows.
+- :func:`local_train`: the whole task, felix's way: the message's model copied into the handler's
+  network (:func:`load_arrays`), felix's own local loop (the one
+  :class:`~felix.client.trainer.LocalTrainer` runs) on it with the message's config and
+  objective, and the reply's content: under felix the update felix's trainer computes, bit for
+  bit, at close to its cost when the handler keeps its network between messages.
+- :func:`load_arrays`: the message's model copied into a network the handler keeps, in place
+  (``load_state_dict(to_torch_state_dict())`` without its intermediate tensors), for a handler
+  that runs its own loop.
 - :func:`state_dict_record`: Flower's ``ArrayRecord(model.state_dict())`` (the reply's model),
   the same arrays without ``np.save`` per tensor: on a small model, a large part of a handler's
   fixed cost per message.
@@ -20,7 +23,15 @@
   Under ``felix run --flower-app`` felix applies ``data_plan: dafl`` itself:
   :func:`felix.flower.client_data` already returns the augmented data.
 
-A sketch (docs/flower.md has the whole app)::
+The cheapest handler (felix's loop on a network kept between messages)::
+
+    NET = Net()
+
+    @app.train()
+    def train(msg, context):
+        return Message(local_train(msg, context, NET), reply_to=msg)
+
+A handler with its own loop (docs/flower.md has the whole app)::
 
     obj = objective(msg, context, model)              # felix.objective from the config
     for xb, yb in loader:
@@ -259,9 +270,9 @@ def local_train(
     x: torch.Tensor | None = None,
     y: torch.Tensor | None = None,
 ) -> Any:
-    """felix's local training of this task on ``model`` (kept by the handler between messages
-    or not): the message's model loaded into it (:func:`load_arrays`), then the loop felix's own
-    trainer runs
+    """felix's local training of this task on ``model`` (best kept by the handler between
+    messages: building a network costs more than a step of training it): the message's model
+    loaded into it (:func:`load_arrays`), then the loop felix's own trainer runs
     (:func:`felix.client.trainer.local_loop`: its optimiser, batch order from the config's
     ``seed``, per-sample losses for Oort's utility) with the message's config (``lr``,
     ``batch-size``, ``local-epochs``, ``seed``; ``momentum``, ``weight-decay``, ``optimizer``,
