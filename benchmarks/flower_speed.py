@@ -222,9 +222,11 @@ def breakdown(repeats: int, aggregations: int) -> dict[str, Any]:
     through felix's ``LocalTrainer`` and through ``FlowerTrainer`` over each app; CPU time per
     task, min and median over ``repeats`` replays, of the whole ``train`` call and of its steps
     (the functions named, timed where they are called from: each costs a timer call, well under
-    a microsecond). The lean handler's steps are ``local_train``'s (the load, the objective's
-    setup, felix's local loop, the reply's record) and the reply ``Message``; felix's part is
-    the time outside the handler."""
+    a microsecond; a recursive call counts once). The quickstart handler's steps are its calls
+    (a new network, ``to_torch_state_dict``, ``load_state_dict``, the loop, ``state_dict``, the
+    reply's ``ArrayRecord`` and ``Message``), the lean handler's ``local_train``'s (the load, the
+    objective's setup, felix's local loop, the reply's record) and its ``Message``; felix's part
+    is the time outside the handler."""
     import flower_speed as bench  # the apps' module as felix imports them (flower_speed:...)
 
     import felix.client.trainer as trainer_mod
@@ -248,38 +250,53 @@ def breakdown(repeats: int, aggregations: int) -> dict[str, Any]:
         sides[side] = api.build(_config(1, 0, app, False)).sim.trainer
 
     steps: dict[str, float] = {}
-    timed = {  # (module, function name, step)
+    reply = (bench, "Message", "the reply Message (the handler's)")
+    timed: dict[str, list[tuple[Any, str, str]]] = {  # (module or class, attribute, step)
         "felix": [(trainer_mod, "local_loop", "felix's local loop")],
-        "flower": [(bench, "local_loop", "the benchmark's local loop")],
+        "flower": [
+            (bench, "Net", "a new network (Net())"),
+            (ArrayRecord, "to_torch_state_dict", "the message's arrays as tensors (to_torch_state_dict)"),
+            (torch.nn.Module, "load_state_dict", "load_state_dict"),
+            (bench, "local_loop", "the benchmark's local loop"),
+            (torch.nn.Module, "state_dict", "model.state_dict()"),
+            (ArrayRecord, "__init__", "ArrayRecord(state_dict) (the reply's arrays)"),
+            reply,
+        ],
         "flower_lean": [
             (helpers, "local_train", "local_train"),
             (helpers, "_load", "load_arrays (the message's model into the kept network)"),
             (helpers, "_objective", "the objective's setup (felix's objective, its hooks)"),
             (helpers, "local_loop", "felix's local loop"),
             (helpers, "_record_of", "the reply's ArrayRecord"),
+            reply,
         ],
     }
 
-    def wrapped(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    def wrapped(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        depth = [0]  # a recursive call (state_dict's of the submodules) is in its caller's time
+
         def timing(*args: Any, **kwargs: Any) -> Any:
+            depth[0] += 1
             t0 = time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                steps[name] = steps.get(name, 0.0) + time.process_time() - t0
+                depth[0] -= 1
+                if not depth[0]:
+                    steps[label] = steps.get(label, 0.0) + time.process_time() - t0
 
         return timing
 
     out: dict[str, Any] = {"what": "breakdown", "tasks": len(tasks), "repeats": repeats}
     for side, trainer in sides.items():
-        originals = [(mod, fn, getattr(mod, fn)) for mod, fn, _ in timed[side]]
-        for (mod, fn, _), (_, _, orig) in zip(timed[side], originals):
-            setattr(mod, fn, wrapped(orig, fn))
+        originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in timed[side]]
+        for (owner, attr, label), (_, _, orig) in zip(timed[side], originals):
+            setattr(owner, attr, wrapped(orig, label))
         app = trainer.app if side != "felix" else None
-        if app is not None:  # the handler's own time, and the reply's construction in it
+        if app is not None:  # the handler's own time: the rest of the task's is felix's part
             handler_key = next(iter(app._registered_funcs))
             handler = app._registered_funcs[handler_key]
-            app._registered_funcs[handler_key] = wrapped(handler, "handler")
+            app._registered_funcs[handler_key] = wrapped(handler, "the handler")
         totals: list[float] = []
         per: dict[str, list[float]] = {}
         try:
@@ -291,20 +308,21 @@ def breakdown(repeats: int, aggregations: int) -> dict[str, Any]:
                         weights, data, {CLIENT_KEY: i % 100}, {}, torch.Generator().manual_seed(seed)
                     )
                 spent = time.process_time() - t0
+                if "the handler" in steps:
+                    steps["outside the handler (felix's part)"] = spent - steps["the handler"]
                 if rep:
                     totals.append(spent / len(tasks) * 1e6)
                     for name, v in steps.items():
                         per.setdefault(name, []).append(v / len(tasks) * 1e6)
         finally:
-            for mod, fn, orig in originals:
-                setattr(mod, fn, orig)
+            for owner, attr, orig in originals:
+                setattr(owner, attr, orig)
             if app is not None:
                 app._registered_funcs[handler_key] = handler
-        labels = {fn: label for _, fn, label in timed[side]}
         out[side] = {
             "cpu_us_per_task": {"min": round(min(totals), 1), "median": round(statistics.median(totals), 1)},
             "steps_us_per_task": {
-                labels.get(name, name): {"min": round(min(v), 1), "median": round(statistics.median(v), 1)}
+                name: {"min": round(min(v), 1), "median": round(statistics.median(v), 1)}
                 for name, v in per.items()
             },
         }
