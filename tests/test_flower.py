@@ -790,3 +790,26 @@ def test_load_arrays_is_load_state_dict_in_place() -> None:
     assert [t.data_ptr() for t in ours.state_dict().values()] == before
     for (k, a), b in zip(ours.state_dict().items(), theirs.state_dict().values()):
         assert a.dtype == b.dtype and torch.equal(a, b), k
+
+
+def test_records_filled_in_one_step_are_flowers_own() -> None:
+    """The records the Flower path and the helpers fill without ``__setitem__``'s checks equal
+    the ones Flower builds, down to their content hash (``object_id``, what Flower serialises)."""
+    from felix.flower.trainer import filled, flower_codec
+
+    arrays = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "n": np.array(4)}
+    config = {"lr": 0.1, "seed": 3, "optimizer": "sgd", "drop-last": False}
+    metrics = {"num-examples": 3, "train_loss": 0.5}
+    ours_arrays = filled(ArrayRecord, {k: flower_codec().plain(v) for k, v in arrays.items()})
+    theirs_arrays = ArrayRecord({k: flwr.app.Array(v) for k, v in arrays.items()})
+    pairs = [
+        (ours_arrays, theirs_arrays),
+        (filled(ConfigRecord, config), ConfigRecord(config)),
+        (filled(MetricRecord, metrics), MetricRecord(metrics)),
+        (
+            filled(RecordDict, {"arrays": ours_arrays, "config": filled(ConfigRecord, config)}),
+            RecordDict({"arrays": theirs_arrays, "config": ConfigRecord(config)}),
+        ),
+    ]
+    for ours, theirs in pairs:
+        assert type(ours) is type(theirs) and ours == theirs and ours.object_id == theirs.object_id
