@@ -2,14 +2,17 @@
 
     python benchmarks/flower_speed.py [--repeats 3] [--aggregations 60] [--busy-core] [--seeds 0 1 2] [--json FILE]
     python benchmarks/flower_speed.py --overhead 2000 [--repeats 5]
+    python benchmarks/flower_speed.py --breakdown [--repeats 5] [--aggregations 20]
 
 Speed, on the same updates: the default scenario (digits, 90% slotted churn; 100 clients of one
 or two SGD steps per task, and 20 clients x 5 local epochs, about 25 steps) with the fedbuff
 preset, one client at a time on every side (``run.cohort: 1``; the Flower path trains one message
 at a time), run with felix's ``LocalTrainer`` and with two Flower ``ClientApp`` s whose train
-handler runs felix's local loop (``local_loop``): ``felix_loop`` in the quickstart's pattern (a new
-network per message, Flower's ``ArrayRecord(model.state_dict())`` as the reply) and
-``felix_loop_lean`` (one network per process, the reply through felix's ``state_dict_record``).
+handler computes felix's updates: ``felix_loop`` in the quickstart's pattern (a new network per
+message, ``load_state_dict``, the loop written out in the handler (``local_loop``), Flower's
+``ArrayRecord(model.state_dict())`` as the reply: the user's own code) and ``felix_loop_lean``
+(felix's helpers: one network per process, the message's model copied into it and felix's own
+local loop run on it by ``felix.flower.helpers.local_train``, whose content is the reply).
 All runs give the same evaluations (checked), so the difference is the Flower path's cost: felix's
 part (the model as an ``ArrayRecord`` and back, the messages, the reply's checks; reported as the
 time outside the handler) and the handler's own fixed cost per message. The sides alternate in
@@ -20,6 +23,9 @@ felix), with the load average before and after (the timings are of a shared mach
 
 ``--overhead TASKS``: the Flower path's own cost per task alone (``overhead``: no training, an app
 that echoes the received arrays), CPU time per task.
+
+``--breakdown``: where a task's CPU time goes (``breakdown``), felix's trainer against the Flower
+path with each handler, on the same recorded tasks of the default scenario.
 
 Learning curve: the Flower quickstart app of docs/flower_example.py (its own DataLoader order, so
 other updates) against felix's trainer over ``--seeds``: final accuracy and virtual time to the
@@ -137,20 +143,15 @@ _NET: list[Net] = []
 @felix_loop_lean.train()
 @_timed("felix_loop_lean")
 def train_lean(msg: Message, context: Context) -> Message:
-    """The same loop with the handler's own fixed costs cut: one network per process (Net has no
-    buffers and SGD without momentum no state, so loading the message's weights is all a task
-    needs) and the reply through felix's ``state_dict_record`` (Flower's bytes, without
-    ``np.save`` per tensor)."""
-    from felix.flower.helpers import state_dict_record  # here: --overhead runs on checkouts without it
+    """The same updates through felix's helpers: one network per process, the message's weights
+    copied into it (``load_arrays``) and felix's own local loop on it (``local_train``, the loop
+    felix's trainer runs), whose content (the ``state_dict`` through ``state_dict_record``, the
+    metrics) is the reply."""
+    from felix.flower.helpers import local_train  # here: --overhead runs on checkouts without it
 
     if not _NET:
         _NET.append(Net())
-    model = _NET[0]
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    metrics = local_loop(model, msg, context)
-    return Message(
-        RecordDict({"arrays": state_dict_record(model.state_dict()), "metrics": metrics}), reply_to=msg
-    )
+    return Message(local_train(msg, context, _NET[0]), reply_to=msg)
 
 
 echo = ClientApp()
@@ -213,6 +214,127 @@ def overhead(tasks: int, repeats: int) -> dict[str, Any]:
         "cpu_us_per_task": stats(total[1:]),
         "outside_handler_cpu_us_per_task": stats(outside[1:]),
     }
+
+
+def breakdown(repeats: int, aggregations: int) -> dict[str, Any]:
+    """Where a task's time goes, felix's trainer against the Flower path, on the same tasks: the
+    default scenario's (recorded from a felix run of ``aggregations`` aggregations), replayed
+    through felix's ``LocalTrainer`` and through ``FlowerTrainer`` over each app; CPU time per
+    task, min and median over ``repeats`` replays, of the whole ``train`` call and of its steps
+    (the functions named, timed where they are called from: each costs a timer call, well under
+    a microsecond; a recursive call counts once). The quickstart handler's steps are its calls
+    (a new network, ``to_torch_state_dict``, ``load_state_dict``, the loop, ``state_dict``, the
+    reply's ``ArrayRecord`` and ``Message``), the lean handler's ``local_train``'s (the load, the
+    objective's setup, felix's local loop, the reply's record) and its ``Message``; felix's part
+    is the time outside the handler."""
+    import flower_speed as bench  # the apps' module as felix imports them (flower_speed:...)
+
+    import felix.client.trainer as trainer_mod
+    from felix.flower import helpers
+    from felix.flower.trainer import CLIENT_KEY
+
+    tasks: list[tuple[Any, Any, int]] = []
+    built = api.build(_config(aggregations, 0, None, False))
+    own = built.sim.trainer
+    record = own.train
+
+    def recording(weights: Any, data: Any, state: Any, aux: Any, gen: torch.Generator) -> Any:
+        tasks.append((weights.copy(), data, gen.initial_seed()))
+        return record(weights, data, state, aux, gen)
+
+    own.train = recording
+    built.sim.run()
+    del own.train  # the class's method again
+    sides = {"felix": own}
+    for side, app in APPS.items():
+        sides[side] = api.build(_config(1, 0, app, False)).sim.trainer
+
+    steps: dict[str, float] = {}
+    reply = (bench, "Message", "the reply Message (the handler's)")
+    timed: dict[str, list[tuple[Any, str, str]]] = {  # (module or class, attribute, step)
+        "felix": [(trainer_mod, "local_loop", "felix's local loop")],
+        "flower": [
+            (bench, "Net", "a new network (Net())"),
+            (ArrayRecord, "to_torch_state_dict", "the message's arrays as tensors (to_torch_state_dict)"),
+            (torch.nn.Module, "load_state_dict", "load_state_dict"),
+            (bench, "local_loop", "the benchmark's local loop"),
+            (torch.nn.Module, "state_dict", "model.state_dict()"),
+            (ArrayRecord, "__init__", "ArrayRecord(state_dict) (the reply's arrays)"),
+            reply,
+        ],
+        "flower_lean": [
+            (helpers, "local_train", "local_train"),
+            (helpers, "_load", "load_arrays (the message's model into the kept network)"),
+            (helpers, "_objective", "the objective's setup (felix's objective, its hooks)"),
+            (helpers, "local_loop", "felix's local loop"),
+            (helpers, "_record_of", "the reply's ArrayRecord"),
+            reply,
+        ],
+    }
+
+    def wrapped(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        depth = [0]  # a recursive call (state_dict's of the submodules) is in its caller's time
+
+        def timing(*args: Any, **kwargs: Any) -> Any:
+            depth[0] += 1
+            t0 = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    steps[label] = steps.get(label, 0.0) + time.process_time() - t0
+
+        return timing
+
+    out: dict[str, Any] = {"what": "breakdown", "tasks": len(tasks), "repeats": repeats}
+    for side, trainer in sides.items():
+        originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in timed[side]]
+        for (owner, attr, label), (_, _, orig) in zip(timed[side], originals):
+            setattr(owner, attr, wrapped(orig, label))
+        app = trainer.app if side != "felix" else None
+        if app is not None:  # the handler's own time: the rest of the task's is felix's part
+            handler_key = next(iter(app._registered_funcs))
+            handler = app._registered_funcs[handler_key]
+            app._registered_funcs[handler_key] = wrapped(handler, "the handler")
+        totals: list[float] = []
+        per: dict[str, list[float]] = {}
+        try:
+            for rep in range(repeats + 1):  # the first: warm-up, not reported
+                steps.clear()
+                t0 = time.process_time()
+                for i, (weights, data, seed) in enumerate(tasks):
+                    trainer.train(
+                        weights, data, {CLIENT_KEY: i % 100}, {}, torch.Generator().manual_seed(seed)
+                    )
+                spent = time.process_time() - t0
+                if "the handler" in steps:
+                    steps["outside the handler (felix's part)"] = spent - steps["the handler"]
+                if rep:
+                    totals.append(spent / len(tasks) * 1e6)
+                    for name, v in steps.items():
+                        per.setdefault(name, []).append(v / len(tasks) * 1e6)
+        finally:
+            for owner, attr, orig in originals:
+                setattr(owner, attr, orig)
+            if app is not None:
+                app._registered_funcs[handler_key] = handler
+        out[side] = {
+            "cpu_us_per_task": {"min": round(min(totals), 1), "median": round(statistics.median(totals), 1)},
+            "steps_us_per_task": {
+                name: {"min": round(min(v), 1), "median": round(statistics.median(v), 1)}
+                for name, v in per.items()
+            },
+        }
+    for side in APPS:
+        out[f"ratio_min_{side}"] = round(
+            out[side]["cpu_us_per_task"]["min"] / out["felix"]["cpu_us_per_task"]["min"], 3
+        )
+        out[f"ratio_median_{side}"] = round(
+            out[side]["cpu_us_per_task"]["median"] / out["felix"]["cpu_us_per_task"]["median"], 3
+        )
+    out["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+    return out
 
 
 #: The Flower sides of the speed comparison: the app each runs.
@@ -374,6 +496,11 @@ def main() -> None:
         metavar="TASKS",
         help="only the Flower path's own cost per task (no training), TASKS tasks per repeat",
     )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="only where a task's CPU time goes, felix's trainer against the Flower path (--repeats replays)",
+    )
     p.add_argument("--json", help="append the results as JSON lines to this file")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -381,6 +508,8 @@ def main() -> None:
     results = []
     if args.overhead:
         results.append(overhead(args.overhead, args.repeats))
+    elif args.breakdown:
+        results.append(breakdown(args.repeats, args.aggregations))
     elif not args.skip_speed:
         busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy_core else None
         BUSY[0] = busy is not None
@@ -390,7 +519,7 @@ def main() -> None:
             if busy is not None:
                 busy.kill()
                 busy.wait()
-    if not args.skip_curve and not args.overhead:
+    if not args.skip_curve and not args.overhead and not args.breakdown:
         results.append(curve(args.seeds, args.curve_aggregations, args.targets))
     for r in results:
         r["provenance"] = prov

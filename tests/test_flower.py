@@ -32,7 +32,7 @@ from felix.cli import main
 from felix.config import ConfigError
 from felix.engine.setup import resolve_config
 from felix.flower import client_data
-from felix.flower.helpers import apply_plan, class_counts_reply, objective
+from felix.flower.helpers import apply_plan, class_counts_reply, load_arrays, local_train, objective
 from felix.sim.run import run_config
 from felix.strategies.aggregation.tierfuse import TierFuseAggregator
 
@@ -193,6 +193,20 @@ def train_exact(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
+lean = ClientApp()
+#: The network ``lean``'s handler keeps between messages ("net", made by "make" on its first).
+LEAN: dict[str, Any] = {"make": Net, "net": None}
+
+
+@lean.train()
+def train_lean(msg: Message, context: Context) -> Message:
+    """The handler felix's helpers make: one network kept between messages, the message's model
+    copied into it and felix's own local loop run on it (``local_train``)."""
+    if LEAN["net"] is None:
+        LEAN["net"] = LEAN["make"]()
+    return Message(local_train(msg, context, LEAN["net"]), reply_to=msg)
+
+
 helped = ClientApp()
 
 
@@ -301,18 +315,21 @@ def test_flower_app_in_felix_compare(tmp_path: Path, capsys: Any) -> None:
     assert "fedbuff" in (out / "comparison.md").read_text()
 
 
+@pytest.mark.parametrize("app", ["exact", "lean"])
 @pytest.mark.parametrize(
     "client",
     [{}, {"objective": "federage", "objective_params": {"alpha": 0.2, "gamma": 0.5}}],
     ids=["ce", "federage"],
 )
-def test_a_flower_app_of_felix_loop_gives_felix_trainer_run_exactly(client: dict[str, Any]) -> None:
-    """Everything downstream of the trainer is felix's: an app that computes felix's updates gives
-    the run felix's own trainer gives (one client at a time, as the Flower path trains), FedeRage
-    through the objective helper included (its beta averaged by the server and sent back)."""
+def test_a_flower_app_of_felix_loop_gives_felix_trainer_run_exactly(client: dict[str, Any], app: str) -> None:
+    """Everything downstream of the trainer is felix's: an app that computes felix's updates (its
+    own loop with the objective helper, or felix's through ``local_train``) gives the run felix's
+    own trainer gives (one client at a time, as the Flower path trains), FedeRage included (its
+    beta averaged by the server and sent back)."""
+    LEAN.update(make=Net, net=None)
     over = {**SMALL, "client": client, "run": {**SMALL["run"], "max_aggregations": 6}}
     own = run_config(resolve_config(None, "felix", over), None, plots=False)
-    app_client = {**client, "flower_app": "test_flower:exact"}
+    app_client = {**client, "flower_app": f"test_flower:{app}"}
     via = api.run({**over, "strategy": "felix", "client": app_client})  # the Python API's way in
     if client:
         assert "federage_beta" in via.built.orch.aux
@@ -625,3 +642,174 @@ def test_state_dict_record_is_flowers_array_record() -> None:
         if k != "t":
             assert arr == flowers[k], k
     assert ours["t"].numpy().flags.c_contiguous and tuple(ours["t"].shape) == (3, 2)
+
+
+# ------------------------------------------------ felix's local loop as a Flower helper
+@pytest.mark.parametrize(
+    ("make", "cfg", "obj"),
+    [
+        (BnNet, {}, ("ce", {})),
+        (BnNet, {"buffers": "local", "epochs": 2, "batch_size": 3}, ("ce", {})),
+        (
+            Net,
+            {
+                "momentum": 0.9,
+                "weight_decay": 1e-3,
+                "epochs": 2,
+                "batch_size": 4,
+                "drop_last": True,
+                "max_steps": 5,
+            },
+            ("federage", {"alpha": 0.2, "gamma": 0.5}),
+        ),
+        (Net, {"optimizer": "adam", "lr": 0.01, "batch_size": 5}, ("fedprox", {"mu": 0.1})),
+    ],
+    ids=["bn-tied", "bn-local-buffers", "momentum-federage", "adam-fedprox"],
+)
+def test_local_train_gives_felix_trainers_updates_bit_for_bit(
+    make: Any, cfg: dict[str, Any], obj: tuple[str, dict[str, Any]]
+) -> None:
+    """``local_train`` in a handler that keeps its network is felix's trainer on the same tasks:
+    the same deltas, losses, utilities and aux state, bit for bit, over several clients' tasks
+    (the objective's and the buffers' per-client state carried between them), with BatchNorm
+    buffers, a tied weight, momentum, weight decay, Adam, drop_last and max_steps."""
+    from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
+    from felix.client.weights import ModelWeights
+    from felix.flower.trainer import CLIENT_KEY, FlowerTrainer
+    from felix.strategies.objectives import make_objective
+
+    torch.manual_seed(0)
+    train_cfg = TrainConfig(**{"lr": 0.05, **cfg})
+    objective_ = make_objective(obj[0], **obj[1])
+    own = LocalTrainer(make(), objective_, train_cfg, 10)
+    via = FlowerTrainer(lean, "test_flower:lean", make(), objective_, train_cfg, 10, 3, obj[1])
+    LEAN.update(make=make, net=None)
+    rng = np.random.default_rng(1)
+    size = ModelWeights(make(), train_cfg.buffers).size
+    states: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {c: ({}, {CLIENT_KEY: c}) for c in range(3)}
+    for task in range(6):
+        cid = task % 3
+        n = 9 + 4 * cid
+        data = ClientData(
+            torch.from_numpy(rng.standard_normal((n, 1, 8, 8)).astype(np.float32)),
+            torch.from_numpy(rng.integers(0, 10, n)),
+        )
+        weights = (0.1 * rng.standard_normal(size)).astype(np.float32)
+        a = own.train(weights, data, states[cid][0], {}, torch.Generator().manual_seed(100 + task))
+        b = via.train(weights, data, states[cid][1], {}, torch.Generator().manual_seed(100 + task))
+        assert np.array_equal(a.delta, b.delta) and a.delta.any(), task
+        assert (a.num_samples, a.loss, a.stat_utility) == (b.num_samples, b.loss, b.stat_utility), task
+        assert sorted(a.aux) == sorted(b.aux) and all(np.array_equal(a.aux[k], b.aux[k]) for k in a.aux)
+    if obj[0] == "federage":
+        assert "federage_beta" in a.aux
+
+
+def _train_message(config: dict[str, Any] | None, arrays: Any) -> Message:
+    content = RecordDict({"arrays": arrays})
+    if config is not None:
+        content["config"] = ConfigRecord(config)
+    meta = flwr.app.Metadata(
+        run_id=1,
+        message_id="m",
+        src_node_id=0,
+        dst_node_id=1,
+        reply_to_message_id="",
+        group_id="1",
+        created_at=0.0,
+        ttl=60.0,
+        message_type="train",
+    )
+    return Message(content, metadata=meta)
+
+
+def _context() -> Context:
+    return Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+
+
+def test_local_train_and_load_arrays_refuse_bad_input_in_one_line() -> None:
+    """A message without the config entries ``local_train`` needs, without a config, or with
+    arrays that are not the model's: a one-line ``ValueError`` saying which; under felix, the
+    one-line error naming the app and the client."""
+    x, y = torch.zeros(4, 1, 8, 8), torch.zeros(4, dtype=torch.long)
+    arrays = ArrayRecord(Net().state_dict())
+    full = {"lr": 0.1, "batch-size": 2, "local-epochs": 1, "seed": 0}
+    cases = [
+        (_train_message({"lr": 0.1, "batch-size": 2}, arrays), "config has no 'local-epochs', 'seed'"),
+        (_train_message(None, arrays), "has no ConfigRecord 'config'"),
+        (_train_message(full, ArrayRecord(BnNet().state_dict())), "are not the model's state_dict"),
+    ]
+    shapes = ArrayRecord(Net().state_dict())
+    shapes["fc2.bias"] = flwr.app.Array(np.zeros(3, dtype=np.float32))
+    cases.append((_train_message(full, shapes), "fc2.bias: shape \\(3,\\), the model's \\(10,\\)"))
+    for msg, says in cases:
+        with pytest.raises(ValueError, match=says) as err:
+            local_train(msg, _context(), Net(), x, y)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="give x and y"):  # no felix data outside felix
+        local_train(
+            _train_message(full, arrays),
+            _context(),
+            Net(),
+        )
+    with pytest.raises(ValueError, match="load_arrays: fc2.bias: shape"):
+        load_arrays(cases[-1][0], Net())
+    LEAN.update(make=Net, net=None)
+    cut = ClientApp()
+
+    @cut.train()
+    def train_cut(msg: Message, context: Context) -> Message:
+        del msg.content["config"]["seed"]
+        return train_lean(msg, context)
+
+    from felix.client.trainer import ClientData, TrainConfig
+    from felix.flower.trainer import CLIENT_KEY, FlowerTrainer
+    from felix.strategies.objectives import make_objective
+
+    trainer = FlowerTrainer(cut, "mine:cut", Net(), make_objective("ce"), TrainConfig(), 10, 4, {})
+    weights = np.zeros(trainer.layout.size, dtype=np.float32)
+    with pytest.raises(
+        ConfigError, match="mine:cut: the train handler raised on client 2: ValueError: .*no 'seed'"
+    ) as cerr:
+        trainer.train(weights, ClientData(x, y), {CLIENT_KEY: 2}, {}, torch.Generator().manual_seed(0))
+    assert "\n" not in str(cerr.value)
+
+
+def test_load_arrays_is_load_state_dict_in_place() -> None:
+    """``load_arrays`` leaves the model as ``load_state_dict(to_torch_state_dict())`` does (its
+    buffers, its integer counter and its tied weight included), in the model's own tensors."""
+    torch.manual_seed(0)
+    source = BnNet()
+    with torch.no_grad():
+        source.bn.running_mean.add_(1.5)
+        source.bn.num_batches_tracked.add_(7)
+    msg = _train_message({}, ArrayRecord(source.state_dict()))
+    ours, theirs = BnNet(), BnNet()
+    before = [t.data_ptr() for t in ours.state_dict().values()]
+    load_arrays(msg, ours)
+    theirs.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    assert [t.data_ptr() for t in ours.state_dict().values()] == before
+    for (k, a), b in zip(ours.state_dict().items(), theirs.state_dict().values()):
+        assert a.dtype == b.dtype and torch.equal(a, b), k
+
+
+def test_records_filled_in_one_step_are_flowers_own() -> None:
+    """The records the Flower path and the helpers fill without ``__setitem__``'s checks equal
+    the ones Flower builds, down to their content hash (``object_id``, what Flower serialises)."""
+    from felix.flower.trainer import filled, flower_codec
+
+    arrays = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "n": np.array(4)}
+    config = {"lr": 0.1, "seed": 3, "optimizer": "sgd", "drop-last": False}
+    metrics = {"num-examples": 3, "train_loss": 0.5}
+    ours_arrays = filled(ArrayRecord, {k: flower_codec().plain(v) for k, v in arrays.items()})
+    theirs_arrays = ArrayRecord({k: flwr.app.Array(v) for k, v in arrays.items()})
+    pairs = [
+        (ours_arrays, theirs_arrays),
+        (filled(ConfigRecord, config), ConfigRecord(config)),
+        (filled(MetricRecord, metrics), MetricRecord(metrics)),
+        (
+            filled(RecordDict, {"arrays": ours_arrays, "config": filled(ConfigRecord, config)}),
+            RecordDict({"arrays": theirs_arrays, "config": ConfigRecord(config)}),
+        ),
+    ]
+    for ours, theirs in pairs:
+        assert type(ours) is type(theirs) and ours == theirs and ours.object_id == theirs.object_id

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar, cast
@@ -147,6 +147,67 @@ def has_convolutions(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
 
 
+def local_loop(
+    model: nn.Module,
+    params: Sequence[torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    cfg: TrainConfig,
+    hooks: OneClient,
+    generator: torch.Generator,
+    autocast_dtype: torch.dtype | None = None,
+) -> tuple[float, float]:
+    """felix's sequential local training of one client, on ``model`` as loaded with the received
+    weights: a fresh optimiser over ``params`` (``cfg``'s), ``cfg``'s epochs of batches in an
+    order drawn from ``generator`` (:func:`~felix.client.schedule.epoch_batches`, the cohort
+    trainer's schedule too), the objective's ``hooks`` around each step (the step count in
+    ``hooks.ctx.steps``; ``hooks.end()`` is the caller's). Returns Oort's statistical utility
+    (over the first epoch's samples) and the mean batch loss. :class:`LocalTrainer` and the
+    Flower helper :func:`felix.flower.helpers.local_train` both run it: one loop, the same updates."""
+    opt: torch.optim.Optimizer
+    if cfg.optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    else:
+        opt = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    ctx = hooks.ctx
+    if not model.training:  # a recursive walk over modules; only after an eval probe
+        model.train()
+    device = x.device
+    n = int(y.shape[0])
+    # One forward pass and one cross-entropy per batch: the per-sample losses feed both the
+    # objective and Oort's utility. Sums stay tensors on the device: one sync at the end.
+    sq_sum = torch.zeros((), device=device)
+    loss_sum = torch.zeros((), device=device)
+    seen, batches = 0, 0
+    mixed = autocast_dtype is not None
+    bs = cfg.batch_size
+    for epoch, (take, nb) in enumerate(epoch_batches(n, cfg)):
+        order = torch.randperm(n, generator=generator).to(device)
+        for start in range(0, nb * bs, bs):
+            idx = order[start : min(start + bs, take)]
+            yb = y[idx]
+            if mixed:
+                with autocast(device, autocast_dtype):
+                    logits = model(x[idx]).float()
+            else:
+                logits = model(x[idx])
+            per = F.cross_entropy(logits, yb, reduction="none")
+            if epoch == 0:
+                sq_sum += per.detach().square().sum()
+                seen += int(idx.shape[0])
+            loss = hooks.loss(per, yb)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            hooks.before_step()
+            opt.step()
+            ctx.steps += 1
+            hooks.after_step()
+            loss_sum += loss.detach()
+            batches += 1
+    utility = oort_utility(float(sq_sum.cpu()), seen, n)
+    return utility, float(loss_sum.cpu()) / batches if batches else 0.0
+
+
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
@@ -217,48 +278,10 @@ class LocalTrainer:
             state=state,
             aux_in=aux_in,
         )
-        opt: torch.optim.Optimizer
-        if cfg.optimizer == "sgd":
-            opt = torch.optim.SGD(
-                self._params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-            )
-        else:
-            opt = torch.optim.Adam(self._params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         # The objective's hooks, for a stack of one client (hooks it does not override are not called).
-        hooks = OneClient(self.objective, ctx)
-        if not self.model.training:  # a recursive walk over modules; only after an eval probe
-            self.model.train()
+        hooks = OneClient(self.objective, ctx, self._params)
         x, y = data.on(self.device)
-        # One forward pass and one cross-entropy per batch: the per-sample losses feed both the
-        # objective and Oort's utility. Sums stay tensors on the device: one sync at the end.
-        sq_sum = torch.zeros((), device=self.device)
-        loss_sum = torch.zeros((), device=self.device)
-        seen, batches = 0, 0
-        mixed = self.autocast_dtype is not None
-        bs = cfg.batch_size
-        for epoch, (take, nb) in enumerate(epoch_batches(n, cfg)):  # the cohort trainer's schedule too
-            order = torch.randperm(n, generator=generator).to(self.device)
-            for start in range(0, nb * bs, bs):
-                idx = order[start : min(start + bs, take)]
-                yb = y[idx]
-                if mixed:
-                    with autocast(self.device, self.autocast_dtype):
-                        logits = self.model(x[idx]).float()
-                else:
-                    logits = self.model(x[idx])
-                per = F.cross_entropy(logits, yb, reduction="none")
-                if epoch == 0:
-                    sq_sum += per.detach().square().sum()
-                    seen += int(idx.shape[0])
-                loss = hooks.loss(per, yb)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                hooks.before_step()
-                opt.step()
-                ctx.steps += 1
-                hooks.after_step()
-                loss_sum += loss.detach()
-                batches += 1
+        utility, loss = local_loop(self.model, self._params, x, y, cfg, hooks, generator, self.autocast_dtype)
         hooks.end()
         self.weights.end_task(state)
         if cfg.probe_loss_key is not None:
@@ -266,12 +289,7 @@ class LocalTrainer:
         with torch.no_grad():
             delta = (self.weights.vector() - flat).cpu().numpy()
         return ClientUpdate(
-            num_samples=n,
-            stat_utility=oort_utility(float(sq_sum.cpu()), seen, n),
-            loss=float(loss_sum.cpu()) / batches if batches else 0.0,
-            duration=0.0,
-            delta=delta,
-            aux=ctx.aux_out,
+            num_samples=n, stat_utility=utility, loss=loss, duration=0.0, delta=delta, aux=ctx.aux_out
         )
 
     @_single_client

@@ -6,8 +6,8 @@
 - :mod:`felix.flower.strategy`: felix-fl's Oort/TierSelect selection and TierFuse aggregation as a
   Flower message-API ``Strategy`` for synchronous rounds, and :func:`run_simulation`, Flower's
   simulation on a loopback-only Ray instance.
-- :mod:`felix.flower.helpers`: felix's client objectives (FedeRage, ...) and its data plans (DAFL)
-  for use inside a Flower ``@app.train()`` handler.
+- :mod:`felix.flower.helpers`: felix's local loop, its client objectives (FedeRage, ...) and its
+  data plans (DAFL) for use inside a Flower ``@app.train()`` handler.
 
 Flower's telemetry is switched off here, in code, before ``flwr`` is first imported: Flower reads
 ``FLWR_TELEMETRY_ENABLED`` when its telemetry module loads and would otherwise post usage events to

@@ -34,6 +34,7 @@ What it must return: a reply (``Message(content, reply_to=msg)``) with an ``Arra
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import time
@@ -118,9 +119,7 @@ class FlowerTrainer(LocalTrainer):
         if cfg.max_steps is not None:
             self._config["max-steps"] = int(cfg.max_steps)
         self._run_config = {k: self._config[k] for k in ("lr", "local-epochs", "batch-size")}
-        #: The task-independent part of every message's config (each task gets a copy of it).
-        self._config_record = flwr.app.ConfigRecord(self._config)
-        self._codec = NpyCodec(flwr.app.Array)
+        self._codec = flower_codec()
         self.layout = StateLayout(self.model, self.weights)
 
     def _encode(self, flat: np.ndarray) -> Any:
@@ -128,18 +127,18 @@ class FlowerTrainer(LocalTrainer):
         ``np.save`` bytes Flower's ``Array`` holds), the kept buffers (if any) as the workspace
         holds them for this task. Its arrays are set one by one: ``ArrayRecord(array_dict=...)``
         would copy them into plain ``Array`` objects, losing the fast ``numpy()``."""
-        record = self._flwr.app.ArrayRecord()
         encode = self._codec.encode
         kept = self.layout.kept_tensors
+        arrays = {}
         for e in self.layout.entries:
             if e.kept is None:
                 value = flat[e.start : e.stop].reshape(e.shape)
                 if value.dtype != e.dtype:
                     value = value.astype(e.dtype)
-                record[e.key] = encode(value, e.dtype_name)
+                arrays[e.key] = encode(value, e.dtype_name)
             else:
-                record[e.key] = encode(kept[e.kept].detach().cpu().numpy().copy())
-        return record
+                arrays[e.key] = encode(kept[e.kept].detach().cpu().numpy().copy())
+        return filled(self._flwr.app.ArrayRecord, arrays)
 
     def _context(self, cid: int) -> Any:
         ctx = self._contexts.get(cid)
@@ -181,10 +180,10 @@ class FlowerTrainer(LocalTrainer):
         flat.flags.writeable = False
         self.weights.begin_task(state)  # the kept buffers (if any): the client's or the factory's
         self._rounds[cid] = rnd = self._rounds.get(cid, 0) + 1
-        config = self._config_record.copy()
-        config["seed"] = int(generator.initial_seed())
-        config["server-round"] = rnd
-        content = app_mod.RecordDict({ARRAYS: self._encode(flat), CONFIG: config})
+        config = filled(
+            app_mod.ConfigRecord, {**self._config, "seed": int(generator.initial_seed()), "server-round": rnd}
+        )
+        content = filled(app_mod.RecordDict, {ARRAYS: self._encode(flat), CONFIG: config})
         if aux_in:
             content[AUX] = _array_record(app_mod, aux_in)
         meta = app_mod.Metadata(
@@ -345,11 +344,12 @@ class NpyCodec:
                 super().__setattr__(name, value)
 
         self.fast = FastArray
-        self._headers: dict[tuple[str, tuple[int, ...]], bytes] = {}
+        self._headers: dict[tuple[np.dtype[Any], tuple[int, ...]], bytes] = {}
+        self._names: dict[np.dtype[Any], str] = {}
         self._specs: dict[tuple[Any, Any], tuple[np.dtype[Any], tuple[int, ...], bytes, int]] = {}
 
     def header(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
-        key = (dtype.str, shape)
+        key = (dtype, shape)  # a dtype hashes as its .str would, without making the string
         head = self._headers.get(key)
         if head is None:
             buf = io.BytesIO()
@@ -358,6 +358,13 @@ class NpyCodec:
             head = raw[: len(raw) - dtype.itemsize * int(np.prod(shape))]
             self._headers[key] = head
         return head
+
+    def name(self, dtype: np.dtype[Any]) -> str:
+        """``str(dtype)``, cached: numpy makes the name anew on every ``str`` (microseconds)."""
+        name = self._names.get(dtype)
+        if name is None:
+            name = self._names[dtype] = str(dtype)
+        return name
 
     def encode(self, a: np.ndarray, dtype_name: str | None = None) -> Any:
         """``a`` as a Flower ``Array``, byte for byte what ``Array(a)`` holds; its ``numpy()``
@@ -371,11 +378,23 @@ class NpyCodec:
         shape = a.shape
         arr = object.__new__(self.fast)
         arr.__dict__.update(
-            dtype=str(a.dtype) if dtype_name is None else dtype_name,
+            dtype=self.name(a.dtype) if dtype_name is None else dtype_name,
             shape=shape,
             stype="numpy.ndarray",
             data=self.header(a.dtype, shape) + a.tobytes(),
             _src=a,
+        )
+        return arr
+
+    def plain(self, a: np.ndarray) -> Any:
+        """A contiguous ``a`` as a plain Flower ``Array`` (the class itself: it pickles and
+        serialises as Flower's own), the fields ``Array(a)`` sets, set as ``encode`` sets them."""
+        arr = object.__new__(self.base)
+        arr.__dict__.update(
+            dtype=self.name(a.dtype),
+            shape=a.shape,
+            stype="numpy.ndarray",
+            data=self.header(a.dtype, a.shape) + a.tobytes(),
         )
         return arr
 
@@ -434,19 +453,35 @@ class NpyCodec:
                 raise ValueError(f"dtype {dtype}, not a number type")
             data = arr.data
             if isinstance(data, bytes) and len(data) == size and data.startswith(head):
-                value = np.frombuffer(data, dtype=dtype, offset=len(head)).reshape(shape)
-            else:  # another writer's header (Fortran order, ...), or not a .npy array at all
-                try:
-                    value = np.asarray(self.base.numpy(arr))
-                except Exception as exc:  # noqa: BLE001 - bytes from the user's app
-                    raise ValueError(
-                        f"its bytes are not a .npy array ({type(exc).__name__}: {exc})"
-                    ) from None
+                # the dtype and shape checked above, the bytes what they say
+                return np.frombuffer(data, dtype=dtype, offset=len(head)).reshape(shape)
+            try:  # another writer's header (Fortran order, ...), or not a .npy array at all
+                value = np.asarray(self.base.numpy(arr))
+            except Exception as exc:  # noqa: BLE001 - bytes from the user's app
+                raise ValueError(f"its bytes are not a .npy array ({type(exc).__name__}: {exc})") from None
         if value.dtype.kind not in NUMERIC:
             raise ValueError(f"dtype {value.dtype}, not a number type")
         if tuple(value.shape) != shape:
             raise ValueError(f"shape {tuple(value.shape)}, the model's {shape}")
         return value
+
+
+@functools.cache
+def flower_codec() -> NpyCodec:
+    """The process's codec of Flower's ``Array``: one fast class, so that felix's trainer and the
+    helpers (:mod:`felix.flower.helpers`) read each other's arrays' kept values without parsing
+    their bytes."""
+    return NpyCodec(import_flwr().app.Array)
+
+
+def filled(record_type: Any, items: dict[str, Any]) -> Any:
+    """A Flower record (``ArrayRecord``, ``MetricRecord``, ``ConfigRecord``, ``RecordDict``: the
+    typed dicts of ``flwr.app``) holding ``items``, filled in one step: its ``__setitem__``
+    type-checks each entry through three calls, microseconds an entry, on a path of one or two
+    SGD steps per task. For items of the types the record holds (felix's own, made here)."""
+    record = record_type()
+    record.__dict__["_data"].update(items)
+    return record
 
 
 #: ``Array``'s dataclass fields.
@@ -486,4 +521,4 @@ def build_flower_trainer(cfg: Config, base: LocalTrainer) -> FlowerTrainer:
     )
 
 
-__all__ = ["CLIENT_KEY", "FlowerTrainer", "build_flower_trainer", "load_client_app"]
+__all__ = ["CLIENT_KEY", "FlowerTrainer", "build_flower_trainer", "flower_codec", "load_client_app"]
