@@ -646,10 +646,10 @@ def test_state_dict_record_is_flowers_array_record() -> None:
 
 # ------------------------------------------------ felix's local loop as a Flower helper
 @pytest.mark.parametrize(
-    ("make", "cfg", "obj"),
+    ("make", "cfg", "obj", "dtype"),
     [
-        (BnNet, {}, ("ce", {})),
-        (BnNet, {"buffers": "local", "epochs": 2, "batch_size": 3}, ("ce", {})),
+        (BnNet, {}, ("ce", {}), None),
+        (BnNet, {"buffers": "local", "epochs": 2, "batch_size": 3}, ("ce", {}), None),
         (
             Net,
             {
@@ -661,18 +661,22 @@ def test_state_dict_record_is_flowers_array_record() -> None:
                 "max_steps": 5,
             },
             ("federage", {"alpha": 0.2, "gamma": 0.5}),
+            None,
         ),
-        (Net, {"optimizer": "adam", "lr": 0.01, "batch_size": 5}, ("fedprox", {"mu": 0.1})),
+        (Net, {"optimizer": "adam", "lr": 0.01, "batch_size": 5}, ("fedprox", {"mu": 0.1}), None),
+        (Net, {"probe_loss_key": "qffl_loss", "epochs": 2}, ("ce", {}), None),
+        (BnNet, {"buffers": "local"}, ("federage", {"alpha": 0.2, "gamma": 0.5}), torch.bfloat16),
     ],
-    ids=["bn-tied", "bn-local-buffers", "momentum-federage", "adam-fedprox"],
+    ids=["bn-tied", "bn-local-buffers", "momentum-federage", "adam-fedprox", "qffl-probe-loss", "bf16"],
 )
 def test_local_train_gives_felix_trainers_updates_bit_for_bit(
-    make: Any, cfg: dict[str, Any], obj: tuple[str, dict[str, Any]]
+    make: Any, cfg: dict[str, Any], obj: tuple[str, dict[str, Any]], dtype: torch.dtype | None
 ) -> None:
     """``local_train`` in a handler that keeps its network is felix's trainer on the same tasks:
     the same deltas, losses, utilities and aux state, bit for bit, over several clients' tasks
     (the objective's and the buffers' per-client state carried between them), with BatchNorm
-    buffers, a tied weight, momentum, weight decay, Adam, drop_last and max_steps."""
+    buffers, a tied weight, momentum, weight decay, Adam, drop_last, max_steps, q-FFL's loss at
+    the received model (``client.probe_loss``) and bf16 autocast (``run.precision``)."""
     from felix.client.trainer import ClientData, LocalTrainer, TrainConfig
     from felix.client.weights import ModelWeights
     from felix.flower.trainer import CLIENT_KEY, FlowerTrainer
@@ -681,8 +685,10 @@ def test_local_train_gives_felix_trainers_updates_bit_for_bit(
     torch.manual_seed(0)
     train_cfg = TrainConfig(**{"lr": 0.05, **cfg})
     objective_ = make_objective(obj[0], **obj[1])
-    own = LocalTrainer(make(), objective_, train_cfg, 10)
-    via = FlowerTrainer(lean, "test_flower:lean", make(), objective_, train_cfg, 10, 3, obj[1])
+    own = LocalTrainer(make(), objective_, train_cfg, 10, autocast_dtype=dtype)
+    via = FlowerTrainer(
+        lean, "test_flower:lean", make(), objective_, train_cfg, 10, 3, obj[1], autocast_dtype=dtype
+    )
     LEAN.update(make=make, net=None)
     rng = np.random.default_rng(1)
     size = ModelWeights(make(), train_cfg.buffers).size
@@ -702,6 +708,8 @@ def test_local_train_gives_felix_trainers_updates_bit_for_bit(
         assert sorted(a.aux) == sorted(b.aux) and all(np.array_equal(a.aux[k], b.aux[k]) for k in a.aux)
     if obj[0] == "federage":
         assert "federage_beta" in a.aux
+    if train_cfg.probe_loss_key is not None:
+        assert a.aux["qffl_loss"] > 0 and a.aux["qffl_loss"] != a.loss
 
 
 def _train_message(config: dict[str, Any] | None, arrays: Any) -> Message:
@@ -727,8 +735,8 @@ def _context() -> Context:
 
 
 def test_local_train_and_load_arrays_refuse_bad_input_in_one_line() -> None:
-    """A message without the config entries ``local_train`` needs, without a config, or with
-    arrays that are not the model's: a one-line ``ValueError`` saying which; under felix, the
+    """A message without the config entries ``local_train`` needs, without a config, with a
+    precision it does not know, or with arrays that are not the model's: a one-line ``ValueError`` saying which; under felix, the
     one-line error naming the app and the client."""
     x, y = torch.zeros(4, 1, 8, 8), torch.zeros(4, dtype=torch.long)
     arrays = ArrayRecord(Net().state_dict())
@@ -737,6 +745,10 @@ def test_local_train_and_load_arrays_refuse_bad_input_in_one_line() -> None:
         (_train_message({"lr": 0.1, "batch-size": 2}, arrays), "config has no 'local-epochs', 'seed'"),
         (_train_message(None, arrays), "has no ConfigRecord 'config'"),
         (_train_message(full, ArrayRecord(BnNet().state_dict())), "are not the model's state_dict"),
+        (
+            _train_message({**full, "precision": "fp8"}, arrays),
+            "precision 'fp8' is none of \\['bf16', 'fp32'\\]",
+        ),
     ]
     shapes = ArrayRecord(Net().state_dict())
     shapes["fc2.bias"] = flwr.app.Array(np.zeros(3, dtype=np.float32))

@@ -55,7 +55,7 @@ from torch import nn
 
 from felix.client.trainer import TrainConfig, local_loop
 from felix.flower import client_data, import_flwr
-from felix.flower.trainer import ARRAYS, AUX, CONFIG, METRICS, _one, filled, flower_codec
+from felix.flower.trainer import ARRAYS, AUX, CONFIG, METRICS, PRECISIONS_BY_DTYPE, _one, filled, flower_codec
 from felix.strategies.dataplans.augment import augment_client, get_augmenter
 from felix.strategies.objectives import Objective, OneClient, TaskContext, make_objective
 
@@ -261,6 +261,10 @@ def _load(
 
 #: The config entries :func:`local_train` needs (the others default as felix's ``TrainConfig``'s do).
 REQUIRED = ("lr", "batch-size", "local-epochs", "seed")
+#: The config's ``precision`` entry as the forward passes' autocast dtype (absent or fp32: none).
+AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None} | {
+    name: dtype for dtype, name in PRECISIONS_BY_DTYPE.items()
+}
 
 
 def local_train(
@@ -276,11 +280,11 @@ def local_train(
     (:func:`felix.client.trainer.local_loop`: its optimiser, batch order from the config's
     ``seed``, per-sample losses for Oort's utility) with the message's config (``lr``,
     ``batch-size``, ``local-epochs``, ``seed``; ``momentum``, ``weight-decay``, ``optimizer``,
-    ``drop-last``, ``max-steps`` when given) and felix objective (:func:`objective`). Returns the
-    reply's content, a ``RecordDict``: the trained ``state_dict`` (``"arrays"``,
-    :func:`state_dict_record`), ``"metrics"`` (``num-examples``, ``train_loss``,
-    ``stat-utility``) and the objective's ``felix.aux`` when it has one. Under felix the update is
-    the one felix's trainer computes, bit for bit.
+    ``drop-last``, ``max-steps``, ``precision`` when given) and felix objective
+    (:func:`objective`). Returns the reply's content, a ``RecordDict``: the trained
+    ``state_dict`` (``"arrays"``, :func:`state_dict_record`), ``"metrics"`` (``num-examples``,
+    ``train_loss``, ``stat-utility``) and the objective's ``felix.aux`` when it has one. Under
+    felix the update is the one felix's trainer computes, bit for bit.
 
     ``x, y`` default to :func:`felix.flower.client_data` (the task's data under felix); give
     them under Flower's runtime. A config without the entries this needs is a one-line
@@ -300,6 +304,11 @@ def local_train(
         if data is None:
             raise ValueError(f"{where}: give x and y (felix's client data exists only under felix)")
         x, y = data
+    precision = str(config.get("precision", "fp32"))
+    if precision not in AUTOCAST_DTYPES:
+        raise ValueError(
+            f"{where}: the config's precision {precision!r} is none of {sorted(AUTOCAST_DTYPES)}"
+        )
     tensors = _load(msg, model, where)
     cfg = TrainConfig(
         lr=float(config["lr"]),
@@ -326,7 +335,9 @@ def local_train(
     obj = _objective(msg, context, model, params, global_params, None, None, torch.from_numpy(counts), {})
     x, y = x.to(device), y.to(device)
     generator = torch.Generator().manual_seed(int(config["seed"]))
-    utility, loss = local_loop(model, obj.hooks.params, x, y, cfg, obj.hooks, generator)
+    utility, loss = local_loop(
+        model, obj.hooks.params, x, y, cfg, obj.hooks, generator, AUTOCAST_DTYPES[precision]
+    )
     metrics = filled(
         flwr.app.MetricRecord, {"num-examples": len(y), "train_loss": loss, "stat-utility": utility}
     )

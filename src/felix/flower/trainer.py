@@ -15,7 +15,8 @@ What the handler receives (``message_type`` ``"train"``):
 - ``content["config"]``: a ``ConfigRecord`` with ``lr``, ``batch-size``, ``local-epochs``,
   ``momentum``, ``weight-decay``, ``optimizer``, ``drop-last``, ``max-steps`` (when set), ``seed`` (the task's
   seed: felix's own trainer draws its batch order from it), ``server-round`` (the number of
-  training tasks this client received so far) and ``num-classes``, plus ``felix.objective`` and
+  training tasks this client received so far) and ``num-classes``, ``precision`` (``"bf16"``
+  under ``run.precision: bf16``: the forward passes' autocast dtype), plus ``felix.objective`` and
   ``felix.objective-params`` (JSON) for :func:`felix.flower.helpers.objective`;
 - ``content["felix.aux"]`` when the server sends aux state (FedeRage's averaged beta, ...);
 - a ``Context`` per client, kept between its tasks (``context.state`` persists, as in Flower), with
@@ -29,7 +30,8 @@ What it must return: a reply (``Message(content, reply_to=msg)``) with an ``Arra
 ``"metrics"``, or its only one) with ``num-examples`` and ``train_loss`` (or ``loss``); optionally
 ``stat-utility`` (Oort's |D| x sqrt(mean squared per-sample loss); without it felix uses
 |D| x ``train_loss``, the same with the mean loss in place of the root mean square) and a
-``felix.aux`` ``ArrayRecord``. TierSelect's probes (forward passes on the received model) stay felix's own.
+``felix.aux`` ``ArrayRecord``. TierSelect's probes and q-FFL's loss at the received model
+(``client.probe_loss``), forward passes on the received model, stay felix's own.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ from felix.strategies.objectives import Objective
 CLIENT_KEY = "flower_client_id"
 #: The reply record keys felix reads (Flower's own conventions, as in its quickstart apps).
 ARRAYS, CONFIG, METRICS, AUX = "arrays", "config", "metrics", "felix.aux"
+#: ``run.precision``'s autocast dtypes as the config's ``precision`` entry names them (fp32 and
+#: tf32 autocast nothing, and are not sent).
+PRECISIONS_BY_DTYPE = {torch.bfloat16: "bf16"}
 
 
 def load_client_app(ref: str) -> Any:
@@ -118,6 +123,8 @@ class FlowerTrainer(LocalTrainer):
         }
         if cfg.max_steps is not None:
             self._config["max-steps"] = int(cfg.max_steps)
+        if autocast_dtype is not None:
+            self._config["precision"] = PRECISIONS_BY_DTYPE[autocast_dtype]
         self._run_config = {k: self._config[k] for k in ("lr", "local-epochs", "batch-size")}
         self._codec = flower_codec()
         self.layout = StateLayout(self.model, self.weights)
@@ -168,6 +175,10 @@ class FlowerTrainer(LocalTrainer):
             raise ConfigError("client.flower_app: a task reached the Flower trainer without its client id")
         cid = int(state[CLIENT_KEY])
         app_mod = self._flwr.app
+        # q-FFL's loss at the received model is felix's own forward pass, as TierSelect's probes
+        # are (before the task's buffers are set: the probe sees the global model's).
+        key = self.cfg.probe_loss_key
+        received_loss = None if key is None else self.probe(weights, data).loss
         # One copy of the received vector for the task: the arrays' ``numpy()`` reads views of it
         # (so a later change of the caller's vector cannot reach a record the app kept).
         flat = np.array(weights, dtype=np.float32, copy=True)
@@ -206,7 +217,10 @@ class FlowerTrainer(LocalTrainer):
                     f"client.flower_app {self.ref}: the train handler raised on client {cid}: "
                     f"{type(exc).__name__}: {exc}"
                 ) from None
-        return self._update(reply, cid, flat, data, state)
+        update = self._update(reply, cid, flat, data, state)
+        if key is not None:
+            update.aux[key] = np.array(received_loss, dtype=np.float64)
+        return update
 
     def _update(
         self, reply: Any, cid: int, flat: np.ndarray, data: ClientData, state: dict[str, Any]
