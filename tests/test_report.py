@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -131,9 +132,66 @@ def test_weights_of_the_variants_that_divide_by_the_buffer_size(tmp_path: Path) 
     }
     (d / "manifest.json").write_text(json.dumps(manifest))
     weights = raw_weights(read_folder(d))
-    assert list(weights) == ["felix"] and weights["felix"] == pytest.approx((0.8, 0.85, 0.9))
+    assert list(weights) == ["felix"]
+    w = weights["felix"]
+    assert (w.p5, w.p50, w.p95) == pytest.approx((0.8, 0.85, 0.9))
+    assert w.percentiles == () and w.share_text == "-"  # runs that kept only three percentiles
     out = report([d], tmp_path / "w.html")
     assert "Fig. 15" in out.read_text()
+
+
+def test_the_share_of_high_weights_comes_from_each_seeds_percentiles(tmp_path: Path) -> None:
+    """Runs that record every percentile of their weights give the distribution (the mean of the
+    seeds' percentiles, times K) and each seed's share of updates weighted 0.8 or more, to 1%."""
+    d = folder(tmp_path)
+    doc = json.loads((d / "comparison.json").read_text())
+    k = 10
+    # Seed 0: percentiles 0-29 at w = 0.5, 30-100 at w = 0.9 (71% at 0.8 or more); seed 1: all 0.85.
+    seed0 = [0.05] * 30 + [0.09] * 71
+    seed1 = [0.085] * 101
+    doc["runs"] = {
+        "felix-authors": {
+            str(i): {
+                "diagnostics": {
+                    "agg_weight_p5": c[5],
+                    "agg_weight_p50": c[50],
+                    "agg_weight_p95": c[95],
+                    "agg_weight_percentiles": c,
+                }
+            }
+            for i, c in enumerate((seed0, seed1))
+        }
+    }
+    (d / "comparison.json").write_text(json.dumps(doc))
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest["runs"] = {
+        "felix-authors/seed=0": {
+            "variant": "felix-authors",
+            "config": {
+                "orchestrator": {"mode": "async", "agg_goal": k},
+                "aggregator": {"normalize": "count"},
+            },
+        }
+    }
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    w = raw_weights(read_folder(d))["felix-authors"]
+    assert w.share_high == pytest.approx((71 / 101, 1.0))
+    assert w.share_text == "85% ± 21%"
+    assert w.percentiles[0] == pytest.approx((0.5 + 0.85) / 2) and w.percentiles[-1] == pytest.approx(0.875)
+    page = report([d], tmp_path / "w.html").read_text()
+    assert "85% ± 21%" in page and "share with w &ge; 0.8" in page
+    f = read_folder(d)
+    share = Claim("weight_share", "felix-authors", "", "s", paper=0.9, at_least=True, tolerance=0.02)
+    assert judge(f, share, 0.15).status == "differs" and judge(f, share, 0.15).ours_text() == "85%"
+    assert judge(f, replace(share, paper=0.86), 0.15).status == "agrees"
+    assert judge(f, replace(share, at_least=False, at_most=True, paper=0.1), 0.15).status == "differs"
+    assert judge(f, replace(share, subject="fedbuff"), 0.15).status == "not measured"
+    cat = tmp_path / "c.yaml"
+    cat.write_text(
+        "experiments:\n  - {match: [x], title: t, claims: [{kind: weight_share, subject: a, paper: 0.9, source: s}]}\n"
+    )
+    with pytest.raises(ConfigError, match="needs at_least or at_most"):
+        load_catalog(cat)
 
 
 def test_server_lr_grid_counts_a_missed_target_at_the_cap(tmp_path: Path) -> None:

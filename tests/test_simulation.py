@@ -49,6 +49,22 @@ def test_bytes_count_every_model_transfer():
     assert s["bytes_by_kind"]["up"]["train"] % model_bytes == 0
 
 
+def test_diagnostics_keep_every_percentile_of_the_update_weights():
+    """``agg_weight_percentiles``: percentiles 0-100 of every applied update's recorded weight,
+    from which the report reads the weights' distribution (the FeLiX paper's Fig. 15)."""
+    res = run_config(small(), None, plots=False)
+    w = sorted(res.built.orch.stats.agg_weights)
+    d = res.summary["diagnostics"]
+    pct = d["agg_weight_percentiles"]
+    assert len(w) == res.summary["updates_applied"] == 24
+    assert len(pct) == 101 and pct == sorted(pct)
+    assert (pct[0], pct[-1]) == (w[0], w[-1]) and (pct[5], pct[50], pct[95]) == (
+        d["agg_weight_p5"],
+        d["agg_weight_p50"],
+        d["agg_weight_p95"],
+    )
+
+
 def test_training_improves_accuracy():
     res = run_config(
         small(

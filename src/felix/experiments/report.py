@@ -35,7 +35,7 @@ from felix.presets import CONFIG_DIR
 
 COMMAND = "report"
 DEFAULT_CATALOG = CONFIG_DIR / "reports" / "felix.yaml"
-_KINDS = ("speedup", "bytes_saving", "time_ratio")
+_KINDS = ("speedup", "bytes_saving", "time_ratio", "weight_share")
 
 
 @dataclass(frozen=True)
@@ -44,13 +44,19 @@ class Claim:
 
     kind: str
     subject: str
-    baseline: str
+    baseline: str  # "" for a weight_share claim (the subject's own weights)
     source: str
     paper: float | None = None
     at_least: bool = False
+    at_most: bool = False  # a weight_share claim's "fewer than"
     low: float | None = None
     high: float | None = None
     tolerance: float | None = None  # this claim's own, for a claim finer than the catalog's (5-7%)
+
+    @property
+    def label(self) -> str:
+        kind = self.kind.replace("_", " ")
+        return f"{self.subject} vs {self.baseline} ({kind})" if self.baseline else f"{self.subject} ({kind})"
 
     def paper_text(self) -> str:
         if self.kind == "time_ratio":
@@ -58,7 +64,10 @@ class Claim:
         assert self.paper is not None
         if self.kind == "bytes_saving":
             return f"{self.paper:.0%} fewer"
-        return (">" if self.at_least else "") + f"{self.paper:.2f}x"
+        bound = ">" if self.at_least else "<" if self.at_most else ""
+        if self.kind == "weight_share":
+            return f"{bound}{self.paper:.0%} of updates weighted {HIGH_WEIGHT} or more"
+        return f"{bound}{self.paper:.2f}x"
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,8 @@ def load_catalog(path: Path) -> Catalog:
         for j, c in enumerate(e.get("claims") or []):
             if not isinstance(c, dict):
                 raise ConfigError(f"{where}.claims[{j}]: a claim is a mapping")
+            if c.get("kind") == "weight_share":
+                c = {"baseline": "", **c}
             try:
                 claim = Claim(**c)
             except TypeError as exc:
@@ -109,6 +120,8 @@ def load_catalog(path: Path) -> Catalog:
                 )
             if claim.kind == "time_ratio" and (claim.low is None or claim.high is None):
                 raise ConfigError(f"{where}.claims[{j}]: a time_ratio claim needs 'low' and 'high'")
+            if claim.kind == "weight_share" and not (claim.at_least or claim.at_most):
+                raise ConfigError(f"{where}.claims[{j}]: a weight_share claim needs at_least or at_most")
             if claim.kind != "time_ratio" and not isinstance(claim.paper, (int, float)):
                 raise ConfigError(f"{where}.claims[{j}]: a {claim.kind} claim needs a number 'paper'")
             claims.append(claim)
@@ -189,13 +202,18 @@ class Verdict:
                 return "n.r."
             if self.claim.kind == "bytes_saving":
                 return f"{v:.0%}" if v >= 0 else f"{-v:.0%} more"
+            if self.claim.kind == "weight_share":
+                return f"{v:.0%}"
             return f"{v:.2f}" + ("x" if self.claim.kind == "speedup" else "")
 
         return " / ".join(one(v) for v in self.ours.values())
 
 
 def judge(folder: Folder, claim: Claim, tolerance: float) -> Verdict:
-    """Our value of ``claim`` at each target of ``folder`` and whether the paper's lies in range."""
+    """Our value of ``claim`` at each target of ``folder`` and whether the paper's lies in range
+    (a weight_share claim: one value, the seeds' mean share, against the paper's bound)."""
+    if claim.kind == "weight_share":
+        return _judge_share(folder, claim, tolerance)
     ours: dict[float, float | None] = {}
     for t in folder.targets:
         key = "bytes_total" if claim.kind == "bytes_saving" else "time_s"
@@ -226,6 +244,17 @@ def judge(folder: Folder, claim: Claim, tolerance: float) -> Verdict:
         assert claim.paper is not None
         ok = lo * (1 - tolerance) <= claim.paper <= hi * (1 + tolerance)
     return Verdict(claim, ours, "agrees" if ok else "differs")
+
+
+def _judge_share(folder: Folder, claim: Claim, tolerance: float) -> Verdict:
+    weights = raw_weights(folder).get(claim.subject)
+    if weights is None or not weights.share_high:
+        return Verdict(claim, {HIGH_WEIGHT: None}, "not measured")
+    share = sum(weights.share_high) / len(weights.share_high)
+    assert claim.paper is not None
+    tolerance = claim.tolerance if claim.tolerance is not None else tolerance
+    ok = share >= claim.paper - tolerance if claim.at_least else share <= claim.paper + tolerance
+    return Verdict(claim, {HIGH_WEIGHT: share}, "agrees" if ok else "differs")
 
 
 def _png(fig: Any) -> str:
@@ -269,7 +298,10 @@ def time_plot(folder: Folder) -> str:
 def claims_plot(verdicts: Sequence[Verdict]) -> str | None:
     """The paper's value beside ours (our range over the targets as the error bar); base64 PNG."""
     shown = [
-        v for v in verdicts if v.claim.kind != "bytes_saving" and any(x is not None for x in v.ours.values())
+        v
+        for v in verdicts
+        if v.claim.kind not in ("bytes_saving", "weight_share")
+        and any(x is not None for x in v.ours.values())
     ]
     if not shown:
         return None
@@ -301,7 +333,7 @@ def claims_plot(verdicts: Sequence[Verdict]) -> str | None:
     ax.axvline(1.0, color="black", lw=0.8)
     ax.set_yticks(
         range(len(shown)),
-        [f"{v.claim.subject} vs {v.claim.baseline} ({v.claim.kind.replace('_', ' ')})" for v in shown],
+        [v.claim.label for v in shown],
         fontsize=8,
     )
     ax.invert_yaxis()
@@ -313,16 +345,44 @@ def claims_plot(verdicts: Sequence[Verdict]) -> str | None:
     return out
 
 
-def raw_weights(folder: Folder) -> dict[str, tuple[float, float, float]]:
-    """The 5th, 50th and 95th percentile of the update weights w_i (mean over seeds) of each async
-    variant that divides by the buffer size: there the recorded weights, w_i / K, times K are the
-    w_i themselves (under the sum of the weights their scale is lost, so those variants are left
-    out). From ``diagnostics.agg_weight_p5/p50/p95`` of each run and the configs in the manifest."""
+#: The weight the FeLiX paper's Fig. 15 argument counts updates above.
+HIGH_WEIGHT = 0.8
+
+
+@dataclass(frozen=True)
+class UpdateWeights:
+    """One variant's update weights w_i, mean over its seeds: the 5th, 50th and 95th percentile
+    and, from runs that record every percentile (``agg_weight_percentiles``), the whole
+    distribution (percentiles 0-100) and each seed's share of updates weighted ``HIGH_WEIGHT`` or
+    more (to 1%)."""
+
+    p5: float
+    p50: float
+    p95: float
+    percentiles: tuple[float, ...] = ()
+    share_high: tuple[float, ...] = ()  # one per seed
+
+    @property
+    def share_text(self) -> str:
+        if not self.share_high:
+            return "-"
+        mean = sum(self.share_high) / len(self.share_high)
+        if len(self.share_high) < 2:
+            return f"{mean:.0%}"
+        std = math.sqrt(sum((v - mean) ** 2 for v in self.share_high) / (len(self.share_high) - 1))
+        return f"{mean:.0%} ± {std:.0%}"
+
+
+def raw_weights(folder: Folder) -> dict[str, UpdateWeights]:
+    """The update weights w_i of each async variant that divides by the buffer size: there the
+    recorded weights, w_i / K, times K are the w_i themselves (under the sum of the weights their
+    scale is lost, so those variants are left out). From each run's ``diagnostics`` and the
+    configs in the manifest."""
     configs: dict[str, dict[str, Any]] = {}
     for run in (folder.manifest.get("runs") or {}).values():
         if isinstance(run, dict) and isinstance(run.get("config"), dict):
             configs.setdefault(str(run.get("variant")), run["config"])
-    out: dict[str, tuple[float, float, float]] = {}
+    out: dict[str, UpdateWeights] = {}
     for variant, per_seed in folder.runs.items():
         cfg = configs.get(variant) or {}
         orch, agg = cfg.get("orchestrator") or {}, cfg.get("aggregator") or {}
@@ -334,9 +394,17 @@ def raw_weights(folder: Folder) -> dict[str, tuple[float, float, float]]:
         for q in (5, 50, 95):
             col = [d.get(f"agg_weight_p{q}") for d in rows]
             pct.append([float(v) for v in col if isinstance(v, (int, float))])
-        if k > 0 and rows and all(len(col) == len(rows) for col in pct):
-            p5, p50, p95 = (k * sum(col) / len(col) for col in pct)
-            out[variant] = (p5, p50, p95)
+        if not (k > 0 and rows and all(len(col) == len(rows) for col in pct)):
+            continue
+        p5, p50, p95 = (k * sum(col) / len(col) for col in pct)
+        curves = [d.get("agg_weight_percentiles") for d in rows]
+        if all(isinstance(c, list) and len(c) == 101 for c in curves):
+            scaled = [[k * float(v) for v in c] for c in curves if isinstance(c, list)]
+            mean_curve = tuple(sum(c[i] for c in scaled) / len(scaled) for i in range(101))
+            shares = tuple(sum(v >= HIGH_WEIGHT for v in c) / len(c) for c in scaled)
+            out[variant] = UpdateWeights(p5, p50, p95, mean_curve, shares)
+        else:
+            out[variant] = UpdateWeights(p5, p50, p95)
     return out
 
 
@@ -404,22 +472,35 @@ def best_point(points: Sequence[GridPoint]) -> GridPoint:
     return min(points, key=lambda p: (p.score, math.inf if p.bytes_last is None else p.bytes_last))
 
 
-def weights_plot(weights: dict[str, tuple[float, float, float]]) -> str:
-    """Each variant's weight range, p5 to p95 with the median marked; base64 PNG."""
+def weights_plot(weights: dict[str, UpdateWeights]) -> str:
+    """The update weights' distribution of each variant: the share of updates with a weight of
+    at most w (the cumulative distribution, mean of the seeds' percentiles) where the runs
+    recorded it, else the 5th-95th percentile range with the median marked; base64 PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 0.7 + 0.45 * len(weights)))
-    for i, (name, (p5, p50, p95)) in enumerate(weights.items()):
-        ax.plot([p5, p95], [i, i], lw=6, color="#3b7dd8", solid_capstyle="butt")
-        ax.plot([p50], [i], "k|", ms=14, mew=2)
-    ax.axvline(0.8, color="#b3391a", lw=0.8, ls="--")
-    ax.set_yticks(range(len(weights)), list(weights), fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlim(0, max(1.6, max(p95 for _, _, p95 in weights.values()) * 1.05))
-    ax.set_xlabel("update weight w_i: 5th-95th percentile (bar), median (|); dashed: 0.8")
+    top = max(1.6, max(w.percentiles[-1] if w.percentiles else w.p95 for w in weights.values()) * 1.05)
+    if all(w.percentiles for w in weights.values()):
+        fig, ax = plt.subplots(figsize=(8, 3.6))
+        share = [i / 100 for i in range(101)]
+        for name, w in weights.items():
+            ax.step(list(w.percentiles), share, where="post", label=name)
+        ax.set_ylabel("share of updates with weight <= w")
+        ax.set_ylim(0, 1.01)
+        ax.legend(fontsize=8, loc="upper left")
+        ax.set_xlabel(f"update weight w_i; dashed: {HIGH_WEIGHT}")
+    else:
+        fig, ax = plt.subplots(figsize=(8, 0.7 + 0.45 * len(weights)))
+        for i, w in enumerate(weights.values()):
+            ax.plot([w.p5, w.p95], [i, i], lw=6, color="#3b7dd8", solid_capstyle="butt")
+            ax.plot([w.p50], [i], "k|", ms=14, mew=2)
+        ax.set_yticks(range(len(weights)), list(weights), fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel(f"update weight w_i: 5th-95th percentile (bar), median (|); dashed: {HIGH_WEIGHT}")
+    ax.axvline(HIGH_WEIGHT, color="#b3391a", lw=0.8, ls="--")
+    ax.set_xlim(0, top)
     fig.tight_layout()
     out = _png(fig)
     plt.close(fig)
@@ -516,8 +597,7 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
             for v in verdicts:
                 cls = "not" if v.status == "not measured" else v.status
                 body.append(
-                    f"<tr><td>{e(v.claim.subject)} vs {e(v.claim.baseline)} ({e(v.claim.kind.replace('_', ' '))})"
-                    f"</td><td>{e(v.claim.paper_text())}</td><td>{e(v.claim.source)}</td>"
+                    f"<tr><td>{e(v.claim.label)}</td><td>{e(v.claim.paper_text())}</td><td>{e(v.claim.source)}</td>"
                     f"<td>{e(v.ours_text())}</td><td class='{cls}'>{e(v.status)}</td></tr>"
                 )
             body.append("</table>")
@@ -535,12 +615,14 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
                 "<p class='small'>The paper (§6.3, Fig. 15): TierFuse gives weights of 0.8 or more to over 90% "
                 "of the updates, a FedBuff-style policy to fewer than 10%, typically about 0.5. Ours: the "
                 "weights of the async variants that divide by the buffer size (5th / 50th / 95th percentile "
-                "over every aggregated update, mean over seeds).</p><table><tr><th>variant</th><th>p5</th>"
-                "<th>median</th><th>p95</th></tr>"
+                "over every aggregated update, mean over seeds; the share weighted 0.8 or more, mean ± std "
+                "over seeds, where the runs recorded every percentile).</p><table><tr><th>variant</th>"
+                "<th>p5</th><th>median</th><th>p95</th><th>share with w &ge; 0.8</th></tr>"
             )
-            for name, (p5, p50, p95) in weights.items():
+            for name, w in weights.items():
                 body.append(
-                    f"<tr><td>{e(name)}</td><td>{p5:.2f}</td><td>{p50:.2f}</td><td>{p95:.2f}</td></tr>"
+                    f"<tr><td>{e(name)}</td><td>{w.p5:.2f}</td><td>{w.p50:.2f}</td><td>{w.p95:.2f}</td>"
+                    f"<td>{e(w.share_text)}</td></tr>"
                 )
             body.append("</table>")
             body.append(

@@ -18,6 +18,10 @@ from felix.metrics.provenance import provenance
 from felix.metrics.recorder import EvalRow, Recorder
 
 EVAL_COLUMNS = [f for f in EvalRow.__dataclass_fields__]
+#: The percentiles of the recorded update weights a run's diagnostics keep
+#: (``agg_weight_percentiles``): their distribution to 1%, enough for the share of updates above
+#: any weight (the FeLiX paper's Fig. 15 argument) without keeping every weight.
+WEIGHT_PERCENTILES = np.arange(101)
 REASON_KEYS_MAX = 64  # distinct rejection reasons counted; the rest go under "other"
 
 
@@ -69,6 +73,7 @@ def diagnostics(stats: OrchestratorStats) -> dict[str, Any]:
         "agg_weight_p50": _pct(w, 50),
         "agg_weight_p95": _pct(w, 95),
         "agg_weight_cv": float(w.std() / w.mean()) if len(w) and w.mean() else None,
+        "agg_weight_percentiles": np.percentile(w, WEIGHT_PERCENTILES).tolist() if len(w) else None,
         "train_dispatched": stats.train_dispatched,
         "train_dropped_mid_task": stats.train_dropped,
         "train_cancelled": stats.train_cancelled,
