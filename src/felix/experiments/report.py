@@ -592,6 +592,11 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
             body.append(
                 "<table><tr><th>claim</th><th>paper</th><th>source</th><th>ours at "
                 + " / ".join(f"{t:g}" for t in f.targets)
+                + (
+                    " (a weight share: over the run)"
+                    if any(v.claim.kind == "weight_share" for v in verdicts)
+                    else ""
+                )
                 + "</th><th></th></tr>"
             )
             for v in verdicts:
