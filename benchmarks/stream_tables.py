@@ -6,6 +6,8 @@ seed with the reference (the same clients, data and stream for every variant of 
 
     python benchmarks/stream_tables.py runs/stream-fmnist-abrupt --out docs/results/stream/stream-fmnist-abrupt
     python benchmarks/stream_tables.py --overview docs/results/stream/stream-fmnist-*.json --out docs/results/stream/overview
+    python benchmarks/stream_tables.py --between docs/results/stream/stream-fmnist-abrupt{,-nodelay}.json \
+        --out docs/results/stream/delay-abrupt
 
 Writes ``OUT.json`` (every run's figures, the statistics and the contrasts), ``OUT.md`` (the tables) and
 ``OUT.png`` (each variant's accuracy on the current mix over time, mean over seeds, from the runs'
@@ -13,6 +15,8 @@ Writes ``OUT.json`` (every run's figures, the statistics and the contrasts), ``O
 as the time left (a lower bound), and the table says how many seeds did not recover. With
 ``--overview``, the ``OUT.json`` files of several comparisons become one table: each variant's
 time-averaged accuracy and its paired difference to the reference, one column per comparison.
+With ``--between``, two comparisons that differ in one setting (the label delay) become one table:
+each variant's first-minus-second differences, paired by seed.
 The contrasts are the pairs of variants that differ in one part of the orchestration
 (``CONTRASTS``: TierFuse, TierTrack knowledge with TierSelect probes, an availability oracle, the
 data-age option, asynchrony), each paired by seed, where both ran.
@@ -255,21 +259,28 @@ def tables(stats: dict[str, dict[str, Any]], reference: str) -> list[str]:
         if "paired_time_avg_accuracy" not in s:
             continue
         cells = [v, str(s["paired_time_avg_accuracy"]["seeds"])]
-        for k, fmt in (
-            ("time_avg_accuracy", "+.4f"),
-            ("time_avg_accuracy_after_shift", "+.4f"),
-            ("data_age_mean_s", "+.0f"),
-        ):
-            p = s.get(f"paired_{k}")
-            cells.append(
-                "-"
-                if p is None
-                else f"{p['mean']:{fmt}} ± {p['std']:.{fmt[-2]}f} ({p['higher']}/{p['seeds']})"
-            )
-        p = s.get("paired_total_mb")
-        cells.append("-" if p is None else f"{p['mean']:.2f} ± {p['std']:.2f}")
+        cells += _paired_cells({k: s[f"paired_{k}"] for k in PAIRED_KEYS if f"paired_{k}" in s})
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _paired_cells(p: dict[str, dict[str, Any]]) -> list[str]:
+    """The cells of one paired comparison (:func:`paired`): the differences of the time-averaged
+    accuracy, over the run and from the first shift, and of the data age, each with the seeds on
+    which the first is higher; the bytes as a ratio."""
+    cells = []
+    for k, fmt in (
+        ("time_avg_accuracy", "+.4f"),
+        ("time_avg_accuracy_after_shift", "+.4f"),
+        ("data_age_mean_s", "+.0f"),
+    ):
+        q = p.get(k)
+        cells.append(
+            "-" if q is None else f"{q['mean']:{fmt}} ± {q['std']:.{fmt[-2]}f} ({q['higher']}/{q['seeds']})"
+        )
+    q = p.get("total_mb")
+    cells.append("-" if q is None else f"{q['mean']:.2f} ± {q['std']:.2f}")
+    return cells
 
 
 def contrast_table(contrasts: list[dict[str, Any]]) -> list[str]:
@@ -289,20 +300,7 @@ def contrast_table(contrasts: list[dict[str, Any]]) -> list[str]:
     for c in contrasts:
         p = c["paired"]
         cells = [f"{c['variant']} − {c['against']}", c["isolates"], str(p["time_avg_accuracy"]["seeds"])]
-        for k, fmt in (
-            ("time_avg_accuracy", "+.4f"),
-            ("time_avg_accuracy_after_shift", "+.4f"),
-            ("data_age_mean_s", "+.0f"),
-        ):
-            q = p.get(k)
-            cells.append(
-                "-"
-                if q is None
-                else f"{q['mean']:{fmt}} ± {q['std']:.{fmt[-2]}f} ({q['higher']}/{q['seeds']})"
-            )
-        q = p.get("total_mb")
-        cells.append("-" if q is None else f"{q['mean']:.2f} ± {q['std']:.2f}")
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cells + _paired_cells(p)) + " |")
     return lines
 
 
@@ -338,6 +336,39 @@ def overview(paths: list[Path], out: Path) -> list[str]:
     return lines
 
 
+def between(first: Path, second: Path, out: Path) -> list[str]:
+    """Each variant of two comparisons that differ in one setting (the label delay: a file and its
+    ``-nodelay`` twin) on the same seeds: the first's figures minus the second's, paired by seed.
+    A pair made on CPUs of different vendors carries their float noise as well (said above the table)."""
+    docs = [json.loads(p.read_text()) for p in (first, second)]
+    names = [d.get("comparison") or p.stem for d, p in zip(docs, (first, second), strict=True)]
+    cpus = [(d.get("provenance") or {}).get("cpu") for d in docs]
+    lines = [
+        f"`{names[0]}` minus `{names[1]}`, each variant paired by seed (mean ± std over the seeds both ran; in "
+        "brackets the seeds on which the first is higher; bytes as a ratio)"
+        + (
+            "."
+            if cpus[0] == cpus[1]
+            else f"; made on different CPUs ({cpus[0]}, {cpus[1]}): vendor noise included."
+        ),
+        "",
+        "| variant | seeds | Δ time-avg acc | Δ from the first shift | Δ data age (s) | bytes ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    runs = [d["runs"] for d in docs]
+    for v in sorted(runs[0], key=lambda v: -docs[0]["stats"][v]["time_avg_accuracy"][0]):
+        if v not in runs[1]:
+            continue
+        p = paired(runs[0][v], runs[1][v])
+        if "time_avg_accuracy" in p:
+            lines.append(
+                "| " + " | ".join([v, str(p["time_avg_accuracy"]["seeds"]), *_paired_cells(p)]) + " |"
+            )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("folder", type=Path, nargs="?", help="a felix compare output folder")
@@ -346,7 +377,17 @@ def main() -> None:
     ap.add_argument(
         "--overview", type=Path, nargs="+", help="OUT.json files of several comparisons: one table"
     )
+    ap.add_argument(
+        "--between",
+        type=Path,
+        nargs=2,
+        metavar=("FIRST", "SECOND"),
+        help="OUT.json files of two comparisons on the same seeds: FIRST minus SECOND per variant",
+    )
     args = ap.parse_args()
+    if args.between:
+        print("\n".join(between(*args.between, args.out)))
+        return
     if args.overview:
         print("\n".join(overview(args.overview, args.out)))
         return

@@ -138,3 +138,30 @@ def test_folder_to_tables_paired_and_overview(
     tables.main()
     ov = (tmp_path / "ov.md").read_text()
     assert "| oort-async* | 0.6033 ± 0.0033 (-0.1000, 0/3) |" in ov
+
+    # The same comparison against a twin whose every accuracy is 0.05 lower (one setting changed):
+    # +0.05 on every seed and variant; a twin from another CPU vendor is said so above the table.
+    twin = json.loads(dest.with_suffix(".json").read_text())
+    twin["comparison"], twin["provenance"] = "cmp-twin", {"cpu": "Intel Xeon"}
+    for rows in twin["runs"].values():
+        for r in rows:
+            r["time_avg_accuracy"] -= 0.05
+    (tmp_path / "twin.json").write_text(json.dumps(twin))
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "stream_tables.py",
+            "--between",
+            str(dest.with_suffix(".json")),
+            str(tmp_path / "twin.json"),
+            "--out",
+            str(tmp_path / "between"),
+        ],
+    )
+    tables.main()
+    lines = (tmp_path / "between.md").read_text().splitlines()
+    assert "made on different CPUs (AMD EPYC, Intel Xeon)" in lines[0]
+    assert [ln.split(" | ")[:3] for ln in lines[4:]] == [
+        [f"| {v}", "3", "+0.0500 ± 0.0000 (3/3)"] for v in ("felix", "oort-async*", "oort-async")
+    ]
