@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import signal
 from pathlib import Path
 
+import pytest
 from broker import MosquittoBroker
 from mqtt_support import (
     load_config,
@@ -28,8 +30,24 @@ pytestmark = needs_mosquitto
 SCALE = 0.03
 
 
-def test_kill_and_resume_applies_every_update_once(tmp_path: Path) -> None:
-    cfg_path = write_config(tmp_path / "cfg.yaml", partition={"num_clients": 12}, trace={"kind": "always"})
+STREAM = {
+    "enabled": True,
+    "arrivals": {"rate_per_hour": 3600, "warmup_s": 20.0, "rate_spread": 0.0},
+    "labels": {"delay": "constant", "median_s": 5.0},
+    "store": {"cap": 400},
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["fixed-data", "stream"])
+def test_kill_and_resume_applies_every_update_once(tmp_path: Path, stream: bool) -> None:
+    """On a stream the resumed server also keeps its freshness curve: the evaluations of the
+    killed life stay in it."""
+    cfg_path = write_config(
+        tmp_path / "cfg.yaml",
+        partition={"num_clients": 12},
+        trace={"kind": "always"},
+        **({"stream": STREAM} if stream else {}),
+    )
     sets = ["--set", "orchestrator.agg_goal=3", "--set", "orchestrator.concurrency=6"]
     cfg = load_config(cfg_path, {"orchestrator": {"agg_goal": 3, "concurrency": 6}})
     out, ck = tmp_path / "out", tmp_path / "ck.safetensors"
@@ -88,6 +106,14 @@ def test_kill_and_resume_applies_every_update_once(tmp_path: Path) -> None:
     assert evals == sorted(set(evals)), "each version is evaluated once, across both lives"
     assert summ["transport"]["re_registrations"] >= 12  # every client registered again with the new session
     assert "resumed from" in (tmp_path / "life1.log").read_text()
+    if stream:
+        # The curve starts at the first evaluation of the killed life, not of the resumed one.
+        with open(out / "evaluations.csv") as f:
+            first_eval = min(float(r["time_s"]) for r in csv.DictReader(f))
+        with open(out / "freshness.csv") as f:
+            curve = [(float(r["time_s"]), float(r["accuracy"])) for r in csv.DictReader(f)]
+        assert min(t for t, a in curve if not math.isnan(a)) == first_eval
+        assert summ["stream"]["time_avg_accuracy"] is not None
 
 
 def _version(path: Path) -> int:

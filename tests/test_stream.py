@@ -6,13 +6,15 @@ settings refused with one line."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats
 
 from felix.config import ConfigError, StreamCfg, validate
-from felix.metrics.freshness import recovery_time, time_average
+from felix.deploy import checkpoint as ckpt
+from felix.metrics.freshness import FreshnessTracker, recovery_time, time_average
 from felix.stream.labels import draw_delays, mean_delay
 from felix.stream.model import StreamModel
 from felix.stream.store import LocalStore
@@ -278,6 +280,38 @@ def test_recovery_time_on_a_hand_made_trace() -> None:
     assert recovery_time(t, acc, 40.0, 0.005, 30.0, 75.0)[1] is None  # not before the next shift
     assert recovery_time(t, acc, 20.0, 0.02, 30.0, 100.0)[1] == 0.0  # never left the level
     assert recovery_time(t, acc, 0.0, 0.02, 30.0, 100.0) == (None, None)  # no level before it
+
+
+def test_freshness_tracker_state_survives_a_checkpoint(tmp_path: Path) -> None:
+    """The tracker's evaluations (per-class accuracy and loss, NaN for a class without test
+    samples) and the newest data behind the model go through the server's checkpoint format, so
+    a resumed MQTT server continues the curve and its summary instead of starting afresh."""
+    per_class = iter(
+        [(np.array([0.5, np.nan, 0.7]), np.array([1.0, np.nan, 2.0])), (np.ones(3), np.zeros(3))]
+    )
+
+    def track() -> FreshnessTracker:
+        return FreshnessTracker(
+            lambda w: next(per_class), lambda t: np.array([0.2, 0.3, 0.5]), [], 0.02, 600.0, 60.0
+        )
+
+    before = track()
+    ckpt.save_checkpoint(tmp_path / "empty", {"f": before.state_dict()})
+    track().load_state_dict(ckpt.load_checkpoint(tmp_path / "empty")["f"])  # no evaluation yet
+    before.evaluate_at(10.0, 1, np.zeros(3))
+    before.newest_data = 4.0
+    before.evaluate_at(70.0, 2, np.zeros(3))
+    ckpt.save_checkpoint(tmp_path / "ck", {"f": before.state_dict()})
+    after = track()
+    after.load_state_dict(ckpt.load_checkpoint(tmp_path / "ck")["f"])
+    assert [(e.time_s, e.version, e.newest_data) for e in after.evals] == [(10.0, 1, None), (70.0, 2, 4.0)]
+    assert np.array_equal(after.evals[0].acc, before.evals[0].acc, equal_nan=True)
+    assert after.summary(120.0) == before.summary(120.0)
+    curves = [t.curve(120.0) for t in (before, after)]
+    assert all(np.array_equal(curves[0][k], curves[1][k], equal_nan=True) for k in curves[0])
+    bad = {**before.state_dict(), "version": np.array([1])}
+    with pytest.raises(ValueError, match="differ in length"):
+        after.load_state_dict(bad)
 
 
 def test_time_average_of_a_step_curve() -> None:

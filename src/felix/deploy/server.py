@@ -509,6 +509,7 @@ class Server:
             "stats": asdict(self.stats),
             "applied": self.applied.position(),
             **self.protocol.state_dict(),  # seq_marks, result_digests, incarnations, shadow
+            **({} if self.freshness is None else {"freshness": self.freshness.state_dict()}),
         }
 
     def _checkpoint(self) -> None:
@@ -557,6 +558,8 @@ class Server:
         self.plan_info = shell["plan_info"]
         self.protocol.stats = TransportStats(**shell["stats"])
         self.protocol.load_state_dict(shell)
+        if self.freshness is not None:  # a stream run: its curve goes on from the checkpoint
+            self.freshness.load_state_dict(shell["freshness"])
 
 
 def _log_evaluation(row: EvalRow) -> None:

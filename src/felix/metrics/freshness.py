@@ -135,6 +135,32 @@ class FreshnessTracker:
         self.newest_data: float | None = None
         self.updates_with_span = 0
 
+    def state_dict(self) -> dict[str, Any]:
+        """The evaluations so far and the newest data behind the model, columnar like the
+        recorder's rows: the MQTT server's checkpoint holds them, so a resumed run keeps its curve."""
+        ev = self.evals
+        return {
+            "time_s": np.array([e.time_s for e in ev], dtype=np.float64),
+            "version": np.array([e.version for e in ev], dtype=np.int64),
+            "acc": np.array([e.acc for e in ev], dtype=np.float64) if ev else np.zeros((0, 0)),
+            "loss": np.array([e.loss for e in ev], dtype=np.float64) if ev else np.zeros((0, 0)),
+            "newest_data": np.array([np.nan if e.newest_data is None else e.newest_data for e in ev]),
+            "newest": self.newest_data,
+            "updates_with_span": self.updates_with_span,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        times, versions, newest = state["time_s"], state["version"], state["newest_data"]
+        acc, loss = np.asarray(state["acc"]), np.asarray(state["loss"])
+        if not len(times) == len(versions) == len(newest) == len(acc) == len(loss):
+            raise ValueError("the freshness state's columns differ in length")
+        self.evals = [
+            _Eval(float(t), int(v), a.copy(), lo.copy(), None if np.isnan(nd) else float(nd))
+            for t, v, a, lo, nd in zip(times, versions, acc, loss, newest, strict=True)
+        ]
+        self.newest_data = None if state["newest"] is None else float(state["newest"])
+        self.updates_with_span = int(state["updates_with_span"])
+
     def on_aggregation(self, cmd: NewModelVersion) -> None:
         newest = cmd.report.newest_data
         if newest is not None:
