@@ -10,17 +10,9 @@ import pytest
 
 from felix.cli import main
 from felix.config import ConfigError
-from felix.experiments.report import (
-    DEFAULT_CATALOG,
-    Claim,
-    best_point,
-    judge,
-    load_catalog,
-    lr_grid,
-    raw_weights,
-    read_folder,
-    report,
-)
+from felix.experiments.paper_catalog import DEFAULT_CATALOG, Claim, load_catalog
+from felix.experiments.report import judge, report
+from felix.experiments.result_folder import best_point, lr_grid, raw_weights, read_folder
 
 
 def spread(mean: float | None, std: float = 0.0) -> dict[str, float | int | None]:

@@ -18,174 +18,27 @@ from __future__ import annotations
 
 import argparse
 import base64
-import fnmatch
 import html
 import io
-import json
 import math
-import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from felix.config import ConfigError, read_yaml
-from felix.presets import CONFIG_DIR
+from felix.config import ConfigError
+from felix.experiments.paper_catalog import DEFAULT_CATALOG, HIGH_WEIGHT, Catalog, Claim, load_catalog
+from felix.experiments.result_folder import (
+    Folder,
+    UpdateWeights,
+    best_point,
+    lr_grid,
+    raw_weights,
+    read_folder,
+)
 
 COMMAND = "report"
-DEFAULT_CATALOG = CONFIG_DIR / "reports" / "felix.yaml"
-_KINDS = ("speedup", "bytes_saving", "time_ratio", "weight_share")
-
-
-@dataclass(frozen=True)
-class Claim:
-    """One of the paper's figures for an experiment (see the catalog's header)."""
-
-    kind: str
-    subject: str
-    baseline: str  # "" for a weight_share claim (the subject's own weights)
-    source: str
-    paper: float | None = None
-    at_least: bool = False
-    at_most: bool = False  # a weight_share claim's "fewer than"
-    low: float | None = None
-    high: float | None = None
-    tolerance: float | None = None  # this claim's own, for a claim finer than the catalog's (5-7%)
-
-    @property
-    def label(self) -> str:
-        kind = self.kind.replace("_", " ")
-        return f"{self.subject} vs {self.baseline} ({kind})" if self.baseline else f"{self.subject} ({kind})"
-
-    def paper_text(self) -> str:
-        if self.kind == "time_ratio":
-            return f"{self.low:.2f}-{self.high:.2f}"
-        assert self.paper is not None
-        if self.kind == "bytes_saving":
-            return f"{self.paper:.0%} fewer"
-        bound = ">" if self.at_least else "<" if self.at_most else ""
-        if self.kind == "weight_share":
-            return f"{bound}{self.paper:.0%} of updates weighted {HIGH_WEIGHT} or more"
-        return f"{bound}{self.paper:.2f}x"
-
-
-@dataclass(frozen=True)
-class Experiment:
-    """The paper's side of one experiment: which comparisons it covers and its claims."""
-
-    match: tuple[str, ...]
-    title: str
-    section: str
-    claims: tuple[Claim, ...]
-
-
-@dataclass(frozen=True)
-class Catalog:
-    title: str
-    paper: str
-    tolerance: float
-    experiments: tuple[Experiment, ...]
-
-    def experiment(self, name: str) -> Experiment | None:
-        """The first entry whose patterns match the comparison's name."""
-        return next((e for e in self.experiments if any(fnmatch.fnmatch(name, m) for m in e.match)), None)
-
-
-def load_catalog(path: Path) -> Catalog:
-    """The paper's claims from ``path``; every error is one line that names the file."""
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such catalog of the paper's figures")
-    doc = read_yaml(path)
-    if not isinstance(doc, dict) or not isinstance(doc.get("experiments"), list):
-        raise ConfigError(f"{path}: a catalog needs 'experiments', a list of entries")
-    experiments = []
-    for i, e in enumerate(doc["experiments"]):
-        where = f"{path}: experiments[{i}]"
-        if not isinstance(e, dict) or not isinstance(e.get("match"), list) or not e.get("title"):
-            raise ConfigError(f"{where}: needs 'match' (a list of name patterns) and 'title'")
-        claims = []
-        for j, c in enumerate(e.get("claims") or []):
-            if not isinstance(c, dict):
-                raise ConfigError(f"{where}.claims[{j}]: a claim is a mapping")
-            if c.get("kind") == "weight_share":
-                c = {"baseline": "", **c}
-            try:
-                claim = Claim(**c)
-            except TypeError as exc:
-                raise ConfigError(f"{where}.claims[{j}]: {exc}") from None
-            if claim.kind not in _KINDS:
-                raise ConfigError(
-                    f"{where}.claims[{j}]: kind must be one of {list(_KINDS)}, not {claim.kind!r}"
-                )
-            if claim.kind == "time_ratio" and (claim.low is None or claim.high is None):
-                raise ConfigError(f"{where}.claims[{j}]: a time_ratio claim needs 'low' and 'high'")
-            if claim.kind == "weight_share" and not (claim.at_least or claim.at_most):
-                raise ConfigError(f"{where}.claims[{j}]: a weight_share claim needs at_least or at_most")
-            if claim.kind != "time_ratio" and not isinstance(claim.paper, (int, float)):
-                raise ConfigError(f"{where}.claims[{j}]: a {claim.kind} claim needs a number 'paper'")
-            claims.append(claim)
-        experiments.append(
-            Experiment(
-                tuple(str(m) for m in e["match"]), str(e["title"]), str(e.get("section", "")), tuple(claims)
-            )
-        )
-    tol = doc.get("tolerance", 0.15)
-    if not isinstance(tol, (int, float)) or not 0 <= tol < 1:
-        raise ConfigError(f"{path}: tolerance must be a fraction in [0, 1), not {tol!r}")
-    return Catalog(str(doc.get("title", "Report")), str(doc.get("paper", "")), float(tol), tuple(experiments))
-
-
-@dataclass
-class Folder:
-    """One comparison folder as the report reads it."""
-
-    path: Path
-    name: str
-    description: str
-    reference: str
-    targets: list[float]
-    seeds: list[int]
-    stats: dict[str, dict[str, Any]]
-    manifest: dict[str, Any] = field(default_factory=dict)
-    runs: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def spread(self, variant: str, target: float, key: str) -> dict[str, Any] | None:
-        per = self.stats.get(variant, {}).get(f"{target:g}")
-        return None if per is None else per.get(key)
-
-    def mean(self, variant: str, target: float, key: str) -> float | None:
-        s = self.spread(variant, target, key)
-        return None if s is None else s.get("mean")
-
-
-def read_folder(path: Path) -> Folder:
-    """A folder ``felix compare`` wrote; a clear one-line error for anything else."""
-    cj = path / "comparison.json"
-    if not path.is_dir():
-        raise ConfigError(f"{path}: no such folder")
-    if not cj.is_file():
-        raise ConfigError(f"{path}: no comparison.json (give folders written by felix compare)")
-    try:
-        doc = json.loads(cj.read_text())
-        manifest = (
-            json.loads((path / "manifest.json").read_text()) if (path / "manifest.json").is_file() else {}
-        )
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: unreadable result file ({exc})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("stats"), dict) or not doc.get("targets"):
-        raise ConfigError(f"{cj}: not a comparison result (no 'stats' or 'targets')")
-    return Folder(
-        path=path,
-        name=str(doc.get("name") or path.name),
-        description=str(doc.get("description") or ""),
-        reference=str(doc.get("reference") or ""),
-        targets=[float(t) for t in doc["targets"]],
-        seeds=[int(s) for s in doc.get("seeds") or []],
-        stats=doc["stats"],
-        manifest=manifest if isinstance(manifest, dict) else {},
-        runs=runs if isinstance(runs := doc.get("runs"), dict) else {},
-    )
 
 
 @dataclass(frozen=True)
@@ -343,133 +196,6 @@ def claims_plot(verdicts: Sequence[Verdict]) -> str | None:
     out = _png(fig)
     plt.close(fig)
     return out
-
-
-#: The weight the FeLiX paper's Fig. 15 argument counts updates above.
-HIGH_WEIGHT = 0.8
-
-
-@dataclass(frozen=True)
-class UpdateWeights:
-    """One variant's update weights w_i, mean over its seeds: the 5th, 50th and 95th percentile
-    and, from runs that record every percentile (``agg_weight_percentiles``), the whole
-    distribution (percentiles 0-100) and each seed's share of updates weighted ``HIGH_WEIGHT`` or
-    more (to 1%)."""
-
-    p5: float
-    p50: float
-    p95: float
-    percentiles: tuple[float, ...] = ()
-    share_high: tuple[float, ...] = ()  # one per seed
-
-    @property
-    def share_text(self) -> str:
-        if not self.share_high:
-            return "-"
-        mean = sum(self.share_high) / len(self.share_high)
-        if len(self.share_high) < 2:
-            return f"{mean:.0%}"
-        std = math.sqrt(sum((v - mean) ** 2 for v in self.share_high) / (len(self.share_high) - 1))
-        return f"{mean:.0%} ± {std:.0%}"
-
-
-def raw_weights(folder: Folder) -> dict[str, UpdateWeights]:
-    """The update weights w_i of each async variant that divides by the buffer size: there the
-    recorded weights, w_i / K, times K are the w_i themselves (under the sum of the weights their
-    scale is lost, so those variants are left out). From each run's ``diagnostics`` and the
-    configs in the manifest."""
-    configs: dict[str, dict[str, Any]] = {}
-    for run in (folder.manifest.get("runs") or {}).values():
-        if isinstance(run, dict) and isinstance(run.get("config"), dict):
-            configs.setdefault(str(run.get("variant")), run["config"])
-    out: dict[str, UpdateWeights] = {}
-    for variant, per_seed in folder.runs.items():
-        cfg = configs.get(variant) or {}
-        orch, agg = cfg.get("orchestrator") or {}, cfg.get("aggregator") or {}
-        if orch.get("mode") != "async" or agg.get("normalize") != "count" or not per_seed:
-            continue
-        k = float(orch.get("agg_goal") or 0)
-        rows = [(r.get("diagnostics") or {}) for r in per_seed.values() if isinstance(r, dict)]
-        pct: list[list[float]] = []
-        for q in (5, 50, 95):
-            col = [d.get(f"agg_weight_p{q}") for d in rows]
-            pct.append([float(v) for v in col if isinstance(v, (int, float))])
-        if not (k > 0 and rows and all(len(col) == len(rows) for col in pct)):
-            continue
-        p5, p50, p95 = (k * sum(col) / len(col) for col in pct)
-        curves = [d.get("agg_weight_percentiles") for d in rows]
-        if all(isinstance(c, list) and len(c) == 101 for c in curves):
-            scaled = [[k * float(v) for v in c] for c in curves if isinstance(c, list)]
-            mean_curve = tuple(sum(c[i] for c in scaled) / len(scaled) for i in range(101))
-            shares = tuple(sum(v >= HIGH_WEIGHT for v in c) / len(c) for c in scaled)
-            out[variant] = UpdateWeights(p5, p50, p95, mean_curve, shares)
-        else:
-            out[variant] = UpdateWeights(p5, p50, p95)
-    return out
-
-
-_LR_VARIANT = re.compile(r"^(?P<family>.+)-lr(?P<lr>[0-9]+(?:\.[0-9]+)?)$")
-
-
-@dataclass(frozen=True)
-class GridPoint:
-    """One server learning rate of a tuning grid: the tuning criterion and what it is made of."""
-
-    lr: float
-    score: float  # mean over the targets of ``times``
-    times: tuple[float, ...]  # per target: the seed-mean time, a seed that missed it counted at the cap
-    missed: int  # (seed, target) pairs not reached
-    runs: int  # seeds x targets
-    bytes_last: float | None  # mean bytes to the highest target over the seeds that reached it
-
-
-def lr_grid(folder: Folder) -> dict[str, list[GridPoint]]:
-    """The tuning criterion of every variant named ``<family>-lr<value>`` (a server-lr grid, as in
-    ``felix-lr-tune-<trace>``), by family, lr ascending; families with one point are left out.
-
-    The criterion is the mean over the targets of the seed-mean time to the target, where a seed that
-    never reached it counts as its run's ``run.max_time_s`` (from the manifest), so that a setting
-    that misses a target is ranked by how long it was given, not by the seeds that made it. It is
-    computed from the folder's statistics alone (mean over the seeds that reached the target, and
-    how many did), so a committed folder without its runs' evaluation tables still shows it."""
-    caps: dict[str, float] = {}
-    for run in (folder.manifest.get("runs") or {}).values():
-        if isinstance(run, dict) and isinstance(run.get("config"), dict):
-            cap = (run["config"].get("run") or {}).get("max_time_s")
-            if isinstance(cap, (int, float)):
-                caps.setdefault(str(run.get("variant")), float(cap))
-    out: dict[str, list[GridPoint]] = {}
-    for variant in folder.stats:
-        m = _LR_VARIANT.match(variant)
-        if m is None or variant not in caps:
-            continue
-        cap, times, missed, runs = caps[variant], [], 0, 0
-        for t in folder.targets:
-            s = folder.spread(variant, t, "time_s") or {}
-            n, of = int(s.get("n") or 0), int(s.get("of") or 0)
-            if of == 0:
-                break
-            mean = float(s["mean"]) if n else 0.0
-            times.append((mean * n + cap * (of - n)) / of)
-            missed, runs = missed + of - n, runs + of
-        if len(times) != len(folder.targets):
-            continue
-        out.setdefault(m["family"], []).append(
-            GridPoint(
-                float(m["lr"]),
-                sum(times) / len(times),
-                tuple(times),
-                missed,
-                runs,
-                folder.mean(variant, folder.targets[-1], "bytes_total"),
-            )
-        )
-    return {f: sorted(points, key=lambda p: p.lr) for f, points in out.items() if len(points) > 1}
-
-
-def best_point(points: Sequence[GridPoint]) -> GridPoint:
-    """The grid point with the lowest criterion; ties by the fewer bytes to the highest target."""
-    return min(points, key=lambda p: (p.score, math.inf if p.bytes_last is None else p.bytes_last))
 
 
 def weights_plot(weights: dict[str, UpdateWeights]) -> str:
