@@ -31,7 +31,7 @@ def test_creates_exactly_the_planned_samples() -> None:
     assert x_new.shape == (8, 3, 8, 10)
     assert x_new.dtype == x.dtype
     assert torch.bincount(y_new, minlength=4).tolist() == [5, 3, 0, 0]
-    assert seconds >= 0
+    assert 0 < seconds < 30  # wall seconds of a real augmentation
 
 
 def test_large_plans_are_processed_in_chunks_with_exact_counts() -> None:

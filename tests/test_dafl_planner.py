@@ -295,7 +295,7 @@ def test_plan_fields_are_consistent() -> None:
     assert plan.J_before == global_class_imbalance(counts)
     assert plan.I_after == label_proportion_imbalance(counts + plan.A)
     assert plan.J_after == global_class_imbalance(counts + plan.A) <= 1e-3
-    assert plan.plan_seconds >= 0
+    assert 0 < plan.plan_seconds < 5
     assert plan.A[2, 2] == 0  # client 3 has no class-3 sample to augment from
     report = plan.to_dict()
     assert report["A"] == plan.A.tolist() and report["added_per_client"] == list(plan.added_per_client)

@@ -14,6 +14,7 @@ from felix.core.orchestrator_config import OrchestratorConfig
 from felix.core.rounds import ROUND_POLICIES
 from felix.core.stats import OrchestratorStats
 from felix.core.types import Task, TaskKind, TaskState, Tier
+from felix.core.view import OrchestratorView
 
 
 @dataclass
@@ -26,7 +27,7 @@ class StandIn:
     round: int = 0
     clients: ClientMap = field(default_factory=ClientMap)
     stats: OrchestratorStats = field(default_factory=OrchestratorStats)
-    ledger: TaskLedger = field(default_factory=TaskLedger)
+    _ledger: TaskLedger = field(default_factory=TaskLedger)
     pending: int = 0  # updates in the buffer
     calls: list[str] = field(default_factory=list)
 
@@ -36,13 +37,13 @@ class StandIn:
 
     @property
     def train_in_flight(self) -> int:
-        return self.ledger.train_in_flight
+        return self._ledger.train_in_flight
 
     def task(self, task_id: int) -> Task:
-        return self.ledger.task(task_id)
+        return self._ledger.task(task_id)
 
     def round_tasks(self, round_: int) -> list[Task]:
-        return self.ledger.round_tasks(round_)
+        return self._ledger.round_tasks(round_)
 
     def start_round(self, round_: int) -> None:
         self.calls.append(f"start_round {round_}")
@@ -54,12 +55,22 @@ class StandIn:
         self.version += 1
 
     def cancel(self, task: Task, reason: str, out: list[Command]) -> None:
-        self.ledger.close(task, TaskState.CANCELLED)
+        self._ledger.close(task, TaskState.CANCELLED)
         out.append(CancelTask(task.task_id, task.client_id, reason))
 
     def release(self, task: Task, state: TaskState) -> None:
         self.calls.append(f"release {task.task_id} {state.value}")
-        self.ledger.release(task, state)
+        self._ledger.release(task, state)
+
+
+def test_the_stand_in_offers_nothing_the_view_does_not_name() -> None:
+    """Otherwise a policy reaching past the view (say, into the ledger) would pass here and fail on
+    an orchestrator whose view hides it."""
+    named = set(OrchestratorView.__annotations__) | {
+        n for n in vars(OrchestratorView) if not n.startswith("_")
+    }
+    offered = {n for n in dir(StandIn()) if not n.startswith("_")} - {"pending", "calls"}
+    assert offered == named
 
 
 def _view(**cfg: object) -> tuple[StandIn, OrchestratorConfig]:
@@ -75,7 +86,7 @@ def test_async_rounds_keep_concurrency_and_aggregate_at_the_goal() -> None:
     view, cfg = _view(mode="async", agg_goal=2, concurrency=3)
     policy = ROUND_POLICIES.create("async", None, cfg)
     assert policy.need(view) == 3
-    tasks = [view.ledger.open(c, TaskKind.TRAIN, 0, 0, 0.0) for c in range(2)]
+    tasks = [view._ledger.open(c, TaskKind.TRAIN, 0, 0, 0.0) for c in range(2)]
     assert policy.need(view) == 1
     out: list[Command] = []
     view.pending = 1
@@ -91,27 +102,27 @@ def test_sync_round_over_selects_then_cancels_its_stragglers_at_the_deadline() -
     view, cfg = _view(mode="sync", agg_goal=2, overcommit=1.5, deadline_s=10.0)
     policy = ROUND_POLICIES.create("sync", None, cfg)
     assert policy.need(view) == 3 and view.round == 1 and view.stats.rounds_started == 1
-    tasks = [view.ledger.open(c, TaskKind.TRAIN, 0, view.round, 0.0) for c in range(3)]
+    tasks = [view._ledger.open(c, TaskKind.TRAIN, 0, view.round, 0.0) for c in range(3)]
     assert policy.need(view) == 0 and policy.wakeup() == 10.0
     out: list[Command] = []
-    view.ledger.close(tasks[0], TaskState.DONE)
+    view._ledger.close(tasks[0], TaskState.DONE)
     view.pending = 1
     policy.on_buffered(view, tasks[0], out)
     view.now = 10.0
     policy.on_timers(view, out)
     assert sorted(c.task_id for c in out if isinstance(c, CancelTask)) == [tasks[1].task_id, tasks[2].task_id]
     assert view.calls[-1] == "aggregate 1" and policy.wakeup() is None
-    assert len(view.ledger) == 0
+    assert len(view._ledger) == 0
 
 
 def test_tiertrack_frees_the_slot_of_a_client_that_leaves_and_marks_a_silent_one() -> None:
     view, cfg = _view(knowledge="tiertrack")
     policy = AVAILABILITY.create("tiertrack", None, cfg)
-    task = view.ledger.open(1, TaskKind.TRAIN, 0, 0, 0.0)
+    task = view._ledger.open(1, TaskKind.TRAIN, 0, 0, 0.0)
     view.clients.set_in_flight(1, task.task_id)
     rec = view.clients[1]
     policy.on_tier(view, rec, Tier.UN_AVL)
     assert view.calls == [f"release {task.task_id} interrupted"] and task.state is TaskState.INTERRUPTED
     assert view.clients[1].tier is Tier.UN_AVL
-    policy.on_timeout(view, view.ledger.open(2, TaskKind.EVAL, 0, 0, 0.0))
+    policy.on_timeout(view, view._ledger.open(2, TaskKind.EVAL, 0, 0, 0.0))
     assert view.clients[2].tier is Tier.UN_AVL
