@@ -242,6 +242,31 @@ def train_helped(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
+own_data = ClientApp()
+#: How many tasks ``own_data``'s handler ran.
+OWN_CALLS = [0]
+
+
+@own_data.train()
+def train_own_data(msg: Message, context: Context) -> Message:
+    """Flower's quickstart-pytorch handler as written for Flower's runtime: it loads its own
+    partition (``load_data(partition_id, num_partitions)``: here an even split of a small
+    synthetic set), never felix's."""
+    OWN_CALLS[0] += 1
+    pid, parts = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    gen = torch.Generator().manual_seed(0)
+    x_all, y_all = torch.randn(600, 1, 8, 8, generator=gen), torch.randint(0, 10, (600,), generator=gen)
+    x, y = x_all[pid::parts], y_all[pid::parts]
+    model = Net()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    config = msg.content["config"]
+    loader = DataLoader(TensorDataset(x, y), batch_size=int(config["batch-size"]), shuffle=True)
+    train_loss = train_fn(model, loader, 1, float(config["lr"]))
+    metrics = MetricRecord({"train_loss": train_loss, "num-examples": len(loader.dataset)})
+    content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics})
+    return Message(content=content, reply_to=msg)
+
+
 broken = ClientApp()
 
 
@@ -352,6 +377,59 @@ def test_bad_flower_apps_are_one_line_errors(tmp_path: Path) -> None:
         assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="import path"):
         resolve_config(None, None, {"client": {"flower_app": "no-colon"}})
+
+
+def test_an_app_that_loads_its_own_partition_is_refused_at_its_first_result(tmp_path: Path) -> None:
+    """Flower's quickstart pattern (the handler loads its partition from ``context.node_config``)
+    trains on data felix does not simulate: the run ends at the first result with one line that
+    says what to change, instead of the server refusing a third of the results in silence."""
+    OWN_CALLS[0] = 0
+    cfg = resolve_config(None, "fedbuff", {**SMALL, "client": {"flower_app": "test_flower:own_data"}})
+    with pytest.raises(
+        ConfigError, match="train on felix.flower.client_data\\(context\\) in the handler"
+    ) as err:
+        run_config(cfg, None, plots=False)
+    msg = str(err.value)
+    assert "\n" not in msg and "felix.flower.client_data(context)" in msg
+    assert "examples of the app's own, not on felix's" in msg
+    assert OWN_CALLS[0] == 1  # the first result, before any update reaches the server
+
+
+def test_the_quickstart_pattern_on_felix_data_has_no_result_refused() -> None:
+    """The same pattern with ``client_data(context) or own partition`` (test_flower:app): every
+    result fits the client's registered count."""
+    run = api.run({**SMALL, "strategy": "fedbuff", "client": {"flower_app": "test_flower:app"}})
+    stats = run.built.orch.stats
+    assert stats.rejected == 0 and stats.updates_applied > 0
+
+
+@pytest.mark.parametrize("app", ["app", "lean"])
+def test_an_app_without_felix_model_set_says_which_option_to_set(app: str) -> None:
+    """``--flower-app mod:app`` without ``--set model=mod:make_net``: felix's default model does
+    not load into the app's network (torch's ``load_state_dict``, or the helpers' ``load_arrays``):
+    one line naming the option."""
+    LEAN.update(make=Net, net=None)
+    cfg = resolve_config(
+        None,
+        "fedbuff",
+        {**{k: v for k, v in SMALL.items() if k != "model"}, "client": {"flower_app": f"test_flower:{app}"}},
+    )
+    with pytest.raises(ConfigError, match="the app's network does not take felix's model 'small_cnn'") as err:
+        run_config(cfg, None, plots=False)
+    assert "\n" not in str(err.value)
+    assert str(err.value).endswith("set model to the app's network: --set model=test_flower:make_net")
+    if app == "app":  # torch's error, one line per kind of key listing each, in short
+        assert "load_state_dict: 8 of its keys missing, 6 unexpected, 0 of another shape" in str(err.value)
+
+
+def test_handler_errors_are_one_line_and_name_the_model_option_for_a_foreign_network() -> None:
+    """A reply of another network's arrays names the model option; a multi-line exception of
+    the handler is reported by its first line."""
+    trainer = _hostile_trainer(BnNet())
+    weights = np.zeros(trainer.layout.size, dtype=np.float32)
+    with pytest.raises(ConfigError, match="--set model=test_flower:make_net$"):
+        _task(trainer, weights, "missing_key")
+    assert trainer._handler_error(ValueError("first\nsecond"), 3).endswith("ValueError: first ...")
 
 
 def _sets(d: dict[str, Any], prefix: str = "") -> list[str]:
@@ -484,7 +562,8 @@ def train_hostile(msg: Message, context: Context) -> Message | str:
     sd = msg.content["arrays"].to_torch_state_dict()
     sd = {k: v + 1 if v.is_floating_point() else v + 5 for k, v in sd.items()}
     key = next(iter(sd))
-    metrics = MetricRecord({"num-examples": 7, "train_loss": 0.5})
+    data = client_data(context)  # it trains on nothing, so it counts felix's samples
+    metrics = MetricRecord({"num-examples": 7 if data is None else len(data[1]), "train_loss": 0.5})
     if kind == "not_a_message":
         return "done"
     if kind == "error":

@@ -21,6 +21,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -48,26 +49,42 @@ def import_flwr() -> ModuleType:
     return flwr
 
 
-_serving: ContextVar[ClientData | None] = ContextVar("felix_flower_task_data", default=None)
+@dataclass
+class Serving:
+    """The task's data a handler may read, and whether it did (:func:`client_data` sets
+    ``read``): the Flower trainer tells an app that trains on its own partition from one that
+    trains on felix's data by it."""
+
+    data: ClientData
+    read: bool = False
+
+
+_serving: ContextVar[Serving | None] = ContextVar("felix_flower_task_data", default=None)
 
 
 def client_data(context: Any = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The running task's client data ``(x, y)`` (x of shape N x sample shape, y the labels, on
     the CPU) when a handler runs under felix (``client.flower_app``), after any DAFL augmentation;
     None under Flower's own runtime, where the app loads its partition itself
-    (``context.node_config["partition-id"]``)."""
-    data = _serving.get()
-    return None if data is None else (data.x, data.y)
+    (``context.node_config["partition-id"]``). Under felix a handler must train on this data:
+    felix's clock, selection and server count the client's samples from it."""
+    cell = _serving.get()
+    if cell is None:
+        return None
+    cell.read = True
+    return cell.data.x, cell.data.y
 
 
 @contextmanager
-def serving(data: ClientData) -> Iterator[None]:
-    """:func:`client_data` returns ``data`` inside (the Flower trainer, around each handler call)."""
-    token = _serving.set(data)
+def serving(data: ClientData) -> Iterator[Serving]:
+    """:func:`client_data` returns ``data`` inside (the Flower trainer, around each handler
+    call); the cell it yields says whether the handler read it."""
+    cell = Serving(data)
+    token = _serving.set(cell)
     try:
-        yield
+        yield cell
     finally:
         _serving.reset(token)
 
 
-__all__ = ["SAFE_ENV", "client_data", "import_flwr", "serving"]
+__all__ = ["SAFE_ENV", "Serving", "client_data", "import_flwr", "serving"]

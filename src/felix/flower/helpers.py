@@ -55,7 +55,17 @@ from torch import nn
 
 from felix.client.trainer import TrainConfig, local_loop
 from felix.flower import client_data, import_flwr
-from felix.flower.trainer import ARRAYS, AUX, CONFIG, METRICS, PRECISIONS_BY_DTYPE, _one, filled, flower_codec
+from felix.flower.trainer import (
+    ARRAYS,
+    AUX,
+    CONFIG,
+    METRICS,
+    PRECISIONS_BY_DTYPE,
+    ModelMismatch,
+    _one,
+    filled,
+    flower_codec,
+)
 from felix.strategies.dataplans.augment import augment_client, get_augmenter
 from felix.strategies.objectives import Objective, OneClient, TaskContext, make_objective
 
@@ -236,7 +246,7 @@ def _load(
         raise ValueError(f"{where}: the message has no ArrayRecord of the model")
     targets = model.state_dict(keep_vars=True)
     if list(arrays.keys()) != list(targets.keys()):
-        raise ValueError(
+        raise ModelMismatch(
             f"{where}: the message's arrays {list(arrays.keys())[:4]}... are not the model's "
             f"state_dict {list(targets.keys())[:4]}..."
         )
@@ -245,7 +255,7 @@ def _load(
         try:
             value = _CODEC.read(arrays[key], tuple(tensor.shape))
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"{where}: {key}: {exc}") from None
+            raise ModelMismatch(f"{where}: {key}: {exc}") from None
         try:  # into the tensor's storage through numpy's copy: a fraction of torch's cost
             view = tensor.detach().numpy() if tensor.device.type == "cpu" else None
         except TypeError:  # a dtype numpy lacks (bfloat16)

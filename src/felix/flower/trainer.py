@@ -100,12 +100,14 @@ class FlowerTrainer(LocalTrainer):
         objective_params: dict[str, Any],
         device: str = "cpu",
         autocast_dtype: torch.dtype | None = None,
+        model_ref: str = "model",
     ) -> None:
         super().__init__(model, objective, cfg, num_classes, device, autocast_dtype)
         flwr = import_flwr()
         self._flwr = flwr
         self.app = app
         self.ref = ref
+        self.model_ref = model_ref  # felix's ``model`` as the config names it (for the errors)
         self.num_clients = num_clients
         self._contexts: dict[int, Any] = {}
         self._rounds: dict[int, int] = {}
@@ -209,18 +211,59 @@ class FlowerTrainer(LocalTrainer):
             message_type="train",
         )
         message = app_mod.Message(content, metadata=meta)
-        with serving(data):
+        with serving(data) as served:
             try:
                 reply = self.app(message, self._context(cid))
             except Exception as exc:  # noqa: BLE001 - the user's handler: one line naming it
-                raise ConfigError(
-                    f"client.flower_app {self.ref}: the train handler raised on client {cid}: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from None
+                raise ConfigError(self._handler_error(exc, cid)) from None
         update = self._update(reply, cid, flat, data, state)
+        if not served.read and update.num_samples != len(data):
+            raise ConfigError(
+                f"client.flower_app {self.ref}: client {cid} trained on {update.num_samples} examples "
+                f"of the app's own, not on felix's {len(data)} (felix times, selects and weighs "
+                "clients by their felix data): train on felix.flower.client_data(context) in the "
+                "handler (docs/flower.md)"
+            )
         if key is not None:
             update.aux[key] = np.array(received_loss, dtype=np.float64)
         return update
+
+    def _handler_error(self, exc: Exception, cid: int) -> str:
+        """One line for an exception of the app's train handler: a network that does not take
+        felix's model (``load_state_dict``'s error, or :func:`felix.flower.helpers.load_arrays`')
+        names the option to set; any other error gives its first line."""
+        text = str(exc).strip()
+        if isinstance(exc, ModelMismatch) or (
+            isinstance(exc, RuntimeError) and text.startswith("Error(s) in loading state_dict")
+        ):
+            detail = text if isinstance(exc, ModelMismatch) else state_dict_error(text)
+            return (
+                f"client.flower_app {self.ref}: client {cid}: the app's network does not take felix's "
+                f"model {self.model_ref!r} ({detail}); {self.model_hint()}"
+            )
+        lines = text.splitlines()
+        first = lines[0] if lines else ""
+        more = " ..." if len(lines) > 1 else ""
+        return (
+            f"client.flower_app {self.ref}: the train handler raised on client {cid}: "
+            f"{type(exc).__name__}: {first}{more}"
+        )
+
+    def model_hint(self) -> str:
+        """What to set when the app's network and felix's ``model`` differ: the app module's
+        ``make_net`` when it has one (the docs' convention) and ``model`` is not it already."""
+        module = self.ref.partition(":")[0]
+        target = f"{module}:make_net"
+        try:
+            known = callable(import_object(target)) and self.model_ref != target
+        except RegistryError:
+            known = False
+        if known:
+            return f"set model to the app's network: --set model={target}"
+        return (
+            "set model to a factory (sample_shape, num_classes) -> the app's network: "
+            f"--set model={module}:<factory>"
+        )
 
     def _update(
         self, reply: Any, cid: int, flat: np.ndarray, data: ClientData, state: dict[str, Any]
@@ -252,7 +295,7 @@ class FlowerTrainer(LocalTrainer):
         if list(arrays.keys()) != layout.keys:
             raise ConfigError(
                 f"{where} does not fit felix's model (its arrays {list(arrays.keys())[:4]}..., "
-                f"the model's {layout.keys[:4]}...)"
+                f"the model's {layout.keys[:4]}...); {self.model_hint()}"
             )
         # Entries the state_dict does not name (a non-persistent float buffer) keep the received values.
         trained = flat.copy()
@@ -281,6 +324,29 @@ class FlowerTrainer(LocalTrainer):
         return ClientUpdate(
             num_samples=n, stat_utility=utility, loss=loss, duration=0.0, delta=delta, aux=aux
         )
+
+
+def state_dict_error(text: str) -> str:
+    """torch's ``load_state_dict`` error (a line per kind of key, each listing every key) in
+    short: how many keys are missing, unexpected, of another shape."""
+    missing = unexpected = shapes = 0
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("Missing key(s)"):
+            missing = line.count('"') // 2
+        elif line.startswith("Unexpected key(s)"):
+            unexpected = line.count('"') // 2
+        elif line.startswith("size mismatch"):
+            shapes += 1
+    return (
+        f"load_state_dict: {missing} of its keys missing, {unexpected} unexpected, {shapes} of another shape"
+    )
+
+
+class ModelMismatch(ValueError):
+    """A message's arrays that are not the handler's network's ``state_dict`` (other names or
+    shapes): :func:`felix.flower.helpers.load_arrays` raises it, and under felix it becomes the
+    one-line error that names felix's ``model`` option."""
 
 
 @dataclass(frozen=True)
@@ -532,7 +598,15 @@ def build_flower_trainer(cfg: Config, base: LocalTrainer) -> FlowerTrainer:
         dict(cfg.client.objective_params),
         base.device,
         base.autocast_dtype,
+        cfg.model,
     )
 
 
-__all__ = ["CLIENT_KEY", "FlowerTrainer", "build_flower_trainer", "flower_codec", "load_client_app"]
+__all__ = [
+    "CLIENT_KEY",
+    "FlowerTrainer",
+    "ModelMismatch",
+    "build_flower_trainer",
+    "flower_codec",
+    "load_client_app",
+]
