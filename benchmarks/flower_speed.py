@@ -423,6 +423,17 @@ def speed(repeats: int, aggregations: int, workload: str) -> dict[str, Any]:
                 )
         return out
 
+    # Per aggregation, in milliseconds: inside the trainer and the whole run's wall time.
+    per_aggregation = {
+        what: {
+            side: {
+                "min": round(min(v) / aggregations * 1e3, 2),
+                "median": round(statistics.median(v) / aggregations * 1e3, 2),
+            }
+            for side, v in d.items()
+        }
+        for what, d in (("train", train), ("wall", wall))
+    }
     # The Flower path's time outside the handler: felix's own part (message, dispatch, checks).
     outside = {side: [t - h for t, h in zip(train[side], handler[side])] for side in APPS}
     return {
@@ -435,6 +446,7 @@ def speed(repeats: int, aggregations: int, workload: str) -> dict[str, Any]:
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "same_evaluations": same,
         "train_s": stats(train),
+        "ms_per_aggregation": per_aggregation,
         "handler_s": stats(handler, ratios=False),
         "outside_handler_s": stats(outside, ratios=False),
         "wall_s": stats(wall),
