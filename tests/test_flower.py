@@ -529,6 +529,57 @@ def test_npy_codec_is_flowers_array_byte_for_byte(a: np.ndarray) -> None:
     assert np.array_equal(fast.numpy(), a)
 
 
+def test_flowers_array_records_made_in_a_handler_under_felix_are_flowers_own_bytes() -> None:
+    """Inside felix's handler call Flower's ``Array.from_numpy_ndarray`` skips ``np.save``:
+    every way a handler makes arrays (``ArrayRecord(state_dict)``, ``Array(ndarray)``,
+    ``Array(tensor)``, ``ArrayRecord(list)``) holds the fields Flower's own gives, for C-ordered,
+    Fortran-ordered, strided, 0-d, empty, integer, bool, half, big-endian and complex arrays; the
+    method is Flower's again afterwards, also when the handler raises."""
+    from flwr.app import Array
+
+    from felix.flower.trainer import flower_codec
+
+    base = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    arrays = [
+        base,
+        np.asfortranarray(base),
+        base[:, ::2, 1:],
+        base.transpose(2, 0, 1),
+        np.array(2.5),
+        np.zeros((0, 3)),
+        np.arange(5, dtype=np.int64),
+        np.array([True, False]),
+        base.astype(np.float16),
+        base.astype(">f4"),
+        base.astype(np.complex64),
+    ]
+    own = Array.__dict__["from_numpy_ndarray"]
+    sd = BnNet().state_dict()
+
+    def make() -> list[Any]:
+        return [
+            *[Array(a) for a in arrays],
+            Array(torch.arange(6.0).reshape(2, 3).t()),
+            *ArrayRecord(sd).values(),
+            *ArrayRecord(arrays).values(),
+        ]
+
+    theirs = make()
+    with flower_codec().saving():
+        assert Array.__dict__["from_numpy_ndarray"] is not own
+        ours = make()
+    assert Array.__dict__["from_numpy_ndarray"] is own
+    fields = ("dtype", "shape", "stype", "data")
+    assert len(ours) == len(theirs) == 2 * len(arrays) + 1 + len(sd)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert type(a) is type(b) is Array and [getattr(a, f) for f in fields] == [
+            getattr(b, f) for f in fields
+        ], i
+    with pytest.raises(RuntimeError, match="out"), flower_codec().saving():
+        raise RuntimeError("out")
+    assert Array.__dict__["from_numpy_ndarray"] is own
+
+
 # ------------------------------------------------ the Flower path's encoding and its reply checks
 class BnNet(nn.Module):
     """A network with BatchNorm: float buffers (shipped under ``aggregate``) and an integer

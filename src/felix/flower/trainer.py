@@ -40,6 +40,8 @@ import functools
 import io
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,7 +213,7 @@ class FlowerTrainer(LocalTrainer):
             message_type="train",
         )
         message = app_mod.Message(content, metadata=meta)
-        with serving(data) as served:
+        with serving(data) as served, self._codec.saving():
             try:
                 reply = self.app(message, self._context(cid))
             except Exception as exc:  # noqa: BLE001 - the user's handler: one line naming it
@@ -477,6 +479,33 @@ class NpyCodec:
             data=self.header(a.dtype, a.shape) + a.tobytes(),
         )
         return arr
+
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """Inside, Flower's ``Array.from_numpy_ndarray`` (what ``ArrayRecord(model.state_dict())``,
+        ``Array(ndarray)`` and ``Array(tensor)`` call per array) makes its ``Array`` through
+        :meth:`plain` where that is byte for byte what ``np.save`` writes: a number array that is
+        not in Fortran order (``np.save`` writes any other in C order, as :meth:`plain` does);
+        any other array goes to Flower's own. The quickstart handler's reply record costs as
+        much as a step of training through ``np.save`` per tensor. Restored on the way out."""
+        base = self.base
+        own = base.__dict__["from_numpy_ndarray"]
+        codec = self
+
+        def from_numpy_ndarray(cls: Any, ndarray: Any) -> Any:
+            if (
+                type(ndarray) is np.ndarray
+                and ndarray.dtype.kind in NUMERIC
+                and (ndarray.flags.c_contiguous or not ndarray.flags.f_contiguous)
+            ):
+                return codec.plain(np.ascontiguousarray(ndarray) if ndarray.ndim else ndarray)
+            return own.__func__(cls, ndarray)
+
+        base.from_numpy_ndarray = classmethod(from_numpy_ndarray)
+        try:
+            yield
+        finally:
+            base.from_numpy_ndarray = own
 
     def decode(self, arr: Any) -> np.ndarray:
         """An ``Array``'s values, as a writable array."""
