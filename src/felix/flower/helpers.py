@@ -227,7 +227,8 @@ def load_arrays(msg: Any, model: nn.Module) -> None:
     between messages, without the intermediate tensors and ``load_state_dict``'s walk over the
     modules (the arrays felix sends are copied from the values they were made from, not parsed).
     The arrays must be the model's ``state_dict``: the same names in the same order, the same
-    shapes (a one-line ``ValueError`` saying which does not fit)."""
+    shapes (a one-line ``ModelMismatch``, a ``ValueError``, saying which does not fit; under
+    felix it names felix's ``model`` option)."""
     _load(msg, model, "felix.flower.helpers.load_arrays")
 
 

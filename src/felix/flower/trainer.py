@@ -21,9 +21,10 @@ What the handler receives (``message_type`` ``"train"``):
 - ``content["felix.aux"]`` when the server sends aux state (FedeRage's averaged beta, ...);
 - a ``Context`` per client, kept between its tasks (``context.state`` persists, as in Flower), with
   ``node_config`` ``{"partition-id": client id, "num-partitions": N}`` and ``run_config``
-  ``{"lr", "local-epochs", "batch-size"}``. :func:`client_data` gives the client's own felix data
-  (after any DAFL augmentation) to a handler that wants it rather than loading its own partition
-(:func:`felix.flower.client_data`).
+  ``{"lr", "local-epochs", "batch-size"}``. :func:`felix.flower.client_data` gives the client's
+  felix data (after any DAFL augmentation), which the handler must train on: a handler that did
+  not read it and reports another ``num-examples`` trained on a partition of its own, which
+  felix's clock and server do not know, and ends the run at that result in one line.
 
 What it must return: a reply (``Message(content, reply_to=msg)``) with an ``ArrayRecord`` (key
 ``"arrays"``, or its only one) holding the trained ``state_dict`` and a ``MetricRecord`` (key
