@@ -18,12 +18,10 @@ Flower's servers (tests/test_flower.py watches the sockets). Importing this pack
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
+from contextvars import ContextVar, Token
+from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from felix.config import ConfigError
 
@@ -53,10 +51,21 @@ def import_flwr() -> ModuleType:
 class Serving:
     """The task's data a handler may read, and whether it did (:func:`client_data` sets
     ``read``): the Flower trainer tells an app that trains on its own partition from one that
-    trains on felix's data by it."""
+    trains on felix's data by it. Inside (``with``) :func:`client_data` returns ``data``; a
+    class rather than a generator: it is entered once per task."""
 
     data: ClientData
     read: bool = False
+    _token: Token[Serving | None] | None = field(default=None, repr=False)
+
+    def __enter__(self) -> Self:
+        self._token = _serving.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _serving.reset(self._token)
+            self._token = None
 
 
 _serving: ContextVar[Serving | None] = ContextVar("felix_flower_task_data", default=None)
@@ -75,16 +84,10 @@ def client_data(context: Any = None) -> tuple[torch.Tensor, torch.Tensor] | None
     return cell.data.x, cell.data.y
 
 
-@contextmanager
-def serving(data: ClientData) -> Iterator[Serving]:
+def serving(data: ClientData) -> Serving:
     """:func:`client_data` returns ``data`` inside (the Flower trainer, around each handler
-    call); the cell it yields says whether the handler read it."""
-    cell = Serving(data)
-    token = _serving.set(cell)
-    try:
-        yield cell
-    finally:
-        _serving.reset(token)
+    call); the cell says whether the handler read it."""
+    return Serving(data)
 
 
 __all__ = ["SAFE_ENV", "Serving", "client_data", "import_flwr", "serving"]

@@ -41,8 +41,6 @@ import functools
 import io
 import json
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -430,6 +428,7 @@ class NpyCodec:
         self._headers: dict[tuple[np.dtype[Any], tuple[int, ...]], bytes] = {}
         self._names: dict[np.dtype[Any], str] = {}
         self._specs: dict[tuple[Any, Any], tuple[np.dtype[Any], tuple[int, ...], bytes, int]] = {}
+        self._saves: FastSaves | None = None
 
     def header(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
         key = (dtype, shape)  # a dtype hashes as its .str would, without making the string
@@ -481,32 +480,13 @@ class NpyCodec:
         )
         return arr
 
-    @contextmanager
-    def saving(self) -> Iterator[None]:
-        """Inside, Flower's ``Array.from_numpy_ndarray`` (what ``ArrayRecord(model.state_dict())``,
-        ``Array(ndarray)`` and ``Array(tensor)`` call per array) makes its ``Array`` through
-        :meth:`plain` where that is byte for byte what ``np.save`` writes: a number array that is
-        not in Fortran order (``np.save`` writes any other in C order, as :meth:`plain` does);
-        any other array goes to Flower's own. The quickstart handler's reply record costs as
-        much as a step of training through ``np.save`` per tensor. Restored on the way out."""
-        base = self.base
-        own = base.__dict__["from_numpy_ndarray"]
-        codec = self
-
-        def from_numpy_ndarray(cls: Any, ndarray: Any) -> Any:
-            if (
-                type(ndarray) is np.ndarray
-                and ndarray.dtype.kind in NUMERIC
-                and (ndarray.flags.c_contiguous or not ndarray.flags.f_contiguous)
-            ):
-                return codec.plain(np.ascontiguousarray(ndarray) if ndarray.ndim else ndarray)
-            return own.__func__(cls, ndarray)
-
-        base.from_numpy_ndarray = classmethod(from_numpy_ndarray)
-        try:
-            yield
-        finally:
-            base.from_numpy_ndarray = own
+    def saving(self) -> FastSaves:
+        """A context inside which Flower's ``Array.from_numpy_ndarray`` makes its arrays through
+        :meth:`plain` (:class:`FastSaves`)."""
+        saves = self._saves
+        if saves is None:
+            saves = self._saves = FastSaves(self)
+        return saves
 
     def decode(self, arr: Any) -> np.ndarray:
         """An ``Array``'s values, as a writable array."""
@@ -574,6 +554,38 @@ class NpyCodec:
         if tuple(value.shape) != shape:
             raise ValueError(f"shape {tuple(value.shape)}, the model's {shape}")
         return value
+
+
+class FastSaves:
+    """Inside (``with``), Flower's ``Array.from_numpy_ndarray`` (what
+    ``ArrayRecord(model.state_dict())``, ``Array(ndarray)`` and ``Array(tensor)`` call per array)
+    makes its ``Array`` through the codec's :meth:`NpyCodec.plain` where that is byte for byte
+    what ``np.save`` writes: a number array that is not in Fortran order (``np.save`` writes any
+    other in C order, as ``plain`` does); any other array goes to Flower's own. The quickstart
+    handler's reply record costs as much as a step of training through ``np.save`` per tensor.
+    Flower's method is back on the way out, also when the handler raised. A class rather than a
+    generator: it is entered once per task."""
+
+    def __init__(self, codec: NpyCodec) -> None:
+        self.base = codec.base
+        self.own = own = self.base.__dict__["from_numpy_ndarray"]
+
+        def from_numpy_ndarray(cls: Any, ndarray: Any) -> Any:
+            if (
+                type(ndarray) is np.ndarray
+                and ndarray.dtype.kind in NUMERIC
+                and (ndarray.flags.c_contiguous or not ndarray.flags.f_contiguous)
+            ):
+                return codec.plain(np.ascontiguousarray(ndarray) if ndarray.ndim else ndarray)
+            return own.__func__(cls, ndarray)
+
+        self.fast = classmethod(from_numpy_ndarray)
+
+    def __enter__(self) -> None:
+        self.base.from_numpy_ndarray = self.fast
+
+    def __exit__(self, *exc: object) -> None:
+        self.base.from_numpy_ndarray = self.own
 
 
 @functools.cache
