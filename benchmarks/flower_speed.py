@@ -1,6 +1,7 @@
 """The Flower path's cost and learning curve against felix's own trainer (docs/flower.md).
 
-    python benchmarks/flower_speed.py [--repeats 3] [--aggregations 60] [--busy-core] [--seeds 0 1 2] [--json FILE]
+    python benchmarks/flower_speed.py [--repeats 3] [--aggregations 60] [--busy-core] [--workload steps1-2]
+        [--seeds 0 1 2] [--json FILE]
     python benchmarks/flower_speed.py --overhead 2000 [--repeats 5]
     python benchmarks/flower_speed.py --breakdown [--repeats 5] [--aggregations 20]
 
@@ -350,6 +351,8 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "default (100 clients, 1 epoch)": {},
     "20 clients, 5 epochs": {"partition": {"num_clients": 20}, "client": {"epochs": 5}},
 }
+#: ``--workload``'s names for them.
+WORKLOAD_NAMES = {"steps1-2": "default (100 clients, 1 epoch)", "steps25": "20 clients, 5 epochs"}
 
 
 def _config(
@@ -423,6 +426,17 @@ def speed(repeats: int, aggregations: int, workload: str) -> dict[str, Any]:
                 )
         return out
 
+    # Per aggregation, in milliseconds: inside the trainer and the whole run's wall time.
+    per_aggregation = {
+        what: {
+            side: {
+                "min": round(min(v) / aggregations * 1e3, 2),
+                "median": round(statistics.median(v) / aggregations * 1e3, 2),
+            }
+            for side, v in d.items()
+        }
+        for what, d in (("train", train), ("wall", wall))
+    }
     # The Flower path's time outside the handler: felix's own part (message, dispatch, checks).
     outside = {side: [t - h for t, h in zip(train[side], handler[side])] for side in APPS}
     return {
@@ -435,6 +449,7 @@ def speed(repeats: int, aggregations: int, workload: str) -> dict[str, Any]:
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "same_evaluations": same,
         "train_s": stats(train),
+        "ms_per_aggregation": per_aggregation,
         "handler_s": stats(handler, ratios=False),
         "outside_handler_s": stats(outside, ratios=False),
         "wall_s": stats(wall),
@@ -501,6 +516,12 @@ def main() -> None:
         action="store_true",
         help="only where a task's CPU time goes, felix's trainer against the Flower path (--repeats replays)",
     )
+    p.add_argument(
+        "--workload",
+        choices=["all", *WORKLOAD_NAMES],
+        default="all",
+        help="the speed part's workloads: both, or one of them",
+    )
     p.add_argument("--json", help="append the results as JSON lines to this file")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -514,7 +535,10 @@ def main() -> None:
         busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy_core else None
         BUSY[0] = busy is not None
         try:
-            results = [speed(args.repeats, args.aggregations, w) for w in WORKLOADS]
+            names = (
+                WORKLOAD_NAMES if args.workload == "all" else {args.workload: WORKLOAD_NAMES[args.workload]}
+            )
+            results = [speed(args.repeats, args.aggregations, w) for w in names.values()]
         finally:
             if busy is not None:
                 busy.kill()

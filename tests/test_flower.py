@@ -242,6 +242,31 @@ def train_helped(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
+own_data = ClientApp()
+#: How many tasks ``own_data``'s handler ran.
+OWN_CALLS = [0]
+
+
+@own_data.train()
+def train_own_data(msg: Message, context: Context) -> Message:
+    """Flower's quickstart-pytorch handler as written for Flower's runtime: it loads its own
+    partition (``load_data(partition_id, num_partitions)``: here an even split of a small
+    synthetic set), never felix's."""
+    OWN_CALLS[0] += 1
+    pid, parts = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    gen = torch.Generator().manual_seed(0)
+    x_all, y_all = torch.randn(600, 1, 8, 8, generator=gen), torch.randint(0, 10, (600,), generator=gen)
+    x, y = x_all[pid::parts], y_all[pid::parts]
+    model = Net()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    config = msg.content["config"]
+    loader = DataLoader(TensorDataset(x, y), batch_size=int(config["batch-size"]), shuffle=True)
+    train_loss = train_fn(model, loader, 1, float(config["lr"]))
+    metrics = MetricRecord({"train_loss": train_loss, "num-examples": len(loader.dataset)})
+    content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics})
+    return Message(content=content, reply_to=msg)
+
+
 broken = ClientApp()
 
 
@@ -354,6 +379,59 @@ def test_bad_flower_apps_are_one_line_errors(tmp_path: Path) -> None:
         resolve_config(None, None, {"client": {"flower_app": "no-colon"}})
 
 
+def test_an_app_that_loads_its_own_partition_is_refused_at_its_first_result(tmp_path: Path) -> None:
+    """Flower's quickstart pattern (the handler loads its partition from ``context.node_config``)
+    trains on data felix does not simulate: the run ends at the first result with one line that
+    says what to change, instead of the server refusing a third of the results in silence."""
+    OWN_CALLS[0] = 0
+    cfg = resolve_config(None, "fedbuff", {**SMALL, "client": {"flower_app": "test_flower:own_data"}})
+    with pytest.raises(
+        ConfigError, match="train on felix.flower.client_data\\(context\\) in the handler"
+    ) as err:
+        run_config(cfg, None, plots=False)
+    msg = str(err.value)
+    assert "\n" not in msg and "felix.flower.client_data(context)" in msg
+    assert "examples of the app's own, not on felix's" in msg
+    assert OWN_CALLS[0] == 1  # the first result, before any update reaches the server
+
+
+def test_the_quickstart_pattern_on_felix_data_has_no_result_refused() -> None:
+    """The same pattern with ``client_data(context) or own partition`` (test_flower:app): every
+    result fits the client's registered count."""
+    run = api.run({**SMALL, "strategy": "fedbuff", "client": {"flower_app": "test_flower:app"}})
+    stats = run.built.orch.stats
+    assert stats.rejected == 0 and stats.updates_applied > 0
+
+
+@pytest.mark.parametrize("app", ["app", "lean"])
+def test_an_app_without_felix_model_set_says_which_option_to_set(app: str) -> None:
+    """``--flower-app mod:app`` without ``--set model=mod:make_net``: felix's default model does
+    not load into the app's network (torch's ``load_state_dict``, or the helpers' ``load_arrays``):
+    one line naming the option."""
+    LEAN.update(make=Net, net=None)
+    cfg = resolve_config(
+        None,
+        "fedbuff",
+        {**{k: v for k, v in SMALL.items() if k != "model"}, "client": {"flower_app": f"test_flower:{app}"}},
+    )
+    with pytest.raises(ConfigError, match="the app's network does not take felix's model 'small_cnn'") as err:
+        run_config(cfg, None, plots=False)
+    assert "\n" not in str(err.value)
+    assert str(err.value).endswith("set model to the app's network: --set model=test_flower:make_net")
+    if app == "app":  # torch's error, one line per kind of key listing each, in short
+        assert "load_state_dict: 8 of its keys missing, 6 unexpected, 0 of another shape" in str(err.value)
+
+
+def test_handler_errors_are_one_line_and_name_the_model_option_for_a_foreign_network() -> None:
+    """A reply of another network's arrays names the model option; a multi-line exception of
+    the handler is reported by its first line."""
+    trainer = _hostile_trainer(BnNet())
+    weights = np.zeros(trainer.layout.size, dtype=np.float32)
+    with pytest.raises(ConfigError, match="--set model=test_flower:make_net$"):
+        _task(trainer, weights, "missing_key")
+    assert trainer._handler_error(ValueError("first\nsecond"), 3).endswith("ValueError: first ...")
+
+
 def _sets(d: dict[str, Any], prefix: str = "") -> list[str]:
     out: list[str] = []
     for k, v in d.items():
@@ -451,6 +529,57 @@ def test_npy_codec_is_flowers_array_byte_for_byte(a: np.ndarray) -> None:
     assert np.array_equal(fast.numpy(), a)
 
 
+def test_flowers_array_records_made_in_a_handler_under_felix_are_flowers_own_bytes() -> None:
+    """Inside felix's handler call Flower's ``Array.from_numpy_ndarray`` skips ``np.save``:
+    every way a handler makes arrays (``ArrayRecord(state_dict)``, ``Array(ndarray)``,
+    ``Array(tensor)``, ``ArrayRecord(list)``) holds the fields Flower's own gives, for C-ordered,
+    Fortran-ordered, strided, 0-d, empty, integer, bool, half, big-endian and complex arrays; the
+    method is Flower's again afterwards, also when the handler raises."""
+    from flwr.app import Array
+
+    from felix.flower.trainer import flower_codec
+
+    base = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    arrays = [
+        base,
+        np.asfortranarray(base),
+        base[:, ::2, 1:],
+        base.transpose(2, 0, 1),
+        np.array(2.5),
+        np.zeros((0, 3)),
+        np.arange(5, dtype=np.int64),
+        np.array([True, False]),
+        base.astype(np.float16),
+        base.astype(">f4"),
+        base.astype(np.complex64),
+    ]
+    own = Array.__dict__["from_numpy_ndarray"]
+    sd = BnNet().state_dict()
+
+    def make() -> list[Any]:
+        return [
+            *[Array(a) for a in arrays],
+            Array(torch.arange(6.0).reshape(2, 3).t()),
+            *ArrayRecord(sd).values(),
+            *ArrayRecord(arrays).values(),
+        ]
+
+    theirs = make()
+    with flower_codec().saving():
+        assert Array.__dict__["from_numpy_ndarray"] is not own
+        ours = make()
+    assert Array.__dict__["from_numpy_ndarray"] is own
+    fields = ("dtype", "shape", "stype", "data")
+    assert len(ours) == len(theirs) == 2 * len(arrays) + 1 + len(sd)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert type(a) is type(b) is Array and [getattr(a, f) for f in fields] == [
+            getattr(b, f) for f in fields
+        ], i
+    with pytest.raises(RuntimeError, match="out"), flower_codec().saving():
+        raise RuntimeError("out")
+    assert Array.__dict__["from_numpy_ndarray"] is own
+
+
 # ------------------------------------------------ the Flower path's encoding and its reply checks
 class BnNet(nn.Module):
     """A network with BatchNorm: float buffers (shipped under ``aggregate``) and an integer
@@ -484,7 +613,8 @@ def train_hostile(msg: Message, context: Context) -> Message | str:
     sd = msg.content["arrays"].to_torch_state_dict()
     sd = {k: v + 1 if v.is_floating_point() else v + 5 for k, v in sd.items()}
     key = next(iter(sd))
-    metrics = MetricRecord({"num-examples": 7, "train_loss": 0.5})
+    data = client_data(context)  # it trains on nothing, so it counts felix's samples
+    metrics = MetricRecord({"num-examples": 7 if data is None else len(data[1]), "train_loss": 0.5})
     if kind == "not_a_message":
         return "done"
     if kind == "error":

@@ -18,11 +18,10 @@ Flower's servers (tests/test_flower.py watches the sockets). Importing this pack
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
+from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from felix.config import ConfigError
 
@@ -48,26 +47,47 @@ def import_flwr() -> ModuleType:
     return flwr
 
 
-_serving: ContextVar[ClientData | None] = ContextVar("felix_flower_task_data", default=None)
+@dataclass
+class Serving:
+    """The task's data a handler may read, and whether it did (:func:`client_data` sets
+    ``read``): the Flower trainer tells an app that trains on its own partition from one that
+    trains on felix's data by it. Inside (``with``) :func:`client_data` returns ``data``; a
+    class rather than a generator: it is entered once per task."""
+
+    data: ClientData
+    read: bool = False
+    _token: Token[Serving | None] | None = field(default=None, repr=False)
+
+    def __enter__(self) -> Self:
+        self._token = _serving.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _serving.reset(self._token)
+            self._token = None
+
+
+_serving: ContextVar[Serving | None] = ContextVar("felix_flower_task_data", default=None)
 
 
 def client_data(context: Any = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The running task's client data ``(x, y)`` (x of shape N x sample shape, y the labels, on
     the CPU) when a handler runs under felix (``client.flower_app``), after any DAFL augmentation;
     None under Flower's own runtime, where the app loads its partition itself
-    (``context.node_config["partition-id"]``)."""
-    data = _serving.get()
-    return None if data is None else (data.x, data.y)
+    (``context.node_config["partition-id"]``). Under felix a handler must train on this data:
+    felix's clock, selection and server count the client's samples from it."""
+    cell = _serving.get()
+    if cell is None:
+        return None
+    cell.read = True
+    return cell.data.x, cell.data.y
 
 
-@contextmanager
-def serving(data: ClientData) -> Iterator[None]:
-    """:func:`client_data` returns ``data`` inside (the Flower trainer, around each handler call)."""
-    token = _serving.set(data)
-    try:
-        yield
-    finally:
-        _serving.reset(token)
+def serving(data: ClientData) -> Serving:
+    """:func:`client_data` returns ``data`` inside (the Flower trainer, around each handler
+    call); the cell says whether the handler read it."""
+    return Serving(data)
 
 
-__all__ = ["SAFE_ENV", "client_data", "import_flwr", "serving"]
+__all__ = ["SAFE_ENV", "Serving", "client_data", "import_flwr", "serving"]

@@ -55,7 +55,17 @@ from torch import nn
 
 from felix.client.trainer import TrainConfig, local_loop
 from felix.flower import client_data, import_flwr
-from felix.flower.trainer import ARRAYS, AUX, CONFIG, METRICS, PRECISIONS_BY_DTYPE, _one, filled, flower_codec
+from felix.flower.trainer import (
+    ARRAYS,
+    AUX,
+    CONFIG,
+    METRICS,
+    PRECISIONS_BY_DTYPE,
+    ModelMismatch,
+    _one,
+    filled,
+    flower_codec,
+)
 from felix.strategies.dataplans.augment import augment_client, get_augmenter
 from felix.strategies.objectives import Objective, OneClient, TaskContext, make_objective
 
@@ -217,7 +227,8 @@ def load_arrays(msg: Any, model: nn.Module) -> None:
     between messages, without the intermediate tensors and ``load_state_dict``'s walk over the
     modules (the arrays felix sends are copied from the values they were made from, not parsed).
     The arrays must be the model's ``state_dict``: the same names in the same order, the same
-    shapes (a one-line ``ValueError`` saying which does not fit)."""
+    shapes (a one-line ``ModelMismatch``, a ``ValueError``, saying which does not fit; under
+    felix it names felix's ``model`` option)."""
     _load(msg, model, "felix.flower.helpers.load_arrays")
 
 
@@ -236,7 +247,7 @@ def _load(
         raise ValueError(f"{where}: the message has no ArrayRecord of the model")
     targets = model.state_dict(keep_vars=True)
     if list(arrays.keys()) != list(targets.keys()):
-        raise ValueError(
+        raise ModelMismatch(
             f"{where}: the message's arrays {list(arrays.keys())[:4]}... are not the model's "
             f"state_dict {list(targets.keys())[:4]}..."
         )
@@ -245,7 +256,7 @@ def _load(
         try:
             value = _CODEC.read(arrays[key], tuple(tensor.shape))
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"{where}: {key}: {exc}") from None
+            raise ModelMismatch(f"{where}: {key}: {exc}") from None
         try:  # into the tensor's storage through numpy's copy: a fraction of torch's cost
             view = tensor.detach().numpy() if tensor.device.type == "cpu" else None
         except TypeError:  # a dtype numpy lacks (bfloat16)

@@ -21,9 +21,10 @@ What the handler receives (``message_type`` ``"train"``):
 - ``content["felix.aux"]`` when the server sends aux state (FedeRage's averaged beta, ...);
 - a ``Context`` per client, kept between its tasks (``context.state`` persists, as in Flower), with
   ``node_config`` ``{"partition-id": client id, "num-partitions": N}`` and ``run_config``
-  ``{"lr", "local-epochs", "batch-size"}``. :func:`client_data` gives the client's own felix data
-  (after any DAFL augmentation) to a handler that wants it rather than loading its own partition
-(:func:`felix.flower.client_data`).
+  ``{"lr", "local-epochs", "batch-size"}``. :func:`felix.flower.client_data` gives the client's
+  felix data (after any DAFL augmentation), which the handler must train on: a handler that did
+  not read it and reports another ``num-examples`` trained on a partition of its own, which
+  felix's clock and server do not know, and ends the run at that result in one line.
 
 What it must return: a reply (``Message(content, reply_to=msg)``) with an ``ArrayRecord`` (key
 ``"arrays"``, or its only one) holding the trained ``state_dict`` and a ``MetricRecord`` (key
@@ -100,12 +101,14 @@ class FlowerTrainer(LocalTrainer):
         objective_params: dict[str, Any],
         device: str = "cpu",
         autocast_dtype: torch.dtype | None = None,
+        model_ref: str = "model",
     ) -> None:
         super().__init__(model, objective, cfg, num_classes, device, autocast_dtype)
         flwr = import_flwr()
         self._flwr = flwr
         self.app = app
         self.ref = ref
+        self.model_ref = model_ref  # felix's ``model`` as the config names it (for the errors)
         self.num_clients = num_clients
         self._contexts: dict[int, Any] = {}
         self._rounds: dict[int, int] = {}
@@ -209,18 +212,59 @@ class FlowerTrainer(LocalTrainer):
             message_type="train",
         )
         message = app_mod.Message(content, metadata=meta)
-        with serving(data):
+        with serving(data) as served, self._codec.saving():
             try:
                 reply = self.app(message, self._context(cid))
             except Exception as exc:  # noqa: BLE001 - the user's handler: one line naming it
-                raise ConfigError(
-                    f"client.flower_app {self.ref}: the train handler raised on client {cid}: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from None
+                raise ConfigError(self._handler_error(exc, cid)) from None
         update = self._update(reply, cid, flat, data, state)
+        if not served.read and update.num_samples != len(data):
+            raise ConfigError(
+                f"client.flower_app {self.ref}: client {cid} trained on {update.num_samples} examples "
+                f"of the app's own, not on felix's {len(data)} (felix times, selects and weighs "
+                "clients by their felix data): train on felix.flower.client_data(context) in the "
+                "handler (docs/flower.md)"
+            )
         if key is not None:
             update.aux[key] = np.array(received_loss, dtype=np.float64)
         return update
+
+    def _handler_error(self, exc: Exception, cid: int) -> str:
+        """One line for an exception of the app's train handler: a network that does not take
+        felix's model (``load_state_dict``'s error, or :func:`felix.flower.helpers.load_arrays`')
+        names the option to set; any other error gives its first line."""
+        text = str(exc).strip()
+        if isinstance(exc, ModelMismatch) or (
+            isinstance(exc, RuntimeError) and text.startswith("Error(s) in loading state_dict")
+        ):
+            detail = text if isinstance(exc, ModelMismatch) else state_dict_error(text)
+            return (
+                f"client.flower_app {self.ref}: client {cid}: the app's network does not take felix's "
+                f"model {self.model_ref!r} ({detail}); {self.model_hint()}"
+            )
+        lines = text.splitlines()
+        first = lines[0] if lines else ""
+        more = " ..." if len(lines) > 1 else ""
+        return (
+            f"client.flower_app {self.ref}: the train handler raised on client {cid}: "
+            f"{type(exc).__name__}: {first}{more}"
+        )
+
+    def model_hint(self) -> str:
+        """What to set when the app's network and felix's ``model`` differ: the app module's
+        ``make_net`` when it has one (the docs' convention) and ``model`` is not it already."""
+        module = self.ref.partition(":")[0]
+        target = f"{module}:make_net"
+        try:
+            known = callable(import_object(target)) and self.model_ref != target
+        except RegistryError:
+            known = False
+        if known:
+            return f"set model to the app's network: --set model={target}"
+        return (
+            "set model to a factory (sample_shape, num_classes) -> the app's network: "
+            f"--set model={module}:<factory>"
+        )
 
     def _update(
         self, reply: Any, cid: int, flat: np.ndarray, data: ClientData, state: dict[str, Any]
@@ -252,7 +296,7 @@ class FlowerTrainer(LocalTrainer):
         if list(arrays.keys()) != layout.keys:
             raise ConfigError(
                 f"{where} does not fit felix's model (its arrays {list(arrays.keys())[:4]}..., "
-                f"the model's {layout.keys[:4]}...)"
+                f"the model's {layout.keys[:4]}...); {self.model_hint()}"
             )
         # Entries the state_dict does not name (a non-persistent float buffer) keep the received values.
         trained = flat.copy()
@@ -281,6 +325,29 @@ class FlowerTrainer(LocalTrainer):
         return ClientUpdate(
             num_samples=n, stat_utility=utility, loss=loss, duration=0.0, delta=delta, aux=aux
         )
+
+
+def state_dict_error(text: str) -> str:
+    """torch's ``load_state_dict`` error (a line per kind of key, each listing every key) in
+    short: how many keys are missing, unexpected, of another shape."""
+    missing = unexpected = shapes = 0
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("Missing key(s)"):
+            missing = line.count('"') // 2
+        elif line.startswith("Unexpected key(s)"):
+            unexpected = line.count('"') // 2
+        elif line.startswith("size mismatch"):
+            shapes += 1
+    return (
+        f"load_state_dict: {missing} of its keys missing, {unexpected} unexpected, {shapes} of another shape"
+    )
+
+
+class ModelMismatch(ValueError):
+    """A message's arrays that are not the handler's network's ``state_dict`` (other names or
+    shapes): :func:`felix.flower.helpers.load_arrays` raises it, and under felix it becomes the
+    one-line error that names felix's ``model`` option."""
 
 
 @dataclass(frozen=True)
@@ -361,6 +428,7 @@ class NpyCodec:
         self._headers: dict[tuple[np.dtype[Any], tuple[int, ...]], bytes] = {}
         self._names: dict[np.dtype[Any], str] = {}
         self._specs: dict[tuple[Any, Any], tuple[np.dtype[Any], tuple[int, ...], bytes, int]] = {}
+        self._saves: FastSaves | None = None
 
     def header(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
         key = (dtype, shape)  # a dtype hashes as its .str would, without making the string
@@ -411,6 +479,14 @@ class NpyCodec:
             data=self.header(a.dtype, a.shape) + a.tobytes(),
         )
         return arr
+
+    def saving(self) -> FastSaves:
+        """A context inside which Flower's ``Array.from_numpy_ndarray`` makes its arrays through
+        :meth:`plain` (:class:`FastSaves`)."""
+        saves = self._saves
+        if saves is None:
+            saves = self._saves = FastSaves(self)
+        return saves
 
     def decode(self, arr: Any) -> np.ndarray:
         """An ``Array``'s values, as a writable array."""
@@ -480,6 +556,38 @@ class NpyCodec:
         return value
 
 
+class FastSaves:
+    """Inside (``with``), Flower's ``Array.from_numpy_ndarray`` (what
+    ``ArrayRecord(model.state_dict())``, ``Array(ndarray)`` and ``Array(tensor)`` call per array)
+    makes its ``Array`` through the codec's :meth:`NpyCodec.plain` where that is byte for byte
+    what ``np.save`` writes: a number array that is not in Fortran order (``np.save`` writes any
+    other in C order, as ``plain`` does); any other array goes to Flower's own. The quickstart
+    handler's reply record costs as much as a step of training through ``np.save`` per tensor.
+    Flower's method is back on the way out, also when the handler raised. A class rather than a
+    generator: it is entered once per task."""
+
+    def __init__(self, codec: NpyCodec) -> None:
+        self.base = codec.base
+        self.own = own = self.base.__dict__["from_numpy_ndarray"]
+
+        def from_numpy_ndarray(cls: Any, ndarray: Any) -> Any:
+            if (
+                type(ndarray) is np.ndarray
+                and ndarray.dtype.kind in NUMERIC
+                and (ndarray.flags.c_contiguous or not ndarray.flags.f_contiguous)
+            ):
+                return codec.plain(np.ascontiguousarray(ndarray) if ndarray.ndim else ndarray)
+            return own.__func__(cls, ndarray)
+
+        self.fast = classmethod(from_numpy_ndarray)
+
+    def __enter__(self) -> None:
+        self.base.from_numpy_ndarray = self.fast
+
+    def __exit__(self, *exc: object) -> None:
+        self.base.from_numpy_ndarray = self.own
+
+
 @functools.cache
 def flower_codec() -> NpyCodec:
     """The process's codec of Flower's ``Array``: one fast class, so that felix's trainer and the
@@ -532,7 +640,15 @@ def build_flower_trainer(cfg: Config, base: LocalTrainer) -> FlowerTrainer:
         dict(cfg.client.objective_params),
         base.device,
         base.autocast_dtype,
+        cfg.model,
     )
 
 
-__all__ = ["CLIENT_KEY", "FlowerTrainer", "build_flower_trainer", "flower_codec", "load_client_app"]
+__all__ = [
+    "CLIENT_KEY",
+    "FlowerTrainer",
+    "ModelMismatch",
+    "build_flower_trainer",
+    "flower_codec",
+    "load_client_app",
+]
