@@ -16,7 +16,7 @@ from felix.cli import main
 from felix.config import ConfigError
 from felix.experiments.paper_catalog import DEFAULT_CATALOG, Claim, load_catalog
 from felix.experiments.report import judge, report
-from felix.experiments.result_folder import best_point, lr_grid, raw_weights, read_folder
+from felix.experiments.result_folder import best_point, lr_grid, raw_weights, read_folder, run_diagnostics
 
 
 def spread(mean: float | None, std: float = 0.0) -> dict[str, float | int | None]:
@@ -229,3 +229,32 @@ def test_server_lr_grid_counts_a_missed_target_at_the_cap(tmp_path: Path) -> Non
     assert best_point(grid["x"]) is low
     page = report([d], tmp_path / "g.html").read_text()
     assert "Server learning rate grid" in page and "<b>150</b>" in page and "(2/6 missed)" in page
+
+
+def test_run_diagnostics_per_variant_over_its_seeds(tmp_path: Path) -> None:
+    """The page shows each variant's run diagnostics as mean ± std over the seeds that recorded
+    them (an older run without a field counts as missing, not as zero), with a plot."""
+    d = folder(tmp_path)
+    doc = json.loads((d / "comparison.json").read_text())
+    doc["runs"] = {
+        "oort-async": {
+            str(s): {"diagnostics": {"aggregation_interval_p50_s": p50, "dropped_share": 0.06 + 0.01 * s}}
+            for s, p50 in enumerate((250.0, 260.0, 270.0))
+        },
+        "oort-async+tiertrack": {
+            "0": {"diagnostics": {"aggregation_interval_p50_s": 5.0, "aggregator_stall_share": 0.25}},
+            "1": {"diagnostics": {"aggregation_interval_p50_s": 7.0, "aggregator_stall_share": None}},
+        },
+    }
+    (d / "comparison.json").write_text(json.dumps(doc))
+    diag = run_diagnostics(read_folder(d))
+    assert diag["oort-async"] == {
+        "aggregation_interval_p50_s": [250.0, 260.0, 270.0],
+        "dropped_share": pytest.approx([0.06, 0.07, 0.08]),
+    }
+    assert diag["oort-async+tiertrack"]["aggregator_stall_share"] == [0.25]
+    page = report([d], tmp_path / "d.html").read_text()
+    section = page.split("Run diagnostics")[1].split("<img")[0]
+    assert "260 ± 10" in section and "7.0% ± 1.0%" in section
+    assert "6 ± 1.4" in section and "25.0% ± 0.0% (1/3 seeds)" in section
+    assert "alt='run diagnostics, felix-table1-90'" in page

@@ -30,12 +30,14 @@ from typing import Any
 from felix.config import ConfigError
 from felix.experiments.paper_catalog import DEFAULT_CATALOG, HIGH_WEIGHT, Catalog, Claim, load_catalog
 from felix.experiments.result_folder import (
+    DIAGNOSTICS,
     Folder,
     UpdateWeights,
     best_point,
     lr_grid,
     raw_weights,
     read_folder,
+    run_diagnostics,
 )
 
 COMMAND = "report"
@@ -242,6 +244,62 @@ def weights_plot(weights: dict[str, UpdateWeights]) -> str:
     return out
 
 
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+    return mean, math.sqrt(var)
+
+
+def diagnostics_table(diag: dict[str, dict[str, list[float]]], seeds: int) -> str:
+    """The run diagnostics per variant, mean ± std over the seeds (HTML rows)."""
+    e = html.escape
+    keys = [(k, label) for k, label in DIAGNOSTICS if any(k in d for d in diag.values())]
+    rows = ["<table><tr><th>variant</th>" + "".join(f"<th>{e(label)}</th>" for _, label in keys) + "</tr>"]
+    for name, d in diag.items():
+        cells = []
+        for k, _ in keys:
+            if k not in d:
+                cells.append("<td>-</td>")
+                continue
+            mean, std = _mean_std(d[k])
+            pct = k.endswith("share")
+            txt = f"{mean:.1%} ± {std:.1%}" if pct else f"{mean:.3g} ± {std:.2g}"
+            if len(d[k]) < seeds:
+                txt += f" ({len(d[k])}/{seeds} seeds)"
+            cells.append(f"<td>{e(txt)}</td>")
+        rows.append(f"<tr><td>{e(name)}</td>{''.join(cells)}</tr>")
+    return "".join(rows) + "</table>"
+
+
+def diagnostics_plot(diag: dict[str, dict[str, list[float]]]) -> str:
+    """One panel per diagnostic, a bar per variant (mean over seeds, std error bars); base64 PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [(k, label) for k, label in DIAGNOSTICS if any(k in d for d in diag.values())]
+    cols = min(5, len(keys))
+    nrows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(2.6 * cols, 0.9 + 0.3 * len(diag) * nrows), squeeze=False)
+    names = list(diag)
+    for ax, (k, label) in zip(axes.flat, keys, strict=False):
+        stats = [_mean_std(diag[n][k]) if k in diag[n] else (0.0, 0.0) for n in names]
+        ax.barh(
+            range(len(names)), [m for m, _ in stats], xerr=[s for _, s in stats], capsize=2, color="#3b7dd8"
+        )
+        ax.set_yticks(range(len(names)), names if ax in axes[:, 0] else [""] * len(names), fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(label, fontsize=7)
+        ax.tick_params(axis="x", labelsize=7)
+    for ax in list(axes.flat)[len(keys) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    out = _png(fig)
+    plt.close(fig)
+    return out
+
+
 def regenerate_command(folder: Folder) -> str:
     """The command that made the folder, with its output folder written as OUT."""
     cmd = [str(c) for c in folder.manifest.get("command") or []]
@@ -367,6 +425,21 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
             body.append("</table>")
             body.append(
                 f"<img alt='update weights, {e(f.name)}' src='data:image/png;base64,{weights_plot(weights)}'>"
+            )
+        diag = run_diagnostics(f)
+        if diag:
+            body.append("<h3>Run diagnostics (mean ± std over seeds)</h3>")
+            body.append(
+                "<p class='small'>Time between consecutive model versions; the aggregator's stall (virtual "
+                "time in which no training task holds a slot, as a share of the run and per interval "
+                "between versions); staleness (versions behind, per applied update); the age of the "
+                "picked client's utility at selection (rounds since it was measured); the share of "
+                "training selections that lost their slot mid-task. Definitions: docs/architecture.md, "
+                "run diagnostics.</p>"
+            )
+            body.append(diagnostics_table(diag, len(f.seeds)))
+            body.append(
+                f"<img alt='run diagnostics, {e(f.name)}' src='data:image/png;base64,{diagnostics_plot(diag)}'>"
             )
         grid = lr_grid(f)
         if grid:
