@@ -258,3 +258,45 @@ def test_run_diagnostics_per_variant_over_its_seeds(tmp_path: Path) -> None:
     assert "260 ± 10" in section and "7.0% ± 1.0%" in section
     assert "6 ± 1.4" in section and "25.0% ± 0.0% (1/3 seeds)" in section
     assert "alt='run diagnostics, felix-table1-90'" in page
+
+
+def test_a_diagnostic_claim_reads_the_runs(tmp_path: Path) -> None:
+    """Fig. 12's round durations: the ratio of two variants' seed-mean diagnostic against the
+    paper's, and one variant's own value against the paper's range."""
+    d = folder(tmp_path, "felix-rounds-50")
+    doc = json.loads((d / "comparison.json").read_text())
+    doc["runs"] = {
+        "oort-async": {"0": {"diagnostics": {"aggregation_interval_p50_s": 200.0, "dropped_share": 0.2}}},
+        "oort-async+tiertrack": {
+            str(s): {"diagnostics": {"aggregation_interval_p50_s": v, "dropped_share": 0.07}}
+            for s, v in enumerate((3.0, 5.0))
+        },
+    }
+    (d / "comparison.json").write_text(json.dumps(doc))
+    f = read_folder(d)
+    ratio = Claim(
+        "diagnostic",
+        "oort-async+tiertrack",
+        "oort-async",
+        "s",
+        paper=0.0189,
+        field="aggregation_interval_p50_s",
+    )
+    v = judge(f, ratio, 0.15)
+    assert v.ours == {0.0: 0.02} and v.status == "agrees" and v.ours_text() == "0.02"
+    assert judge(f, replace(ratio, paper=0.03), 0.15).status == "differs"
+    share = Claim("diagnostic", "oort-async", "", "s", low=0.06, high=0.08, field="dropped_share")
+    assert judge(f, share, 0.15).status == "differs" and judge(f, share, 0.15).ours_text() == "20.0%"
+    assert judge(f, replace(share, subject="oort-async+tiertrack"), 0.15).status == "agrees"
+    assert judge(f, replace(share, subject="felix"), 0.15).status == "not measured"
+    cat = load_catalog(DEFAULT_CATALOG)
+    exp = cat.experiment("felix-rounds-mobiperf")
+    assert exp is not None and {c.kind for c in exp.claims} == {"diagnostic"}
+    page = report([d], tmp_path / "r.html").read_text()
+    assert "aggregation_interval_p50_s" in page and "0.06-0.08" in page
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "experiments:\n  - {match: [x], title: t, claims: [{kind: diagnostic, subject: a, source: s, paper: 1}]}\n"
+    )
+    with pytest.raises(ConfigError, match="a diagnostic claim needs 'field'"):
+        load_catalog(bad)

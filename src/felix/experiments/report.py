@@ -57,8 +57,10 @@ class Verdict:
                 return "n.r."
             if self.claim.kind == "bytes_saving":
                 return f"{v:.0%}" if v >= 0 else f"{-v:.0%} more"
-            if self.claim.kind == "weight_share":
-                return f"{v:.0%}"
+            if self.claim.kind == "weight_share" or self.claim.field.endswith("share"):
+                return f"{v:.1%}" if self.claim.kind == "diagnostic" else f"{v:.0%}"
+            if self.claim.kind == "diagnostic":
+                return f"{v:.3g}"
             return f"{v:.2f}" + ("x" if self.claim.kind == "speedup" else "")
 
         return " / ".join(one(v) for v in self.ours.values())
@@ -69,6 +71,8 @@ def judge(folder: Folder, claim: Claim, tolerance: float) -> Verdict:
     (a weight_share claim: one value, the seeds' mean share, against the paper's bound)."""
     if claim.kind == "weight_share":
         return _judge_share(folder, claim, tolerance)
+    if claim.kind == "diagnostic":
+        return _judge_diagnostic(folder, claim, tolerance)
     ours: dict[float, float | None] = {}
     for t in folder.targets:
         key = "bytes_total" if claim.kind == "bytes_saving" else "time_s"
@@ -110,6 +114,29 @@ def _judge_share(folder: Folder, claim: Claim, tolerance: float) -> Verdict:
     tolerance = claim.tolerance if claim.tolerance is not None else tolerance
     ok = share >= claim.paper - tolerance if claim.at_least else share <= claim.paper + tolerance
     return Verdict(claim, {HIGH_WEIGHT: share}, "agrees" if ok else "differs")
+
+
+def _judge_diagnostic(folder: Folder, claim: Claim, tolerance: float) -> Verdict:
+    """A run diagnostic over the whole run: the subject's seed-mean, or with a baseline the ratio
+    of the two seed-means, against the paper's value or range (relative tolerance)."""
+    diag = run_diagnostics(folder)
+
+    def mean(variant: str) -> float | None:
+        values = diag.get(variant, {}).get(claim.field)
+        return sum(values) / len(values) if values else None
+
+    a = mean(claim.subject)
+    b = mean(claim.baseline) if claim.baseline else 1.0
+    if a is None or not b:
+        return Verdict(claim, {0.0: None}, "not measured")
+    ours = a / b
+    tolerance = claim.tolerance if claim.tolerance is not None else tolerance
+    if claim.paper is None:
+        assert claim.low is not None and claim.high is not None
+        ok = claim.low * (1 - tolerance) <= ours <= claim.high * (1 + tolerance)
+    else:
+        ok = abs(ours - claim.paper) <= tolerance * abs(claim.paper)
+    return Verdict(claim, {0.0: ours}, "agrees" if ok else "differs")
 
 
 def _png(fig: Any) -> str:
@@ -164,7 +191,7 @@ def claims_plot(verdicts: Sequence[Verdict]) -> str | None:
     shown = [
         v
         for v in verdicts
-        if v.claim.kind not in ("bytes_saving", "weight_share")
+        if v.claim.kind not in ("bytes_saving", "weight_share", "diagnostic")
         and any(x is not None for x in v.ours.values())
     ]
     if not shown:
@@ -386,8 +413,8 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
                 "<table><tr><th>claim</th><th>paper</th><th>source</th><th>ours at "
                 + " / ".join(f"{t:g}" for t in f.targets)
                 + (
-                    " (a weight share: over the run)"
-                    if any(v.claim.kind == "weight_share" for v in verdicts)
+                    " (a weight share or a run diagnostic: over the run)"
+                    if any(v.claim.kind in ("weight_share", "diagnostic") for v in verdicts)
                     else ""
                 )
                 + "</th><th></th></tr>"
