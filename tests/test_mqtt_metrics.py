@@ -94,6 +94,10 @@ def test_a_scrape_follows_the_running_server(tmp_path: Path) -> None:
             server.stop_requested.set()
         summ = thread.result(30)
 
+    # The deployed shell measures the aggregator's stall as the simulator does: no training task
+    # held a slot before the first client registered, which was after the quiet scrape.
+    idle = one(quiet, "felix_virtual_time_seconds")
+    assert idle > 0 and summ["diagnostics"]["aggregator_stall_s"] >= idle
     v1, v2 = one(first, "felix_model_versions_total"), one(second, "felix_model_versions_total")
     assert 2 <= v1 < v1 + 3 <= v2 <= summ["aggregations"]
     assert one(second, "felix_model_version") == v2

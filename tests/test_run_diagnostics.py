@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from felix.config import deep_merge
+from felix.core.events import ClientRegistered
 from felix.core.types import Tier
 from felix.engine.setup import resolve_config
 from felix.metrics.stall import StallClock
@@ -99,6 +100,19 @@ def test_every_client_away_is_a_stall_and_a_drop():
         0,
         35.0,
     )
+
+
+def test_waiting_for_the_first_client_is_a_stall():
+    """A deployment starts before its clients register: from the start to the first dispatch no
+    training task holds a slot."""
+    b = build(cfg(3, 3, 3, 4))
+    ctl = b.sim.ctl
+    ctl.start()
+    counts = tuple(b.sim.devices[0].data.class_counts(10).tolist())
+    ctl.handle(ClientRegistered(5.0, 0, len(b.sim.devices[0].data), Tier.AVL_TRAIN, counts))
+    assert b.orch.ledger.train_in_flight == 1  # dispatched at once
+    ctl.finish(8.0)
+    assert ctl.summary(8.0, 0.0)["diagnostics"]["aggregator_stall_s"] == 5.0
 
 
 def test_stall_time_after_the_last_version_and_a_checkpoint():

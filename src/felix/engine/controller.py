@@ -146,10 +146,12 @@ class RunController:
 
     # ------------------------------------------------------------------ events
     def start(self) -> None:
-        """Evaluate the initial model (unless ``eval_every`` is 0 or a resumed run has rows) and
-        point the sink at what is measured so far."""
+        """Evaluate the initial model (unless ``eval_every`` is 0 or a resumed run has rows), point
+        the sink at what is measured so far, and start the stall clock."""
         if self.sink is not None:
             self.sink.reset(self.rec.rows)
+        # Until the first client registers (a deployment waits for them), nothing is in flight.
+        self.stall.observe(self.orch.now, 0, self.orch.ledger.train_in_flight == 0)
         if self.rec.eval_every > 0 and not self.rec.rows:
             self._record(0.0, 0, self.orch.weights)
 
