@@ -293,7 +293,7 @@ def test_a_diagnostic_claim_reads_the_runs(tmp_path: Path) -> None:
     exp = cat.experiment("felix-rounds-mobiperf")
     assert exp is not None and {c.kind for c in exp.claims} == {"diagnostic"}
     page = report([d], tmp_path / "r.html").read_text()
-    assert "aggregation_interval_p50_s" in page and "0.06-0.08" in page
+    assert "aggregation_interval_p50_s" in page and "6.0%-8.0%" in page
     bad = tmp_path / "bad.yaml"
     bad.write_text(
         "experiments:\n  - {match: [x], title: t, claims: [{kind: diagnostic, subject: a, source: s, paper: 1}]}\n"

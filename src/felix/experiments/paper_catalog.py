@@ -41,10 +41,11 @@ class Claim:
     def paper_text(self) -> str:
         if self.kind == "time_ratio":
             return f"{self.low:.2f}-{self.high:.2f}"
-        if self.kind == "diagnostic" and self.paper is None:
-            return f"{self.low:.3g}-{self.high:.3g}"
         if self.kind == "diagnostic":
-            return f"{self.paper:.3g}"
+            fmt = ".1%" if self.field.endswith("share") else ".3g"
+            if self.paper is None:
+                return f"{self.low:{fmt}}-{self.high:{fmt}}"
+            return f"{self.paper:{fmt}}"
         assert self.paper is not None
         if self.kind == "bytes_saving":
             return f"{self.paper:.0%} fewer"

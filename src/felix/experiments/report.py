@@ -515,8 +515,8 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
     for f, v in summary:
         cls = "not" if v.status == "not measured" else v.status
         parts.append(
-            f"<tr><td><a href='#{e(f.name)}'>{e(f.name)}</a></td><td>{e(v.claim.subject)} vs "
-            f"{e(v.claim.baseline)} ({e(v.claim.kind.replace('_', ' '))})</td><td>{e(v.claim.paper_text())}</td>"
+            f"<tr><td><a href='#{e(f.name)}'>{e(f.name)}</a></td><td>{e(v.claim.label)}</td>"
+            f"<td>{e(v.claim.paper_text())}</td>"
             f"<td>{e(v.ours_text())}</td><td class='{cls}'>{e(v.status)}</td></tr>"
         )
     parts.append("</table>")
