@@ -139,6 +139,7 @@ def test_a_failed_run_is_retried_once_then_reported_and_the_others_finish(tmp_pa
     assert any("retrying once" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_a_dead_worker_process_is_retried_on_a_fresh_pool(tmp_path):
     specs = [tiny_spec(tmp_path, k) for k in ("dies", "fine")]
     backend = ProcessBackend(2, die_once)
