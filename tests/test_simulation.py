@@ -175,6 +175,7 @@ def test_cli_writes_outputs(tmp_path, capsys):
         (["--set", "trace.kind=mobiperf", "--set", "trace.path=/no/such.json"], "not found"),
         (["--set", "dataset.name=cifar10"], "cifar10 needs dataset.root"),
         (["--set", "novalue"], "--set expects key=value"),
+        (["--scenario", "felix-speech-cpu"], "scenario felix-speech-cpu names no strategy: add --preset"),
     ],
 )
 def test_bad_config_gets_clear_message(args, needle, capsys, tmp_path):

@@ -61,11 +61,18 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def _run(args: argparse.Namespace) -> int:
     from felix.cli.run_folder import choose_folder, missing_parents, remove_empty
+    from felix.config import ConfigError
     from felix.engine.setup import resolve_config
     from felix.sim.run import run_config
 
     sets = _sets(args)
     cfg = resolve_config(args.config, args.preset, sets, args.scenario)
+    if cfg.strategy == "custom" and args.config is None and args.preset is None and "strategy" not in sets:
+        # A shipped scenario without a strategy would run the bare defaults, which reach no target.
+        raise ConfigError(
+            f"scenario {args.scenario} names no strategy: add --preset NAME (e.g. felix or fedbuff; "
+            "docs/configs.md lists them), or --set strategy=custom to run its settings as they are"
+        )
     out, moved = choose_folder(cfg, sets, args.out, args.force)
     if moved:
         print(f"felix run: {moved}", file=sys.stderr)
