@@ -6,6 +6,7 @@ files)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -144,3 +145,40 @@ def test_the_check_finds_what_it_looks_for() -> None:
     assert commands(b2[3]) == ["felix b --x 1"]
     assert re.search(SPECIFIC[0], "on this 2-core machine") and re.search(SPECIFIC[5], "rerun on 1 December")
     assert PATH.search("see `DESIGN.md`") and PATH.search("[x](docs/nope.md)")
+
+
+DEFAULT_RUNS = ROOT / "docs" / "results" / "default-run"
+
+
+def _default_row_figures(summary: dict[str, object], strategy: str) -> str:
+    mb = (int(summary["bytes_down"]) + int(summary["bytes_up"])) / 1e6  # type: ignore[call-overload]
+    unit = "virtual s" if strategy == "fedbuff" else "s"  # the row names the unit once, at fedbuff
+    return (
+        f"{summary['time_to_target_s']:.0f} {unit} (final {summary['final_accuracy']:.3f}, "
+        f"{summary['aggregations']} aggregations, {mb:.1f} MB)"
+    )
+
+
+def test_the_default_scenarios_figures_in_configs_md_are_the_committed_runs() -> None:
+    """docs/configs.md quotes `felix run` on the default scenario from the summaries committed
+    under docs/results/default-run/ (the slow test below reruns one of them)."""
+    row = next(
+        ln for ln in (ROOT / "docs" / "configs.md").read_text().splitlines() if ln.startswith("| `default` |")
+    )
+    for strategy in ("fedbuff", "felix"):
+        summary = json.loads((DEFAULT_RUNS / strategy / "summary.json").read_text())
+        assert summary["strategy"] == strategy and summary["stop_reason"] == "target_reached"
+        assert f"`{strategy}` seed 0" in row and _default_row_figures(summary, strategy) in row, row
+
+
+@pytest.mark.slow
+def test_felix_run_on_the_default_scenario_gives_the_committed_figures(tmp_path: Path) -> None:
+    """The README's ``felix run`` (the default scenario, fedbuff, seed 0) once more: the same time to
+    target, aggregations and bytes as the committed summary that docs/configs.md quotes."""
+    from felix.cli import main
+
+    assert main(["run", "-q", "--out", str(tmp_path / "run")]) == 0
+    got = json.loads((tmp_path / "run" / "summary.json").read_text())
+    want = json.loads((DEFAULT_RUNS / "fedbuff" / "summary.json").read_text())
+    keys = ("time_to_target_s", "aggregations", "bytes_down", "bytes_up", "final_accuracy")
+    assert {k: got[k] for k in keys} == {k: want[k] for k in keys}
