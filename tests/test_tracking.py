@@ -172,10 +172,11 @@ def _documented_run(cwd: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_the_installed_mlflow_command_line_reads_the_default_store(tmp_path: Path) -> None:
     """MLflow's own CLI (no server) reads the experiment from ``sqlite:///runs/tracked/mlflow.db``,
     the store the README opens with ``mlflow ui`` (a file store fails there: MLflow 3 refuses it).
-    The runs inside are read in process above; the UI serving them is the slow test below."""
+    The runs inside are read in process above (the default suite); the UI serving them is below."""
     _documented_run(tmp_path)
     env = {**os.environ, "MLFLOW_TRACKING_URI": MLFLOW_UI.split()[-1], "MLFLOW_DISABLE_TELEMETRY": "true"}
     env.pop("MLFLOW_ALLOW_FILE_STORE", None)
