@@ -220,6 +220,7 @@ def test_executor_probes_and_ships_replaced_data_once(local_ray: Any) -> None:
         executor.close()
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_more_actors_than_the_cluster_holds_is_a_clear_error(local_ray: Any) -> None:
     from felix.config import ConfigError

@@ -25,7 +25,7 @@ from felix.experiments.ray_backend import RayTaskBackend
 from felix.experiments.runs import InlineBackend, RunOutput, RunSpec, run_all
 from felix.experiments.sweep import sweep
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # each module starts a Ray instance: after the default suite
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_runs
@@ -107,7 +107,6 @@ class ConnectionWatch:
         self._thread.join(5)
 
 
-@pytest.mark.slow
 def test_ray_sweep_matches_the_local_path_and_skips_finished_runs(local_ray, tmp_path, capsys):
     sets = {k: v for k, v in TINY.items()}
     grid = {"client.lr": [0.1]}
