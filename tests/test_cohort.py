@@ -552,6 +552,7 @@ def test_a_model_without_convolutions_gives_the_same_run_at_any_thread_count(
     ]
 
 
+@pytest.mark.slow  # a benchmark harness (benchmarks/engine_speed.py)
 def test_engine_speed_benchmark_prints_one_json_line(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -614,6 +615,7 @@ def test_engine_speed_benchmark_prints_one_json_line(
     assert line["ratio_to_bare_min"] == min(line["ratio_to_bare_rounds"]) == line["ratio_to_bare"]
 
 
+@pytest.mark.slow  # a benchmark harness (benchmarks/engine_speed.py)
 def test_engine_speed_interleaves_the_bare_loop_with_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``--interleave 1`` the run pauses after every aggregation for the bare loop's chunk of
     the updates trained since: every update is in exactly one chunk, in order, the run is the one

@@ -38,6 +38,7 @@ STREAM = {
 }
 
 
+@pytest.mark.slow  # kill and resume over MQTT: 20-80 s of broker waits
 @pytest.mark.parametrize("stream", [False, True], ids=["fixed-data", "stream"])
 def test_kill_and_resume_applies_every_update_once(tmp_path: Path, stream: bool) -> None:
     """On a stream the resumed server also keeps its freshness curve: the evaluations of the

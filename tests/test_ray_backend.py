@@ -25,7 +25,7 @@ from felix.experiments.ray_backend import RayTaskBackend
 from felix.experiments.runs import InlineBackend, RunOutput, RunSpec, run_all
 from felix.experiments.sweep import sweep
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # each module starts a Ray instance: after the default suite
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_runs
