@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -316,6 +318,33 @@ def test_flower_app_runs_through_felix_run_under_churn(tmp_path: Path, capsys: A
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["client"]["flower_app"] == "test_flower:app"
     assert not _non_loopback(), _non_loopback()  # the app ran in process: no network at all
+
+
+#: docs/flower.md's first command, as written there (the test caps its length and names the folder).
+DOC_RUN = "PYTHONPATH=docs felix run --flower-app flower_example:app --set model=flower_example:make_net --preset felix"
+
+
+def test_the_docs_example_app_runs_as_documented(tmp_path: Path) -> None:
+    env_part, *argv = shlex.split(DOC_RUN)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "docs"), *sys.path])}
+    assert env_part == "PYTHONPATH=docs" and argv[0] == "felix"
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "felix",
+        *argv[1:],
+        "--set",
+        "run.max_aggregations=3",
+        "--out",
+        str(out),
+        "-q",
+    ]
+    done = subprocess.run(cmd, check=False, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["aggregations"] == 3 and summary["diagnostics"]["rejected"] == 0
 
 
 def test_flower_app_in_felix_compare(tmp_path: Path, capsys: Any) -> None:
