@@ -36,6 +36,22 @@ class OrchestratorStats:
     utility_age_at_selection: list[int] = field(default_factory=list)
     never_explored_at_selection: int = 0
 
+    def mark(self) -> dict[str, int]:
+        """Where the stats stand (counters, and the lists' lengths), for ``rewind``."""
+        return {
+            f.name: len(v) if f.name in LIST_STATS else v
+            for f in fields(self)
+            for v in [getattr(self, f.name)]
+        }
+
+    def rewind(self, mark: dict[str, int]) -> None:
+        """Back to ``mark``: the counters restored, the lists cut to their lengths then."""
+        for name, v in mark.items():
+            if name in LIST_STATS:
+                del getattr(self, name)[v:]
+            else:
+                setattr(self, name, v)
+
 
 class StatsCheckpoint:
     """Converts ``OrchestratorStats`` to and from a checkpoint, converting only what each list
