@@ -604,6 +604,8 @@ class Soak:
                 "orchestrator.admission.flap_limit=null",
                 "--set",
                 "orchestrator.admission.task_rate=null",
+                "--set",
+                "orchestrator.admission.drop_rate=null",
             ]
         if resume:
             args.append("--resume")
