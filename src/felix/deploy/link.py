@@ -237,6 +237,9 @@ class BrokerOptions:
     reconnect_min_s: float = 0.25
     reconnect_max_s: float = 4.0
     connect_timeout_s: float = 20.0
+    # MQTT 5's Receive Maximum: QoS 1 messages the broker may have in flight to this connection
+    # (Mosquitto 2.0 honours it over its max_inflight_messages). None: the broker's setting.
+    receive_maximum: int | None = None
 
     def __post_init__(self) -> None:
         """TLS files are loaded once here, so a missing or unreadable CA, certificate or key is a
@@ -379,6 +382,8 @@ class MqttLink:
             self._reset_session(stop)
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = self.opts.session_expiry_s
+        if self.opts.receive_maximum is not None:
+            props.ReceiveMaximum = self.opts.receive_maximum
         try:
             self._client.connect_async(
                 self.opts.host, self.opts.port, self.opts.keepalive_s, clean_start=False, properties=props

@@ -35,6 +35,7 @@ is full paho's network thread waits, and TCP flow control pushes back on the bro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -59,7 +60,7 @@ from felix.core.commands import (
 from felix.core.events import Event, TaskFailed, TaskFinished, Tick
 from felix.deploy import checkpoint as ckpt
 from felix.deploy import wire
-from felix.deploy.broker_config import default_max_message_bytes
+from felix.deploy.broker_config import SERVER_RECEIVE_MAXIMUM, default_max_message_bytes
 from felix.deploy.checkpoint import AppliedLog, AppliedUpdate
 from felix.deploy.inbox import Inbox
 from felix.deploy.link import BrokerOptions, Connected, Inbound, LinkError, MqttLink
@@ -229,9 +230,13 @@ class Server:
         self.config_digest = hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
         if opts.resume:
             self._restore()
+        # The server's own in-flight window at the broker, above every client's (the broker's
+        # max_inflight_messages): room for all it may hold unacknowledged until its next
+        # checkpoint, which comes at the latest when max_pending_messages are pending.
+        window = min(SERVER_RECEIVE_MAXIMUM, 2 * opts.max_pending_messages)
         self.link = MqttLink(
             f"felix-{opts.run_id}-server",
-            opts.broker,
+            dataclasses.replace(opts.broker, receive_maximum=window),
             self.topics.server_subscriptions(),
             self.inbox.put,
             manual_ack=True,  # after handling, or after the checkpoint that holds the effect
