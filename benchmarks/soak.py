@@ -24,7 +24,13 @@ Schedule, spread evenly over the run:
   tier flips at ``flood_per_s``; the honest aggregation rate is measured in both. An
   aux-poisoning client (a valid login) answers every training task it gets, all run long, with a
   zero update whose SCAFFOLD ``sum:scaffold_dc`` entry has the declared key, shape and dtype but
-  the value 1e30 (the soak runs SCAFFOLD so that such an entry is declared).
+  the value 1e30 (the soak runs SCAFFOLD so that such an entry is declared). Two more attackers
+  join the attack window: a slow flipper (26 tier changes per config minute, under the flap
+  limit) and a heavy-header sender (64 KiB headers of 32,000 integers, ``heavy_per_s`` a second);
+  and all run long two logins answer every task with ``stat_utility`` 1.7e308 (outside its
+  declared range) and 1e36 (its top);
+- before the first resume of the server, while it is down, the heavy-header sender publishes 70
+  messages of 1 MB on its own result topic (the backlog the resumed session finds).
 
 The JSON line:
 - ``acked_lost``: training updates the server applied and made durable (covered by a checkpoint,
@@ -55,7 +61,13 @@ The JSON line:
 - ``versions_per_s_quiet`` / ``versions_per_s_attack``: new model versions per wall second in the
   quiet window and under attack, and ``throughput_ratio`` the second over the first;
 - ``rate_limited`` / ``damped``: messages the server refused at intake for the sender's message
-  budget, and clients it damped for flapping (the last life's summary).
+  budget, and clients it damped for flapping (the last life's summary); ``cost_limited``: those
+  refused for the sender's cost budget (decode time or bytes per wall second);
+- ``slow_flips`` / ``slow_flipper_amplification``: the slow flipper's flips in the attack window
+  and the bytes it was sent over those it sent; ``heavy_headers_sent``: the heavy headers
+  published; ``extreme_utility_answers``: training tasks answered with 1.7e308 and with 1e36 (the
+  first count in ``bad_updates_applied`` if applied); ``resume_after_backlog_s``: wall seconds
+  from starting the resumed server over the backlog to its "serving" line.
 
 ``--quick`` is a few minutes (fewer kills, 1,000 fuzzed messages); ``--tiny`` is the test suite's
 version. Run: ``python benchmarks/soak.py [--quick]``.
@@ -341,7 +353,6 @@ class ExtremeUtility(Hostile):
         super().__init__(*args)
         self.utility = utility
         self.answered: set[int] = set()
-        self.c.max_inflight_messages_set(100)
 
     def on_task(self, msg: wire.Message) -> None:
         if not isinstance(msg, (wire.TrainTask, wire.EvalTask)):
