@@ -147,6 +147,7 @@ def local_ray():
     ray.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_ray_actors_give_the_local_cohort_run(local_ray: Any) -> None:
     local = run_config(resolve_config(None, "fedavg", TINY), plots=False)
@@ -179,6 +180,7 @@ def test_ray_actors_give_the_local_cohort_run(local_ray: Any) -> None:
     assert [(r.version, r.accuracy) for r in remote.rows] == [(r.version, r.accuracy) for r in local.rows]
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_executor_probes_and_ships_replaced_data_once(local_ray: Any) -> None:
     from felix.sim.ray_cohorts import RayCohortExecutor

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from felix.cli.seeds import parse_seeds
 from felix.experiments.compare import load_comparison, variant_config
 from felix.experiments.dafl import add_parser, main, scale_table
 from felix.experiments.shipped import COMPARISONS
@@ -194,7 +195,11 @@ def test_add_parser_registers_the_subcommand() -> None:
         ["dafl-experiment", "--case", "D3", "--scale", "0.1", "--variants", "NIC,DAFL", "--seeds", "0", "1"]
     )
     assert args.command == "dafl-experiment" and args.scale == 0.1 and args.case == "D3"
-    assert args.seeds == [0, 1] and args.file == COMPARISONS / "dafl-table4.yaml" and callable(args.func)
+    assert (
+        parse_seeds(args.seeds) == [0, 1]
+        and args.file == COMPARISONS / "dafl-table4.yaml"
+        and callable(args.func)
+    )
 
 
 @pytest.mark.parametrize(

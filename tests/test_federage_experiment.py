@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from felix.cli import main as felix_main
+from felix.cli.seeds import parse_seeds
 from felix.experiments.compare import load_comparison, variant_config
 from felix.experiments.federage import add_parser, main, paired_delta_table
 from felix.experiments.shipped import COMPARISONS
@@ -96,7 +97,7 @@ def test_add_parser_registers_the_subcommand() -> None:
     parser = argparse.ArgumentParser(prog="felix")
     add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["federage-compare", "--seeds", "0", "1", "--variants", "fedavg"])
-    assert args.command == "federage-compare" and args.seeds == [0, 1] and callable(args.func)
+    assert args.command == "federage-compare" and parse_seeds(args.seeds) == [0, 1] and callable(args.func)
     assert args.file == COMPARISONS / "federage.yaml"
 
 

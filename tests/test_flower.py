@@ -477,6 +477,7 @@ def server_main(grid: Grid, context: Context) -> None:
     ROUNDS.append((result, strategy))
 
 
+@pytest.mark.slow
 def test_felix_strategy_runs_inside_flower_simulation_on_loopback_only() -> None:
     ray = pytest.importorskip("ray", reason='needs Ray: pip install "felix-fl[flower]"')
     from test_ray_backend import ConnectionWatch

@@ -95,3 +95,20 @@ def test_interrupted_compare_keeps_the_run_and_starts_no_other(tmp_path: Path) -
         and summ["evaluations"] == len(_rows(tmp_path / "fedbuff" / "evaluations.csv")) >= 3
     )
     assert not (tmp_path / "felix").exists() and b"felix not started" in err
+
+
+def test_ctrl_c_in_compare_exits_130_and_the_table_says_interrupted(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) during the first of two variants: exit 130 as ``felix run``, and
+    comparison.md and manifest.json call the stopped variant and the one never started
+    "interrupted", not "not reached"."""
+    proc = _felix(["compare", "--strategies", "fedbuff,felix", *ENDLESS, "--out", str(tmp_path)])
+    err = _signal_after_evaluations(proc, tmp_path / "fedbuff" / "evaluations.csv", signal.SIGINT)
+    assert proc.returncode == 130, err.decode()[-2000:]
+    md = (tmp_path / "comparison.md").read_text()
+    assert "| fedbuff (interrupted) | interrupted (0/1 reached) |" in md, md
+    assert "Interrupted (Ctrl-C or SIGTERM; the next `felix compare` reruns them): fedbuff, felix" in md
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert {k: r["status"] for k, r in manifest["runs"].items()} == {
+        "fedbuff": "interrupted",
+        "felix": "interrupted",
+    }

@@ -142,6 +142,7 @@ def test_closed_task_ids_are_compacted_by_a_watermark() -> None:
     assert [c.reason for c in out if isinstance(c, UpdateRejected)] == ["result for a closed task"]
 
 
+@pytest.mark.slow
 def test_checkpoint_cost_does_not_grow_with_history(tmp_path: Path) -> None:
     """Finding 5: at 100,000 applied updates and 10,000 clients a checkpoint (snapshot plus the
     applied-update log's fsync) takes well under 100 ms. (The reflective JSON checkpoint took

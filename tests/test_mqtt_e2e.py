@@ -29,6 +29,7 @@ SCALE = 0.04  # 1 config second = 40 ms: 10 s tasks take 0.4 s, a 60 s trace slo
 KILLED = [20, 21, 22, 23]
 
 
+@pytest.mark.slow
 def test_churn_kills_and_broker_restart(tmp_path: Path) -> None:
     cfg_path = write_config(tmp_path / "cfg.yaml")
     sets = {"orchestrator": {"agg_goal": 5, "concurrency": 10}}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import paho.mqtt.client as mqtt
+import pytest
 from broker import MosquittoBroker
 from mqtt_support import (
     broker_options,
@@ -77,6 +78,7 @@ def test_junk_flood_keeps_server_memory_flat(tmp_path: Path) -> None:
     assert server.stats.checkpoints >= 1, "the pending bound (64 MiB) forces a checkpoint"
 
 
+@pytest.mark.slow
 def test_acknowledged_result_survives_broker_kill9(tmp_path: Path) -> None:
     """Finding 6: a client's result, acknowledged by the broker while the server is away, is
     not lost when the broker is killed with SIGKILL before its next autosave."""
@@ -130,6 +132,7 @@ def test_acknowledged_result_survives_broker_kill9(tmp_path: Path) -> None:
             clients.result(15)
 
 
+@pytest.mark.slow
 def test_emulate_starts_linearly_and_stops_on_sigterm(tmp_path: Path) -> None:
     """Finding 7: 20 clients of a 4,000-client population (a 1 s slotted trace over two hours) in
     two workers register within 40 s, most of it importing torch and loading the dataset (each

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from broker import MosquittoBroker
 from mqtt_support import (
     load_config,
@@ -45,6 +46,7 @@ def test_state_template_is_wire_encode_byte_for_byte() -> None:
         assert wire.decode(state_payload("cap-1.x", msg.msg_id, sent, cid, "0a1b2c3d", tier)) == msg
 
 
+@pytest.mark.slow
 def test_loadgen_registers_reports_tiers_and_answers_tasks(tmp_path: Path) -> None:
     n = 24
     cfg_path = write_config(tmp_path / "c.yaml", trace={"kind": "always"})

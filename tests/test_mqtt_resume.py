@@ -38,7 +38,9 @@ STREAM = {
 }
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["fixed-data", "stream"])
+@pytest.mark.parametrize(
+    "stream", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["fixed-data", "stream"]
+)
 def test_kill_and_resume_applies_every_update_once(tmp_path: Path, stream: bool) -> None:
     """On a stream the resumed server also keeps its freshness curve: the evaluations of the
     killed life stay in it."""

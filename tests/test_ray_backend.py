@@ -107,6 +107,7 @@ class ConnectionWatch:
         self._thread.join(5)
 
 
+@pytest.mark.slow
 def test_ray_sweep_matches_the_local_path_and_skips_finished_runs(local_ray, tmp_path, capsys):
     sets = {k: v for k, v in TINY.items()}
     grid = {"client.lr": [0.1]}

@@ -45,6 +45,7 @@ def folder(tmp_path: Path, name: str = "felix-table1-90") -> Path:
         "command": ["/somewhere/bin/felix", "compare", name, "--jobs", "2", "--out", "runs/x"],
         "provenance": {"git": {"commit": "abc123", "dirty": False}, "torch": "2.x"},
         "threads": [1],
+        "runs": {"felix/seed=0": {"config": {"dataset": {"name": "digits"}, "model": "mlp"}}},
     }
     (d / "manifest.json").write_text(json.dumps(manifest))
     return d
@@ -81,6 +82,8 @@ def test_the_page_is_self_contained_and_names_the_command(tmp_path: Path) -> Non
     assert "/somewhere" not in page
     # The shipped catalog's 90% entry: the paper's 2.37x over OORT+Async and 1.32x over OORT+Async*.
     assert "2.37x" in page and "1.32x" in page and "differs" in page and "agrees" in page
+    # A digits comparison says it trained digits, and the page claims no dataset it did not run.
+    assert "<b>Trained:</b> digits / mlp" in page and "we run Fashion-MNIST" not in page
 
 
 def test_shipped_catalog_reads_and_covers_table1() -> None:

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from felix.cli import main
+from felix.cli.seeds import parse_seeds
 from felix.config import ConfigError
 from felix.distributed.ray_runtime import Resources
 from felix.engine.setup import resolve_config
 from felix.experiments.runs import InlineBackend, ProcessBackend, RunOutput, RunSpec, execute, run_all
-from felix.experiments.sweep import parse_grid, parse_seeds, points
+from felix.experiments.sweep import parse_grid, points
 
 TINY = {
     "partition": {"num_clients": 12},
@@ -138,6 +139,7 @@ def test_a_failed_run_is_retried_once_then_reported_and_the_others_finish(tmp_pa
     assert any("retrying once" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_a_dead_worker_process_is_retried_on_a_fresh_pool(tmp_path):
     specs = [tiny_spec(tmp_path, k) for k in ("dies", "fine")]
     backend = ProcessBackend(2, die_once)
@@ -163,7 +165,8 @@ def test_grid_and_seed_parsing():
         "orchestrator.mode": ["sync", "async"],
     }
     assert parse_grid(["trace.series=2,3_75"]) == {"trace.series": [2, "3_75"]}  # YAML 1.2, like --set
-    assert parse_seeds("0,1,2") == [0, 1, 2] and parse_seeds(None) == [None]
+    assert parse_seeds(["0,1,2"]) == parse_seeds(["0", "1", "2"]) == parse_seeds(["0,1", "2"]) == [0, 1, 2]
+    assert parse_seeds(None) is None
     pts = points(["fedbuff", "felix"], {"client.lr": [0.05, 0.1]}, [0, 1])
     assert (
         len(pts) == 8
@@ -173,8 +176,8 @@ def test_grid_and_seed_parsing():
     for bad in (["client.lr"], ["client.lr="], ["a=1", "a=2"], ["a=[1"]):
         with pytest.raises(ConfigError):
             parse_grid(bad)
-    for bad in ("a,b", "1,1"):
-        with pytest.raises(ConfigError):
+    for bad in (["a,b"], ["1,1"], ["1", "1"], [","], ["-1"]):
+        with pytest.raises(ConfigError, match="--seeds expects"):
             parse_seeds(bad)
 
 
@@ -198,7 +201,8 @@ def test_sweep_cli_local(tmp_path, capsys):
             "--grid",
             "client.lr=0.05,0.2",
             "--seeds",
-            "0,1",
+            "0",
+            "1",
             "--out",
             str(out),
             "--jobs",
@@ -207,6 +211,7 @@ def test_sweep_cli_local(tmp_path, capsys):
         ]
     )
     assert rc == 0
+    assert f"felix sweep: wrote {out / 'sweep.md'} and {out / 'sweep.json'}" in capsys.readouterr().err
     doc = json.loads((out / "sweep.json").read_text())
     assert [r["key"] for r in doc["runs"]] == [
         "fedbuff/client.lr=0.05/seed=0",
@@ -224,3 +229,13 @@ def test_sweep_cli_local(tmp_path, capsys):
     assert "| fedbuff/client.lr=0.05 | 2 |" in md and "| fedbuff/client.lr=0.2/seed=1 |" in md
     assert main(["sweep", "--grid", "client.lr=0.05,-1", "--out", str(tmp_path / "bad"), *TINY_ARGS]) == 2
     assert not (tmp_path / "bad").exists()  # every config is validated before anything runs
+
+
+@pytest.mark.parametrize("command", ["compare", "sweep", "dafl-experiment", "federage-compare"])
+def test_every_command_takes_seeds_space_or_comma_separated(command):
+    """One ``--seeds`` convention: ``0 1 2``, ``0,1,2`` and a mix give the same seeds everywhere."""
+    from felix.cli import build_parser
+
+    for form in (["0", "1", "2"], ["0,1,2"], ["0,1", "2"]):
+        args = build_parser(command).parse_args([command, "--seeds", *form])
+        assert parse_seeds(args.seeds) == [0, 1, 2], (command, form)

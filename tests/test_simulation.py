@@ -161,7 +161,13 @@ def test_cli_writes_outputs(tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--set", "orchestrator.concurency=3"], "orchestrator.concurency: unknown key"),
+        (
+            ["--set", "orchestrator.concurency=3"],
+            "orchestrator.concurency: unknown key (did you mean `concurrency`?)",
+        ),
+        (["--set", "client.bacth_size=3"], "client.bacth_size: unknown key (did you mean `batch_size`?)"),
+        (["--set", "client.lr=abc"], "client.lr: expected a number, got 'abc'"),
+        (["--set", "run.max_aggregations=1.5"], "run.max_aggregations: expected a whole number, got 1.5"),
         (["--set", "orchestrator.agg_goal=0"], "orchestrator.agg_goal"),
         (["--set", "selector.name=magic"], "unknown selector 'magic'"),
         (["--preset", "nope"], "unknown strategy preset 'nope'"),
@@ -169,12 +175,14 @@ def test_cli_writes_outputs(tmp_path, capsys):
         (["--set", "trace.kind=mobiperf", "--set", "trace.path=/no/such.json"], "not found"),
         (["--set", "dataset.name=cifar10"], "cifar10 needs dataset.root"),
         (["--set", "novalue"], "--set expects key=value"),
+        (["--scenario", "felix-speech-cpu"], "scenario felix-speech-cpu names no strategy: add --preset"),
     ],
 )
 def test_bad_config_gets_clear_message(args, needle, capsys, tmp_path):
     rc = main(["run", "-q", "--out", str(tmp_path), *args])
     err = capsys.readouterr().err
-    assert rc == 2 and needle in err, err
+    last = err.splitlines()[-1]
+    assert rc == 2 and last.startswith("felix: error:") and needle in last, err  # one line
 
 
 def test_config_file_errors(tmp_path, capsys):

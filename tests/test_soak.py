@@ -23,7 +23,7 @@ from mqtt_support import (
     one_torch_thread,  # noqa: F401  (a fixture)
 )
 
-pytestmark = needs_mosquitto
+pytestmark = [*needs_mosquitto, pytest.mark.slow]  # a soak: after the default suite (.ci/run)
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -275,6 +275,8 @@ def test_a_bad_clip_in_a_run_is_one_line_from_the_cli(
         "run",
         "--scenario",
         "felix-speech-cpu",
+        "--preset",
+        "felix",
         "--set",
         f"dataset.root={root}",
         "--out",

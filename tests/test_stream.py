@@ -343,7 +343,7 @@ def test_bad_stream_settings_are_refused_with_one_line(stream: dict, message: st
     with pytest.raises(ConfigError) as err:
         validate({"stream": {"enabled": True, **stream}})
     lines = str(err.value).splitlines()
-    assert len(lines) == 2 and message in lines[1]
+    assert len(lines) == 1 and message in lines[0]
 
 
 def test_a_shift_to_an_unknown_class_is_refused() -> None:

@@ -48,7 +48,10 @@ def test_round_robin_reuse_of_devices():
     assert tr.for_client(0) is tr.for_client(57)
 
 
-@pytest.mark.skipif(not Path(SHARED_TRACE).exists(), reason="needs the MobiPerf trace (set FELIX_TRACES)")
+@pytest.mark.skipif(
+    not Path(SHARED_TRACE).exists(),
+    reason="needs the MobiPerf trace: set FELIX_TRACES to the folder that holds mobiperf-300.json",
+)
 def test_real_mobiperf_trace_loads_all_series():
     for series in ("2", "3_50", "3_75", "failures_48h"):
         tr = load_mobiperf(SHARED_TRACE, series)

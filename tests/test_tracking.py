@@ -1,6 +1,7 @@
 """``run.log_to: [tensorboard, mlflow]``: each evaluation and the final summary reach TensorBoard
-event files and an MLflow run (a local file store under the run folder), one tracker run per
-compare variant and seed, with the config as parameters; read back here from the files.
+event files and an MLflow run (a SQLite store under the run folder), one tracker run per
+compare variant and seed, with the config as parameters; read back here from the files, and by the
+installed MLflow's own command line as the README documents it.
 
 Skipped without the extra: ``pip install "felix-fl[tracking]"``.
 """
@@ -9,7 +10,14 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +52,12 @@ def _evaluations(folder: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def _mlflow_runs(store: Path) -> list[Any]:
-    client = MlflowClient(tracking_uri=store.resolve().as_uri())
+def _sqlite(db: Path) -> str:
+    return f"sqlite:///{db.resolve()}"
+
+
+def _mlflow_runs(uri: str) -> list[Any]:
+    client = MlflowClient(tracking_uri=uri)
     exps = client.search_experiments()
     return client.search_runs([e.experiment_id for e in exps])
 
@@ -73,13 +85,13 @@ def test_run_logs_every_evaluation_and_the_summary_to_tensorboard_and_mlflow(tmp
     assert acc.Scalars("summary/final_accuracy")[0].value == pytest.approx(summary["final_accuracy"])
     assert acc.Scalars("summary/aggregations")[0].value == 5
 
-    # MLflow: one run in the run folder's file store, the config as parameters.
-    (run,) = _mlflow_runs(out / "mlruns")
+    # MLflow: one run in the run folder's SQLite store, the config as parameters.
+    (run,) = _mlflow_runs(_sqlite(out / "mlflow.db"))
     assert run.info.status == "FINISHED"
     assert run.info.run_name == "run"
     assert run.data.params["strategy"] == "fedbuff"
     assert run.data.params["partition.num_clients"] == "20"
-    client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
+    client = MlflowClient(tracking_uri=_sqlite(out / "mlflow.db"))
     hist = client.get_metric_history(run.info.run_id, "accuracy")
     assert [m.step for m in sorted(hist, key=lambda m: m.step)] == [int(r["version"]) for r in rows]
     assert [m.value for m in sorted(hist, key=lambda m: m.step)] == pytest.approx(
@@ -87,13 +99,17 @@ def test_run_logs_every_evaluation_and_the_summary_to_tensorboard_and_mlflow(tmp
     )
     assert run.data.metrics["final.final_accuracy"] == pytest.approx(summary["final_accuracy"])
     assert run.data.metrics["final.bytes_up"] == summary["bytes_up"]
+    assert run.info.artifact_uri.startswith((out / "mlartifacts").resolve().as_uri())
     logged = Path(client.download_artifacts(run.info.run_id, "summary.json", str(tmp_path)))
     assert json.loads(logged.read_text())["aggregations"] == 5
 
 
-def test_compare_gives_one_tracker_run_per_variant_and_seed(tmp_path: Path, capsys: Any) -> None:
+def test_compare_gives_one_tracker_run_per_variant_and_seed(
+    tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # a store named by run.mlflow_uri keeps new artifacts under ./mlruns
     out = tmp_path / "cmp"
-    store = tmp_path / "store"
+    store = _sqlite(tmp_path / "store.db")
     rc = main(
         [
             "compare",
@@ -105,7 +121,7 @@ def test_compare_gives_one_tracker_run_per_variant_and_seed(tmp_path: Path, caps
             "--out",
             str(out),
             "--set=run.log_to=[mlflow, tensorboard]",
-            f"--set=run.mlflow_uri={store.resolve().as_uri()}",
+            f"--set=run.mlflow_uri={store}",
             "--set=run.mlflow_experiment=cmp",
             *SMALL,
         ]
@@ -138,3 +154,88 @@ def test_tracking_without_a_folder_is_a_clear_error() -> None:
         run_config(cfg, None, plots=False)
     with pytest.raises(ConfigError, match="log_to"):
         resolve_config(None, None, {"run": {"log_to": ["wandb"]}})
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+#: The README's tracking example, run here as written (the MLflow UI only in the slow test).
+FELIX_TRACKED = "felix run --set 'run.log_to=[mlflow]' --set run.max_aggregations=20 --out runs/tracked"
+MLFLOW_UI = "mlflow ui --backend-store-uri sqlite:///runs/tracked/mlflow.db"
+
+
+def _documented_run(cwd: Path) -> None:
+    """The README's ``felix run`` line, verbatim, in ``cwd``."""
+    assert FELIX_TRACKED in README.read_text() and MLFLOW_UI in README.read_text()
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    argv = [sys.executable, "-m", "felix", *shlex.split(FELIX_TRACKED)[1:], "-q"]
+    done = subprocess.run(argv, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_installed_mlflow_command_line_reads_the_default_store(tmp_path: Path) -> None:
+    """MLflow's own CLI (no server) reads the experiment from ``sqlite:///runs/tracked/mlflow.db``,
+    the store the README opens with ``mlflow ui`` (a file store fails there: MLflow 3 refuses it).
+    The runs inside are read in process above (the default suite); the UI serving them is below."""
+    _documented_run(tmp_path)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": MLFLOW_UI.split()[-1], "MLFLOW_DISABLE_TELEMETRY": "true"}
+    env.pop("MLFLOW_ALLOW_FILE_STORE", None)
+    mlflow = [sys.executable, "-m", "mlflow"]
+    exps = subprocess.run(
+        [*mlflow, "experiments", "search"],
+        check=False,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert exps.returncode == 0 and "digits-churn90" in exps.stdout, exps.stderr[-2000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_the_documented_mlflow_ui_command_serves_the_run(tmp_path: Path) -> None:
+    """The README's ``mlflow ui`` line as written (plus a free ``--port``; it listens on 127.0.0.1)
+    serves the run's experiment and metrics over loopback within a bounded time."""
+    _documented_run(tmp_path)
+    port = _free_port()
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    env.pop("MLFLOW_ALLOW_FILE_STORE", None)
+    argv = [sys.executable, "-m", "mlflow", *shlex.split(MLFLOW_UI)[1:], "--port", str(port)]
+    ui = subprocess.Popen(
+        argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    base = f"http://127.0.0.1:{port}/api/2.0/mlflow"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert ui.poll() is None, ui.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "mlflow ui did not answer within 240 s"
+            try:
+                with urllib.request.urlopen(f"{base}/experiments/search?max_results=10", timeout=5) as r:
+                    exps = json.load(r)["experiments"]
+                break
+            except OSError:
+                time.sleep(1)
+        (exp,) = [e for e in exps if e["name"] == "digits-churn90"]
+        query = json.dumps({"experiment_ids": [exp["experiment_id"]]}).encode()
+        req = urllib.request.Request(
+            f"{base}/runs/search", data=query, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:
+            (run,) = json.load(r)["runs"]
+        assert run["info"]["run_name"] == "tracked" and run["info"]["status"] == "FINISHED"
+        assert {m["key"] for m in run["data"]["metrics"]} >= {"accuracy", "final.aggregations"}
+    finally:
+        os.killpg(ui.pid, signal.SIGTERM)  # the UI and the workers it started
+        try:
+            ui.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(ui.pid, signal.SIGKILL)
+            ui.wait(10)

@@ -10,6 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from felix.cli.seeds import add_seeds_argument, parse_seeds
+
 #: Where the user errors (config, dataset, trace) are defined: one line on stderr and exit 2. Looked
 #: up only in modules already imported, so that a command that needs none of them stays light.
 USER_ERROR_TYPES = (
@@ -58,13 +60,29 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from felix.cli.run_folder import choose_folder, missing_parents, remove_empty
+    from felix.config import ConfigError
     from felix.engine.setup import resolve_config
     from felix.sim.run import run_config
 
-    cfg = resolve_config(args.config, args.preset, _sets(args), args.scenario)
-    out = Path(args.out or f"runs/{cfg.name}-{cfg.strategy}-s{cfg.seed}")
+    sets = _sets(args)
+    cfg = resolve_config(args.config, args.preset, sets, args.scenario)
+    if cfg.strategy == "custom" and args.config is None and args.preset is None and "strategy" not in sets:
+        # A shipped scenario without a strategy would run the bare defaults, which reach no target.
+        raise ConfigError(
+            f"scenario {args.scenario} names no strategy: add --preset NAME (e.g. felix or fedbuff; "
+            "docs/configs.md lists them), or --set strategy=custom to run its settings as they are"
+        )
+    out, moved = choose_folder(cfg, sets, args.out, args.force)
+    if moved:
+        print(f"felix run: {moved}", file=sys.stderr)
     print(f"felix run: {cfg.name} / {cfg.strategy} (seed {cfg.seed}) -> {out}", file=sys.stderr)
-    res = run_config(cfg, out, progress=not args.quiet, interruptible=True)  # Ctrl-C: summary "interrupted"
+    created = missing_parents(out)
+    try:
+        res = run_config(cfg, out, progress=not args.quiet, interruptible=True)  # Ctrl-C: "interrupted"
+    except BaseException:
+        remove_empty(created)  # a run that failed before writing anything leaves no folder
+        raise
     s = res.summary
     ttt = "not reached" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.0f} s"
     final = "-" if s["final_accuracy"] is None else f"{s['final_accuracy']:.4f}"  # None: run.eval_every 0
@@ -91,7 +109,7 @@ def _compare(args: argparse.Namespace) -> int:
     from felix.presets import MAIN_STRATEGIES
 
     listed = _names(args.strategies)
-    seeds, targets = _numbers(args.seeds, int, "--seeds"), _numbers(args.targets, float, "--targets")
+    seeds, targets = parse_seeds(args.seeds), _numbers(args.targets, float, "--targets")
     if args.config is not None and is_comparison_file(args.config):
         comp = load_comparison(args.config)
         if args.scenario is not None:
@@ -143,7 +161,7 @@ def _compare(args: argparse.Namespace) -> int:
         )
     if doc["strategies"]:
         print((out / "comparison.md").read_text())
-    if any(s.get("stop_reason") == "interrupted" for s in doc["strategies"].values()):
+    if doc["interrupted"]:
         return 130  # Ctrl-C / SIGTERM: the interrupted run is rerun next time (the finished ones are kept)
     return 0 if doc["strategies"] and not doc["failed"] else 1
 
@@ -159,7 +177,7 @@ def _sets(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _numbers(items: list[str] | None, kind: type, flag: str) -> list[Any] | None:
-    """``--seeds 0 1 2`` or ``--seeds 0,1,2`` (the same for --targets) as numbers; None if not given."""
+    """``--targets 0.8 0.9`` or ``--targets 0.8,0.9`` as numbers; None if not given."""
     from felix.config import ConfigError
 
     if items is None:
@@ -184,9 +202,10 @@ def _names(value: str | None) -> list[str]:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from felix.experiments.sweep import parse_grid, parse_seeds, sweep
+    from felix.experiments.sweep import parse_grid, sweep
 
     strategies: list[str | None] = [*_names(args.strategies)] or [None]
+    seeds: list[int | None] = [*(parse_seeds(args.seeds) or [])] or [None]
     out = Path(args.out or "runs/sweep")
     doc = sweep(
         args.config,
@@ -194,7 +213,7 @@ def _sweep(args: argparse.Namespace) -> int:
         _sets(args),
         strategies,
         parse_grid(args.grid),
-        parse_seeds(args.seeds),
+        seeds,
         out,
         backend=args.backend,
         jobs=args.jobs,
@@ -203,7 +222,10 @@ def _sweep(args: argparse.Namespace) -> int:
         gpus_per_run=args.gpus_per_run,
     )
     print((out / "sweep.md").read_text())
-    if any(r["summary"].get("stop_reason") == "interrupted" for r in doc["runs"]):
+    print(
+        f"felix sweep: wrote {out / 'sweep.md'} and {out / 'sweep.json'} (a folder per run)", file=sys.stderr
+    )
+    if doc["interrupted"]:
         return 130  # Ctrl-C / SIGTERM: the interrupted runs are rerun next time
     return 0 if not doc["failed"] else 1
 
@@ -247,7 +269,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     r.add_argument("--preset", help="strategy preset, e.g. fedavg, fedbuff")
     r.add_argument("--scenario", help="named scenario to start from (default: 'default' when no config)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    r.add_argument("--out", help="output folder (default runs/<name>-<strategy>-s<seed>)")
+    r.add_argument(
+        "--out",
+        help="output folder (default runs/<name>-<strategy>-s<seed>, plus -<hash> with --set, "
+        "plus -2, -3, ... when that folder holds an earlier run)",
+    )
+    r.add_argument(
+        "--force", action="store_true", help="write over the files of an earlier run in the folder"
+    )
     _add_flower_arg(r)
     r.add_argument("-q", "--quiet", action="store_true", help="no live progress line")
     r.set_defaults(func=_run)
@@ -271,13 +300,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     c.add_argument(
         "--scenario", help="named scenario preset to start from (replaces a comparison's base scenario)"
     )
-    c.add_argument(
-        "--seeds",
-        nargs="+",
-        metavar="SEED",
-        help="seeds of every variant, e.g. --seeds 0 1 2 "
-        "(default: the comparison file's, else the config's seed)",
-    )
+    add_seeds_argument(c, "the comparison file's, else the config's seed")
     c.add_argument(
         "--targets",
         nargs="+",
@@ -311,7 +334,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         metavar="KEY=V1,V2,...",
         help="a swept config key and its values (repeat for a product grid)",
     )
-    w.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2 (default: the config's seed)")
+    add_seeds_argument(w, "the config's seed")
     w.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="fixed override for every run"
     )

@@ -8,9 +8,11 @@ the strategy, client and run sections, the whole ``Config`` and :func:`validate`
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import difflib
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
+    BaseModel,
     Field,
     SerializationInfo,
     SerializerFunctionWrapHandler,
@@ -309,7 +311,7 @@ class RunCfg(StrictModel):
     )
     mlflow_uri: str | None = Field(
         None,
-        description="MLflow tracking URI for log_to mlflow (null: a local file store, <run folder>/mlruns)",
+        description="MLflow tracking URI for log_to mlflow (null: a SQLite store, <run folder>/mlflow.db)",
     )
     mlflow_experiment: str | None = Field(None, description="MLflow experiment (null: the config's name)")
 
@@ -454,16 +456,68 @@ class Config(StrictModel):
 
 
 def validate(raw: dict[str, Any], source: str = "config") -> Config:
+    """``raw`` as a :class:`Config`; a bad tree is one :class:`ConfigError` that names each bad key
+    by its dotted path, in felix's words (one line when one key is wrong)."""
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-            msg = (
-                "unknown key"
-                if err["type"] == "extra_forbidden"
-                else err["msg"].removeprefix("Value error, ")
-            )
-            lines.append(f"  {loc}: {msg}")
-        raise ConfigError(f"{source}: invalid configuration\n" + "\n".join(lines)) from None
+        lines = [
+            ".".join(str(x) for x in err["loc"]) + ": " + _problem(err) if err["loc"] else _problem(err)
+            for err in exc.errors()
+        ]
+    if len(lines) == 1:
+        raise ConfigError(f"{source}: {lines[0]}")
+    raise ConfigError(f"{source}: invalid configuration\n" + "\n".join(f"  {line}" for line in lines))
+
+
+#: pydantic error types whose own message would read as pydantic's: what the key expects.
+_EXPECTED = {
+    "float_parsing": "a number",
+    "float_type": "a number",
+    "int_parsing": "a whole number",
+    "int_type": "a whole number",
+    "int_from_float": "a whole number",
+    "bool_parsing": "true or false",
+    "bool_type": "true or false",
+    "string_type": "a string",
+    "list_type": "a list, e.g. [a, b]",
+    "dict_type": "a mapping, e.g. {key: value}",
+    "model_type": "a mapping of keys, e.g. {key: value}",
+}
+
+
+def _problem(err: Any) -> str:
+    """One validation error in felix's words: an unknown key with the nearest known one, a value of
+    the wrong kind with what the key expects, and otherwise the validator's own message."""
+    if err["type"] == "extra_forbidden":
+        near = difflib.get_close_matches(str(err["loc"][-1]), _known_keys(err["loc"][:-1]), n=1)
+        return "unknown key" + (f" (did you mean `{near[0]}`?)" if near else "")
+    if err["type"] in _EXPECTED:
+        return f"expected {_EXPECTED[err['type']]}, got {err['input']!r}"
+    return str(err["msg"]).removeprefix("Value error, ")
+
+
+def _known_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the section at ``loc`` accepts (none where it is not a config section)."""
+    model: Any = Config
+    for part in loc:
+        if not isinstance(part, str):
+            continue  # a list index
+        field = (
+            model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        )
+        if field is None:
+            return []
+        model = _section(field.annotation)
+    return list(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else []
+
+
+def _section(annotation: Any) -> Any:
+    """The model class inside an annotation (``X``, ``X | None``, ``list[X]``), else the annotation."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _section(arg)
+        if isinstance(found, type) and issubclass(found, BaseModel):
+            return found
+    return annotation

@@ -24,21 +24,37 @@ def stop_on_signals(stop: Callable[[], None], enabled: bool = True) -> Iterator[
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield
         return
-    seen = False
+    me = _Block()
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        nonlocal seen
-        if seen and signum == signal.SIGINT:
+        if me.seen and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        seen = True
+        me.seen = True
         stop()
 
     old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    _ACTIVE.append(me)
     try:
+        if any(block.seen for block in _ACTIVE[:-1]):
+            # The signal reached an enclosing block (a comparison whose next run was being built):
+            # this run stops as soon as it starts rather than running to its end.
+            me.seen = True
+            stop()
         yield
     finally:
+        _ACTIVE.pop()
         for s, h in old.items():
             signal.signal(s, h)
+
+
+class _Block:
+    """One active ``stop_on_signals`` block: whether a stop signal has reached it."""
+
+    seen = False
+
+
+#: The active blocks, outermost first (main thread only).
+_ACTIVE: list[_Block] = []
 
 
 def ignore_stop_signals() -> None:

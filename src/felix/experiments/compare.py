@@ -347,6 +347,7 @@ def run_comparison(
         "stats": {},
         "failed": outcome.failed,
         "skipped": outcome.skipped,
+        "interrupted": outcome.interrupted,
     }
     if not by_variant:
         return doc
@@ -418,6 +419,8 @@ def _write_manifest(
             return "pending"
         if key in outcome.failed:
             return "failed: " + outcome.failed[key]
+        if key in outcome.interrupted:
+            return "interrupted"
         return "finished before (not rerun)" if key in outcome.skipped else "ran"
 
     doc = {
@@ -455,11 +458,18 @@ def _markdown(
     ref: str,
 ) -> str:
     title = f"{comp.name}: {doc['scenario']}, {len(doc['seeds'])} seed(s) {doc['seeds']}"
-    head, rest = table_markdown(stats, ref, title).split("\n", 1)
+    stopped = {r.variant for r in runs if r.spec.key in doc["interrupted"]}
+    head, rest = table_markdown(stats, ref, title, stopped).split("\n", 1)
     parts = [head + "\n" + (f"\n{comp.description}\n" if comp.description else "") + rest]
     parts.append(
         f"\nTarget rule: the mean of the last {doc['target_window']} evaluations reaches the target.\n"
     )
+    if doc["interrupted"]:
+        parts.append(
+            "\nInterrupted (Ctrl-C or SIGTERM; the next `felix compare` reruns them): "
+            + ", ".join(doc["interrupted"])
+            + "\n"
+        )
     if doc["failed"]:
         parts.append(
             "\nFailed (after one retry): " + "; ".join(f"{k}: {v}" for k, v in doc["failed"].items()) + "\n"

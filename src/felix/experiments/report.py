@@ -313,6 +313,8 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
         summary += [(f, v) for v in verdicts]
         body.append(f"<h2 id='{e(f.name)}'>{e(f.name)}" + (f": {e(exp.title)}" if exp else "") + "</h2>")
         body.append(f"<p>{e(f.description)}</p>")
+        if f.ran_on():
+            body.append(f"<p><b>Trained:</b> {e(f.ran_on())} (dataset / model)</p>")
         body.append(f"<p><b>Regenerate:</b> <code>{e(regenerate_command(f))}</code><br>")
         body.append(
             f"<span class='small'>Seeds {e(str(f.seeds))}; reference {e(f.reference)}; made at "

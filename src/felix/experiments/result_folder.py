@@ -34,6 +34,15 @@ class Folder:
         per = self.stats.get(variant, {}).get(f"{target:g}")
         return None if per is None else per.get(key)
 
+    def ran_on(self) -> str:
+        """What its runs trained (datasets and models, from the manifest's configs), e.g.
+        ``digits / mlp``; "" for a folder without a manifest."""
+        cfgs = [r.get("config") or {} for r in self.manifest.get("runs", {}).values()]
+        pairs = sorted(
+            {f"{(c.get('dataset') or {}).get('name', '?')} / {c.get('model', '?')}" for c in cfgs if c}
+        )
+        return ", ".join(pairs)
+
     def mean(self, variant: str, target: float, key: str) -> float | None:
         s = self.spread(variant, target, key)
         return None if s is None else s.get("mean")

@@ -247,11 +247,13 @@ class ProcessBackend:
 
 @dataclass
 class Outcome:
-    """Every run's output by key, in spec order, and the runs that failed twice, with the last error."""
+    """Every run's output by key, in spec order, the runs that failed twice, with the last error,
+    and the runs a Ctrl-C or SIGTERM stopped or kept from starting."""
 
     outputs: dict[str, RunOutput]
     failed: dict[str, str]
     skipped: list[str]
+    interrupted: list[str] = field(default_factory=list)
 
 
 def run_all(
@@ -283,6 +285,7 @@ def run_all(
             attempts[s.key] = 1
             pending[backend.submit(s)] = s
     stopping = False  # Ctrl-C / SIGTERM, or a run came back interrupted: no new run starts
+    interrupted: list[str] = []
 
     def interrupt() -> None:
         nonlocal stopping
@@ -297,12 +300,14 @@ def run_all(
                 interrupt()  # again: a run a worker took from its queue since then stops too
                 cancel = getattr(backend, "cancel", None)
                 for h in [h for h in pending if cancel is not None and cancel(h)]:
+                    interrupted.append(pending[h].key)
                     say(f"run {pending.pop(h).key} not started (interrupted)")
                 if not pending:
                     break
             for handle, result in backend.wait(list(pending)):
                 spec = pending.pop(handle)
                 if isinstance(result, RunCancelled):
+                    interrupted.append(spec.key)
                     say(f"run {spec.key} cancelled (interrupted)")
                     continue
                 if isinstance(result, BaseException):
@@ -320,9 +325,11 @@ def run_all(
                 outputs[spec.key] = result
                 finished += 1
                 say(f"done {finished}/{total}: {spec.key} {_brief(result.summary)}")
-                stopping = stopping or result.summary.get("stop_reason") == "interrupted"
+                if result.summary.get("stop_reason") == "interrupted":
+                    interrupted.append(spec.key)
+                    stopping = True
     ordered = {s.key: outputs[s.key] for s in specs if s.key in outputs}
-    return Outcome(ordered, failed, skipped)
+    return Outcome(ordered, failed, skipped, [s.key for s in specs if s.key in interrupted])
 
 
 def _reason(exc: BaseException) -> str:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from felix.cli.seeds import add_seeds_argument, parse_seeds
 from felix.config import ConfigError, parse_set
 from felix.experiments.compare import Comparison, load_comparison, variant_config
 from felix.experiments.runs import RunSpec, load
@@ -65,7 +66,7 @@ def run_comparison(
 def add_arguments(p: argparse.ArgumentParser, default_file: Path, default_out: str) -> None:
     """The flags of a command that runs one shipped comparison file."""
     p.add_argument("--file", type=Path, default=default_file, help="comparison file (default: %(default)s)")
-    p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default: the file's)")
+    add_seeds_argument(p, "the file's")
     p.add_argument("--variants", default=None, help="comma list of the file's variants (default: all)")
     p.add_argument(
         "--set",
@@ -94,12 +95,11 @@ def run_from_args(args: argparse.Namespace) -> tuple[Comparison, list[dict[str, 
                 f"{comp.source}; choose from {', '.join(comp.variants)}"
             )
     sets = parse_set(args.set)
-    results = run_comparison(
-        comp, Path(args.out) / "runs", args.seeds, variants, sets, args.quiet, args.force
-    )
+    seeds = parse_seeds(args.seeds)
+    results = run_comparison(comp, Path(args.out) / "runs", seeds, variants, sets, args.quiet, args.force)
     settings = {
         "file": portable_path(args.file),
-        "seeds": args.seeds or comp.seeds or [],
+        "seeds": seeds or comp.seeds or [],
         "variants": variants or list(comp.variants),
         "set": args.set,
         "command": " ".join(portable_command(sys.argv)),

@@ -71,18 +71,6 @@ def parse_grid(items: list[str]) -> dict[str, list[Any]]:
     return grid
 
 
-def parse_seeds(text: str | None) -> list[int | None]:
-    if not text:
-        return [None]
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise ConfigError(f"--seeds expects comma-separated integers, got {text!r}") from None
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ConfigError(f"--seeds expects distinct integers, got {text!r}")
-    return list(seeds)
-
-
 def points(strategies: list[str | None], grid: dict[str, list[Any]], seeds: list[int | None]) -> list[Point]:
     combos = list(itertools.product(*grid.values())) if grid else [()]
     return [Point(s, tuple(zip(grid, combo)), seed) for s in strategies for combo in combos for seed in seeds]
@@ -152,6 +140,7 @@ def sweep(
         "runs": runs,
         "failed": outcome.failed,
         "skipped": outcome.skipped,
+        "interrupted": outcome.interrupted,
     }
     (out_dir / "sweep.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     (out_dir / "sweep.md").write_text(markdown(doc))

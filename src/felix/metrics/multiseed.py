@@ -10,7 +10,7 @@ are paired by seed: every seed gives both strategies the same clients, data and 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -127,9 +127,15 @@ def compare_seeds(
     return out
 
 
-def table_markdown(stats: dict[str, dict[float, StrategyAtTarget]], reference: str, title: str) -> str:
+def table_markdown(
+    stats: dict[str, dict[float, StrategyAtTarget]],
+    reference: str,
+    title: str,
+    interrupted: Collection[str] = (),
+) -> str:
     """One row per strategy; for each target: time (s), MB (all, then of training and of evaluation
-    tasks) and the reference's speed-up, mean ± std."""
+    tasks) and the reference's speed-up, mean ± std. A strategy in ``interrupted`` (some run of it
+    was stopped by Ctrl-C or SIGTERM) is marked so, and its unmet targets read "interrupted"."""
     targets = list(next(iter(stats.values())))
     head = (
         "| strategy | "
@@ -166,14 +172,17 @@ def table_markdown(stats: dict[str, dict[float, StrategyAtTarget]], reference: s
                     else "-"
                 )
             )
+            time_cell = a.time_s.text()
+            if s in interrupted and a.time_s.mean is None:
+                time_cell = f"interrupted (0/{a.time_s.of} reached)"
             cells += [
-                a.time_s.text(),
+                time_cell,
                 a.bytes_total.text(".1f", 1e6),
                 a.bytes_train.text(".1f", 1e6),
                 a.bytes_eval.text(".1f", 1e6),
                 speed,
             ]
-        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+        lines.append(f"| {s}{' (interrupted)' if s in interrupted else ''} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -10,11 +10,13 @@ so ``felix compare`` and ``felix sweep`` give one per variant and seed, named by
   ``tensorboard`` install); ``tensorboard --logdir runs/`` shows every run below. An
   evaluation's TensorBoard wall time is its *virtual* time (seconds from the run's start), so
   TensorBoard's "relative" horizontal axis is felix's virtual clock.
-- MLflow: a local file store, ``<run folder>/mlruns``, by default: no server and no network
-  (``mlflow ui --backend-store-uri <run folder>/mlruns`` reads it). ``run.mlflow_uri`` names any
-  other store (an absolute ``file:`` URI to gather a comparison's runs in one place, a database,
-  a tracking server the user runs); ``run.mlflow_experiment`` the experiment (default: the
-  config's ``name``). MLflow's usage telemetry is switched off in code, before mlflow is imported.
+- MLflow: a SQLite store, ``<run folder>/mlflow.db`` (artifacts in ``<run folder>/mlartifacts``),
+  by default: no server and no network, and the store MLflow itself recommends, so that
+  ``mlflow ui --backend-store-uri sqlite:///<run folder>/mlflow.db`` opens it as it is.
+  ``run.mlflow_uri`` names any other store (an absolute ``sqlite:////...`` URI to gather a
+  comparison's runs in one place, a tracking server the user runs); ``run.mlflow_experiment`` the
+  experiment (default: the config's ``name``). MLflow's usage telemetry is switched off in code,
+  before mlflow is imported.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ from felix.config import Config, ConfigError
 from felix.metrics.recorder import EvalRow
 
 TRACKERS = ("tensorboard", "mlflow")
-#: Set before mlflow is imported: no usage telemetry; the plain file store (MLflow 3 keeps it in
-#: maintenance mode and refuses it without this) is the default store, local and serverless.
-MLFLOW_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_ALLOW_FILE_STORE": "true"}
+#: Set before mlflow is imported: no usage telemetry.
+MLFLOW_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true"}
+#: The default store and artifact folder, under the run's folder.
+MLFLOW_DB, MLFLOW_ARTIFACTS = "mlflow.db", "mlartifacts"
 EVAL_METRICS = ("accuracy", "loss", "bytes_total", "bytes_down", "bytes_up", "virtual_time_s")
 
 
@@ -115,7 +118,14 @@ class MlflowTracker:
     aggregation count; timestamp: the virtual time in ms), ``final.<key>`` and ``summary.json``
     (an artifact) at the end; the run ends FINISHED, or KILLED when interrupted."""
 
-    def __init__(self, uri: str, experiment: str, run_name: str, params: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        uri: str,
+        experiment: str,
+        run_name: str,
+        params: Mapping[str, str],
+        artifacts: Path | None = None,
+    ) -> None:
         os.environ.update(MLFLOW_ENV)
         try:
             from mlflow import MlflowClient
@@ -124,7 +134,14 @@ class MlflowTracker:
             raise ConfigError('run.log_to mlflow needs MLflow: pip install "felix-fl[tracking]"') from None
         self.client = MlflowClient(tracking_uri=uri)
         found = self.client.get_experiment_by_name(experiment)
-        exp_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
+        # A new experiment keeps its artifacts in ``artifacts`` (the run folder's), not in MLflow's
+        # default ./mlruns under whatever the working directory is.
+        where = None if artifacts is None else artifacts.resolve().as_uri()
+        exp_id = (
+            found.experiment_id
+            if found is not None
+            else self.client.create_experiment(experiment, artifact_location=where)
+        )
         self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
         self._step = 0
         items = [Param(k, v[:6000]) for k, v in sorted(params.items())]
@@ -161,15 +178,16 @@ def make_trackers(cfg: Config, folder: Path | None, run_name: str) -> list[Track
                 )
             out.append(TensorBoardTracker(folder / "tensorboard", params))
         else:
-            uri = r.mlflow_uri
+            uri, artifacts = r.mlflow_uri, None
             if uri is None:
                 if folder is None:
                     raise ConfigError(
-                        "run.log_to mlflow: give the run an out_dir (its store is <out_dir>/mlruns) "
+                        f"run.log_to mlflow: give the run an out_dir (its store is <out_dir>/{MLFLOW_DB}) "
                         "or set run.mlflow_uri"
                     )
-                uri = (folder / "mlruns").resolve().as_uri()
-            out.append(MlflowTracker(uri, r.mlflow_experiment or cfg.name, run_name, params))
+                folder.mkdir(parents=True, exist_ok=True)
+                uri, artifacts = f"sqlite:///{(folder / MLFLOW_DB).resolve()}", folder / MLFLOW_ARTIFACTS
+            out.append(MlflowTracker(uri, r.mlflow_experiment or cfg.name, run_name, params, artifacts))
     return out
 
 
