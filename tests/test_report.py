@@ -16,7 +16,7 @@ from felix.cli import main
 from felix.config import ConfigError
 from felix.experiments.paper_catalog import DEFAULT_CATALOG, Claim, load_catalog
 from felix.experiments.report import judge, report
-from felix.experiments.result_folder import best_point, lr_grid, raw_weights, read_folder
+from felix.experiments.result_folder import best_point, lr_grid, raw_weights, read_folder, run_diagnostics
 
 
 def spread(mean: float | None, std: float = 0.0) -> dict[str, float | int | None]:
@@ -232,3 +232,74 @@ def test_server_lr_grid_counts_a_missed_target_at_the_cap(tmp_path: Path) -> Non
     assert best_point(grid["x"]) is low
     page = report([d], tmp_path / "g.html").read_text()
     assert "Server learning rate grid" in page and "<b>150</b>" in page and "(2/6 missed)" in page
+
+
+def test_run_diagnostics_per_variant_over_its_seeds(tmp_path: Path) -> None:
+    """The page shows each variant's run diagnostics as mean ± std over the seeds that recorded
+    them (an older run without a field counts as missing, not as zero), with a plot."""
+    d = folder(tmp_path)
+    doc = json.loads((d / "comparison.json").read_text())
+    doc["runs"] = {
+        "oort-async": {
+            str(s): {"diagnostics": {"aggregation_interval_p50_s": p50, "dropped_share": 0.06 + 0.01 * s}}
+            for s, p50 in enumerate((250.0, 260.0, 270.0))
+        },
+        "oort-async+tiertrack": {
+            "0": {"diagnostics": {"aggregation_interval_p50_s": 5.0, "aggregator_stall_share": 0.25}},
+            "1": {"diagnostics": {"aggregation_interval_p50_s": 7.0, "aggregator_stall_share": None}},
+        },
+    }
+    (d / "comparison.json").write_text(json.dumps(doc))
+    diag = run_diagnostics(read_folder(d))
+    assert diag["oort-async"] == {
+        "aggregation_interval_p50_s": [250.0, 260.0, 270.0],
+        "dropped_share": pytest.approx([0.06, 0.07, 0.08]),
+    }
+    assert diag["oort-async+tiertrack"]["aggregator_stall_share"] == [0.25]
+    page = report([d], tmp_path / "d.html").read_text()
+    section = page.split("Run diagnostics")[1].split("<img")[0]
+    assert "260 ± 10" in section and "7.0% ± 1.0%" in section
+    assert "6 ± 1.4" in section and "25.0% ± 0.0% (1/3 seeds)" in section
+    assert "alt='run diagnostics, felix-table1-90'" in page
+
+
+def test_a_diagnostic_claim_reads_the_runs(tmp_path: Path) -> None:
+    """Fig. 12's round durations: the ratio of two variants' seed-mean diagnostic against the
+    paper's, and one variant's own value against the paper's range."""
+    d = folder(tmp_path, "felix-rounds-50")
+    doc = json.loads((d / "comparison.json").read_text())
+    doc["runs"] = {
+        "oort-async": {"0": {"diagnostics": {"aggregation_interval_p50_s": 200.0, "dropped_share": 0.2}}},
+        "oort-async+tiertrack": {
+            str(s): {"diagnostics": {"aggregation_interval_p50_s": v, "dropped_share": 0.07}}
+            for s, v in enumerate((3.0, 5.0))
+        },
+    }
+    (d / "comparison.json").write_text(json.dumps(doc))
+    f = read_folder(d)
+    ratio = Claim(
+        "diagnostic",
+        "oort-async+tiertrack",
+        "oort-async",
+        "s",
+        paper=0.0189,
+        field="aggregation_interval_p50_s",
+    )
+    v = judge(f, ratio, 0.15)
+    assert v.ours == {0.0: 0.02} and v.status == "agrees" and v.ours_text() == "0.02"
+    assert judge(f, replace(ratio, paper=0.03), 0.15).status == "differs"
+    share = Claim("diagnostic", "oort-async", "", "s", low=0.06, high=0.08, field="dropped_share")
+    assert judge(f, share, 0.15).status == "differs" and judge(f, share, 0.15).ours_text() == "20.0%"
+    assert judge(f, replace(share, subject="oort-async+tiertrack"), 0.15).status == "agrees"
+    assert judge(f, replace(share, subject="felix"), 0.15).status == "not measured"
+    cat = load_catalog(DEFAULT_CATALOG)
+    exp = cat.experiment("felix-rounds-mobiperf")
+    assert exp is not None and {c.kind for c in exp.claims} == {"diagnostic"}
+    page = report([d], tmp_path / "r.html").read_text()
+    assert "aggregation_interval_p50_s" in page and "0.06-0.08" in page
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "experiments:\n  - {match: [x], title: t, claims: [{kind: diagnostic, subject: a, source: s, paper: 1}]}\n"
+    )
+    with pytest.raises(ConfigError, match="a diagnostic claim needs 'field'"):
+        load_catalog(bad)

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -132,9 +132,12 @@ def _stop_on_signals(event: Any) -> Iterator[None]:
 
 # ---------------------------------------------------------------------- serve
 def _serve(args: argparse.Namespace) -> int:
+    from felix.deploy.metrics import MetricsEndpoint
     from felix.deploy.server import ServeOptions, Server
     from felix.deploy.topics import SERVER_USER
 
+    if args.metrics_port is not None and not (1 <= args.metrics_port <= 65535):
+        raise ValueError(f"--metrics-port {args.metrics_port} is outside 1-65535")
     cfg = _resolve(args)
     run_id = _run_id(args, cfg)
     out = Path(args.out or f"runs/{cfg.name}-{cfg.strategy}-s{cfg.seed}-mqtt")
@@ -161,7 +164,12 @@ def _serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     server = Server(cfg, opts)
-    with _stop_on_signals(server.stop_requested):
+    with (
+        _stop_on_signals(server.stop_requested),
+        MetricsEndpoint(server, args.metrics_host, args.metrics_port)
+        if args.metrics_port is not None
+        else nullcontext(),
+    ):
         s = server.run()
     ttt = "not reached" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.0f} s"
     final = "-" if s["final_accuracy"] is None else f"{s['final_accuracy']:.4f}"  # None: run.eval_every 0
@@ -461,6 +469,14 @@ def add_parsers(subparsers: Any) -> None:
         type=float,
         default=50.0,
         help="the per-client message bucket's capacity (default 50)",
+    )
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (docs/deployment.md, Metrics; default: none)",
+    )
+    s.add_argument(
+        "--metrics-host", default="127.0.0.1", help="the metrics endpoint's address (default %(default)s)"
     )
     s.add_argument("--plots", action="store_true", help="also write the accuracy plots")
     s.set_defaults(func=_guard(_serve))

@@ -50,6 +50,7 @@ from felix.core.orchestrator import Orchestrator
 from felix.metrics.recorder import HEADER_BYTES, ByteCounter, EvalRow, Recorder, TrainLossRow
 from felix.metrics.report import summary as run_summary
 from felix.metrics.report import write_run
+from felix.metrics.stall import StallClock
 
 EVAL_RESULT_BYTES = HEADER_BYTES + 16  # an evaluation result: accuracy-style utility and loss
 
@@ -118,6 +119,7 @@ class RunController:
         self.tier_reports = orch.availability.tier_reports_sent
         # What really crossed the wire (the MQTT server's encoded payloads), beside the model.
         self.wire: ByteCounter | None = ByteCounter() if measure_wire else None
+        self.stall = StallClock()  # the aggregator's stall time (felix.metrics.stall)
         self._stop: str | None = None
         self.on_evaluation: list[Callable[[EvalRow], None]] = []  # e.g. a log line per evaluation
 
@@ -144,10 +146,12 @@ class RunController:
 
     # ------------------------------------------------------------------ events
     def start(self) -> None:
-        """Evaluate the initial model (unless ``eval_every`` is 0 or a resumed run has rows) and
-        point the sink at what is measured so far."""
+        """Evaluate the initial model (unless ``eval_every`` is 0 or a resumed run has rows), point
+        the sink at what is measured so far, and start the stall clock."""
         if self.sink is not None:
             self.sink.reset(self.rec.rows)
+        # Until the first client registers (a deployment waits for them), nothing is in flight.
+        self.stall.observe(self.orch.now, 0, self.orch.ledger.train_in_flight == 0)
         if self.rec.eval_every > 0 and not self.rec.rows:
             self._record(0.0, 0, self.orch.weights)
 
@@ -160,13 +164,16 @@ class RunController:
             if up is not None:
                 self.rec.bytes.add("up", *up)
         commands = self.orch.handle(event)
+        versions = 0
         for cmd in commands:  # in order: an evaluation's byte totals include what was sent before it
             if isinstance(cmd, NewModelVersion):
+                versions += 1
                 self._on_version(cmd)
                 continue
             down = downstream_bytes(cmd, self.model_bytes)
             if down is not None:
                 self.rec.bytes.add("down", *down)
+        self.stall.observe(self.orch.now, versions, self.orch.ledger.train_in_flight == 0)
         return commands
 
     def count_wire(self, direction: str, kind: str, n: int) -> None:
@@ -197,6 +204,7 @@ class RunController:
     def finish(self, now: float) -> None:
         """The run has ended: evaluate the final model if the cadence skipped it (never with
         ``eval_every`` 0; an interrupted run too: it is what the run measured last)."""
+        self.stall.advance(now)
         rows = self.rec.rows
         if self.rec.eval_every > 0 and (not rows or rows[-1].version != self.orch.version):
             self._record(now, self.orch.version, self.orch.weights)
@@ -224,6 +232,7 @@ class RunController:
             {**common, **(extra or {})},
             run_settings=c.run.model_dump(),
         )
+        summ["diagnostics"].update(self.stall.diagnostics(now))
         rec = self.rec
         if rec.converge is not None:
             at = rec.converged_at
@@ -253,6 +262,7 @@ class RunController:
             "time_to_target": r.time_to_target,
             "bytes_to_target": r.bytes_to_target,
             "version_at_target": r.version_at_target,
+            "stall": self.stall.state_dict(),
         }
         if self.wire is not None:
             state["wire_down"], state["wire_up"] = dict(self.wire.down), dict(self.wire.up)
@@ -266,6 +276,8 @@ class RunController:
         r.time_to_target = state["time_to_target"]
         r.bytes_to_target = state["bytes_to_target"]
         r.version_at_target = state["version_at_target"]
+        if "stall" in state:  # a checkpoint from before stall time was measured starts it afresh
+            self.stall.load_state_dict(state["stall"])
         if self.wire is not None and "wire_down" in state:
             self.wire = ByteCounter(dict(state["wire_down"]), dict(state["wire_up"]))
 

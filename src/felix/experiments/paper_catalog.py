@@ -14,7 +14,7 @@ from felix.presets import CONFIG_DIR
 DEFAULT_CATALOG = CONFIG_DIR / "reports" / "felix.yaml"
 #: The weight the FeLiX paper's Fig. 15 argument counts updates above.
 HIGH_WEIGHT = 0.8
-_KINDS = ("speedup", "bytes_saving", "time_ratio", "weight_share")
+_KINDS = ("speedup", "bytes_saving", "time_ratio", "weight_share", "diagnostic")
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Claim:
 
     kind: str
     subject: str
-    baseline: str  # "" for a weight_share claim (the subject's own weights)
+    baseline: str  # "" for a weight_share claim (the subject's own weights) and a diagnostic's own value
     source: str
     paper: float | None = None
     at_least: bool = False
@@ -31,15 +31,20 @@ class Claim:
     low: float | None = None
     high: float | None = None
     tolerance: float | None = None  # this claim's own, for a claim finer than the catalog's (5-7%)
+    field: str = ""  # a diagnostic claim's run diagnostic (a key of summary.json's diagnostics)
 
     @property
     def label(self) -> str:
-        kind = self.kind.replace("_", " ")
+        kind = self.field if self.kind == "diagnostic" else self.kind.replace("_", " ")
         return f"{self.subject} vs {self.baseline} ({kind})" if self.baseline else f"{self.subject} ({kind})"
 
     def paper_text(self) -> str:
         if self.kind == "time_ratio":
             return f"{self.low:.2f}-{self.high:.2f}"
+        if self.kind == "diagnostic" and self.paper is None:
+            return f"{self.low:.3g}-{self.high:.3g}"
+        if self.kind == "diagnostic":
+            return f"{self.paper:.3g}"
         assert self.paper is not None
         if self.kind == "bytes_saving":
             return f"{self.paper:.0%} fewer"
@@ -87,7 +92,7 @@ def load_catalog(path: Path) -> Catalog:
         for j, c in enumerate(e.get("claims") or []):
             if not isinstance(c, dict):
                 raise ConfigError(f"{where}.claims[{j}]: a claim is a mapping")
-            if c.get("kind") == "weight_share":
+            if c.get("kind") in ("weight_share", "diagnostic"):
                 c = {"baseline": "", **c}
             try:
                 claim = Claim(**c)
@@ -101,7 +106,12 @@ def load_catalog(path: Path) -> Catalog:
                 raise ConfigError(f"{where}.claims[{j}]: a time_ratio claim needs 'low' and 'high'")
             if claim.kind == "weight_share" and not (claim.at_least or claim.at_most):
                 raise ConfigError(f"{where}.claims[{j}]: a weight_share claim needs at_least or at_most")
-            if claim.kind != "time_ratio" and not isinstance(claim.paper, (int, float)):
+            ranged = claim.low is not None and claim.high is not None
+            if claim.kind == "diagnostic" and not (claim.field and (ranged or claim.paper is not None)):
+                raise ConfigError(
+                    f"{where}.claims[{j}]: a diagnostic claim needs 'field' and 'paper' or 'low' and 'high'"
+                )
+            if claim.kind not in ("time_ratio", "diagnostic") and not isinstance(claim.paper, (int, float)):
                 raise ConfigError(f"{where}.claims[{j}]: a {claim.kind} claim needs a number 'paper'")
             claims.append(claim)
         experiments.append(

@@ -30,12 +30,14 @@ from typing import Any
 from felix.config import ConfigError
 from felix.experiments.paper_catalog import DEFAULT_CATALOG, HIGH_WEIGHT, Catalog, Claim, load_catalog
 from felix.experiments.result_folder import (
+    DIAGNOSTICS,
     Folder,
     UpdateWeights,
     best_point,
     lr_grid,
     raw_weights,
     read_folder,
+    run_diagnostics,
 )
 
 COMMAND = "report"
@@ -55,8 +57,10 @@ class Verdict:
                 return "n.r."
             if self.claim.kind == "bytes_saving":
                 return f"{v:.0%}" if v >= 0 else f"{-v:.0%} more"
-            if self.claim.kind == "weight_share":
-                return f"{v:.0%}"
+            if self.claim.kind == "weight_share" or self.claim.field.endswith("share"):
+                return f"{v:.1%}" if self.claim.kind == "diagnostic" else f"{v:.0%}"
+            if self.claim.kind == "diagnostic":
+                return f"{v:.3g}"
             return f"{v:.2f}" + ("x" if self.claim.kind == "speedup" else "")
 
         return " / ".join(one(v) for v in self.ours.values())
@@ -67,6 +71,8 @@ def judge(folder: Folder, claim: Claim, tolerance: float) -> Verdict:
     (a weight_share claim: one value, the seeds' mean share, against the paper's bound)."""
     if claim.kind == "weight_share":
         return _judge_share(folder, claim, tolerance)
+    if claim.kind == "diagnostic":
+        return _judge_diagnostic(folder, claim, tolerance)
     ours: dict[float, float | None] = {}
     for t in folder.targets:
         key = "bytes_total" if claim.kind == "bytes_saving" else "time_s"
@@ -108,6 +114,29 @@ def _judge_share(folder: Folder, claim: Claim, tolerance: float) -> Verdict:
     tolerance = claim.tolerance if claim.tolerance is not None else tolerance
     ok = share >= claim.paper - tolerance if claim.at_least else share <= claim.paper + tolerance
     return Verdict(claim, {HIGH_WEIGHT: share}, "agrees" if ok else "differs")
+
+
+def _judge_diagnostic(folder: Folder, claim: Claim, tolerance: float) -> Verdict:
+    """A run diagnostic over the whole run: the subject's seed-mean, or with a baseline the ratio
+    of the two seed-means, against the paper's value or range (relative tolerance)."""
+    diag = run_diagnostics(folder)
+
+    def mean(variant: str) -> float | None:
+        values = diag.get(variant, {}).get(claim.field)
+        return sum(values) / len(values) if values else None
+
+    a = mean(claim.subject)
+    b = mean(claim.baseline) if claim.baseline else 1.0
+    if a is None or not b:
+        return Verdict(claim, {0.0: None}, "not measured")
+    ours = a / b
+    tolerance = claim.tolerance if claim.tolerance is not None else tolerance
+    if claim.paper is None:
+        assert claim.low is not None and claim.high is not None
+        ok = claim.low * (1 - tolerance) <= ours <= claim.high * (1 + tolerance)
+    else:
+        ok = abs(ours - claim.paper) <= tolerance * abs(claim.paper)
+    return Verdict(claim, {0.0: ours}, "agrees" if ok else "differs")
 
 
 def _png(fig: Any) -> str:
@@ -162,7 +191,7 @@ def claims_plot(verdicts: Sequence[Verdict]) -> str | None:
     shown = [
         v
         for v in verdicts
-        if v.claim.kind not in ("bytes_saving", "weight_share")
+        if v.claim.kind not in ("bytes_saving", "weight_share", "diagnostic")
         and any(x is not None for x in v.ours.values())
     ]
     if not shown:
@@ -236,6 +265,62 @@ def weights_plot(weights: dict[str, UpdateWeights]) -> str:
         ax.set_xlabel(f"update weight w_i: 5th-95th percentile (bar), median (|); dashed: {HIGH_WEIGHT}")
     ax.axvline(HIGH_WEIGHT, color="#b3391a", lw=0.8, ls="--")
     ax.set_xlim(0, top)
+    fig.tight_layout()
+    out = _png(fig)
+    plt.close(fig)
+    return out
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+    return mean, math.sqrt(var)
+
+
+def diagnostics_table(diag: dict[str, dict[str, list[float]]], seeds: int) -> str:
+    """The run diagnostics per variant, mean ± std over the seeds (HTML rows)."""
+    e = html.escape
+    keys = [(k, label) for k, label in DIAGNOSTICS if any(k in d for d in diag.values())]
+    rows = ["<table><tr><th>variant</th>" + "".join(f"<th>{e(label)}</th>" for _, label in keys) + "</tr>"]
+    for name, d in diag.items():
+        cells = []
+        for k, _ in keys:
+            if k not in d:
+                cells.append("<td>-</td>")
+                continue
+            mean, std = _mean_std(d[k])
+            pct = k.endswith("share")
+            txt = f"{mean:.1%} ± {std:.1%}" if pct else f"{mean:.3g} ± {std:.2g}"
+            if len(d[k]) < seeds:
+                txt += f" ({len(d[k])}/{seeds} seeds)"
+            cells.append(f"<td>{e(txt)}</td>")
+        rows.append(f"<tr><td>{e(name)}</td>{''.join(cells)}</tr>")
+    return "".join(rows) + "</table>"
+
+
+def diagnostics_plot(diag: dict[str, dict[str, list[float]]]) -> str:
+    """One panel per diagnostic, a bar per variant (mean over seeds, std error bars); base64 PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [(k, label) for k, label in DIAGNOSTICS if any(k in d for d in diag.values())]
+    cols = min(5, len(keys))
+    nrows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(2.6 * cols, 0.9 + 0.3 * len(diag) * nrows), squeeze=False)
+    names = list(diag)
+    for ax, (k, label) in zip(axes.flat, keys, strict=False):
+        stats = [_mean_std(diag[n][k]) if k in diag[n] else (0.0, 0.0) for n in names]
+        ax.barh(
+            range(len(names)), [m for m, _ in stats], xerr=[s for _, s in stats], capsize=2, color="#3b7dd8"
+        )
+        ax.set_yticks(range(len(names)), names if ax in axes[:, 0] else [""] * len(names), fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(label, fontsize=7)
+        ax.tick_params(axis="x", labelsize=7)
+    for ax in list(axes.flat)[len(keys) :]:
+        ax.axis("off")
     fig.tight_layout()
     out = _png(fig)
     plt.close(fig)
@@ -330,8 +415,8 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
                 "<table><tr><th>claim</th><th>paper</th><th>source</th><th>ours at "
                 + " / ".join(f"{t:g}" for t in f.targets)
                 + (
-                    " (a weight share: over the run)"
-                    if any(v.claim.kind == "weight_share" for v in verdicts)
+                    " (a weight share or a run diagnostic: over the run)"
+                    if any(v.claim.kind in ("weight_share", "diagnostic") for v in verdicts)
                     else ""
                 )
                 + "</th><th></th></tr>"
@@ -369,6 +454,21 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
             body.append("</table>")
             body.append(
                 f"<img alt='update weights, {e(f.name)}' src='data:image/png;base64,{weights_plot(weights)}'>"
+            )
+        diag = run_diagnostics(f)
+        if diag:
+            body.append("<h3>Run diagnostics (mean ± std over seeds)</h3>")
+            body.append(
+                "<p class='small'>Time between consecutive model versions; the aggregator's stall (virtual "
+                "time in which no training task holds a slot, as a share of the run and per interval "
+                "between versions); staleness (versions behind, per applied update); the age of the "
+                "picked client's utility at selection (rounds since it was measured); the share of "
+                "training selections that lost their slot mid-task. Definitions: docs/architecture.md, "
+                "run diagnostics.</p>"
+            )
+            body.append(diagnostics_table(diag, len(f.seeds)))
+            body.append(
+                f"<img alt='run diagnostics, {e(f.name)}' src='data:image/png;base64,{diagnostics_plot(diag)}'>"
             )
         grid = lr_grid(f)
         if grid:

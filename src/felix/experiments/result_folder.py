@@ -198,3 +198,35 @@ def lr_grid(folder: Folder) -> dict[str, list[GridPoint]]:
 def best_point(points: Sequence[GridPoint]) -> GridPoint:
     """The grid point with the lowest criterion; ties by the fewer bytes to the highest target."""
     return min(points, key=lambda p: (p.score, math.inf if p.bytes_last is None else p.bytes_last))
+
+
+#: The run diagnostics the report shows per variant (``diagnostics`` in each run's summary.json),
+#: with their labels; a folder made before a field existed shows it as missing.
+DIAGNOSTICS: tuple[tuple[str, str], ...] = (
+    ("aggregation_interval_p50_s", "time between aggregations P50 (s)"),
+    ("aggregation_interval_p95_s", "time between aggregations P95 (s)"),
+    ("aggregator_stall_share", "aggregator stall share of the run"),
+    ("aggregator_stall_p95_s", "stall per interval P95 (s)"),
+    ("staleness_p50", "staleness P50 (versions)"),
+    ("staleness_mean", "staleness mean (versions)"),
+    ("staleness_p95", "staleness P95 (versions)"),
+    ("utility_age_at_selection_p50", "utility age at selection P50 (rounds)"),
+    ("utility_age_at_selection_mean", "utility age at selection mean (rounds)"),
+    ("dropped_share", "selections dropped mid-task"),
+)
+
+
+def run_diagnostics(folder: Folder) -> dict[str, dict[str, list[float]]]:
+    """Each variant's ``DIAGNOSTICS`` over its seeds: variant -> field -> one value per seed that
+    recorded it (a field no seed recorded is left out; a variant without any, too)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for variant, per_seed in folder.runs.items():
+        rows = [r.get("diagnostics") or {} for r in per_seed.values() if isinstance(r, dict)]
+        fields_ = {
+            key: [float(d[key]) for d in rows if isinstance(d.get(key), (int, float))]
+            for key, _ in DIAGNOSTICS
+        }
+        kept = {k: v for k, v in fields_.items() if v}
+        if kept:
+            out[variant] = kept
+    return out

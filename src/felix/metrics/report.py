@@ -54,7 +54,10 @@ def _pct(values: Sequence[float] | np.ndarray, q: float) -> float | None:
 
 
 def diagnostics(stats: OrchestratorStats) -> dict[str, Any]:
-    """FeLiX §6.3's diagnostics: stalls, staleness, utility age, weight spread, dropped work."""
+    """FeLiX §6.3's diagnostics: time between aggregations, staleness (versions behind, per applied
+    update), utility age at selection (rounds since the picked client's utility was measured),
+    weight spread, dropped work. The run controller adds the aggregator's stall time
+    (``felix.metrics.stall``)."""
     times = np.asarray(stats.aggregation_times)
     intervals = np.diff(np.concatenate([[0.0], times])) if len(times) else np.array([])
     w = np.asarray(stats.agg_weights)
@@ -63,11 +66,13 @@ def diagnostics(stats: OrchestratorStats) -> dict[str, Any]:
         "aggregation_interval_p95_s": _pct(intervals, 95),
         "aggregation_interval_max_s": float(intervals.max()) if len(intervals) else None,
         "staleness_mean": float(np.mean(stats.staleness)) if stats.staleness else None,
+        "staleness_p50": _pct(stats.staleness, 50),
         "staleness_p95": _pct(stats.staleness, 95),
         "staleness_max": int(max(stats.staleness)) if stats.staleness else None,
         "utility_age_at_selection_mean": float(np.mean(stats.utility_age_at_selection))
         if stats.utility_age_at_selection
         else None,
+        "utility_age_at_selection_p50": _pct(stats.utility_age_at_selection, 50),
         "utility_age_at_selection_p95": _pct(stats.utility_age_at_selection, 95),
         "selections_never_explored": stats.never_explored_at_selection,
         "agg_weight_p5": _pct(w, 5),
