@@ -22,7 +22,7 @@ import numpy as np
 
 from felix.core.client_map import ClientMap, ClientRecord, ClientView
 from felix.core.registry import NoParams, Registry
-from felix.core.types import Task, TaskKind, TaskState, Tier
+from felix.core.types import Task, TaskEvent, TaskKind, Tier
 from felix.core.view import OrchestratorView, PolicySettings
 
 
@@ -113,7 +113,7 @@ class TierTrack(AvailabilityPolicy):
             return
         task = orch.task(rec.in_flight)
         if tier is Tier.UN_AVL or (tier is Tier.AVL_EVAL and task.kind is TaskKind.TRAIN):
-            orch.release(task, TaskState.INTERRUPTED)
+            orch.release(task, TaskEvent.CLIENT_LEFT)
 
     def on_timeout(self, orch: OrchestratorView, task: Task) -> None:
         orch.clients.set_tier(task.client_id, Tier.UN_AVL)

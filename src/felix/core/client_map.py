@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,8 +173,8 @@ class ClientRows:
 class ClientView:
     """One client's row, read and written through the map's columns (the fields of ``ClientRecord``).
 
-    ``tier`` and ``in_flight`` writes go through ``ClientMap.set_tier`` / ``set_in_flight`` so
-    that the tier pools stay consistent.
+    ``tier`` writes go through ``ClientMap.set_tier`` so that the tier pools stay consistent;
+    ``in_flight`` is read-only here (see ``ClientMap.set_in_flight``).
     """
 
     __slots__ = ("_map", "row")
@@ -218,10 +218,6 @@ class ClientView:
     def in_flight(self) -> int | None:
         t = int(self._map._hot[self.row, _HOT_AT["in_flight"]])
         return None if t == _NO_TASK else t
-
-    @in_flight.setter
-    def in_flight(self, task_id: int | None) -> None:
-        self._map.set_in_flight(self.client_id, task_id)
 
     @property
     def class_counts(self) -> tuple[int, ...]:
@@ -379,12 +375,24 @@ class ClientMap:
         return _TIERS[old]
 
     def set_in_flight(self, client_id: int, task_id: int | None) -> None:
+        """The task holding ``client_id``'s slot. In an orchestrator only its ``TaskLedger`` calls
+        this (and ``reset_in_flight``), from its transitions: the column mirrors the ledger."""
         r = self.row(client_id)
         self._hot[r, _HOT_AT["in_flight"]] = _NO_TASK if task_id is None else task_id
         if task_id is None:
             self._busy.pop(r, None)
         else:
             self._busy[r] = None
+
+    def reset_in_flight(self, holders: Mapping[int, int]) -> None:
+        """Rewrite the whole ``in_flight`` column: ``holders`` (client -> task id) hold a slot,
+        nobody else does (a restored ledger publishes its open tasks so)."""
+        self._hot[: self._n, _HOT_AT["in_flight"]] = _NO_TASK
+        rows = self.rows_of(np.fromiter(holders.keys(), dtype=np.int64, count=len(holders)))
+        self._hot[rows, _HOT_AT["in_flight"]] = np.fromiter(
+            holders.values(), dtype=np.int64, count=len(holders)
+        )
+        self._busy = dict.fromkeys(np.sort(rows).tolist())
 
     # ------------------------------------------------------------------ write log
     def mark(self) -> LogMark:
