@@ -70,7 +70,8 @@ _STATES = tuple(TaskState)
 
 
 class IllegalTransition(RuntimeError):
-    """A task was sent an event that ``TRANSITIONS`` does not allow in its state."""
+    """A task was sent an event that its table (``TRANSITIONS``, or the device runner's
+    ``DEVICE_TRANSITIONS``) does not allow in its state."""
 
 
 class SlotColumn(Protocol):
