@@ -109,9 +109,10 @@ class TierTrack(AvailabilityPolicy):
 
     def on_tier(self, orch: OrchestratorView, rec: ClientRecord | ClientView, tier: Tier) -> None:
         orch.clients.set_tier(rec.client_id, tier)
-        if rec.in_flight is None:
+        holder = orch.clients[rec.client_id].in_flight  # the ledger's column (a record has none)
+        if holder is None:
             return
-        task = orch.task(rec.in_flight)
+        task = orch.task(holder)
         if tier is Tier.UN_AVL or (tier is Tier.AVL_EVAL and task.kind is TaskKind.TRAIN):
             orch.release(task, TaskEvent.CLIENT_LEFT)
 

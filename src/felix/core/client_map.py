@@ -82,7 +82,8 @@ class LogMark:
 
 @dataclass(slots=True)
 class ClientRecord:
-    """One client's fields, as registered (``ClientMap.add``); the map stores them in columns."""
+    """One client's fields, as registered (``ClientMap.add``); the map stores them in columns. A
+    client registers holding no slot: ``in_flight`` is the task ledger's to set."""
 
     client_id: int
     num_samples: int
@@ -91,7 +92,6 @@ class ClientRecord:
     stat_utility: float | None = None
     last_utility_round: int = -1  # version at which the utility was last measured (train or eval)
     last_duration: float | None = None  # seconds of the last training task, the system metric
-    in_flight: int | None = None  # task id holding this client's slot
     selected_round: int = -1  # round in which the client was last selected to train
     blocked_round: int = -1  # round whose task it dropped: TierTrack does not pick it again in that round
     times_selected: int = 0
@@ -334,7 +334,7 @@ class ClientMap:
             self._grow(2 * r)
         hot = self._hot[r]
         hot[:6] = (
-            _NO_TASK if record.in_flight is None else record.in_flight,
+            _NO_TASK,
             record.blocked_round,
             record.selected_round,
             record.last_utility_round,
@@ -359,8 +359,6 @@ class ClientMap:
         self._identity = self._identity and cid == r
         self._n = r + 1
         self._join(r, int(record.tier))
-        if record.in_flight is not None:
-            self._busy[r] = None
         if record.stat_utility is not None or record.last_duration is not None or record.times_updated:
             self._log_write(r)
 

@@ -186,9 +186,7 @@ class TaskLedger:
         self._open[task.task_id] = task
         if kind is TaskKind.TRAIN:
             self._train_in_flight += 1
-        self._holder[client_id] = task.task_id
-        if self._slots is not None:
-            self._slots.set_in_flight(client_id, task.task_id)
+        self._hold(client_id, task.task_id)
         return task
 
     def start_timer(self, task: Task, now: float) -> None:
@@ -249,11 +247,19 @@ class TaskLedger:
         if task.holds_slot:
             if task.kind is TaskKind.TRAIN:
                 self._train_in_flight -= 1
-            del self._holder[task.client_id]
-            if self._slots is not None:
-                self._slots.set_in_flight(task.client_id, None)
+            self._hold(task.client_id, None)
         task.state = state
         return state
+
+    def _hold(self, client_id: int, task_id: int | None) -> None:
+        """The one writer of slot ownership: ``task_id`` (None: no task) holds ``client_id``'s slot,
+        here and in the attached column."""
+        if task_id is None:
+            del self._holder[client_id]
+        else:
+            self._holder[client_id] = task_id
+        if self._slots is not None:
+            self._slots.set_in_flight(client_id, task_id)
 
     def take_expired(self) -> list[Task]:
         """The tasks the one-late-task rule closed since the last call (the shell cancels them)."""
