@@ -23,7 +23,7 @@ from felix.core.orchestrator_config import OrchestratorConfig
 from felix.core.rounds import RoundPolicy
 from felix.core.selection import AvailabilityOracle, SelectionContext, TrainSelector
 from felix.core.stats import ModelPath, OrchestratorStats
-from felix.core.types import Task, TaskEvent, TaskKind, Tier
+from felix.core.types import TaskEvent, TaskKind, Tier
 
 
 class Dispatch:
@@ -52,10 +52,6 @@ class Dispatch:
     _evals_this_round: int
     _probe_dropped: set[int]  # clients whose eval task dropped this round: not probed again in it
     _rejoin_at: float | None  # when blocked clients may train again (the stall rule)
-
-    def _close(self, task: Task, event: TaskEvent) -> None:
-        """Close ``task`` in the ledger by ``event`` (freeing its client's slot if it held one)."""
-        self.ledger.close(task, event)
 
     def _ctx(self) -> SelectionContext:
         return SelectionContext(
@@ -153,7 +149,7 @@ class Dispatch:
             if task is None:
                 continue
             if not task.holds_slot:  # it lost its slot while held (its client left): never sent, so closed
-                self._close(task, TaskEvent.NOT_SENT)
+                self.ledger.close(task, TaskEvent.NOT_SENT)
                 continue
             task.base_version = self.version
             self.ledger.start_timer(task, self.now)

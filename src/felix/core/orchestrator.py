@@ -210,7 +210,7 @@ class Orchestrator(Dispatch):
         task, upd = valid
         rec = self.clients[task.client_id]
         late = task.state is not TaskState.IN_FLIGHT
-        self._close(task, TaskEvent.LATE_RESULT if late else TaskEvent.RESULT)
+        self.ledger.close(task, TaskEvent.LATE_RESULT if late else TaskEvent.RESULT)
         self.availability.on_reply(self, rec)
         scale = self.cfg.eval_utility_scale if task.kind is TaskKind.EVAL else 1.0
         rec.stat_utility = float(upd.stat_utility) * scale
@@ -251,7 +251,7 @@ class Orchestrator(Dispatch):
                 self.clients[task.client_id].blocked_round = task.round
             else:
                 self._probe_dropped.add(task.client_id)
-        self._close(task, TaskEvent.FAILED)
+        self.ledger.close(task, TaskEvent.FAILED)
 
     # ------------------------------------------------------------------ validation
     def _validate(self, ev: TaskFinished, out: list[Command]) -> tuple[Task, ClientUpdate] | None:
@@ -322,7 +322,7 @@ class Orchestrator(Dispatch):
         self.rounds.on_timers(self, out)
 
     def _cancel(self, task: Task, reason: str, out: list[Command]) -> None:
-        self._close(task, TaskEvent.WITHDRAWN)
+        self.ledger.close(task, TaskEvent.WITHDRAWN)
         if task.kind is TaskKind.TRAIN:
             self.stats.train_cancelled += 1
         self.admission.charge(task.client_id, self.now)
