@@ -12,12 +12,22 @@ import pytest
 import torch
 from mqtt_support import one_torch_thread  # noqa: F401  (a fixture)
 
+from felix.core.ledger import IllegalTransition
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
 from felix.deploy.client import ClientHost, ClientOptions, Device
 from felix.deploy.link import BrokerOptions, Inbound
 from felix.deploy.topics import Topics
-from felix.engine.device import DeviceRunner, DeviceTask, TaskRules, Timer, task_seed
+from felix.engine.device import (
+    DEVICE_TRANSITIONS,
+    DeviceEvent,
+    DeviceRunner,
+    DeviceState,
+    DeviceTask,
+    TaskRules,
+    Timer,
+    task_seed,
+)
 from felix.engine.setup import resolve_config
 from felix.scenario.traces import DeviceTrace
 
@@ -132,6 +142,58 @@ def test_compute_timing_holds_results_until_the_tier_allows_sending() -> None:
     back = dev.set_tier(4.0, Tier.AVL_TRAIN)
     assert back is not None and [(h.task.task_id, h.result) for h in back.released] == [(1, "r1")]
     assert dev.held == []
+
+
+def test_each_task_moves_through_the_device_table() -> None:
+    """Every change the runner makes is a (state, event) pair of ``DEVICE_TRANSITIONS``: the states a
+    task passes through on a pause, a held result, a cancel and a failure."""
+    dev = runner()
+    a = dev.receive(0.0, 1, TRAIN, W, PROFILE)
+    assert a is not None and dev.receive(0.0, 2, TRAIN, W, PROFILE) is not None
+    first, second = dev.current, dev.queue[0]
+    assert first is not None and (first.state, second.state) == (DeviceState.RUNNING, DeviceState.QUEUED)
+    dev.set_tier(2.0, Tier.UN_AVL)
+    assert first.state is DeviceState.PAUSED
+    back = dev.set_tier(3.0, Tier.AVL_TRAIN)
+    assert back is not None and first.state is DeviceState.RUNNING
+    task = dev.complete(back.timer.token if back.timer else -1)
+    assert task is first and task.state is DeviceState.COMPUTING
+    dev.set_tier(11.0, Tier.UN_AVL)
+    dev.finish(11.0, task, "r1")
+    assert task.state is DeviceState.HELD
+    dev.set_tier(12.0, Tier.AVL_TRAIN)  # sends it, starts the second
+    assert task.state is DeviceState.SENT and second.state is DeviceState.RUNNING
+    dev.cancel(13.0, 2)
+    assert second.state is DeviceState.CANCELLED and dev.current is None
+    third = dev.receive(14.0, 3, TRAIN, W, PROFILE)
+    assert third is not None and third.timer is not None
+    failed = dev.complete(third.timer.token)
+    assert failed is not None
+    dev.fail(24.0, failed)
+    assert failed.state is DeviceState.FAILED
+
+
+def test_the_device_table_refuses_other_changes() -> None:
+    """A result for a task still running, a second result, a failure after sending: refused, named."""
+    assert {s for s, _ in DEVICE_TRANSITIONS} == {None} | set(DeviceState) - {
+        DeviceState.SENT,
+        DeviceState.FAILED,
+        DeviceState.CANCELLED,
+    }
+    assert {e for _, e in DEVICE_TRANSITIONS} == set(DeviceEvent)
+    dev = runner()
+    step = dev.receive(0.0, 1, TRAIN, W, PROFILE)
+    assert step is not None and dev.current is not None
+    running = dev.current
+    with pytest.raises(IllegalTransition, match="task 1: event result_ready is not allowed in state running"):
+        dev.finish(1.0, running, "r1")
+    assert running.state is DeviceState.RUNNING and dev.held == []
+    task, sent = run_to_end(dev, step.timer)
+    assert sent == ["r1"]
+    with pytest.raises(IllegalTransition, match="event result_ready is not allowed in state sent"):
+        dev.finish(11.0, task, "again")
+    with pytest.raises(IllegalTransition, match="event compute_failed is not allowed in state sent"):
+        dev.fail(11.0, task)
 
 
 def test_the_data_plan_row_is_applied_once_and_charged_to_its_task() -> None:

@@ -23,11 +23,16 @@ from felix.scenario.build import build_population
 N = 16
 
 
-def _orch(preset: str) -> Orchestrator:
+def _orch(preset: str, aggregator: dict | None = None) -> Orchestrator:
     cfg = resolve_config(
         None,
         preset,
-        {"model": "mlp", "partition": {"num_clients": N}, "orchestrator": {"agg_goal": 3, "concurrency": 5}},
+        {
+            "model": "mlp",
+            "partition": {"num_clients": N},
+            "orchestrator": {"agg_goal": 3, "concurrency": 5},
+            "aggregator": aggregator or {},
+        },
     )
     return build_orchestrator(cfg, build_population(cfg).initial_weights, None)
 
@@ -91,10 +96,20 @@ def _same(a: object, b: object) -> bool:
     return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
-@pytest.mark.parametrize("preset", ["felix", "fedbuff", "fedavg"])
-def test_restored_orchestrator_behaves_identically(preset: str, tmp_path: Path) -> None:
-    """Oort's exploration and pacer, TierSelect's eval budget, TierFuse, the rng: all resume."""
-    live = _orch(preset)
+@pytest.mark.parametrize(
+    ("preset", "aggregator"),
+    [
+        ("felix", {}),
+        ("fedbuff", {}),
+        ("fedavg", {}),
+        ("felix-authors", {"server_optimizer": "adam"}),
+        ("fedavg", {"server_optimizer": "momentum"}),
+    ],
+)
+def test_restored_orchestrator_behaves_identically(preset: str, aggregator: dict, tmp_path: Path) -> None:
+    """Oort's exploration and pacer, TierSelect's eval budget, TierFuse, the server optimiser's
+    moments, the rng: all resume."""
+    live = _orch(preset, aggregator)
     rng = np.random.default_rng(0)
     for c in range(N):
         live.handle(
@@ -105,7 +120,7 @@ def test_restored_orchestrator_behaves_identically(preset: str, tmp_path: Path) 
     assert live.version >= 1
     path = tmp_path / "ck.safetensors"
     _save(path, live, {"note": "x", "ids": [1, 2], "inf": float("inf")})
-    restored = _orch(preset)
+    restored = _orch(preset, aggregator)
     shell = _load(path, restored)
     assert shell == {"note": "x", "ids": [1, 2], "inf": float("inf")}
     assert np.array_equal(restored.weights, live.weights) and not restored.weights.flags.writeable
@@ -118,6 +133,31 @@ def test_restored_orchestrator_behaves_identically(preset: str, tmp_path: Path) 
         )
     assert np.array_equal(restored.weights, live.weights)
     assert _same(live.state_dict(), restored.state_dict())
+
+
+def test_a_checkpoint_without_server_optimizer_state_still_loads(tmp_path: Path) -> None:
+    """A checkpoint written before server optimisers (no aggregator state) resumes an adam run with
+    fresh moments; the same checkpoint with its moments resumes the live trajectory exactly."""
+    live = _orch("fedbuff", {"server_optimizer": "adam"})
+    rng = np.random.default_rng(0)
+    for c in range(N):
+        live.handle(ClientRegistered(0.0, c, 20 + c, Tier.AVL_TRAIN, (10, 10 + c)))
+    for _ in range(3):
+        _drive(live, _events(live, live.now, rng))
+    state = live.state_dict()
+    assert state["aggregator"]["server_optimizer"]["steps"] == live.version >= 2
+    old = {**state, "aggregator": {}}
+    ckpt.save_checkpoint(tmp_path / "old", {"orchestrator": old, "shell": {}})
+    ckpt.save_checkpoint(tmp_path / "new", {"orchestrator": state, "shell": {}})
+    resumed = {}
+    for name in ("old", "new"):
+        orch = _orch("fedbuff", {"server_optimizer": "adam"})
+        _load(tmp_path / name, orch)
+        _drive(orch, _events(orch, orch.now, np.random.default_rng(1)))
+        resumed[name] = orch.weights
+    _drive(live, _events(live, live.now, np.random.default_rng(1)))
+    assert np.array_equal(resumed["new"], live.weights)
+    assert not np.array_equal(resumed["old"], live.weights)
 
 
 def test_closed_task_ids_are_compacted_by_a_watermark() -> None:

@@ -13,7 +13,7 @@ from felix.core.ledger import TaskLedger
 from felix.core.orchestrator_config import OrchestratorConfig
 from felix.core.rounds import ROUND_POLICIES
 from felix.core.stats import OrchestratorStats
-from felix.core.types import Task, TaskKind, TaskState, Tier
+from felix.core.types import Task, TaskEvent, TaskKind, TaskState, Tier
 from felix.core.view import OrchestratorView
 
 
@@ -27,9 +27,12 @@ class StandIn:
     round: int = 0
     clients: ClientMap = field(default_factory=ClientMap)
     stats: OrchestratorStats = field(default_factory=OrchestratorStats)
-    _ledger: TaskLedger = field(default_factory=TaskLedger)
+    _ledger: TaskLedger = field(init=False)
     pending: int = 0  # updates in the buffer
     calls: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._ledger = TaskLedger(slots=self.clients)  # the ledger writes the map's in_flight column
 
     @property
     def buffered(self) -> int:
@@ -55,12 +58,12 @@ class StandIn:
         self.version += 1
 
     def cancel(self, task: Task, reason: str, out: list[Command]) -> None:
-        self._ledger.close(task, TaskState.CANCELLED)
+        self._ledger.close(task, TaskEvent.WITHDRAWN)
         out.append(CancelTask(task.task_id, task.client_id, reason))
 
-    def release(self, task: Task, state: TaskState) -> None:
-        self.calls.append(f"release {task.task_id} {state.value}")
-        self._ledger.release(task, state)
+    def release(self, task: Task, event: TaskEvent) -> None:
+        self.calls.append(f"release {task.task_id} {event.value}")
+        self._ledger.release(task, event)
 
 
 def test_the_stand_in_offers_nothing_the_view_does_not_name() -> None:
@@ -105,7 +108,7 @@ def test_sync_round_over_selects_then_cancels_its_stragglers_at_the_deadline() -
     tasks = [view._ledger.open(c, TaskKind.TRAIN, 0, view.round, 0.0) for c in range(3)]
     assert policy.need(view) == 0 and policy.wakeup() == 10.0
     out: list[Command] = []
-    view._ledger.close(tasks[0], TaskState.DONE)
+    view._ledger.close(tasks[0], TaskEvent.RESULT)
     view.pending = 1
     policy.on_buffered(view, tasks[0], out)
     view.now = 10.0
@@ -119,10 +122,11 @@ def test_tiertrack_frees_the_slot_of_a_client_that_leaves_and_marks_a_silent_one
     view, cfg = _view(knowledge="tiertrack")
     policy = AVAILABILITY.create("tiertrack", None, cfg)
     task = view._ledger.open(1, TaskKind.TRAIN, 0, 0, 0.0)
-    view.clients.set_in_flight(1, task.task_id)
     rec = view.clients[1]
+    assert rec.in_flight == task.task_id
     policy.on_tier(view, rec, Tier.UN_AVL)
-    assert view.calls == [f"release {task.task_id} interrupted"] and task.state is TaskState.INTERRUPTED
+    assert view.calls == [f"release {task.task_id} client_left"] and task.state is TaskState.INTERRUPTED
+    assert rec.in_flight is None
     assert view.clients[1].tier is Tier.UN_AVL
     policy.on_timeout(view, view._ledger.open(2, TaskKind.EVAL, 0, 0, 0.0))
     assert view.clients[2].tier is Tier.UN_AVL

@@ -72,8 +72,10 @@ def _plain(state: dict[str, Any]) -> bool:
 
 
 def _swap_at(name: str, at: set[int]):
-    """A hook that, at the given event counts, replaces the ClientMap and both selectors by fresh
-    instances restored from the originals' ``state_dict`` (through an npz round trip)."""
+    """A hook that, at the given event counts, restores the ClientMap from its own ``state_dict`` (in
+    place: its ``load_state_dict`` replaces every attribute by a fresh map's, and the ledger keeps
+    writing its ``in_flight`` column) and replaces both selectors by fresh instances restored from
+    the originals' (all through an npz round trip)."""
 
     def hook(orch: Orchestrator, handled: int) -> Orchestrator:
         if handled not in at:
@@ -83,13 +85,12 @@ def _swap_at(name: str, at: set[int]):
         ev_state = orch.eval_selector.state_dict() if hasattr(orch.eval_selector, "state_dict") else {}
         assert _plain(cmap_state) and _plain(sel_state) and _plain(ev_state)
         _, train, ev = _build(name, orch.oracle)
-        cmap = ClientMap()
-        cmap.load_state_dict(_through_npz(cmap_state))
+        orch.clients.load_state_dict(_through_npz(cmap_state))
         train.load_state_dict(_through_npz(sel_state))
         if ev is not None:
             ev.load_state_dict(ev_state)
             orch.eval_selector = ev
-        orch.clients, orch.selector = cmap, train
+        orch.selector = train
         return orch
 
     return hook
@@ -236,7 +237,7 @@ def test_client_view_reads_and_writes_the_columns():
     r.stat_utility = 1.25
     r.times_dropped += 1
     r.tier = Tier.AVL_TRAIN
-    r.in_flight = 12
+    m.set_in_flight(7, 12)  # the column's writer (an orchestrator's ledger); views only read it
     assert m[7].explored and m[7].stat_utility == 1.25 and m[7].times_dropped == 1
     assert m.column("stat_utility").tolist() == [1.25] and m.column("times_updated").tolist() == [2]
     assert m.idle_in(Tier.AVL_TRAIN).tolist() == [] and m[7].in_flight == 12
@@ -281,7 +282,7 @@ def test_write_log_names_the_rows_whose_result_fields_were_written():
     m[7].last_duration = 2.0
     m[3].times_updated += 1
     m[5].times_selected += 1  # not a result field
-    m[5].in_flight = 9
+    m.set_in_flight(5, 9)
     m[5].tier = Tier.UN_AVL
     assert m.written_since(mark).tolist() == [11, 3, 7, 3]
     copy = ClientMap()

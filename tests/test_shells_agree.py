@@ -153,3 +153,34 @@ def test_the_server_and_the_simulator_evaluate_alike(tmp_path: Path) -> None:
         results[precision] = server.ctl.rec.evaluate(weights)
         assert results[precision] == sim.recorder.evaluate(weights)
     assert results["fp32"][1] != results["bf16"][1]  # the autocast shows in the loss
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "yogi"])
+def test_both_shells_take_the_same_server_step(tmp_path: Path, optimizer: str) -> None:
+    """The simulator and the MQTT server build one aggregator from the config, server optimiser
+    included: the same buffers give the same models, step after step (the moments carry over)."""
+    import numpy as np
+
+    from felix import api
+    from felix.core.types import BufferedUpdate, ClientUpdate
+    from felix.deploy.link import BrokerOptions
+    from felix.deploy.server import ServeOptions, Server
+
+    path = write_config(tmp_path / "cfg.yaml", partition={"num_clients": CLIENTS})
+    cfg = load_config(path, {"strategy": "felix-authors", "aggregator": {"server_optimizer": optimizer}})
+    server = Server(cfg, ServeOptions(BrokerOptions("127.0.0.1", 1), run_id="t"))
+    sim = api.build(cfg)
+    rng = np.random.default_rng(0)
+    models = {"sim": sim.orch.weights, "mqtt": server.orch.weights}
+    n = models["sim"].size
+    for _ in range(3):
+        buffer = [
+            BufferedUpdate(
+                c, c, 0, 0.0, ClientUpdate(20, 3.0 + c, 1.0, 5.0, rng.normal(0, 0.01, n).astype(np.float32))
+            )
+            for c in range(2)
+        ]
+        models["sim"] = sim.orch.aggregator.aggregate(models["sim"], buffer)[0]
+        models["mqtt"] = server.orch.aggregator.aggregate(models["mqtt"], buffer)[0]
+        assert models["sim"].tobytes() == models["mqtt"].tobytes()
+    assert server.orch.aggregator.optimizer.name == sim.orch.aggregator.optimizer.name == optimizer

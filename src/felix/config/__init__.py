@@ -75,6 +75,14 @@ class AdmissionCfg(StrictModel):
         2.0, gt=0, description="tasks and cancels per second a client's budget refills (null: no budget)"
     )
     task_burst: float = Field(30.0, ge=1, description="the task budget's capacity")
+    drop_rate: float | None = Field(
+        None,
+        gt=0,
+        description="tasks per second a client may leave, let time out or fail beyond drop_burst "
+        "before it is not selected until it has a token again (null: no drop budget; "
+        "felix serve uses 1/300 unless this is set)",
+    )
+    drop_burst: float = Field(3.0, ge=1, description="the drop budget's capacity")
 
 
 class OrchestratorCfg(StrictModel):
@@ -147,6 +155,40 @@ class AggregatorCfg(StrictModel):
         "or trimmed mean, keeping the aggregator's weights (felix.strategies.aggregation.robust)",
     )
     trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="trimmed_mean: weight mass cut from each end")
+    server_optimizer: str = Field(
+        "sgd",
+        description="how the aggregated update moves the model: sgd (x + server_lr x update) | momentum "
+        "| adam | yogi | adagrad (Reddi et al. 2021; felix.core.server_optim), parameters in "
+        "server_optimizer_params",
+    )
+    server_optimizer_params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="momentum: beta; adam, yogi: beta1, beta2, tau; adagrad: beta1, tau",
+    )
+
+    @model_validator(mode="after")
+    def _server_optimizer(self) -> AggregatorCfg:
+        """The optimiser is built once here (pure numpy, cheap), so a bad name, key or value fails at
+        config read, not at the first aggregation."""
+        from felix.core.aggregation import AGGREGATORS
+        from felix.core.registry import RegistryError
+        from felix.core.server_optim import SERVER_OPTIMIZERS
+
+        try:
+            SERVER_OPTIMIZERS.create(
+                self.server_optimizer,
+                self.server_optimizer_params,
+                where="aggregator.server_optimizer_params",
+            )
+        except RegistryError as exc:
+            raise ValueError(str(exc)) from None
+        own_step = self.name in AGGREGATORS and AGGREGATORS.entry(self.name).traits.get("own_step")
+        if self.server_optimizer != "sgd" and own_step:
+            raise ValueError(
+                f"aggregator {self.name!r} takes its own server step: server_optimizer must be 'sgd', "
+                f"not {self.server_optimizer!r}"
+            )
+        return self
 
 
 class ValidationCfg(StrictModel):

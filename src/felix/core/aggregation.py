@@ -1,7 +1,8 @@
 """The aggregation axis: how the buffered updates become the next model.
 
 ``Aggregator`` owns the buffer arithmetic (weighted mean of deltas, normalisation, the server
-step); a subclass owns one decision, each update's weight. Built-in aggregators live in
+step through its server optimiser, ``felix.core.server_optim``); a subclass owns one decision,
+each update's weight. Built-in aggregators live in
 ``felix.strategies.aggregation`` and register in ``AGGREGATORS`` next to their classes.
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from felix.core.registry import Registry
+from felix.core.server_optim import ServerOptimizer
 from felix.core.types import BufferedUpdate
 from felix.core.validation import AuxDecl
 
@@ -22,11 +24,20 @@ class Aggregator:
 
     ``normalize="weights"`` divides by the sum of weights (the paper's TierFuse, FedBuff as in
     FedScale); ``"count"`` divides by the number of buffered updates (the FeLiX authors' code).
+    ``optimizer`` turns that normalised update and ``server_lr`` into the next model (plain
+    ``x + server_lr * update`` by default); the run's builder sets the configured one
+    (``aggregator.server_optimizer``) after the aggregator is made.
     """
 
     name = "base"
 
-    def __init__(self, server_lr: float = 1.0, normalize: str = "weights", clip_norm: float | None = None):
+    def __init__(
+        self,
+        server_lr: float = 1.0,
+        normalize: str = "weights",
+        clip_norm: float | None = None,
+        optimizer: ServerOptimizer | None = None,
+    ):
         if normalize not in ("weights", "count"):
             raise ValueError(f"normalize must be 'weights' or 'count', not {normalize!r}")
         if server_lr <= 0:
@@ -34,6 +45,7 @@ class Aggregator:
         self.server_lr = server_lr
         self.normalize = normalize
         self.clip_norm = clip_norm
+        self.optimizer = optimizer if optimizer is not None else ServerOptimizer()
 
     def declared_aux(self, num_params: int) -> dict[str, AuxDecl]:
         """Aux entries this aggregator reads from updates beyond the objective's (see
@@ -44,12 +56,16 @@ class Aggregator:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
-        """Checkpoint state, as ``TrainSelector.state_dict``; the aggregators so far keep none
-        (their parameters come from the config)."""
-        return {}
+        """Checkpoint state, as ``TrainSelector.state_dict``: the server optimiser's moments, if
+        it keeps any (the weights' parameters come from the config)."""
+        opt = self.optimizer.state_dict()
+        return {"server_optimizer": opt} if opt else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned."""
+        """Restore what ``state_dict`` returned. A checkpoint from before server optimisers (or
+        saved before the first aggregation) has no optimiser state: the moments start afresh."""
+        if "server_optimizer" in state:
+            self.optimizer.load_state_dict(state["server_optimizer"])
 
     def weights(self, buffer: Sequence[BufferedUpdate]) -> np.ndarray:
         return np.array([self.weight(b) for b in buffer], dtype=np.float64)
@@ -72,7 +88,7 @@ class Aggregator:
                 if n > self.clip_norm:
                     delta = delta * (self.clip_norm / n)
             step += np.float32(wi) * delta
-        new_theta = theta + np.float32(self.server_lr) * step
+        new_theta = self.optimizer.step(theta, step, self.server_lr)
         return new_theta, norm_w, reduce_aux(buffer, norm_w)
 
 

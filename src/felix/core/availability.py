@@ -22,7 +22,7 @@ import numpy as np
 
 from felix.core.client_map import ClientMap, ClientRecord, ClientView
 from felix.core.registry import NoParams, Registry
-from felix.core.types import Task, TaskKind, TaskState, Tier
+from felix.core.types import Task, TaskEvent, TaskKind, Tier
 from felix.core.view import OrchestratorView, PolicySettings
 
 
@@ -109,11 +109,12 @@ class TierTrack(AvailabilityPolicy):
 
     def on_tier(self, orch: OrchestratorView, rec: ClientRecord | ClientView, tier: Tier) -> None:
         orch.clients.set_tier(rec.client_id, tier)
-        if rec.in_flight is None:
+        holder = orch.clients[rec.client_id].in_flight  # the ledger's column (a record has none)
+        if holder is None:
             return
-        task = orch.task(rec.in_flight)
+        task = orch.task(holder)
         if tier is Tier.UN_AVL or (tier is Tier.AVL_EVAL and task.kind is TaskKind.TRAIN):
-            orch.release(task, TaskState.INTERRUPTED)
+            orch.release(task, TaskEvent.CLIENT_LEFT)
 
     def on_timeout(self, orch: OrchestratorView, task: Task) -> None:
         orch.clients.set_tier(task.client_id, Tier.UN_AVL)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,7 +82,8 @@ class LogMark:
 
 @dataclass(slots=True)
 class ClientRecord:
-    """One client's fields, as registered (``ClientMap.add``); the map stores them in columns."""
+    """One client's fields, as registered (``ClientMap.add``); the map stores them in columns. A
+    client registers holding no slot: ``in_flight`` is the task ledger's to set."""
 
     client_id: int
     num_samples: int
@@ -91,7 +92,6 @@ class ClientRecord:
     stat_utility: float | None = None
     last_utility_round: int = -1  # version at which the utility was last measured (train or eval)
     last_duration: float | None = None  # seconds of the last training task, the system metric
-    in_flight: int | None = None  # task id holding this client's slot
     selected_round: int = -1  # round in which the client was last selected to train
     blocked_round: int = -1  # round whose task it dropped: TierTrack does not pick it again in that round
     times_selected: int = 0
@@ -173,8 +173,8 @@ class ClientRows:
 class ClientView:
     """One client's row, read and written through the map's columns (the fields of ``ClientRecord``).
 
-    ``tier`` and ``in_flight`` writes go through ``ClientMap.set_tier`` / ``set_in_flight`` so
-    that the tier pools stay consistent.
+    ``tier`` writes go through ``ClientMap.set_tier`` so that the tier pools stay consistent;
+    ``in_flight`` is read-only here (see ``ClientMap.set_in_flight``).
     """
 
     __slots__ = ("_map", "row")
@@ -218,10 +218,6 @@ class ClientView:
     def in_flight(self) -> int | None:
         t = int(self._map._hot[self.row, _HOT_AT["in_flight"]])
         return None if t == _NO_TASK else t
-
-    @in_flight.setter
-    def in_flight(self, task_id: int | None) -> None:
-        self._map.set_in_flight(self.client_id, task_id)
 
     @property
     def class_counts(self) -> tuple[int, ...]:
@@ -338,7 +334,7 @@ class ClientMap:
             self._grow(2 * r)
         hot = self._hot[r]
         hot[:6] = (
-            _NO_TASK if record.in_flight is None else record.in_flight,
+            _NO_TASK,
             record.blocked_round,
             record.selected_round,
             record.last_utility_round,
@@ -363,8 +359,6 @@ class ClientMap:
         self._identity = self._identity and cid == r
         self._n = r + 1
         self._join(r, int(record.tier))
-        if record.in_flight is not None:
-            self._busy[r] = None
         if record.stat_utility is not None or record.last_duration is not None or record.times_updated:
             self._log_write(r)
 
@@ -379,12 +373,24 @@ class ClientMap:
         return _TIERS[old]
 
     def set_in_flight(self, client_id: int, task_id: int | None) -> None:
+        """The task holding ``client_id``'s slot. In an orchestrator only its ``TaskLedger`` calls
+        this (and ``reset_in_flight``), from its transitions: the column mirrors the ledger."""
         r = self.row(client_id)
         self._hot[r, _HOT_AT["in_flight"]] = _NO_TASK if task_id is None else task_id
         if task_id is None:
             self._busy.pop(r, None)
         else:
             self._busy[r] = None
+
+    def reset_in_flight(self, holders: Mapping[int, int]) -> None:
+        """Rewrite the whole ``in_flight`` column: ``holders`` (client -> task id) hold a slot,
+        nobody else does (a restored ledger publishes its open tasks so)."""
+        self._hot[: self._n, _HOT_AT["in_flight"]] = _NO_TASK
+        rows = self.rows_of(np.fromiter(holders.keys(), dtype=np.int64, count=len(holders)))
+        self._hot[rows, _HOT_AT["in_flight"]] = np.fromiter(
+            holders.values(), dtype=np.int64, count=len(holders)
+        )
+        self._busy = dict.fromkeys(np.sort(rows).tolist())
 
     # ------------------------------------------------------------------ write log
     def mark(self) -> LogMark:

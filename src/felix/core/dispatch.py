@@ -23,7 +23,7 @@ from felix.core.orchestrator_config import OrchestratorConfig
 from felix.core.rounds import RoundPolicy
 from felix.core.selection import AvailabilityOracle, SelectionContext, TrainSelector
 from felix.core.stats import ModelPath, OrchestratorStats
-from felix.core.types import Task, TaskKind, TaskState, Tier
+from felix.core.types import TaskEvent, TaskKind, Tier
 
 
 class Dispatch:
@@ -52,12 +52,6 @@ class Dispatch:
     _evals_this_round: int
     _probe_dropped: set[int]  # clients whose eval task dropped this round: not probed again in it
     _rejoin_at: float | None  # when blocked clients may train again (the stall rule)
-
-    def _close(self, task: Task, state: TaskState) -> None:
-        """Close ``task`` in the ledger, freeing its client's slot if it held one."""
-        if task.holds_slot:
-            self.clients.set_in_flight(task.client_id, None)
-        self.ledger.close(task, state)
 
     def _ctx(self) -> SelectionContext:
         return SelectionContext(
@@ -120,11 +114,8 @@ class Dispatch:
 
     def _dispatch(self, cid: int, kind: TaskKind, out: list[Command]) -> None:
         rec = self.clients[cid]
-        if rec.in_flight is not None:
-            raise RuntimeError(f"selector picked client {cid}, which already holds task {rec.in_flight}")
-        task = self.ledger.open(cid, kind, self.version, self.round, self.now)
+        task = self.ledger.open(cid, kind, self.version, self.round, self.now)  # refuses a busy client
         self.admission.charge(cid, self.now)
-        self.clients.set_in_flight(cid, task.task_id)
         held = kind is TaskKind.TRAIN and self.data_plan.pending
         if not held:
             self.ledger.start_timer(task, self.now)
@@ -158,7 +149,7 @@ class Dispatch:
             if task is None:
                 continue
             if not task.holds_slot:  # it lost its slot while held (its client left): never sent, so closed
-                self._close(task, TaskState.CANCELLED)
+                self.ledger.close(task, TaskEvent.NOT_SENT)
                 continue
             task.base_version = self.version
             self.ledger.start_timer(task, self.now)

@@ -1,12 +1,22 @@
-"""The task ledger: every task the orchestrator has issued, its state, its timer, and the one table
-of legal state changes.
+"""The task ledger: every task the orchestrator has issued, its state, its timer, which task holds
+each client's slot, and the one table of legal state changes.
 
-A task is opened ``IN_FLIGHT`` (it holds its client's slot). It loses the slot by being
-``INTERRUPTED`` (its client left its tier) or ``TIMED_OUT`` (no reply within the task timeout);
-such a task stays open, because a late reply may still come and be used. It is closed ``DONE``
-(its result arrived) or ``CANCELLED`` (withdrawn, failed, or never sent). ``TRANSITIONS`` is the
-whole rule: the ledger refuses any other change (``IllegalTransition``), so a new code path that
-would, say, finish a cancelled task fails at once instead of double-counting an update.
+``TRANSITIONS`` maps (state, event) to the next state, h11-style: the event names the cause. A
+task is opened by ``DISPATCHED``, ``IN_FLIGHT`` (it holds its client's slot). It loses the slot
+by ``CLIENT_LEFT`` (``INTERRUPTED``: its client left its tier) or ``TIMER_FIRED`` (``TIMED_OUT``:
+no reply within the task timeout); such a task stays open, because a late reply may still come
+and be used (``LATE_RESULT``). It is closed ``DONE`` by its ``RESULT``, or ``CANCELLED`` when it
+``FAILED`` on its client, was ``WITHDRAWN`` by the server, was ``NOT_SENT`` (held back for the
+data plan and its client left meanwhile) or was ``SUPERSEDED`` (the one-late-task rule below).
+The ledger's verbs take the event and refuse any pair the table lacks (``IllegalTransition``
+naming state and event), so a new code path that would, say, finish a cancelled task fails at
+once instead of double-counting an update.
+
+Which task holds each client's slot is part of the same transitions: ``open`` takes the slot and
+any change out of ``IN_FLIGHT`` frees it, in one place (``_move``), which also writes the
+``ClientMap``'s ``in_flight`` column (attached as ``slots``; selection reads that column as an
+array) and nowhere else does; a restored checkpoint rewrites the column from the open tasks. So
+the ledger and the column cannot disagree.
 
 Why one place: replays and late replies are decided here (a closed id is remembered as DONE or
 CANCELLED, so a replayed result is told from a stale one), and the deployment shell's
@@ -20,25 +30,35 @@ Sans-I/O like the rest of ``felix.core``: time arrives as arguments.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
 
 import numpy as np
 
-from felix.core.types import Task, TaskKind, TaskState
+from felix.core.types import Task, TaskEvent, TaskKind, TaskState
 
 # Closed task ids are remembered one by one only above a watermark (the oldest task still open):
 # below it every id not open is closed. Compaction runs when this many ids are remembered.
 CLOSED_COMPACT_AT = 4096
 
-_S = TaskState
-#: The legal state changes: a task in the key's state may move to one of the value's states.
-TRANSITIONS: dict[TaskState, frozenset[TaskState]] = {
-    _S.IN_FLIGHT: frozenset({_S.INTERRUPTED, _S.TIMED_OUT, _S.CANCELLED, _S.DONE}),
-    _S.INTERRUPTED: frozenset({_S.CANCELLED, _S.DONE}),  # a late reply, or withdrawn
-    _S.TIMED_OUT: frozenset({_S.CANCELLED, _S.DONE}),
-    _S.CANCELLED: frozenset(),
-    _S.DONE: frozenset(),
+_S, _E = TaskState, TaskEvent
+#: The legal state changes: (state, event) -> next state. ``None`` is a task not yet opened.
+TRANSITIONS: dict[tuple[TaskState | None, TaskEvent], TaskState] = {
+    (None, _E.DISPATCHED): _S.IN_FLIGHT,
+    (_S.IN_FLIGHT, _E.CLIENT_LEFT): _S.INTERRUPTED,
+    (_S.IN_FLIGHT, _E.TIMER_FIRED): _S.TIMED_OUT,
+    (_S.IN_FLIGHT, _E.RESULT): _S.DONE,
+    (_S.IN_FLIGHT, _E.FAILED): _S.CANCELLED,
+    (_S.IN_FLIGHT, _E.WITHDRAWN): _S.CANCELLED,
+    (_S.INTERRUPTED, _E.LATE_RESULT): _S.DONE,
+    (_S.INTERRUPTED, _E.FAILED): _S.CANCELLED,
+    (_S.INTERRUPTED, _E.WITHDRAWN): _S.CANCELLED,
+    (_S.INTERRUPTED, _E.NOT_SENT): _S.CANCELLED,  # a held task has no timer: only its client can leave
+    (_S.INTERRUPTED, _E.SUPERSEDED): _S.CANCELLED,
+    (_S.TIMED_OUT, _E.LATE_RESULT): _S.DONE,
+    (_S.TIMED_OUT, _E.FAILED): _S.CANCELLED,
+    (_S.TIMED_OUT, _E.WITHDRAWN): _S.CANCELLED,
+    (_S.TIMED_OUT, _E.SUPERSEDED): _S.CANCELLED,
 }
 #: States that close a task (it leaves the ledger's open tasks).
 CLOSED_STATES = frozenset({_S.DONE, _S.CANCELLED})
@@ -50,7 +70,16 @@ _STATES = tuple(TaskState)
 
 
 class IllegalTransition(RuntimeError):
-    """A task was asked to change state in a way ``TRANSITIONS`` does not allow."""
+    """A task was sent an event that its table (``TRANSITIONS``, or the device runner's
+    ``DEVICE_TRANSITIONS``) does not allow in its state."""
+
+
+class SlotColumn(Protocol):
+    """Where the ledger publishes which task holds each client's slot (``ClientMap``'s column)."""
+
+    def set_in_flight(self, client_id: int, task_id: int | None) -> None: ...
+
+    def reset_in_flight(self, holders: Mapping[int, int]) -> None: ...
 
 
 class TaskLedger:
@@ -58,7 +87,9 @@ class TaskLedger:
 
     ``task_timeout_s``: each dispatched task's timer (None: no timers). ``one_late_task_per_client``
     (with ``accept_late``): each client keeps at most one open task that lost its slot; a newer
-    one is closed at once and reported by ``take_expired`` so that the shell cancels it.
+    one is closed at once (``SUPERSEDED``) and reported by ``take_expired`` so that the shell
+    cancels it. ``slots``: the column that mirrors ``holder`` for selection (the orchestrator's
+    ``ClientMap``), written only by this ledger.
     """
 
     def __init__(
@@ -66,10 +97,13 @@ class TaskLedger:
         task_timeout_s: float | None = None,
         one_late_task_per_client: bool = False,
         accept_late: bool = True,
+        slots: SlotColumn | None = None,
     ) -> None:
         self.task_timeout_s = task_timeout_s
         self.one_late_task_per_client = one_late_task_per_client
         self.accept_late = accept_late
+        self._slots = slots
+        self._holder: dict[int, int] = {}  # client -> its task holding the slot (IN_FLIGHT)
         self._open: dict[int, Task] = {}
         self._closed: dict[int, TaskState] = {}  # task id -> DONE / CANCELLED, above the watermark
         self._closed_below = 1  # every task id below it is open or closed
@@ -108,6 +142,10 @@ class TaskLedger:
         """The id the next task will get."""
         return self._next_id
 
+    def holder(self, client_id: int) -> int | None:
+        """The id of the task holding the client's slot, if any."""
+        return self._holder.get(client_id)
+
     def closed_state(self, task_id: int) -> TaskState | None:
         """How ``task_id`` was closed (DONE or CANCELLED) if it is remembered one by one, else None."""
         return self._closed.get(task_id)
@@ -133,13 +171,22 @@ class TaskLedger:
 
     # ------------------------------------------------------------------ transitions
     def open(self, client_id: int, kind: TaskKind, base_version: int, round_: int, now: float) -> Task:
-        """A new task, ``IN_FLIGHT``, with the next id. Its timer starts with ``start_timer``
-        (a task held back for the data plan starts it when it is sent)."""
-        task = Task(self._next_id, client_id, kind, base_version, round_, now)
+        """``DISPATCHED``: a new task, ``IN_FLIGHT`` and holding its client's slot, with the next id.
+        Its timer starts with ``start_timer`` (a task held back for the data plan starts it when it
+        is sent). A client holding a slot cannot be given a second task."""
+        held = self._holder.get(client_id)
+        if held is not None:
+            raise IllegalTransition(
+                f"client {client_id} already holds task {held}: a second {_E.DISPATCHED.value} is not allowed"
+            )
+        task = Task(
+            self._next_id, client_id, kind, base_version, round_, now, TRANSITIONS[None, _E.DISPATCHED]
+        )
         self._next_id += 1
         self._open[task.task_id] = task
         if kind is TaskKind.TRAIN:
             self._train_in_flight += 1
+        self._hold(client_id, task.task_id)
         return task
 
     def start_timer(self, task: Task, now: float) -> None:
@@ -149,44 +196,34 @@ class TaskLedger:
             if len(self._timers) > 2 * len(self._open) + 64:
                 self._compact_timers()
 
-    def _move(self, task: Task, state: TaskState) -> None:
-        if state not in TRANSITIONS[task.state]:
-            raise IllegalTransition(
-                f"task {task.task_id}: {task.state.value} -> {state.value} is not allowed"
-            )
-        if task.holds_slot and task.kind is TaskKind.TRAIN:
-            self._train_in_flight -= 1
-        task.state = state
-
-    def release(self, task: Task, state: TaskState) -> bool:
-        """``task`` loses its slot (``INTERRUPTED`` or ``TIMED_OUT``); it stays open for a late reply.
+    def release(self, task: Task, event: TaskEvent) -> bool:
+        """``event`` (``CLIENT_LEFT`` or ``TIMER_FIRED``) takes ``task``'s slot; it stays open for a
+        late reply. Any event that would not leave it so is refused. Returns whether the task was
+        closed at once by the one-late-task rule.
 
         With ``one_late_task_per_client`` each client keeps at most one such task open, so open
         tasks are bounded by the population, not the run's history: when the client already has
-        one, this newer task is closed as well (``take_expired`` then reports it). A device runs its
-        tasks in order, so the newer one has not started (the older holds the progress); a device
-        that restarted has its old task failed by the shell, so it never blocks the newer ones.
-        Returns whether the task was closed so.
+        one, this newer task is closed as well (``SUPERSEDED``; ``take_expired`` then reports it).
+        A device runs its tasks in order, so the newer one has not started (the older holds the
+        progress); a device that restarted has its old task failed by the shell, so it never blocks
+        the newer ones.
         """
-        if state not in LATE_STATES:
-            raise IllegalTransition(f"task {task.task_id}: release to {state.value}, not a late state")
-        self._move(task, state)
+        self._move(task, event, LATE_STATES)
         old = self._late.get(task.client_id)
         prev = None if old is None or old == task.task_id else self._open.get(old)
         if self.one_late_task_per_client and self.accept_late and prev is not None and not prev.holds_slot:
-            self.close(task, TaskState.CANCELLED)
+            self.close(task, _E.SUPERSEDED)
             self._expired.append(task)
             return True
         self._late[task.client_id] = task.task_id
         return False
 
-    def close(self, task: Task, state: TaskState) -> None:
-        """``task`` ends ``DONE`` or ``CANCELLED``; its id is remembered for replays. Past
-        ``CLOSED_COMPACT_AT`` remembered ids the watermark rises to the oldest task still holding a
-        slot and the ids below it are forgotten (they stay closed: not open and below the mark)."""
-        if state not in CLOSED_STATES:
-            raise IllegalTransition(f"task {task.task_id}: close as {state.value}, not a closing state")
-        self._move(task, state)
+    def close(self, task: Task, event: TaskEvent) -> None:
+        """``event`` ends ``task`` (``DONE`` or ``CANCELLED``; any event that would not is refused);
+        its id is remembered for replays. Past ``CLOSED_COMPACT_AT`` remembered ids the watermark
+        rises to the oldest task still holding a slot and the ids below it are forgotten (they stay
+        closed: not open and below the mark)."""
+        state = self._move(task, event, CLOSED_STATES)
         self._open.pop(task.task_id, None)
         self._closed[task.task_id] = state
         if len(self._closed) < CLOSED_COMPACT_AT:
@@ -197,6 +234,32 @@ class TaskLedger:
         if mark > self._closed_below:
             self._closed_below = mark
             self._closed = {t: s for t, s in self._closed.items() if t >= mark}
+
+    def _move(self, task: Task, event: TaskEvent, into: frozenset[TaskState]) -> TaskState:
+        """The one place a task changes state, to one of ``into`` (the caller's verb); leaving
+        ``IN_FLIGHT`` frees the client's slot."""
+        state = TRANSITIONS.get((task.state, event))
+        if state is None or state not in into:
+            raise IllegalTransition(
+                f"task {task.task_id}: event {event.value} is not allowed in state {task.state.value}"
+                + ("" if state is None else f" by this verb (it leads to {state.value})")
+            )
+        if task.holds_slot:
+            if task.kind is TaskKind.TRAIN:
+                self._train_in_flight -= 1
+            self._hold(task.client_id, None)
+        task.state = state
+        return state
+
+    def _hold(self, client_id: int, task_id: int | None) -> None:
+        """The one writer of slot ownership: ``task_id`` (None: no task) holds ``client_id``'s slot,
+        here and in the attached column."""
+        if task_id is None:
+            del self._holder[client_id]
+        else:
+            self._holder[client_id] = task_id
+        if self._slots is not None:
+            self._slots.set_in_flight(client_id, task_id)
 
     def take_expired(self) -> list[Task]:
         """The tasks the one-late-task rule closed since the last call (the shell cancels them)."""
@@ -277,6 +340,9 @@ class TaskLedger:
                 _STATES[t["state"][i]],
             )
         self._late = {task.client_id: tid for tid, task in sorted(self._open.items()) if not task.holds_slot}
+        self._holder = {task.client_id: tid for tid, task in self._open.items() if task.holds_slot}
+        if self._slots is not None:
+            self._slots.reset_in_flight(self._holder)
         self._expired = []
         self._closed = {
             tid: _STATES[s]
@@ -300,5 +366,6 @@ __all__ = [
     "LATE_STATES",
     "TRANSITIONS",
     "IllegalTransition",
+    "SlotColumn",
     "TaskLedger",
 ]

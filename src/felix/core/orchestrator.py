@@ -32,7 +32,7 @@ from felix.core.orchestrator_config import AvailabilityName, OrchestratorConfig
 from felix.core.rounds import ROUND_POLICIES, RoundPolicy
 from felix.core.selection import AvailabilityOracle, TrainSelector
 from felix.core.stats import ModelPath, OrchestratorStats, StatsCheckpoint
-from felix.core.types import BufferedUpdate, ClientUpdate, Task, TaskKind, TaskState, Tier
+from felix.core.types import BufferedUpdate, ClientUpdate, Task, TaskEvent, TaskKind, TaskState, Tier
 from felix.core.validation import UpdateValidator, ValidationConfig, malformed
 
 
@@ -82,7 +82,9 @@ class Orchestrator(Dispatch):
         self.clients = ClientMap()
         self.admission = Admission(config.admission)
         self.stats = OrchestratorStats()
-        self.ledger = TaskLedger(config.task_timeout_s, config.one_late_task_per_client, config.accept_late)
+        self.ledger = TaskLedger(
+            config.task_timeout_s, config.one_late_task_per_client, config.accept_late, slots=self.clients
+        )
         self.buffer = AggregationBuffer()
         self.version = 0
         self.round = 0  # sync: rounds started; async: equals the version
@@ -208,7 +210,7 @@ class Orchestrator(Dispatch):
         task, upd = valid
         rec = self.clients[task.client_id]
         late = task.state is not TaskState.IN_FLIGHT
-        self._close(task, TaskState.DONE)
+        self.ledger.close(task, TaskEvent.LATE_RESULT if late else TaskEvent.RESULT)
         self.availability.on_reply(self, rec)
         scale = self.cfg.eval_utility_scale if task.kind is TaskKind.EVAL else 1.0
         rec.stat_utility = float(upd.stat_utility) * scale
@@ -242,13 +244,14 @@ class Orchestrator(Dispatch):
             )
             return
         if task.holds_slot:  # a task that lost its slot earlier was counted as dropped then
+            self.admission.dropped(task.client_id, self.now)
             if task.kind is TaskKind.TRAIN:
                 self.stats.train_dropped += 1
                 self.clients[task.client_id].times_dropped += 1
                 self.clients[task.client_id].blocked_round = task.round
             else:
                 self._probe_dropped.add(task.client_id)
-        self._close(task, TaskState.CANCELLED)
+        self.ledger.close(task, TaskEvent.FAILED)
 
     # ------------------------------------------------------------------ validation
     def _validate(self, ev: TaskFinished, out: list[Command]) -> tuple[Task, ClientUpdate] | None:
@@ -292,12 +295,13 @@ class Orchestrator(Dispatch):
         out.append(UpdateRejected(self.now, client_id, task_id, reason))
 
     # ------------------------------------------------------------------ slots and timers
-    def _release(self, task: Task, state: TaskState) -> None:
-        """A task loses its slot mid-way; its late reply may still come (and be accepted), unless
-        the ledger's one-late-task rule closes it (its cancel goes out with the event's commands)."""
-        self.clients.set_in_flight(task.client_id, None)
-        self.ledger.release(task, state)
+    def _release(self, task: Task, event: TaskEvent) -> None:
+        """A task loses its slot mid-way (``CLIENT_LEFT`` or ``TIMER_FIRED``); its late reply may still
+        come (and be accepted), unless the ledger's one-late-task rule closes it (its cancel goes
+        out with the event's commands)."""
+        self.ledger.release(task, event)
         rec = self.clients[task.client_id]
+        self.admission.dropped(task.client_id, self.now)
         if task.kind is TaskKind.TRAIN:
             self.stats.train_dropped += 1
             rec.times_dropped += 1
@@ -310,7 +314,7 @@ class Orchestrator(Dispatch):
     def _fire_timers(self, out: list[Command]) -> None:
         for task in self.ledger.due(self.now):
             queued = task.kind is TaskKind.EVAL and self.late_task(task.client_id) is not None
-            self._release(task, TaskState.TIMED_OUT)
+            self._release(task, TaskEvent.TIMER_FIRED)
             if not (queued and self.cfg.spare_queued_evals):
                 self.availability.on_timeout(self, task)
             if not self.cfg.accept_late:
@@ -318,7 +322,7 @@ class Orchestrator(Dispatch):
         self.rounds.on_timers(self, out)
 
     def _cancel(self, task: Task, reason: str, out: list[Command]) -> None:
-        self._close(task, TaskState.CANCELLED)
+        self.ledger.close(task, TaskEvent.WITHDRAWN)
         if task.kind is TaskKind.TRAIN:
             self.stats.train_cancelled += 1
         self.admission.charge(task.client_id, self.now)
@@ -355,13 +359,65 @@ class Orchestrator(Dispatch):
         self._probe_dropped.clear()
 
     def aggregate(self, out: list[Command]) -> None:
-        """Apply the buffer now (a new model version), or reject what cannot be aggregated."""
+        """Apply the buffer now (a new model version), or reject what cannot be aggregated.
+
+        All or nothing: if any step after the aggregator's fails (a policy's arithmetic, say),
+        everything the aggregation changed is put back (version, round, model, aux, stats,
+        policy states, commands) and the buffered updates are rejected, so no version is ever
+        half made (a model changed without its version, report and checkpoint)."""
+        undo = self._undo_point(len(out))
         try:
             buffer, (theta, norm_w, aux) = self.buffer.aggregate(self.aggregator, self._theta, self.version)
         except (ValueError, ArithmeticError) as exc:
             for b in self.buffer.drop_unaggregatable(self.aggregator, self._theta):
                 self._reject(b.client_id, b.task_id, f"update cannot be aggregated ({str(exc)[:120]})", out)
             return
+        try:
+            self._apply_aggregate(buffer, theta, norm_w, aux, out)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the aggregation is undone whole
+            self._roll_back(undo, out)
+            reason = f"aggregation failed and was rolled back ({type(exc).__name__}: {str(exc)[:120]})"
+            for b in buffer:
+                self._reject(b.client_id, b.task_id, reason, out)
+
+    def _undo_point(self, n_out: int) -> dict[str, Any]:
+        """What an aggregation may change, as it stands (``_roll_back`` restores it). The model and
+        the aux arrays are replaced, never written in place, so references suffice for them."""
+        return {
+            "out": n_out,
+            "version": self.version,
+            "round": self.round,
+            "theta": self._theta,
+            "aux": dict(self.aux),
+            "path_total": self.model_path.total,
+            "evals_this_round": self._evals_this_round,
+            "probe_dropped": set(self._probe_dropped),
+            "stats": self.stats.mark(),
+            "rounds": self.rounds.state_dict(),
+            "selector": self.selector.state_dict(),
+            "aggregator": self.aggregator.state_dict(),
+        }
+
+    def _roll_back(self, undo: dict[str, Any], out: list[Command]) -> None:
+        del out[undo["out"] :]
+        self.version, self.round, self._theta = undo["version"], undo["round"], undo["theta"]
+        self.aux = undo["aux"]
+        self.model_path.total = undo["path_total"]
+        self._evals_this_round = undo["evals_this_round"]
+        self._probe_dropped = undo["probe_dropped"]
+        self.stats.rewind(undo["stats"])
+        self.rounds.load_state_dict(undo["rounds"])
+        self.selector.load_state_dict(undo["selector"])
+        self.aggregator.load_state_dict(undo["aggregator"])
+
+    def _apply_aggregate(
+        self,
+        buffer: list[BufferedUpdate],
+        theta: np.ndarray,
+        norm_w: Any,
+        aux: dict[str, Any],
+        out: list[Command],
+    ) -> None:
         new = theta.astype(np.float32, copy=False)
         self.model_path.moved(self._theta, new)
         self._theta = _frozen(new)
@@ -388,9 +444,9 @@ class Orchestrator(Dispatch):
         """Withdraw ``task``: the client is told, and a late reply is rejected."""
         self._cancel(task, reason, out)
 
-    def release(self, task: Task, state: TaskState) -> None:
-        """``task`` loses its slot (it left or timed out); a late reply may still be accepted."""
-        self._release(task, state)
+    def release(self, task: Task, event: TaskEvent) -> None:
+        """``task`` loses its slot (``CLIENT_LEFT`` or ``TIMER_FIRED``); a late reply may still be accepted."""
+        self._release(task, event)
 
     # ------------------------------------------------------------------ checkpoints
     def reserve_task_ids(self, first: int) -> None:
@@ -452,7 +508,8 @@ class Orchestrator(Dispatch):
             cid: tuple(flat[a:b])
             for cid, a, b in zip(np.asarray(state["plans_ids"]).tolist(), starts, ends, strict=True)
         }
-        self.ledger.load_state_dict(state)
+        self.clients.load_state_dict(state["clients"])
+        self.ledger.load_state_dict(state)  # after the clients: it rewrites their in_flight column
         self._rejoin_at = None
         self.buffer.load_state_dict(state["buffer"])
         self._held = np.asarray(state["held"]).tolist()
@@ -461,7 +518,6 @@ class Orchestrator(Dispatch):
         self.model_path.load_state_dict(state, self.round)
         self.rng.bit_generator.state = state["rng"]
         self._stats_ckpt.load_state_dict(self.stats, state["stats"])
-        self.clients.load_state_dict(state["clients"])
         self.selector.load_state_dict(state["selector"])
         self.eval_selector.load_state_dict(state["eval_selector"])
         self.aggregator.load_state_dict(state["aggregator"])

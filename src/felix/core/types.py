@@ -38,6 +38,20 @@ class TaskState(str, Enum):
     DONE = "done"
 
 
+class TaskEvent(str, Enum):
+    """What happens to a task: the causes of its state changes (``felix.core.ledger.TRANSITIONS``)."""
+
+    DISPATCHED = "dispatched"  # the orchestrator assigned it (opens it, holding its client's slot)
+    CLIENT_LEFT = "client_left"  # its client's tier stopped allowing it (or the client started flapping)
+    TIMER_FIRED = "timer_fired"  # no reply within the task timeout
+    RESULT = "result"  # its valid result arrived while it held its slot
+    LATE_RESULT = "late_result"  # its valid result arrived after it lost its slot
+    FAILED = "failed"  # its client reported that it could not run it
+    WITHDRAWN = "withdrawn"  # the server no longer wants it (a round ended, or it timed out unwanted)
+    NOT_SENT = "not_sent"  # held back for the data plan, it lost its slot before it was ever sent
+    SUPERSEDED = "superseded"  # it lost its slot behind an older task of its client still open
+
+
 @dataclass(slots=True)
 class ClientUpdate:
     """What a client sends back. ``delta`` is ``None`` for eval tasks (forward pass only).

@@ -15,7 +15,7 @@ from typing import Protocol
 from felix.core.client_map import ClientMap
 from felix.core.commands import Command
 from felix.core.stats import OrchestratorStats
-from felix.core.types import Task, TaskState
+from felix.core.types import Task, TaskEvent
 
 
 class PolicySettings(Protocol):
@@ -84,8 +84,8 @@ class OrchestratorView(Protocol):
         """Withdraw ``task``: the client is told, and a late reply is rejected."""
         ...
 
-    def release(self, task: Task, state: TaskState) -> None:
-        """``task`` loses its slot (it left or timed out); a late reply may still be accepted."""
+    def release(self, task: Task, event: TaskEvent) -> None:
+        """``task`` loses its slot (``CLIENT_LEFT`` or ``TIMER_FIRED``); a late reply may still be accepted."""
         ...
 
 

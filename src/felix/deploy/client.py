@@ -446,7 +446,7 @@ class ClientHost:
                 reason=f"{type(exc).__name__}: {exc}"[: wire.MAX_STR],
             )
             self._publish_result(dev, wire.encode(fail))
-            self._follow(dev, dev.advance(self.trace_time()))
+            self._follow(dev, dev.fail(self.trace_time(), task))
             return
         spent = self._clock() - t0
         upd.duration = task.duration if self.opts.runtime == "profile" else spent / self.opts.time_scale

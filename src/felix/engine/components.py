@@ -28,6 +28,7 @@ from felix.core.orchestrator import Orchestrator, OrchestratorConfig
 from felix.core.policies import AGGREGATORS, EVAL_SELECTORS, TRAIN_SELECTORS, Aggregator
 from felix.core.registry import Registry, RegistryError
 from felix.core.rounds import ROUND_POLICIES
+from felix.core.server_optim import SERVER_OPTIMIZERS
 from felix.core.validation import UpdateValidator, ValidationConfig
 from felix.metrics.per_client import PerClientSetup, make_per_client_eval
 from felix.metrics.recorder import Recorder
@@ -202,11 +203,19 @@ def build_orchestrator(
     eval_selector = _create(
         EVAL_SELECTORS, cfg.eval_selector.name, cfg.eval_selector.params, "eval_selector.params", cfg
     )
-    aggregator = _create(AGGREGATORS, cfg.aggregator.name, cfg.aggregator.params, "aggregator.params", cfg)
-    if cfg.aggregator.robust != "none":
+    a = cfg.aggregator
+    aggregator = _create(AGGREGATORS, a.name, a.params, "aggregator.params", cfg)
+    aggregator.optimizer = _create(
+        SERVER_OPTIMIZERS,
+        a.server_optimizer,
+        a.server_optimizer_params,
+        "aggregator.server_optimizer_params",
+        cfg,
+    )
+    if a.robust != "none":
         from felix.strategies.aggregation.robust import RobustAggregator
 
-        aggregator = RobustAggregator(aggregator, cfg.aggregator.robust, cfg.aggregator.trim_fraction)
+        aggregator = RobustAggregator(aggregator, a.robust, a.trim_fraction)
     validator = build_validator(cfg, aggregator, int(weights.size))
     oracle = None
     if availability.needs_oracle:

@@ -8,6 +8,23 @@ and do what it answers (:class:`Step`): set a completion timer, send results. It
 does no I/O and imports no torch, so its behaviour is tested directly, in virtual time.
 
 The rules (the FeLiX authors' clients, and the simulator's model of a checkpointed device):
+- a task moves only as ``DEVICE_TRANSITIONS`` says, a (state, event) -> next state table like the
+  server's ledger (``felix.core.ledger``); any other change raises ``IllegalTransition``:
+
+  ====================  =================  ===============================================
+  state                 event              next state
+  ====================  =================  ===============================================
+  (new)                 RECEIVED           QUEUED
+  QUEUED                STARTED            RUNNING (its tier allows it, nothing else runs)
+  RUNNING               TIER_BLOCKED       PAUSED (progress kept)
+  PAUSED                TIER_ALLOWED       RUNNING
+  RUNNING               WORK_DONE          COMPUTING (the shell computes its result)
+  COMPUTING             RESULT_READY       HELD
+  HELD                  SENT               SENT (now, or once the tier allows it)
+  COMPUTING             COMPUTE_FAILED     FAILED (the shell reported the failure)
+  QUEUED/RUNNING/PAUSED CANCEL_RECEIVED    CANCELLED
+  ====================  =================  ===============================================
+
 - tasks run one at a time, in arrival order; training runs only in ``AVL_TRAIN``, an eval in
   ``AVL_TRAIN`` or ``AVL_EVAL``;
 - a task whose tier stops allowing it pauses, keeping its progress, and resumes when the tier
@@ -30,10 +47,12 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
+from felix.core.ledger import IllegalTransition
 from felix.core.types import TaskKind, Tier
 
 if TYPE_CHECKING:
@@ -57,6 +76,60 @@ def can_run(tier: Tier, kind: TaskKind) -> bool:
     return tier is Tier.AVL_TRAIN or (kind is TaskKind.EVAL and tier is Tier.AVL_EVAL)
 
 
+class DeviceState(str, Enum):
+    """Where a task is on its device (the server's view of it is ``felix.core.types.TaskState``)."""
+
+    QUEUED = "queued"  # received, waiting for the device and a tier that allows it
+    RUNNING = "running"  # its work clock runs
+    PAUSED = "paused"  # started, its tier stopped allowing it: progress kept
+    COMPUTING = "computing"  # its work time is over; the shell computes its result
+    HELD = "held"  # its result waits for a tier that allows sending it
+    SENT = "sent"  # its result went to the shell to send
+    FAILED = "failed"  # its computation failed (the shell reported it)
+    CANCELLED = "cancelled"  # the server withdrew it before its work was done
+
+
+class DeviceEvent(str, Enum):
+    """What happens to a task on its device: the causes in ``DEVICE_TRANSITIONS``."""
+
+    RECEIVED = "received"
+    STARTED = "started"
+    TIER_BLOCKED = "tier_blocked"
+    TIER_ALLOWED = "tier_allowed"
+    WORK_DONE = "work_done"  # its completion timer fired (with a current token)
+    RESULT_READY = "result_ready"
+    SENT = "sent"
+    COMPUTE_FAILED = "compute_failed"
+    CANCEL_RECEIVED = "cancel_received"
+
+
+_D, _V = DeviceState, DeviceEvent
+#: The legal changes of a task on its device: (state, event) -> next state; ``None``: not received yet.
+DEVICE_TRANSITIONS: dict[tuple[DeviceState | None, DeviceEvent], DeviceState] = {
+    (None, _V.RECEIVED): _D.QUEUED,
+    (_D.QUEUED, _V.STARTED): _D.RUNNING,
+    (_D.RUNNING, _V.TIER_BLOCKED): _D.PAUSED,
+    (_D.PAUSED, _V.TIER_ALLOWED): _D.RUNNING,
+    (_D.RUNNING, _V.WORK_DONE): _D.COMPUTING,
+    (_D.COMPUTING, _V.RESULT_READY): _D.HELD,
+    (_D.HELD, _V.SENT): _D.SENT,
+    (_D.COMPUTING, _V.COMPUTE_FAILED): _D.FAILED,
+    (_D.QUEUED, _V.CANCEL_RECEIVED): _D.CANCELLED,
+    (_D.RUNNING, _V.CANCEL_RECEIVED): _D.CANCELLED,
+    (_D.PAUSED, _V.CANCEL_RECEIVED): _D.CANCELLED,
+}
+
+
+def _move(cid: int, task: DeviceTask, event: DeviceEvent) -> None:
+    """The one place a device task changes state."""
+    state = DEVICE_TRANSITIONS.get((task.state, event))
+    if state is None:
+        raise IllegalTransition(
+            f"client {cid}, task {task.task_id}: event {event.value} is not allowed in state {task.state.value}"
+        )
+    task.state = state
+
+
 @dataclass
 class DeviceTask:
     """A task as a device holds it: the model and aux it trains on and the work it costs. The
@@ -69,6 +142,7 @@ class DeviceTask:
     duration: float  # config seconds of work (0 under compute timing: the computation's own time)
     version: int = 0  # the model version it was dispatched with
     data_span: tuple[float, float] | None = None  # arrival times of its oldest and newest sample (a feed's)
+    state: DeviceState = DEVICE_TRANSITIONS[None, DeviceEvent.RECEIVED]
 
 
 class DataFeed(Protocol):
@@ -122,13 +196,13 @@ class DeviceRunner(Generic[R]):
     runtime_s: float  # config seconds of one training task
     tier: Tier
     state: dict[str, Any] = field(default_factory=dict)  # objective state kept between the client's tasks
-    queue: deque[DeviceTask] = field(default_factory=deque)
-    current: DeviceTask | None = None
+    queue: deque[DeviceTask] = field(default_factory=deque)  # QUEUED tasks, in arrival order
+    current: DeviceTask | None = None  # the RUNNING or PAUSED task
     started_at: float | None = None  # when the current task (re)started; None while paused
     remaining: float = 0.0  # config seconds of work left on the current task when it (re)started
     token: int = 0
     seen: set[int] = field(default_factory=set)  # task ids received or cancelled: each runs at most once
-    held: list[Held[R]] = field(default_factory=list)  # results waiting for a tier that allows sending
+    held: list[Held[R]] = field(default_factory=list)  # HELD results, waiting for a tier that allows sending
     augmented: bool = False  # applied its data-plan row (once, on the first task bringing it)
     feed: DataFeed | None = None  # streaming data: ``data`` is refreshed from it when a task starts
 
@@ -189,10 +263,12 @@ class DeviceRunner(Generic[R]):
         task = self.current
         if task is not None:
             if self.started_at is not None and not self.can_run(task.kind):  # pause, keep the progress
+                _move(self.cid, task, DeviceEvent.TIER_BLOCKED)
                 self.remaining -= now - self.started_at
                 self.started_at = None
                 self.token += 1
             elif self.started_at is None and self.can_run(task.kind):
+                _move(self.cid, task, DeviceEvent.TIER_ALLOWED)
                 step.timer = self._resume(now)
         else:
             step.timer = self._try_start(now)
@@ -205,31 +281,42 @@ class DeviceRunner(Generic[R]):
         if token != self.token or self.current is None:
             return None
         task, self.current, self.started_at = self.current, None, None
+        _move(self.cid, task, DeviceEvent.WORK_DONE)
         return task
 
     def finish(self, now: float, task: DeviceTask, result: R) -> Step[R]:
         """``task``'s result is ready: sent now if the tier allows it, else held; the next task may start."""
+        _move(self.cid, task, DeviceEvent.RESULT_READY)
         self.held.append(Held(task, result))
         return Step(self._try_start(now), self._release())
 
-    def advance(self, now: float) -> Step[R]:
-        """Start the next queued task if the device is idle and its tier allows it (after a failed task)."""
+    def fail(self, now: float, task: DeviceTask) -> Step[R]:
+        """Computing ``task`` failed (the shell reported it); the next queued task may start."""
+        _move(self.cid, task, DeviceEvent.COMPUTE_FAILED)
         return Step(self._try_start(now))
 
     def cancel(self, now: float, task_id: int) -> Step[R]:
         """Drop a queued or running task; a delivery of it that comes later is not run."""
         self.seen.add(task_id)
         if self.current is not None and self.current.task_id == task_id:
+            _move(self.cid, self.current, DeviceEvent.CANCEL_RECEIVED)
             self.current, self.started_at = None, None
             self.token += 1
             return Step(self._try_start(now))
-        self.queue = deque(t for t in self.queue if t.task_id != task_id)
+        kept: deque[DeviceTask] = deque()
+        for t in self.queue:
+            if t.task_id == task_id:
+                _move(self.cid, t, DeviceEvent.CANCEL_RECEIVED)
+            else:
+                kept.append(t)
+        self.queue = kept
         return Step()
 
     # ------------------------------------------------------------------ internals
     def _try_start(self, now: float) -> Timer | None:
         if self.current is None and self.queue and self.can_run(self.queue[0].kind):
             self.current = self.queue.popleft()
+            _move(self.cid, self.current, DeviceEvent.STARTED)
             self.remaining = self.current.duration
             if self.feed is not None:
                 self.data, self.current.data_span = self.feed.data_at(now)
@@ -247,4 +334,6 @@ class DeviceRunner(Generic[R]):
         out = [h for h in self.held if self.can_run(h.task.kind)]
         if out:
             self.held = [h for h in self.held if not self.can_run(h.task.kind)]
+            for h in out:
+                _move(self.cid, h.task, DeviceEvent.SENT)
         return out

@@ -95,7 +95,7 @@ class QFFLParams(BaseModel):
     loss_key: str = "qffl_loss"
 
 
-@AGGREGATORS.register("qffl", params=QFFLParams, reads_aux=("qffl_loss",))
+@AGGREGATORS.register("qffl", params=QFFLParams, reads_aux=("qffl_loss",), own_step=True)
 def _qffl(params: QFFLParams, cfg: Any) -> QFFLAggregator:
     """q-FFL reads each client's loss at the received model from aux ``qffl_loss`` when a client
     sends it, else the mean local training loss (biased low; see QFFLAggregator)."""

@@ -12,8 +12,8 @@ staleness and utility...), replacing only the weighted *mean* of the deltas by:
   from each end of the sorted values (a boundary update counts with the part of its weight that
   falls inside). ``trim = 0`` is the plain weighted mean.
 
-The server step is ``theta + server_lr * robust_step``, with the inner aggregator's ``server_lr``
-and per-update ``clip_norm``; its ``normalize`` setting does not apply (a median has no
+The server step is the inner aggregator's server optimiser applied to the robust step (plain
+``theta + server_lr * robust_step`` by default), with its ``server_lr`` and per-update ``clip_norm``; its ``normalize`` setting does not apply (a median has no
 denominator). Aux entries are reduced as by every aggregator (``reduce_aux``), since validation
 already pins their shapes. Selected with ``aggregator.robust: median | trimmed_mean`` in the config.
 """
@@ -76,7 +76,7 @@ class RobustAggregator(Aggregator):
             raise ValueError(f"robust aggregation must be one of {ROBUST_METHODS}, not {method!r}")
         if not 0.0 <= trim < 0.5:
             raise ValueError(f"trim must lie in [0, 0.5), not {trim}")
-        super().__init__(server_lr=inner.server_lr, normalize="weights", clip_norm=inner.clip_norm)
+        super().__init__(inner.server_lr, "weights", inner.clip_norm, inner.optimizer)
         self.inner = inner
         self.method = method
         self.trim = float(trim)
@@ -113,5 +113,5 @@ class RobustAggregator(Aggregator):
             step = weighted_median(deltas, norm_w)
         else:
             step = weighted_trimmed_mean(deltas, norm_w, self.trim)
-        new_theta = (theta + np.float32(self.server_lr) * step.astype(np.float32)).astype(np.float32)
+        new_theta = self.optimizer.step(theta, step.astype(np.float32), self.server_lr).astype(np.float32)
         return new_theta, norm_w, reduce_aux(buffer, norm_w)
