@@ -65,7 +65,7 @@ The JSON line:
   refused for the sender's cost budget (decode time or bytes per wall second);
 - ``slow_flips`` / ``slow_flipper_amplification`` / ``slow_flipper_messages_down``: the slow
   flipper's flips in the attack window, the bytes it was sent over those it sent, and the tasks
-  and cancels it was sent (the drop budget bounds them: ``3 + T / 300`` unanswered downloads over
+  and cancels it was sent (the drop budget bounds them: ``2 + T / 600`` unanswered downloads over
   T config seconds, and one cancel each); ``heavy_headers_sent``: the heavy headers
   published; ``extreme_utility_answers``: training tasks answered with 1.7e308 and with 1e36 (the
   first count in ``bad_updates_applied`` if applied); ``resume_after_backlog_s``: wall seconds
