@@ -63,8 +63,10 @@ The JSON line:
 - ``rate_limited`` / ``damped``: messages the server refused at intake for the sender's message
   budget, and clients it damped for flapping (the last life's summary); ``cost_limited``: those
   refused for the sender's cost budget (decode time or bytes per wall second);
-- ``slow_flips`` / ``slow_flipper_amplification``: the slow flipper's flips in the attack window
-  and the bytes it was sent over those it sent; ``heavy_headers_sent``: the heavy headers
+- ``slow_flips`` / ``slow_flipper_amplification`` / ``slow_flipper_messages_down``: the slow
+  flipper's flips in the attack window, the bytes it was sent over those it sent, and the tasks
+  and cancels it was sent (the drop budget bounds them: ``2 + T / 600`` unanswered downloads over
+  T config seconds, and one cancel each); ``heavy_headers_sent``: the heavy headers
   published; ``extreme_utility_answers``: training tasks answered with 1.7e308 and with 1e36 (the
   first count in ``bad_updates_applied`` if applied); ``resume_after_backlog_s``: wall seconds
   from starting the resumed server over the backlog to its "serving" line.
@@ -648,7 +650,7 @@ class Soak:
         self.quiet_updates = self.attack_updates = 0.0
         self.attack_up = self.attack_down = self.attack_flips = self.attack_msgs_down = self.largest_task = 0
         self.slow_amplification = 0.0
-        self.slow_flips = 0
+        self.slow_flips = self.slow_msgs_down = 0
         self.heavy_sent = 0
         self.backlog: HeavySender | None = None  # publishes the backlog before the first resume
         self.resume_after_backlog_s: float | None = None
@@ -914,6 +916,7 @@ class Soak:
         self.flapper_amplification = flapper.bytes_down / max(1, flapper.bytes_up)
         self.slow_amplification = slow.bytes_down / max(1, slow.bytes_up)
         self.slow_flips = slow.flips
+        self.slow_msgs_down = slow.messages_down
         self.heavy_sent = attackers[3].flips
         self.largest_task = max(a.largest_down for a in attackers)
         log(
@@ -989,6 +992,7 @@ class Soak:
             "damped": summ.get("admission", {}).get("damped"),
             "slow_flips": self.slow_flips,
             "slow_flipper_amplification": round(self.slow_amplification, 4),
+            "slow_flipper_messages_down": self.slow_msgs_down,
             "heavy_headers_sent": self.heavy_sent,
             "extreme_utility_answers": [len(x.answered) for x in extreme],
             "resume_after_backlog_s": None

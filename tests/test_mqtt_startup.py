@@ -29,6 +29,7 @@ from mqtt_support import (
     write_config,
 )
 
+from felix.deploy.link import Inbound, MqttLink
 from felix.deploy.server import ServeOptions, Server
 from felix.deploy.topics import Topics
 
@@ -112,6 +113,37 @@ def test_sigterm_is_honoured_while_the_broker_does_not_answer(tmp_path: Path) ->
             c.close()
     text = log.read_text()
     assert code is not None, f"felix serve ignored SIGTERM for 5 s:\n{text[-2000:]}"
-    assert code != 0
+    assert code == 2  # a start-up error, not a crash
     assert "stopped while waiting for the broker" in text
     assert "Traceback" not in text
+
+
+def test_close_does_not_wait_forever_for_a_network_thread_blocked_in_its_sink(tmp_path: Path) -> None:
+    """paho's ``loop_stop`` joins the network thread without a limit; a thread blocked in its
+    owner's sink (a full inbox nobody drains) held ``close`` and the process for good."""
+    release = threading.Event()
+
+    def stuck(item: object) -> None:
+        if isinstance(item, Inbound):
+            release.wait(60)  # the owner never takes it
+
+    with MosquittoBroker(2, workdir=tmp_path / "broker") as broker:
+        opts = dataclasses.replace(broker_options(broker), connect_timeout_s=10.0)
+        link = MqttLink("srv", opts, T.server_subscriptions(), stuck, manual_ack=True)
+        link.start(fresh=True)
+        pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="client-0", protocol=mqtt.MQTTv5)
+        pub.username_pw_set("client-0", users(broker)["client-0"])
+        pub.connect("127.0.0.1", broker.port)
+        pub.loop_start()
+        try:
+            pub.publish(T.state(0), b"x", qos=1).wait_for_publish(5)
+            wait_until(
+                lambda: link._client._thread is not None and link._handing_over, 10, "the sink to block"
+            )
+            closing = Background(lambda: link.close(timeout=1.0), "close")
+            closing.start()
+            closing.result(10)
+        finally:
+            release.set()
+            pub.disconnect()
+            pub.loop_stop()

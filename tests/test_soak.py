@@ -68,6 +68,7 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "damped",
         "slow_flips",
         "slow_flipper_amplification",
+        "slow_flipper_messages_down",
         "heavy_headers_sent",
         "extreme_utility_answers",
         "resume_after_backlog_s",
@@ -107,11 +108,15 @@ def test_soak_attack_is_bounded(soak: dict[str, Any]) -> None:
 
 
 def test_soak_slow_flipper_heavy_headers_extreme_utilities_and_a_backlog(soak: dict[str, Any]) -> None:
-    """A tier flipper under the flap limit (26 changes per config minute) is sent at most 3x the
-    bytes it sends; 64 KiB headers and utilities of 1.7e308 and 1e36 break nothing (no crash, the
-    1.7e308 answers are never applied); a resume after 70 x 1 MB queued on a login's result topic
-    serves."""
-    assert soak["slow_flips"] > 0 and soak["slow_flipper_amplification"] <= 3.0, soak
+    """A tier flipper under the flap limit (26 changes per config minute) is sent at most what the
+    drop budget allows over the window (about 220 config seconds: 2 + 1 unanswered downloads, one
+    more it may hold at the end, and a cancel each), not a task per flip; 64 KiB headers and
+    utilities of 1.7e308 and 1e36 break nothing (no crash, the 1.7e308 answers are never
+    applied); a resume after 70 x 1 MB queued on a login's result topic serves. (The bytes
+    ratio, 3x at most for the issue's 200 flips, is the ``--quick`` soak's figure: over the tiny
+    window's 88 flips three downloads already outweigh them.)"""
+    assert soak["slow_flips"] >= 50, soak
+    assert 0 < soak["slow_flipper_messages_down"] <= 2 * (2 + 1 + 1), soak
     assert soak["heavy_headers_sent"] > 0, soak
     assert soak["server_crashes"] == 0 and soak["bad_updates_applied"] == 0, soak
     assert soak["resume_after_backlog_s"] is not None and soak["resume_after_backlog_s"] < 120, soak

@@ -80,9 +80,9 @@ class AdmissionCfg(StrictModel):
         gt=0,
         description="tasks per second a client may leave, let time out or fail beyond drop_burst "
         "before it is not selected until it has a token again (null: no drop budget; "
-        "felix serve uses 1/300 unless this is set)",
+        "felix serve uses 1/600 unless this is set)",
     )
-    drop_burst: float = Field(3.0, ge=1, description="the drop budget's capacity")
+    drop_burst: float = Field(2.0, ge=1, description="the drop budget's capacity")
 
 
 class OrchestratorCfg(StrictModel):

@@ -52,8 +52,8 @@ from typing import Any
 import numpy as np
 
 #: ``felix serve``'s drop budget refill when the config leaves ``drop_rate`` unset: one dropped
-#: task per 5 minutes beyond the burst of 3.
-DEPLOY_DROP_RATE = 1.0 / 300.0
+#: task per 10 minutes beyond the burst of 2.
+DEPLOY_DROP_RATE = 1.0 / 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +65,8 @@ class AdmissionConfig:
     flap_hold_s: float = 600.0  # a damped client's time without a change before it is available again
     task_rate: float | None = 2.0  # tasks and cancels per second a client's budget refills
     task_burst: float = 30.0  # the budget's capacity (and a new client's)
-    drop_rate: float | None = None  # dropped tasks per second the drop budget refills (felix serve: 1/300)
-    drop_burst: float = 3.0  # the drop budget's capacity
+    drop_rate: float | None = None  # dropped tasks per second the drop budget refills (felix serve: 1/600)
+    drop_burst: float = 2.0  # the drop budget's capacity
 
     def __post_init__(self) -> None:
         if self.flap_limit is not None and self.flap_limit < 1:
