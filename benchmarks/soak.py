@@ -24,7 +24,13 @@ Schedule, spread evenly over the run:
   tier flips at ``flood_per_s``; the honest aggregation rate is measured in both. An
   aux-poisoning client (a valid login) answers every training task it gets, all run long, with a
   zero update whose SCAFFOLD ``sum:scaffold_dc`` entry has the declared key, shape and dtype but
-  the value 1e30 (the soak runs SCAFFOLD so that such an entry is declared).
+  the value 1e30 (the soak runs SCAFFOLD so that such an entry is declared). Two more attackers
+  join the attack window: a slow flipper (26 tier changes per config minute, under the flap
+  limit) and a heavy-header sender (64 KiB headers of 32,000 integers, ``heavy_per_s`` a second);
+  and all run long two logins answer every task with ``stat_utility`` 1.7e308 (outside its
+  declared range) and 1e36 (its top);
+- before the first resume of the server, while it is down, the heavy-header sender publishes 70
+  messages of 1 MB on its own result topic (the backlog the resumed session finds).
 
 The JSON line:
 - ``acked_lost``: training updates the server applied and made durable (covered by a checkpoint,
@@ -55,7 +61,15 @@ The JSON line:
 - ``versions_per_s_quiet`` / ``versions_per_s_attack``: new model versions per wall second in the
   quiet window and under attack, and ``throughput_ratio`` the second over the first;
 - ``rate_limited`` / ``damped``: messages the server refused at intake for the sender's message
-  budget, and clients it damped for flapping (the last life's summary).
+  budget, and clients it damped for flapping (the last life's summary); ``cost_limited``: those
+  refused for the sender's cost budget (decode time or bytes per wall second);
+- ``slow_flips`` / ``slow_flipper_amplification`` / ``slow_flipper_messages_down``: the slow
+  flipper's flips in the attack window, the bytes it was sent over those it sent, and the tasks
+  and cancels it was sent (the drop budget bounds them: ``3 + T / 300`` unanswered downloads over
+  T config seconds, and one cancel each); ``heavy_headers_sent``: the heavy headers
+  published; ``extreme_utility_answers``: training tasks answered with 1.7e308 and with 1e36 (the
+  first count in ``bad_updates_applied`` if applied); ``resume_after_backlog_s``: wall seconds
+  from starting the resumed server over the backlog to its "serving" line.
 
 ``--quick`` is a few minutes (fewer kills, 1,000 fuzzed messages); ``--tiny`` is the test suite's
 version. Run: ``python benchmarks/soak.py [--quick]``.
@@ -110,6 +124,7 @@ class Plan:
     attack_s: float = 10.0  # wall seconds of each measurement window (quiet, then under attack)
     flap_per_s: float = 200.0  # the flapping client's tier changes per wall second
     flood_per_s: float = 2000.0  # the flooding client's tier messages per wall second
+    heavy_per_s: float = 1000.0  # the heavy-header sender's 64 KiB headers per wall second
 
 
 PLANS = {
@@ -145,6 +160,7 @@ PLANS = {
         duration_s=40,
         attack_s=10.0,
         flood_per_s=1000.0,
+        heavy_per_s=200.0,
     ),
 }
 
@@ -288,17 +304,78 @@ class Flapper(Hostile):
             while self.active.is_set() and not self.stop.is_set():
                 due = base + (time.monotonic() - start) * self.per_s
                 while self.flips < due:
-                    tier = Tier.UN_AVL if self.flips % 2 == 0 else Tier.AVL_TRAIN
-                    msg = wire.State(**self.env(), client=self.cid, incarnation=self.tag, tier=tier)
-                    self.publish(topic, wire.encode(msg), qos=0)
+                    self.publish(*self.next_message(topic), qos=0)
                     self.flips += 1
                 time.sleep(0.002)
+
+    def next_message(self, topic: str) -> tuple[str, bytes]:
+        """The next flip: a STATE message on ``topic`` (the client's state topic)."""
+        tier = Tier.UN_AVL if self.flips % 2 == 0 else Tier.AVL_TRAIN
+        msg = wire.State(**self.env(), client=self.cid, incarnation=self.tag, tier=tier)
+        return topic, wire.encode(msg)
 
     def close(self) -> None:
         self.active.clear()
         self.stop.set()
         self.thread.join(5)
         super().close()
+
+
+class HeavySender(Flapper):
+    """Publishes 64 KiB headers (a registration whose class counts hold 32,000 integers) ``per_s``
+    times a wall second while active: each cost the server 5-12 ms to refuse before headers were
+    limited before parsing and decode time was charged per login."""
+
+    def __init__(self, *args: Any, per_s: float) -> None:
+        doc = {"fmt": wire.FORMAT_VERSION, "type": "register", "run": RUN, "msg": "h-1", "sent": 1.0}
+        doc |= {"payload": 0, "arrays": [], "client": args[2], "incarnation": "h", "num_samples": 0}
+        doc |= {"tier": "AVL_TRAIN", "class_counts": [0] * 32_000}
+        header = json.dumps(doc, separators=(",", ":")).encode()
+        self.heavy = struct.pack("<4sHI", wire.MAGIC, wire.FORMAT_VERSION, len(header)) + header
+        super().__init__(*args, per_s=per_s)
+
+    def next_message(self, topic: str) -> tuple[str, bytes]:
+        return self.topics.register(self.cid), self.heavy
+
+    def backlog(self, n: int, size: int) -> None:
+        """Publish ``n`` junk messages of ``size`` bytes on its own result topic (QoS 1), waiting
+        until the broker has them: the backlog a resumed server finds."""
+        junk = b"FLXM" + bytes(size - 4)
+        infos = [self.c.publish(self.topics.result(self.cid), junk, qos=1) for _ in range(n)]
+        self.bytes_up += n * size
+        for info in infos:
+            info.wait_for_publish(30)
+
+
+class ExtremeUtility(Hostile):
+    """Answers every task it gets with a zero update reporting ``stat_utility`` = ``utility``
+    (1.7e308: finite, outside the declared range; 1e36: the range's top, accepted)."""
+
+    def __init__(self, *args: Any, utility: float) -> None:
+        super().__init__(*args)
+        self.utility = utility
+        self.answered: set[int] = set()
+
+    def on_task(self, msg: wire.Message) -> None:
+        if not isinstance(msg, (wire.TrainTask, wire.EvalTask)):
+            return
+        train = isinstance(msg, wire.TrainTask)
+        res = wire.Result(
+            **self.env(),
+            client=self.cid,
+            incarnation=self.tag,
+            task=msg.task,
+            kind=TaskKind.TRAIN if train else TaskKind.EVAL,
+            version=msg.version,
+            num_samples=self.num_samples,
+            stat_utility=self.utility,
+            loss=0.5,
+            duration=1.0,
+            delta=np.zeros(msg.weights.size, np.float32) if train else None,
+        )
+        if train:
+            self.answered.add(msg.task)
+        self.publish(self.topics.result(self.cid), wire.encode(res))
 
 
 class AuxPoisoner(Hostile):
@@ -547,7 +624,9 @@ class Soak:
         self.work = work
         self.rng = random.Random(seed)
         self.cfg = work / "soak.yaml"
-        n = plan.clients + 4  # the last four ids: fuzzer, aux poisoner, flapper, flooder
+        # The last eight ids: fuzzer, aux poisoner, flapper, flooder, slow flipper, heavy-header
+        # sender (and backlog publisher), and the extreme-utility pair.
+        n = plan.clients + 8
         write_config(self.cfg, n)
         self.broker = MosquittoBroker(n, run_id=RUN, workdir=work / "broker")
         self.users = json.loads(self.broker.credentials_file.read_text())
@@ -570,6 +649,11 @@ class Soak:
         self.quiet = self.attack = self.attack_wall_s = self.flapper_amplification = 0.0
         self.quiet_updates = self.attack_updates = 0.0
         self.attack_up = self.attack_down = self.attack_flips = self.attack_msgs_down = self.largest_task = 0
+        self.slow_amplification = 0.0
+        self.slow_flips = self.slow_msgs_down = 0
+        self.heavy_sent = 0
+        self.backlog: HeavySender | None = None  # publishes the backlog before the first resume
+        self.resume_after_backlog_s: float | None = None
 
     def _common(self) -> list[str]:
         return [
@@ -604,6 +688,8 @@ class Soak:
                 "orchestrator.admission.flap_limit=null",
                 "--set",
                 "orchestrator.admission.task_rate=null",
+                "--set",
+                "orchestrator.admission.drop_rate=null",
             ]
         if resume:
             args.append("--resume")
@@ -661,8 +747,16 @@ class Soak:
         except (ckpt.CheckpointError, OSError, KeyError):
             pass
         time.sleep(0.5)
+        backlog, self.backlog = self.backlog, None
+        if backlog is not None:
+            log("the server is down: 70 x 1 MB published on one login's result topic")
+            backlog.backlog(70, 1 << 20)
+        t0 = time.monotonic()
         self.start_server(resume=self.ck.exists())
         self.wait_serving()  # the schedule's clock stands still while the server is loading
+        if backlog is not None:
+            self.resume_after_backlog_s = time.monotonic() - t0
+            log(f"resumed over the backlog: serving after {self.resume_after_backlog_s:.1f} s")
 
     poison = "all"
 
@@ -672,7 +766,7 @@ class Soak:
         self.start_server(resume=False)
         for g in range(len(self.groups)):
             self.start_group(g)
-        ids = [p.clients + i for i in range(4)]
+        ids = [p.clients + i for i in range(8)]
         counts = hostile_class_counts(self.cfg, ids)
         fz = Fuzzer(
             self.broker.port,
@@ -690,9 +784,17 @@ class Soak:
             return (port, self.users[client_user(ids[i])], ids[i], counts[ids[i]])
 
         poisoner = AuxPoisoner(*login(1), "ap")
+        heavy = HeavySender(*login(5), "hh", per_s=p.heavy_per_s)
         attackers = [
             Flapper(*login(2), "fl", per_s=p.flap_per_s),
             Flapper(*login(3), "fd", per_s=p.flood_per_s),
+            # 26 changes per config minute: under the flap limit of 100
+            Flapper(*login(4), "sf", per_s=26 / 60 / p.scale),
+            heavy,
+        ]
+        extreme = [
+            ExtremeUtility(*login(6), "x1", utility=1.7e308),
+            ExtremeUtility(*login(7), "x2", utility=1e36),
         ]
         deadline = time.monotonic() + 180
         while not self.ck.exists():  # warm: the first version is checkpointed
@@ -707,7 +809,9 @@ class Soak:
             self.measure_attack(attackers)
         finally:
             for a in attackers:
-                a.close()
+                if a is not heavy:
+                    a.close()
+        self.backlog = heavy
         log("the attack window is over; the schedule starts")
         started = time.monotonic()
         # Events at evenly spaced times over the run (after a warm-up fifth), in a shuffled order.
@@ -758,6 +862,8 @@ class Soak:
         finally:
             fz.close()
             poisoner.close()
+            for h in [heavy, *extreme]:
+                h.close()
             for proc in [*self.procs.values(), *([self.server] if self.server else [])]:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
@@ -767,7 +873,7 @@ class Soak:
                 except subprocess.TimeoutExpired:
                     proc.kill()
             self.broker.close()
-        return self._result(fz, poisoner, killed_clients)
+        return self._result(fz, poisoner, killed_clients, extreme)
 
     def versions(self) -> tuple[int, int]:
         """The newest model version and the updates applied, from the applied-update log (written
@@ -806,8 +912,12 @@ class Soak:
         self.attack_down = sum(a.bytes_down for a in attackers)
         self.attack_flips = sum(a.flips for a in attackers)
         self.attack_msgs_down = sum(a.messages_down for a in attackers)
-        flapper = attackers[0]
+        flapper, slow = attackers[0], attackers[2]
         self.flapper_amplification = flapper.bytes_down / max(1, flapper.bytes_up)
+        self.slow_amplification = slow.bytes_down / max(1, slow.bytes_up)
+        self.slow_flips = slow.flips
+        self.slow_msgs_down = slow.messages_down
+        self.heavy_sent = attackers[3].flips
         self.largest_task = max(a.largest_down for a in attackers)
         log(
             f"attack: {self.attack:.2f} versions/s; {self.attack_flips} flips sent "
@@ -824,7 +934,9 @@ class Soak:
         per_attacker = min(budget, damping)
         return 2 * per_attacker * largest_task / max(1, self.attack_up)
 
-    def _result(self, fz: Fuzzer, poisoner: AuxPoisoner, killed_clients: int) -> dict[str, Any]:
+    def _result(
+        self, fz: Fuzzer, poisoner: AuxPoisoner, killed_clients: int, extreme: list[ExtremeUtility]
+    ) -> dict[str, Any]:
         summary_path = self.out / "summary.json"
         if summary_path.exists():
             summ = json.loads(summary_path.read_text())
@@ -850,7 +962,7 @@ class Soak:
             "acked_lost": len(self.durable - set(final)),
             "applied_twice": len(final) - len(set(final)),
             "server_crashes": max(self.server_crashes, crashed_logs),
-            "bad_updates_applied": len((fz.poisoned | poisoner.poisoned) & set(final)),
+            "bad_updates_applied": len((fz.poisoned | poisoner.poisoned | extreme[0].answered) & set(final)),
             "poisoning_attempts": fz.poison_attempts,
             "rss_start_mb": None if self.rss_start is None else round(self.rss_start, 1),
             "rss_end_mb": None if self.rss_end is None else round(self.rss_end, 1),
@@ -878,6 +990,19 @@ class Soak:
                 if k.startswith("transport: rate limit")
             ),
             "damped": summ.get("admission", {}).get("damped"),
+            "slow_flips": self.slow_flips,
+            "slow_flipper_amplification": round(self.slow_amplification, 4),
+            "slow_flipper_messages_down": self.slow_msgs_down,
+            "heavy_headers_sent": self.heavy_sent,
+            "extreme_utility_answers": [len(x.answered) for x in extreme],
+            "resume_after_backlog_s": None
+            if self.resume_after_backlog_s is None
+            else round(self.resume_after_backlog_s, 1),
+            "cost_limited": sum(
+                v
+                for k, v in summ.get("rejected_by_reason", {}).items()
+                if k.startswith("transport: cost limit")
+            ),
         }
         log(
             f"lives {self.lives}, clients killed {killed_clients}, fuzzed {fz.sent}, hostile client's "

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from felix.cli import main
-from felix.core.admission import Admission, AdmissionConfig
+from felix.core.admission import DEPLOY_DROP_RATE, Admission, AdmissionConfig
 from felix.core.commands import CancelTask, Command, DispatchEval, DispatchTrain
 from felix.core.events import ClientRegistered, TaskFinished, Tick, TierChanged
 from felix.core.orchestrator import Orchestrator, OrchestratorConfig
@@ -21,7 +21,7 @@ from felix.strategies.selection.random import RandomSelector
 DIM = 4
 ATTACKER = 0
 HONEST = 8
-OFF = AdmissionConfig(flap_limit=None, task_rate=None)
+OFF = AdmissionConfig(flap_limit=None, task_rate=None, drop_rate=None)
 
 
 def make(admission: AdmissionConfig) -> Orchestrator:
@@ -122,6 +122,27 @@ def test_changes_spread_over_the_window_are_not_damped() -> None:
     o = make(AdmissionConfig())
     attack(o, 300, 2.5)  # 24 changes a minute for 12.5 minutes
     assert o.admission.stats.damped == 0
+
+
+def test_a_slow_flipper_under_the_flap_limit_cannot_amplify() -> None:
+    """200 flips at 26 changes a minute (under the flap limit of 100): without the drop budget each
+    flip back wins a model download and each flip away a cancel; with it (felix serve's), the tasks
+    it leaves are bounded by ``drop_burst + drop_rate * T`` whatever the spacing, and so are the
+    cancels. An honest client that answers its tasks never spends a drop token."""
+    every = 60.0 / 26
+    unbounded, _ = attack(make(AdmissionConfig()), 200, every)  # the simulator's default: off
+    cfg = AdmissionConfig(drop_rate=DEPLOY_DROP_RATE)  # felix serve's
+    o = make(cfg)
+    sent, last = attack(o, 200, every)
+    assert o.admission.stats.damped == 0  # the flap limit never saw it
+    assert cfg.drop_rate is not None
+    bound = cfg.drop_burst + cfg.drop_rate * last + 1  # + the task it may hold at the end
+    assert sent <= 2 * bound, (sent, bound)
+    assert unbounded >= 10 * sent, (unbounded, sent)
+    assert o.admission.stats.drops_throttled >= 1
+    # The honest clients answered every task: none of them was ever held back.
+    assert set(o.admission.excluded_ids().tolist()) <= {ATTACKER}
+    assert o.version >= 150
 
 
 def test_the_task_budget_bounds_tasks_and_cancels_per_client() -> None:

@@ -128,7 +128,10 @@ def test_every_message_arrives_in_order_and_only_what_was_taken_is_acknowledged(
     nothing comes back."""
     with MosquittoBroker(1, workdir=tmp_path / "broker") as broker:
         u = users(broker)
-        opts = BrokerOptions("127.0.0.1", broker.port, SERVER_USER, u[SERVER_USER], connect_timeout_s=10)
+        # A window of its own, as the server asks for (the broker holds 20 in flight otherwise).
+        opts = BrokerOptions(
+            "127.0.0.1", broker.port, SERVER_USER, u[SERVER_USER], connect_timeout_s=10, receive_maximum=1000
+        )
         box = Inbox(1 << 20, 1000)
 
         def connect(fresh: bool) -> MqttLink:
@@ -187,7 +190,10 @@ def test_close_lets_a_read_pass_being_handed_over_acknowledge_what_the_owner_too
     loaded machine may (CI once saw 12 messages come back)."""
     with MosquittoBroker(1, workdir=tmp_path / "broker") as broker:
         u = users(broker)
-        opts = BrokerOptions("127.0.0.1", broker.port, SERVER_USER, u[SERVER_USER], connect_timeout_s=10)
+        # A window of its own, as the server asks for (the broker holds 20 in flight otherwise).
+        opts = BrokerOptions(
+            "127.0.0.1", broker.port, SERVER_USER, u[SERVER_USER], connect_timeout_s=10, receive_maximum=1000
+        )
         box = Inbox(1 << 20, 1000)
         handed = threading.Event()
 

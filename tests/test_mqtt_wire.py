@@ -250,10 +250,12 @@ def test_malformed_arrays(over: dict, payload: int, code: ErrorCode, fragment: s
     _expect(_frame(_result_header(**over), b"\0" * payload), code, fragment)
 
 
-def test_non_finite_numbers_decode_for_the_orchestrator_to_reject() -> None:
-    """NaN is well-formed on the wire; the orchestrator's validation rejects it with its reason."""
-    msg = wire.decode(_frame(_result_header(loss=float("nan")), np.array([np.inf, 1], "<f4").tobytes()))
-    assert isinstance(msg, wire.Result) and np.isnan(msg.loss) and np.isinf(msg.delta).any()
+def test_non_finite_arrays_decode_for_the_orchestrator_to_reject() -> None:
+    """A non-finite delta is well-formed on the wire; the orchestrator's validation rejects it with
+    its reason. A header number outside its declared range (NaN included) is refused at decode."""
+    msg = wire.decode(_frame(_result_header(), np.array([np.inf, 1], "<f4").tobytes()))
+    assert isinstance(msg, wire.Result) and np.isinf(msg.delta).any()
+    _expect(_frame(_result_header(loss=float("nan")), b"\0" * 8), ErrorCode.BAD_FIELD, "'loss'")
 
 
 def test_oversized_is_refused_before_parsing() -> None:

@@ -1,9 +1,12 @@
 """The soak benchmark's shortest version (``benchmarks/soak.py --tiny``): a server and 12 emulated
 clients under churn while a client group, the broker and the server are each killed with SIGKILL
 (and come back), and a hostile client sends 150 fuzzed messages and poisoning attempts; before
-that, a flapping client (200 tier flips a second) and a flooding one (1,000 a second) attack for
-10 s while the honest aggregation rate is compared with a quiet window, and an aux-poisoning
-client answers its training tasks with a 1e30 SCAFFOLD entry all along."""
+that, a flapping client (200 tier flips a second), a flooding one (1,000 a second), a slow
+flipper (26 changes per config minute) and a heavy-header sender (64 KiB headers, 200 a second)
+attack for 10 s while the honest aggregation rate is compared with a quiet window; an
+aux-poisoning client answers its training tasks with a 1e30 SCAFFOLD entry all along, and two
+clients with utilities of 1.7e308 and 1e36; before the server's resume, a login publishes 70 x 1
+MB on its result topic."""
 
 from __future__ import annotations
 
@@ -63,6 +66,13 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "throughput_ratio",
         "rate_limited",
         "damped",
+        "slow_flips",
+        "slow_flipper_amplification",
+        "slow_flipper_messages_down",
+        "heavy_headers_sent",
+        "extreme_utility_answers",
+        "resume_after_backlog_s",
+        "cost_limited",
     }
     return result  # type: ignore[no-any-return]
 
@@ -95,3 +105,18 @@ def test_soak_attack_is_bounded(soak: dict[str, Any]) -> None:
     assert soak["amplification"] < 1.0, soak  # the attackers are sent less than they send
     assert soak["versions_per_s_quiet"] > 0, soak
     assert soak["throughput_ratio"] >= 0.5, soak
+
+
+def test_soak_slow_flipper_heavy_headers_extreme_utilities_and_a_backlog(soak: dict[str, Any]) -> None:
+    """A tier flipper under the flap limit (26 changes per config minute) is sent at most what the
+    drop budget allows over the window (about 220 config seconds: 3 + 1 unanswered downloads, one
+    more it may hold at the end, and a cancel each), not a task per flip; 64 KiB headers and
+    utilities of 1.7e308 and 1e36 break nothing (no crash, the 1.7e308 answers are never
+    applied); a resume after 70 x 1 MB queued on a login's result topic serves. (The bytes
+    ratio, 3x at most for the issue's 200 flips, is the ``--quick`` soak's figure: over the tiny
+    window's 88 flips three downloads already outweigh them.)"""
+    assert soak["slow_flips"] >= 50, soak
+    assert 0 < soak["slow_flipper_messages_down"] <= 2 * (3 + 1 + 1), soak
+    assert soak["heavy_headers_sent"] > 0, soak
+    assert soak["server_crashes"] == 0 and soak["bad_updates_applied"] == 0, soak
+    assert soak["resume_after_backlog_s"] is not None and soak["resume_after_backlog_s"] < 120, soak

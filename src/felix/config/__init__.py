@@ -75,6 +75,14 @@ class AdmissionCfg(StrictModel):
         2.0, gt=0, description="tasks and cancels per second a client's budget refills (null: no budget)"
     )
     task_burst: float = Field(30.0, ge=1, description="the task budget's capacity")
+    drop_rate: float | None = Field(
+        None,
+        gt=0,
+        description="tasks per second a client may leave, let time out or fail beyond drop_burst "
+        "before it is not selected until it has a token again (null: no drop budget; "
+        "felix serve uses 1/300 unless this is set)",
+    )
+    drop_burst: float = Field(3.0, ge=1, description="the drop budget's capacity")
 
 
 class OrchestratorCfg(StrictModel):

@@ -25,6 +25,17 @@ that, in the sans-I/O core so that the simulator and the MQTT server share them:
   cancels in a second, 6 in 10 s, 31 in 60 s and 151 in 300 s (MobiPerf 3_50, ``felix``; probes
   go to every AVL_EVAL client each version): the defaults (30 and 2/s) leave them 4x room.
 
+- **A drop budget.** The task budget alone let a client that flips its tier slowly (under the
+  flap limit) take a model download per flip, each task freed again by the flip away: 200 flips
+  at 26 a minute brought 43x the bytes down that they sent up. Each task a client leaves, lets
+  time out or reports failed spends one token of a second bucket (``drop_burst``, refilled at
+  ``drop_rate``); a client with less than one token is not selected until it has one. So over
+  any interval of T seconds a client takes at most ``drop_burst + drop_rate * T`` downloads it
+  does not answer, whatever the spacing of its flips, while a client that answers its tasks never
+  spends a token. It is off by default, so simulated results stay those of the published
+  methods (honest churn does drop tasks); ``felix serve`` turns it on with ``DEPLOY_DROP_RATE``
+  unless the config sets ``drop_rate``.
+
 Time is the events' time (config seconds); nothing here reads a clock. The state is per client
 that ever changed tier or got a task, bounded by the population, plus the change times within one
 window per client.
@@ -40,6 +51,10 @@ from typing import Any
 
 import numpy as np
 
+#: ``felix serve``'s drop budget refill when the config leaves ``drop_rate`` unset: one dropped
+#: task per 5 minutes beyond the burst of 3.
+DEPLOY_DROP_RATE = 1.0 / 300.0
+
 
 @dataclass(frozen=True, slots=True)
 class AdmissionConfig:
@@ -50,6 +65,8 @@ class AdmissionConfig:
     flap_hold_s: float = 600.0  # a damped client's time without a change before it is available again
     task_rate: float | None = 2.0  # tasks and cancels per second a client's budget refills
     task_burst: float = 30.0  # the budget's capacity (and a new client's)
+    drop_rate: float | None = None  # dropped tasks per second the drop budget refills (felix serve: 1/300)
+    drop_burst: float = 3.0  # the drop budget's capacity
 
     def __post_init__(self) -> None:
         if self.flap_limit is not None and self.flap_limit < 1:
@@ -62,6 +79,10 @@ class AdmissionConfig:
             raise ValueError(f"task_rate must be a finite value > 0 or null, not {self.task_rate}")
         if self.task_burst < 1:
             raise ValueError(f"task_burst must be >= 1 (one task), not {self.task_burst}")
+        if self.drop_rate is not None and not (self.drop_rate > 0 and math.isfinite(self.drop_rate)):
+            raise ValueError(f"drop_rate must be a finite value > 0 or null, not {self.drop_rate}")
+        if not (1 <= self.drop_burst < math.inf):
+            raise ValueError(f"drop_burst must be finite and >= 1 (one task), not {self.drop_burst}")
 
 
 class TokenBuckets:
@@ -74,22 +95,23 @@ class TokenBuckets:
         self.burst = burst
         self.levels: dict[int, tuple[float, float]] = {}  # key -> (tokens, when counted)
 
-    def spend(self, key: int, now: float) -> float:
-        """Spend one token of ``key``'s bucket at ``now``, even if that leaves it below zero (a
-        debt the refill pays first); return what is left."""
+    def spend(self, key: int, now: float, amount: float = 1.0) -> float:
+        """Spend ``amount`` tokens of ``key``'s bucket at ``now``, even if that leaves it below zero
+        (a debt the refill pays first); return what is left."""
         tokens, at = self.levels.get(key, (self.burst, now))
-        tokens = min(self.burst, tokens + max(0.0, now - at) * self.rate) - 1.0
+        tokens = min(self.burst, tokens + max(0.0, now - at) * self.rate) - amount
         self.levels[key] = (tokens, now)
         return tokens
 
-    def take(self, key: int, now: float) -> bool:
-        """Spend one token if ``key`` has one at ``now``; False (nothing spent) if not."""
+    def take(self, key: int, now: float, amount: float = 1.0) -> bool:
+        """Spend ``amount`` tokens if ``key`` has them at ``now``; False (nothing spent) if not.
+        ``amount`` 0: whether the bucket is out of debt."""
         tokens, at = self.levels.get(key, (self.burst, now))
         tokens = min(self.burst, tokens + max(0.0, now - at) * self.rate)
-        if tokens < 1.0:
+        if tokens < amount or tokens < 0.0:
             self.levels[key] = (tokens, now)
             return False
-        self.levels[key] = (tokens - 1.0, now)
+        self.levels[key] = (tokens - amount, now)
         return True
 
     def ready_at(self, tokens: float, now: float) -> float:
@@ -101,6 +123,7 @@ class TokenBuckets:
 class AdmissionStats:
     damped: int = 0  # times a client started flapping (was made unavailable)
     throttled: int = 0  # times a client's task budget ran out
+    drops_throttled: int = 0  # times a client's drop budget ran out
     tier_changes: int = 0  # reported tier changes seen (repeats of the same tier not counted)
 
 
@@ -116,6 +139,8 @@ class Admission:
         self._damped: dict[int, float] = {}  # client -> its last change (the hold runs from it)
         rate = self.config.task_rate
         self._budget = None if rate is None else TokenBuckets(rate, self.config.task_burst)
+        drop = self.config.drop_rate
+        self._drops = None if drop is None else TokenBuckets(drop, self.config.drop_burst)
         self._throttled: dict[int, float] = {}  # client -> when it has one token again
         self._wakeups: list[tuple[float, int]] = []  # candidate release times (lazy: checked when due)
         self._excluded: np.ndarray | None = np.empty(0, dtype=np.int64)  # None: to rebuild
@@ -169,16 +194,27 @@ class Admission:
 
     def charge(self, client_id: int, now: float) -> None:
         """A task or a cancel is sent to ``client_id`` at ``now``: it spends one token."""
-        if self._budget is None:
-            return
-        tokens = self._budget.spend(client_id, now)
-        if tokens < 1.0:
-            if client_id not in self._throttled:
-                self.stats.throttled += 1
-                self._excluded = None
-            ready = self._budget.ready_at(tokens, now)
-            self._throttled[client_id] = ready
-            heapq.heappush(self._wakeups, (ready, client_id))
+        if self._budget is not None and self._spend(self._budget, client_id, now):
+            self.stats.throttled += 1
+
+    def dropped(self, client_id: int, now: float) -> None:
+        """``client_id`` left a task, let it time out or reported it failed: one drop token."""
+        if self._drops is not None and self._spend(self._drops, client_id, now):
+            self.stats.drops_throttled += 1
+
+    def _spend(self, bucket: TokenBuckets, client_id: int, now: float) -> bool:
+        """Spend a token of ``bucket``; a client left with less than one waits until it has one
+        (the later of its waits, if another budget holds it too). True if it starts waiting now."""
+        tokens = bucket.spend(client_id, now)
+        if tokens >= 1.0:
+            return False
+        ready = bucket.ready_at(tokens, now)
+        prior = self._throttled.get(client_id)
+        self._throttled[client_id] = ready if prior is None else max(prior, ready)
+        heapq.heappush(self._wakeups, (ready, client_id))
+        if prior is None:
+            self._excluded = None
+        return prior is None
 
     def due(self, now: float) -> list[int]:
         """Release the clients whose hold or budget wait has passed by ``now``; return the damped
@@ -201,6 +237,7 @@ class Admission:
     def state_dict(self) -> dict[str, Any]:
         changes = [(c, t) for c, ts in self._changes.items() for t in ts]
         levels = {} if self._budget is None else self._budget.levels
+        drops = {} if self._drops is None else self._drops.levels
         return {
             "change_client": np.array([c for c, _ in changes], dtype=np.int64),
             "change_time": np.array([t for _, t in changes], dtype=np.float64),
@@ -215,7 +252,15 @@ class Admission:
             "throttled_until": np.fromiter(
                 self._throttled.values(), dtype=np.float64, count=len(self._throttled)
             ),
-            "stats": [self.stats.damped, self.stats.throttled, self.stats.tier_changes],
+            "drop_client": np.fromiter(drops.keys(), dtype=np.int64, count=len(drops)),
+            "drops": np.array([v for v, _ in drops.values()], dtype=np.float64),
+            "drop_time": np.array([t for _, t in drops.values()], dtype=np.float64),
+            "stats": [
+                self.stats.damped,
+                self.stats.throttled,
+                self.stats.tier_changes,
+                self.stats.drops_throttled,
+            ],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -226,21 +271,22 @@ class Admission:
         for c, t in pairs("change_client", "change_time"):
             self._changes.setdefault(int(c), deque()).append(float(t))
         self._damped = {int(c): float(t) for c, t in pairs("damped_client", "damped_since")}
-        if self._budget is not None:
-            self._budget.levels = {
-                int(c): (float(v), float(t))
-                for c, v, t in zip(
-                    np.asarray(state["token_client"]).tolist(),
-                    np.asarray(state["tokens"]).tolist(),
-                    np.asarray(state["token_time"]).tolist(),
-                    strict=True,
-                )
-            }
+        for bucket, keys in (
+            (self._budget, ("token_client", "tokens", "token_time")),
+            (self._drops, ("drop_client", "drops", "drop_time")),
+        ):
+            if bucket is not None and keys[0] in state:  # (checkpoints before the drop budget lack it)
+                bucket.levels = {
+                    int(c): (float(v), float(t))
+                    for c, v, t in zip(*(np.asarray(state[k]).tolist() for k in keys), strict=True)
+                }
         self._throttled = {int(c): float(t) for c, t in pairs("throttled_client", "throttled_until")}
         hold = self.config.flap_hold_s
         self._wakeups = [(t + hold, c) for c, t in self._damped.items()]
         self._wakeups += [(t, c) for c, t in self._throttled.items()]
         heapq.heapify(self._wakeups)
         self._excluded = None
-        damped, throttled, changes = (int(v) for v in state["stats"])
-        self.stats = AdmissionStats(damped, throttled, changes)
+        counts = [int(v) for v in state["stats"]] + [0]  # (the drop count is newer)
+        self.stats = AdmissionStats(
+            damped=counts[0], throttled=counts[1], tier_changes=counts[2], drops_throttled=counts[3]
+        )

@@ -242,6 +242,7 @@ class Orchestrator(Dispatch):
             )
             return
         if task.holds_slot:  # a task that lost its slot earlier was counted as dropped then
+            self.admission.dropped(task.client_id, self.now)
             if task.kind is TaskKind.TRAIN:
                 self.stats.train_dropped += 1
                 self.clients[task.client_id].times_dropped += 1
@@ -298,6 +299,7 @@ class Orchestrator(Dispatch):
         self.clients.set_in_flight(task.client_id, None)
         self.ledger.release(task, state)
         rec = self.clients[task.client_id]
+        self.admission.dropped(task.client_id, self.now)
         if task.kind is TaskKind.TRAIN:
             self.stats.train_dropped += 1
             rec.times_dropped += 1
@@ -355,13 +357,65 @@ class Orchestrator(Dispatch):
         self._probe_dropped.clear()
 
     def aggregate(self, out: list[Command]) -> None:
-        """Apply the buffer now (a new model version), or reject what cannot be aggregated."""
+        """Apply the buffer now (a new model version), or reject what cannot be aggregated.
+
+        All or nothing: if any step after the aggregator's fails (a policy's arithmetic, say),
+        everything the aggregation changed is put back (version, round, model, aux, stats,
+        policy states, commands) and the buffered updates are rejected, so no version is ever
+        half made (a model changed without its version, report and checkpoint)."""
+        undo = self._undo_point(len(out))
         try:
             buffer, (theta, norm_w, aux) = self.buffer.aggregate(self.aggregator, self._theta, self.version)
         except (ValueError, ArithmeticError) as exc:
             for b in self.buffer.drop_unaggregatable(self.aggregator, self._theta):
                 self._reject(b.client_id, b.task_id, f"update cannot be aggregated ({str(exc)[:120]})", out)
             return
+        try:
+            self._apply_aggregate(buffer, theta, norm_w, aux, out)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the aggregation is undone whole
+            self._roll_back(undo, out)
+            reason = f"aggregation failed and was rolled back ({type(exc).__name__}: {str(exc)[:120]})"
+            for b in buffer:
+                self._reject(b.client_id, b.task_id, reason, out)
+
+    def _undo_point(self, n_out: int) -> dict[str, Any]:
+        """What an aggregation may change, as it stands (``_roll_back`` restores it). The model and
+        the aux arrays are replaced, never written in place, so references suffice for them."""
+        return {
+            "out": n_out,
+            "version": self.version,
+            "round": self.round,
+            "theta": self._theta,
+            "aux": dict(self.aux),
+            "path_total": self.model_path.total,
+            "evals_this_round": self._evals_this_round,
+            "probe_dropped": set(self._probe_dropped),
+            "stats": self.stats.mark(),
+            "rounds": self.rounds.state_dict(),
+            "selector": self.selector.state_dict(),
+            "aggregator": self.aggregator.state_dict(),
+        }
+
+    def _roll_back(self, undo: dict[str, Any], out: list[Command]) -> None:
+        del out[undo["out"] :]
+        self.version, self.round, self._theta = undo["version"], undo["round"], undo["theta"]
+        self.aux = undo["aux"]
+        self.model_path.total = undo["path_total"]
+        self._evals_this_round = undo["evals_this_round"]
+        self._probe_dropped = undo["probe_dropped"]
+        self.stats.rewind(undo["stats"])
+        self.rounds.load_state_dict(undo["rounds"])
+        self.selector.load_state_dict(undo["selector"])
+        self.aggregator.load_state_dict(undo["aggregator"])
+
+    def _apply_aggregate(
+        self,
+        buffer: list[BufferedUpdate],
+        theta: np.ndarray,
+        norm_w: Any,
+        aux: dict[str, Any],
+        out: list[Command],
+    ) -> None:
         new = theta.astype(np.float32, copy=False)
         self.model_path.moved(self._theta, new)
         self._theta = _frozen(new)

@@ -36,6 +36,21 @@ class OrchestratorStats:
     utility_age_at_selection: list[int] = field(default_factory=list)
     never_explored_at_selection: int = 0
 
+    def mark(self) -> dict[str, int]:
+        """Where the stats stand (counters, and the lists' lengths), for ``rewind``."""
+        return {n: len(getattr(self, n)) if n in LIST_STATS else getattr(self, n) for n in _NAMES}
+
+    def rewind(self, mark: dict[str, int]) -> None:
+        """Back to ``mark``: the counters restored, the lists cut to their lengths then."""
+        for name, v in mark.items():
+            if name in LIST_STATS:
+                del getattr(self, name)[v:]
+            else:
+                setattr(self, name, v)
+
+
+_NAMES = tuple(f.name for f in fields(OrchestratorStats))  # (``fields`` is slow per call)
+
 
 class StatsCheckpoint:
     """Converts ``OrchestratorStats`` to and from a checkpoint, converting only what each list

@@ -75,13 +75,50 @@ from felix.core.types import ClientUpdate, TaskKind
 
 NORM_POLICIES = ("reject", "clip", "off")
 
+# The declared range of every number a client reports. Finite is not enough: two utilities of
+# 1.7e308 are finite, and their sum overflows (Oort's pacer raised inside an aggregation). Each
+# bound is far above any honest value (an Oort utility is at most a client's samples times its
+# loss; a diverged model's cross-entropy reached 1e9-1e12 at lr 100; a task lasts seconds to
+# hours), and small enough that sums, squares and means over a million clients stay finite. The MQTT shell checks
+# them at decode (``felix.deploy.wire``), and the orchestrator again (``malformed``), so that the
+# simulator's clients and any other shell are held to the same.
+MAX_UTILITY = 1e36  # stat_utility
+MAX_LOSS = 1e30  # loss
+MAX_DURATION = 1e9  # duration, seconds
+MAX_SAMPLES = 2**40  # num_samples and each class count
+MAX_TIME = 1e12  # a data span's arrival times, run seconds (either sign)
+MAX_UNIX_TIME = 1e11  # a message's "sent" stamp, Unix seconds (year 5138)
+MAX_ID = 2**62  # client, task and version numbers (kept in int64 columns and checkpoints)
+REPORTED_RANGES: dict[str, tuple[float, float]] = {
+    "stat_utility": (0.0, MAX_UTILITY),
+    "loss": (0.0, MAX_LOSS),
+    "duration": (0.0, MAX_DURATION),
+}
+
+
+def out_of_range(upd: ClientUpdate) -> str | None:
+    """Why a result's reported numbers are outside their declared magnitudes, or None. Negative
+    values are left to ``UpdateValidator`` (its own reason); non-finite ones are named as such."""
+    if not (math.isfinite(upd.stat_utility) and math.isfinite(upd.loss) and math.isfinite(upd.duration)):
+        return "non-finite loss, utility or duration"
+    for name, (_, hi) in REPORTED_RANGES.items():
+        if abs(getattr(upd, name)) > hi:
+            return f"{name} outside its declared range (|value| <= {hi:g})"
+    if not (0 <= upd.num_samples <= MAX_SAMPLES):
+        return f"num_samples outside its declared range (0 to {MAX_SAMPLES})"
+    span = upd.data_span
+    if span is not None and not all(math.isfinite(v) and abs(v) <= MAX_TIME for v in span):
+        return "data span not finite or outside its declared range"
+    return None
+
 
 def malformed(kind: TaskKind, upd: ClientUpdate, theta: np.ndarray) -> str | None:
     """Why a result is not well-formed (the orchestrator's own checks, before ``UpdateValidator``
     judges whether it is plausible), or None: finite scalars, samples behind a training update,
     a float32 delta of the model's shape with finite values, finite aux entries and data span."""
-    if not (math.isfinite(upd.stat_utility) and math.isfinite(upd.loss) and math.isfinite(upd.duration)):
-        return "non-finite loss, utility or duration"
+    problem = out_of_range(upd)
+    if problem is not None:
+        return problem
     if upd.num_samples <= 0 and kind is TaskKind.TRAIN:
         return "training update over no samples"
     if kind is not TaskKind.TRAIN:

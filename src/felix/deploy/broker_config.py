@@ -10,8 +10,15 @@ the password file and ACL when given the run's config, and the tests' and benchm
   a client any task above the same; a broker that forwards 64 MiB would only pass bigger messages
   on to be refused there, after carrying them. The packet limit adds room for the MQTT header
   and topic (``PACKET_OVERHEAD``).
-- ``max_queued_messages`` and ``max_queued_bytes``: what the broker keeps for a disconnected
-  persistent session (the server restarting, a client offline), per session. Unbounded (0) would
+- ``max_inflight_messages``: QoS 1 messages in flight to one connected session. 0 (unbounded)
+  let a connected server that fell behind make the broker hold every message for it (2.24 GB
+  under a heavy-header flood). Clients get ``CLIENT_INFLIGHT``; the server asks for its own,
+  larger window with MQTT 5's Receive Maximum (``SERVER_RECEIVE_MAXIMUM``; Mosquitto 2.0.11
+  honours a client's Receive Maximum over this setting), so the server's session holds
+  1,000 times a client's in flight before anything of it is queued, let alone dropped.
+- ``max_queued_messages`` and ``max_queued_bytes``: what the broker keeps, per session, beyond
+  what is in flight: for a disconnected persistent session (the server restarting, a client
+  offline) and for a connected one whose window is full. Unbounded (0) would
   let a long server outage grow the broker without limit. The bounds hold every in-flight task's
   result twice over and ``QUEUED_PER_CLIENT`` tier reports per client; beyond them the broker
   drops messages, and the server's task timeout hands the lost work to another client.
@@ -25,8 +32,10 @@ from pathlib import Path
 from typing import Final
 
 __all__ = [
+    "CLIENT_INFLIGHT",
     "PACKET_OVERHEAD",
     "QUEUED_PER_CLIENT",
+    "SERVER_RECEIVE_MAXIMUM",
     "BrokerLimits",
     "default_max_message_bytes",
     "mosquitto_conf",
@@ -34,6 +43,11 @@ __all__ = [
 
 #: Bytes of MQTT fixed header, topic and properties a packet may carry beyond its payload.
 PACKET_OVERHEAD: Final = 64 * 1024
+#: QoS 1 messages in flight to a client's connection (a client acknowledges each at once).
+CLIENT_INFLIGHT: Final = 20
+#: The most the server asks for (MQTT 5's Receive Maximum is a 16-bit count); it asks for twice
+#: its pending-acknowledgement bound (``ServeOptions.max_pending_messages``) up to this.
+SERVER_RECEIVE_MAXIMUM: Final = 65535
 #: Queued messages per client a session may hold during an outage (tier reports, results, tasks).
 QUEUED_PER_CLIENT: Final = 100
 #: Floor of ``max_queued_bytes``: small models still get room for bursts of small messages.
@@ -119,7 +133,7 @@ def mosquitto_conf(
             f"persistence_location {persistence_dir}/",
             "autosave_interval 5",
             "autosave_on_changes false",
-            "max_inflight_messages 0",
+            f"max_inflight_messages {CLIENT_INFLIGHT}",
             "set_tcp_nodelay true",
             f"message_size_limit {limits.max_message_bytes}",
             f"max_packet_size {limits.max_packet_size}",

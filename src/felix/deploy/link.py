@@ -237,6 +237,9 @@ class BrokerOptions:
     reconnect_min_s: float = 0.25
     reconnect_max_s: float = 4.0
     connect_timeout_s: float = 20.0
+    # MQTT 5's Receive Maximum: QoS 1 messages the broker may have in flight to this connection
+    # (Mosquitto 2.0 honours it over its max_inflight_messages). None: the broker's setting.
+    receive_maximum: int | None = None
 
     def __post_init__(self) -> None:
         """TLS files are loaded once here, so a missing or unreadable CA, certificate or key is a
@@ -367,12 +370,20 @@ class MqttLink:
         self._client.will_set(topic, payload, qos=1, properties=props)
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, fresh: bool) -> None:
-        """Connect (blocking until the first CONNACK, bounded) and start the network thread."""
+    def start(self, fresh: bool, wait_subscribed: bool = True, stop: threading.Event | None = None) -> None:
+        """Connect (blocking until the first CONNACK, bounded) and start the network thread.
+
+        ``wait_subscribed``: also wait for the SUBACK. An owner that cannot wait (a resumed server:
+        the broker delivers its queued backlog before the SUBACK, and the network thread then waits
+        for room in the owner's inbox) passes False and drains its inbox while it checks
+        :meth:`subscribed` within ``connect_timeout_s``. ``stop``: a stop request ends the wait
+        (a LinkError saying so)."""
         if fresh:
-            self._reset_session()
+            self._reset_session(stop)
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = self.opts.session_expiry_s
+        if self.opts.receive_maximum is not None:
+            props.ReceiveMaximum = self.opts.receive_maximum
         try:
             self._client.connect_async(
                 self.opts.host, self.opts.port, self.opts.keepalive_s, clean_start=False, properties=props
@@ -380,7 +391,7 @@ class MqttLink:
         except (OSError, ValueError) as exc:
             raise LinkError(f"cannot connect to {self.opts.host}:{self.opts.port}: {exc}") from None
         self._client.loop_start()
-        if not self._first.wait(self.opts.connect_timeout_s):
+        if not self._wait(self._first, stop):
             self.close()
             raise LinkError(
                 self._tls_problem()
@@ -392,19 +403,40 @@ class MqttLink:
             raise LinkError(
                 f"the broker at {self.opts.host}:{self.opts.port} refused {self.client_id!r}: {self._refused}"
             )
-        if not self._subscribed.wait(self.opts.connect_timeout_s) or self._sub_refused is not None:
+        if wait_subscribed and (not self._wait(self._subscribed, stop) or self._sub_refused is not None):
             self.close()
-            raise LinkError(
-                f"the broker at {self.opts.host}:{self.opts.port} "
-                + (
-                    f"refused {self.client_id!r}'s subscriptions {self.subscriptions}: {self._sub_refused}"
-                    if self._sub_refused is not None
-                    else f"did not confirm {self.client_id!r}'s subscriptions within "
-                    f"{self.opts.connect_timeout_s:.0f} s"
-                )
-            )
+            raise self._subscription_error()
 
-    def _reset_session(self) -> None:
+    def _wait(self, event: threading.Event, stop: threading.Event | None) -> bool:
+        """Wait up to ``connect_timeout_s`` for ``event``; a stop request ends the wait (LinkError)."""
+        deadline = time.monotonic() + self.opts.connect_timeout_s
+        while not event.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+            if stop is not None and stop.is_set():
+                self.close()
+                raise LinkError(f"stopped while waiting for the broker at {self.opts.host}:{self.opts.port}")
+            if time.monotonic() >= deadline:
+                return False
+        return True
+
+    def subscribed(self) -> bool:
+        """Whether the broker confirmed the first connection's subscriptions (LinkError if it
+        refused them)."""
+        if self._sub_refused is not None:
+            raise self._subscription_error()
+        return self._subscribed.is_set()
+
+    def _subscription_error(self) -> LinkError:
+        return LinkError(
+            f"the broker at {self.opts.host}:{self.opts.port} "
+            + (
+                f"refused {self.client_id!r}'s subscriptions {self.subscriptions}: {self._sub_refused}"
+                if self._sub_refused is not None
+                else f"did not confirm {self.client_id!r}'s subscriptions within "
+                f"{self.opts.connect_timeout_s:.0f} s"
+            )
+        )
+
+    def _reset_session(self, stop: threading.Event | None) -> None:
         done = threading.Event()
         failure: list[str] = []
         c = self._new_client(False)
@@ -439,9 +471,13 @@ class MqttLink:
                     ) from None
                 time.sleep(self.opts.reconnect_min_s)
         c.loop_start()
-        ok = done.wait(max(0.1, deadline - time.monotonic()))
+        ok = done.wait(0.1)
+        while not ok and time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+            ok = done.wait(0.1)
         c.disconnect()
         c.loop_stop()
+        if stop is not None and stop.is_set() and not ok:
+            raise LinkError(f"stopped while waiting for the broker at {self.opts.host}:{self.opts.port}")
         if not ok:
             raise LinkError(
                 self._tls_problem() or f"no answer from the broker at {self.opts.host}:{self.opts.port}"
@@ -467,7 +503,17 @@ class MqttLink:
         ):
             time.sleep(0.02)
         self._client.disconnect()
-        self._client.loop_stop()
+        # paho's loop_stop joins the network thread without a limit; a thread blocked in its owner's
+        # sink (a full inbox not yet closed) would hold the process forever. Bounded here: the
+        # thread is a daemon, and a stuck one is left behind with a warning.
+        thread = self._client._thread
+        self._client._thread_terminate = True
+        if thread is not None and not on_loop:
+            thread.join(max(1.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                log.warning(
+                    "%s: the network thread did not stop within %.0f s; left behind", self.client_id, timeout
+                )
 
     def _tls_message(self, exc: ssl.SSLCertVerificationError) -> str:
         return (

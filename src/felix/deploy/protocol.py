@@ -47,6 +47,7 @@ class Refusal(str, Enum):
 
     TOPIC = "topic"  # not a topic the server subscribes to
     RATE_LIMIT = "rate_limit"  # the sender's message budget is spent
+    COST_LIMIT = "cost_limit"  # the sender's byte or decode-time budget (per wall second) is spent
     OVERSIZED = "oversized"  # the wire format's checks (wire.ErrorCode) ...
     TRUNCATED = "truncated"
     BAD_MAGIC = "bad_magic"
@@ -191,6 +192,38 @@ class ProtocolLimits:
     aux_spec: Mapping[str, Any]
     rate: float | None = None
     burst: float = 50.0
+    # The cost budget, per login and per wall second (a server's CPU and bandwidth are spent in
+    # wall time, whatever the time scale): decode seconds (a share of one core) and payload bytes.
+    # None: off.
+    cpu_share: float | None = None
+    cpu_burst_s: float = 0.25
+    bytes_per_s: float | None = None
+    bytes_burst: float = 0.0  # (at least one largest message)
+
+
+@dataclass(frozen=True)
+class CostBudget:
+    """Per login (ids outside the population share key -1), in wall seconds: the decode time
+    and the payload bytes its messages may cost the server. A message is refused unread while
+    either bucket is in debt; its bytes are charged before decoding, its decode time after."""
+
+    cpu: TokenBuckets | None
+    bytes: TokenBuckets | None
+
+    @classmethod
+    def of(cls, lim: ProtocolLimits) -> CostBudget:
+        cpu = None if lim.cpu_share is None else TokenBuckets(lim.cpu_share, lim.cpu_burst_s)
+        burst = max(lim.bytes_burst, float(lim.max_bytes))
+        b = None if lim.bytes_per_s is None else TokenBuckets(lim.bytes_per_s, burst)
+        return cls(cpu, b)
+
+    def admit(self, key: int, size: int, wall: float) -> str | None:
+        """What is spent, if the message may not be read now; else None (its bytes are charged)."""
+        if self.cpu is not None and not self.cpu.take(key, wall, 0.0):
+            return "decode time"
+        if self.bytes is not None and not self.bytes.take(key, wall, float(size)):
+            return "bytes"
+        return None
 
 
 def digest(msg_id: str, payload: bytes) -> bytes:
@@ -220,14 +253,18 @@ class ServerProtocol:
         self.stats = TransportStats()
         # Each client's message budget (ids outside the population share one: key -1).
         self.buckets = None if limits.rate is None else TokenBuckets(limits.rate, limits.burst)
+        self.cost = CostBudget.of(limits)
+        self.header_bytes = wire.header_limit(limits.num_classes)
         self.seq_marks: dict[int, dict[str, int]] = {}  # client -> message-id prefix -> highest sequence
         self.result_digests: dict[int, bytes] = {}  # task id -> digest of the result that closed it
         self.incarnations: dict[int, str] = {}
         self.shadow: dict[int, ShadowTask] = {}
 
     # ------------------------------------------------------------------ inbound
-    def receive(self, topic: str, payload: bytes, now: float) -> Received:
-        """Check one inbound message at config time ``now``; refusals are counted here."""
+    def receive(self, topic: str, payload: bytes, now: float, wall: float = 0.0) -> Received:
+        """Check one inbound message at config time ``now`` (``wall``: the server's wall clock in
+        seconds, for the cost budget); refusals are counted here. The caller charges the decode
+        time with :meth:`charge_decode`."""
         self.stats.messages_in += 1
         parsed = self.topics.parse_inbound_to_server(topic)
         if parsed is None:
@@ -236,13 +273,19 @@ class ServerProtocol:
             )
         kind, cid = parsed
         lim = self.limits
-        if self.buckets is not None and not self.buckets.take(cid if 0 <= cid < lim.num_clients else -1, now):
-            # Before decoding: a flood costs the server a topic parse and a counter per message.
+        key = self.budget_key(cid)
+        # Before decoding: a flood, or heavy headers, cost the server a topic parse and a counter.
+        if self.buckets is not None and not self.buckets.take(key, now):
             return self.refuse(
                 Refusal.RATE_LIMIT, cid, 0, f"transport: rate limit ({kind})", wire_kind="control"
             )
+        spent = self.cost.admit(key, len(payload), wall)
+        if spent is not None:
+            return self.refuse(
+                Refusal.COST_LIMIT, cid, 0, f"transport: cost limit ({spent})", wire_kind="control"
+            )
         try:
-            msg = wire.decode(payload, lim.max_bytes, lim.aux_spec)
+            msg = wire.decode(payload, lim.max_bytes, lim.aux_spec, self.header_bytes)
         except wire.MessageError as exc:
             return self.refuse(
                 Refusal(exc.code.value),
@@ -293,6 +336,15 @@ class ServerProtocol:
         return Accepted(
             msg, wk, ((TaskFailed(now, cid, msg.task, msg.reason), True),), digest(msg.msg_id, payload)
         )
+
+    def budget_key(self, cid: int) -> int:
+        """The budget a sender spends: its own, or the one ids outside the population share."""
+        return cid if 0 <= cid < self.limits.num_clients else -1
+
+    def charge_decode(self, cid: int, seconds: float, wall: float) -> None:
+        """Charge ``seconds`` of the server's time handling a message of ``cid`` to its budget."""
+        if self.cost.cpu is not None:
+            self.cost.cpu.spend(self.budget_key(cid), wall, seconds)
 
     def refuse(
         self,

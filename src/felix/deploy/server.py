@@ -35,6 +35,7 @@ is full paho's network thread waits, and TCP flow control pushes back on the bro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -50,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from felix.config import Config
+from felix.core.admission import DEPLOY_DROP_RATE
 from felix.core.commands import (
     Command,
     NewModelVersion,
@@ -58,10 +60,10 @@ from felix.core.commands import (
 from felix.core.events import Event, TaskFailed, TaskFinished, Tick
 from felix.deploy import checkpoint as ckpt
 from felix.deploy import wire
-from felix.deploy.broker_config import default_max_message_bytes
+from felix.deploy.broker_config import SERVER_RECEIVE_MAXIMUM, default_max_message_bytes
 from felix.deploy.checkpoint import AppliedLog, AppliedUpdate
 from felix.deploy.inbox import Inbox
-from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
+from felix.deploy.link import BrokerOptions, Connected, Inbound, LinkError, MqttLink
 from felix.deploy.protocol import (
     Duplicate,
     OrchestratorView,
@@ -111,6 +113,12 @@ class ServeOptions:
     # orchestrator's rules): None turns it off.
     client_msg_rate: float | None = 10.0
     client_msg_burst: float = 50.0
+    # Per-client cost limit at intake, per wall second (felix.deploy.protocol.CostBudget): the share
+    # of one core its messages' decoding may take, and its payload bytes (None: four of the largest
+    # messages a second, eight at once). ``client_cost_limit=False`` turns both off.
+    client_cost_limit: bool = True
+    client_cpu_share: float = 0.05
+    client_bytes_per_s: float | None = None
     plots: bool = False
     status_every_s: float = 10.0
 
@@ -125,6 +133,8 @@ class Server:
             raise ValueError("time scale must be positive")
         if opts.max_pending_bytes < 1 or opts.max_pending_messages < 1 or opts.checkpoint_interval_s < 0:
             raise ValueError("max pending bytes and messages must be positive, the checkpoint interval >= 0")
+        if not (0 < opts.client_cpu_share <= 1):
+            raise ValueError(f"client CPU share must be in (0, 1], not {opts.client_cpu_share}")
         if opts.client_msg_rate is not None and not (0 < opts.client_msg_rate < math.inf):
             raise ValueError(f"client message rate must be positive, not {opts.client_msg_rate}")
         if not (1 <= opts.client_msg_burst < math.inf):
@@ -136,8 +146,17 @@ class Server:
             make_output_dir(opts.checkpoint.parent, "checkpoint folder")
         # A client that never answers must not grow the server's open tasks with every timeout:
         # the deployment keeps one late task per client (orchestrator.one_late_task_per_client).
+        # Nor may one that flips its tier take a model download per flip: the drop budget
+        # (felix.core.admission) is on unless the config sets it.
+        adm = cfg.orchestrator.admission
+        if "drop_rate" not in adm.model_fields_set:
+            adm = adm.model_copy(update={"drop_rate": DEPLOY_DROP_RATE})
         cfg = cfg.model_copy(
-            update={"orchestrator": cfg.orchestrator.model_copy(update={"one_late_task_per_client": True})}
+            update={
+                "orchestrator": cfg.orchestrator.model_copy(
+                    update={"one_late_task_per_client": True, "admission": adm}
+                )
+            }
         )
         self.cfg = cfg
         self.opts = opts
@@ -183,6 +202,11 @@ class Server:
             self.orch.validator.aux_spec,
             opts.client_msg_rate,
             opts.client_msg_burst,
+            cpu_share=opts.client_cpu_share if opts.client_cost_limit else None,
+            bytes_per_s=(
+                (opts.client_bytes_per_s or 4.0 * self.max_bytes) if opts.client_cost_limit else None
+            ),
+            bytes_burst=8.0 * self.max_bytes,
         )
         self.protocol = ServerProtocol(opts.run_id, self.session, limits, OrchestratorView(self.orch))
         self._refused: dict[int, int] = {}  # client id (-1: none, or outside the population) -> refused
@@ -206,9 +230,13 @@ class Server:
         self.config_digest = hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
         if opts.resume:
             self._restore()
+        # The server's own in-flight window at the broker, above every client's (the broker's
+        # max_inflight_messages): room for all it may hold unacknowledged until its next
+        # checkpoint, which comes at the latest when max_pending_messages are pending.
+        window = min(SERVER_RECEIVE_MAXIMUM, 2 * opts.max_pending_messages)
         self.link = MqttLink(
             f"felix-{opts.run_id}-server",
-            opts.broker,
+            dataclasses.replace(opts.broker, receive_maximum=window),
             self.topics.server_subscriptions(),
             self.inbox.put,
             manual_ack=True,  # after handling, or after the checkpoint that holds the effect
@@ -227,8 +255,23 @@ class Server:
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> dict[str, Any]:
-        """Serve until the target, ``max_time_s``, ``max_aggregations`` or ``stop_requested``."""
-        self.link.start(fresh=not self.opts.resume)
+        """Serve until the target, ``max_time_s``, ``max_aggregations`` or ``stop_requested``.
+
+        Start-up cannot hang: the connection is bounded by the broker options' connect timeout,
+        and the SUBACK is awaited inside the loop (a resumed session's queued backlog arrives
+        before it, and the loop drains it through the bounded inbox and the intake limits); a
+        SUBACK missing after that timeout ends the run with a LinkError, the inbox closed first so
+        that no network thread stays blocked on it."""
+        try:
+            self.link.start(fresh=not self.opts.resume, wait_subscribed=False, stop=self.stop_requested)
+            return self._serve()
+        except BaseException:
+            self.inbox.close()
+            self.link.close(timeout=1.0)
+            raise
+
+    def _serve(self) -> dict[str, Any]:
+        subscribed_by = time.monotonic() + self.opts.broker.connect_timeout_s
         self._mono0 = time.monotonic()
         self.ctl.start()
         log.info(
@@ -241,6 +284,8 @@ class Server:
         )
         last_status = time.monotonic()
         while self.ctl.stop_reason is None:
+            if subscribed_by and (self.link.subscribed() or self._stop_before_subscribed(subscribed_by)):
+                subscribed_by = 0.0
             wake = self.orch.next_wakeup()
             now = self.now()
             timeout = 0.25 if wake is None else min(0.25, max(0.0, (wake - now) * self.opts.time_scale))
@@ -263,6 +308,17 @@ class Server:
                 last_status = time.monotonic()
                 self._log_status()
         return self._finish()
+
+    def _stop_before_subscribed(self, deadline: float) -> bool:
+        """The SUBACK has not come: raise once ``deadline`` passed (True: a stop was requested)."""
+        if self.stop_requested.is_set():
+            return True
+        if time.monotonic() > deadline:
+            raise LinkError(
+                f"the broker at {self.opts.broker.host}:{self.opts.broker.port} did not confirm the "
+                f"server's subscriptions within {self.opts.broker.connect_timeout_s:.0f} s"
+            )
+        return False
 
     def _log_status(self) -> None:
         o = self.orch
@@ -399,7 +455,11 @@ class Server:
     def _on_inbound(self, m: Inbound) -> None:
         """The protocol's verdict on one message, carried out: bytes counted, the delivery delay
         noted, a refusal logged, a new message's events handed to the orchestrator."""
-        got = self.protocol.receive(m.topic, m.payload, self.now())
+        wall = time.monotonic()
+        spent = time.thread_time()
+        got = self.protocol.receive(m.topic, m.payload, self.now(), wall)
+        sender = got.client if isinstance(got, Refused) else getattr(got.msg, "client", -1)
+        self.protocol.charge_decode(sender, time.thread_time() - spent, wall)
         if got.wire_kind is not None:
             self.ctl.count_wire("up", got.wire_kind, len(m.payload))
         if got.msg is not None:

@@ -34,13 +34,26 @@ from typing import Any, ClassVar
 import numpy as np
 
 from felix.core.types import TaskKind, Tier
-from felix.core.validation import AuxSpec, aux_problem
+from felix.core.validation import (
+    MAX_ID,
+    MAX_SAMPLES,
+    MAX_TIME,
+    MAX_UNIX_TIME,
+    REPORTED_RANGES,
+    AuxSpec,
+    aux_problem,
+)
 
 MAGIC = b"FLXM"
 FORMAT_VERSION = 1
 _PREFIX = struct.Struct("<4sHI")
 PREFIX_BYTES = _PREFIX.size
 MAX_HEADER_BYTES = 64 * 1024
+# Checked on the raw bytes before the header is parsed (a heavy header must cost a count, not a
+# parse): opening brackets bound both the nesting depth and the number of lists and objects. A
+# header holds one object, the arrays list, two per array (its object and its shape) and one list
+# of counts or a plan; 64 arrays is more than any message carries.
+MAX_HEADER_BRACKETS = 2 * 64 + 8
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_STR = 256
 MAX_LIST = 65536
@@ -199,29 +212,41 @@ def _int(name: str, v: Any) -> int:
     return v
 
 
-def _nonneg(name: str, v: Any) -> int:
-    if _int(name, v) < 0:
-        raise _bad(name, "a non-negative integer", v)
-    return v
+def _ranged_int(hi: int) -> Check:
+    def check(name: str, v: Any) -> int:
+        if not (0 <= _int(name, v) <= hi):
+            raise _bad(name, f"an integer from 0 to {hi}", v)
+        return v
+
+    return check
 
 
-def _client_id(name: str, v: Any) -> int:
-    return _nonneg(name, v)
+# Ids and versions, and sample counts: each number a client reports has a declared range
+# (``felix.core.validation``), checked here before anything computes with it.
+_nonneg = _ranged_int(MAX_ID)
+_client_id = _nonneg
+_samples = _ranged_int(MAX_SAMPLES)
 
 
 def _float(name: str, v: Any) -> float:
-    # NaN and infinities are let through on purpose: they are well-formed, and the orchestrator
-    # rejects a non-finite loss/utility/duration with its own reason.
     if not isinstance(v, (int, float)) or isinstance(v, bool):
         raise _bad(name, "a number", v)
     return float(v)
 
 
-def _time(name: str, v: Any) -> float:
-    f = _float(name, v)
-    if not math.isfinite(f):
-        raise _bad(name, "a finite time", v)
-    return f
+def _ranged_float(lo: float, hi: float) -> Check:
+    """A number within [lo, hi] (NaN and the infinities are outside every range)."""
+
+    def check(name: str, v: Any) -> float:
+        f = _float(name, v)
+        if not (lo <= f <= hi):
+            raise _bad(name, f"a number from {lo:g} to {hi:g}", v)
+        return f
+
+    return check
+
+
+_time = _ranged_float(0.0, MAX_UNIX_TIME)  # "sent": the sender's Unix time
 
 
 def _str(name: str, v: Any) -> str:
@@ -253,8 +278,8 @@ def _int_list(name: str, v: Any) -> tuple[int, ...]:
     if not isinstance(v, list) or len(v) > MAX_LIST:
         raise _bad(name, f"a list of at most {MAX_LIST} integers", v)
     for x in v:
-        if not isinstance(x, int) or isinstance(x, bool) or x < 0:
-            raise _bad(name, "a list of non-negative integers", v)
+        if not isinstance(x, int) or isinstance(x, bool) or not (0 <= x <= MAX_SAMPLES):
+            raise _bad(name, f"a list of integers from 0 to {MAX_SAMPLES}", v)
     return tuple(v)
 
 
@@ -264,7 +289,7 @@ _SCHEMAS: dict[MsgType, dict[str, Check]] = {
     MsgType.REGISTER: {
         "client": _client_id,
         "incarnation": _str,
-        "num_samples": _nonneg,
+        "num_samples": _samples,
         "tier": _tier,
         "class_counts": _int_list,
     },
@@ -275,10 +300,8 @@ _SCHEMAS: dict[MsgType, dict[str, Check]] = {
         "task": _nonneg,
         "kind": _kind,
         "version": _nonneg,
-        "num_samples": _nonneg,
-        "stat_utility": _float,
-        "loss": _float,
-        "duration": _float,
+        "num_samples": _samples,
+        **{k: _ranged_float(lo, hi) for k, (lo, hi) in REPORTED_RANGES.items()},
     },
     MsgType.FAILED: {"client": _client_id, "incarnation": _str, "task": _nonneg, "reason": _str},
     MsgType.TRAIN: {"client": _client_id, "task": _nonneg, "version": _nonneg, "plan": _int_list},
@@ -383,14 +406,25 @@ def _check_unicode(header: dict[str, Any]) -> None:
                 ) from None
 
 
+def header_limit(num_classes: int) -> int:
+    """The largest header a client of a run with ``num_classes`` classes needs: 8 KiB of fields
+    and array manifests, and a class count (up to 13 digits and a comma) per class."""
+    return min(MAX_HEADER_BYTES, 8192 + 16 * num_classes)
+
+
 def decode(
-    data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, aux_spec: AuxSpec | None = None
+    data: bytes,
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    aux_spec: AuxSpec | None = None,
+    max_header_bytes: int = MAX_HEADER_BYTES,
 ) -> Message:
     """Parse and validate one message; raises ``MessageError`` with the failed check's code.
 
     ``aux_spec``: the aux entries a result may carry (what the objective and aggregator in use
     declare, ``felix.core.validation``); any other key, shape or dtype is ``bad_aux``. The server
     passes it; ``None`` skips the check (a client reading the server's tasks).
+    ``max_header_bytes``: the header's size limit (the server's is ``header_limit`` of its run),
+    checked with its bracket count before the header is parsed.
     """
     if len(data) > max_bytes:
         raise MessageError(
@@ -407,14 +441,21 @@ def decode(
         raise MessageError(
             ErrorCode.UNKNOWN_VERSION, f"format version {version}, this end speaks {FORMAT_VERSION}"
         )
-    if hlen > MAX_HEADER_BYTES:
-        raise MessageError(ErrorCode.BAD_HEADER, f"header length {hlen} exceeds {MAX_HEADER_BYTES}")
+    if hlen > max_header_bytes:
+        raise MessageError(ErrorCode.BAD_HEADER, f"header length {hlen} exceeds {max_header_bytes}")
     if PREFIX_BYTES + hlen > len(data):
         raise MessageError(
             ErrorCode.TRUNCATED, f"header of {hlen} bytes but only {len(data) - PREFIX_BYTES} follow"
         )
+    raw = data[PREFIX_BYTES : PREFIX_BYTES + hlen]
+    brackets = raw.count(b"[") + raw.count(b"{")
+    if brackets > MAX_HEADER_BRACKETS:
+        raise MessageError(
+            ErrorCode.BAD_HEADER,
+            f"header opens {brackets} lists or objects, more than {MAX_HEADER_BRACKETS} (nesting or bulk)",
+        )
     try:
-        header = json.loads(data[PREFIX_BYTES : PREFIX_BYTES + hlen].decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise MessageError(ErrorCode.BAD_HEADER, f"header is not UTF-8 JSON ({exc})") from None
     except RecursionError:  # thousands of nested brackets fit in the header's 64 KiB
@@ -513,7 +554,10 @@ def _span(arr: np.ndarray | None) -> tuple[float, float] | None:
         raise MessageError(
             ErrorCode.BAD_HEADER, f"array 'span' must be 2 float64 times, not {arr.shape}/{arr.dtype}"
         )
-    return float(arr[0]), float(arr[1])
+    first, last = float(arr[0]), float(arr[1])
+    if not (abs(first) <= MAX_TIME and abs(last) <= MAX_TIME):
+        raise _bad("span", f"two times within +-{MAX_TIME:g}", [first, last])
+    return first, last
 
 
 def _build(mtype: MsgType, v: dict[str, Any], arrays: dict[str, np.ndarray]) -> Message:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict
@@ -144,9 +145,22 @@ def make_output_dir(path: Path, what: str = "output folder") -> Path:
     return path
 
 
+def strict_json(value: Any) -> Any:
+    """``value`` with every NaN or infinite float (numpy's too) replaced by None: summary.json is
+    strict JSON (RFC 8259 has no NaN or Infinity), whatever a measurement came out as."""
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    if isinstance(value, (float, np.floating)) and not math.isfinite(value):
+        return None
+    return value
+
+
 def write_run(out_dir: Path, summ: dict[str, Any], rows: list[EvalRow], plots: bool = True) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "summary.json").write_text(json.dumps(summ, indent=2, sort_keys=True) + "\n")
+    text = json.dumps(strict_json(summ), indent=2, sort_keys=True, allow_nan=False)
+    (out_dir / "summary.json").write_text(text + "\n")
     EvalLog(out_dir / "evaluations.csv").reset(rows)
     if plots:
         plot_curves(out_dir, {summ["strategy"]: rows}, summ["target_accuracy"])
