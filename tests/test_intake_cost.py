@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import time
 
+from felix.core.refusals import Refusal
 from felix.core.types import Tier
 from felix.deploy import wire
-from felix.deploy.protocol import Accepted, ProtocolLimits, Refusal, Refused, ServerProtocol
+from felix.deploy.protocol import Accepted, ProtocolLimits, Refused, ServerProtocol
 from felix.deploy.topics import Topics
 
 RUN = "r1"

@@ -3,6 +3,7 @@ an interrupted task pauses and resumes, tier changes are reported, cancels and r
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -121,11 +122,15 @@ def test_cancel_and_redelivery() -> None:
             weights=np.zeros(size, np.float32),
         ),
     )  # another run: dropped
+    junk = b"JUNK" + bytes(40)  # not the wire format
+    host.inbox.put(Inbound(Topics("t").task(0), junk, 1, 1, False, 1, time.monotonic()), 0)
+    _task_msg(host, dataclasses.replace(_train(6, size), client=1))  # addressed to another client
     host.serve(time.monotonic() + 60)
     assert len(host.inbox) == 0  # every message was handled before the one result
     results = [m for _, m in link.sent if isinstance(m, wire.Result)]
     assert [r.task for r in results] == [4]
     assert host.tasks_done == 1
+    assert host.dropped_by_kind == {"bad_magic": 1, "other_run": 1, "wrong_addressee": 1}
 
 
 def test_data_plan_row_is_applied_once() -> None:

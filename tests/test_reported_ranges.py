@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from felix.core.commands import Command, DispatchEval, DispatchTrain, NewModelVersion, UpdateRejected
 from felix.core.events import ClientRegistered, TaskFinished
 from felix.core.orchestrator import Orchestrator, OrchestratorConfig
+from felix.core.refusals import Refusal
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
 from felix.metrics.report import write_run
@@ -205,7 +206,7 @@ def test_a_state_message_sent_at_an_absurd_time_is_refused(sent: float) -> None:
     data = wire._PREFIX.pack(wire.MAGIC, wire.FORMAT_VERSION, len(text)) + text
     with pytest.raises(wire.MessageError) as err:
         wire.decode(data)
-    assert err.value.code is wire.ErrorCode.BAD_FIELD and "'sent'" in str(err.value)
+    assert err.value.code is Refusal.BAD_FIELD and "'sent'" in str(err.value)
 
 
 def test_summary_json_is_strict_json_whatever_was_measured(tmp_path: Path) -> None:

@@ -52,6 +52,7 @@ import torch
 
 from felix.client.trainer import LocalTrainer
 from felix.config import Config, ConfigError
+from felix.core.refusals import Refusal, count_kind
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
 from felix.deploy.broker_config import default_max_message_bytes
@@ -198,6 +199,7 @@ class ClientHost:
         self._seq = 0
         self.stop_requested = threading.Event()
         self.tasks_done = 0
+        self.dropped_by_kind: dict[str, int] = {}  # messages from the server this process dropped
 
     # ------------------------------------------------------------------ time
     def trace_time(self, mono: float | None = None) -> float:
@@ -224,6 +226,10 @@ class ClientHost:
         finally:
             self.inbox.close()  # a network thread waiting on a full inbox must not block its link's close
             self._close_links()
+        if self.dropped_by_kind:
+            log.warning(
+                "dropped messages from the server, by kind: %s", dict(sorted(self.dropped_by_kind.items()))
+            )
         return self.tasks_done
 
     def _close_links(self) -> None:
@@ -310,14 +316,14 @@ class ClientHost:
         try:
             msg = wire.decode(item.payload, self.max_bytes)
         except wire.MessageError as exc:
-            log.warning("client %d: dropped a malformed message on %s: %s", dev.cid, item.topic, exc)
+            self._drop(dev, exc.code, f"a malformed message on {item.topic}: {exc}")
             return
         if msg.run != self.opts.run_id:
-            log.warning("client %d: dropped a message for run %r", dev.cid, msg.run)
+            self._drop(dev, Refusal.OTHER_RUN, f"a message for run {msg.run!r}")
             return
         kind = "status" if item.topic == self.topics.status else "task"
         if msg.TYPE not in ALLOWED[kind]:
-            log.warning("client %d: dropped a %s message on its %s topic", dev.cid, msg.TYPE.value, kind)
+            self._drop(dev, Refusal.TYPE_ON_TOPIC, f"a {msg.TYPE.value} message on its {kind} topic")
             return
         if isinstance(msg, wire.Status):
             if msg.state == "finished":
@@ -328,11 +334,9 @@ class ClientHost:
                 self._register(dev)
             return
         if getattr(msg, "client", None) != dev.cid:
-            log.warning(
-                "client %d: dropped a %s message addressed to client %s",
-                dev.cid,
-                msg.TYPE.value,
-                getattr(msg, "client", None),
+            addressee = getattr(msg, "client", None)
+            self._drop(
+                dev, Refusal.WRONG_ADDRESSEE, f"a {msg.TYPE.value} message addressed to client {addressee}"
             )
             return
         if isinstance(msg, wire.Cancel):
@@ -341,6 +345,11 @@ class ClientHost:
             self._receive(dev, msg.task, TaskKind.TRAIN, msg.version, msg.weights, msg.aux, msg.plan)
         elif isinstance(msg, wire.EvalTask):
             self._receive(dev, msg.task, TaskKind.EVAL, msg.version, msg.weights, {}, ())
+
+    def _drop(self, dev: Device, kind: Refusal, what: str) -> None:
+        """Drop a message from the server, counted by kind (``dropped_by_kind``) and logged."""
+        count_kind(self.dropped_by_kind, kind)
+        log.warning("client %d: dropped %s", dev.cid, what)
 
     def _receive(
         self,

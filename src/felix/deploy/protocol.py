@@ -10,8 +10,9 @@ result's kind and model version against the task it answers. Time is passed in (
 so tests drive it with hostile payloads alone, and the MQTT server (``felix.deploy.server``) is
 left with the link, the threads, the clock and the checkpoints.
 
-Refusals are a closed set (:class:`Refusal`), counted by kind; each also keeps the reason text
-the summary's ``rejected_by_reason`` has always counted.
+Refusals are one closed set (:class:`felix.core.refusals.Refusal`, shared with the wire format
+and the orchestrator, whose rejections keep their kind here), counted by kind; each also keeps the
+reason text the summary's ``rejected_by_reason`` has always counted.
 
 Duplicates are recognised by what a message is about, not by remembering every message id: a
 result by its task id (the result that closed a task is remembered by digest, a bounded number of
@@ -24,7 +25,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Protocol
 
 import numpy as np
@@ -33,6 +33,7 @@ from felix.core.admission import TokenBuckets
 from felix.core.commands import CancelTask, Command, DispatchEval, DispatchTrain, UpdateRejected
 from felix.core.events import ClientRegistered, Event, TaskFailed, TaskFinished, TierChanged
 from felix.core.orchestrator import Orchestrator
+from felix.core.refusals import Refusal, count_kind
 from felix.core.types import ClientUpdate, TaskKind
 from felix.deploy import wire
 from felix.deploy.topics import ALLOWED, Topics
@@ -40,36 +41,6 @@ from felix.metrics.report import tally_rejection
 
 SEQ_PREFIXES_PER_CLIENT = 4  # message-id prefixes (incarnations, wills) whose sequence watermark is kept
 RESULT_DIGESTS = 65536  # results remembered by task id (digest) to tell a redelivery from a replay
-
-
-class Refusal(str, Enum):
-    """Why a message was refused; the value is the kind's key in ``refused_by_kind``."""
-
-    TOPIC = "topic"  # not a topic the server subscribes to
-    RATE_LIMIT = "rate_limit"  # the sender's message budget is spent
-    COST_LIMIT = "cost_limit"  # the sender's byte or decode-time budget (per wall second) is spent
-    OVERSIZED = "oversized"  # the wire format's checks (wire.ErrorCode) ...
-    TRUNCATED = "truncated"
-    BAD_MAGIC = "bad_magic"
-    UNKNOWN_VERSION = "unknown_version"
-    UNKNOWN_TYPE = "unknown_type"
-    BAD_HEADER = "bad_header"
-    BAD_FIELD = "bad_field"
-    BAD_PAYLOAD = "bad_payload"
-    BAD_AUX = "bad_aux"  # ... up to here
-    TYPE_ON_TOPIC = "type_on_topic"  # a message type the topic does not carry
-    OTHER_RUN = "other_run"
-    SENDER_MISMATCH = "sender_mismatch"  # the header's client is not the topic's
-    MESSAGE_ID = "message_id"  # not <incarnation>-<sequence>
-    REPLAY = "replay"  # a known message id with other content
-    OUTSIDE_POPULATION = "outside_population"
-    CLASS_COUNTS = "class_counts"  # a registration's counts do not match the classes or samples
-    TOO_MANY_SAMPLES = "too_many_samples"  # a registration claims more than the partition holds
-    OLD_INCARNATION = "old_incarnation"  # a tier report of a restarted client's previous process
-    WRONG_KIND = "wrong_kind"  # a train result for an eval task, or the reverse
-    WRONG_VERSION = "wrong_version"  # computed on another model version than dispatched
-    UPDATE = "update"  # refused by the orchestrator's own checks (felix.core.validation)
-    INTERNAL = "internal"  # handling the message raised
 
 
 @dataclass(frozen=True)
@@ -288,7 +259,7 @@ class ServerProtocol:
             msg = wire.decode(payload, lim.max_bytes, lim.aux_spec, self.header_bytes)
         except wire.MessageError as exc:
             return self.refuse(
-                Refusal(exc.code.value),
+                exc.code,
                 cid,
                 0,
                 f"transport: {exc.code.value}",
@@ -358,7 +329,7 @@ class ServerProtocol:
     ) -> Refused:
         """Count a refusal (by kind, and by its reason text) and describe it."""
         self.stats.rejected += 1
-        self.stats.refused_by_kind[kind.value] = self.stats.refused_by_kind.get(kind.value, 0) + 1
+        count_kind(self.stats.refused_by_kind, kind)
         tally_rejection(self.stats.rejected_by_reason, reason)
         if msg is not None and wire_kind is None:
             wire_kind = _wire_kind(msg)
@@ -545,7 +516,7 @@ class ServerProtocol:
             msg = wire.Cancel(**self._env(sent_at), client=cmd.client_id, task=cmd.task_id, reason=cmd.reason)
             return self._out(cmd.client_id, msg, "control")
         if isinstance(cmd, UpdateRejected):
-            return self.refuse(Refusal.UPDATE, cmd.client_id, cmd.task_id, cmd.reason)
+            return self.refuse(cmd.kind, cmd.client_id, cmd.task_id, cmd.reason)
         return None
 
     def status(self, state: str, sent_at: float) -> Outbound:

@@ -58,6 +58,7 @@ from felix.core.commands import (
     UpdateRejected,
 )
 from felix.core.events import Event, TaskFailed, TaskFinished, Tick
+from felix.core.refusals import Refusal
 from felix.deploy import checkpoint as ckpt
 from felix.deploy import wire
 from felix.deploy.broker_config import SERVER_RECEIVE_MAXIMUM, default_max_message_bytes
@@ -68,7 +69,6 @@ from felix.deploy.protocol import (
     Duplicate,
     OrchestratorView,
     ProtocolLimits,
-    Refusal,
     Refused,
     ServerProtocol,
     TransportStats,
@@ -357,6 +357,7 @@ class Server:
         wall = self._prior_wall + (time.monotonic() - self._mono0)
         extra = {
             "rejected_by_reason": dict(sorted(self.stats.rejected_by_reason.items())),
+            "rejected_by_kind": dict(sorted(self.stats.refused_by_kind.items())),
             "transport": {
                 **{k: v for k, v in asdict(self.stats).items() if k != "rejected_by_reason"},
                 "latency_p50_ms": _ms(self.latency, 50),
