@@ -11,6 +11,7 @@ import pytest
 from felix.core.refusals import Refusal
 from felix.core.types import TaskKind, Tier
 from felix.deploy import wire
+from felix.deploy.channels import Address, Channel
 from felix.deploy.topics import Topics, check_run_id, sanitize_run_id
 from felix.deploy.wire import MessageError
 
@@ -295,7 +296,7 @@ def test_msg_ids_are_unique_per_sender() -> None:
 def test_topics() -> None:
     t = Topics("run-1")
     assert t.task(7) == "felix/run-1/client/7/task"
-    assert t.parse_inbound_to_server("felix/run-1/server/result/7") == ("result", 7)
+    assert t.parse_inbound_to_server("felix/run-1/server/result/7") == Address(Channel.RESULT, 7)
     assert t.parse_inbound_to_server("felix/run-1/server/result/x") is None
     assert t.parse_inbound_to_server("felix/other/server/result/7") is None
     with pytest.raises(ValueError, match="run id"):

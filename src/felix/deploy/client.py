@@ -56,9 +56,10 @@ from felix.core.refusals import Refusal, count_kind
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
 from felix.deploy.broker_config import default_max_message_bytes
+from felix.deploy.channels import ALLOWED, Channel
 from felix.deploy.inbox import Inbox
 from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
-from felix.deploy.topics import ALLOWED, Topics, client_user
+from felix.deploy.topics import Topics, client_user
 from felix.engine.device import DeviceRunner, DeviceTask, Step, TaskRules, task_seed
 from felix.engine.setup import build_client_side
 from felix.scenario.build import build_population, build_trace
@@ -321,9 +322,9 @@ class ClientHost:
         if msg.run != self.opts.run_id:
             self._drop(dev, Refusal.OTHER_RUN, f"a message for run {msg.run!r}")
             return
-        kind = "status" if item.topic == self.topics.status else "task"
+        kind = Channel.STATUS if item.topic == self.topics.status else Channel.TASK
         if msg.TYPE not in ALLOWED[kind]:
-            self._drop(dev, Refusal.TYPE_ON_TOPIC, f"a {msg.TYPE.value} message on its {kind} topic")
+            self._drop(dev, Refusal.TYPE_ON_TOPIC, f"a {msg.TYPE.value} message on its {kind.value} topic")
             return
         if isinstance(msg, wire.Status):
             if msg.state == "finished":

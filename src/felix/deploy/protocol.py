@@ -1,8 +1,8 @@
-"""The deployment's server protocol as a sans-I/O object: bytes and a topic in, events or a typed
-refusal out; commands in, a topic and bytes out.
+"""The deployment's server protocol as a sans-I/O object: bytes and their sender's address in,
+events or a typed refusal out; commands in, an address and bytes out.
 
 Everything the server decides about a client's message before the orchestrator sees it lives
-here, beside no socket, thread or clock: the topic, the sender's message budget, the wire format
+here, beside no socket, thread or clock: the channel, the sender's message budget, the wire format
 (``felix.deploy.wire``), the run id, that the header's client is the topic's, duplicates and
 replays, the population's bounds, registrations (class counts, sample bounds, incarnations: a
 client that restarted loses the tasks it held), tier reports of a previous incarnation, and a
@@ -36,7 +36,7 @@ from felix.core.orchestrator import Orchestrator
 from felix.core.refusals import Refusal, count_kind
 from felix.core.types import ClientUpdate, TaskKind
 from felix.deploy import wire
-from felix.deploy.topics import ALLOWED, Topics
+from felix.deploy.channels import ALLOWED, Address, Channel
 from felix.metrics.report import tally_rejection
 
 SEQ_PREFIXES_PER_CLIENT = 4  # message-id prefixes (incarnations, wills) whose sequence watermark is kept
@@ -83,9 +83,11 @@ Received = Accepted | Duplicate | Refused
 
 @dataclass(frozen=True)
 class Outbound:
-    """A message to publish: its topic, payload and byte account (train, eval, control)."""
+    """A message to send: its channel and client (None: every client), payload and byte account
+    (train, eval, control)."""
 
-    topic: str
+    channel: Channel
+    client: int | None
     payload: bytes
     wire_kind: str
 
@@ -217,7 +219,6 @@ class ServerProtocol:
     def __init__(self, run_id: str, session: str, limits: ProtocolLimits, orch: Orchestration) -> None:
         self.run_id = run_id
         self.session = session
-        self.topics = Topics(run_id)
         self.limits = limits
         self.orch = orch
         self.ids = wire.MsgIds(f"s{session}")
@@ -232,23 +233,18 @@ class ServerProtocol:
         self.shadow: dict[int, ShadowTask] = {}
 
     # ------------------------------------------------------------------ inbound
-    def receive(self, topic: str, payload: bytes, now: float, wall: float = 0.0) -> Received:
-        """Check one inbound message at config time ``now`` (``wall``: the server's wall clock in
-        seconds, for the cost budget); refusals are counted here. The caller charges the decode
-        time with :meth:`charge_decode`."""
+    def receive(self, source: Address, payload: bytes, now: float, wall: float = 0.0) -> Received:
+        """Check one inbound message from ``source`` (as its transport vouches) at config time
+        ``now`` (``wall``: the server's wall clock in seconds, for the cost budget); refusals are
+        counted here. The caller charges the decode time with :meth:`charge_decode`."""
         self.stats.messages_in += 1
-        parsed = self.topics.parse_inbound_to_server(topic)
-        if parsed is None:
-            return self.refuse(
-                Refusal.TOPIC, -1, 0, f"transport: message on an unexpected topic {topic[:80]!r}"
-            )
-        kind, cid = parsed
+        kind, cid = source.channel, source.client
         lim = self.limits
         key = self.budget_key(cid)
         # Before decoding: a flood, or heavy headers, cost the server a topic parse and a counter.
         if self.buckets is not None and not self.buckets.take(key, now):
             return self.refuse(
-                Refusal.RATE_LIMIT, cid, 0, f"transport: rate limit ({kind})", wire_kind="control"
+                Refusal.RATE_LIMIT, cid, 0, f"transport: rate limit ({kind.value})", wire_kind="control"
             )
         spent = self.cost.admit(key, len(payload), wall)
         if spent is not None:
@@ -272,7 +268,7 @@ class ServerProtocol:
                 Refusal.TYPE_ON_TOPIC,
                 cid,
                 0,
-                f"transport: {msg.TYPE.value} message on a {kind} topic",
+                f"transport: {msg.TYPE.value} message on a {kind.value} topic",
                 msg=msg,
             )
         if msg.run != self.run_id:
@@ -307,6 +303,11 @@ class ServerProtocol:
         return Accepted(
             msg, wk, ((TaskFailed(now, cid, msg.task, msg.reason), True),), digest(msg.msg_id, payload)
         )
+
+    def unaddressed(self, reason: str) -> Refused:
+        """Count a message that came on no address the server listens on (``reason`` says where)."""
+        self.stats.messages_in += 1
+        return self.refuse(Refusal.TOPIC, -1, 0, reason)
 
     def budget_key(self, cid: int) -> int:
         """The budget a sender spends: its own, or the one ids outside the population share."""
@@ -522,14 +523,14 @@ class ServerProtocol:
     def status(self, state: str, sent_at: float) -> Outbound:
         """The retained STATUS: this server session is up (``running``) or the run is over."""
         msg = wire.Status(**self._env(sent_at), session=self.session, state=state)
-        return Outbound(self.topics.status, wire.encode(msg), "control")
+        return Outbound(Channel.STATUS, None, wire.encode(msg), "control")
 
     def _env(self, sent_at: float) -> dict[str, Any]:
         return {"run": self.run_id, "msg_id": self.ids.next(), "sent_at": sent_at}
 
     def _out(self, cid: int, msg: wire.Message, kind: str) -> Outbound:
         self.stats.messages_out += 1
-        return Outbound(self.topics.task(cid), wire.encode(msg), kind)
+        return Outbound(Channel.TASK, cid, wire.encode(msg), kind)
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
