@@ -130,7 +130,7 @@ def test_cancel_and_redelivery() -> None:
     results = [m for _, m in link.sent if isinstance(m, wire.Result)]
     assert [r.task for r in results] == [4]
     assert host.tasks_done == 1
-    assert host.dropped_by_kind == {"bad_magic": 1, "other_run": 1, "wrong_addressee": 1}
+    assert host.protocol.dropped_by_kind == {"bad_magic": 1, "other_run": 1, "wrong_addressee": 1}
 
 
 def test_data_plan_row_is_applied_once() -> None:

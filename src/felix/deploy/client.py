@@ -52,11 +52,11 @@ import torch
 
 from felix.client.trainer import LocalTrainer
 from felix.config import Config, ConfigError
-from felix.core.refusals import Refusal, count_kind
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
 from felix.deploy.broker_config import default_max_message_bytes
-from felix.deploy.channels import ALLOWED, Channel
+from felix.deploy.channels import Channel
+from felix.deploy.client_protocol import ClientProtocol, Dropped
 from felix.deploy.inbox import Inbox
 from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
 from felix.deploy.topics import Topics, client_user
@@ -200,7 +200,7 @@ class ClientHost:
         self._seq = 0
         self.stop_requested = threading.Event()
         self.tasks_done = 0
-        self.dropped_by_kind: dict[str, int] = {}  # messages from the server this process dropped
+        self.protocol = ClientProtocol(opts.run_id, self.max_bytes)  # the checks of the server's messages
 
     # ------------------------------------------------------------------ time
     def trace_time(self, mono: float | None = None) -> float:
@@ -227,10 +227,9 @@ class ClientHost:
         finally:
             self.inbox.close()  # a network thread waiting on a full inbox must not block its link's close
             self._close_links()
-        if self.dropped_by_kind:
-            log.warning(
-                "dropped messages from the server, by kind: %s", dict(sorted(self.dropped_by_kind.items()))
-            )
+        if self.protocol.dropped_by_kind:
+            dropped = dict(sorted(self.protocol.dropped_by_kind.items()))
+            log.warning("dropped messages from the server, by kind: %s", dropped)
         return self.tasks_done
 
     def _close_links(self) -> None:
@@ -314,17 +313,10 @@ class ClientHost:
             if dev.connections > 1:
                 self._resend_recent(dev)
             return
-        try:
-            msg = wire.decode(item.payload, self.max_bytes)
-        except wire.MessageError as exc:
-            self._drop(dev, exc.code, f"a malformed message on {item.topic}: {exc}")
-            return
-        if msg.run != self.opts.run_id:
-            self._drop(dev, Refusal.OTHER_RUN, f"a message for run {msg.run!r}")
-            return
-        kind = Channel.STATUS if item.topic == self.topics.status else Channel.TASK
-        if msg.TYPE not in ALLOWED[kind]:
-            self._drop(dev, Refusal.TYPE_ON_TOPIC, f"a {msg.TYPE.value} message on its {kind.value} topic")
+        channel = Channel.STATUS if item.topic == self.topics.status else Channel.TASK
+        msg = self.protocol.receive(dev.cid, channel, item.payload)
+        if isinstance(msg, Dropped):
+            log.warning("client %d: dropped %s", dev.cid, msg.detail)
             return
         if isinstance(msg, wire.Status):
             if msg.state == "finished":
@@ -334,23 +326,12 @@ class ClientHost:
                 dev.session = msg.session
                 self._register(dev)
             return
-        if getattr(msg, "client", None) != dev.cid:
-            addressee = getattr(msg, "client", None)
-            self._drop(
-                dev, Refusal.WRONG_ADDRESSEE, f"a {msg.TYPE.value} message addressed to client {addressee}"
-            )
-            return
         if isinstance(msg, wire.Cancel):
             self._cancel(dev, msg.task)
         elif isinstance(msg, wire.TrainTask):
             self._receive(dev, msg.task, TaskKind.TRAIN, msg.version, msg.weights, msg.aux, msg.plan)
         elif isinstance(msg, wire.EvalTask):
             self._receive(dev, msg.task, TaskKind.EVAL, msg.version, msg.weights, {}, ())
-
-    def _drop(self, dev: Device, kind: Refusal, what: str) -> None:
-        """Drop a message from the server, counted by kind (``dropped_by_kind``) and logged."""
-        count_kind(self.dropped_by_kind, kind)
-        log.warning("client %d: dropped %s", dev.cid, what)
 
     def _receive(
         self,
