@@ -13,7 +13,7 @@ import pytest
 from felix.core.commands import CancelTask, DispatchEval, DispatchTrain, UpdateRejected
 from felix.core.events import ClientRegistered, TaskFailed, TaskFinished, TierChanged
 from felix.core.refusals import Refusal
-from felix.core.types import TaskKind, Tier
+from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
 from felix.deploy.channels import Address, Channel
 from felix.deploy.protocol import (
@@ -26,6 +26,8 @@ from felix.deploy.protocol import (
 from felix.deploy.topics import Topics
 
 RUN = "r1"
+
+UPDATE_KEYS = ("num_samples", "stat_utility", "loss", "duration", "delta", "aux", "data_span")
 
 
 class At:
@@ -112,7 +114,8 @@ def _result(cid: int = 1, task: int = 7, msg_id: str = "inc-2", version: int = 0
         "delta": np.full(N, 0.01, np.float32),
     }
     fields.update(over)
-    return wire.encode(wire.Result(**fields))  # type: ignore[arg-type]
+    update = {k: fields.pop(k) for k in UPDATE_KEYS if k in fields}
+    return wire.encode(wire.Result(**fields, update=ClientUpdate(**update)))  # type: ignore[arg-type]
 
 
 def _refusal(got: object) -> Refusal:

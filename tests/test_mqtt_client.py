@@ -96,8 +96,9 @@ def test_interrupted_task_pauses_and_resumes() -> None:
     assert len(started) == 1 and 7.8 <= started[0] <= 10.0, started
     t_states = [t for t, m in link.sent[:2]]
     assert 1.8 <= t_states[0] <= 4.0 and 5.8 <= t_states[1] <= 8.0, t_states
-    assert result.duration == 4.0 and result.delta is not None and result.delta.shape == (size,)
-    assert np.isfinite(result.delta).all() and result.delta.any()
+    delta = result.update.delta
+    assert result.update.duration == 4.0 and delta is not None and delta.shape == (size,)
+    assert np.isfinite(delta).all() and delta.any()
 
 
 def test_cancel_and_redelivery() -> None:
@@ -173,7 +174,7 @@ def test_data_plan_row_is_applied_once() -> None:
     host.serve(time.monotonic() + 60)
     assert len(dev.data) == before + 5 and dev.augmented
     results = [m for _, m in link.sent if isinstance(m, wire.Result)]
-    assert [r.task for r in results] == [1, 2] and results[1].num_samples == before + 5
+    assert [r.task for r in results] == [1, 2] and results[1].update.num_samples == before + 5
     assert host.plan_applier is not None
     charge = host.plan_applier.virtual_s[0]
-    assert charge > 0 and results[0].duration == 4.0 + charge and results[1].duration == 4.0
+    assert charge > 0 and results[0].update.duration == 4.0 + charge and results[1].update.duration == 4.0

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from felix.core.refusals import Refusal
-from felix.core.types import TaskKind, Tier
+from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
 from felix.deploy.channels import Address, Channel
 from felix.deploy.topics import Topics, check_run_id, sanitize_run_id
@@ -33,12 +33,14 @@ def _messages() -> list[wire.Message]:
             task=9,
             kind=TaskKind.TRAIN,
             version=2,
-            num_samples=40,
-            stat_utility=1.5,
-            loss=0.25,
-            duration=12.0,
-            delta=w,
-            aux={"beta": np.array(0.5)},
+            update=ClientUpdate(
+                num_samples=40,
+                stat_utility=1.5,
+                loss=0.25,
+                duration=12.0,
+                delta=w,
+                aux={"beta": np.array(0.5)},
+            ),
         ),
         wire.Result(
             **ENV,
@@ -47,10 +49,7 @@ def _messages() -> list[wire.Message]:
             task=10,
             kind=TaskKind.EVAL,
             version=2,
-            num_samples=40,
-            stat_utility=1.5,
-            loss=0.25,
-            duration=0.6,
+            update=ClientUpdate(num_samples=40, stat_utility=1.5, loss=0.25, duration=0.6),
         ),
         wire.Failed(**ENV, client=3, incarnation="abcd", task=11, reason="out of memory"),
         wire.TrainTask(
@@ -67,9 +66,15 @@ def test_round_trip(msg: wire.Message) -> None:
     assert data[:4] == wire.MAGIC
     back = wire.decode(data)
     assert type(back) is type(msg)
-    for f in msg.__dataclass_fields__:
+    _same_fields(msg, back)
+
+
+def _same_fields(msg: object, back: object) -> None:
+    for f in msg.__dataclass_fields__:  # type: ignore[attr-defined]
         a, b = getattr(msg, f), getattr(back, f)
-        if isinstance(a, np.ndarray):
+        if isinstance(a, ClientUpdate):  # a result's update travels whole
+            _same_fields(a, b)
+        elif isinstance(a, np.ndarray):
             assert b.dtype.str in ("<f4", "<f8") and np.array_equal(a, b) and a.shape == b.shape
         elif isinstance(a, dict):
             assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
@@ -256,7 +261,7 @@ def test_non_finite_arrays_decode_for_the_orchestrator_to_reject() -> None:
     """A non-finite delta is well-formed on the wire; the orchestrator's validation rejects it with
     its reason. A header number outside its declared range (NaN included) is refused at decode."""
     msg = wire.decode(_frame(_result_header(), np.array([np.inf, 1], "<f4").tobytes()))
-    assert isinstance(msg, wire.Result) and np.isinf(msg.delta).any()
+    assert isinstance(msg, wire.Result) and np.isinf(msg.update.delta).any()  # type: ignore[arg-type]
     _expect(_frame(_result_header(loss=float("nan")), b"\0" * 8), Refusal.BAD_FIELD, "'loss'")
 
 

@@ -59,22 +59,25 @@ def decoded(task: DispatchTrain | DispatchEval, fields: dict[str, Any]) -> Clien
         task=fields["task"] if fields["forge_task"] else task.task_id,
         kind=TaskKind.TRAIN if train else TaskKind.EVAL,
         version=fields["version"],
-        num_samples=fields["num_samples"],
-        stat_utility=fields["stat_utility"],
-        loss=fields["loss"],
-        duration=fields["duration"],
-        delta=np.full(DIM, 1e-3, np.float32) if train else None,
+        update=ClientUpdate(
+            num_samples=fields["num_samples"],
+            stat_utility=fields["stat_utility"],
+            loss=fields["loss"],
+            duration=fields["duration"],
+            delta=np.full(DIM, 1e-3, np.float32) if train else None,
+        ),
     )
     try:
         got = wire.decode(wire.encode(msg))
     except wire.MessageError:
         return None
     assert isinstance(got, wire.Result)
+    upd = got.update
     for name in ("stat_utility", "loss", "duration"):
-        assert math.isfinite(getattr(got, name)) and abs(getattr(got, name)) <= 1e36
-    assert 0 <= got.num_samples <= 2**40 and 0 <= got.sent_at <= 1e11
+        assert math.isfinite(getattr(upd, name)) and abs(getattr(upd, name)) <= 1e36
+    assert 0 <= upd.num_samples <= 2**40 and 0 <= got.sent_at <= 1e11
     assert max(got.task, got.version, got.client) <= 2**62
-    return ClientUpdate(got.num_samples, got.stat_utility, got.loss, got.duration, got.delta)
+    return upd
 
 
 def drive(o: Orchestrator, answers: list[dict[str, Any]]) -> tuple[list[Command], int]:

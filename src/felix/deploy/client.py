@@ -35,6 +35,7 @@ clients do. Both deliver a late, stale update after an interruption.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import secrets
@@ -448,13 +449,9 @@ class ClientHost:
             task=task.task_id,
             kind=task.kind,
             version=task.version,
-            num_samples=upd.num_samples,
-            stat_utility=upd.stat_utility,
-            loss=upd.loss,
-            duration=upd.duration,
-            delta=upd.delta if task.kind is TaskKind.TRAIN else None,
-            aux=upd.aux if task.kind is TaskKind.TRAIN else {},
-            data_span=task.data_span if task.kind is TaskKind.TRAIN else None,
+            update=dataclasses.replace(upd, data_span=task.data_span)  # what it trained on
+            if task.kind is TaskKind.TRAIN
+            else dataclasses.replace(upd, delta=None, aux={}, data_span=None),  # an eval sends no arrays
         )
         self.tasks_done += 1
         self._refresh_tier(dev)  # the tier may have changed while computing

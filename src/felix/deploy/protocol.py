@@ -34,7 +34,7 @@ from felix.core.commands import CancelTask, Command, DispatchEval, DispatchTrain
 from felix.core.events import ClientRegistered, Event, TaskFailed, TaskFinished, TierChanged
 from felix.core.orchestrator import Orchestrator
 from felix.core.refusals import Refusal, count_kind
-from felix.core.types import ClientUpdate, TaskKind
+from felix.core.types import TaskKind
 from felix.deploy import wire
 from felix.deploy.channels import ALLOWED, Address, Channel
 from felix.metrics.report import tally_rejection
@@ -473,16 +473,7 @@ class ServerProtocol:
                     f"result computed on version {msg.version}, task was dispatched with version {shadow.version}",
                     msg=msg,
                 )
-        upd = ClientUpdate(
-            num_samples=msg.num_samples,
-            stat_utility=msg.stat_utility,
-            loss=msg.loss,
-            duration=msg.duration,
-            delta=msg.delta,
-            aux=dict(msg.aux),
-            data_span=msg.data_span,
-        )
-        event = TaskFinished(now, msg.client, msg.task, upd)
+        event = TaskFinished(now, msg.client, msg.task, msg.update)
         return Accepted(msg, msg.kind.value, ((event, True),), digest(msg.msg_id, payload))
 
     # ------------------------------------------------------------------ outbound

@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from felix.core.refusals import Refusal
-from felix.core.types import TaskKind, Tier
+from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.core.validation import (
     MAX_ID,
     MAX_SAMPLES,
@@ -127,15 +127,11 @@ class Result(Envelope):
     task: int
     kind: TaskKind
     version: int  # the model version the client worked on
-    num_samples: int
-    stat_utility: float
-    loss: float
-    duration: float
-    delta: np.ndarray | None = field(default=None, repr=False)
-    aux: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
-    # Streaming data: arrival times of the oldest and newest sample trained on (the array "span",
-    # sent only on streams, so results without it are the bytes they always were).
-    data_span: tuple[float, float] | None = None
+    # The orchestrator's own record of a result, sent and received as it is (no copy field by
+    # field): its counts are header fields, its delta, aux and data span arrays (the span, "span",
+    # only on streams, so results without it are the bytes they always were). An eval result
+    # carries no arrays.
+    update: ClientUpdate = field(repr=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -298,6 +294,7 @@ _SCHEMAS: dict[MsgType, dict[str, Check]] = {
     MsgType.EVAL: {"client": _client_id, "task": _nonneg, "version": _nonneg},
     MsgType.CANCEL: {"client": _client_id, "task": _nonneg, "reason": _str},
 }
+_UPDATE_FIELDS = ("num_samples", *REPORTED_RANGES)  # a result's header fields that are its update's
 _ENVELOPE_KEYS = {"fmt", "type", "payload", "arrays"}
 # Per type, built once: every field's check, and the exact key set a header must have.
 _FULL_SCHEMAS: dict[MsgType, dict[str, Check]] = {t: {**_COMMON, **f} for t, f in _SCHEMAS.items()}
@@ -311,7 +308,11 @@ _TYPES: dict[str, MsgType] = {t.value: t for t in MsgType}
 def _header_fields(msg: Message) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in _SCHEMAS[msg.TYPE]:
-        v = getattr(msg, key)
+        v = (
+            getattr(msg.update, key)
+            if isinstance(msg, Result) and key in _UPDATE_FIELDS
+            else getattr(msg, key)
+        )
         if isinstance(v, Enum):
             v = v.name if isinstance(v, Tier) else v.value
         elif isinstance(v, tuple):
@@ -322,10 +323,11 @@ def _header_fields(msg: Message) -> dict[str, Any]:
 
 def _arrays_of(msg: Message) -> list[tuple[str, np.ndarray]]:
     if isinstance(msg, Result):
-        arrays = [] if msg.delta is None else [("delta", msg.delta)]
-        if msg.data_span is not None:
-            arrays.append(("span", np.asarray(msg.data_span, dtype=np.float64)))
-        return arrays + [(f"aux/{k}", v) for k, v in sorted(msg.aux.items())]
+        upd = msg.update
+        arrays = [] if upd.delta is None else [("delta", upd.delta)]
+        if upd.data_span is not None:
+            arrays.append(("span", np.asarray(upd.data_span, dtype=np.float64)))
+        return arrays + [(f"aux/{k}", v) for k, v in sorted(upd.aux.items())]
     if isinstance(msg, TrainTask):
         return [("weights", msg.weights)] + [(f"aux/{k}", v) for k, v in sorted(msg.aux.items())]
     if isinstance(msg, EvalTask):
@@ -476,7 +478,7 @@ def decode(
     arrays = _read_arrays(header["arrays"], body)
     msg = _build(mtype, values, arrays)
     if aux_spec is not None and isinstance(msg, Result):
-        problem = aux_problem(msg.aux, aux_spec)
+        problem = aux_problem(msg.update.aux, aux_spec)
         if problem is not None:
             raise MessageError(Refusal.BAD_AUX, problem)
     return msg
@@ -557,7 +559,9 @@ def _build(mtype: MsgType, v: dict[str, Any], arrays: dict[str, np.ndarray]) -> 
             raise MessageError(Refusal.BAD_HEADER, "a train result must carry a 'delta' array")
         if v["kind"] is TaskKind.EVAL and (delta is not None or aux or span is not None):
             raise MessageError(Refusal.BAD_HEADER, "an eval result carries no arrays")
-        return Result(**env, **v, delta=delta, aux=aux, data_span=_span(span))
+        counts = {k: v.pop(k) for k in _UPDATE_FIELDS}
+        update = ClientUpdate(**counts, delta=delta, aux=aux, data_span=_span(span))
+        return Result(**env, **v, update=update)
     if mtype in (MsgType.TRAIN, MsgType.EVAL):
         weights, aux = _split_aux(arrays, "weights", mtype)
         if weights is None:
