@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from felix.core.types import TaskKind, Tier
+from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
 from felix.deploy.topics import Topics, client_user
 
@@ -332,11 +332,13 @@ class LoadGen:
             task=task,
             kind=TaskKind.TRAIN if train else TaskKind.EVAL,
             version=version,
-            num_samples=self.clients[cid].num_samples,
-            stat_utility=1.0,
-            loss=1.0,
-            duration=self.answer_delay_s,
-            delta=self.zero_delta if train else None,
+            update=ClientUpdate(
+                num_samples=self.clients[cid].num_samples,
+                stat_utility=1.0,
+                loss=1.0,
+                duration=self.answer_delay_s,
+                delta=self.zero_delta if train else None,
+            ),
         )
         conn.publish(self.result_topic[cid], wire.encode(msg))
         self.counters.sent_result += 1

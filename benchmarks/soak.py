@@ -99,7 +99,7 @@ import paho.mqtt.client as mqtt
 import yaml
 
 from felix.config import AdmissionCfg
-from felix.core.types import TaskKind, Tier
+from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import checkpoint as ckpt
 from felix.deploy import wire
 
@@ -367,11 +367,13 @@ class ExtremeUtility(Hostile):
             task=msg.task,
             kind=TaskKind.TRAIN if train else TaskKind.EVAL,
             version=msg.version,
-            num_samples=self.num_samples,
-            stat_utility=self.utility,
-            loss=0.5,
-            duration=1.0,
-            delta=np.zeros(msg.weights.size, np.float32) if train else None,
+            update=ClientUpdate(
+                num_samples=self.num_samples,
+                stat_utility=self.utility,
+                loss=0.5,
+                duration=1.0,
+                delta=np.zeros(msg.weights.size, np.float32) if train else None,
+            ),
         )
         if train:
             self.answered.add(msg.task)
@@ -403,12 +405,14 @@ class AuxPoisoner(Hostile):
             task=msg.task,
             kind=TaskKind.TRAIN if train else TaskKind.EVAL,
             version=msg.version,
-            num_samples=self.num_samples,
-            stat_utility=1.0,
-            loss=0.5,
-            duration=1.0,
-            delta=np.zeros(n, np.float32) if train else None,
-            aux=aux,
+            update=ClientUpdate(
+                num_samples=self.num_samples,
+                stat_utility=1.0,
+                loss=0.5,
+                duration=1.0,
+                delta=np.zeros(n, np.float32) if train else None,
+                aux=aux,
+            ),
         )
         if train:
             self.poisoned.add(msg.task)
@@ -499,12 +503,9 @@ class Fuzzer:
                 task=msg.task,
                 kind=TaskKind.EVAL,
                 version=msg.version,
-                num_samples=self.num_samples,
-                stat_utility=1.0,
-                loss=1.0,
-                duration=1.0,
-                delta=None,
-                aux={},
+                update=ClientUpdate(
+                    num_samples=self.num_samples, stat_utility=1.0, loss=1.0, duration=1.0, delta=None, aux={}
+                ),
             )
             self._publish(self.topics.result(self.cid), wire.encode(res))
 
@@ -538,10 +539,7 @@ class Fuzzer:
             task=task.task,
             kind=TaskKind.TRAIN,
             version=task.version,
-            stat_utility=1.0,
-            loss=0.5,
-            duration=1.0,
-            **fields,
+            update=ClientUpdate(stat_utility=1.0, loss=0.5, duration=1.0, **fields),
         )
         payload = wire.encode(res)
         if kind == 4:

@@ -331,7 +331,7 @@ def test_client_pauses_a_task_while_away_and_publishes_it_later() -> None:
     assert link.log() == [(2.0, "State", Tier.UN_AVL), (6.0, "State", Tier.AVL_TRAIN), (8.0, "Result", 7)]
     result = link.sent[-1][1]
     assert isinstance(result, wire.Result) and result.kind is TaskKind.TRAIN
-    assert result.duration == 4.0  # the task's runtime, as in the simulator
+    assert result.update.duration == 4.0  # the task's runtime, as in the simulator
     # trained with the per-task seed both shells use
     expected = host.trainer.train(
         _weights(host),
@@ -340,7 +340,8 @@ def test_client_pauses_a_task_while_away_and_publishes_it_later() -> None:
         {},
         torch.Generator().manual_seed(task_seed(host.cfg.seed, 7)),
     )
-    assert result.delta is not None and np.array_equal(result.delta, expected.delta) and result.delta.any()
+    delta = result.update.delta
+    assert delta is not None and np.array_equal(delta, expected.delta) and delta.any()
 
 
 @pytest.mark.usefixtures("one_torch_thread")
@@ -377,7 +378,7 @@ def test_client_in_compute_mode_holds_a_result_until_it_may_send_it() -> None:
     # computed from 1 s to 4 s; away since 2 s (seen when the computation ends): held until 6 s
     assert link.log() == [(4.0, "State", Tier.UN_AVL), (6.0, "State", Tier.AVL_TRAIN), (6.0, "Result", 5)]
     result = link.sent[-1][1]
-    assert isinstance(result, wire.Result) and result.duration == pytest.approx(3.0)
+    assert isinstance(result, wire.Result) and result.update.duration == pytest.approx(3.0)
 
 
 @pytest.mark.usefixtures("one_torch_thread")

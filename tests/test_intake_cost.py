@@ -12,13 +12,29 @@ from __future__ import annotations
 import json
 import time
 
+from felix.core.refusals import Refusal
 from felix.core.types import Tier
 from felix.deploy import wire
-from felix.deploy.protocol import Accepted, ProtocolLimits, Refusal, Refused, ServerProtocol
-from felix.deploy.topics import Topics
+from felix.deploy.channels import Address, Channel
+from felix.deploy.protocol import Accepted, ProtocolLimits, Refused, ServerProtocol
 
 RUN = "r1"
-T = Topics(RUN)
+
+
+class At:
+    """The addresses a transport vouches for: a client's register, state and result channels."""
+
+    @staticmethod
+    def register(cid: int) -> Address:
+        return Address(Channel.REGISTER, cid)
+
+    @staticmethod
+    def state(cid: int) -> Address:
+        return Address(Channel.STATE, cid)
+
+    @staticmethod
+    def result(cid: int) -> Address:
+        return Address(Channel.RESULT, cid)
 
 
 class Nobody:
@@ -72,18 +88,18 @@ def test_heavy_headers_are_refused_before_parsing_and_cost_about_a_normal_messag
     heavy = heavy_header()
     assert 60_000 < len(heavy) < wire.MAX_HEADER_BYTES
     p = protocol(cpu_share=None)
-    got = p.receive(T.register(1), heavy, 1.0)
+    got = p.receive(At.register(1), heavy, 1.0)
     assert isinstance(got, Refused) and got.kind is Refusal.BAD_HEADER
     assert f"exceeds {wire.header_limit(10)}" in got.detail
     nested = frame(b'{"x":' + b"[" * 3000 + b"]" * 3000 + b"}")
-    got = p.receive(T.register(1), nested, 1.0)
+    got = p.receive(At.register(1), nested, 1.0)
     assert isinstance(got, Refused) and got.kind is Refusal.BAD_HEADER
     assert "opens 3001 lists or objects" in got.detail
 
     def cost(payloads: list[bytes]) -> float:
         start = time.perf_counter()
         for data in payloads:
-            p.receive(T.state(1), data, 1.0)
+            p.receive(At.state(1), data, 1.0)
         return (time.perf_counter() - start) / len(payloads)
 
     normal = cost([state(i) for i in range(2, 402)])
@@ -98,25 +114,25 @@ def test_decode_time_is_charged_per_login_per_wall_second() -> None:
     its share (0.05 s per wall second) has paid that back, however much config time passes; another
     login is not affected."""
     p = protocol()
-    assert isinstance(p.receive(T.state(1), state(2), 0.0, wall=100.0), Accepted)
+    assert isinstance(p.receive(At.state(1), state(2), 0.0, wall=100.0), Accepted)
     p.charge_decode(1, 0.3, 100.0)
     for now in (1.0, 1e6):  # config time is not what refills it
-        got = p.receive(T.state(1), state(3), now, wall=100.5)
+        got = p.receive(At.state(1), state(3), now, wall=100.5)
         assert isinstance(got, Refused) and got.kind is Refusal.COST_LIMIT
         assert got.reason == "transport: cost limit (decode time)"
-    assert isinstance(p.receive(T.state(2), state(2, cid=2), 2e6, wall=100.5), Accepted)
-    assert isinstance(p.receive(T.state(1), state(4), 3e6, wall=100.0 + 0.3 / 0.05 + 0.1), Accepted)
+    assert isinstance(p.receive(At.state(2), state(2, cid=2), 2e6, wall=100.5), Accepted)
+    assert isinstance(p.receive(At.state(1), state(4), 3e6, wall=100.0 + 0.3 / 0.05 + 0.1), Accepted)
     assert p.stats.refused_by_kind == {"cost_limit": 2}
 
 
 def test_payload_bytes_are_charged_per_login_per_wall_second() -> None:
     p = protocol(cpu_share=None, bytes_per_s=1 << 20)  # one largest message a second, burst one
     junk = b"FLXM" + bytes(1 << 19)
-    kinds = [p.receive(T.result(1), junk, 0.0, wall=5.0) for _ in range(4)]
+    kinds = [p.receive(At.result(1), junk, 0.0, wall=5.0) for _ in range(4)]
     # The first is read (and refused for what it is), the rest wait for the budget: refused unread.
     assert [k.kind for k in kinds if isinstance(k, Refused)] == [Refusal.UNKNOWN_VERSION] + [
         Refusal.COST_LIMIT
     ] * 3
-    later = p.receive(T.result(1), junk, 0.0, wall=5.6)  # 0.6 s later: 0.6 MiB more
+    later = p.receive(At.result(1), junk, 0.0, wall=5.6)  # 0.6 s later: 0.6 MiB more
     assert isinstance(later, Refused) and later.kind is Refusal.UNKNOWN_VERSION
     assert p.stats.refused_by_kind["cost_limit"] == 3

@@ -3,6 +3,7 @@ an interrupted task pauses and resumes, tier changes are reported, cancels and r
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -95,8 +96,9 @@ def test_interrupted_task_pauses_and_resumes() -> None:
     assert len(started) == 1 and 7.8 <= started[0] <= 10.0, started
     t_states = [t for t, m in link.sent[:2]]
     assert 1.8 <= t_states[0] <= 4.0 and 5.8 <= t_states[1] <= 8.0, t_states
-    assert result.duration == 4.0 and result.delta is not None and result.delta.shape == (size,)
-    assert np.isfinite(result.delta).all() and result.delta.any()
+    delta = result.update.delta
+    assert result.update.duration == 4.0 and delta is not None and delta.shape == (size,)
+    assert np.isfinite(delta).all() and delta.any()
 
 
 def test_cancel_and_redelivery() -> None:
@@ -121,11 +123,15 @@ def test_cancel_and_redelivery() -> None:
             weights=np.zeros(size, np.float32),
         ),
     )  # another run: dropped
+    junk = b"JUNK" + bytes(40)  # not the wire format
+    host.inbox.put(Inbound(Topics("t").task(0), junk, 1, 1, False, 1, time.monotonic()), 0)
+    _task_msg(host, dataclasses.replace(_train(6, size), client=1))  # addressed to another client
     host.serve(time.monotonic() + 60)
     assert len(host.inbox) == 0  # every message was handled before the one result
     results = [m for _, m in link.sent if isinstance(m, wire.Result)]
     assert [r.task for r in results] == [4]
     assert host.tasks_done == 1
+    assert host.protocol.dropped_by_kind == {"bad_magic": 1, "other_run": 1, "wrong_addressee": 1}
 
 
 def test_data_plan_row_is_applied_once() -> None:
@@ -168,7 +174,7 @@ def test_data_plan_row_is_applied_once() -> None:
     host.serve(time.monotonic() + 60)
     assert len(dev.data) == before + 5 and dev.augmented
     results = [m for _, m in link.sent if isinstance(m, wire.Result)]
-    assert [r.task for r in results] == [1, 2] and results[1].num_samples == before + 5
+    assert [r.task for r in results] == [1, 2] and results[1].update.num_samples == before + 5
     assert host.plan_applier is not None
     charge = host.plan_applier.virtual_s[0]
-    assert charge > 0 and results[0].duration == 4.0 + charge and results[1].duration == 4.0
+    assert charge > 0 and results[0].update.duration == 4.0 + charge and results[1].update.duration == 4.0

@@ -25,12 +25,14 @@ from mqtt_support import (
     write_config,
 )
 
-from felix.core.types import TaskKind, Tier
+from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
 from felix.deploy.topics import Topics
 
 pytestmark = needs_mosquitto
 T = Topics("t")
+
+UPDATE_KEYS = ("num_samples", "stat_utility", "loss", "duration", "delta", "aux", "data_span")
 
 
 class RawClient:
@@ -96,7 +98,8 @@ def _result(of: wire.TrainTask, msg_id: str, delta: np.ndarray, **over: object) 
         "delta": delta,
     }
     fields.update(over)
-    return wire.Result(**fields)  # type: ignore[arg-type]
+    update = {k: fields.pop(k) for k in UPDATE_KEYS if k in fields}
+    return wire.Result(**fields, update=ClientUpdate(**update))  # type: ignore[arg-type]
 
 
 def test_hostile_messages_are_rejected_and_the_run_goes_on(tmp_path: Path) -> None:
@@ -151,12 +154,12 @@ def test_hostile_messages_are_rejected_and_the_run_goes_on(tmp_path: Path) -> No
                 (res, _reframe(good_bytes, type="exec")),  # unknown type
                 (res, _reframe(good_bytes, task=str(task.task))),  # bad field type
                 (res, b"FLXM" + b"\0" * (server.max_bytes + 10)),  # oversized
-                (res, wire.encode(_result(task, "raw-3", good.delta, client=1))),  # forged sender
+                (res, wire.encode(_result(task, "raw-3", good.update.delta, client=1))),  # forged sender
                 (
                     T.result(1),
-                    wire.encode(_result(task, "raw-4", good.delta, client=1)),
+                    wire.encode(_result(task, "raw-4", good.update.delta, client=1)),
                 ),  # other's topic: ACL drops it
-                (res, wire.encode(_result(task, "raw-5", good.delta, run="other"))),  # another run
+                (res, wire.encode(_result(task, "raw-5", good.update.delta, run="other"))),  # another run
                 (
                     res,
                     wire.encode(
@@ -169,23 +172,26 @@ def test_hostile_messages_are_rejected_and_the_run_goes_on(tmp_path: Path) -> No
                 ),  # non-finite update
                 (
                     res,
-                    wire.encode(_result(task, "raw-8", good.delta, loss=float("inf"))),
+                    wire.encode(_result(task, "raw-8", good.update.delta, loss=float("inf"))),
                 ),  # out of range: decode
                 (res, wire.encode(_result(task, "raw-9", np.zeros(n + 1, np.float32)))),  # wrong shape
                 (
                     res,
-                    wire.encode(_result(task, "raw-10", good.delta, task=task.task + 1000)),
+                    wire.encode(_result(task, "raw-10", good.update.delta, task=task.task + 1000)),
                 ),  # never assigned
                 (
                     res,
-                    wire.encode(_result(task, "raw-11", good.delta, version=task.version + 5)),
+                    wire.encode(_result(task, "raw-11", good.update.delta, version=task.version + 5)),
                 ),  # wrong version
                 (res, good_bytes),  # the valid update: applied -> version 1
                 (res, good_bytes),  # verbatim redelivery: a duplicate, not an error
-                (res, wire.encode(_result(task, "raw-2", good.delta, loss=0.9))),  # same id, other content
                 (
                     res,
-                    wire.encode(_result(task, "raw-12", good.delta)),
+                    wire.encode(_result(task, "raw-2", good.update.delta, loss=0.9)),
+                ),  # same id, other content
+                (
+                    res,
+                    wire.encode(_result(task, "raw-12", good.update.delta)),
                 ),  # a second result for an applied task
             ]
             for topic, payload in sent:

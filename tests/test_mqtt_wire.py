@@ -8,10 +8,12 @@ import struct
 import numpy as np
 import pytest
 
-from felix.core.types import TaskKind, Tier
+from felix.core.refusals import Refusal
+from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
+from felix.deploy.channels import Address, Channel
 from felix.deploy.topics import Topics, check_run_id, sanitize_run_id
-from felix.deploy.wire import ErrorCode, MessageError
+from felix.deploy.wire import MessageError
 
 ENV = {"run": "r1", "msg_id": "abcd-1", "sent_at": 1700000000.5}
 
@@ -31,12 +33,14 @@ def _messages() -> list[wire.Message]:
             task=9,
             kind=TaskKind.TRAIN,
             version=2,
-            num_samples=40,
-            stat_utility=1.5,
-            loss=0.25,
-            duration=12.0,
-            delta=w,
-            aux={"beta": np.array(0.5)},
+            update=ClientUpdate(
+                num_samples=40,
+                stat_utility=1.5,
+                loss=0.25,
+                duration=12.0,
+                delta=w,
+                aux={"beta": np.array(0.5)},
+            ),
         ),
         wire.Result(
             **ENV,
@@ -45,10 +49,7 @@ def _messages() -> list[wire.Message]:
             task=10,
             kind=TaskKind.EVAL,
             version=2,
-            num_samples=40,
-            stat_utility=1.5,
-            loss=0.25,
-            duration=0.6,
+            update=ClientUpdate(num_samples=40, stat_utility=1.5, loss=0.25, duration=0.6),
         ),
         wire.Failed(**ENV, client=3, incarnation="abcd", task=11, reason="out of memory"),
         wire.TrainTask(
@@ -65,9 +66,15 @@ def test_round_trip(msg: wire.Message) -> None:
     assert data[:4] == wire.MAGIC
     back = wire.decode(data)
     assert type(back) is type(msg)
-    for f in msg.__dataclass_fields__:
+    _same_fields(msg, back)
+
+
+def _same_fields(msg: object, back: object) -> None:
+    for f in msg.__dataclass_fields__:  # type: ignore[attr-defined]
         a, b = getattr(msg, f), getattr(back, f)
-        if isinstance(a, np.ndarray):
+        if isinstance(a, ClientUpdate):  # a result's update travels whole
+            _same_fields(a, b)
+        elif isinstance(a, np.ndarray):
             assert b.dtype.str in ("<f4", "<f8") and np.array_equal(a, b) and a.shape == b.shape
         elif isinstance(a, dict):
             assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
@@ -107,7 +114,7 @@ def _state_header(**over: object) -> dict:
 
 
 def _expect(
-    data: bytes, code: ErrorCode, fragment: str = "", max_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
+    data: bytes, code: Refusal, fragment: str = "", max_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
 ) -> None:
     with pytest.raises(MessageError) as info:
         wire.decode(data, max_bytes)
@@ -123,47 +130,47 @@ def test_valid_hand_built_frame_decodes() -> None:
 @pytest.mark.parametrize(
     "data, code, fragment",
     [
-        (b"", ErrorCode.TRUNCATED, "prefix"),
-        (b"FLXM\x01", ErrorCode.TRUNCATED, "prefix"),
-        (_frame(_state_header(), magic=b"PK\x03\x04"), ErrorCode.BAD_MAGIC, "magic"),
-        (b"\x80\x04\x95" + b"\x00" * 20, ErrorCode.BAD_MAGIC, "magic"),  # a pickle stream is refused up front
-        (_frame(_state_header(), version=2), ErrorCode.UNKNOWN_VERSION, "version 2"),
-        (struct.pack("<4sHI", wire.MAGIC, 1, 100) + b"{}", ErrorCode.TRUNCATED, "header of 100 bytes"),
+        (b"", Refusal.TRUNCATED, "prefix"),
+        (b"FLXM\x01", Refusal.TRUNCATED, "prefix"),
+        (_frame(_state_header(), magic=b"PK\x03\x04"), Refusal.BAD_MAGIC, "magic"),
+        (b"\x80\x04\x95" + b"\x00" * 20, Refusal.BAD_MAGIC, "magic"),  # a pickle stream is refused up front
+        (_frame(_state_header(), version=2), Refusal.UNKNOWN_VERSION, "version 2"),
+        (struct.pack("<4sHI", wire.MAGIC, 1, 100) + b"{}", Refusal.TRUNCATED, "header of 100 bytes"),
         (
             struct.pack("<4sHI", wire.MAGIC, 1, wire.MAX_HEADER_BYTES + 1),
-            ErrorCode.BAD_HEADER,
+            Refusal.BAD_HEADER,
             "header length",
         ),
-        (struct.pack("<4sHI", wire.MAGIC, 1, 3) + b"{x}", ErrorCode.BAD_HEADER, "JSON"),
-        (struct.pack("<4sHI", wire.MAGIC, 1, 2) + b"\xff\xfe", ErrorCode.BAD_HEADER, "UTF-8"),
-        (_frame([1, 2]), ErrorCode.BAD_HEADER, "object"),  # type: ignore[arg-type]
-        (_frame(_state_header(fmt=2)), ErrorCode.BAD_HEADER, "fmt"),
-        (_frame(_state_header(type="exec")), ErrorCode.UNKNOWN_TYPE, "exec"),
+        (struct.pack("<4sHI", wire.MAGIC, 1, 3) + b"{x}", Refusal.BAD_HEADER, "JSON"),
+        (struct.pack("<4sHI", wire.MAGIC, 1, 2) + b"\xff\xfe", Refusal.BAD_HEADER, "UTF-8"),
+        (_frame([1, 2]), Refusal.BAD_HEADER, "object"),  # type: ignore[arg-type]
+        (_frame(_state_header(fmt=2)), Refusal.BAD_HEADER, "fmt"),
+        (_frame(_state_header(type="exec")), Refusal.UNKNOWN_TYPE, "exec"),
         (
             _frame({k: v for k, v in _state_header().items() if k != "tier"}),
-            ErrorCode.BAD_HEADER,
+            Refusal.BAD_HEADER,
             "lacks ['tier']",
         ),
-        (_frame(_state_header(extra=1)), ErrorCode.BAD_HEADER, "unknown fields ['extra']"),
-        (_frame(_state_header(client="3")), ErrorCode.BAD_FIELD, "'client' must be"),
-        (_frame(_state_header(client=True)), ErrorCode.BAD_FIELD, "'client' must be"),
-        (_frame(_state_header(client=-1)), ErrorCode.BAD_FIELD, "'client' must be"),
-        (_frame(_state_header(tier="SLEEPY")), ErrorCode.BAD_FIELD, "'tier'"),
-        (_frame(_state_header(sent=None)), ErrorCode.BAD_FIELD, "'sent'"),
-        (_frame(_state_header(msg="")), ErrorCode.BAD_FIELD, "'msg'"),
-        (_frame(_state_header(msg="x" * 300)), ErrorCode.BAD_FIELD, "'msg'"),
-        (_frame(_state_header(payload=8)), ErrorCode.TRUNCATED, "8-byte payload"),
-        (_frame(_state_header(), b"junk"), ErrorCode.BAD_PAYLOAD, "0-byte payload"),
+        (_frame(_state_header(extra=1)), Refusal.BAD_HEADER, "unknown fields ['extra']"),
+        (_frame(_state_header(client="3")), Refusal.BAD_FIELD, "'client' must be"),
+        (_frame(_state_header(client=True)), Refusal.BAD_FIELD, "'client' must be"),
+        (_frame(_state_header(client=-1)), Refusal.BAD_FIELD, "'client' must be"),
+        (_frame(_state_header(tier="SLEEPY")), Refusal.BAD_FIELD, "'tier'"),
+        (_frame(_state_header(sent=None)), Refusal.BAD_FIELD, "'sent'"),
+        (_frame(_state_header(msg="")), Refusal.BAD_FIELD, "'msg'"),
+        (_frame(_state_header(msg="x" * 300)), Refusal.BAD_FIELD, "'msg'"),
+        (_frame(_state_header(payload=8)), Refusal.TRUNCATED, "8-byte payload"),
+        (_frame(_state_header(), b"junk"), Refusal.BAD_PAYLOAD, "0-byte payload"),
         (
             _frame(
                 _state_header(payload=4, arrays=[{"name": "delta", "dtype": "<f4", "shape": [1]}]), b"\0" * 4
             ),
-            ErrorCode.BAD_HEADER,
+            Refusal.BAD_HEADER,
             "carries no arrays",
         ),
     ],
 )
-def test_malformed(data: bytes, code: ErrorCode, fragment: str) -> None:
+def test_malformed(data: bytes, code: Refusal, fragment: str) -> None:
     _expect(data, code, fragment)
 
 
@@ -182,7 +189,7 @@ def test_lone_surrogates_are_refused_at_decode(over: dict) -> None:
     assert b"\\ud8" in data or b"\\udf" in data or b"\\udc" in data  # JSON escapes, valid UTF-8 bytes
     with pytest.raises(MessageError) as info:
         wire.decode(data)
-    assert info.value.code is ErrorCode.BAD_HEADER
+    assert info.value.code is Refusal.BAD_HEADER
     assert "not valid Unicode" in str(info.value)
     str(info.value).encode("utf-8")  # the refusal itself is printable anywhere
 
@@ -218,35 +225,35 @@ def _result_header(**over: object) -> dict:
 @pytest.mark.parametrize(
     "over, payload, code, fragment",
     [
-        ({"arrays": [{"name": "delta", "dtype": "|O", "shape": [2]}]}, 8, ErrorCode.BAD_FIELD, "dtype"),
-        ({"arrays": [{"name": "delta", "dtype": "<f4", "shape": [-2]}]}, 8, ErrorCode.BAD_FIELD, "shape"),
+        ({"arrays": [{"name": "delta", "dtype": "|O", "shape": [2]}]}, 8, Refusal.BAD_FIELD, "dtype"),
+        ({"arrays": [{"name": "delta", "dtype": "<f4", "shape": [-2]}]}, 8, Refusal.BAD_FIELD, "shape"),
         (
             {"arrays": [{"name": "delta", "dtype": "<f4", "shape": [3]}]},
             8,
-            ErrorCode.BAD_PAYLOAD,
+            Refusal.BAD_PAYLOAD,
             "past the end",
         ),
         (
             {"arrays": [{"name": "delta", "dtype": "<f4", "shape": [1]}]},
             8,
-            ErrorCode.BAD_PAYLOAD,
+            Refusal.BAD_PAYLOAD,
             "not covered",
         ),
-        ({"arrays": [{"name": "delta", "dtype": "<f4"}]}, 8, ErrorCode.BAD_HEADER, "name, dtype and shape"),
-        ({"arrays": [{"name": "delta", "dtype": "<f4", "shape": [1]}] * 2}, 8, ErrorCode.BAD_HEADER, "twice"),
+        ({"arrays": [{"name": "delta", "dtype": "<f4"}]}, 8, Refusal.BAD_HEADER, "name, dtype and shape"),
+        ({"arrays": [{"name": "delta", "dtype": "<f4", "shape": [1]}] * 2}, 8, Refusal.BAD_HEADER, "twice"),
         (
             {"arrays": [{"name": "weights", "dtype": "<f4", "shape": [2]}]},
             8,
-            ErrorCode.BAD_HEADER,
+            Refusal.BAD_HEADER,
             "unexpected array",
         ),
-        ({"arrays": [], "payload": 0}, 0, ErrorCode.BAD_HEADER, "must carry a 'delta'"),
-        ({"kind": "eval"}, 8, ErrorCode.BAD_HEADER, "eval result carries no arrays"),
-        ({"kind": "sleep"}, 8, ErrorCode.BAD_FIELD, "'kind'"),
-        ({"loss": "0.1"}, 8, ErrorCode.BAD_FIELD, "'loss'"),
+        ({"arrays": [], "payload": 0}, 0, Refusal.BAD_HEADER, "must carry a 'delta'"),
+        ({"kind": "eval"}, 8, Refusal.BAD_HEADER, "eval result carries no arrays"),
+        ({"kind": "sleep"}, 8, Refusal.BAD_FIELD, "'kind'"),
+        ({"loss": "0.1"}, 8, Refusal.BAD_FIELD, "'loss'"),
     ],
 )
-def test_malformed_arrays(over: dict, payload: int, code: ErrorCode, fragment: str) -> None:
+def test_malformed_arrays(over: dict, payload: int, code: Refusal, fragment: str) -> None:
     _expect(_frame(_result_header(**over), b"\0" * payload), code, fragment)
 
 
@@ -254,13 +261,13 @@ def test_non_finite_arrays_decode_for_the_orchestrator_to_reject() -> None:
     """A non-finite delta is well-formed on the wire; the orchestrator's validation rejects it with
     its reason. A header number outside its declared range (NaN included) is refused at decode."""
     msg = wire.decode(_frame(_result_header(), np.array([np.inf, 1], "<f4").tobytes()))
-    assert isinstance(msg, wire.Result) and np.isinf(msg.delta).any()
-    _expect(_frame(_result_header(loss=float("nan")), b"\0" * 8), ErrorCode.BAD_FIELD, "'loss'")
+    assert isinstance(msg, wire.Result) and np.isinf(msg.update.delta).any()  # type: ignore[arg-type]
+    _expect(_frame(_result_header(loss=float("nan")), b"\0" * 8), Refusal.BAD_FIELD, "'loss'")
 
 
 def test_oversized_is_refused_before_parsing() -> None:
     data = wire.encode(wire.EvalTask(**ENV, client=0, task=1, version=0, weights=np.zeros(1000, np.float32)))
-    _expect(data, ErrorCode.OVERSIZED, f"{len(data)} bytes", max_bytes=len(data) - 1)
+    _expect(data, Refusal.OVERSIZED, f"{len(data)} bytes", max_bytes=len(data) - 1)
     wire.decode(data, max_bytes=len(data))
 
 
@@ -283,7 +290,7 @@ def test_a_deeply_nested_header_is_an_error_not_a_recursion_error() -> None:
         data = wire._PREFIX.pack(wire.MAGIC, wire.FORMAT_VERSION, len(hdr)) + hdr
         with pytest.raises(MessageError) as err:
             wire.decode(data)
-        assert err.value.code is ErrorCode.BAD_HEADER
+        assert err.value.code is Refusal.BAD_HEADER
 
 
 def test_msg_ids_are_unique_per_sender() -> None:
@@ -294,7 +301,7 @@ def test_msg_ids_are_unique_per_sender() -> None:
 def test_topics() -> None:
     t = Topics("run-1")
     assert t.task(7) == "felix/run-1/client/7/task"
-    assert t.parse_inbound_to_server("felix/run-1/server/result/7") == ("result", 7)
+    assert t.parse_inbound_to_server("felix/run-1/server/result/7") == Address(Channel.RESULT, 7)
     assert t.parse_inbound_to_server("felix/run-1/server/result/x") is None
     assert t.parse_inbound_to_server("felix/other/server/result/7") is None
     with pytest.raises(ValueError, match="run id"):

@@ -8,6 +8,7 @@ import pytest
 from felix.core.commands import CancelTask, DispatchTrain, NewModelVersion, UpdateRejected
 from felix.core.events import ClientRegistered, TaskFailed, TaskFinished, Tick, TierChanged
 from felix.core.orchestrator import AvailabilityName, Orchestrator, OrchestratorConfig
+from felix.core.refusals import Refusal
 from felix.core.types import ClientUpdate, Tier
 from felix.core.validation import AuxDecl
 from felix.strategies.aggregation.fedavg import FedAvgAggregator, FedBuffAggregator
@@ -219,3 +220,32 @@ def test_aux_is_reduced_with_model_weights():
     assert float(o.aux["beta"]) == pytest.approx(2.0)
     nxt = dispatched(out)  # slots refilled after the aggregation, in the same step
     assert nxt and float(nxt[0].aux["beta"]) == pytest.approx(2.0)  # the reduced aux travels out
+
+
+def test_each_rejection_carries_its_kind():
+    """The orchestrator's rejections are typed (the kind the summary and the wire count them by)."""
+    o = make(concurrency=2, agg_goal=1)
+    a, b = dispatched(register(o, 2))
+    kinds = []
+    for ev in (
+        ClientRegistered(0.0, 0, num_samples=5, tier=Tier.AVL_TRAIN),  # registered twice
+        TierChanged(0.0, 42, Tier.AVL_TRAIN),  # never registered
+        TaskFinished(1.0, b.client_id, a.task_id, upd()),  # another client's task
+        TaskFinished(1.0, a.client_id, a.task_id, upd(n=0)),  # over no samples
+        TaskFinished(1.0, a.client_id, a.task_id, upd(utility=-1.0)),  # outside the reported ranges
+        TaskFinished(2.0, a.client_id, a.task_id, upd()),  # applied
+        TaskFinished(3.0, a.client_id, a.task_id, upd()),  # ... so a replay
+        TaskFinished(4.0, a.client_id, 12345, upd()),  # never assigned
+        TaskFailed(5.0, a.client_id, b.task_id, "oom"),  # another client's task
+    ):
+        kinds += [c.kind for c in o.handle(ev) if isinstance(c, UpdateRejected)]
+    assert kinds == [
+        Refusal.BAD_REGISTRATION,
+        Refusal.UNKNOWN_CLIENT,
+        Refusal.NOT_HOLDER,
+        Refusal.MALFORMED_UPDATE,
+        Refusal.INVALID_UPDATE,
+        Refusal.TASK_CLOSED,
+        Refusal.UNKNOWN_TASK,
+        Refusal.NOT_HOLDER,
+    ]

@@ -14,9 +14,11 @@ from PIL import Image
 
 from felix.cli import main
 from felix.config import ConfigError
+from felix.core.refusals import Refusal
 from felix.experiments.paper_catalog import DEFAULT_CATALOG, Claim, load_catalog
 from felix.experiments.report import judge, report
 from felix.experiments.result_folder import best_point, lr_grid, raw_weights, read_folder, run_diagnostics
+from felix.metrics.report import rejections_by_kind, rejections_by_reason
 
 
 def spread(mean: float | None, std: float = 0.0) -> dict[str, float | int | None]:
@@ -303,3 +305,19 @@ def test_a_diagnostic_claim_reads_the_runs(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="a diagnostic claim needs 'field'"):
         load_catalog(bad)
+
+
+def test_rejections_are_counted_by_kind_and_by_reason() -> None:
+    """Both of the summary's tallies: ``rejected_by_reason`` keeps its reason keys (numbers as N),
+    ``rejected_by_kind`` counts the closed set."""
+    kinds = [Refusal.INVALID_UPDATE, Refusal.TASK_CLOSED, Refusal.INVALID_UPDATE]
+    reasons = [
+        "update norm 3.5 exceeds the bound 1.0",
+        "result for a closed task",
+        "update norm 9 exceeds the bound 1",
+    ]
+    assert rejections_by_kind(kinds) == {"invalid_update": 2, "task_closed": 1}
+    assert rejections_by_reason(reasons) == {
+        "result for a closed task": 1,
+        "update norm N exceeds the bound N": 2,
+    }

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from felix.core.commands import Command, DispatchEval, DispatchTrain, NewModelVersion, UpdateRejected
 from felix.core.events import ClientRegistered, TaskFinished
 from felix.core.orchestrator import Orchestrator, OrchestratorConfig
+from felix.core.refusals import Refusal
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
 from felix.metrics.report import write_run
@@ -58,22 +59,25 @@ def decoded(task: DispatchTrain | DispatchEval, fields: dict[str, Any]) -> Clien
         task=fields["task"] if fields["forge_task"] else task.task_id,
         kind=TaskKind.TRAIN if train else TaskKind.EVAL,
         version=fields["version"],
-        num_samples=fields["num_samples"],
-        stat_utility=fields["stat_utility"],
-        loss=fields["loss"],
-        duration=fields["duration"],
-        delta=np.full(DIM, 1e-3, np.float32) if train else None,
+        update=ClientUpdate(
+            num_samples=fields["num_samples"],
+            stat_utility=fields["stat_utility"],
+            loss=fields["loss"],
+            duration=fields["duration"],
+            delta=np.full(DIM, 1e-3, np.float32) if train else None,
+        ),
     )
     try:
         got = wire.decode(wire.encode(msg))
     except wire.MessageError:
         return None
     assert isinstance(got, wire.Result)
+    upd = got.update
     for name in ("stat_utility", "loss", "duration"):
-        assert math.isfinite(getattr(got, name)) and abs(getattr(got, name)) <= 1e36
-    assert 0 <= got.num_samples <= 2**40 and 0 <= got.sent_at <= 1e11
+        assert math.isfinite(getattr(upd, name)) and abs(getattr(upd, name)) <= 1e36
+    assert 0 <= upd.num_samples <= 2**40 and 0 <= got.sent_at <= 1e11
     assert max(got.task, got.version, got.client) <= 2**62
-    return ClientUpdate(got.num_samples, got.stat_utility, got.loss, got.duration, got.delta)
+    return upd
 
 
 def drive(o: Orchestrator, answers: list[dict[str, Any]]) -> tuple[list[Command], int]:
@@ -205,7 +209,7 @@ def test_a_state_message_sent_at_an_absurd_time_is_refused(sent: float) -> None:
     data = wire._PREFIX.pack(wire.MAGIC, wire.FORMAT_VERSION, len(text)) + text
     with pytest.raises(wire.MessageError) as err:
         wire.decode(data)
-    assert err.value.code is wire.ErrorCode.BAD_FIELD and "'sent'" in str(err.value)
+    assert err.value.code is Refusal.BAD_FIELD and "'sent'" in str(err.value)
 
 
 def test_summary_json_is_strict_json_whatever_was_measured(tmp_path: Path) -> None:

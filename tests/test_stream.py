@@ -379,7 +379,7 @@ def test_tierfuse_data_age_option_weighs_fresher_data_more_and_is_off_by_default
 
 
 def test_a_result_carries_its_data_span_over_the_wire_only_on_streams() -> None:
-    from felix.core.types import TaskKind
+    from felix.core.types import ClientUpdate, TaskKind
     from felix.deploy import wire
 
     def result(span: tuple[float, float] | None) -> bytes:
@@ -393,19 +393,21 @@ def test_a_result_carries_its_data_span_over_the_wire_only_on_streams() -> None:
                 task=7,
                 kind=TaskKind.TRAIN,
                 version=2,
-                num_samples=5,
-                stat_utility=1.0,
-                loss=0.5,
-                duration=2.0,
-                delta=np.zeros(4, np.float32),
-                data_span=span,
+                update=ClientUpdate(
+                    num_samples=5,
+                    stat_utility=1.0,
+                    loss=0.5,
+                    duration=2.0,
+                    delta=np.zeros(4, np.float32),
+                    data_span=span,
+                ),
             )
         )
 
     msg = wire.decode(result((-120.5, 300.25)))
-    assert isinstance(msg, wire.Result) and msg.data_span == (-120.5, 300.25)
+    assert isinstance(msg, wire.Result) and msg.update.data_span == (-120.5, 300.25)
     plain = result(None)
-    assert b"span" not in plain and wire.decode(plain).data_span is None  # type: ignore[union-attr]
+    assert b"span" not in plain and wire.decode(plain).update.data_span is None  # type: ignore[union-attr]
     assert len(result((0.0, 1.0))) == len(plain) + 16 + len(b',{"name":"span","dtype":"<f8","shape":[2]}')
 
 

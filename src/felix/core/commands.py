@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from felix.core.refusals import Refusal
+
 
 @dataclass(frozen=True, slots=True)
 class DispatchTrain:
@@ -59,7 +61,8 @@ class UpdateRejected:
     time: float
     client_id: int
     task_id: int
-    reason: str
+    reason: str  # what was wrong, for the log and ``rejected_by_reason``
+    kind: Refusal  # the closed set it is counted by
 
 
 Command = DispatchTrain | DispatchEval | CancelTask | NewModelVersion | UpdateRejected

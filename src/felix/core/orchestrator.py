@@ -29,6 +29,7 @@ from felix.core.eval_selection import EvalSelector
 from felix.core.events import ClientRegistered, Event, TaskFailed, TaskFinished, Tick, TierChanged
 from felix.core.ledger import TaskLedger
 from felix.core.orchestrator_config import AvailabilityName, OrchestratorConfig
+from felix.core.refusals import Refusal
 from felix.core.rounds import ROUND_POLICIES, RoundPolicy
 from felix.core.selection import AvailabilityOracle, TrainSelector
 from felix.core.stats import ModelPath, OrchestratorStats, StatsCheckpoint
@@ -166,13 +167,21 @@ class Orchestrator(Dispatch):
     # ------------------------------------------------------------------ events
     def _on_registered(self, ev: ClientRegistered, out: list[Command]) -> None:
         if ev.client_id in self.clients:
-            self._reject(ev.client_id, 0, "client registered twice", out)
+            self._reject(ev.client_id, 0, Refusal.BAD_REGISTRATION, "client registered twice", out)
             return
         if ev.num_samples < 0:
-            self._reject(ev.client_id, 0, "negative sample count at registration", out)
+            self._reject(
+                ev.client_id, 0, Refusal.BAD_REGISTRATION, "negative sample count at registration", out
+            )
             return
         if not (-(2**63) <= ev.client_id < 2**63 and ev.num_samples < 2**63):  # the ClientMap's int64 columns
-            self._reject(ev.client_id, 0, "client id or sample count beyond 64 bits at registration", out)
+            self._reject(
+                ev.client_id,
+                0,
+                Refusal.BAD_REGISTRATION,
+                "client id or sample count beyond 64 bits at registration",
+                out,
+            )
             return
         self.clients.add(
             ClientRecord(
@@ -190,7 +199,7 @@ class Orchestrator(Dispatch):
 
     def _on_tier(self, ev: TierChanged, out: list[Command]) -> None:
         if ev.client_id not in self.clients:
-            self._reject(ev.client_id, 0, "tier change from an unknown client", out)
+            self._reject(ev.client_id, 0, Refusal.UNKNOWN_CLIENT, "tier change from an unknown client", out)
             return
         rec = self.clients[ev.client_id]
         damped = self.admission.is_damped(ev.client_id)
@@ -240,7 +249,11 @@ class Orchestrator(Dispatch):
         task = self.ledger.get(ev.task_id)
         if task is None or task.client_id != ev.client_id:
             self._reject(
-                ev.client_id, ev.task_id, f"failure report for a task it does not hold ({ev.reason})", out
+                ev.client_id,
+                ev.task_id,
+                Refusal.NOT_HOLDER,
+                f"failure report for a task it does not hold ({ev.reason})",
+                out,
             )
             return
         if task.holds_slot:  # a task that lost its slot earlier was counted as dropped then
@@ -256,43 +269,48 @@ class Orchestrator(Dispatch):
     # ------------------------------------------------------------------ validation
     def _validate(self, ev: TaskFinished, out: list[Command]) -> tuple[Task, ClientUpdate] | None:
         if ev.client_id not in self.clients:
-            self._reject(ev.client_id, ev.task_id, "unknown client", out)
+            self._reject(ev.client_id, ev.task_id, Refusal.UNKNOWN_CLIENT, "unknown client", out)
             return None
         task = self.ledger.get(ev.task_id)
         if task is None:
-            unknown = (
-                "result for a closed task"
-                if self.ledger.was_issued(ev.task_id)
-                else "result for a task the server never assigned"
-            )
+            closed = self.ledger.closed_state(ev.task_id)
+            issued = closed is not None or self.ledger.was_issued(ev.task_id)
+            unknown = "result for a closed task" if issued else "result for a task the server never assigned"
             reason = {
                 TaskState.DONE: "replayed result: task already applied",
                 TaskState.CANCELLED: "result for a cancelled task",
-            }.get(self.ledger.closed_state(ev.task_id), unknown)  # type: ignore[arg-type]
-            self._reject(ev.client_id, ev.task_id, reason, out)
+            }.get(closed, unknown)  # type: ignore[arg-type]
+            kind = Refusal.TASK_CLOSED if issued else Refusal.UNKNOWN_TASK
+            self._reject(ev.client_id, ev.task_id, kind, reason, out)
             return None
         if task.client_id != ev.client_id:
-            self._reject(ev.client_id, ev.task_id, f"task {ev.task_id} was assigned to another client", out)
+            self._reject(
+                ev.client_id,
+                ev.task_id,
+                Refusal.NOT_HOLDER,
+                f"task {ev.task_id} was assigned to another client",
+                out,
+            )
             return None
         upd = ev.update
         problem = malformed(task.kind, upd, self._theta)
         if problem is not None:
-            self._reject(ev.client_id, ev.task_id, problem, out)
+            self._reject(ev.client_id, ev.task_id, Refusal.MALFORMED_UPDATE, problem, out)
             return None
         rec = self.clients[ev.client_id]
         verdict = self.validator.check(
             ev.client_id, task.kind, upd, rec.num_samples, sum(self.plans.get(ev.client_id, ())), self._theta
         )
         if verdict.update is None:
-            self._reject(ev.client_id, ev.task_id, verdict.reason, out)
+            self._reject(ev.client_id, ev.task_id, Refusal.INVALID_UPDATE, verdict.reason, out)
             return None
         if verdict.clipped:
             self.stats.updates_clipped += 1
         return task, verdict.update
 
-    def _reject(self, client_id: int, task_id: int, reason: str, out: list[Command]) -> None:
+    def _reject(self, client_id: int, task_id: int, kind: Refusal, reason: str, out: list[Command]) -> None:
         self.stats.rejected += 1
-        out.append(UpdateRejected(self.now, client_id, task_id, reason))
+        out.append(UpdateRejected(self.now, client_id, task_id, reason, kind))
 
     # ------------------------------------------------------------------ slots and timers
     def _release(self, task: Task, event: TaskEvent) -> None:
@@ -370,7 +388,13 @@ class Orchestrator(Dispatch):
             buffer, (theta, norm_w, aux) = self.buffer.aggregate(self.aggregator, self._theta, self.version)
         except (ValueError, ArithmeticError) as exc:
             for b in self.buffer.drop_unaggregatable(self.aggregator, self._theta):
-                self._reject(b.client_id, b.task_id, f"update cannot be aggregated ({str(exc)[:120]})", out)
+                self._reject(
+                    b.client_id,
+                    b.task_id,
+                    Refusal.UNAGGREGATABLE,
+                    f"update cannot be aggregated ({str(exc)[:120]})",
+                    out,
+                )
             return
         try:
             self._apply_aggregate(buffer, theta, norm_w, aux, out)
@@ -378,7 +402,7 @@ class Orchestrator(Dispatch):
             self._roll_back(undo, out)
             reason = f"aggregation failed and was rolled back ({type(exc).__name__}: {str(exc)[:120]})"
             for b in buffer:
-                self._reject(b.client_id, b.task_id, reason, out)
+                self._reject(b.client_id, b.task_id, Refusal.UNAGGREGATABLE, reason, out)
 
     def _undo_point(self, n_out: int) -> dict[str, Any]:
         """What an aggregation may change, as it stands (``_roll_back`` restores it). The model and

@@ -35,6 +35,7 @@ clients do. Both deliver a late, stale update after an interruption.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import secrets
@@ -55,9 +56,11 @@ from felix.config import Config, ConfigError
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
 from felix.deploy.broker_config import default_max_message_bytes
+from felix.deploy.channels import Channel
+from felix.deploy.client_protocol import ClientProtocol, Dropped
 from felix.deploy.inbox import Inbox
 from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
-from felix.deploy.topics import ALLOWED, Topics, client_user
+from felix.deploy.topics import Topics, client_user
 from felix.engine.device import DeviceRunner, DeviceTask, Step, TaskRules, task_seed
 from felix.engine.setup import build_client_side
 from felix.scenario.build import build_population, build_trace
@@ -198,6 +201,7 @@ class ClientHost:
         self._seq = 0
         self.stop_requested = threading.Event()
         self.tasks_done = 0
+        self.protocol = ClientProtocol(opts.run_id, self.max_bytes)  # the checks of the server's messages
 
     # ------------------------------------------------------------------ time
     def trace_time(self, mono: float | None = None) -> float:
@@ -224,6 +228,9 @@ class ClientHost:
         finally:
             self.inbox.close()  # a network thread waiting on a full inbox must not block its link's close
             self._close_links()
+        if self.protocol.dropped_by_kind:
+            dropped = dict(sorted(self.protocol.dropped_by_kind.items()))
+            log.warning("dropped messages from the server, by kind: %s", dropped)
         return self.tasks_done
 
     def _close_links(self) -> None:
@@ -307,17 +314,10 @@ class ClientHost:
             if dev.connections > 1:
                 self._resend_recent(dev)
             return
-        try:
-            msg = wire.decode(item.payload, self.max_bytes)
-        except wire.MessageError as exc:
-            log.warning("client %d: dropped a malformed message on %s: %s", dev.cid, item.topic, exc)
-            return
-        if msg.run != self.opts.run_id:
-            log.warning("client %d: dropped a message for run %r", dev.cid, msg.run)
-            return
-        kind = "status" if item.topic == self.topics.status else "task"
-        if msg.TYPE not in ALLOWED[kind]:
-            log.warning("client %d: dropped a %s message on its %s topic", dev.cid, msg.TYPE.value, kind)
+        channel = Channel.STATUS if item.topic == self.topics.status else Channel.TASK
+        msg = self.protocol.receive(dev.cid, channel, item.payload)
+        if isinstance(msg, Dropped):
+            log.warning("client %d: dropped %s", dev.cid, msg.detail)
             return
         if isinstance(msg, wire.Status):
             if msg.state == "finished":
@@ -326,14 +326,6 @@ class ClientHost:
             elif msg.session != dev.session:
                 dev.session = msg.session
                 self._register(dev)
-            return
-        if getattr(msg, "client", None) != dev.cid:
-            log.warning(
-                "client %d: dropped a %s message addressed to client %s",
-                dev.cid,
-                msg.TYPE.value,
-                getattr(msg, "client", None),
-            )
             return
         if isinstance(msg, wire.Cancel):
             self._cancel(dev, msg.task)
@@ -457,13 +449,9 @@ class ClientHost:
             task=task.task_id,
             kind=task.kind,
             version=task.version,
-            num_samples=upd.num_samples,
-            stat_utility=upd.stat_utility,
-            loss=upd.loss,
-            duration=upd.duration,
-            delta=upd.delta if task.kind is TaskKind.TRAIN else None,
-            aux=upd.aux if task.kind is TaskKind.TRAIN else {},
-            data_span=task.data_span if task.kind is TaskKind.TRAIN else None,
+            update=dataclasses.replace(upd, data_span=task.data_span)  # what it trained on
+            if task.kind is TaskKind.TRAIN
+            else dataclasses.replace(upd, delta=None, aux={}, data_span=None),  # an eval sends no arrays
         )
         self.tasks_done += 1
         self._refresh_tier(dev)  # the tier may have changed while computing

@@ -1,8 +1,8 @@
-"""The deployment's server protocol as a sans-I/O object: bytes and a topic in, events or a typed
-refusal out; commands in, a topic and bytes out.
+"""The deployment's server protocol as a sans-I/O object: bytes and their sender's address in,
+events or a typed refusal out; commands in, an address and bytes out.
 
 Everything the server decides about a client's message before the orchestrator sees it lives
-here, beside no socket, thread or clock: the topic, the sender's message budget, the wire format
+here, beside no socket, thread or clock: the channel, the sender's message budget, the wire format
 (``felix.deploy.wire``), the run id, that the header's client is the topic's, duplicates and
 replays, the population's bounds, registrations (class counts, sample bounds, incarnations: a
 client that restarted loses the tasks it held), tier reports of a previous incarnation, and a
@@ -10,8 +10,9 @@ result's kind and model version against the task it answers. Time is passed in (
 so tests drive it with hostile payloads alone, and the MQTT server (``felix.deploy.server``) is
 left with the link, the threads, the clock and the checkpoints.
 
-Refusals are a closed set (:class:`Refusal`), counted by kind; each also keeps the reason text
-the summary's ``rejected_by_reason`` has always counted.
+Refusals are one closed set (:class:`felix.core.refusals.Refusal`, shared with the wire format
+and the orchestrator, whose rejections keep their kind here), counted by kind; each also keeps the
+reason text the summary's ``rejected_by_reason`` has always counted.
 
 Duplicates are recognised by what a message is about, not by remembering every message id: a
 result by its task id (the result that closed a task is remembered by digest, a bounded number of
@@ -24,7 +25,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Protocol
 
 import numpy as np
@@ -33,43 +33,14 @@ from felix.core.admission import TokenBuckets
 from felix.core.commands import CancelTask, Command, DispatchEval, DispatchTrain, UpdateRejected
 from felix.core.events import ClientRegistered, Event, TaskFailed, TaskFinished, TierChanged
 from felix.core.orchestrator import Orchestrator
-from felix.core.types import ClientUpdate, TaskKind
+from felix.core.refusals import Refusal, count_kind
+from felix.core.types import TaskKind
 from felix.deploy import wire
-from felix.deploy.topics import ALLOWED, Topics
+from felix.deploy.channels import ALLOWED, Address, Channel
 from felix.metrics.report import tally_rejection
 
 SEQ_PREFIXES_PER_CLIENT = 4  # message-id prefixes (incarnations, wills) whose sequence watermark is kept
 RESULT_DIGESTS = 65536  # results remembered by task id (digest) to tell a redelivery from a replay
-
-
-class Refusal(str, Enum):
-    """Why a message was refused; the value is the kind's key in ``refused_by_kind``."""
-
-    TOPIC = "topic"  # not a topic the server subscribes to
-    RATE_LIMIT = "rate_limit"  # the sender's message budget is spent
-    COST_LIMIT = "cost_limit"  # the sender's byte or decode-time budget (per wall second) is spent
-    OVERSIZED = "oversized"  # the wire format's checks (wire.ErrorCode) ...
-    TRUNCATED = "truncated"
-    BAD_MAGIC = "bad_magic"
-    UNKNOWN_VERSION = "unknown_version"
-    UNKNOWN_TYPE = "unknown_type"
-    BAD_HEADER = "bad_header"
-    BAD_FIELD = "bad_field"
-    BAD_PAYLOAD = "bad_payload"
-    BAD_AUX = "bad_aux"  # ... up to here
-    TYPE_ON_TOPIC = "type_on_topic"  # a message type the topic does not carry
-    OTHER_RUN = "other_run"
-    SENDER_MISMATCH = "sender_mismatch"  # the header's client is not the topic's
-    MESSAGE_ID = "message_id"  # not <incarnation>-<sequence>
-    REPLAY = "replay"  # a known message id with other content
-    OUTSIDE_POPULATION = "outside_population"
-    CLASS_COUNTS = "class_counts"  # a registration's counts do not match the classes or samples
-    TOO_MANY_SAMPLES = "too_many_samples"  # a registration claims more than the partition holds
-    OLD_INCARNATION = "old_incarnation"  # a tier report of a restarted client's previous process
-    WRONG_KIND = "wrong_kind"  # a train result for an eval task, or the reverse
-    WRONG_VERSION = "wrong_version"  # computed on another model version than dispatched
-    UPDATE = "update"  # refused by the orchestrator's own checks (felix.core.validation)
-    INTERNAL = "internal"  # handling the message raised
 
 
 @dataclass(frozen=True)
@@ -112,9 +83,11 @@ Received = Accepted | Duplicate | Refused
 
 @dataclass(frozen=True)
 class Outbound:
-    """A message to publish: its topic, payload and byte account (train, eval, control)."""
+    """A message to send: its channel and client (None: every client), payload and byte account
+    (train, eval, control)."""
 
-    topic: str
+    channel: Channel
+    client: int | None
     payload: bytes
     wire_kind: str
 
@@ -246,7 +219,6 @@ class ServerProtocol:
     def __init__(self, run_id: str, session: str, limits: ProtocolLimits, orch: Orchestration) -> None:
         self.run_id = run_id
         self.session = session
-        self.topics = Topics(run_id)
         self.limits = limits
         self.orch = orch
         self.ids = wire.MsgIds(f"s{session}")
@@ -261,23 +233,18 @@ class ServerProtocol:
         self.shadow: dict[int, ShadowTask] = {}
 
     # ------------------------------------------------------------------ inbound
-    def receive(self, topic: str, payload: bytes, now: float, wall: float = 0.0) -> Received:
-        """Check one inbound message at config time ``now`` (``wall``: the server's wall clock in
-        seconds, for the cost budget); refusals are counted here. The caller charges the decode
-        time with :meth:`charge_decode`."""
+    def receive(self, source: Address, payload: bytes, now: float, wall: float = 0.0) -> Received:
+        """Check one inbound message from ``source`` (as its transport vouches) at config time
+        ``now`` (``wall``: the server's wall clock in seconds, for the cost budget); refusals are
+        counted here. The caller charges the decode time with :meth:`charge_decode`."""
         self.stats.messages_in += 1
-        parsed = self.topics.parse_inbound_to_server(topic)
-        if parsed is None:
-            return self.refuse(
-                Refusal.TOPIC, -1, 0, f"transport: message on an unexpected topic {topic[:80]!r}"
-            )
-        kind, cid = parsed
+        kind, cid = source.channel, source.client
         lim = self.limits
         key = self.budget_key(cid)
         # Before decoding: a flood, or heavy headers, cost the server a topic parse and a counter.
         if self.buckets is not None and not self.buckets.take(key, now):
             return self.refuse(
-                Refusal.RATE_LIMIT, cid, 0, f"transport: rate limit ({kind})", wire_kind="control"
+                Refusal.RATE_LIMIT, cid, 0, f"transport: rate limit ({kind.value})", wire_kind="control"
             )
         spent = self.cost.admit(key, len(payload), wall)
         if spent is not None:
@@ -288,7 +255,7 @@ class ServerProtocol:
             msg = wire.decode(payload, lim.max_bytes, lim.aux_spec, self.header_bytes)
         except wire.MessageError as exc:
             return self.refuse(
-                Refusal(exc.code.value),
+                exc.code,
                 cid,
                 0,
                 f"transport: {exc.code.value}",
@@ -301,7 +268,7 @@ class ServerProtocol:
                 Refusal.TYPE_ON_TOPIC,
                 cid,
                 0,
-                f"transport: {msg.TYPE.value} message on a {kind} topic",
+                f"transport: {msg.TYPE.value} message on a {kind.value} topic",
                 msg=msg,
             )
         if msg.run != self.run_id:
@@ -337,6 +304,11 @@ class ServerProtocol:
             msg, wk, ((TaskFailed(now, cid, msg.task, msg.reason), True),), digest(msg.msg_id, payload)
         )
 
+    def unaddressed(self, reason: str) -> Refused:
+        """Count a message that came on no address the server listens on (``reason`` says where)."""
+        self.stats.messages_in += 1
+        return self.refuse(Refusal.TOPIC, -1, 0, reason)
+
     def budget_key(self, cid: int) -> int:
         """The budget a sender spends: its own, or the one ids outside the population share."""
         return cid if 0 <= cid < self.limits.num_clients else -1
@@ -358,7 +330,7 @@ class ServerProtocol:
     ) -> Refused:
         """Count a refusal (by kind, and by its reason text) and describe it."""
         self.stats.rejected += 1
-        self.stats.refused_by_kind[kind.value] = self.stats.refused_by_kind.get(kind.value, 0) + 1
+        count_kind(self.stats.refused_by_kind, kind)
         tally_rejection(self.stats.rejected_by_reason, reason)
         if msg is not None and wire_kind is None:
             wire_kind = _wire_kind(msg)
@@ -501,16 +473,7 @@ class ServerProtocol:
                     f"result computed on version {msg.version}, task was dispatched with version {shadow.version}",
                     msg=msg,
                 )
-        upd = ClientUpdate(
-            num_samples=msg.num_samples,
-            stat_utility=msg.stat_utility,
-            loss=msg.loss,
-            duration=msg.duration,
-            delta=msg.delta,
-            aux=dict(msg.aux),
-            data_span=msg.data_span,
-        )
-        event = TaskFinished(now, msg.client, msg.task, upd)
+        event = TaskFinished(now, msg.client, msg.task, msg.update)
         return Accepted(msg, msg.kind.value, ((event, True),), digest(msg.msg_id, payload))
 
     # ------------------------------------------------------------------ outbound
@@ -545,20 +508,20 @@ class ServerProtocol:
             msg = wire.Cancel(**self._env(sent_at), client=cmd.client_id, task=cmd.task_id, reason=cmd.reason)
             return self._out(cmd.client_id, msg, "control")
         if isinstance(cmd, UpdateRejected):
-            return self.refuse(Refusal.UPDATE, cmd.client_id, cmd.task_id, cmd.reason)
+            return self.refuse(cmd.kind, cmd.client_id, cmd.task_id, cmd.reason)
         return None
 
     def status(self, state: str, sent_at: float) -> Outbound:
         """The retained STATUS: this server session is up (``running``) or the run is over."""
         msg = wire.Status(**self._env(sent_at), session=self.session, state=state)
-        return Outbound(self.topics.status, wire.encode(msg), "control")
+        return Outbound(Channel.STATUS, None, wire.encode(msg), "control")
 
     def _env(self, sent_at: float) -> dict[str, Any]:
         return {"run": self.run_id, "msg_id": self.ids.next(), "sent_at": sent_at}
 
     def _out(self, cid: int, msg: wire.Message, kind: str) -> Outbound:
         self.stats.messages_out += 1
-        return Outbound(self.topics.task(cid), wire.encode(msg), kind)
+        return Outbound(Channel.TASK, cid, wire.encode(msg), kind)
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

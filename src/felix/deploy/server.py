@@ -58,6 +58,7 @@ from felix.core.commands import (
     UpdateRejected,
 )
 from felix.core.events import Event, TaskFailed, TaskFinished, Tick
+from felix.core.refusals import Refusal
 from felix.deploy import checkpoint as ckpt
 from felix.deploy import wire
 from felix.deploy.broker_config import SERVER_RECEIVE_MAXIMUM, default_max_message_bytes
@@ -68,7 +69,7 @@ from felix.deploy.protocol import (
     Duplicate,
     OrchestratorView,
     ProtocolLimits,
-    Refusal,
+    Received,
     Refused,
     ServerProtocol,
     TransportStats,
@@ -357,6 +358,7 @@ class Server:
         wall = self._prior_wall + (time.monotonic() - self._mono0)
         extra = {
             "rejected_by_reason": dict(sorted(self.stats.rejected_by_reason.items())),
+            "rejected_by_kind": dict(sorted(self.stats.refused_by_kind.items())),
             "transport": {
                 **{k: v for k, v in asdict(self.stats).items() if k != "rejected_by_reason"},
                 "latency_p50_ms": _ms(self.latency, 50),
@@ -437,10 +439,10 @@ class Server:
         try:
             self._on_inbound(m)
         except Exception as exc:  # noqa: BLE001 - any client message is hostile; the loop must survive it
-            parsed = self.topics.parse_inbound_to_server(m.topic)
+            sender = self.topics.parse_inbound_to_server(m.topic)
             refused = self.protocol.refuse(
                 Refusal.INTERNAL,
-                parsed[1] if parsed else -1,
+                sender.client if sender else -1,
                 0,
                 f"internal error: {type(exc).__name__}",
                 f"handling a message on {m.topic[:80]}: {str(exc)[:200]}",
@@ -457,7 +459,13 @@ class Server:
         noted, a refusal logged, a new message's events handed to the orchestrator."""
         wall = time.monotonic()
         spent = time.thread_time()
-        got = self.protocol.receive(m.topic, m.payload, self.now(), wall)
+        address = self.topics.parse_inbound_to_server(m.topic)
+        if address is None:
+            got: Received = self.protocol.unaddressed(
+                f"transport: message on an unexpected topic {m.topic[:80]!r}"
+            )
+        else:
+            got = self.protocol.receive(address, m.payload, self.now(), wall)
         sender = got.client if isinstance(got, Refused) else getattr(got.msg, "client", -1)
         self.protocol.charge_decode(sender, time.thread_time() - spent, wall)
         if got.wire_kind is not None:
@@ -544,12 +552,12 @@ class Server:
         if isinstance(out, Refused):
             self._log_refusal(out)
         elif out is not None:
-            self.link.publish(out.topic, out.payload)
+            self.link.publish(self.topics.to_clients(out.channel, out.client), out.payload)
             self.ctl.count_wire("down", out.wire_kind, len(out.payload))
 
     def _publish_status(self, state: str) -> None:
         out = self.protocol.status(state, time.time())
-        self.link.publish(out.topic, out.payload, retain=True)
+        self.link.publish(self.topics.to_clients(out.channel, out.client), out.payload, retain=True)
 
     def _ack(self, items: list[tuple[int, int, int, int]]) -> None:
         self.link.ack_many([(mid, qos, epoch) for mid, qos, epoch, _ in items])

@@ -12,7 +12,8 @@ client writes ends in its own client id, so the broker's ACL can pin each client
 All messages are published with QoS 1. MQTT does not tell a subscriber who published a message;
 identity comes from the broker (username/password plus the ACL, which lets only user
 ``client-<cid>`` write topics ending in ``/<cid>``) and the server checks that the client id in a
-message's header matches the one in its topic.
+message's header matches the one in its topic. The server protocol and the clients never see a
+topic: the MQTT shells map each to its channel and client (``felix.deploy.channels``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
-from felix.deploy.wire import MsgType
+from felix.deploy.channels import INBOUND, Address, Channel
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -46,17 +47,7 @@ def sanitize_run_id(name: str) -> str:
     return out or "run"
 
 
-# Which message types may arrive on which inbound topic kind.
-ALLOWED: dict[str, frozenset[MsgType]] = {
-    "register": frozenset({MsgType.REGISTER}),
-    "state": frozenset({MsgType.STATE}),
-    "result": frozenset({MsgType.RESULT, MsgType.FAILED}),
-    "task": frozenset({MsgType.TRAIN, MsgType.EVAL, MsgType.CANCEL}),
-    "status": frozenset({MsgType.STATUS}),
-}
-
-
-_INBOUND_KINDS = frozenset({"register", "state", "result"})
+_INBOUND = frozenset(ch.value for ch in INBOUND)
 
 
 @dataclass(frozen=True)
@@ -87,20 +78,27 @@ class Topics:
         return f"{self.root}/client/{cid}/task"
 
     def server_subscriptions(self) -> list[str]:
-        return [f"{self.root}/server/{kind}/+" for kind in ("register", "state", "result")]
+        return [f"{self.root}/server/{ch.value}/+" for ch in INBOUND]
+
+    def to_clients(self, channel: Channel, cid: int | None) -> str:
+        """The topic of an outbound message: a client's task topic, or the status topic."""
+        if channel is Channel.STATUS:
+            return self.status
+        assert channel is Channel.TASK and cid is not None, (channel, cid)
+        return self.task(cid)
 
     def client_subscriptions(self, cid: int) -> list[str]:
         return [self.task(cid), self.status]
 
-    def parse_inbound_to_server(self, topic: str) -> tuple[str, int] | None:
-        """``(kind, client id)`` of a topic the server subscribes to, or None if it is not one."""
+    def parse_inbound_to_server(self, topic: str) -> Address | None:
+        """The channel and client of a topic the server subscribes to, or None if it is not one."""
         prefix = self._server_prefix
         if not topic.startswith(prefix):
             return None
         kind, sep, cid = topic[len(prefix) :].partition("/")
-        if not sep or kind not in _INBOUND_KINDS or not cid.isdigit() or not cid.isascii():
+        if not sep or kind not in _INBOUND or not cid.isdigit() or not cid.isascii():
             return None
-        return kind, int(cid)
+        return Address(Channel(kind), int(cid))
 
     @cached_property
     def _server_prefix(self) -> str:

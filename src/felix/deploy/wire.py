@@ -17,7 +17,7 @@ dtype one of ``<f4 <f8 <i8``). The type-specific fields are listed in ``_SCHEMAS
 docs/deployment.md; unknown or missing fields, and fields of the wrong JSON type, are errors.
 
 ``decode`` checks everything before building a message and raises ``MessageError`` with a
-machine-readable ``code`` (counted by the server under ``rejected_by_reason``) and a detail
+machine-readable ``code`` (a :class:`felix.core.refusals.Refusal`, counted by kind) and a detail
 that says what was wrong. Arrays are read-only views of the received bytes (no copy).
 """
 
@@ -33,7 +33,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from felix.core.types import TaskKind, Tier
+from felix.core.refusals import Refusal
+from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.core.validation import (
     MAX_ID,
     MAX_SAMPLES,
@@ -71,22 +72,11 @@ class MsgType(str, Enum):
     CANCEL = "cancel"  # server -> client
 
 
-class ErrorCode(str, Enum):
-    OVERSIZED = "oversized"
-    TRUNCATED = "truncated"
-    BAD_MAGIC = "bad_magic"
-    UNKNOWN_VERSION = "unknown_version"
-    UNKNOWN_TYPE = "unknown_type"
-    BAD_HEADER = "bad_header"
-    BAD_FIELD = "bad_field"
-    BAD_PAYLOAD = "bad_payload"
-    BAD_AUX = "bad_aux"
-
-
 class MessageError(ValueError):
-    """An inbound message that cannot be decoded; ``code`` says which check failed."""
+    """An inbound message that cannot be decoded; ``code`` says which check failed (one of the
+    wire format's kinds of :class:`felix.core.refusals.Refusal`)."""
 
-    def __init__(self, code: ErrorCode, detail: str) -> None:
+    def __init__(self, code: Refusal, detail: str) -> None:
         super().__init__(f"{code.value}: {detail}")
         self.code = code
         self.detail = detail
@@ -137,15 +127,11 @@ class Result(Envelope):
     task: int
     kind: TaskKind
     version: int  # the model version the client worked on
-    num_samples: int
-    stat_utility: float
-    loss: float
-    duration: float
-    delta: np.ndarray | None = field(default=None, repr=False)
-    aux: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
-    # Streaming data: arrival times of the oldest and newest sample trained on (the array "span",
-    # sent only on streams, so results without it are the bytes they always were).
-    data_span: tuple[float, float] | None = None
+    # The orchestrator's own record of a result, sent and received as it is (no copy field by
+    # field): its counts are header fields, its delta, aux and data span arrays (the span, "span",
+    # only on streams, so results without it are the bytes they always were). An eval result
+    # carries no arrays.
+    update: ClientUpdate = field(repr=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,7 +183,7 @@ Check = Callable[[str, Any], Any]
 
 def _bad(name: str, want: str, got: Any) -> MessageError:
     return MessageError(
-        ErrorCode.BAD_FIELD, f"field {name!r} must be {want}, got {type(got).__name__} {_short(got)}"
+        Refusal.BAD_FIELD, f"field {name!r} must be {want}, got {type(got).__name__} {_short(got)}"
     )
 
 
@@ -308,6 +294,7 @@ _SCHEMAS: dict[MsgType, dict[str, Check]] = {
     MsgType.EVAL: {"client": _client_id, "task": _nonneg, "version": _nonneg},
     MsgType.CANCEL: {"client": _client_id, "task": _nonneg, "reason": _str},
 }
+_UPDATE_FIELDS = ("num_samples", *REPORTED_RANGES)  # a result's header fields that are its update's
 _ENVELOPE_KEYS = {"fmt", "type", "payload", "arrays"}
 # Per type, built once: every field's check, and the exact key set a header must have.
 _FULL_SCHEMAS: dict[MsgType, dict[str, Check]] = {t: {**_COMMON, **f} for t, f in _SCHEMAS.items()}
@@ -321,7 +308,11 @@ _TYPES: dict[str, MsgType] = {t.value: t for t in MsgType}
 def _header_fields(msg: Message) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in _SCHEMAS[msg.TYPE]:
-        v = getattr(msg, key)
+        v = (
+            getattr(msg.update, key)
+            if isinstance(msg, Result) and key in _UPDATE_FIELDS
+            else getattr(msg, key)
+        )
         if isinstance(v, Enum):
             v = v.name if isinstance(v, Tier) else v.value
         elif isinstance(v, tuple):
@@ -332,10 +323,11 @@ def _header_fields(msg: Message) -> dict[str, Any]:
 
 def _arrays_of(msg: Message) -> list[tuple[str, np.ndarray]]:
     if isinstance(msg, Result):
-        arrays = [] if msg.delta is None else [("delta", msg.delta)]
-        if msg.data_span is not None:
-            arrays.append(("span", np.asarray(msg.data_span, dtype=np.float64)))
-        return arrays + [(f"aux/{k}", v) for k, v in sorted(msg.aux.items())]
+        upd = msg.update
+        arrays = [] if upd.delta is None else [("delta", upd.delta)]
+        if upd.data_span is not None:
+            arrays.append(("span", np.asarray(upd.data_span, dtype=np.float64)))
+        return arrays + [(f"aux/{k}", v) for k, v in sorted(upd.aux.items())]
     if isinstance(msg, TrainTask):
         return [("weights", msg.weights)] + [(f"aux/{k}", v) for k, v in sorted(msg.aux.items())]
     if isinstance(msg, EvalTask):
@@ -400,7 +392,7 @@ def _check_unicode(header: dict[str, Any]) -> None:
                 node.encode("utf-8")
             except UnicodeEncodeError as exc:
                 raise MessageError(
-                    ErrorCode.BAD_HEADER,
+                    Refusal.BAD_HEADER,
                     f"header string {node[:40]!a} is not valid Unicode "
                     f"(lone surrogate at character {exc.start})",
                 ) from None
@@ -428,69 +420,67 @@ def decode(
     """
     if len(data) > max_bytes:
         raise MessageError(
-            ErrorCode.OVERSIZED, f"message of {len(data)} bytes exceeds the limit of {max_bytes}"
+            Refusal.OVERSIZED, f"message of {len(data)} bytes exceeds the limit of {max_bytes}"
         )
     if len(data) < PREFIX_BYTES:
         raise MessageError(
-            ErrorCode.TRUNCATED, f"{len(data)} bytes, shorter than the {PREFIX_BYTES}-byte prefix"
+            Refusal.TRUNCATED, f"{len(data)} bytes, shorter than the {PREFIX_BYTES}-byte prefix"
         )
     magic, version, hlen = _PREFIX.unpack_from(data, 0)
     if magic != MAGIC:
-        raise MessageError(ErrorCode.BAD_MAGIC, f"magic {magic!r}, expected {MAGIC!r}")
+        raise MessageError(Refusal.BAD_MAGIC, f"magic {magic!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise MessageError(
-            ErrorCode.UNKNOWN_VERSION, f"format version {version}, this end speaks {FORMAT_VERSION}"
+            Refusal.UNKNOWN_VERSION, f"format version {version}, this end speaks {FORMAT_VERSION}"
         )
     if hlen > max_header_bytes:
-        raise MessageError(ErrorCode.BAD_HEADER, f"header length {hlen} exceeds {max_header_bytes}")
+        raise MessageError(Refusal.BAD_HEADER, f"header length {hlen} exceeds {max_header_bytes}")
     if PREFIX_BYTES + hlen > len(data):
         raise MessageError(
-            ErrorCode.TRUNCATED, f"header of {hlen} bytes but only {len(data) - PREFIX_BYTES} follow"
+            Refusal.TRUNCATED, f"header of {hlen} bytes but only {len(data) - PREFIX_BYTES} follow"
         )
     raw = data[PREFIX_BYTES : PREFIX_BYTES + hlen]
     brackets = raw.count(b"[") + raw.count(b"{")
     if brackets > MAX_HEADER_BRACKETS:
         raise MessageError(
-            ErrorCode.BAD_HEADER,
+            Refusal.BAD_HEADER,
             f"header opens {brackets} lists or objects, more than {MAX_HEADER_BRACKETS} (nesting or bulk)",
         )
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MessageError(ErrorCode.BAD_HEADER, f"header is not UTF-8 JSON ({exc})") from None
+        raise MessageError(Refusal.BAD_HEADER, f"header is not UTF-8 JSON ({exc})") from None
     except RecursionError:  # thousands of nested brackets fit in the header's 64 KiB
-        raise MessageError(ErrorCode.BAD_HEADER, "header nests too deeply") from None
+        raise MessageError(Refusal.BAD_HEADER, "header nests too deeply") from None
     if not isinstance(header, dict):
-        raise MessageError(ErrorCode.BAD_HEADER, f"header must be a JSON object, got {type(header).__name__}")
+        raise MessageError(Refusal.BAD_HEADER, f"header must be a JSON object, got {type(header).__name__}")
     _check_unicode(header)
     if header.get("fmt") != FORMAT_VERSION:
-        raise MessageError(
-            ErrorCode.BAD_HEADER, f"header fmt {header.get('fmt')!r} disagrees with the prefix"
-        )
+        raise MessageError(Refusal.BAD_HEADER, f"header fmt {header.get('fmt')!r} disagrees with the prefix")
     t = header.get("type")
     mtype = _TYPES.get(t) if isinstance(t, str) else None
     if mtype is None:
-        raise MessageError(ErrorCode.UNKNOWN_TYPE, f"message type {_short(t)}")
+        raise MessageError(Refusal.UNKNOWN_TYPE, f"message type {_short(t)}")
     schema = _FULL_SCHEMAS[mtype]
     if header.keys() != _EXPECTED[mtype]:
         expected = _EXPECTED[mtype]
         missing = expected - set(header)
         if missing:
-            raise MessageError(ErrorCode.BAD_HEADER, f"{mtype.value} header lacks {sorted(missing)}")
+            raise MessageError(Refusal.BAD_HEADER, f"{mtype.value} header lacks {sorted(missing)}")
         extra = set(header) - expected
-        raise MessageError(ErrorCode.BAD_HEADER, f"{mtype.value} header has unknown fields {sorted(extra)}")
+        raise MessageError(Refusal.BAD_HEADER, f"{mtype.value} header has unknown fields {sorted(extra)}")
     values = {k: check(k, header[k]) for k, check in schema.items()}
     body = memoryview(data)[PREFIX_BYTES + hlen :]
     declared = _nonneg("payload", header["payload"])
     if declared != len(body):
-        code = ErrorCode.TRUNCATED if len(body) < declared else ErrorCode.BAD_PAYLOAD
+        code = Refusal.TRUNCATED if len(body) < declared else Refusal.BAD_PAYLOAD
         raise MessageError(code, f"header declares a {declared}-byte payload, {len(body)} bytes follow")
     arrays = _read_arrays(header["arrays"], body)
     msg = _build(mtype, values, arrays)
     if aux_spec is not None and isinstance(msg, Result):
-        problem = aux_problem(msg.aux, aux_spec)
+        problem = aux_problem(msg.update.aux, aux_spec)
         if problem is not None:
-            raise MessageError(ErrorCode.BAD_AUX, problem)
+            raise MessageError(Refusal.BAD_AUX, problem)
     return msg
 
 
@@ -502,11 +492,11 @@ def _read_arrays(manifest: Any, body: memoryview) -> dict[str, np.ndarray]:
     for i, spec in enumerate(manifest):
         if not isinstance(spec, dict) or set(spec) != {"name", "dtype", "shape"}:
             raise MessageError(
-                ErrorCode.BAD_HEADER, f"arrays[{i}] must be an object with name, dtype and shape"
+                Refusal.BAD_HEADER, f"arrays[{i}] must be an object with name, dtype and shape"
             )
         name = _str(f"arrays[{i}].name", spec["name"])
         if name in out:
-            raise MessageError(ErrorCode.BAD_HEADER, f"array {name!r} appears twice")
+            raise MessageError(Refusal.BAD_HEADER, f"array {name!r} appears twice")
         dtype = DTYPES.get(spec["dtype"]) if isinstance(spec["dtype"], str) else None
         if dtype is None:
             raise _bad(f"arrays[{i}].dtype", f"one of {sorted(DTYPES)}", spec["dtype"])
@@ -519,14 +509,14 @@ def _read_arrays(manifest: Any, body: memoryview) -> dict[str, np.ndarray]:
             raise _bad(f"arrays[{i}].shape", "a list of at most 8 non-negative integers", shape)
         n = math.prod(shape) * dtype.itemsize
         if offset + n > len(body):
-            raise MessageError(ErrorCode.BAD_PAYLOAD, f"array {name!r} runs past the end of the payload")
+            raise MessageError(Refusal.BAD_PAYLOAD, f"array {name!r} runs past the end of the payload")
         out[name] = np.frombuffer(body, dtype=dtype, count=math.prod(shape), offset=offset).reshape(
             tuple(shape)
         )
         offset += n
     if offset != len(body):
         raise MessageError(
-            ErrorCode.BAD_PAYLOAD, f"{len(body) - offset} payload bytes are not covered by any array"
+            Refusal.BAD_PAYLOAD, f"{len(body) - offset} payload bytes are not covered by any array"
         )
     return out
 
@@ -542,7 +532,7 @@ def _split_aux(
         elif name.startswith("aux/") and len(name) > 4 and mtype in (MsgType.TRAIN, MsgType.RESULT):
             aux[name[4:]] = arr
         else:
-            raise MessageError(ErrorCode.BAD_HEADER, f"unexpected array {name!r} in a {mtype.value} message")
+            raise MessageError(Refusal.BAD_HEADER, f"unexpected array {name!r} in a {mtype.value} message")
     return main_arr, aux
 
 
@@ -552,7 +542,7 @@ def _span(arr: np.ndarray | None) -> tuple[float, float] | None:
         return None
     if arr.shape != (2,) or arr.dtype.kind != "f" or arr.dtype.itemsize != 8:
         raise MessageError(
-            ErrorCode.BAD_HEADER, f"array 'span' must be 2 float64 times, not {arr.shape}/{arr.dtype}"
+            Refusal.BAD_HEADER, f"array 'span' must be 2 float64 times, not {arr.shape}/{arr.dtype}"
         )
     first, last = float(arr[0]), float(arr[1])
     if not (abs(first) <= MAX_TIME and abs(last) <= MAX_TIME):
@@ -566,19 +556,21 @@ def _build(mtype: MsgType, v: dict[str, Any], arrays: dict[str, np.ndarray]) -> 
         span = arrays.pop("span", None)
         delta, aux = _split_aux(arrays, "delta", mtype)
         if v["kind"] is TaskKind.TRAIN and delta is None:
-            raise MessageError(ErrorCode.BAD_HEADER, "a train result must carry a 'delta' array")
+            raise MessageError(Refusal.BAD_HEADER, "a train result must carry a 'delta' array")
         if v["kind"] is TaskKind.EVAL and (delta is not None or aux or span is not None):
-            raise MessageError(ErrorCode.BAD_HEADER, "an eval result carries no arrays")
-        return Result(**env, **v, delta=delta, aux=aux, data_span=_span(span))
+            raise MessageError(Refusal.BAD_HEADER, "an eval result carries no arrays")
+        counts = {k: v.pop(k) for k in _UPDATE_FIELDS}
+        update = ClientUpdate(**counts, delta=delta, aux=aux, data_span=_span(span))
+        return Result(**env, **v, update=update)
     if mtype in (MsgType.TRAIN, MsgType.EVAL):
         weights, aux = _split_aux(arrays, "weights", mtype)
         if weights is None:
-            raise MessageError(ErrorCode.BAD_HEADER, f"a {mtype.value} task must carry a 'weights' array")
+            raise MessageError(Refusal.BAD_HEADER, f"a {mtype.value} task must carry a 'weights' array")
         if mtype is MsgType.TRAIN:
             return TrainTask(**env, **v, weights=weights, aux=aux)
         return EvalTask(**env, **v, weights=weights)
     if arrays:
-        raise MessageError(ErrorCode.BAD_HEADER, f"a {mtype.value} message carries no arrays")
+        raise MessageError(Refusal.BAD_HEADER, f"a {mtype.value} message carries no arrays")
     return CLASSES[mtype](**env, **v)  # type: ignore[no-any-return]
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from felix.config import ConfigError
+from felix.core.refusals import Refusal, count_kind
 from felix.core.stats import OrchestratorStats
 from felix.metrics.provenance import provenance
 from felix.metrics.recorder import EvalRow, Recorder
@@ -46,6 +47,14 @@ def rejections_by_reason(reasons: Iterable[str]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for reason in reasons:
         tally_rejection(counts, reason)
+    return dict(sorted(counts.items()))
+
+
+def rejections_by_kind(kinds: Iterable[Refusal]) -> dict[str, int]:
+    """The summary's ``rejected_by_kind``: each kind's count (:class:`Refusal`), sorted by kind."""
+    counts: dict[str, int] = {}
+    for kind in kinds:
+        count_kind(counts, kind)
     return dict(sorted(counts.items()))
 
 

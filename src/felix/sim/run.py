@@ -10,7 +10,7 @@ from typing import Any
 from felix.config import Config, ConfigError
 from felix.engine.interrupt import stop_on_signals
 from felix.metrics.recorder import EvalRow
-from felix.metrics.report import EvalLog, make_output_dir, rejections_by_reason
+from felix.metrics.report import EvalLog, make_output_dir, rejections_by_kind, rejections_by_reason
 from felix.sim.build import Built, build
 from felix.strategies.dataplans.plans import plan_summary
 from felix.stream.summary import stream_summary
@@ -69,6 +69,7 @@ def run_config(
         {
             **plan_summary(built.data_plan),
             "rejected_by_reason": rejections_by_reason(r.reason for r in outcome.rejected),
+            "rejected_by_kind": rejections_by_kind(r.kind for r in outcome.rejected),
             **stream_summary(built, outcome.virtual_time_s),
         },
     )
