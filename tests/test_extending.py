@@ -26,7 +26,7 @@ from felix.core.orchestrator import Orchestrator, OrchestratorConfig
 from felix.core.policies import AGGREGATORS, TRAIN_SELECTORS, Aggregator, SelectionContext, TrainSelector
 from felix.core.rounds import ROUND_POLICIES, RoundPolicy
 from felix.core.types import BufferedUpdate, ClientUpdate, Task, Tier
-from felix.engine.components import build_objective
+from felix.engine.components import build_objective, build_orchestrator
 from felix.engine.setup import resolve_config
 from felix.scenario.datasets import DATASETS, ArrayDataset
 from felix.scenario.traces import TRACES, AvailabilityTrace, DeviceTrace
@@ -381,24 +381,26 @@ def test_data_plan_is_any_registered_plan() -> None:
         assert resolve_config(None, None, deep_merge(TINY, {"data_plan": name})).data_plan == name
 
 
-def test_the_config_hands_its_sections_over_by_field_name() -> None:
-    """The orchestrator's and the trainer's settings are the config sections' fields by name:
-    the two sides declare the same fields, and a setting given in a config arrives."""
-    import dataclasses
-
+def test_each_setting_is_declared_once() -> None:
+    """The orchestrator's, admission's and validation's settings are one model each, which the
+    config holds as its section and the core reads as it is: no twin whose default, bound or field
+    could drift. A setting given in a config arrives, and the trainer's settings come from the
+    client section."""
     from felix.client.trainer import TrainConfig
-    from felix.config import ClientCfg, OrchestratorCfg
-    from felix.engine.components import orchestrator_config
+    from felix.config import Config
+    from felix.core.admission import AdmissionConfig
+    from felix.core.validation import ValidationConfig
 
-    assert set(OrchestratorCfg.model_fields) == {f.name for f in dataclasses.fields(OrchestratorConfig)}
-    assert {f.name for f in dataclasses.fields(TrainConfig)} - {"probe_loss_key"} <= set(
-        ClientCfg.model_fields
-    )
+    assert Config.model_fields["orchestrator"].annotation is OrchestratorConfig
+    assert Config.model_fields["validation"].annotation is ValidationConfig
+    assert OrchestratorConfig.model_fields["admission"].annotation is AdmissionConfig
     cfg = resolve_config(
         None, None, deep_merge(TINY, {"orchestrator": {"overcommit": 1.7, "max_staleness": 4}})
     )
-    o = orchestrator_config(cfg.orchestrator)
-    assert (o.overcommit, o.max_staleness, o.mode_params) == (1.7, 4, {"period_s": 20.0})
+    o = build_orchestrator(cfg, np.zeros(4, np.float32), None)
+    assert o.cfg is cfg.orchestrator
+    assert (o.cfg.overcommit, o.cfg.max_staleness, o.cfg.mode_params) == (1.7, 4, {"period_s": 20.0})
+    assert o.validator.config is cfg.validation
     t = TrainConfig.of(cfg.client.model_copy(update={"momentum": 0.5, "probe_loss": True}))
     assert (t.momentum, t.probe_loss_key) == (0.5, "qffl_loss")
 

@@ -3,7 +3,9 @@
 
 The sections live beside this module by concern (:mod:`~felix.config.scenario`,
 :mod:`~felix.config.stream`; files and overrides in :mod:`~felix.config.files`); this one holds
-the strategy, client and run sections, the whole ``Config`` and :func:`validate`.
+the strategy, client and run sections, the whole ``Config`` and :func:`validate`. The
+``orchestrator`` and ``validation`` sections are the core's own settings models
+(``felix.core.orchestrator_config``, ``felix.core.validation``), which the core reads as they are.
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ from felix.config.base import ConfigError, StrictModel, check_component, registe
 from felix.config.files import deep_merge, load_yaml, parse_set, read_yaml
 from felix.config.scenario import DatasetCfg, PartitionCfg, RamCfg, RuntimeCfg, TraceCfg
 from felix.config.stream import ArrivalCfg, DriftCfg, LabelCfg, ShiftCfg, StoreCfg, StreamCfg
+from felix.core.admission import AdmissionConfig
+from felix.core.orchestrator_config import OrchestratorConfig
+from felix.core.validation import ValidationConfig
 
 __all__ = [
-    "AdmissionCfg",
+    "AdmissionConfig",
     "AggregatorCfg",
     "ArrivalCfg",
     "ClientCfg",
@@ -38,7 +43,7 @@ __all__ = [
     "DatasetCfg",
     "DriftCfg",
     "LabelCfg",
-    "OrchestratorCfg",
+    "OrchestratorConfig",
     "PartitionCfg",
     "PolicyCfg",
     "RamCfg",
@@ -48,91 +53,13 @@ __all__ = [
     "StoreCfg",
     "StreamCfg",
     "TraceCfg",
-    "ValidationCfg",
+    "ValidationConfig",
     "deep_merge",
     "load_yaml",
     "parse_set",
     "read_yaml",
     "validate",
 ]
-
-
-class AdmissionCfg(StrictModel):
-    """Per-client admission control (felix.core.admission): flap damping and a task budget. The
-    defaults are far above what honest clients of the shipped scenarios and the MobiPerf trace do."""
-
-    flap_limit: int | None = Field(
-        100,
-        ge=1,
-        description="a client whose reported tier changes more than this many times within "
-        "flap_window_s is treated as unavailable (null: never)",
-    )
-    flap_window_s: float = Field(60.0, gt=0)
-    flap_hold_s: float = Field(
-        600.0, gt=0, description="a damped client is available again after this long without a tier change"
-    )
-    task_rate: float | None = Field(
-        2.0, gt=0, description="tasks and cancels per second a client's budget refills (null: no budget)"
-    )
-    task_burst: float = Field(30.0, ge=1, description="the task budget's capacity")
-    drop_rate: float | None = Field(
-        None,
-        gt=0,
-        description="tasks per second a client may leave, let time out or fail beyond drop_burst "
-        "before it is not selected until it has a token again (null: no drop budget; "
-        "felix serve uses 1/300 unless this is set)",
-    )
-    drop_burst: float = Field(3.0, ge=1, description="the drop budget's capacity")
-
-
-class OrchestratorCfg(StrictModel):
-    mode: str = Field(
-        "async",
-        description="round policy: sync | async, or a registered name or import path "
-        "(felix.core.rounds.ROUND_POLICIES); its parameters in mode_params",
-    )
-    agg_goal: int = Field(10, ge=1)
-    concurrency: int = Field(30, ge=1)
-    overcommit: float = Field(1.3, ge=1)
-    deadline_s: float | None = Field(None, gt=0)
-    cancel_stragglers: bool = True
-    task_timeout_s: float | None = Field(90.0, gt=0)
-    accept_late: bool = True
-    max_staleness: int | None = Field(None, ge=0)
-    one_late_task_per_client: bool = Field(
-        False,
-        description="keep only each client's oldest task that "
-        "timed out (newer ones cancelled): open tasks bounded by the population; "
-        "felix serve always sets it",
-    )
-    eval_utility_scale: float = Field(
-        1.0,
-        gt=0,
-        description="multiplies the statistical utility an eval task "
-        "reports, to put it on the training utilities' scale (1: as measured)",
-    )
-    spare_queued_evals: bool = Field(
-        False,
-        description="an eval task that times out while its client still owes an "
-        "older task's reply (it waits behind it) does not mark the client unavailable",
-    )
-    probe_busy_clients: bool = Field(
-        True,
-        description="eval probes may go to clients that still owe an older task's "
-        "reply (false: they are skipped, as their eval would wait behind it)",
-    )
-    knowledge: str = Field(
-        "none",
-        description="availability policy: none | oracle | tiertrack, or a registered "
-        "name or import path (felix.core.availability.AVAILABILITY); parameters in knowledge_params",
-    )
-    mode_params: dict[str, Any] = Field(
-        default_factory=dict, description="the round policy's typed parameters"
-    )
-    knowledge_params: dict[str, Any] = Field(
-        default_factory=dict, description="the availability policy's typed parameters"
-    )
-    admission: AdmissionCfg = AdmissionCfg()
 
 
 class PolicyCfg(StrictModel):
@@ -189,30 +116,6 @@ class AggregatorCfg(StrictModel):
                 f"not {self.server_optimizer!r}"
             )
         return self
-
-
-class ValidationCfg(StrictModel):
-    """Bounds on client results (felix.core.validation); on by default in simulation and deployment."""
-
-    max_samples_factor: float = Field(
-        1.0, ge=1, description="num_samples <= factor x the registered count (+ the data-plan row)"
-    )
-    norm_policy: Literal["reject", "clip", "off"] = "reject"
-    norm_factor: float = Field(30.0, gt=1, description="norm bound: factor x median of recent accepted norms")
-    norm_window: int = Field(
-        50, ge=1, description="distinct clients whose latest accepted norm forms the median"
-    )
-    norm_min_history: int = Field(5, ge=1, description="clients needed before the median rule applies")
-    warmup_factor: float = Field(
-        1.0, ge=0, description="bound before that: factor x the model's norm (0: none)"
-    )
-    norm_floor: float = Field(
-        0.5,
-        ge=0,
-        le=1,
-        description="the median never counts below this fraction of its peak so far, so that the "
-        "bound does not shrink with the updates as the model converges (0: no floor)",
-    )
 
 
 class ClientCfg(StrictModel):
@@ -389,11 +292,11 @@ class Config(StrictModel):
     partition: PartitionCfg = PartitionCfg()
     trace: TraceCfg = TraceCfg()
     runtime: RuntimeCfg = RuntimeCfg()
-    orchestrator: OrchestratorCfg = OrchestratorCfg()
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
     selector: PolicyCfg = PolicyCfg(name="random")
     eval_selector: PolicyCfg = PolicyCfg(name="none")
     aggregator: AggregatorCfg = AggregatorCfg()
-    validation: ValidationCfg = ValidationCfg()
+    validation: ValidationConfig = ValidationConfig()
     client: ClientCfg = ClientCfg()
     run: RunCfg = RunCfg()
     stream: StreamCfg = StreamCfg()
