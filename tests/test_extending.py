@@ -405,6 +405,25 @@ def test_each_setting_is_declared_once() -> None:
     assert (t.momentum, t.probe_loss_key) == (0.5, "qffl_loss")
 
 
+def test_shared_settings_are_not_redeclared() -> None:
+    """Where two models hold the same settings (the client section and the trainer's; the dafl
+    section and the planner's), both derive from one model and neither redeclares a field: a
+    default, a bound or a description of one cannot differ from the other's."""
+    from felix.client.settings import TrainSettings, buffers_field
+    from felix.client.trainer import TrainConfig
+    from felix.config import ClientCfg, DaflCfg, DaflPlannerCfg
+    from felix.strategies.dataplans.dafl import DaflParams
+
+    for base, subs in ((TrainSettings, (ClientCfg, TrainConfig)), (DaflPlannerCfg, (DaflCfg, DaflParams))):
+        for sub in subs:
+            assert issubclass(sub, base)
+            for name, info in base.model_fields.items():
+                assert repr(sub.model_fields[name]) == repr(info), (sub.__name__, name)
+    assert repr(ClientCfg.model_fields["buffers"]) == repr(TrainConfig.model_fields["buffers"])
+    assert ClientCfg().buffers == TrainConfig().buffers == buffers_field().default  # type: ignore[attr-defined]
+    assert TrainConfig().lr == ClientCfg().lr == 0.05
+
+
 # ---------------------------------------------------------------------- a dataset and a trace format
 @DATASETS.register("test_blobs")
 def blobs(root: str | None, download: bool, n: int = 600, dim: int = 8) -> tuple[ArrayDataset, ArrayDataset]:

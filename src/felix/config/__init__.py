@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from felix.client.settings import Buffers, TrainSettings, buffers_field
 from felix.config.base import ConfigError, StrictModel, check_component, registered
 from felix.config.files import deep_merge, load_yaml, parse_set, read_yaml
 from felix.config.scenario import DatasetCfg, PartitionCfg, RamCfg, RuntimeCfg, TraceCfg
@@ -40,6 +41,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DaflCfg",
+    "DaflPlannerCfg",
     "DatasetCfg",
     "DriftCfg",
     "LabelCfg",
@@ -118,23 +120,13 @@ class AggregatorCfg(StrictModel):
         return self
 
 
-class ClientCfg(StrictModel):
-    lr: float = Field(0.05, gt=0)
-    batch_size: int = Field(32, ge=1)
-    epochs: int = Field(1, ge=1)
-    max_steps: int | None = Field(None, ge=1)
-    momentum: float = Field(0.0, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    drop_last: bool = False
-    optimizer: Literal["sgd", "adam"] = "sgd"
+class ClientCfg(TrainSettings):
+    """The clients' local training (the fields of :class:`~felix.client.settings.TrainSettings`,
+    which the trainer's own settings share), their objective and where their buffers live."""
+
     objective: str = "ce"
     objective_params: dict[str, Any] = Field(default_factory=dict)
-    buffers: Literal["aggregate", "local"] = Field(
-        "aggregate",
-        description="model buffers (BatchNorm running statistics): aggregate = sent with the "
-        "weights and averaged by the server like parameters; local = kept per client, never sent, and the "
-        "global model is evaluated with the buffers its factory made (felix.client.trainer)",
-    )
+    buffers: Buffers = buffers_field()
     probe_loss: bool = Field(
         False,
         description="before training, measure the loss at the received model over "
@@ -155,21 +147,49 @@ class ClientCfg(StrictModel):
         return v
 
 
-class DaflCfg(StrictModel):
-    """Planner and augmentation settings for ``data_plan: lb | dafl``; defaults are the DAFL paper's
-    (Sec. VI). ``zeta`` / ``zeta_prime`` are relative per-sample augmentation / training times: the
-    planner weighs with them, and the simulator charges a client ``zeta / zeta_prime`` of its
-    per-sample training time for each sample it augments. LB uses ``tau``, ``step`` and ``augmenter``."""
+class DaflPlannerCfg(StrictModel):
+    """Every constant of the DAFL paper's Problem 1 and Algorithm 1, declared once: the config's
+    ``dafl`` section, the planner's parameters (``felix.strategies.dataplans.dafl.DaflParams``)
+    and the ``felix plan-augmentation`` options all derive from it. Defaults are the paper's
+    experiment settings (Sec. VI)."""
 
-    lambda1: float = Field(1.0, ge=0)
-    lambda2: float = Field(100.0, ge=0)
-    tau: float = Field(1e-3, ge=0)
-    epsilon: float = Field(1e-3, gt=0)
-    step: int = Field(1, ge=1)
-    zeta: float = Field(1.0, ge=0)
-    zeta_prime: float = Field(2.0, gt=0)
-    local_updates: int = Field(2, ge=1, description="E in the time model's (E-1)^2 L^2CG^2 I term")
+    lambda1: float = Field(1.0, ge=0, description="weight of the estimated training time T_t in P")
+    lambda2: float = Field(
+        100.0, ge=0, description="weight of the estimated augmentation time T_a in P (paper: 1e2, 1e3, 1e4)"
+    )
+    tau: float = Field(
+        1e-3, ge=0, description="largest tolerated global class imbalance J after augmentation"
+    )
+    epsilon: float = Field(
+        1e-3,
+        gt=0,
+        description="bound on the I-dependent term of the convergence bound; rounds ~ (1 + ...)/epsilon",
+    )
+    step: int = Field(
+        1, ge=1, strict=True, description="s: samples added per greedy step; larger is faster and coarser"
+    )
+    zeta: float = Field(1.0, ge=0, description="relative time for a client to augment one sample (eq. 16)")
+    zeta_prime: float = Field(
+        2.0, gt=0, description="relative time for a client to train on one sample, per round (eq. 17)"
+    )
+    local_updates: int = Field(
+        2, ge=1, strict=True, description="E in the time model's (E-1)^2 L^2CG^2 I term"
+    )
     smoothness: float = Field(1.0, ge=0, description="L^2 C G^2, set to 1 in the paper")
+
+    @model_validator(mode="after")
+    def _exact_balance(self) -> DaflPlannerCfg:
+        if self.tau == 0 and self.step != 1:
+            raise ValueError("tau = 0 needs step = 1: with larger steps exact balance may be unreachable")
+        return self
+
+
+class DaflCfg(DaflPlannerCfg):
+    """Planner and augmentation settings for ``data_plan: lb | dafl``. ``zeta`` / ``zeta_prime``
+    are relative per-sample augmentation / training times: the planner weighs with them, and the
+    simulator charges a client ``zeta / zeta_prime`` of its per-sample training time for each
+    sample it augments. LB uses ``tau``, ``step`` and ``augmenter``."""
+
     augmenter: str = Field("rotate_flip", description="felix.strategies.dataplans.augment.AUGMENTERS name")
 
 

@@ -10,7 +10,6 @@ client side, which the simulator and the MQTT server and clients consume alike.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -163,7 +162,7 @@ def build_trainer(cfg: Config, pop: Population) -> LocalTrainer:
             "model that has buffers, set client.buffers: local"
         )
     if objective.fixed_batch and not tcfg.drop_last:
-        tcfg = dataclasses.replace(tcfg, drop_last=True)  # FedeRage's model mini-batch b is fixed
+        tcfg = tcfg.model_copy(update={"drop_last": True})  # FedeRage's model mini-batch b is fixed
     return LocalTrainer(
         copy.deepcopy(pop.model), objective, tcfg, pop.train.num_classes, cfg.run.device, apply_precision(cfg)
     )
