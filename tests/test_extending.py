@@ -17,7 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from felix.client.conformance import check_objective
-from felix.config import ConfigError, deep_merge
+from felix.config import ConfigError, deep_merge, validate
 from felix.core.availability import AVAILABILITY, AvailabilityPolicy
 from felix.core.client_map import ClientMap
 from felix.core.commands import Command, NewModelVersion
@@ -348,6 +348,28 @@ def test_semi_async_closes_a_partial_buffer_on_its_period() -> None:
 def test_bad_policy_parameters_name_the_key(over: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("(", r"\(")):
         run_config(resolve_config(None, None, deep_merge(TINY, over)), None, plots=False)
+
+
+@pytest.mark.parametrize(
+    ("mode", "setting", "value"),
+    [("sync", "concurrency", 5), ("async", "overcommit", 2.0), ("async", "deadline_s", 60.0)],
+)
+def test_a_round_setting_the_policy_does_not_read_is_named(
+    mode: str, setting: str, value: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each round policy declares the shared settings it reads: one it would ignore is named when
+    the config is read (a warning: one ``--set`` may serve several strategies of a comparison);
+    at its default it changes nothing and is not named, nor under a policy that declares nothing."""
+    with caplog.at_level("WARNING", logger="felix.config"):
+        validate({"orchestrator": {"mode": mode, setting: value}})
+    assert f"round policy '{mode}' does not use orchestrator.{setting}" in caplog.text
+    caplog.clear()
+    default = OrchestratorConfig.model_fields[setting].get_default()
+    with caplog.at_level("WARNING", logger="felix.config"):
+        validate({"orchestrator": {"mode": mode, setting: default}})
+        semi = {"mode": "semi_async", "mode_params": {"period_s": 1.0}, setting: value}  # declares no reads
+        validate({"orchestrator": semi})
+    assert "does not use" not in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ the strategy, client and run sections, the whole ``Config`` and :func:`validate`
 from __future__ import annotations
 
 import difflib
+import logging
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
@@ -31,6 +32,7 @@ from felix.config.scenario import DatasetCfg, PartitionCfg, RamCfg, RuntimeCfg, 
 from felix.config.stream import ArrivalCfg, DriftCfg, LabelCfg, ShiftCfg, StoreCfg, StreamCfg
 from felix.core.admission import AdmissionConfig
 from felix.core.orchestrator_config import OrchestratorConfig
+from felix.core.rounds import ROUND_POLICIES
 from felix.core.validation import ValidationConfig
 
 __all__ = [
@@ -62,6 +64,9 @@ __all__ = [
     "read_yaml",
     "validate",
 ]
+
+
+log = logging.getLogger("felix.config")
 
 
 class PolicyCfg(StrictModel):
@@ -416,15 +421,30 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
     """``raw`` as a :class:`Config`; a bad tree is one :class:`ConfigError` that names each bad key
     by its dotted path, in felix's words (one line when one key is wrong)."""
     try:
-        return Config.model_validate(raw)
+        cfg = Config.model_validate(raw)
     except ValidationError as exc:
         lines = [
             ".".join(str(x) for x in err["loc"]) + ": " + _problem(err) if err["loc"] else _problem(err)
             for err in exc.errors()
         ]
-    if len(lines) == 1:
-        raise ConfigError(f"{source}: {lines[0]}")
-    raise ConfigError(f"{source}: invalid configuration\n" + "\n".join(f"  {line}" for line in lines))
+        if len(lines) == 1:
+            raise ConfigError(f"{source}: {lines[0]}") from None
+        raise ConfigError(
+            f"{source}: invalid configuration\n" + "\n".join(f"  {line}" for line in lines)
+        ) from None
+    o = cfg.orchestrator
+    unread = o.unread_settings()
+    if unread:
+        # A warning, not an error: one --set for several strategies (felix compare --strategies
+        # fedbuff,oort --set orchestrator.concurrency=4) legitimately sets what some do not read.
+        log.warning(
+            "%s: round policy %r does not use orchestrator.%s (it reads %s)",
+            source,
+            o.mode,
+            ", orchestrator.".join(unread),
+            ", ".join(ROUND_POLICIES.entry(o.mode).traits["reads"]),
+        )
+    return cfg
 
 
 #: pydantic error types whose own message would read as pydantic's: what the key expects.

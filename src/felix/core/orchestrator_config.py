@@ -16,7 +16,7 @@ from pydantic import Field, field_validator
 from felix.core.admission import AdmissionConfig
 from felix.core.availability import AVAILABILITY
 from felix.core.registry import Registry, RegistryError
-from felix.core.rounds import ROUND_POLICIES
+from felix.core.rounds import ROUND_POLICIES, ROUND_SETTINGS
 from felix.core.settings import Settings
 
 
@@ -119,6 +119,17 @@ class OrchestratorConfig(Settings):
     @classmethod
     def _knowledge(cls, v: str) -> str:
         return _registered(AVAILABILITY, v)
+
+    def unread_settings(self) -> list[str]:
+        """The round settings (``felix.core.rounds.ROUND_SETTINGS``) set to other than their
+        default that the chosen round policy does not read (its ``reads`` trait), so do nothing:
+        ``concurrency`` under ``sync``, say. A policy that declares no ``reads`` has none. At its
+        default a setting changes nothing either way, so a preset's mode can be switched."""
+        reads = ROUND_POLICIES.entry(self.mode).traits.get("reads")
+        if reads is None:
+            return []
+        fields = type(self).model_fields
+        return [k for k in ROUND_SETTINGS if k not in reads and getattr(self, k) != fields[k].get_default()]
 
 
 def _registered(registry: Registry[Any], name: str) -> str:
