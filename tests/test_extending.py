@@ -25,6 +25,7 @@ from felix.core.events import ClientRegistered, TaskFinished, Tick
 from felix.core.orchestrator import Orchestrator, OrchestratorConfig
 from felix.core.policies import AGGREGATORS, TRAIN_SELECTORS, Aggregator, SelectionContext, TrainSelector
 from felix.core.rounds import ROUND_POLICIES, RoundPolicy
+from felix.core.run_facts import RunFacts
 from felix.core.types import BufferedUpdate, ClientUpdate, Task, Tier
 from felix.engine.components import build_objective, build_orchestrator
 from felix.engine.setup import resolve_config
@@ -82,8 +83,8 @@ class SamplePowerAggregator(Aggregator):
 
 
 @AGGREGATORS.register("sample_power", params=PowerParams)
-def make_sample_power(params: PowerParams, cfg: Any) -> SamplePowerAggregator:
-    return SamplePowerAggregator(params.power, cfg.aggregator.server_lr)
+def make_sample_power(params: PowerParams, ctx: RunFacts) -> SamplePowerAggregator:
+    return SamplePowerAggregator(params.power, ctx.server_lr)
 
 
 # ---------------------------------------------------------------------- a round policy
@@ -425,6 +426,29 @@ def test_each_setting_is_declared_once() -> None:
     assert o.validator.config is cfg.validation
     t = TrainConfig.of(cfg.client.model_copy(update={"momentum": 0.5, "probe_loss": True}))
     assert (t.momentum, t.probe_loss_key) == (0.5, "qffl_loss")
+
+
+def test_factories_get_the_run_facts_not_the_config() -> None:
+    """A strategy factory's ``ctx`` is the run's few facts (``RunFacts``), filled from the config;
+    Oort's reward cap comes from the client's step cap and batch size there."""
+    from felix.engine.components import run_facts
+
+    seen: list[Any] = []
+
+    @TRAIN_SELECTORS.register("facts_probe", params=FewestUpdatesParams)
+    def _probe(params: FewestUpdatesParams, ctx: Any) -> FewestUpdates:
+        seen.append(ctx)
+        return FewestUpdates()
+
+    over = {"selector": {"name": "facts_probe"}, "client": {"max_steps": 3, "batch_size": 4}}
+    cfg = resolve_config(None, None, deep_merge(TINY, over))
+    build_orchestrator(cfg, np.zeros(4, np.float32), None)
+    assert seen == [run_facts(cfg)] and isinstance(seen[0], RunFacts)
+    assert (seen[0].num_clients, seen[0].max_steps, seen[0].batch_size, seen[0].agg_goal) == (12, 3, 4, 4)
+    oort = resolve_config(
+        None, None, deep_merge(TINY, {"selector": {"name": "oort"}, "client": over["client"]})
+    )
+    assert build_orchestrator(oort, np.zeros(4, np.float32), None).selector.reward_cap == 12
 
 
 def test_shared_settings_are_not_redeclared() -> None:

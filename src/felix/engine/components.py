@@ -26,6 +26,7 @@ from felix.core.orchestrator import Orchestrator
 from felix.core.policies import AGGREGATORS, EVAL_SELECTORS, TRAIN_SELECTORS, Aggregator
 from felix.core.registry import Registry, RegistryError
 from felix.core.rounds import ROUND_POLICIES
+from felix.core.run_facts import RunFacts
 from felix.core.server_optim import SERVER_OPTIMIZERS
 from felix.core.validation import LocalSteps, UpdateValidator
 from felix.metrics.per_client import PerClientSetup, make_per_client_eval
@@ -142,7 +143,9 @@ def build_objective(cfg: Config) -> Objective:
     by the objective's own typed parameters: a misspelt key fails with its dotted path."""
     c = cfg.client
     try:
-        return OBJECTIVES.create(c.objective, c.objective_params, ctx=cfg, where="client.objective_params")
+        return OBJECTIVES.create(
+            c.objective, c.objective_params, ctx=run_facts(cfg), where="client.objective_params"
+        )
     except RegistryError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -168,6 +171,22 @@ def build_trainer(cfg: Config, pop: Population) -> LocalTrainer:
     )
 
 
+def run_facts(cfg: Config) -> RunFacts:
+    """What the strategy factories may read of a run (``felix.core.run_facts``), from its config."""
+    c, a = cfg.client, cfg.aggregator
+    return RunFacts(
+        num_clients=cfg.partition.num_clients,
+        seed=cfg.seed,
+        agg_goal=cfg.orchestrator.agg_goal,
+        client_lr=c.lr,
+        batch_size=c.batch_size,
+        max_steps=c.max_steps,
+        server_lr=a.server_lr,
+        normalize=a.normalize,
+        clip_norm=a.clip_norm,
+    )
+
+
 def build_orchestrator(
     cfg: Config,
     weights: np.ndarray,
@@ -188,18 +207,19 @@ def build_orchestrator(
         raise ConfigError(str(exc)) from None
     except ValueError as exc:
         raise ConfigError(f"orchestrator: {exc}") from None
-    selector = _create(TRAIN_SELECTORS, cfg.selector.name, cfg.selector.params, "selector.params", cfg)
+    facts = run_facts(cfg)
+    selector = _create(TRAIN_SELECTORS, cfg.selector.name, cfg.selector.params, "selector.params", facts)
     eval_selector = _create(
-        EVAL_SELECTORS, cfg.eval_selector.name, cfg.eval_selector.params, "eval_selector.params", cfg
+        EVAL_SELECTORS, cfg.eval_selector.name, cfg.eval_selector.params, "eval_selector.params", facts
     )
     a = cfg.aggregator
-    aggregator = _create(AGGREGATORS, a.name, a.params, "aggregator.params", cfg)
+    aggregator = _create(AGGREGATORS, a.name, a.params, "aggregator.params", facts)
     aggregator.optimizer = _create(
         SERVER_OPTIMIZERS,
         a.server_optimizer,
         a.server_optimizer_params,
         "aggregator.server_optimizer_params",
-        cfg,
+        facts,
     )
     if a.robust != "none":
         from felix.strategies.aggregation.robust import RobustAggregator
