@@ -42,7 +42,7 @@ def instrument(v: UpdateValidator, log: list[dict[str, float]]) -> None:
         c = v.config
         if kind is TaskKind.TRAIN and upd.delta is not None and len(v.norms) >= c.norm_min_history:
             median = v.updates.median()
-            rel = l2_norm(upd.delta) / math.sqrt(c.local_steps(upd.num_samples))
+            rel = l2_norm(upd.delta) / math.sqrt(v.local_steps(upd.num_samples))
             verdict = check(client_id, kind, upd, *args)
             log.append(
                 {

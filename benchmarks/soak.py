@@ -98,7 +98,7 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import yaml
 
-from felix.config import AdmissionCfg
+from felix.config import AdmissionConfig
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import checkpoint as ckpt
 from felix.deploy import wire
@@ -925,7 +925,7 @@ class Soak:
     def amplification_bound(self, largest_task: int) -> float:
         """What admission control allows the attackers to be sent, over what they sent (see the
         module docstring), at the config's defaults."""
-        a = AdmissionCfg()
+        a = AdmissionConfig()
         config_s = self.attack_wall_s / self.plan.scale
         budget = 2 * (a.task_burst + (a.task_rate or math.inf) * config_s) + 2
         damping = math.inf if a.flap_limit is None else 2 * (a.flap_limit + 2)

@@ -11,7 +11,7 @@ from felix.core.commands import DispatchTrain, UpdateRejected
 from felix.core.events import ClientRegistered, TaskFinished
 from felix.core.orchestrator import Orchestrator, OrchestratorConfig
 from felix.core.types import ClientUpdate, TaskKind
-from felix.core.validation import UpdateValidator, ValidationConfig, Verdict
+from felix.core.validation import LocalSteps, UpdateValidator, ValidationConfig, Verdict
 from felix.strategies.aggregation.fedavg import FedAvgAggregator
 from felix.strategies.objectives import Scaffold
 from felix.strategies.selection.random import RandomSelector
@@ -38,7 +38,7 @@ def honest_dc(seed: int, scale: float = 1.0) -> np.ndarray:
 
 
 def validator(policy: str = "reject") -> UpdateValidator:
-    return UpdateValidator(ValidationConfig(norm_policy=policy, batch_size=10), SPEC)
+    return UpdateValidator(ValidationConfig(norm_policy=policy), SPEC, LocalSteps(batch_size=10))
 
 
 def check(v: UpdateValidator, cid: int, upd: ClientUpdate) -> Verdict:

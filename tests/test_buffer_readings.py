@@ -16,6 +16,7 @@ import pytest
 
 from felix.core.aggregation import AGGREGATORS
 from felix.core.types import BufferedUpdate, ClientUpdate
+from felix.engine.components import run_facts
 from felix.engine.setup import resolve_config
 
 THETA = np.array([1.0, 2.0, 3.0], dtype=np.float32)
@@ -39,7 +40,7 @@ def buffer() -> list[BufferedUpdate]:
 
 def new_model(preset: str) -> np.ndarray:
     cfg = resolve_config(None, preset, {})
-    agg = AGGREGATORS.create(cfg.aggregator.name, cfg.aggregator.params, cfg)
+    agg = AGGREGATORS.create(cfg.aggregator.name, cfg.aggregator.params, run_facts(cfg))
     new, _, _ = agg.aggregate(THETA, buffer())
     return new
 
@@ -90,12 +91,12 @@ def test_felix_authors_divides_tierfuse_by_the_buffer_size_with_beta_uncapped() 
     buf = buffer()
     buf[1].update.stat_utility = 1e6
     cfg = resolve_config(None, "felix-authors", {})
-    agg = AGGREGATORS.create("tierfuse", cfg.aggregator.params, cfg)
+    agg = AGGREGATORS.create("tierfuse", cfg.aggregator.params, run_facts(cfg))
     beta = 1.5 - 1.0 / (1e6 + 1.0) ** 0.1
     assert beta > 1.2
     assert agg.weights(buf)[1] == pytest.approx(0.4 / 4**0.25 + 0.6 * beta)
     paper = resolve_config(None, "felix", {})
-    capped = AGGREGATORS.create("tierfuse", paper.aggregator.params, paper)
+    capped = AGGREGATORS.create("tierfuse", paper.aggregator.params, run_facts(paper))
     assert capped.weights(buf)[1] == pytest.approx(0.4 / 4**0.25 + 0.6)
 
 

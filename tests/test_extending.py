@@ -17,7 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from felix.client.conformance import check_objective
-from felix.config import ConfigError, deep_merge
+from felix.config import ConfigError, deep_merge, validate
 from felix.core.availability import AVAILABILITY, AvailabilityPolicy
 from felix.core.client_map import ClientMap
 from felix.core.commands import Command, NewModelVersion
@@ -25,8 +25,9 @@ from felix.core.events import ClientRegistered, TaskFinished, Tick
 from felix.core.orchestrator import Orchestrator, OrchestratorConfig
 from felix.core.policies import AGGREGATORS, TRAIN_SELECTORS, Aggregator, SelectionContext, TrainSelector
 from felix.core.rounds import ROUND_POLICIES, RoundPolicy
+from felix.core.run_facts import RunFacts
 from felix.core.types import BufferedUpdate, ClientUpdate, Task, Tier
-from felix.engine.components import build_objective
+from felix.engine.components import build_objective, build_orchestrator
 from felix.engine.setup import resolve_config
 from felix.scenario.datasets import DATASETS, ArrayDataset
 from felix.scenario.traces import TRACES, AvailabilityTrace, DeviceTrace
@@ -82,8 +83,8 @@ class SamplePowerAggregator(Aggregator):
 
 
 @AGGREGATORS.register("sample_power", params=PowerParams)
-def make_sample_power(params: PowerParams, cfg: Any) -> SamplePowerAggregator:
-    return SamplePowerAggregator(params.power, cfg.aggregator.server_lr)
+def make_sample_power(params: PowerParams, ctx: RunFacts) -> SamplePowerAggregator:
+    return SamplePowerAggregator(params.power, ctx.server_lr)
 
 
 # ---------------------------------------------------------------------- a round policy
@@ -351,6 +352,28 @@ def test_bad_policy_parameters_name_the_key(over: dict[str, Any], needle: str) -
 
 
 @pytest.mark.parametrize(
+    ("mode", "setting", "value"),
+    [("sync", "concurrency", 5), ("async", "overcommit", 2.0), ("async", "deadline_s", 60.0)],
+)
+def test_a_round_setting_the_policy_does_not_read_is_named(
+    mode: str, setting: str, value: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each round policy declares the shared settings it reads: one it would ignore is named when
+    the config is read (a warning: one ``--set`` may serve several strategies of a comparison);
+    at its default it changes nothing and is not named, nor under a policy that declares nothing."""
+    with caplog.at_level("WARNING", logger="felix.config"):
+        validate({"orchestrator": {"mode": mode, setting: value}})
+    assert f"round policy '{mode}' does not use orchestrator.{setting}" in caplog.text
+    caplog.clear()
+    default = OrchestratorConfig.model_fields[setting].get_default()
+    with caplog.at_level("WARNING", logger="felix.config"):
+        validate({"orchestrator": {"mode": mode, setting: default}})
+        semi = {"mode": "semi_async", "mode_params": {"period_s": 1.0}, setting: value}  # declares no reads
+        validate({"orchestrator": semi})
+    assert "does not use" not in caplog.text
+
+
+@pytest.mark.parametrize(
     ("over", "needle"),
     [
         (
@@ -381,26 +404,70 @@ def test_data_plan_is_any_registered_plan() -> None:
         assert resolve_config(None, None, deep_merge(TINY, {"data_plan": name})).data_plan == name
 
 
-def test_the_config_hands_its_sections_over_by_field_name() -> None:
-    """The orchestrator's and the trainer's settings are the config sections' fields by name:
-    the two sides declare the same fields, and a setting given in a config arrives."""
-    import dataclasses
-
+def test_each_setting_is_declared_once() -> None:
+    """The orchestrator's, admission's and validation's settings are one model each, which the
+    config holds as its section and the core reads as it is: no twin whose default, bound or field
+    could drift. A setting given in a config arrives, and the trainer's settings come from the
+    client section."""
     from felix.client.trainer import TrainConfig
-    from felix.config import ClientCfg, OrchestratorCfg
-    from felix.engine.components import orchestrator_config
+    from felix.config import Config
+    from felix.core.admission import AdmissionConfig
+    from felix.core.validation import ValidationConfig
 
-    assert set(OrchestratorCfg.model_fields) == {f.name for f in dataclasses.fields(OrchestratorConfig)}
-    assert {f.name for f in dataclasses.fields(TrainConfig)} - {"probe_loss_key"} <= set(
-        ClientCfg.model_fields
-    )
+    assert Config.model_fields["orchestrator"].annotation is OrchestratorConfig
+    assert Config.model_fields["validation"].annotation is ValidationConfig
+    assert OrchestratorConfig.model_fields["admission"].annotation is AdmissionConfig
     cfg = resolve_config(
         None, None, deep_merge(TINY, {"orchestrator": {"overcommit": 1.7, "max_staleness": 4}})
     )
-    o = orchestrator_config(cfg.orchestrator)
-    assert (o.overcommit, o.max_staleness, o.mode_params) == (1.7, 4, {"period_s": 20.0})
+    o = build_orchestrator(cfg, np.zeros(4, np.float32), None)
+    assert o.cfg is cfg.orchestrator
+    assert (o.cfg.overcommit, o.cfg.max_staleness, o.cfg.mode_params) == (1.7, 4, {"period_s": 20.0})
+    assert o.validator.config is cfg.validation
     t = TrainConfig.of(cfg.client.model_copy(update={"momentum": 0.5, "probe_loss": True}))
     assert (t.momentum, t.probe_loss_key) == (0.5, "qffl_loss")
+
+
+def test_factories_get_the_run_facts_not_the_config() -> None:
+    """A strategy factory's ``ctx`` is the run's few facts (``RunFacts``), filled from the config;
+    Oort's reward cap comes from the client's step cap and batch size there."""
+    from felix.engine.components import run_facts
+
+    seen: list[Any] = []
+
+    @TRAIN_SELECTORS.register("facts_probe", params=FewestUpdatesParams)
+    def _probe(params: FewestUpdatesParams, ctx: Any) -> FewestUpdates:
+        seen.append(ctx)
+        return FewestUpdates()
+
+    over = {"selector": {"name": "facts_probe"}, "client": {"max_steps": 3, "batch_size": 4}}
+    cfg = resolve_config(None, None, deep_merge(TINY, over))
+    build_orchestrator(cfg, np.zeros(4, np.float32), None)
+    assert seen == [run_facts(cfg)] and isinstance(seen[0], RunFacts)
+    assert (seen[0].num_clients, seen[0].max_steps, seen[0].batch_size, seen[0].agg_goal) == (12, 3, 4, 4)
+    oort = resolve_config(
+        None, None, deep_merge(TINY, {"selector": {"name": "oort"}, "client": over["client"]})
+    )
+    assert build_orchestrator(oort, np.zeros(4, np.float32), None).selector.reward_cap == 12
+
+
+def test_shared_settings_are_not_redeclared() -> None:
+    """Where two models hold the same settings (the client section and the trainer's; the dafl
+    section and the planner's), both derive from one model and neither redeclares a field: a
+    default, a bound or a description of one cannot differ from the other's."""
+    from felix.client.settings import TrainSettings, buffers_field
+    from felix.client.trainer import TrainConfig
+    from felix.config import ClientCfg, DaflCfg, DaflPlannerCfg
+    from felix.strategies.dataplans.dafl import DaflParams
+
+    for base, subs in ((TrainSettings, (ClientCfg, TrainConfig)), (DaflPlannerCfg, (DaflCfg, DaflParams))):
+        for sub in subs:
+            assert issubclass(sub, base)
+            for name, info in base.model_fields.items():
+                assert repr(sub.model_fields[name]) == repr(info), (sub.__name__, name)
+    assert repr(ClientCfg.model_fields["buffers"]) == repr(TrainConfig.model_fields["buffers"])
+    assert ClientCfg().buffers == TrainConfig().buffers == buffers_field().default  # type: ignore[attr-defined]
+    assert TrainConfig().lr == ClientCfg().lr == 0.05
 
 
 # ---------------------------------------------------------------------- a dataset and a trace format

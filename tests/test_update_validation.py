@@ -17,7 +17,7 @@ from felix.core.commands import DispatchEval, DispatchTrain, NewModelVersion, Up
 from felix.core.events import ClientRegistered, TaskFinished, TierChanged
 from felix.core.orchestrator import AvailabilityName, Orchestrator, OrchestratorConfig
 from felix.core.types import BufferedUpdate, ClientUpdate, TaskKind, Tier
-from felix.core.validation import AuxDecl, UpdateValidator, ValidationConfig, aux_problem
+from felix.core.validation import AuxDecl, LocalSteps, UpdateValidator, ValidationConfig, aux_problem
 from felix.engine.components import build_orchestrator
 from felix.engine.setup import resolve_config
 from felix.metrics.report import REASON_KEYS_MAX, reason_key, rejections_by_reason
@@ -281,14 +281,16 @@ def test_tier_flips_cost_at_most_one_probe_per_round() -> None:
 def test_norm_bound_scales_with_the_square_root_of_local_steps() -> None:
     """A client with much more data than the median takes more local steps and sends a larger
     honest update: compared per sqrt(steps), it is not refused (DAFL's table partitions)."""
-    v = UpdateValidator(ValidationConfig(norm_factor=10.0, norm_min_history=3, batch_size=10))
+    v = UpdateValidator(
+        ValidationConfig(norm_factor=10.0, norm_min_history=3), None, LocalSteps(batch_size=10)
+    )
     theta = np.ones(DIM, np.float32)
     for c in range(5):  # small clients: 10 samples, 1 step, norm 1
         d = np.zeros(DIM, np.float32)
         d[0] = 1.0
         assert v.check(c, TaskKind.TRAIN, ClientUpdate(10, 1.0, 0.5, 1.0, d), 10, 0, theta).update is not None
-    assert v.norm_bound(theta, v.config.local_steps(10)) == pytest.approx(10.0)
-    assert v.norm_bound(theta, v.config.local_steps(1000)) == pytest.approx(100.0)  # 100 steps
+    assert v.norm_bound(theta, v.local_steps(10)) == pytest.approx(10.0)
+    assert v.norm_bound(theta, v.local_steps(1000)) == pytest.approx(100.0)  # 100 steps
     big = np.zeros(DIM, np.float32)
     big[0] = 40.0
     assert (
@@ -305,7 +307,7 @@ def _long_honest_run(floor: float) -> tuple[int, UpdateValidator]:
     converges; every 50th comes from a client back from a long absence, whose update was computed
     on an early model and is as large as the early ones. Returns the rejections (all false)."""
     rng = np.random.default_rng(0)
-    v = UpdateValidator(ValidationConfig(norm_floor=floor, batch_size=10))
+    v = UpdateValidator(ValidationConfig(norm_floor=floor), None, LocalSteps(batch_size=10))
     theta = np.ones(DIM, np.float32)
     false = 0
     for i in range(3000):
@@ -362,7 +364,7 @@ def test_updates_that_moved_nothing_do_not_zero_the_bound() -> None:
     batches and send a zero update. On the bundled digits (100 Dirichlet clients) they were most of
     the first updates under FedeRage: counted, they made the median 0, so every later honest update
     was refused and the run never aggregated. A zero update is accepted and not counted."""
-    v = UpdateValidator(ValidationConfig(norm_min_history=3, batch_size=16))
+    v = UpdateValidator(ValidationConfig(norm_min_history=3), None, LocalSteps(batch_size=16))
     theta = np.ones(DIM, np.float32)
     for c in range(6):  # six tiny clients, no step each
         zero = ClientUpdate(6, 0.0, 0.0, 1.0, np.zeros(DIM, np.float32))

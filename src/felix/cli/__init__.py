@@ -370,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s"
     )
+    # A config's warnings (a setting the chosen policy would ignore) show without --verbose.
+    logging.getLogger("felix.config").setLevel(logging.INFO if args.verbose else logging.WARNING)
     try:
         return int(args.func(args))
     except KeyboardInterrupt:

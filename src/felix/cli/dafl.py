@@ -25,6 +25,7 @@ from typing import Any, TextIO
 
 import numpy as np
 from numpy.typing import NDArray
+from pydantic import ValidationError
 
 from felix.strategies.dataplans.dafl import (
     MAX_COUNT,
@@ -56,6 +57,9 @@ _TINY_VISITS = 1_000_000
 #: Seconds before the first progress line on stderr, and between two lines.
 PROGRESS_AFTER_S = 2.0
 PROGRESS_EVERY_S = 5.0
+#: The planner parameters the command takes as options (``--NAME``), with the types, defaults and
+#: help of ``DaflParams``' fields.
+PLANNER_OPTIONS = ("lambda1", "lambda2", "tau", "epsilon", "step", "rule")
 #: Default ``--time-budget``: a plan is refused rather than left to run for minutes unasked.
 DEFAULT_TIME_BUDGET_S = 60.0
 
@@ -99,14 +103,7 @@ def run(args: argparse.Namespace) -> int:
     """Plan, report, and write ``--out``; user errors become one line on stderr and exit code 2."""
     try:
         table = read_counts(Path(args.counts), id_column=args.id_column, no_ids=args.no_ids)
-        params = DaflParams(
-            lambda1=args.lambda1,
-            lambda2=args.lambda2,
-            tau=args.tau,
-            epsilon=args.epsilon,
-            step=args.step,
-            rule=args.rule,
-        )
+        params = _params(args)
         if not (math.isfinite(args.time_budget) and args.time_budget > 0):
             raise ValueError(f"--time-budget must be a number of seconds > 0, got {args.time_budget!r}")
         if "numba" not in sys.modules and provably_tiny(
@@ -269,46 +266,14 @@ def write_plan(path: Path, table: CountsTable, plan: AugmentationPlan) -> None:
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = DaflParams()
     parser.add_argument("counts", metavar="COUNTS.csv", help="client x class table of sample counts")
     parser.add_argument("--method", choices=("dafl", "lb"), default="dafl", help="planner (default: dafl)")
-    parser.add_argument(
-        "--lambda1",
-        type=float,
-        default=defaults.lambda1,
-        help="weight of training time T_t (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--lambda2",
-        type=float,
-        default=defaults.lambda2,
-        help="weight of augmentation time T_a (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--tau",
-        type=float,
-        default=defaults.tau,
-        help="largest allowed class imbalance J after (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--epsilon",
-        type=float,
-        default=defaults.epsilon,
-        help="convergence tolerance in the training-time model (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--step",
-        type=int,
-        default=defaults.step,
-        help="samples added per greedy step s (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--rule",
-        choices=RULES,
-        default=defaults.rule,
-        help="float: J <= tau in floating point, strict argmin of P (reproduces the paper's Table III); "
-        "exact: exact rationals, P ties within 1e-12 (default: %(default)s)",
-    )
+    for name in PLANNER_OPTIONS:  # from the planner's own parameter model: one declaration
+        info = DaflParams.model_fields[name]
+        kind: dict[str, Any] = {"choices": RULES} if name == "rule" else {"type": info.annotation}
+        parser.add_argument(
+            f"--{name}", default=info.default, help=f"{info.description} (default: %(default)s)", **kind
+        )
     parser.add_argument(
         "--max-steps",
         type=int,
@@ -359,6 +324,16 @@ def _text_report(table: CountsTable, plan: AugmentationPlan, args: argparse.Name
         f"planning time: {plan.plan_seconds:.3f} s",
     ]
     return "\n".join(lines)
+
+
+def _params(args: argparse.Namespace) -> DaflParams:
+    """The planner's parameters from the options; a bad value is one line naming its option."""
+    try:
+        return DaflParams(**{name: getattr(args, name) for name in PLANNER_OPTIONS})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = f"--{err['loc'][0]}: " if err["loc"] else ""
+        raise ValueError(where + str(err["msg"]).removeprefix("Value error, ")) from None
 
 
 def _one_line(exc: BaseException) -> str:

@@ -12,7 +12,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -21,42 +21,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from felix.client.schedule import epoch_batches
-from felix.client.weights import BUFFER_MODES, ModelWeights
+from felix.client.settings import Buffers, TrainSettings, buffers_field
+from felix.client.weights import ModelWeights
 from felix.core.types import ClientUpdate
 from felix.strategies.objectives import Objective, OneClient, TaskContext
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    lr: float = 0.04
-    batch_size: int = 32
-    epochs: int = 1
-    max_steps: int | None = None  # cap on local steps (None: full epochs)
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    drop_last: bool = False
-    optimizer: str = "sgd"  # "sgd" or "adam"
-    buffers: str = "aggregate"  # model buffers: "aggregate" (travel with the weights) or "local" (per client)
-    probe_loss_key: str | None = None  # send the loss at the received model as this aux entry (q-FFL's F_k)
+class TrainConfig(TrainSettings):
+    """The trainer's settings: the client section's local schedule and optimiser (one declaration,
+    :class:`~felix.client.settings.TrainSettings`), where buffers live, and whether to send the
+    loss at the received model as an aux entry (q-FFL's F_k)."""
+
+    buffers: Buffers = buffers_field()
+    probe_loss_key: str | None = None
 
     @classmethod
     def of(cls, client: Any) -> TrainConfig:
         """The trainer's settings from a config's ``client`` section, each field by its name (the
         section declares them all, with the same meaning); ``probe_loss`` asks for q-FFL's loss at
         the received model as aux ``qffl_loss``."""
-        names = [f.name for f in fields(cls) if f.name != "probe_loss_key"]
+        names = [n for n in cls.model_fields if n != "probe_loss_key"]
         return cls(
             **{n: getattr(client, n) for n in names},
             probe_loss_key="qffl_loss" if client.probe_loss else None,
         )
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0 or self.batch_size < 1 or self.epochs < 1:
-            raise ValueError("client lr must be > 0, batch_size >= 1 and epochs >= 1")
-        if self.optimizer not in ("sgd", "adam"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adam', not {self.optimizer!r}")
-        if self.buffers not in BUFFER_MODES:
-            raise ValueError(f"buffers must be one of {BUFFER_MODES}, not {self.buffers!r}")
 
 
 @dataclass

@@ -3,12 +3,15 @@
 
 The sections live beside this module by concern (:mod:`~felix.config.scenario`,
 :mod:`~felix.config.stream`; files and overrides in :mod:`~felix.config.files`); this one holds
-the strategy, client and run sections, the whole ``Config`` and :func:`validate`.
+the strategy, client and run sections, the whole ``Config`` and :func:`validate`. The
+``orchestrator`` and ``validation`` sections are the core's own settings models
+(``felix.core.orchestrator_config``, ``felix.core.validation``), which the core reads as they are.
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
@@ -22,23 +25,29 @@ from pydantic import (
     model_validator,
 )
 
+from felix.client.settings import Buffers, TrainSettings, buffers_field
 from felix.config.base import ConfigError, StrictModel, check_component, registered
 from felix.config.files import deep_merge, load_yaml, parse_set, read_yaml
 from felix.config.scenario import DatasetCfg, PartitionCfg, RamCfg, RuntimeCfg, TraceCfg
 from felix.config.stream import ArrivalCfg, DriftCfg, LabelCfg, ShiftCfg, StoreCfg, StreamCfg
+from felix.core.admission import AdmissionConfig
+from felix.core.orchestrator_config import OrchestratorConfig
+from felix.core.rounds import ROUND_POLICIES
+from felix.core.validation import ValidationConfig
 
 __all__ = [
-    "AdmissionCfg",
+    "AdmissionConfig",
     "AggregatorCfg",
     "ArrivalCfg",
     "ClientCfg",
     "Config",
     "ConfigError",
     "DaflCfg",
+    "DaflPlannerCfg",
     "DatasetCfg",
     "DriftCfg",
     "LabelCfg",
-    "OrchestratorCfg",
+    "OrchestratorConfig",
     "PartitionCfg",
     "PolicyCfg",
     "RamCfg",
@@ -48,7 +57,7 @@ __all__ = [
     "StoreCfg",
     "StreamCfg",
     "TraceCfg",
-    "ValidationCfg",
+    "ValidationConfig",
     "deep_merge",
     "load_yaml",
     "parse_set",
@@ -57,82 +66,7 @@ __all__ = [
 ]
 
 
-class AdmissionCfg(StrictModel):
-    """Per-client admission control (felix.core.admission): flap damping and a task budget. The
-    defaults are far above what honest clients of the shipped scenarios and the MobiPerf trace do."""
-
-    flap_limit: int | None = Field(
-        100,
-        ge=1,
-        description="a client whose reported tier changes more than this many times within "
-        "flap_window_s is treated as unavailable (null: never)",
-    )
-    flap_window_s: float = Field(60.0, gt=0)
-    flap_hold_s: float = Field(
-        600.0, gt=0, description="a damped client is available again after this long without a tier change"
-    )
-    task_rate: float | None = Field(
-        2.0, gt=0, description="tasks and cancels per second a client's budget refills (null: no budget)"
-    )
-    task_burst: float = Field(30.0, ge=1, description="the task budget's capacity")
-    drop_rate: float | None = Field(
-        None,
-        gt=0,
-        description="tasks per second a client may leave, let time out or fail beyond drop_burst "
-        "before it is not selected until it has a token again (null: no drop budget; "
-        "felix serve uses 1/600 unless this is set)",
-    )
-    drop_burst: float = Field(2.0, ge=1, description="the drop budget's capacity")
-
-
-class OrchestratorCfg(StrictModel):
-    mode: str = Field(
-        "async",
-        description="round policy: sync | async, or a registered name or import path "
-        "(felix.core.rounds.ROUND_POLICIES); its parameters in mode_params",
-    )
-    agg_goal: int = Field(10, ge=1)
-    concurrency: int = Field(30, ge=1)
-    overcommit: float = Field(1.3, ge=1)
-    deadline_s: float | None = Field(None, gt=0)
-    cancel_stragglers: bool = True
-    task_timeout_s: float | None = Field(90.0, gt=0)
-    accept_late: bool = True
-    max_staleness: int | None = Field(None, ge=0)
-    one_late_task_per_client: bool = Field(
-        False,
-        description="keep only each client's oldest task that "
-        "timed out (newer ones cancelled): open tasks bounded by the population; "
-        "felix serve always sets it",
-    )
-    eval_utility_scale: float = Field(
-        1.0,
-        gt=0,
-        description="multiplies the statistical utility an eval task "
-        "reports, to put it on the training utilities' scale (1: as measured)",
-    )
-    spare_queued_evals: bool = Field(
-        False,
-        description="an eval task that times out while its client still owes an "
-        "older task's reply (it waits behind it) does not mark the client unavailable",
-    )
-    probe_busy_clients: bool = Field(
-        True,
-        description="eval probes may go to clients that still owe an older task's "
-        "reply (false: they are skipped, as their eval would wait behind it)",
-    )
-    knowledge: str = Field(
-        "none",
-        description="availability policy: none | oracle | tiertrack, or a registered "
-        "name or import path (felix.core.availability.AVAILABILITY); parameters in knowledge_params",
-    )
-    mode_params: dict[str, Any] = Field(
-        default_factory=dict, description="the round policy's typed parameters"
-    )
-    knowledge_params: dict[str, Any] = Field(
-        default_factory=dict, description="the availability policy's typed parameters"
-    )
-    admission: AdmissionCfg = AdmissionCfg()
+log = logging.getLogger("felix.config")
 
 
 class PolicyCfg(StrictModel):
@@ -191,47 +125,13 @@ class AggregatorCfg(StrictModel):
         return self
 
 
-class ValidationCfg(StrictModel):
-    """Bounds on client results (felix.core.validation); on by default in simulation and deployment."""
+class ClientCfg(TrainSettings):
+    """The clients' local training (the fields of :class:`~felix.client.settings.TrainSettings`,
+    which the trainer's own settings share), their objective and where their buffers live."""
 
-    max_samples_factor: float = Field(
-        1.0, ge=1, description="num_samples <= factor x the registered count (+ the data-plan row)"
-    )
-    norm_policy: Literal["reject", "clip", "off"] = "reject"
-    norm_factor: float = Field(30.0, gt=1, description="norm bound: factor x median of recent accepted norms")
-    norm_window: int = Field(
-        50, ge=1, description="distinct clients whose latest accepted norm forms the median"
-    )
-    norm_min_history: int = Field(5, ge=1, description="clients needed before the median rule applies")
-    warmup_factor: float = Field(
-        1.0, ge=0, description="bound before that: factor x the model's norm (0: none)"
-    )
-    norm_floor: float = Field(
-        0.5,
-        ge=0,
-        le=1,
-        description="the median never counts below this fraction of its peak so far, so that the "
-        "bound does not shrink with the updates as the model converges (0: no floor)",
-    )
-
-
-class ClientCfg(StrictModel):
-    lr: float = Field(0.05, gt=0)
-    batch_size: int = Field(32, ge=1)
-    epochs: int = Field(1, ge=1)
-    max_steps: int | None = Field(None, ge=1)
-    momentum: float = Field(0.0, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    drop_last: bool = False
-    optimizer: Literal["sgd", "adam"] = "sgd"
     objective: str = "ce"
     objective_params: dict[str, Any] = Field(default_factory=dict)
-    buffers: Literal["aggregate", "local"] = Field(
-        "aggregate",
-        description="model buffers (BatchNorm running statistics): aggregate = sent with the "
-        "weights and averaged by the server like parameters; local = kept per client, never sent, and the "
-        "global model is evaluated with the buffers its factory made (felix.client.trainer)",
-    )
+    buffers: Buffers = buffers_field()
     probe_loss: bool = Field(
         False,
         description="before training, measure the loss at the received model over "
@@ -252,21 +152,49 @@ class ClientCfg(StrictModel):
         return v
 
 
-class DaflCfg(StrictModel):
-    """Planner and augmentation settings for ``data_plan: lb | dafl``; defaults are the DAFL paper's
-    (Sec. VI). ``zeta`` / ``zeta_prime`` are relative per-sample augmentation / training times: the
-    planner weighs with them, and the simulator charges a client ``zeta / zeta_prime`` of its
-    per-sample training time for each sample it augments. LB uses ``tau``, ``step`` and ``augmenter``."""
+class DaflPlannerCfg(StrictModel):
+    """Every constant of the DAFL paper's Problem 1 and Algorithm 1, declared once: the config's
+    ``dafl`` section, the planner's parameters (``felix.strategies.dataplans.dafl.DaflParams``)
+    and the ``felix plan-augmentation`` options all derive from it. Defaults are the paper's
+    experiment settings (Sec. VI)."""
 
-    lambda1: float = Field(1.0, ge=0)
-    lambda2: float = Field(100.0, ge=0)
-    tau: float = Field(1e-3, ge=0)
-    epsilon: float = Field(1e-3, gt=0)
-    step: int = Field(1, ge=1)
-    zeta: float = Field(1.0, ge=0)
-    zeta_prime: float = Field(2.0, gt=0)
-    local_updates: int = Field(2, ge=1, description="E in the time model's (E-1)^2 L^2CG^2 I term")
+    lambda1: float = Field(1.0, ge=0, description="weight of the estimated training time T_t in P")
+    lambda2: float = Field(
+        100.0, ge=0, description="weight of the estimated augmentation time T_a in P (paper: 1e2, 1e3, 1e4)"
+    )
+    tau: float = Field(
+        1e-3, ge=0, description="largest tolerated global class imbalance J after augmentation"
+    )
+    epsilon: float = Field(
+        1e-3,
+        gt=0,
+        description="bound on the I-dependent term of the convergence bound; rounds ~ (1 + ...)/epsilon",
+    )
+    step: int = Field(
+        1, ge=1, strict=True, description="s: samples added per greedy step; larger is faster and coarser"
+    )
+    zeta: float = Field(1.0, ge=0, description="relative time for a client to augment one sample (eq. 16)")
+    zeta_prime: float = Field(
+        2.0, gt=0, description="relative time for a client to train on one sample, per round (eq. 17)"
+    )
+    local_updates: int = Field(
+        2, ge=1, strict=True, description="E in the time model's (E-1)^2 L^2CG^2 I term"
+    )
     smoothness: float = Field(1.0, ge=0, description="L^2 C G^2, set to 1 in the paper")
+
+    @model_validator(mode="after")
+    def _exact_balance(self) -> DaflPlannerCfg:
+        if self.tau == 0 and self.step != 1:
+            raise ValueError("tau = 0 needs step = 1: with larger steps exact balance may be unreachable")
+        return self
+
+
+class DaflCfg(DaflPlannerCfg):
+    """Planner and augmentation settings for ``data_plan: lb | dafl``. ``zeta`` / ``zeta_prime``
+    are relative per-sample augmentation / training times: the planner weighs with them, and the
+    simulator charges a client ``zeta / zeta_prime`` of its per-sample training time for each
+    sample it augments. LB uses ``tau``, ``step`` and ``augmenter``."""
+
     augmenter: str = Field("rotate_flip", description="felix.strategies.dataplans.augment.AUGMENTERS name")
 
 
@@ -389,11 +317,11 @@ class Config(StrictModel):
     partition: PartitionCfg = PartitionCfg()
     trace: TraceCfg = TraceCfg()
     runtime: RuntimeCfg = RuntimeCfg()
-    orchestrator: OrchestratorCfg = OrchestratorCfg()
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
     selector: PolicyCfg = PolicyCfg(name="random")
     eval_selector: PolicyCfg = PolicyCfg(name="none")
     aggregator: AggregatorCfg = AggregatorCfg()
-    validation: ValidationCfg = ValidationCfg()
+    validation: ValidationConfig = ValidationConfig()
     client: ClientCfg = ClientCfg()
     run: RunCfg = RunCfg()
     stream: StreamCfg = StreamCfg()
@@ -493,15 +421,30 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
     """``raw`` as a :class:`Config`; a bad tree is one :class:`ConfigError` that names each bad key
     by its dotted path, in felix's words (one line when one key is wrong)."""
     try:
-        return Config.model_validate(raw)
+        cfg = Config.model_validate(raw)
     except ValidationError as exc:
         lines = [
             ".".join(str(x) for x in err["loc"]) + ": " + _problem(err) if err["loc"] else _problem(err)
             for err in exc.errors()
         ]
-    if len(lines) == 1:
-        raise ConfigError(f"{source}: {lines[0]}")
-    raise ConfigError(f"{source}: invalid configuration\n" + "\n".join(f"  {line}" for line in lines))
+        if len(lines) == 1:
+            raise ConfigError(f"{source}: {lines[0]}") from None
+        raise ConfigError(
+            f"{source}: invalid configuration\n" + "\n".join(f"  {line}" for line in lines)
+        ) from None
+    o = cfg.orchestrator
+    unread = o.unread_settings()
+    if unread:
+        # A warning, not an error: one --set for several strategies (felix compare --strategies
+        # fedbuff,oort --set orchestrator.concurrency=4) legitimately sets what some do not read.
+        log.warning(
+            "%s: round policy %r does not use orchestrator.%s (it reads %s)",
+            source,
+            o.mode,
+            ", orchestrator.".join(unread),
+            ", ".join(ROUND_POLICIES.entry(o.mode).traits["reads"]),
+        )
+    return cfg
 
 
 #: pydantic error types whose own message would read as pydantic's: what the key expects.

@@ -7,17 +7,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from felix.core.settings import Settings
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message says which key and why."""
 
 
-class StrictModel(BaseModel):
-    # A number given where a string is expected (``name: 2024``) is taken as its text. Numbers are
-    # finite: an infinite learning rate, time limit or horizon is a mistyped config, not a setting.
-    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True, allow_inf_nan=False)
+class StrictModel(Settings):
+    """The base of every config section: the core's settings base (``felix.core.settings``), so
+    that a section and a component's own settings model are one kind of thing."""
 
 
 def registered(module: str, registry: str, value: str) -> str:

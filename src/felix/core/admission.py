@@ -44,45 +44,47 @@ window per client.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from pydantic import Field
+
+from felix.core.settings import Settings
 
 #: ``felix serve``'s drop budget refill when the config leaves ``drop_rate`` unset: one dropped
 #: task per 10 minutes beyond the burst of 2.
 DEPLOY_DROP_RATE = 1.0 / 600.0
 
 
-@dataclass(frozen=True, slots=True)
-class AdmissionConfig:
-    """The two per-client rules; ``None`` turns one off."""
+class AdmissionConfig(Settings):
+    """The two per-client rules (the config's ``orchestrator.admission`` section); ``None`` turns
+    one off. The defaults are far above what honest clients of the shipped scenarios and the
+    MobiPerf trace do (the module docstring has the measurements)."""
 
-    flap_limit: int | None = 100  # tier changes within flap_window_s beyond which a client is damped
-    flap_window_s: float = 60.0
-    flap_hold_s: float = 600.0  # a damped client's time without a change before it is available again
-    task_rate: float | None = 2.0  # tasks and cancels per second a client's budget refills
-    task_burst: float = 30.0  # the budget's capacity (and a new client's)
-    drop_rate: float | None = None  # dropped tasks per second the drop budget refills (felix serve: 1/600)
-    drop_burst: float = 2.0  # the drop budget's capacity
-
-    def __post_init__(self) -> None:
-        if self.flap_limit is not None and self.flap_limit < 1:
-            raise ValueError(f"flap_limit must be >= 1 or null, not {self.flap_limit}")
-        for name in ("flap_window_s", "flap_hold_s", "task_burst"):
-            v = getattr(self, name)
-            if not (v > 0 and math.isfinite(v)):
-                raise ValueError(f"{name} must be a finite value > 0, not {v}")
-        if self.task_rate is not None and not (self.task_rate > 0 and math.isfinite(self.task_rate)):
-            raise ValueError(f"task_rate must be a finite value > 0 or null, not {self.task_rate}")
-        if self.task_burst < 1:
-            raise ValueError(f"task_burst must be >= 1 (one task), not {self.task_burst}")
-        if self.drop_rate is not None and not (self.drop_rate > 0 and math.isfinite(self.drop_rate)):
-            raise ValueError(f"drop_rate must be a finite value > 0 or null, not {self.drop_rate}")
-        if not (1 <= self.drop_burst < math.inf):
-            raise ValueError(f"drop_burst must be finite and >= 1 (one task), not {self.drop_burst}")
+    flap_limit: int | None = Field(
+        100,
+        ge=1,
+        description="a client whose reported tier changes more than this many times within "
+        "flap_window_s is treated as unavailable (null: never)",
+    )
+    flap_window_s: float = Field(60.0, gt=0)
+    flap_hold_s: float = Field(
+        600.0, gt=0, description="a damped client is available again after this long without a tier change"
+    )
+    task_rate: float | None = Field(
+        2.0, gt=0, description="tasks and cancels per second a client's budget refills (null: no budget)"
+    )
+    task_burst: float = Field(30.0, ge=1, description="the task budget's capacity (and a new client's)")
+    drop_rate: float | None = Field(
+        None,
+        gt=0,
+        description="tasks per second a client may leave, let time out or fail beyond drop_burst "
+        "before it is not selected until it has a token again (null: no drop budget; "
+        "felix serve uses 1/600 unless this is set)",
+    )
+    drop_burst: float = Field(2.0, ge=1, description="the drop budget's capacity")
 
 
 class TokenBuckets:

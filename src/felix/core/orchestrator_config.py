@@ -1,5 +1,6 @@
 """The orchestrator's settings: which round and availability policy it runs, and the settings the
-built-in policies share.
+built-in policies share. One validated model, which the run configuration holds as its
+``orchestrator`` section and the orchestrator reads directly.
 
 Apart from ``felix.core.orchestrator`` so that a shell or a test can make and check one without
 the orchestrator, and so that the policies' registries (which validate the names) stay below it.
@@ -7,13 +8,16 @@ the orchestrator, and so that the policies' registries (which validate the names
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from pydantic import Field, field_validator
+
 from felix.core.admission import AdmissionConfig
 from felix.core.availability import AVAILABILITY
-from felix.core.rounds import ROUND_POLICIES
+from felix.core.registry import Registry, RegistryError
+from felix.core.rounds import ROUND_POLICIES, ROUND_SETTINGS
+from felix.core.settings import Settings
 
 
 class AvailabilityName(str, Enum):
@@ -25,48 +29,76 @@ class AvailabilityName(str, Enum):
     TIERTRACK = "tiertrack"
 
 
-@dataclass(frozen=True, slots=True)
-class OrchestratorConfig:
-    """The round policy (``mode``) and availability policy (``knowledge``) are registered names
+class OrchestratorConfig(Settings):
+    """The config's ``orchestrator`` section, read by the orchestrator as it is. The round policy
+    (``mode``) and availability policy (``knowledge``) are registered names
     (``felix.core.rounds.ROUND_POLICIES``, ``felix.core.availability.AVAILABILITY``), with their own
     parameters in ``mode_params`` / ``knowledge_params``; the fields between are the settings the
     built-in round policies share.
 
-    The two fields keep the names of the config keys they come from (``orchestrator.mode``,
-    ``orchestrator.knowledge``), which committed comparison files use; code reads them as
-    ``round_policy`` and ``availability``, the names of what they choose."""
+    The two fields keep the names of the config keys they come from, which committed comparison
+    files use; code reads them as ``round_policy`` and ``availability``, the names of what they
+    choose."""
 
-    mode: str = "async"  # "sync" rounds or "async" buffered, or another registered round policy
-    agg_goal: int = 10
-    concurrency: int = 30  # async: training tasks kept in flight
-    overcommit: float = 1.3  # sync: clients selected per round = ceil(agg_goal * overcommit)
-    deadline_s: float | None = None  # sync: end the round with what has arrived
-    cancel_stragglers: bool = True  # sync: cancel a round's outstanding tasks when it ends
-    task_timeout_s: float | None = 90.0
-    accept_late: bool = True  # aggregate replies of timed-out / interrupted tasks (stale)
-    max_staleness: int | None = None  # discard updates staler than this (versions)
-    # Keep only each client's oldest task that lost its slot (newer ones are cancelled): open tasks
-    # bounded by the population. The MQTT server always sets it; off by default in the simulator,
-    # where every late reply may still come, as on the FeLiX authors' server.
-    one_late_task_per_client: bool = False
+    mode: str = Field(
+        "async",
+        description="round policy: sync | async, or a registered name or import path "
+        "(felix.core.rounds.ROUND_POLICIES); its parameters in mode_params",
+    )
+    agg_goal: int = Field(10, ge=1)
+    concurrency: int = Field(30, ge=1, description="async: training tasks kept in flight")
+    overcommit: float = Field(
+        1.3, ge=1, description="sync: clients selected per round = ceil(agg_goal x overcommit)"
+    )
+    deadline_s: float | None = Field(None, gt=0, description="sync: end the round with what has arrived")
+    cancel_stragglers: bool = Field(True, description="sync: cancel a round's outstanding tasks when it ends")
+    task_timeout_s: float | None = Field(90.0, gt=0)
+    accept_late: bool = Field(True, description="aggregate replies of timed-out or interrupted tasks (stale)")
+    max_staleness: int | None = Field(None, ge=0, description="discard updates staler than this (versions)")
+    # Off by default in the simulator, where every late reply may still come, as on the FeLiX
+    # authors' server; the MQTT server always sets it.
+    one_late_task_per_client: bool = Field(
+        False,
+        description="keep only each client's oldest task that "
+        "timed out (newer ones cancelled): open tasks bounded by the population; "
+        "felix serve always sets it",
+    )
     # An eval task's utility is a full forward pass on the received model; a training task's is
     # measured during SGD, so it is lower. This factor puts eval utilities on the training scale
     # (1.0: as measured, the paper), so Oort does not favour clients merely for having been probed.
-    eval_utility_scale: float = 1.0
-    # An eval task that times out while its client still owes the reply of an older task (one that
-    # lost its slot, e.g. a training task paused when the client went AVL_EVAL) waits behind it:
-    # the device runs its tasks in order. With this set, that timeout does not tell the
-    # availability policy (TierTrack would mark the client UN_AVL): the client is busy, not gone.
-    spare_queued_evals: bool = False
-    # False: clients that still owe an older task's reply are not probed (their eval would wait
-    # behind that task, its model download wasted on a stale measurement). True: the paper.
-    probe_busy_clients: bool = True
-    knowledge: AvailabilityName | str = AvailabilityName.NONE
-    mode_params: Any = None  # the round policy's parameters (a mapping or its pydantic model)
-    knowledge_params: Any = None  # the availability policy's parameters
-    # Per-client flap damping and task budget (felix.core.admission); the defaults never bind on
-    # the shipped scenarios' honest clients.
-    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    eval_utility_scale: float = Field(
+        1.0,
+        gt=0,
+        description="multiplies the statistical utility an eval task "
+        "reports, to put it on the training utilities' scale (1: as measured)",
+    )
+    # The device runs its tasks in order, so an eval task queued behind an older one waits; with
+    # this set its timeout does not tell the availability policy (TierTrack would mark the client
+    # UN_AVL): the client is busy, not gone.
+    spare_queued_evals: bool = Field(
+        False,
+        description="an eval task that times out while its client still owes an "
+        "older task's reply (it waits behind it) does not mark the client unavailable",
+    )
+    # False: such clients are not probed (their eval would wait behind that task, its model
+    # download wasted on a stale measurement). True: the paper.
+    probe_busy_clients: bool = Field(
+        True,
+        description="eval probes may go to clients that still owe an older task's "
+        "reply (false: they are skipped, as their eval would wait behind it)",
+    )
+    knowledge: str = Field(
+        AvailabilityName.NONE.value,
+        description="availability policy: none | oracle | tiertrack, or a registered "
+        "name or import path (felix.core.availability.AVAILABILITY); parameters in knowledge_params",
+    )
+    mode_params: dict[str, Any] = Field(
+        default_factory=dict, description="the round policy's typed parameters"
+    )
+    knowledge_params: dict[str, Any] = Field(
+        default_factory=dict, description="the availability policy's typed parameters"
+    )
+    admission: AdmissionConfig = AdmissionConfig()
 
     @property
     def round_policy(self) -> str:
@@ -76,29 +108,38 @@ class OrchestratorConfig:
     @property
     def availability(self) -> str:
         """The availability policy's registered name or import path (the ``knowledge`` field)."""
-        k = self.knowledge
-        return k.value if isinstance(k, AvailabilityName) else str(k)
+        return self.knowledge
 
-    def __post_init__(self) -> None:
-        ROUND_POLICIES.entry(
-            self.mode
-        )  # a registered name or import path, else a RegistryError naming the key
-        if self.knowledge in set(AvailabilityName):
-            object.__setattr__(self, "knowledge", AvailabilityName(self.knowledge))
-        else:
-            AVAILABILITY.entry(str(self.knowledge))
-        if self.agg_goal < 1:
-            raise ValueError("agg_goal must be at least 1")
-        if self.overcommit < 1.0:
-            raise ValueError("overcommit must be >= 1.0")
-        for name in ("deadline_s", "task_timeout_s"):
-            v = getattr(self, name)
-            if v is not None and v <= 0:
-                raise ValueError(f"{name} must be positive or null")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise ValueError("max_staleness must be >= 0 or null")
-        if not self.eval_utility_scale > 0:
-            raise ValueError("eval_utility_scale must be > 0")
+    @field_validator("mode")
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        return _registered(ROUND_POLICIES, v)
+
+    @field_validator("knowledge")
+    @classmethod
+    def _knowledge(cls, v: str) -> str:
+        return _registered(AVAILABILITY, v)
+
+    def unread_settings(self) -> list[str]:
+        """The round settings (``felix.core.rounds.ROUND_SETTINGS``) set to other than their
+        default that the chosen round policy does not read (its ``reads`` trait), so do nothing:
+        ``concurrency`` under ``sync``, say. A policy that declares no ``reads`` has none. At its
+        default a setting changes nothing either way, so a preset's mode can be switched."""
+        reads = ROUND_POLICIES.entry(self.mode).traits.get("reads")
+        if reads is None:
+            return []
+        fields = type(self).model_fields
+        return [k for k in ROUND_SETTINGS if k not in reads and getattr(self, k) != fields[k].get_default()]
+
+
+def _registered(registry: Registry[Any], name: str) -> str:
+    """``name`` if ``registry`` holds it (or it is an import path that resolves); else the
+    registry's error, without its key (the validation error names the field)."""
+    try:
+        registry.entry(name)
+    except RegistryError as exc:
+        raise ValueError(str(exc).removeprefix(f"{registry.key}: ")) from None
+    return name
 
 
 __all__ = ["AvailabilityName", "OrchestratorConfig"]

@@ -14,8 +14,10 @@ parameters as ``params()`` (or a ``Params`` model), e.g. a client objective::
 and a config picks it by name (``selector: {name: oort, params: {...}}``) or by import path
 (``selector: {name: "mypkg.selectors:make_mine"}``). ``params`` is a pydantic model: the config's
 untyped ``params`` mapping is validated against it, so a misspelt key fails with its dotted path
-(``selector.params.foo: unknown key``). ``ctx`` is whatever the builder passes along (the run
-config); the registry never looks at it.
+(``selector.params.foo: unknown key``). ``ctx`` is whatever the builder passes along (the run's
+facts, ``felix.core.run_facts.RunFacts``, for selectors, aggregators, server optimisers and
+objectives; the ``orchestrator`` settings for round and availability policies); the registry never
+looks at it.
 
 The built-in policies' modules are imported on the first lookup (``modules``), so importing the
 core stays cheap and a registry never depends on import order.

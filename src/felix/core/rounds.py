@@ -10,7 +10,9 @@ A policy is called by the orchestrator at four points (``need`` before selection
 (``felix.core.view.OrchestratorView``: ``aggregate``, ``start_round``, ``cancel``, ``round_tasks``,
 ``buffered``, ``train_in_flight``), not through the orchestrator class itself.
 A new policy (semi-async, say) is one subclass registered in ``ROUND_POLICIES`` next to it and
-picked by ``orchestrator.mode``; the orchestrator is not edited.
+picked by ``orchestrator.mode``; the orchestrator is not edited. Its own parameters are its
+``params`` model (``orchestrator.mode_params``); of the shared settings in ``ROUND_SETTINGS`` it
+declares the ones it reads (``reads=(...)``), so that setting another is refused at config read.
 """
 
 from __future__ import annotations
@@ -62,8 +64,13 @@ class RoundPolicy:
 
 ROUND_POLICIES: Registry[RoundPolicy] = Registry("round policy", key="orchestrator.mode")
 
+#: The orchestrator settings that only some round policies read. A policy declares the ones it
+#: reads as its ``reads`` trait, and a config that sets one the chosen policy does not read is
+#: refused (``OrchestratorConfig``): ``concurrency`` under ``sync`` would otherwise do nothing.
+ROUND_SETTINGS = ("agg_goal", "concurrency", "overcommit", "deadline_s", "cancel_stragglers")
 
-@ROUND_POLICIES.register("async", params=NoParams)
+
+@ROUND_POLICIES.register("async", params=NoParams, reads=("agg_goal", "concurrency"))
 class AsyncRounds(RoundPolicy):
     """FedBuff-style buffered asynchrony: ``concurrency`` tasks in flight, a new version every
     ``agg_goal`` buffered updates; the round number follows the model version."""
@@ -86,7 +93,9 @@ class AsyncRounds(RoundPolicy):
         orch.start_round(orch.version)
 
 
-@ROUND_POLICIES.register("sync", params=NoParams)
+@ROUND_POLICIES.register(
+    "sync", params=NoParams, reads=("agg_goal", "overcommit", "deadline_s", "cancel_stragglers")
+)
 class SyncRounds(RoundPolicy):
     """Rounds: over-select ``ceil(agg_goal * overcommit)`` and keep that many arrived or
     outstanding; the round ends at ``agg_goal`` arrivals of its own tasks or at ``deadline_s``,
@@ -147,4 +156,4 @@ class SyncRounds(RoundPolicy):
         self.received = int(state["round_received"])
 
 
-__all__ = ["ROUND_POLICIES", "AsyncRounds", "RoundPolicy", "SyncRounds"]
+__all__ = ["ROUND_POLICIES", "ROUND_SETTINGS", "AsyncRounds", "RoundPolicy", "SyncRounds"]

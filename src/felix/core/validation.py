@@ -67,13 +67,13 @@ import bisect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+from pydantic import Field, model_validator
 
+from felix.core.settings import Settings
 from felix.core.types import ClientUpdate, TaskKind
-
-NORM_POLICIES = ("reject", "clip", "off")
 
 # The declared range of every number a client reports. Finite is not enough: two utilities of
 # 1.7e308 are finite, and their sum overflows (Oort's pacer raised inside an aggregation). Each
@@ -177,39 +177,52 @@ def aux_problem(aux: Mapping[str, np.ndarray], spec: AuxSpec) -> str | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class ValidationConfig:
-    """Bounds on client results; the defaults are on, and leave every honest update of the presets
-    untouched (see the module docstring for the measured margins)."""
+class ValidationConfig(Settings):
+    """Bounds on client results (the config's ``validation`` section); on by default in simulation
+    and deployment, and leave every honest update of the presets untouched (the module docstring
+    has the measured margins)."""
 
-    max_samples_factor: float = 1.0  # num_samples <= factor x (registered count + plan row)
-    norm_policy: str = "reject"  # "reject", "clip" or "off"
-    norm_factor: float = 30.0  # bound = factor x median of recent accepted norms
-    norm_window: int = 50  # distinct clients whose latest accepted norm forms the median
-    norm_min_history: int = 5  # clients needed before the median rule applies
-    warmup_factor: float = 1.0  # bound before that: factor x ||current model|| (0 = no bound)
-    norm_floor: float = 0.5  # the median never counts below this fraction of its peak (0 = no floor)
-    batch_size: int = 1  # the clients' local schedule, to count an update's local steps
+    max_samples_factor: float = Field(
+        1.0, ge=1, description="num_samples <= factor x the registered count (+ the data-plan row)"
+    )
+    norm_policy: Literal["reject", "clip", "off"] = "reject"
+    norm_factor: float = Field(30.0, gt=1, description="norm bound: factor x median of recent accepted norms")
+    norm_window: int = Field(
+        50, ge=1, description="distinct clients whose latest accepted norm forms the median"
+    )
+    norm_min_history: int = Field(5, ge=1, description="clients needed before the median rule applies")
+    warmup_factor: float = Field(
+        1.0, ge=0, description="bound before that: factor x the model's norm (0: none)"
+    )
+    norm_floor: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="the median never counts below this fraction of its peak so far, so that the "
+        "bound does not shrink with the updates as the model converges (0: no floor)",
+    )
+
+    @model_validator(mode="after")
+    def _history(self) -> ValidationConfig:
+        if self.norm_min_history > self.norm_window:
+            raise ValueError("need norm_min_history <= norm_window")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class LocalSteps:
+    """The clients' local schedule (the config's ``client.batch_size``, ``epochs``, ``max_steps``),
+    which counts the local steps behind an update of ``num_samples`` samples."""
+
+    batch_size: int = 1
     epochs: int = 1
     max_steps: int | None = None
 
-    def local_steps(self, num_samples: int) -> int:
+    def __call__(self, num_samples: int) -> int:
         steps = max(1, -(-num_samples // self.batch_size)) * self.epochs
         return steps if self.max_steps is None else min(steps, self.max_steps)
 
     def __post_init__(self) -> None:
-        if self.norm_policy not in NORM_POLICIES:
-            raise ValueError(f"norm_policy must be one of {NORM_POLICIES}, not {self.norm_policy!r}")
-        if not (self.max_samples_factor >= 1.0 and math.isfinite(self.max_samples_factor)):
-            raise ValueError(f"max_samples_factor must be a finite value >= 1, not {self.max_samples_factor}")
-        if not (self.norm_factor > 1.0 and math.isfinite(self.norm_factor)):
-            raise ValueError(f"norm_factor must be a finite value > 1, not {self.norm_factor}")
-        if self.norm_window < 1 or self.norm_min_history < 1 or self.norm_min_history > self.norm_window:
-            raise ValueError("need 1 <= norm_min_history <= norm_window")
-        if not 0 <= self.norm_floor <= 1:
-            raise ValueError(f"norm_floor must be in [0, 1], not {self.norm_floor}")
-        if not (self.warmup_factor >= 0 and math.isfinite(self.warmup_factor)):
-            raise ValueError(f"warmup_factor must be a finite value >= 0, not {self.warmup_factor}")
         if self.batch_size < 1 or self.epochs < 1 or (self.max_steps is not None and self.max_steps < 1):
             raise ValueError("batch_size, epochs and max_steps must be >= 1")
 
@@ -289,8 +302,14 @@ class UpdateValidator:
     """Checks one result against the client's registration, the declared aux, recent update norms
     and recent aux values."""
 
-    def __init__(self, config: ValidationConfig | None = None, aux_spec: AuxSpec | None = None) -> None:
+    def __init__(
+        self,
+        config: ValidationConfig | None = None,
+        aux_spec: AuxSpec | None = None,
+        local_steps: LocalSteps | None = None,
+    ) -> None:
         self.config = config if config is not None else ValidationConfig()
+        self.local_steps = local_steps if local_steps is not None else LocalSteps()
         self.aux_spec: dict[str, AuxDecl] = dict(aux_spec or {})
         c = self.config
         # Update norm / sqrt(steps), and each declared aux key's norm.
@@ -340,7 +359,7 @@ class UpdateValidator:
             self._remember_aux(client_id, aux_norms)
             return Verdict(upd, clipped=aux_clipped)
         norm = l2_norm(upd.delta)
-        steps = self.config.local_steps(upd.num_samples)
+        steps = self.local_steps(upd.num_samples)
         bound = self.norm_bound(theta, steps)
         clipped = False
         if bound is not None and norm > bound:

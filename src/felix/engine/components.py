@@ -10,7 +10,6 @@ client side, which the simulator and the MQTT server and clients consume alike.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -21,15 +20,15 @@ import torch.nn.functional as F
 from felix import cpu_kernels
 from felix.client.trainer import LocalTrainer, TrainConfig, autocast, one_thread, thread_invariant
 from felix.client.weights import ModelWeights, weights_for
-from felix.config import Config, ConfigError, OrchestratorCfg
-from felix.core.admission import AdmissionConfig
+from felix.config import Config, ConfigError
 from felix.core.availability import AVAILABILITY
-from felix.core.orchestrator import Orchestrator, OrchestratorConfig
+from felix.core.orchestrator import Orchestrator
 from felix.core.policies import AGGREGATORS, EVAL_SELECTORS, TRAIN_SELECTORS, Aggregator
 from felix.core.registry import Registry, RegistryError
 from felix.core.rounds import ROUND_POLICIES
+from felix.core.run_facts import RunFacts
 from felix.core.server_optim import SERVER_OPTIMIZERS
-from felix.core.validation import UpdateValidator, ValidationConfig
+from felix.core.validation import LocalSteps, UpdateValidator
 from felix.metrics.per_client import PerClientSetup, make_per_client_eval
 from felix.metrics.recorder import Recorder
 from felix.scenario.build import Population, participation_shares, strategy_stream
@@ -144,7 +143,9 @@ def build_objective(cfg: Config) -> Objective:
     by the objective's own typed parameters: a misspelt key fails with its dotted path."""
     c = cfg.client
     try:
-        return OBJECTIVES.create(c.objective, c.objective_params, ctx=cfg, where="client.objective_params")
+        return OBJECTIVES.create(
+            c.objective, c.objective_params, ctx=run_facts(cfg), where="client.objective_params"
+        )
     except RegistryError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -164,18 +165,26 @@ def build_trainer(cfg: Config, pop: Population) -> LocalTrainer:
             "model that has buffers, set client.buffers: local"
         )
     if objective.fixed_batch and not tcfg.drop_last:
-        tcfg = dataclasses.replace(tcfg, drop_last=True)  # FedeRage's model mini-batch b is fixed
+        tcfg = tcfg.model_copy(update={"drop_last": True})  # FedeRage's model mini-batch b is fixed
     return LocalTrainer(
         copy.deepcopy(pop.model), objective, tcfg, pop.train.num_classes, cfg.run.device, apply_precision(cfg)
     )
 
 
-def orchestrator_config(o: OrchestratorCfg) -> OrchestratorConfig:
-    """The orchestrator's settings from the config's ``orchestrator`` section, field by field by
-    name (``tests/test_extending.py`` checks the two declare the same fields): a new knob is
-    declared in the config and in ``OrchestratorConfig``, and nothing copies it by hand."""
-    settings = {k: getattr(o, k) for k in type(o).model_fields if k != "admission"}
-    return OrchestratorConfig(**settings, admission=AdmissionConfig(**o.admission.model_dump()))
+def run_facts(cfg: Config) -> RunFacts:
+    """What the strategy factories may read of a run (``felix.core.run_facts``), from its config."""
+    c, a = cfg.client, cfg.aggregator
+    return RunFacts(
+        num_clients=cfg.partition.num_clients,
+        seed=cfg.seed,
+        agg_goal=cfg.orchestrator.agg_goal,
+        client_lr=c.lr,
+        batch_size=c.batch_size,
+        max_steps=c.max_steps,
+        server_lr=a.server_lr,
+        normalize=a.normalize,
+        clip_norm=a.clip_norm,
+    )
 
 
 def build_orchestrator(
@@ -188,29 +197,29 @@ def build_orchestrator(
     import path) with its parameters validated. ``trace`` (or a function making it, called only
     then) is the oracle of an availability policy that reads one; ``plan_errors`` as
     ``PlanSetup.on_error``."""
-    o = cfg.orchestrator
+    o = cfg.orchestrator  # the core's own settings model: read as it is
     try:
-        ocfg = orchestrator_config(o)
-        rounds = ROUND_POLICIES.create(o.mode, o.mode_params, ocfg, where="orchestrator.mode_params")
+        rounds = ROUND_POLICIES.create(o.mode, o.mode_params, o, where="orchestrator.mode_params")
         availability = AVAILABILITY.create(
-            o.knowledge, o.knowledge_params, ocfg, where="orchestrator.knowledge_params"
+            o.knowledge, o.knowledge_params, o, where="orchestrator.knowledge_params"
         )
     except RegistryError as exc:
         raise ConfigError(str(exc)) from None
     except ValueError as exc:
         raise ConfigError(f"orchestrator: {exc}") from None
-    selector = _create(TRAIN_SELECTORS, cfg.selector.name, cfg.selector.params, "selector.params", cfg)
+    facts = run_facts(cfg)
+    selector = _create(TRAIN_SELECTORS, cfg.selector.name, cfg.selector.params, "selector.params", facts)
     eval_selector = _create(
-        EVAL_SELECTORS, cfg.eval_selector.name, cfg.eval_selector.params, "eval_selector.params", cfg
+        EVAL_SELECTORS, cfg.eval_selector.name, cfg.eval_selector.params, "eval_selector.params", facts
     )
     a = cfg.aggregator
-    aggregator = _create(AGGREGATORS, a.name, a.params, "aggregator.params", cfg)
+    aggregator = _create(AGGREGATORS, a.name, a.params, "aggregator.params", facts)
     aggregator.optimizer = _create(
         SERVER_OPTIMIZERS,
         a.server_optimizer,
         a.server_optimizer_params,
         "aggregator.server_optimizer_params",
-        cfg,
+        facts,
     )
     if a.robust != "none":
         from felix.strategies.aggregation.robust import RobustAggregator
@@ -223,7 +232,7 @@ def build_orchestrator(
         if oracle is None:
             raise ConfigError(f"orchestrator.knowledge {o.knowledge!r} needs an availability trace")
     return Orchestrator(
-        ocfg,
+        o,
         weights,
         selector,
         aggregator,
@@ -243,18 +252,12 @@ def build_validator(cfg: Config, aggregator: Aggregator, num_params: int) -> Upd
         objective = objective_class(cfg.client.objective)
     except ValueError as exc:
         raise ConfigError(f"client.objective: {exc}") from None
-    v = cfg.validation
-    try:
-        c = cfg.client
-        # By field name, as the orchestrator's settings (orchestrator_config): the config's
-        # validation section and the client's local schedule, which counts an update's steps.
-        vcfg = ValidationConfig(
-            **v.model_dump(), batch_size=c.batch_size, epochs=c.epochs, max_steps=c.max_steps
-        )
-    except ValueError as exc:
-        raise ConfigError(f"validation: {exc}") from None
+    c = cfg.client
+    # The config's validation section is the validator's own settings model; the client's local
+    # schedule counts an update's steps.
+    steps = LocalSteps(batch_size=c.batch_size, epochs=c.epochs, max_steps=c.max_steps)
     spec = {**objective.declared_aux(num_params), **aggregator.declared_aux(num_params)}
-    return UpdateValidator(vcfg, spec)
+    return UpdateValidator(cfg.validation, spec, steps)
 
 
 def per_client_setup(cfg: Config, trace: AvailabilityTrace, class_counts: np.ndarray) -> PerClientSetup:

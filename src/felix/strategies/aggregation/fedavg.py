@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from felix.core.aggregation import AGGREGATORS, Aggregator
 from felix.core.registry import NoParams
+from felix.core.run_facts import RunFacts
 from felix.core.types import BufferedUpdate
 
 
@@ -30,12 +29,10 @@ class FedBuffAggregator(Aggregator):
 
 
 @AGGREGATORS.register("fedavg", params=NoParams)
-def _fedavg(params: NoParams, cfg: Any) -> FedAvgAggregator:
-    a = cfg.aggregator
-    return FedAvgAggregator(a.server_lr, a.normalize, a.clip_norm)
+def _fedavg(params: NoParams, ctx: RunFacts) -> FedAvgAggregator:
+    return FedAvgAggregator(ctx.server_lr, ctx.normalize, ctx.clip_norm)
 
 
 @AGGREGATORS.register("fedbuff", params=NoParams)
-def _fedbuff(params: NoParams, cfg: Any) -> FedBuffAggregator:
-    a = cfg.aggregator
-    return FedBuffAggregator(a.server_lr, a.normalize, a.clip_norm)
+def _fedbuff(params: NoParams, ctx: RunFacts) -> FedBuffAggregator:
+    return FedBuffAggregator(ctx.server_lr, ctx.normalize, ctx.clip_norm)

@@ -19,12 +19,12 @@ to ``update.loss`` otherwise.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from felix.core.aggregation import AGGREGATORS, Aggregator, reduce_aux
+from felix.core.run_facts import RunFacts
 from felix.core.types import BufferedUpdate
 from felix.core.validation import AuxDecl
 
@@ -96,8 +96,8 @@ class QFFLParams(BaseModel):
 
 
 @AGGREGATORS.register("qffl", params=QFFLParams, reads_aux=("qffl_loss",), own_step=True)
-def _qffl(params: QFFLParams, cfg: Any) -> QFFLAggregator:
+def _qffl(params: QFFLParams, ctx: RunFacts) -> QFFLAggregator:
     """q-FFL reads each client's loss at the received model from aux ``qffl_loss`` when a client
     sends it, else the mean local training loss (biased low; see QFFLAggregator)."""
-    lipschitz = params.lipschitz if params.lipschitz is not None else 1.0 / cfg.client.lr
+    lipschitz = params.lipschitz if params.lipschitz is not None else 1.0 / ctx.client_lr
     return QFFLAggregator(params.q, lipschitz, params.loss_key)

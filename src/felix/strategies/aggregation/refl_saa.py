@@ -21,6 +21,7 @@ import numpy as np
 
 from felix.core.aggregation import AGGREGATORS, Aggregator
 from felix.core.registry import params_from_dataclass
+from felix.core.run_facts import RunFacts
 from felix.core.types import BufferedUpdate
 
 
@@ -117,6 +118,5 @@ ReflSAAModel = params_from_dataclass(ReflSAAParams, "ReflSAAModel")
 
 
 @AGGREGATORS.register("refl_saa", params=ReflSAAModel)
-def _refl_saa(params: Any, cfg: Any) -> ReflSAAAggregator:
-    a = cfg.aggregator
-    return ReflSAAAggregator(ReflSAAParams(**params.model_dump()), a.server_lr, a.clip_norm)
+def _refl_saa(params: Any, ctx: RunFacts) -> ReflSAAAggregator:
+    return ReflSAAAggregator(ReflSAAParams(**params.model_dump()), ctx.server_lr, ctx.clip_norm)

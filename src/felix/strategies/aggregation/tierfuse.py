@@ -20,6 +20,7 @@ import numpy as np
 
 from felix.core.aggregation import AGGREGATORS, Aggregator
 from felix.core.registry import params_from_dataclass
+from felix.core.run_facts import RunFacts
 from felix.core.types import BufferedUpdate
 
 
@@ -161,6 +162,7 @@ TierFuseModel = params_from_dataclass(TierFuseParams, "TierFuseModel")
 
 
 @AGGREGATORS.register("tierfuse", params=TierFuseModel)
-def _tierfuse(params: Any, cfg: Any) -> TierFuseAggregator:
-    a = cfg.aggregator
-    return TierFuseAggregator(TierFuseParams(**params.model_dump()), a.server_lr, a.normalize, a.clip_norm)
+def _tierfuse(params: Any, ctx: RunFacts) -> TierFuseAggregator:
+    return TierFuseAggregator(
+        TierFuseParams(**params.model_dump()), ctx.server_lr, ctx.normalize, ctx.clip_norm
+    )

@@ -70,11 +70,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, get_args
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
+from pydantic import Field, model_validator
 
+from felix.config import DaflPlannerCfg
 from felix.strategies.dataplans.imbalance import (
     MAX_COUNT,
     as_count_matrix,
@@ -105,7 +107,8 @@ __all__ = [
 P_RTOL: Final = 1e-12
 
 #: The rules for ``J <= tau`` and P ties (module docstring); the first is the default.
-RULES: Final = ("float", "exact")
+Rule = Literal["float", "exact"]
+RULES: Final = get_args(Rule)
 
 #: Default bound on greedy steps per plan. It bounds the work, not the wait: a step costs O(K) in
 #: Phase 1 and O(K x C) in Phase 2, about 40 us compiled at 1000 clients x 100 classes, so 10^7
@@ -124,10 +127,9 @@ def max_total_samples(n_classes: int) -> int:
     return math.isqrt((2**62 - 1) // n_classes)
 
 
-@dataclass(frozen=True)
-class DaflParams:
-    """Every constant of Problem 1 and Algorithm 1; defaults are the paper's
-    experiment settings (Sec. VI).
+class DaflParams(DaflPlannerCfg):
+    """The planner's parameters: every constant of Problem 1 and Algorithm 1, as the config's
+    ``dafl`` section declares them (``DaflPlannerCfg``, defaults the paper's Sec. VI), and the rule.
 
     ``zeta`` and ``zeta_prime`` are *relative* per-sample times, not seconds:
     only their ratio to each other and to the lambdas matters. The batch size
@@ -141,42 +143,17 @@ class DaflParams:
     weight of 100 would give 4.1 / 5.1 / 1.7 / 4.6 / 5.2 / 1.5.
     """
 
-    lambda1: float = 1.0
-    """Weight of the estimated training time ``T_t`` in ``P``."""
-    lambda2: float = 100.0
-    """Weight of the estimated augmentation time ``T_a`` in ``P`` (paper: 1e2, 1e3, 1e4)."""
-    tau: float = 1e-3
-    """Largest tolerated global class imbalance ``J`` after augmentation."""
-    epsilon: float = 1e-3
-    """Bound on the ``I``-dependent term of the convergence bound; rounds ~ ``(1 + ...)/epsilon``."""
-    step: int = 1
-    """``s``: samples added per greedy step. Larger is faster and coarser."""
-    zeta: float = 1.0
-    """Relative time for a client to augment one sample (eq. 16)."""
-    zeta_prime: float = 2.0
-    """Relative time for a client to train on one sample, per round (eq. 17)."""
-    local_updates: int = 2
-    """``E``, local updates (epochs in the experiments) per round, entering ``T_t`` as ``(E-1)^2``."""
-    smoothness: float = 1.0
-    """``L^2 C G^2``, an unknown scale the paper sets to 1."""
-    rule: Literal["float", "exact"] = "float"
-    """How ``J <= tau`` is decided and how P ties are broken (module docstring): ``float``
-    reproduces the paper's Table III, ``exact`` decides on exact rationals."""
+    rule: Rule = Field(
+        "float",
+        description="how J <= tau is decided and how P ties are broken: float (J in floating point, "
+        "strict argmin of P) reproduces the paper's Table III; exact decides on exact rationals, "
+        "P ties within 1e-12",
+    )
 
-    def __post_init__(self) -> None:
-        for name in ("lambda1", "lambda2", "tau", "zeta", "zeta_prime", "smoothness"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not (math.isfinite(self.epsilon) and self.epsilon > 0):
-            raise ValueError(f"epsilon must be a finite number > 0, got {self.epsilon!r}")
+    @model_validator(mode="after")
+    def _step_bound(self) -> DaflParams:
         _check_step(self.step, self.tau)
-        if isinstance(self.local_updates, bool) or not isinstance(self.local_updates, int):
-            raise TypeError(f"local_updates must be an integer, got {self.local_updates!r}")
-        if self.local_updates < 1:
-            raise ValueError(f"local_updates must be >= 1, got {self.local_updates}")
-        if self.rule not in RULES:
-            raise ValueError(f"rule must be one of {', '.join(RULES)}, got {self.rule!r}")
+        return self
 
     @property
     def drift_weight(self) -> float:

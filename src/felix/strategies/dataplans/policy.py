@@ -19,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from felix.config import ConfigError, DaflCfg
+from felix.config import ConfigError, DaflCfg, DaflPlannerCfg
 from felix.core.client_map import ClientMap
 from felix.core.dataplan import DATA_PLANS, DataPlanPolicy, Rows
 from felix.strategies.dataplans.dafl import AugmentationPlan, DaflParams, plan_dafl, plan_local_balancing
@@ -29,17 +29,7 @@ log = logging.getLogger("felix.strategies.dataplans")
 
 def dafl_params(cfg: DaflCfg) -> DaflParams:
     """The planner's parameters from the config's ``dafl`` section."""
-    return DaflParams(
-        lambda1=cfg.lambda1,
-        lambda2=cfg.lambda2,
-        tau=cfg.tau,
-        epsilon=cfg.epsilon,
-        step=cfg.step,
-        zeta=cfg.zeta,
-        zeta_prime=cfg.zeta_prime,
-        local_updates=cfg.local_updates,
-        smoothness=cfg.smoothness,
-    )
+    return DaflParams(**{n: getattr(cfg, n) for n in DaflPlannerCfg.model_fields})
 
 
 def plan_augmentation(method: str, counts: NDArray[np.int64], cfg: DaflCfg) -> AugmentationPlan:

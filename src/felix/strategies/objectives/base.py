@@ -164,8 +164,9 @@ class Objective:
 
     @classmethod
     def from_params(cls, params: BaseModel, ctx: Any = None) -> Objective:
-        """Build from validated parameters (the registry's factory); ``ctx`` is the run config,
-        for objectives whose defaults come from the run (SCAFFOLD's population size)."""
+        """Build from validated parameters (the registry's factory); ``ctx`` is the run's
+        facts (``felix.core.run_facts.RunFacts``), for objectives whose defaults come from the run
+        (SCAFFOLD's population size)."""
         return cls(**params.model_dump(exclude_unset=True))
 
     @classmethod

@@ -197,7 +197,7 @@ class Scaffold(Objective):
     def from_params(cls, params: BaseModel, ctx: Any = None) -> Scaffold:
         n = getattr(params, "num_clients", None)
         if n is None and ctx is not None:
-            n = ctx.partition.num_clients
+            n = ctx.num_clients
         if n is None:
             raise ValueError("scaffold needs num_clients (the population size N)")
         return cls(int(n))

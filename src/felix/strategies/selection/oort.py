@@ -43,6 +43,7 @@ import numpy as np
 
 from felix.core.client_map import ClientMap, ClientRecord, ClientRows, ClientView, LogMark
 from felix.core.registry import params_from_dataclass
+from felix.core.run_facts import RunFacts
 from felix.core.selection import TRAIN_SELECTORS, SelectionContext, TrainSelector
 from felix.strategies.selection.ranking import kth_largest, largest_first
 from felix.strategies.selection.sampling import choice_by_weight
@@ -638,8 +639,8 @@ def oort_params(params: Any) -> OortParams:
 
 
 @TRAIN_SELECTORS.register("oort", params=OortSelectorParams)
-def make_oort(params: Any, cfg: Any) -> OortSelector:
+def make_oort(params: Any, ctx: RunFacts | None) -> OortSelector:
     reward_cap = params.reward_cap
-    if reward_cap is None and cfg is not None and cfg.client.max_steps is not None:
-        reward_cap = cfg.client.max_steps * cfg.client.batch_size
+    if reward_cap is None and ctx is not None and ctx.max_steps is not None:
+        reward_cap = ctx.max_steps * ctx.batch_size
     return OortSelector(oort_params(params), reward_cap=reward_cap)

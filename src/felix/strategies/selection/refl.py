@@ -20,6 +20,7 @@ import numpy as np
 
 from felix.core.client_map import ClientRecord, ClientView
 from felix.core.registry import params_from_dataclass
+from felix.core.run_facts import RunFacts
 from felix.core.selection import TRAIN_SELECTORS, AvailabilityOracle, SelectionContext, TrainSelector
 from felix.strategies.selection.oort import OortSelector, OortSelectorParams, make_oort
 
@@ -161,7 +162,7 @@ ReflSelectorParams = params_from_dataclass(
 
 
 @TRAIN_SELECTORS.register("refl_ips", params=ReflSelectorParams)
-def _refl_ips(params: Any, cfg: Any) -> ReflIPSSelector:
+def _refl_ips(params: Any, ctx: RunFacts) -> ReflIPSSelector:
     fields = params.model_dump(exclude={"oort"})
-    oort = None if params.oort is None else make_oort(params.oort, cfg)
+    oort = None if params.oort is None else make_oort(params.oort, ctx)
     return ReflIPSSelector(ReflIPSParams(**fields), oort)

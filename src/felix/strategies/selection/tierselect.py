@@ -20,6 +20,7 @@ import numpy as np
 
 from felix.core.eval_selection import EVAL_SELECTORS, EvalSelector
 from felix.core.registry import params_from_dataclass
+from felix.core.run_facts import RunFacts
 from felix.core.selection import SelectionContext
 from felix.strategies.selection.oort import OortParams, OortSelector
 from felix.strategies.selection.ranking import smallest_first
@@ -139,6 +140,6 @@ TierSelectEvalModel = params_from_dataclass(TierSelectEvalParams, "TierSelectEva
 
 
 @EVAL_SELECTORS.register("tierselect", params=TierSelectEvalModel)
-def _tierselect_eval(params: Any, cfg: Any) -> TierSelectEval:
+def _tierselect_eval(params: Any, ctx: RunFacts) -> TierSelectEval:
     """The eval path sized by the run's ``orchestrator.agg_goal``."""
-    return TierSelectEval(cfg.orchestrator.agg_goal, TierSelectEvalParams(**params.model_dump()))
+    return TierSelectEval(ctx.agg_goal, TierSelectEvalParams(**params.model_dump()))

@@ -1,0 +1,19 @@
+"""The base of every validated settings model: the orchestrator's, admission's and validation's
+here in ``felix.core``, and every section of the run configuration (``felix.config``), which
+reads these very models instead of keeping twins of them.
+
+Strict: an unknown key is refused, a model is frozen once built, a number given where a string is
+expected (``name: 2024``) is taken as its text, and numbers are finite (an infinite learning rate,
+time limit or horizon is a mistyped setting, not a setting). Pydantic only: no torch.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True, allow_inf_nan=False)
+
+
+__all__ = ["Settings"]
