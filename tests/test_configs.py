@@ -525,6 +525,7 @@ def test_table1_comparisons_are_the_faithful_presets(trace: str) -> None:
             {"egf-0": {"eval_selector": {"params": {"eval_goal_factor": 0.0}}}},
         ),
         ("felix-tierfuse-sens-90", "felix-cpu-90", {"sigma-0.2": {"aggregator": {"params": {"sigma": 0.2}}}}),
+        ("felix-selectors-90", "felix-cpu-90", {}),
     ],
 )
 def test_evaluation_comparisons_change_one_axis(name: str, scenario: str, changed: dict[str, Any]) -> None:
@@ -539,3 +540,33 @@ def test_evaluation_comparisons_change_one_axis(name: str, scenario: str, change
         assert cfg.model_copy(update={"name": plain.name, "strategy": plain.strategy}) == plain
     for v in comp.variants:
         assert variant_config(comp, v, {}).trace.offset_s == offset
+
+
+def test_runtime_sweep_changes_only_the_runtimes_of_two_tuned_strategies() -> None:
+    """Section 6.4's sweep: each variant is felix-authors or OORT+Async* at its tuned server lr on
+    "50%", with the runtime profile its name says (the scenario's half-normal for ``halfnormal``),
+    and each builds a population with runtimes in that spread."""
+    from felix.scenario.build import build_runtimes
+
+    comp = load_comparison("felix-runtime-sweep-50")
+    runtimes = {
+        "const10": {"kind": "constant", "constant_s": 10.0},
+        "uni1-20": {"kind": "uniform", "low_s": 1.0, "high_s": 20.0},
+        "halfnormal": {},
+        "uni1-60": {"kind": "uniform", "low_s": 1.0, "high_s": 60.0},
+    }
+    lrs = {"felix-authors": 0.6, "oort-async*": 1.2}
+    assert sorted(comp.variants) == sorted(f"{s}@{r}" for s in lrs for r in runtimes)
+    for v in comp.variants:
+        strategy, spread = v.split("@")
+        cfg = variant_config(comp, v, {}, 1, 0.82)
+        sets = {"seed": 1, "run": {"target_accuracy": 0.82}, "aggregator": {"server_lr": lrs[strategy]}}
+        plain = resolve_config(None, strategy, {**sets, "runtime": runtimes[spread]}, "felix-cpu-50")
+        assert cfg.model_copy(update={"name": plain.name, "strategy": plain.strategy}) == plain
+    spreads = {}
+    for spread in ("const10", "uni1-60"):
+        runtimes_s = build_runtimes(variant_config(comp, f"oort-async*@{spread}", {}))
+        assert len(runtimes_s) == 300
+        spreads[spread] = (float(runtimes_s.min()), float(runtimes_s.max()))
+    assert spreads["const10"] == (10.0, 10.0)
+    assert 1.0 <= spreads["uni1-60"][0] < 5.0 and 55.0 < spreads["uni1-60"][1] <= 60.0

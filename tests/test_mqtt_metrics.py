@@ -110,6 +110,11 @@ def test_a_scrape_follows_the_running_server(tmp_path: Path) -> None:
     assert one(second, "felix_refusals_total", kind="bad_magic") == 1
     dispatched = [one(s, "felix_orchestrator_train_dispatched_total") for s in (first, second)]
     assert 0 < dispatched[0] < dispatched[1] <= summ["diagnostics"]["train_dispatched"]
+    # And records what it knew of the clients it picked: with 15 updates or more from 12 clients,
+    # some client was picked after its reply had told the server its utility and its duration.
+    assert (
+        summ["diagnostics"]["selected_utility_p50"] > 0 and summ["diagnostics"]["selected_compute_s_p50"] > 0
+    )
     assert {dict(k)["state"] for k in second["felix_tasks"]} == {"in_flight", "interrupted", "timed_out"}
     open_tasks = sum(second["felix_tasks"].values())
     assert open_tasks <= cfg.orchestrator.concurrency + n  # slots, and at most one late task a client

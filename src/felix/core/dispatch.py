@@ -123,10 +123,16 @@ class Dispatch:
             self.stats.train_dispatched += 1
             rec.selected_round = self.round
             rec.times_selected += 1
-            if rec.explored:
+            utility, duration = rec.stat_utility, rec.last_duration
+            if utility is not None:
                 self.stats.utility_age_at_selection.append(self.round - rec.last_utility_round)
+                self.stats.selected_utility.append(utility)
             else:
                 self.stats.never_explored_at_selection += 1
+            if duration is not None:
+                self.stats.selected_compute_s.append(duration)
+            else:
+                self.stats.never_trained_at_selection += 1
             if held:
                 self._held.append(task.task_id)
             else:

@@ -12,8 +12,17 @@ from typing import Any
 import numpy as np
 
 #: The per-update statistics lists (they only grow), stored as arrays in a checkpoint.
-LIST_STATS = frozenset({"aggregation_times", "staleness", "agg_weights", "utility_age_at_selection"})
-_FLOAT_STATS = frozenset({"aggregation_times", "agg_weights"})
+LIST_STATS = frozenset(
+    {
+        "aggregation_times",
+        "staleness",
+        "agg_weights",
+        "utility_age_at_selection",
+        "selected_utility",
+        "selected_compute_s",
+    }
+)
+_FLOAT_STATS = frozenset({"aggregation_times", "agg_weights", "selected_utility", "selected_compute_s"})
 
 
 @dataclass(slots=True)
@@ -35,6 +44,12 @@ class OrchestratorStats:
     agg_weights: list[float] = field(default_factory=list)
     utility_age_at_selection: list[int] = field(default_factory=list)
     never_explored_at_selection: int = 0
+    # What the orchestrator knew of each client it picked to train, at the pick (FeLiX Fig. 13 / 14):
+    # its statistical utility (explored clients only) and its last training task's duration (clients
+    # that trained before only; ``never_trained_at_selection`` counts the others).
+    selected_utility: list[float] = field(default_factory=list)
+    selected_compute_s: list[float] = field(default_factory=list)
+    never_trained_at_selection: int = 0
 
     def mark(self) -> dict[str, int]:
         """Where the stats stand (counters, and the lists' lengths), for ``rewind``."""
@@ -78,6 +93,9 @@ class StatsCheckpoint:
     def load_state_dict(self, stats: OrchestratorStats, saved: dict[str, Any]) -> None:
         self._arrays = {}
         for f in fields(stats):
+            if f.name not in saved:  # a checkpoint from before the statistic existed: none recorded
+                setattr(stats, f.name, getattr(OrchestratorStats(), f.name))
+                continue
             v = saved[f.name]
             setattr(stats, f.name, np.asarray(v).tolist() if f.name in LIST_STATS else v)
 

@@ -213,6 +213,8 @@ DIAGNOSTICS: tuple[tuple[str, str], ...] = (
     ("utility_age_at_selection_p50", "utility age at selection P50 (rounds)"),
     ("utility_age_at_selection_mean", "utility age at selection mean (rounds)"),
     ("dropped_share", "selections dropped mid-task"),
+    ("selected_utility_p50", "utility of the clients picked to train P50"),
+    ("selected_compute_s_p50", "compute time of the clients picked to train P50 (s)"),
 )
 
 

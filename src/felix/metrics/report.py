@@ -64,8 +64,9 @@ def _pct(values: Sequence[float] | np.ndarray, q: float) -> float | None:
 
 def diagnostics(stats: OrchestratorStats) -> dict[str, Any]:
     """FeLiX §6.3's diagnostics: time between aggregations, staleness (versions behind, per applied
-    update), utility age at selection (rounds since the picked client's utility was measured),
-    weight spread, dropped work. The run controller adds the aggregator's stall time
+    update), utility age at selection (rounds since the picked client's utility was measured), the
+    utility and compute time of the clients picked to train as the orchestrator knew them at the pick
+    (Fig. 13 / 14), weight spread, dropped work. The run controller adds the aggregator's stall time
     (``felix.metrics.stall``)."""
     times = np.asarray(stats.aggregation_times)
     intervals = np.diff(np.concatenate([[0.0], times])) if len(times) else np.array([])
@@ -84,6 +85,13 @@ def diagnostics(stats: OrchestratorStats) -> dict[str, Any]:
         "utility_age_at_selection_p50": _pct(stats.utility_age_at_selection, 50),
         "utility_age_at_selection_p95": _pct(stats.utility_age_at_selection, 95),
         "selections_never_explored": stats.never_explored_at_selection,
+        "selected_utility_p50": _pct(stats.selected_utility, 50),
+        "selected_utility_mean": float(np.mean(stats.selected_utility)) if stats.selected_utility else None,
+        "selected_compute_s_p50": _pct(stats.selected_compute_s, 50),
+        "selected_compute_s_mean": float(np.mean(stats.selected_compute_s))
+        if stats.selected_compute_s
+        else None,
+        "selections_never_trained": stats.never_trained_at_selection,
         "agg_weight_p5": _pct(w, 5),
         "agg_weight_p50": _pct(w, 50),
         "agg_weight_p95": _pct(w, 95),
