@@ -40,6 +40,11 @@ from felix.scenario.traces import TraceError
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_TRACE = Path(os.environ.get("FELIX_TRACES", ROOT / ".." / "shared" / "traces")) / "mobiperf-300.json"
+CIFAR10 = Path(os.environ.get("FELIX_DATA", ".")) / "cifar10-jpeg.tar.gz"
+CIFAR10_REASON = (
+    "needs CIFAR-10: set FELIX_DATA to the folder that holds cifar10-jpeg.tar.gz "
+    "(README.md, 'Data and traces')"
+)
 MOBIPERF_REASON = (
     "needs the MobiPerf trace: set FELIX_TRACES to the folder that holds mobiperf-300.json "
     "(README.md, 'Data and traces')"
@@ -65,6 +70,7 @@ def test_configs_folder_is_the_package_data() -> None:
         "felix-cpu-50",
         "felix-cpu-mobiperf",
         "felix-cifar10",
+        "felix-cifar10-cpu",
     } <= set(scenario_names())
     assert {"felix-cpu-100", "felix-cpu-90", "felix-cpu-50", "felix-cpu-mobiperf"} <= set(comparison_names())
     for f in (CONFIG_DIR / "strategies").glob("*.yaml"):
@@ -98,6 +104,7 @@ def test_unknown_names_list_the_known_ones() -> None:
         "felix-cpu-50",
         "felix-cpu-mobiperf",
         "felix-cifar10",
+        "felix-cifar10-cpu",
         "felix-speech-cpu",
         "felix-speech",
     ],
@@ -300,6 +307,22 @@ def test_shipped_mobiperf_scenario_finds_its_trace_under_felix_traces(
     monkeypatch.setenv("FELIX_TRACES", str(tmp_path))
     with pytest.raises(TraceError, match="FELIX_TRACES"):
         build_trace(cfg)
+
+
+@pytest.mark.skipif(not ("FELIX_DATA" in os.environ and CIFAR10.exists()), reason=CIFAR10_REASON)
+@pytest.mark.skipif(not SHARED_TRACE.exists(), reason=MOBIPERF_REASON)
+def test_cpu_cifar10_scenario_builds_from_felix_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    """felix-cifar10-cpu: the paper's population (300 clients, Dirichlet 0.1) on all of CIFAR-10's
+    training images, a 2,000-image test set and the CPU-sized CNN, on the MobiPerf trace."""
+    from felix.scenario.build import build_population, build_trace
+
+    monkeypatch.setenv("FELIX_TRACES", str(SHARED_TRACE.parent.resolve()))
+    cfg = resolve_config(None, "felix", {}, "felix-cifar10-cpu")
+    pop = build_population(cfg)
+    assert len(pop.client_data) == 300 and sum(len(c.y) for c in pop.client_data) == 50_000
+    assert pop.test is not None and len(pop.test) == 2000 and pop.train.sample_shape == (3, 32, 32)
+    assert type(pop.model).__name__ == "SmallCNN" and pop.initial_weights.size == 25_578
+    assert len(build_trace(cfg, pop).devices) == 300
 
 
 def test_run_from_another_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -570,3 +593,29 @@ def test_runtime_sweep_changes_only_the_runtimes_of_two_tuned_strategies() -> No
         spreads[spread] = (float(runtimes_s.min()), float(runtimes_s.max()))
     assert spreads["const10"] == (10.0, 10.0)
     assert 1.0 <= spreads["uni1-60"][0] < 5.0 and 55.0 < spreads["uni1-60"][1] <= 60.0
+
+
+def test_cifar10_cpu_comparison_is_the_mobiperf_verdict_on_cifar10() -> None:
+    """felix-tuned-cifar10-cpu: felix-tuned-10seeds-mobiperf's four strategies at their tuned server
+    lr, each its preset on felix-cifar10-cpu from 300 s into the trace, and nothing else changed."""
+    comp = load_comparison("felix-tuned-cifar10-cpu")
+    mobiperf = load_comparison("felix-tuned-10seeds-mobiperf")
+    assert list(comp.variants) == list(mobiperf.variants) and comp.reference == "oort-async*"
+    assert comp.seeds == [0, 1, 2, 3, 4]
+    target = max(comp.targets)
+    for v in comp.variants:
+        cfg = variant_config(comp, v, {}, 3, target)
+        lr = variant_config(mobiperf, v, {}).aggregator.server_lr
+        plain = resolve_config(
+            None,
+            v,
+            {
+                "seed": 3,
+                "run": {"target_accuracy": target},
+                "trace": {"offset_s": 300.0},
+                "aggregator": {"server_lr": lr},
+            },
+            "felix-cifar10-cpu",
+        )
+        assert cfg.model_copy(update={"name": plain.name}) == plain
+        assert cfg.dataset.name == "cifar10" and cfg.model == "small_cnn"
