@@ -15,9 +15,10 @@ from mqtt_support import one_torch_thread  # noqa: F401  (a fixture)
 from felix.core.ledger import IllegalTransition
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
+from felix.deploy.channels import Address, Channel
 from felix.deploy.client import ClientHost, ClientOptions, Device
-from felix.deploy.link import BrokerOptions, Inbound
-from felix.deploy.topics import Topics
+from felix.deploy.link import BrokerOptions
+from felix.deploy.transport import Ack, Delivery
 from felix.engine.device import (
     DEVICE_TRANSITIONS,
     DeviceEvent,
@@ -245,7 +246,7 @@ class FakeLink:
         self.host = host
         self.sent: list[tuple[float, wire.Message]] = []
 
-    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+    def send(self, channel: Channel, payload: bytes) -> None:
         self.sent.append((self.host.trace_time(), wire.decode(payload)))
 
     def log(self) -> list[tuple[float, str, Any]]:
@@ -292,7 +293,7 @@ def _advance(host: ClientHost, clock: FakeClock, until: float) -> None:
 
 
 def _send(host: ClientHost, msg: wire.Message) -> None:
-    host.handle(0, Inbound(Topics("t").task(0), wire.encode(msg), 1, 1, False, 1, time.monotonic()))
+    host.handle(0, Delivery(Address(Channel.TASK, 0), wire.encode(msg), Ack(1, 1, 1), "task/0"))
 
 
 def _weights(host: ClientHost) -> np.ndarray:

@@ -8,12 +8,15 @@ factory) plus its registration next to it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from mqtt_support import Background
 from pydantic import BaseModel, ConfigDict
 
 from felix.client.conformance import check_objective
@@ -27,6 +30,13 @@ from felix.core.policies import AGGREGATORS, TRAIN_SELECTORS, Aggregator, Select
 from felix.core.rounds import ROUND_POLICIES, RoundPolicy
 from felix.core.run_facts import RunFacts
 from felix.core.types import BufferedUpdate, ClientUpdate, Task, Tier
+from felix.deploy.channels import Channel
+from felix.deploy.client import ClientHost, ClientOptions
+from felix.deploy.link import BrokerOptions
+from felix.deploy.memory_transport import InMemoryTransport
+from felix.deploy.server import ServeOptions, Server
+from felix.deploy.transport import Ack, ClientLink, ClientLinkArgs, ServerLink, ServerLinkArgs
+from felix.deploy.transport import register as register_transport
 from felix.engine.components import build_objective, build_orchestrator
 from felix.engine.setup import resolve_config
 from felix.scenario.datasets import DATASETS, ArrayDataset
@@ -519,3 +529,119 @@ def test_a_dataset_and_a_trace_format_defined_here_run_through_a_config() -> Non
     assert res.summary["final_accuracy"] > 0.6
     trained = res.built.orch.clients.column("times_updated") > 0
     assert trained[0::2].any() and trained[1::2].any()
+
+
+class _TappedServer:
+    """A server link that records what it sends, then hands it to the in-memory link it wraps."""
+
+    def __init__(self, link: ServerLink, seen: list[tuple[Channel, int | None]]) -> None:
+        self.link, self.seen = link, seen
+
+    @property
+    def connected(self) -> bool:
+        return self.link.connected
+
+    def start(self, fresh: bool, stop: threading.Event | None = None) -> None:
+        self.link.start(fresh, stop)
+
+    def ready(self) -> bool:
+        return self.link.ready()
+
+    def send(self, channel: Channel, client: int | None, payload: bytes) -> None:
+        self.seen.append((channel, client))
+        self.link.send(channel, client, payload)
+
+    def ack(self, acks: list[Ack]) -> None:
+        self.link.ack(acks)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.link.close(timeout)
+
+
+class _TappedClient:
+    """A client link that records what it sends (channel and its own id), likewise."""
+
+    def __init__(self, link: ClientLink, client: int, seen: list[tuple[Channel, int | None]]) -> None:
+        self.link, self.client, self.seen = link, client, seen
+
+    @property
+    def connected(self) -> bool:
+        return self.link.connected
+
+    def set_will(self, channel: Channel, builder: Callable[[int], bytes], delay_s: int) -> None:
+        self.link.set_will(channel, builder, delay_s)
+
+    def start(self, fresh: bool) -> None:
+        self.link.start(fresh)
+
+    def send(self, channel: Channel, payload: bytes) -> None:
+        self.seen.append((channel, self.client))
+        self.link.send(channel, payload)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.link.close(timeout)
+
+
+class TappedMemory:
+    """A transport defined here: the in-memory one with a tap that records each message's channel
+    and client (a stand-in for what a new transport adds: a log, a proxy, another carrier)."""
+
+    def __init__(self) -> None:
+        self.inner = InMemoryTransport()  # its own broker object, shared by both ends
+        self.seen: list[tuple[Channel, int | None]] = []
+
+    def server_link(self, args: ServerLinkArgs) -> ServerLink:
+        return _TappedServer(self.inner.server_link(args), self.seen)
+
+    def client_link(self, args: ClientLinkArgs) -> ClientLink:
+        return _TappedClient(self.inner.client_link(args), args.client, self.seen)
+
+
+TAPPED = TappedMemory()
+register_transport("tapped-memory", TAPPED)
+
+
+def test_a_transport_defined_here_carries_a_deployment(tmp_path: Path) -> None:
+    """A server and two client hosts in threads, over the transport registered above by name."""
+    cfg = resolve_config(
+        None,
+        "fedbuff",
+        {
+            "model": "mlp",
+            "partition": {"num_clients": 2},
+            "trace": {"kind": "always"},
+            "runtime": {"kind": "constant", "constant_s": 10.0},
+            "orchestrator": {"agg_goal": 1, "concurrency": 1},
+            "run": {"max_aggregations": 2, "target_accuracy": 1.0, "max_time_s": 20000.0},
+        },
+    )
+    opts = ServeOptions(
+        BrokerOptions(),
+        run_id="ext",
+        out_dir=tmp_path,
+        time_scale=0.02,
+        status_every_s=1e9,
+        transport="tapped-memory",
+    )
+    server = Server(cfg, opts)
+    serving = Background(server.run, "server")
+    serving.start()
+    copts = ClientOptions(
+        BrokerOptions(), run_id="ext", time_scale=0.02, max_wall_s=60.0, transport="tapped-memory"
+    )
+    hosts = [ClientHost(cfg, [cid], copts, lambda cid: (None, None)) for cid in (0, 1)]
+    threads = [Background(h.run, f"client-{i}") for i, h in enumerate(hosts)]
+    try:
+        for t in threads:
+            t.start()
+        summ = serving.result(60)
+        for t in threads:
+            t.result(20)
+    finally:
+        server.stop_requested.set()
+        for h in hosts:
+            h.stop_requested.set()
+    assert summ["stop_reason"] == "max_aggregations" and summ["updates_applied"] == 2
+    channels = {ch for ch, _ in TAPPED.seen}
+    assert {Channel.REGISTER, Channel.TASK, Channel.RESULT, Channel.STATUS} <= channels
+    assert {cid for ch, cid in TAPPED.seen if ch is Channel.REGISTER} == {0, 1}

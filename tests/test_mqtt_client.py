@@ -12,9 +12,10 @@ from mqtt_support import one_torch_thread  # noqa: F401  (a fixture)
 
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
+from felix.deploy.channels import Address, Channel
 from felix.deploy.client import ClientHost, ClientOptions, Device
-from felix.deploy.link import BrokerOptions, Inbound
-from felix.deploy.topics import Topics
+from felix.deploy.link import BrokerOptions
+from felix.deploy.transport import Ack, Delivery
 from felix.engine.device import DeviceTask
 from felix.engine.setup import resolve_config
 from felix.scenario.traces import DeviceTrace
@@ -32,7 +33,7 @@ class FakeLink:
         self.results = results
         self.sent: list[tuple[float, wire.Message]] = []  # (trace time, message)
 
-    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+    def send(self, channel: Channel, payload: bytes) -> None:
         msg = wire.decode(payload)
         self.sent.append((self.host.trace_time(), msg))
         if sum(isinstance(m, wire.Result) for _, m in self.sent) >= self.results:
@@ -59,7 +60,7 @@ def _host(results: int) -> tuple[ClientHost, Device, FakeLink]:
 
 
 def _task_msg(host: ClientHost, msg: wire.Message) -> None:
-    host.inbox.put(Inbound(Topics("t").task(0), wire.encode(msg), 1, 1, False, 1, time.monotonic()), 0)
+    host.inbox.put(Delivery(Address(Channel.TASK, 0), wire.encode(msg), Ack(1, 1, 1), "task/0"), 0)
 
 
 def _train(task: int, size: int) -> wire.TrainTask:
@@ -124,7 +125,7 @@ def test_cancel_and_redelivery() -> None:
         ),
     )  # another run: dropped
     junk = b"JUNK" + bytes(40)  # not the wire format
-    host.inbox.put(Inbound(Topics("t").task(0), junk, 1, 1, False, 1, time.monotonic()), 0)
+    host.inbox.put(Delivery(Address(Channel.TASK, 0), junk, Ack(1, 1, 1), "task/0"), 0)
     _task_msg(host, dataclasses.replace(_train(6, size), client=1))  # addressed to another client
     host.serve(time.monotonic() + 60)
     assert len(host.inbox) == 0  # every message was handled before the one result

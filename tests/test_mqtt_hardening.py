@@ -34,8 +34,10 @@ from mqtt_support import (
 )
 
 from felix.deploy import wire
+from felix.deploy.channels import Address, Channel
 from felix.deploy.link import Connected, Inbound, MqttLink
 from felix.deploy.topics import Topics
+from felix.deploy.transport import Ack, Delivery
 
 pytestmark = needs_mosquitto
 T = Topics("t")
@@ -115,7 +117,7 @@ def test_acknowledged_result_survives_broker_kill9(tmp_path: Path) -> None:
 
             before = saved_at()
             wait_until(lambda: saved_at() != before, 12, "an autosave")  # the next is 5 s away
-            host.inbox.put(Inbound(T.task(0), wire.encode(task), 1, 1, False, 1, time.monotonic()), 0)
+            host.inbox.put(Delivery(Address(Channel.TASK, 0), wire.encode(task), Ack(1, 1, 1), "task/0"), 0)
             wait_until(lambda: len(host.devices[0].sent) == 1, 10, "the result to be published")
             time.sleep(0.3)  # the broker acknowledges it (QoS 1) and queues it for the server
             broker.restart(crash=True)  # kill -9 well before the next autosave

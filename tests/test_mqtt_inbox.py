@@ -17,17 +17,23 @@ from broker import MosquittoBroker, find_mosquitto
 from mqtt_support import Background, load_config, users, wait_until, write_config
 
 from felix.deploy import wire
+from felix.deploy.channels import Address, Channel
 from felix.deploy.client import ClientHost, ClientOptions, credentials_from_map
 from felix.deploy.inbox import Inbox
-from felix.deploy.link import BrokerOptions, Connected, Inbound
+from felix.deploy.link import BrokerOptions
 from felix.deploy.server import ServeOptions, Server
 from felix.deploy.topics import SERVER_USER, Topics
+from felix.deploy.transport import Ack, Connected, Delivery
 
 MB = 1 << 20
 
 
-def inbound(n: int, size: int = MB) -> Inbound:
-    return Inbound("t/result/0", bytes(size), n, 1, False, 0, time.monotonic())
+def inbound(n: int, size: int = MB) -> Delivery:
+    return Delivery(Address(Channel.RESULT, 0), bytes(size), Ack(n, 1, 0), "t/result/0")
+
+
+def result_from(cid: int, payload: bytes, n: int) -> Delivery:
+    return Delivery(Address(Channel.RESULT, cid), payload, Ack(n, 1, 0), f"result/{cid}")
 
 
 def flood(put, n: int) -> threading.Thread:
@@ -50,7 +56,7 @@ def test_server_inbox_blocks_a_flood_at_its_bound(tmp_path: Path) -> None:
     assert th.is_alive(), "64 MB went into the inbox without back-pressure"
     queued = 0
     while batch := server.inbox.get_batch(0.5, 64):  # the loop drains it; the flood completes
-        assert all(isinstance(item, Inbound) for _, item in batch)
+        assert all(isinstance(item, Delivery) for _, item in batch)
         queued += len(batch)
     th.join(5.0)
     assert not th.is_alive() and queued == 64
@@ -67,13 +73,12 @@ def test_a_client_flooding_refused_messages_cannot_flood_the_log(
         write_config(tmp_path / "cfg.yaml", partition={"num_clients": 2}), {"strategy": "fedbuff"}
     )
     server = Server(cfg, ServeOptions(BrokerOptions("127.0.0.1", 1), run_id="t"))
-    topic = server.topics.result(1)  # a client's own topic, a payload that is not a message
     n = 2 * REFUSALS_LOG_EVERY + 5
     with caplog.at_level("WARNING", logger="felix"):
         for i in range(n):
-            server.handle_inbound(Inbound(topic, b"garbage", i, 1, False, 0, time.monotonic()))
+            server.handle_inbound(result_from(1, b"garbage", i))  # not a message
         server._on_inbound = lambda m: 1 / 0  # type: ignore[method-assign]  # handling that raises
-        server.handle_inbound(Inbound(topic, b"x", n, 1, False, 0, time.monotonic()))
+        server.handle_inbound(result_from(1, b"x", n))
     assert server.stats.rejected == n + 1 and len(server._pending_acks) == n + 1  # all counted and acked
     lines = [r for r in caplog.records if "rejected message from client 1" in r.getMessage()]
     assert len(lines) == REFUSALS_LOGGED + 2  # the first ones, then the 1000th and the 2000th
@@ -81,9 +86,7 @@ def test_a_client_flooding_refused_messages_cannot_flood_the_log(
     assert server.stats.rejected_by_reason  # the summary's tally has them all
     # Made-up ids beyond the population (a broker without ACLs) share one count: no growth per id.
     for i in range(500):
-        server.handle_inbound(
-            Inbound(server.topics.result(10**6 + i), b"x", i, 1, False, 0, time.monotonic())
-        )
+        server.handle_inbound(result_from(10**6 + i, b"x", i))
     assert set(server._refused) == {1, -1} and server._refused[-1] == 500
 
 
@@ -104,17 +107,7 @@ def test_many_clients_refused_together_cannot_flood_the_log(
     with caplog.at_level("WARNING", logger="felix"):
         for i in range(each):
             for cid in range(clients):
-                server.handle_inbound(
-                    Inbound(
-                        server.topics.result(cid),
-                        b"garbage",
-                        i * clients + cid,
-                        1,
-                        False,
-                        0,
-                        time.monotonic(),
-                    )
-                )
+                server.handle_inbound(result_from(cid, b"garbage", i * clients + cid))
     total = clients * each
     assert server.stats.rejected == total and sum(server.stats.rejected_by_reason.values()) == total
     lines = [r.getMessage() for r in caplog.records if "rejected message from client" in r.getMessage()]
@@ -170,10 +163,10 @@ def test_client_inbox_bounds_a_task_flood_and_loses_nothing(tmp_path: Path) -> N
         )
         host = ClientHost(cfg, [0], opts, credentials_from_map(users(broker)))
         gate = threading.Event()
-        handled: list[Inbound | Connected] = []
+        handled: list[Delivery | Connected] = []
         handle = host.handle
 
-        def busy_then_handle(cid: int, item: Inbound | Connected) -> None:
+        def busy_then_handle(cid: int, item: Delivery | Connected) -> None:
             gate.wait(30)  # the loop is busy (e.g. training) until the gate opens
             handled.append(item)
             handle(cid, item)
@@ -203,7 +196,7 @@ def test_client_inbox_bounds_a_task_flood_and_loses_nothing(tmp_path: Path) -> N
             wait_until(lambda: len(host.devices[0].sent) == 1, 20, "the task behind the flood to run")
             wait_until(lambda: len(handled) == 302, 10, "every message handled")
             assert all(i.is_published() for i in infos)
-            assert sum(isinstance(i, Inbound) for i in handled) == 301  # 300 cancels + the task
+            assert sum(isinstance(i, Delivery) for i in handled) == 301  # 300 cancels + the task
         finally:
             gate.set()
             server.disconnect()

@@ -28,6 +28,7 @@ from mqtt_support import (
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
 from felix.deploy.topics import Topics
+from felix.deploy.transport import Ack
 
 pytestmark = needs_mosquitto
 T = Topics("t")
@@ -329,16 +330,16 @@ def test_a_message_whose_handling_raises_is_rejected_and_acknowledged(tmp_path: 
         )
         inbound: list[tuple[int, int]] = []
         acked: list[tuple[int, int]] = []
-        on_inbound, ack_many, deliver = server._on_inbound, server.link.ack_many, server._deliver
+        on_inbound, ack, deliver = server._on_inbound, server.link.ack, server._deliver
         raised: list[bool] = []
 
         def record_inbound(m):  # type: ignore[no-untyped-def]
-            inbound.append((m.mid, m.epoch))
+            inbound.append((m.ack.token, m.ack.epoch))
             on_inbound(m)
 
-        def record_acks(items: list[tuple[int, int, int]]) -> None:
-            acked.extend((mid, epoch) for mid, _, epoch in items)
-            ack_many(items)
+        def record_acks(items: list[Ack]) -> None:
+            acked.extend((a.token, a.epoch) for a in items)
+            ack(items)
 
         def fragile(event):  # type: ignore[no-untyped-def]
             if type(event).__name__ == "TaskFinished" and not raised:
@@ -346,7 +347,7 @@ def test_a_message_whose_handling_raises_is_rejected_and_acknowledged(tmp_path: 
                 raise RuntimeError("boom")
             deliver(event)
 
-        server._on_inbound, server.link.ack_many, server._deliver = record_inbound, record_acks, fragile  # type: ignore
+        server._on_inbound, server.link.ack, server._deliver = record_inbound, record_acks, fragile  # type: ignore
         raw = RawClient(broker.port, "client-0", u["client-0"], [T.task(0), T.status])
         try:
             task = _register(raw, 0)
@@ -393,7 +394,7 @@ def test_no_client_can_take_over_the_server_or_another_clients_id(tmp_path: Path
                 a.close()
     assert summ["stop_reason"] == "max_aggregations"
     assert summ["transport"]["reconnects"] == 0  # the server was never kicked off
-    assert all(dev.link is not None and dev.link.epoch == 1 for dev in host.devices.values())
+    assert all(dev.link is not None and dev.link.mqtt.epoch == 1 for dev in host.devices.values())
 
 
 def test_tls_name_mismatch_says_so(tmp_path: Path) -> None:

@@ -59,8 +59,10 @@ from felix.deploy.broker_config import default_max_message_bytes
 from felix.deploy.channels import Channel
 from felix.deploy.client_protocol import ClientProtocol, Dropped
 from felix.deploy.inbox import Inbox
-from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
-from felix.deploy.topics import Topics, client_user
+from felix.deploy.link import BrokerOptions
+from felix.deploy.topics import client_user
+from felix.deploy.transport import ClientLink, ClientLinkArgs, Connected, Delivery
+from felix.deploy.transport import get as get_transport
 from felix.engine.device import DeviceRunner, DeviceTask, Step, TaskRules, task_seed
 from felix.engine.setup import build_client_side
 from felix.scenario.build import build_population, build_trace
@@ -95,6 +97,7 @@ class ClientOptions:
     will_delay_s: int = 5
     max_inbox_bytes: int = 64 << 20  # received but not yet handled, all of a process's clients ...
     max_inbox_messages: int = 10000  # ... together: reaching either makes the network threads wait
+    transport: str = "mqtt"  # the registered transport (felix.deploy.transport) the links use
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
@@ -113,7 +116,7 @@ class Device(DeviceRunner[bytes]):
     RESULT messages), its trace, and its MQTT connection."""
 
     trace: DeviceTrace = field(kw_only=True)
-    link: MqttLink | None = field(default=None, kw_only=True)  # set when connected (anything with publish())
+    link: ClientLink | None = field(default=None, kw_only=True)  # set when connected
     incarnation: str = field(default_factory=lambda: secrets.token_hex(4), kw_only=True)
     ids: wire.MsgIds = field(init=False)
     session: str | None = field(default=None, kw_only=True)  # the server session it registered with
@@ -153,7 +156,7 @@ class ClientHost:
             )
         self.cfg = cfg
         self.opts = opts
-        self.topics = Topics(opts.run_id)
+        self.transport = get_transport(opts.transport)
         if cfg.client.flower_app is not None:
             raise ConfigError(
                 "client.flower_app runs in the simulator (felix run, compare, sweep); "
@@ -254,16 +257,16 @@ class ClientHost:
             return
         user, password = self._credentials(dev.cid)
         bopts = BrokerOptions(**{**self.opts.broker.__dict__, "username": user, "password": password})
-        link = MqttLink(
-            f"felix-{self.opts.run_id}-c{dev.cid}",
-            bopts,
-            self.topics.client_subscriptions(dev.cid),
-            lambda item: self.inbox.put(item, dev.cid),
-            batch_sink=lambda items: self.inbox.put_many(items, dev.cid),
+        link = self.transport.client_link(
+            ClientLinkArgs(
+                self.opts.run_id,
+                dev.cid,
+                bopts,
+                lambda item: self.inbox.put(item, dev.cid),
+                lambda items: self.inbox.put_many(items, dev.cid),
+            )
         )  # dev: this call's own
-        link.set_will(
-            lambda epoch: (self.topics.state(dev.cid), self._state_will(dev, epoch)), self.opts.will_delay_s
-        )
+        link.set_will(Channel.STATE, lambda epoch: self._state_will(dev, epoch), self.opts.will_delay_s)
         link.start(fresh=True)
         dev.link = link
 
@@ -302,11 +305,11 @@ class ClientHost:
                 self._on_done(dev, token)
 
     # ------------------------------------------------------------------ messages
-    def handle(self, cid: int, item: Inbound | Connected) -> None:
+    def handle(self, cid: int, item: Delivery | Connected) -> None:
         """One item from a client's link (a message or a reconnection), as the loop takes it."""
         self._on_item(self.devices[cid], item)
 
-    def _on_item(self, dev: Device, item: Inbound | Connected) -> None:
+    def _on_item(self, dev: Device, item: Delivery | Connected) -> None:
         if isinstance(item, Connected):
             dev.connections += 1
             if dev.connections > 1 and dev.session is not None:
@@ -314,8 +317,10 @@ class ClientHost:
             if dev.connections > 1:
                 self._resend_recent(dev)
             return
-        channel = Channel.STATUS if item.topic == self.topics.status else Channel.TASK
-        msg = self.protocol.receive(dev.cid, channel, item.payload)
+        if item.address is None:  # the transport could not place it (no transport of ours does this)
+            log.warning("client %d: dropped a message from %s", dev.cid, item.origin[:80])
+            return
+        msg = self.protocol.receive(dev.cid, item.address.channel, item.payload)
         if isinstance(msg, Dropped):
             log.warning("client %d: dropped %s", dev.cid, msg.detail)
             return
@@ -364,9 +369,9 @@ class ClientHost:
     def _env(self, dev: Device) -> dict[str, Any]:
         return {"run": self.opts.run_id, "msg_id": dev.ids.next(), "sent_at": time.time()}
 
-    def _publish(self, dev: Device, topic: str, payload: bytes) -> None:
+    def _publish(self, dev: Device, channel: Channel, payload: bytes) -> None:
         assert dev.link is not None
-        dev.link.publish(topic, payload)
+        dev.link.send(channel, payload)
 
     def _register(self, dev: Device) -> None:
         if self.stream is None:
@@ -382,11 +387,11 @@ class ClientHost:
             tier=dev.tier,
             class_counts=counts,
         )
-        self._publish(dev, self.topics.register(dev.cid), wire.encode(msg))
+        self._publish(dev, Channel.REGISTER, wire.encode(msg))
 
     def _send_state(self, dev: Device) -> None:
         msg = wire.State(**self._env(dev), client=dev.cid, incarnation=dev.incarnation, tier=dev.tier)
-        self._publish(dev, self.topics.state(dev.cid), wire.encode(msg))
+        self._publish(dev, Channel.STATE, wire.encode(msg))
 
     def _state_will(self, dev: Device, epoch: int) -> bytes:
         return wire.encode(
@@ -467,7 +472,7 @@ class ClientHost:
         return self.trainer.probe(task.weights, dev.data)
 
     def _publish_result(self, dev: Device, payload: bytes) -> None:
-        self._publish(dev, self.topics.result(dev.cid), payload)
+        self._publish(dev, Channel.RESULT, payload)
         dev.sent.append((self._clock(), payload))
 
     def _resend_recent(self, dev: Device) -> None:
@@ -477,7 +482,7 @@ class ClientHost:
         while dev.sent and dev.sent[0][0] < horizon:
             dev.sent.popleft()
         for _, payload in dev.sent:
-            self._publish(dev, self.topics.result(dev.cid), payload)
+            self._publish(dev, Channel.RESULT, payload)
         if dev.sent:
             log.info("client %d: re-sent %d recent results after a reconnect", dev.cid, len(dev.sent))
 

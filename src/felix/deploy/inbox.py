@@ -28,11 +28,11 @@ import threading
 import time
 from collections import deque
 
-from felix.deploy.link import Connected, Inbound
+from felix.deploy.transport import Connected, Delivery
 
 log = logging.getLogger("felix.deploy.inbox")
 
-Item = Inbound | Connected
+Item = Delivery | Connected
 
 
 class Inbox:
@@ -59,15 +59,15 @@ class Inbox:
         return len(self._items)
 
     def put(self, item: Item, tag: int = 0) -> None:
-        """Queue ``item``; an ``Inbound`` waits while the inbox is full (never after ``close``)."""
-        if isinstance(item, Inbound):
+        """Queue ``item``; a ``Delivery`` waits while the inbox is full (never after ``close``)."""
+        if not isinstance(item, Connected):
             self.put_many([item], tag)
             return
         with self._cond:
             self._items.append((tag, item))
             self._cond.notify_all()
 
-    def put_many(self, items: list[Inbound], tag: int = 0) -> bool:
+    def put_many(self, items: list[Delivery], tag: int = 0) -> bool:
         """Queue a network thread's read pass (one lock round trip and one wake-up of the loop per
         pass when it fits, instead of one per message), waiting while the inbox is full. A pass
         larger than the room left goes in as parts, as much as fits each time (at least one message
@@ -92,7 +92,7 @@ class Inbox:
             self.dropped += len(items) - taken
             return taken == len(items)
 
-    def _room(self, items: list[Inbound], start: int) -> int:
+    def _room(self, items: list[Delivery], start: int) -> int:
         """How many of ``items[start:]`` fit now (one at least when the inbox is empty)."""
         n, size = 0, self._bytes
         for item in items[start:]:
@@ -127,7 +127,7 @@ class Inbox:
             items = self._items
             out = [items.popleft() for _ in range(min(limit, len(items)))]
             for _, item in out:
-                if isinstance(item, Inbound):
+                if not isinstance(item, Connected):  # a message: it counted against the bounds
                     self._bytes -= len(item.payload)
                     self._messages -= 1
             self._cond.notify_all()

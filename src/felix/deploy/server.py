@@ -8,10 +8,11 @@ divided by ``--time-scale`` so that an emulated run keeps the config's seconds) 
 real MQTT peers. Every ``Tick`` is delivered at ``next_wakeup()``, so the 90 s task timers fire
 for real.
 
-One loop thread owns the orchestrator: paho's network thread only puts received messages on a
-queue (``felix.deploy.link``). Each message goes to the wire protocol (``felix.deploy.protocol``,
-sans-I/O: topic, sender's budget, format, run id, sender, duplicates and replays, registration
-bounds, incarnations, a result's kind and version), which answers with the orchestrator's events
+One loop thread owns the orchestrator: the link (``felix.deploy.transport``: MQTT by default,
+``ServeOptions.transport``) only puts received deliveries on a queue. Each goes to the wire
+protocol (``felix.deploy.protocol``, sans-I/O: address, sender's budget, format, run id,
+sender, duplicates and replays, registration bounds, incarnations, a result's kind and
+version), which answers with the orchestrator's events
 or a typed refusal; the orchestrator then checks what it knows: client, task, shape, dtype,
 finite values, and the update validator's bounds (``felix.core.validation``: samples, norm).
 Every rejection is logged with its reason and counted in ``summary.json`` by reason
@@ -35,7 +36,6 @@ is full paho's network thread waits, and TCP flow control pushes back on the bro
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import logging
@@ -64,7 +64,7 @@ from felix.deploy import wire
 from felix.deploy.broker_config import SERVER_RECEIVE_MAXIMUM, default_max_message_bytes
 from felix.deploy.checkpoint import AppliedLog, AppliedUpdate
 from felix.deploy.inbox import Inbox
-from felix.deploy.link import BrokerOptions, Connected, Inbound, LinkError, MqttLink
+from felix.deploy.link import BrokerOptions, LinkError
 from felix.deploy.protocol import (
     Duplicate,
     OrchestratorView,
@@ -74,7 +74,8 @@ from felix.deploy.protocol import (
     ServerProtocol,
     TransportStats,
 )
-from felix.deploy.topics import Topics
+from felix.deploy.transport import Ack, Connected, Delivery, ServerLinkArgs
+from felix.deploy.transport import get as get_transport
 from felix.engine.setup import build_server_side
 from felix.metrics.recorder import EvalRow
 from felix.metrics.report import EvalLog, make_output_dir
@@ -122,6 +123,7 @@ class ServeOptions:
     client_bytes_per_s: float | None = None
     plots: bool = False
     status_every_s: float = 10.0
+    transport: str = "mqtt"  # the registered transport (felix.deploy.transport) the server's link uses
 
 
 def _ms(values: deque[float], q: float) -> float | None:
@@ -161,7 +163,6 @@ class Server:
         )
         self.cfg = cfg
         self.opts = opts
-        self.topics = Topics(opts.run_id)
         pop = build_population(cfg)
         self.num_clients = cfg.partition.num_clients
         self.num_classes = pop.train.num_classes
@@ -217,9 +218,7 @@ class Server:
         self.life = 0
         self.inbox = Inbox(opts.max_inbox_bytes, opts.max_inbox_messages)
         self.stop_requested = threading.Event()  # Ctrl-C / SIGTERM (felix serve) or a test: stop cleanly
-        self._pending_acks: list[
-            tuple[int, int, int, int]
-        ] = []  # (mid, qos, epoch, bytes): not yet acknowledged
+        self._pending_acks: list[tuple[Ack, int]] = []  # (ack, payload bytes): not yet acknowledged
         self._pending_bytes = 0
         self._checkpoint_due = False  # a new version (or the end) since the last checkpoint
         self._last_checkpoint = 0.0  # time.monotonic() of the last one
@@ -235,13 +234,9 @@ class Server:
         # max_inflight_messages): room for all it may hold unacknowledged until its next
         # checkpoint, which comes at the latest when max_pending_messages are pending.
         window = min(SERVER_RECEIVE_MAXIMUM, 2 * opts.max_pending_messages)
-        self.link = MqttLink(
-            f"felix-{opts.run_id}-server",
-            dataclasses.replace(opts.broker, receive_maximum=window),
-            self.topics.server_subscriptions(),
-            self.inbox.put,
-            manual_ack=True,  # after handling, or after the checkpoint that holds the effect
-            batch_sink=self.inbox.put_many,
+        # Acknowledged after handling, or after the checkpoint that holds the effect.
+        self.link = get_transport(opts.transport).server_link(
+            ServerLinkArgs(opts.run_id, opts.broker, window, self.inbox.put, self.inbox.put_many)
         )
         self._mono0 = time.monotonic()
 
@@ -264,7 +259,7 @@ class Server:
         SUBACK missing after that timeout ends the run with a LinkError, the inbox closed first so
         that no network thread stays blocked on it."""
         try:
-            self.link.start(fresh=not self.opts.resume, wait_subscribed=False, stop=self.stop_requested)
+            self.link.start(fresh=not self.opts.resume, stop=self.stop_requested)
             return self._serve()
         except BaseException:
             self.inbox.close()
@@ -285,7 +280,7 @@ class Server:
         )
         last_status = time.monotonic()
         while self.ctl.stop_reason is None:
-            if subscribed_by and (self.link.subscribed() or self._stop_before_subscribed(subscribed_by)):
+            if subscribed_by and (self.link.ready() or self._stop_before_subscribed(subscribed_by)):
                 subscribed_by = 0.0
             wake = self.orch.next_wakeup()
             now = self.now()
@@ -393,8 +388,8 @@ class Server:
         if c.epoch > 1:
             self.stats.reconnects += 1
             # The broker redelivers every unacknowledged message on the new connection.
-            self._pending_acks = [m for m in self._pending_acks if m[2] >= c.epoch]
-            self._pending_bytes = sum(m[3] for m in self._pending_acks)
+            self._pending_acks = [m for m in self._pending_acks if m[0].epoch >= c.epoch]
+            self._pending_bytes = sum(m[1] for m in self._pending_acks)
         self._publish_status("running")  # retained; after a reconnect too, in case the broker lost it
 
     def _log_refusal(self, r: Refused, error: bool = False) -> None:
@@ -429,23 +424,22 @@ class Server:
             exc_info=error,
         )
 
-    def handle_inbound(self, m: Inbound) -> None:
+    def handle_inbound(self, m: Delivery) -> None:
         """Handle one inbound message; its acknowledgement waits (without its payload) for the next
         durable point, which comes early when the pending bound is reached. If handling raises, the
         message is rejected and acknowledged with the others (so the broker does not redeliver
         it): no client message stops the server."""
-        self._pending_acks.append((m.mid, m.qos, m.epoch, len(m.payload)))
+        self._pending_acks.append((m.ack, len(m.payload)))
         self._pending_bytes += len(m.payload)
         try:
             self._on_inbound(m)
         except Exception as exc:  # noqa: BLE001 - any client message is hostile; the loop must survive it
-            sender = self.topics.parse_inbound_to_server(m.topic)
             refused = self.protocol.refuse(
                 Refusal.INTERNAL,
-                sender.client if sender else -1,
+                m.address.client if m.address else -1,
                 0,
                 f"internal error: {type(exc).__name__}",
-                f"handling a message on {m.topic[:80]}: {str(exc)[:200]}",
+                f"handling a message on {m.origin[:80]}: {str(exc)[:200]}",
             )
             self._log_refusal(refused, error=True)
         if (
@@ -454,18 +448,17 @@ class Server:
         ):
             self._checkpoint_due = True
 
-    def _on_inbound(self, m: Inbound) -> None:
+    def _on_inbound(self, m: Delivery) -> None:
         """The protocol's verdict on one message, carried out: bytes counted, the delivery delay
         noted, a refusal logged, a new message's events handed to the orchestrator."""
         wall = time.monotonic()
         spent = time.thread_time()
-        address = self.topics.parse_inbound_to_server(m.topic)
-        if address is None:
+        if m.address is None:
             got: Received = self.protocol.unaddressed(
-                f"transport: message on an unexpected topic {m.topic[:80]!r}"
+                f"transport: message on an unexpected topic {m.origin[:80]!r}"
             )
         else:
-            got = self.protocol.receive(address, m.payload, self.now(), wall)
+            got = self.protocol.receive(m.address, m.payload, self.now(), wall)
         sender = got.client if isinstance(got, Refused) else getattr(got.msg, "client", -1)
         self.protocol.charge_decode(sender, time.thread_time() - spent, wall)
         if got.wire_kind is not None:
@@ -475,7 +468,7 @@ class Server:
         if isinstance(got, Refused):
             self._log_refusal(got)
         elif isinstance(got, Duplicate):
-            log.debug("duplicate delivery of %s on %s dropped", got.msg.msg_id, m.topic[:80])
+            log.debug("duplicate delivery of %s on %s dropped", got.msg.msg_id, m.origin[:80])
         else:
             taken = True
             for event, from_client in got.events:
@@ -552,15 +545,15 @@ class Server:
         if isinstance(out, Refused):
             self._log_refusal(out)
         elif out is not None:
-            self.link.publish(self.topics.to_clients(out.channel, out.client), out.payload)
+            self.link.send(out.channel, out.client, out.payload)
             self.ctl.count_wire("down", out.wire_kind, len(out.payload))
 
     def _publish_status(self, state: str) -> None:
         out = self.protocol.status(state, time.time())
-        self.link.publish(self.topics.to_clients(out.channel, out.client), out.payload, retain=True)
+        self.link.send(out.channel, out.client, out.payload)  # STATUS: kept for late joiners
 
-    def _ack(self, items: list[tuple[int, int, int, int]]) -> None:
-        self.link.ack_many([(mid, qos, epoch) for mid, qos, epoch, _ in items])
+    def _ack(self, items: list[tuple[Ack, int]]) -> None:
+        self.link.ack([ack for ack, _ in items])
 
     # ------------------------------------------------------------------ checkpoints
     def _shell_state(self) -> dict[str, Any]:
