@@ -29,7 +29,9 @@ from felix.core.run_facts import RunFacts
 from felix.core.types import BufferedUpdate, ClientUpdate, Task, Tier
 from felix.engine.components import build_objective, build_orchestrator
 from felix.engine.setup import resolve_config
+from felix.scenario.build import build_runtimes
 from felix.scenario.datasets import DATASETS, ArrayDataset
+from felix.scenario.profiles import RUNTIMES
 from felix.scenario.traces import TRACES, AvailabilityTrace, DeviceTrace
 from felix.sim.run import run_config
 from felix.strategies.objectives import Objective
@@ -519,3 +521,16 @@ def test_a_dataset_and_a_trace_format_defined_here_run_through_a_config() -> Non
     assert res.summary["final_accuracy"] > 0.6
     trained = res.built.orch.clients.column("times_updated") > 0
     assert trained[0::2].any() and trained[1::2].any()
+
+
+@RUNTIMES.register("test_by_index")
+def by_index(cfg: Any, num_clients: int, rng: np.random.Generator, sizes: list[int] | None) -> np.ndarray:
+    """Client i trains for ``constant_s`` times (i + 1) seconds."""
+    return cfg.constant_s * (np.arange(num_clients) + 1.0)
+
+
+def test_a_runtime_profile_defined_here_gives_the_runtimes_and_a_misspelt_one_fails_on_read() -> None:
+    cfg = validate({"partition": {"num_clients": 3}, "runtime": {"kind": "test_by_index", "constant_s": 2.0}})
+    assert build_runtimes(cfg).tolist() == [2.0, 4.0, 6.0]
+    with pytest.raises(ConfigError, match="runtime.kind: unknown runtime profile 'halfnormale'"):
+        validate({"runtime": {"kind": "halfnormale"}})
