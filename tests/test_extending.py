@@ -534,3 +534,13 @@ def test_a_runtime_profile_defined_here_gives_the_runtimes_and_a_misspelt_one_fa
     assert build_runtimes(cfg).tolist() == [2.0, 4.0, 6.0]
     with pytest.raises(ConfigError, match="runtime.kind: unknown runtime profile 'halfnormale'"):
         validate({"runtime": {"kind": "halfnormale"}})
+
+
+def test_a_misspelt_trace_parameter_fails_when_the_config_is_read() -> None:
+    """A registered builder's keyword parameters are its typed parameters (from its signature)."""
+    with pytest.raises(
+        ConfigError, match=r"^config: trace.params.perod_s: unknown key \(did you mean `period_s`\?\)$"
+    ):
+        validate({"trace": {"kind": "test_alternating", "params": {"perod_s": 40.0}}})
+    with pytest.raises(ConfigError, match=r"^config: trace.params.period_s: unknown key$"):
+        validate({"trace": {"kind": "slotted", "params": {"period_s": 40.0}}})

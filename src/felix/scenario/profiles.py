@@ -51,6 +51,8 @@ RUNTIMES: Registry[RuntimeProfile] = Registry(
     "runtime.kind",
     "runtime profile(cfg: RuntimeCfg, num_clients: int, rng: np.random.Generator, "
     "sizes: list[int] | None) -> np.ndarray",
+    None,
+    passed=4,
 )
 
 
