@@ -92,6 +92,7 @@ DATASETS: Registry[DatasetLoader] = Registry(
     "(train: ArrayDataset, test: ArrayDataset | None)",
     "dataset.params",
     passed=2,
+    modules=("felix.scenario.audio",),
 )
 
 

@@ -32,6 +32,7 @@ PARTITIONERS: Registry[Partitioner] = Registry(
     "partition.params",
     passed=4,
     injected=("groups",),
+    modules=("felix.scenario.long_tail",),
 )
 
 

@@ -40,7 +40,9 @@ class Registry(CoreRegistry[F]):
     ``key`` is the config key the value comes from (for error messages), ``signature`` the
     callable's documented signature (said in every error about a wrong entry), ``params_key`` the
     config key of its keyword parameters (None: the config gives none), ``passed`` how many leading positional arguments felix
-    passes and ``injected`` the keywords it passes itself (neither is a parameter of the config).
+    passes and ``injected`` the keywords it passes itself (neither is a parameter of the config);
+    ``modules`` are the modules of built-ins that build on the registry's own module, imported on
+    the first lookup as for the core's registries.
     """
 
     def __init__(
@@ -51,8 +53,9 @@ class Registry(CoreRegistry[F]):
         params_key: str | None,
         passed: int,
         injected: tuple[str, ...] = (),
+        modules: tuple[str, ...] = (),
     ) -> None:
-        super().__init__(kind, key=key)
+        super().__init__(kind, modules, key=key)
         self.signature = signature
         self.params_key = params_key
         self.passed = passed
@@ -127,6 +130,7 @@ class Registry(CoreRegistry[F]):
     def resolve(self, ref: str) -> F:
         """The callable a config value names; ``ConfigError`` with the reason when there is none."""
         if ":" not in ref:
+            self._load()
             try:
                 return self._entries[ref].factory  # type: ignore[return-value]
             except KeyError:

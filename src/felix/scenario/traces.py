@@ -342,6 +342,7 @@ TRACES: Registry[TraceBuilder] = Registry(
     "trace.params",
     passed=3,
     injected=("class_counts",),
+    modules=("felix.scenario.random_access",),
 )
 
 
