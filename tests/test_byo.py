@@ -186,7 +186,6 @@ def test_bad_names_and_paths_are_config_errors(sets, expect):
             {"model": "test_byo:not_a_model"},
             "returned a str, not a torch.nn.Module; expected a model factory",
         ),
-        ({"model_params": {"depth": 3}}, "unexpected keyword argument 'depth'"),
         (
             {"partition": {"kind": "test_byo:too_few_parts"}},
             "returned 1 parts for 6 clients; expected a partitioner",
@@ -202,6 +201,28 @@ def test_entries_that_return_the_wrong_thing(sets, expect):
     with pytest.raises(ConfigError) as err:
         api.build(cfg)
     assert expect in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("sets", "expect"),
+    [
+        ({"model_params": {"depth": 3}}, "model_params.depth: unknown key"),
+        (
+            {"trace": {"kind": "test_byo:churn", "params": {"fracton": 0.2}}},
+            "trace.params.fracton: unknown key (did you mean `fraction`?)",
+        ),
+        (
+            {"dataset": {"name": "test_byo:blobs", "params": {"nn": 120}}},
+            "dataset.params.nn: unknown key (did you mean `n`?)",
+        ),
+    ],
+)
+def test_a_misspelt_parameter_of_an_imported_part_fails_when_the_config_is_read(sets, expect):
+    """The keys an imported callable takes come from its signature: a misspelt one is a config
+    error in one line naming it, before anything is built."""
+    with pytest.raises(ConfigError) as err:
+        resolve_config(None, None, BYO_SETS(**sets))
+    assert str(err.value).endswith(f": {expect}") and "\n" not in str(err.value)
 
 
 def test_a_loader_returning_float64_samples_is_refused():

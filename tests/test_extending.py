@@ -39,7 +39,9 @@ from felix.deploy.transport import Ack, ClientLink, ClientLinkArgs, ServerLink, 
 from felix.deploy.transport import register as register_transport
 from felix.engine.components import build_objective, build_orchestrator
 from felix.engine.setup import resolve_config
+from felix.scenario.build import build_runtimes
 from felix.scenario.datasets import DATASETS, ArrayDataset
+from felix.scenario.profiles import RUNTIMES
 from felix.scenario.traces import TRACES, AvailabilityTrace, DeviceTrace
 from felix.sim.run import run_config
 from felix.strategies.objectives import Objective
@@ -645,3 +647,26 @@ def test_a_transport_defined_here_carries_a_deployment(tmp_path: Path) -> None:
     channels = {ch for ch, _ in TAPPED.seen}
     assert {Channel.REGISTER, Channel.TASK, Channel.RESULT, Channel.STATUS} <= channels
     assert {cid for ch, cid in TAPPED.seen if ch is Channel.REGISTER} == {0, 1}
+
+
+@RUNTIMES.register("test_by_index")
+def by_index(cfg: Any, num_clients: int, rng: np.random.Generator, sizes: list[int] | None) -> np.ndarray:
+    """Client i trains for ``constant_s`` times (i + 1) seconds."""
+    return cfg.constant_s * (np.arange(num_clients) + 1.0)
+
+
+def test_a_runtime_profile_defined_here_gives_the_runtimes_and_a_misspelt_one_fails_on_read() -> None:
+    cfg = validate({"partition": {"num_clients": 3}, "runtime": {"kind": "test_by_index", "constant_s": 2.0}})
+    assert build_runtimes(cfg).tolist() == [2.0, 4.0, 6.0]
+    with pytest.raises(ConfigError, match="runtime.kind: unknown runtime profile 'halfnormale'"):
+        validate({"runtime": {"kind": "halfnormale"}})
+
+
+def test_a_misspelt_trace_parameter_fails_when_the_config_is_read() -> None:
+    """A registered builder's keyword parameters are its typed parameters (from its signature)."""
+    with pytest.raises(
+        ConfigError, match=r"^config: trace.params.perod_s: unknown key \(did you mean `period_s`\?\)$"
+    ):
+        validate({"trace": {"kind": "test_alternating", "params": {"perod_s": 40.0}}})
+    with pytest.raises(ConfigError, match=r"^config: trace.params.period_s: unknown key$"):
+        validate({"trace": {"kind": "slotted", "params": {"period_s": 40.0}}})

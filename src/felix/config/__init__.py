@@ -10,7 +10,6 @@ the strategy, client and run sections, the whole ``Config`` and :func:`validate`
 
 from __future__ import annotations
 
-import difflib
 import logging
 from typing import Annotated, Any, Literal, get_args
 
@@ -26,7 +25,7 @@ from pydantic import (
 )
 
 from felix.client.settings import Buffers, TrainSettings, buffers_field
-from felix.config.base import ConfigError, StrictModel, check_component, registered
+from felix.config.base import ConfigError, StrictModel, check_component, registered, unknown_key
 from felix.config.files import deep_merge, load_yaml, parse_set, read_yaml
 from felix.config.scenario import DatasetCfg, PartitionCfg, RamCfg, RuntimeCfg, TraceCfg
 from felix.config.stream import ArrivalCfg, DriftCfg, LabelCfg, ShiftCfg, StoreCfg, StreamCfg
@@ -394,6 +393,21 @@ class Config(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _scenario_params(self) -> Config:
+        """Each scenario part's keyword parameters by the part's own model (its registry's
+        ``params_model``), so a misspelt key fails here rather than when the run is built."""
+        from felix.scenario.datasets import DATASETS
+        from felix.scenario.models import MODELS
+        from felix.scenario.partition import PARTITIONERS
+        from felix.scenario.traces import TRACES
+
+        MODELS.check_params(self.model, self.model_params)
+        DATASETS.check_params(self.dataset.name, self.dataset.params)
+        PARTITIONERS.check_params(self.partition.kind, self.partition.params)
+        TRACES.check_params(self.trace.kind, self.trace.params)
+        return self
+
+    @model_validator(mode="after")
     def _ram_and_probe_loss(self) -> Config:
         t, p = self.trace, self.partition
         if t.kind == "ram" and t.ram.coupling == "rare_clients":
@@ -467,8 +481,7 @@ def _problem(err: Any) -> str:
     """One validation error in felix's words: an unknown key with the nearest known one, a value of
     the wrong kind with what the key expects, and otherwise the validator's own message."""
     if err["type"] == "extra_forbidden":
-        near = difflib.get_close_matches(str(err["loc"][-1]), _known_keys(err["loc"][:-1]), n=1)
-        return "unknown key" + (f" (did you mean `{near[0]}`?)" if near else "")
+        return unknown_key(str(err["loc"][-1]), _known_keys(err["loc"][:-1]))
     if err["type"] in _EXPECTED:
         return f"expected {_EXPECTED[err['type']]}, got {err['input']!r}"
     return str(err["msg"]).removeprefix("Value error, ")

@@ -4,7 +4,9 @@ every section, and the checks of a scenario part or a strategy component against
 
 from __future__ import annotations
 
+import difflib
 import importlib
+from collections.abc import Iterable
 from typing import Any
 
 from felix.core.settings import Settings
@@ -17,6 +19,12 @@ class ConfigError(ValueError):
 class StrictModel(Settings):
     """The base of every config section: the core's settings base (``felix.core.settings``), so
     that a section and a component's own settings model are one kind of thing."""
+
+
+def unknown_key(key: str, known: Iterable[str]) -> str:
+    """The problem of an unknown key, with the nearest of the ``known`` ones when one is close."""
+    near = difflib.get_close_matches(key, list(known), n=1)
+    return "unknown key" + (f" (did you mean `{near[0]}`?)" if near else "")
 
 
 def registered(module: str, registry: str, value: str) -> str:

@@ -178,7 +178,11 @@ class TraceCfg(StrictModel):
 
 
 class RuntimeCfg(StrictModel):
-    kind: Literal["halfnormal", "constant", "uniform", "per_sample"] = "halfnormal"
+    kind: str = Field(
+        "halfnormal",
+        description="a registered runtime profile (felix.scenario.profiles.RUNTIMES: halfnormal, "
+        "constant, uniform, per_sample) or an import path 'package.module:profile'",
+    )
     scale_s: float | None = Field(
         None, gt=0, description="half-normal scale; default the FeLiX authors' 14.38 s"
     )
@@ -193,3 +197,8 @@ class RuntimeCfg(StrictModel):
         "client's sample count, so time grows with data (and with augmentation)",
     )
     eval_fraction: float = Field(0.05, gt=0, le=1)
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, v: str) -> str:
+        return registered("felix.scenario.profiles", "RUNTIMES", v)

@@ -35,7 +35,7 @@ from felix.scenario.locations import dataset_root
 from felix.scenario.long_tail import long_tail_indices
 from felix.scenario.models import ModelFactory, check_model, check_model_fits, make_model, model_ref
 from felix.scenario.partition import partition
-from felix.scenario.profiles import FELIX_HALFNORMAL_SCALE, halfnormal_runtimes, uniform_runtimes
+from felix.scenario.profiles import make_runtimes
 from felix.scenario.random_access import ram_probabilities
 from felix.scenario.traces import AvailabilityTrace, make_trace
 
@@ -123,19 +123,10 @@ def participation_shares(
 
 
 def build_runtimes(cfg: Config, sizes: list[int] | None = None) -> np.ndarray:
-    """Per-client task runtimes; ``per_sample`` needs the clients' sample counts ``sizes``."""
-    r = cfg.runtime
-    n = cfg.partition.num_clients
-    if r.kind == "per_sample":
-        if sizes is None:
-            raise ConfigError("runtime.kind 'per_sample' needs the clients' sample counts")
-        return r.seconds_per_sample * np.asarray(sizes, dtype=np.float64)
-    rng = _stream(cfg.seed, _RUNTIME)
-    if r.kind == "halfnormal":
-        return halfnormal_runtimes(n, rng, r.scale_s or FELIX_HALFNORMAL_SCALE, r.min_s)
-    if r.kind == "constant":
-        return np.full(n, r.constant_s)
-    return uniform_runtimes(n, rng, r.low_s, r.high_s)
+    """Per-client task runtimes from the configured profile (``RUNTIMES``), one per entry of the
+    clients' sample counts ``sizes`` (which ``per_sample`` needs), else one per configured client."""
+    n = cfg.partition.num_clients if sizes is None else len(sizes)
+    return make_runtimes(cfg.runtime, n, _stream(cfg.seed, _RUNTIME), sizes)
 
 
 @dataclass

@@ -90,6 +90,9 @@ DATASETS: Registry[DatasetLoader] = Registry(
     "dataset.name",
     "dataset loader(root: str | None, download: bool, **params) -> "
     "(train: ArrayDataset, test: ArrayDataset | None)",
+    "dataset.params",
+    passed=2,
+    modules=("felix.scenario.audio",),
 )
 
 

@@ -197,6 +197,8 @@ MODELS: Registry[ModelFactory] = Registry(
     "model",
     "model",
     "model factory(sample_shape: tuple[int, ...], num_classes: int, **model_params) -> torch.nn.Module",
+    "model_params",
+    passed=2,
 )
 
 

@@ -29,6 +29,10 @@ PARTITIONERS: Registry[Partitioner] = Registry(
     "partition.kind",
     "partitioner(labels: np.ndarray, num_classes: int, cfg: PartitionCfg, "
     "rng: np.random.Generator, **params) -> list[np.ndarray] (one index array per client)",
+    "partition.params",
+    passed=4,
+    injected=("groups",),
+    modules=("felix.scenario.long_tail",),
 )
 
 

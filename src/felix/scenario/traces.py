@@ -339,6 +339,10 @@ TRACES: Registry[TraceBuilder] = Registry(
     "trace",
     "trace.kind",
     "trace builder(cfg: TraceCfg, num_clients: int, rng: np.random.Generator, **params) -> AvailabilityTrace",
+    "trace.params",
+    passed=3,
+    injected=("class_counts",),
+    modules=("felix.scenario.random_access",),
 )
 
 
