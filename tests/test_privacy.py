@@ -5,14 +5,19 @@ epsilon against dp-accounting's own computation."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from felix.config import ConfigError, validate
+from felix.core.types import BufferedUpdate, ClientUpdate
 from felix.engine.setup import resolve_config
+from felix.privacy.central import CentralGaussian
 from felix.sim.run import run_config
+from felix.strategies.aggregation.fedavg import FedAvgAggregator, FedBuffAggregator
 
 TINY: dict[str, Any] = {
     "partition": {"num_clients": 12},
@@ -22,6 +27,20 @@ TINY: dict[str, Any] = {
     "orchestrator": {"concurrency": 4, "agg_goal": 2},
 }
 DP = {"aggregator": {"normalize": "count"}}
+
+
+def needs_accounting() -> Any:
+    return pytest.importorskip(
+        "dp_accounting", reason="extra felix-fl[privacy] (dp-accounting) not installed"
+    )
+
+
+def direct_epsilon(sigma: float, steps: int, delta: float) -> float:
+    """dp-accounting's own answer: ``steps`` Gaussian mechanisms, no sampling."""
+    dp = needs_accounting()
+    acc = dp.rdp.RdpAccountant()
+    acc.compose(dp.SelfComposedDpEvent(dp.GaussianDpEvent(sigma), steps))
+    return float(acc.get_epsilon(delta))
 
 
 # ---------------------------------------------------------------------- config
@@ -77,6 +96,66 @@ def test_privacy_is_off_by_default_and_left_out_of_the_written_config() -> None:
     assert json.loads(on.model_dump_json())["privacy"]["mechanism"] == "central_gaussian"
 
 
+# ---------------------------------------------------------------------- the mechanism
+def _buffer(
+    deltas: list[np.ndarray], clients: list[int] | None = None, samples: int = 60
+) -> list[BufferedUpdate]:
+    ids = clients if clients is not None else list(range(len(deltas)))
+    return [
+        BufferedUpdate(cid, i, 0, 0.0, ClientUpdate(samples, 0.0, 0.0, 1.0, d.astype(np.float32)), 0)
+        for i, (cid, d) in enumerate(zip(ids, deltas, strict=True))
+    ]
+
+
+def _replayed_noise(seed: int, sigma_c: float, size: int) -> np.ndarray:
+    return np.random.default_rng(seed).normal(0.0, sigma_c, size)
+
+
+@pytest.mark.parametrize("agg_cls", [FedAvgAggregator, FedBuffAggregator])
+def test_every_applied_contribution_respects_the_clip_bound(agg_cls: type) -> None:
+    """The noise is replayed from the same seed and taken off the step: what remains is the sum of
+    the clients' contributions, each at most C whatever its norm, its weight (FedAvg's 60 samples
+    are capped at 1) or its number of updates in the aggregation."""
+    c, k, n = 0.5, 4, 1000
+    rng = np.random.default_rng(1)
+    direction = rng.normal(size=n)
+    big = direction / np.linalg.norm(direction) * 50.0
+    for deltas, clients in (([big], [7]), ([big, 3 * big], [7, 7])):
+        agg = agg_cls(server_lr=1.0, normalize="count")
+        agg.privacy = CentralGaussian(0.8, c, k, np.random.default_rng(3))
+        theta = np.zeros(n, dtype=np.float32)
+        new, norm_w, _ = agg.aggregate(theta, _buffer(deltas, clients))
+        contribution = new.astype(np.float64) * k - _replayed_noise(3, 0.8 * c, n)
+        assert np.linalg.norm(contribution) == pytest.approx(c, rel=1e-4)
+        assert np.all(norm_w <= 1.0 / k)
+    assert agg.privacy.max_contribution_norm == pytest.approx(c, rel=1e-6)
+
+
+def test_small_updates_are_not_scaled_up() -> None:
+    n, c, k = 500, 1.0, 2
+    d = np.full(n, 0.001)
+    agg = FedBuffAggregator(normalize="count")
+    agg.privacy = CentralGaussian(1.0, c, k, np.random.default_rng(5))
+    new, _, _ = agg.aggregate(np.zeros(n, dtype=np.float32), _buffer([d]))
+    contribution = new.astype(np.float64) * k - _replayed_noise(5, c, n)
+    np.testing.assert_allclose(contribution, d, atol=1e-5)
+
+
+@pytest.mark.parametrize(("sigma", "c", "k"), [(1.0, 1.0, 10), (0.7, 2.5, 4), (3.0, 0.1, 100)])
+def test_noise_std_of_an_aggregation_is_sigma_c_over_the_denominator(sigma: float, c: float, k: int) -> None:
+    """Zero updates: the step is the noise alone. The sample std of n normal draws has standard
+    error std / sqrt(2 (n - 1)); the tolerance is 5 of those."""
+    n = 200_000
+    agg = FedBuffAggregator(normalize="count")
+    agg.privacy = CentralGaussian(sigma, c, k, np.random.default_rng(11))
+    buffer = _buffer([np.zeros(n) for _ in range(3)])
+    new, _, _ = agg.aggregate(np.zeros(n, dtype=np.float32), buffer)
+    expected = sigma * c / k
+    tol = 5 * expected / math.sqrt(2 * (n - 1))
+    assert abs(float(np.std(new, ddof=1)) - expected) < tol
+    assert abs(float(np.mean(new))) < 5 * expected / math.sqrt(n)
+
+
 # ---------------------------------------------------------------------- runs
 def _run(tmp: Path, name: str, extra: dict[str, Any]) -> tuple[dict[str, Any], str]:
     cfg = resolve_config(None, "fedbuff", {**TINY, **extra})
@@ -96,3 +175,75 @@ def test_privacy_none_runs_exactly_as_without_the_section(tmp_path: Path) -> Non
     assert _comparable(absent) == _comparable(none)
     assert absent_csv == none_csv
     assert "epsilon" not in absent_csv.splitlines()[0]
+
+
+def test_run_epsilon_matches_dp_accounting_and_the_target_stops_the_run(tmp_path: Path) -> None:
+    """sigma 1, delta 1e-5: epsilon after 4 aggregations is 10.73, after 5 is 12.30; a target of 11
+    ends the run after the 4th, though max_aggregations allows 8."""
+    needs_accounting()
+    sigma, delta, target = 1.0, 1e-5, 11.0
+    assert direct_epsilon(sigma, 4, delta) <= target < direct_epsilon(sigma, 5, delta)
+    privacy = {"mechanism": "central_gaussian", "noise_multiplier": sigma, "clip_norm": 0.5, "delta": delta}
+    summary, csv_text = _run(
+        tmp_path,
+        "dp",
+        {
+            **DP,
+            "run": {**TINY["run"], "max_aggregations": 8},
+            "privacy": {**privacy, "target_epsilon": target},
+        },
+    )
+    p = summary["privacy"]
+    assert summary["stop_reason"] == "privacy_budget_spent"
+    assert p["aggregations"] == 4
+    assert p["epsilon"] == pytest.approx(direct_epsilon(sigma, 4, delta), rel=1e-9)
+    assert p["amplification"] == "none" and p["noise_source"] == "seeded" and p["accountant"] == "rdp"
+    assert 0 < p["max_contribution_norm"] <= 0.5 * (1 + 1e-6)
+    lines = csv_text.splitlines()
+    assert lines[0].endswith(",epsilon")
+    for line in lines[1:]:
+        version, eps = int(line.split(",")[1]), float(line.split(",")[-1])
+        assert eps == pytest.approx(direct_epsilon(sigma, version, delta) if version else 0.0, rel=1e-9)
+
+
+def test_an_unreachable_target_is_refused_naming_the_noise_it_needs() -> None:
+    needs_accounting()
+    from felix.privacy.budget import PrivacyBudget
+
+    cfg = validate(
+        {**DP, "privacy": {"mechanism": "central_gaussian", "noise_multiplier": 0.5, "target_epsilon": 1.0}}
+    )
+    with pytest.raises(ConfigError, match=r"exceeded by one aggregation .* needs noise_multiplier >= \d"):
+        PrivacyBudget(cfg, None)
+
+
+def test_max_participations_is_enforced_by_the_orchestrator(tmp_path: Path) -> None:
+    """6 clients, at most 2 updates each: 12 updates make 6 aggregations of 2, though 10 are allowed."""
+    needs_accounting()
+    cfg = resolve_config(
+        None,
+        "fedbuff",
+        {
+            **TINY,
+            **DP,
+            "partition": {"num_clients": 6},
+            "run": {**TINY["run"], "max_aggregations": 10},
+            "privacy": {"mechanism": "central_gaussian", "max_participations": 2},
+        },
+    )
+    result = run_config(cfg, None, plots=False)
+    counts = result.built.orch.clients.column("times_updated")
+    assert counts.max() == 2
+    assert int(counts.sum()) == result.summary["updates_applied"] == 12
+    assert result.summary["privacy"]["aggregations"] == 6
+
+
+def test_without_the_privacy_extra_a_private_run_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from felix.privacy.budget import PrivacyBudget
+
+    monkeypatch.setitem(__import__("sys").modules, "dp_accounting", None)  # as if not installed
+    cfg = validate({**DP, "privacy": {"mechanism": "central_gaussian"}})
+    with pytest.raises(ConfigError, match=r"extra felix-fl\[privacy\]"):
+        PrivacyBudget(cfg, None)
