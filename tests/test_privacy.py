@@ -218,7 +218,8 @@ def test_an_unreachable_target_is_refused_naming_the_noise_it_needs() -> None:
 
 
 def test_max_participations_is_enforced_by_the_orchestrator(tmp_path: Path) -> None:
-    """6 clients, at most 2 updates each: 12 updates make 6 aggregations of 2, though 10 are allowed."""
+    """6 clients, at most 2 updates each: 12 updates make 6 aggregations of 2, though 10 are allowed,
+    and no client is selected once it has contributed 2."""
     needs_accounting()
     cfg = resolve_config(
         None,
@@ -227,13 +228,17 @@ def test_max_participations_is_enforced_by_the_orchestrator(tmp_path: Path) -> N
             **TINY,
             **DP,
             "partition": {"num_clients": 6},
-            "run": {**TINY["run"], "max_aggregations": 10},
+            # 6 aggregations take under 60 virtual seconds; the time limit bounds a run that ignores the cap
+            "run": {**TINY["run"], "max_aggregations": 10, "max_time_s": 300.0},
             "privacy": {"mechanism": "central_gaussian", "max_participations": 2},
         },
     )
     result = run_config(cfg, None, plots=False)
-    counts = result.built.orch.clients.column("times_updated")
+    clients = result.built.orch.clients
+    counts = clients.column("times_updated")
     assert counts.max() == 2
+    # every client is always available and no task fails: one selection per contribution
+    assert clients.column("times_selected").max() == 2
     assert int(counts.sum()) == result.summary["updates_applied"] == 12
     assert result.summary["privacy"]["aggregations"] == 6
 
