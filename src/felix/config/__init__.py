@@ -33,6 +33,7 @@ from felix.core.admission import AdmissionConfig
 from felix.core.orchestrator_config import OrchestratorConfig
 from felix.core.rounds import ROUND_POLICIES
 from felix.core.validation import ValidationConfig
+from felix.privacy.config import PrivacyCfg, check_privacy
 
 __all__ = [
     "AdmissionConfig",
@@ -324,14 +325,17 @@ class Config(StrictModel):
     client: ClientCfg = ClientCfg()
     run: RunCfg = RunCfg()
     stream: StreamCfg = StreamCfg()
+    privacy: PrivacyCfg = Field(PrivacyCfg(), description="user-level differential privacy (docs/privacy.md)")
 
     @model_serializer(mode="wrap")
     def _without_stream_off(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
-        """Leave ``stream`` out of a run's written config while it is off, so that the configs of
-        runs without streams read exactly as they did before streams existed."""
+        """Leave ``stream`` and ``privacy`` out of a run's written config while they are off, so
+        that the configs of runs without them read exactly as they did before they existed."""
         out = handler(self)
         if isinstance(out, dict) and not self.stream.enabled:
             out.pop("stream", None)
+        if isinstance(out, dict) and not self.privacy.enabled:
+            out.pop("privacy", None)
         return out
 
     @field_validator("model")
@@ -428,6 +432,7 @@ class Config(StrictModel):
                     f"client.probe_loss sends aux qffl_loss, which only aggregator {readers} reads "
                     f"(aggregator is {self.aggregator.name!r})"
                 )
+        check_privacy(self)
         return self
 
 

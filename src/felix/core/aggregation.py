@@ -9,7 +9,7 @@ each update's weight. Built-in aggregators live in
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -19,6 +19,20 @@ from felix.core.types import BufferedUpdate
 from felix.core.validation import AuxDecl
 
 
+class SumMechanism(Protocol):
+    """What a privacy mechanism offers the aggregation (``felix.privacy.CentralGaussian``): the
+    noised mean update of a buffer from its weights, and each update's effective weight; its state
+    (the noise generator) rides in the aggregator's checkpoint."""
+
+    def noised_step(
+        self, buffer: Sequence[BufferedUpdate], weights: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class Aggregator:
     """Owns the buffer arithmetic: weighted mean of deltas, normalisation and the server step.
 
@@ -26,7 +40,8 @@ class Aggregator:
     FedScale); ``"count"`` divides by the number of buffered updates (the FeLiX authors' code).
     ``optimizer`` turns that normalised update and ``server_lr`` into the next model (plain
     ``x + server_lr * update`` by default); the run's builder sets the configured one
-    (``aggregator.server_optimizer``) after the aggregator is made.
+    (``aggregator.server_optimizer``) after the aggregator is made, and ``privacy``, the
+    mechanism that forms the sum instead when ``privacy:`` is on (None: the plain weighted mean).
     """
 
     name = "base"
@@ -46,6 +61,7 @@ class Aggregator:
         self.normalize = normalize
         self.clip_norm = clip_norm
         self.optimizer = optimizer if optimizer is not None else ServerOptimizer()
+        self.privacy: SumMechanism | None = None
 
     def declared_aux(self, num_params: int) -> dict[str, AuxDecl]:
         """Aux entries this aggregator reads from updates beyond the objective's (see
@@ -59,13 +75,18 @@ class Aggregator:
         """Checkpoint state, as ``TrainSelector.state_dict``: the server optimiser's moments, if
         it keeps any (the weights' parameters come from the config)."""
         opt = self.optimizer.state_dict()
-        return {"server_optimizer": opt} if opt else {}
+        state: dict[str, Any] = {"server_optimizer": opt} if opt else {}
+        if self.privacy is not None:
+            state["privacy"] = self.privacy.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned. A checkpoint from before server optimisers (or
         saved before the first aggregation) has no optimiser state: the moments start afresh."""
         if "server_optimizer" in state:
             self.optimizer.load_state_dict(state["server_optimizer"])
+        if self.privacy is not None and "privacy" in state:
+            self.privacy.load_state_dict(state["privacy"])
 
     def weights(self, buffer: Sequence[BufferedUpdate]) -> np.ndarray:
         return np.array([self.weight(b) for b in buffer], dtype=np.float64)
@@ -75,6 +96,10 @@ class Aggregator:
     ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         """Return the new parameters, the normalised weights and the reduced aux state."""
         w = self.weights(buffer)
+        if self.privacy is not None:
+            step, norm_w = self.privacy.noised_step(buffer, w)
+            new_theta = self.optimizer.step(theta, step, self.server_lr)
+            return new_theta, norm_w, reduce_aux(buffer, norm_w)
         denom = float(w.sum()) if self.normalize == "weights" else float(len(buffer))
         if denom <= 0:
             raise ValueError(f"{self.name}: aggregation weights sum to {denom}")
@@ -126,4 +151,4 @@ def reduce_aux(buffer: Sequence[BufferedUpdate], norm_w: np.ndarray) -> dict[str
     return out
 
 
-__all__ = ["AGGREGATORS", "Aggregator", "reduce_aux"]
+__all__ = ["AGGREGATORS", "Aggregator", "SumMechanism", "reduce_aux"]

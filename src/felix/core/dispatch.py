@@ -52,6 +52,7 @@ class Dispatch:
     _evals_this_round: int
     _probe_dropped: set[int]  # clients whose eval task dropped this round: not probed again in it
     _rejoin_at: float | None  # when blocked clients may train again (the stall rule)
+    max_participations: int | None  # clients that contributed this many updates never train again
 
     def _ctx(self) -> SelectionContext:
         return SelectionContext(
@@ -64,6 +65,9 @@ class Dispatch:
         The rejoin rule: a client that dropped its task this round is not picked again in it; in
         sync mode nobody trains twice in one round. One vectorised filter over the idle set.
 
+        The participation cap (``max_participations``): a client that has contributed that many
+        updates is never picked again.
+
         The stall rule: when no training task holds a slot and the rejoin rule leaves nobody to pick,
         no reply, timer or new version could ever lift it (async rounds follow the version), so the
         blocked clients may train again ``task_timeout_s`` later (at once without a timeout); until
@@ -73,6 +77,8 @@ class Dispatch:
         rows = self.availability.train_rows(m, self.now)
         if self.admission.any_excluded and len(rows):
             rows = rows[~np.isin(m.ids_of(rows), self.admission.excluded_ids())]
+        if self.max_participations is not None and len(rows):
+            rows = rows[m.column("times_updated")[rows] < self.max_participations]
         fresh = np.ones(len(rows), dtype=bool)
         if self.rounds.one_task_per_round:
             fresh = m.column("selected_round")[rows] != self.round

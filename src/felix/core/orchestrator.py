@@ -100,6 +100,8 @@ class Orchestrator(Dispatch):
         )  # clients whose eval task dropped this round: not probed again in it
         self._rejoin_at: float | None = None  # when blocked clients may train again (the stall rule)
         self._stats_ckpt = StatsCheckpoint()
+        # privacy.max_participations (set by the run's builder): the user-level cap on updates
+        self.max_participations: int | None = None
         self.model_path = ModelPath()
 
     # ------------------------------------------------------------------ public API
@@ -238,6 +240,9 @@ class Orchestrator(Dispatch):
         staleness = self.version - task.base_version
         if self.cfg.max_staleness is not None and staleness > self.cfg.max_staleness:
             self.stats.updates_discarded += 1
+            return
+        if self.max_participations is not None and rec.times_updated >= self.max_participations:
+            self.stats.updates_discarded += 1  # a late reply beyond the cap: never applied
             return
         rec.times_updated += 1
         self.buffer.add(

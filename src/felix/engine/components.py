@@ -31,6 +31,7 @@ from felix.core.server_optim import SERVER_OPTIMIZERS
 from felix.core.validation import LocalSteps, UpdateValidator
 from felix.metrics.per_client import PerClientSetup, make_per_client_eval
 from felix.metrics.recorder import Recorder
+from felix.privacy.setup import install as install_privacy
 from felix.scenario.build import Population, participation_shares, strategy_stream
 from felix.scenario.datasets import ArrayDataset
 from felix.scenario.traces import AvailabilityTrace
@@ -231,7 +232,7 @@ def build_orchestrator(
         oracle = trace() if callable(trace) else trace
         if oracle is None:
             raise ConfigError(f"orchestrator.knowledge {o.knowledge!r} needs an availability trace")
-    return Orchestrator(
+    orch = Orchestrator(
         o,
         weights,
         selector,
@@ -244,6 +245,8 @@ def build_orchestrator(
         rounds,
         availability,
     )
+    install_privacy(cfg, orch)
+    return orch
 
 
 def build_validator(cfg: Config, aggregator: Aggregator, num_params: int) -> UpdateValidator:

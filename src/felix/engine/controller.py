@@ -51,6 +51,7 @@ from felix.metrics.recorder import HEADER_BYTES, ByteCounter, EvalRow, Recorder,
 from felix.metrics.report import summary as run_summary
 from felix.metrics.report import write_run
 from felix.metrics.stall import StallClock
+from felix.privacy.budget import PrivacyBudget
 
 EVAL_RESULT_BYTES = HEADER_BYTES + 16  # an evaluation result: accuracy-style utility and loss
 
@@ -121,6 +122,8 @@ class RunController:
         self.wire: ByteCounter | None = ByteCounter() if measure_wire else None
         self.stall = StallClock()  # the aggregator's stall time (felix.metrics.stall)
         self._stop: str | None = None
+        # privacy on: the budget accounts each aggregation (felix.privacy.budget)
+        self.privacy = PrivacyBudget(cfg, orch.aggregator.privacy) if cfg.privacy.enabled else None
         self.on_evaluation: list[Callable[[EvalRow], None]] = []  # e.g. a log line per evaluation
 
     # ------------------------------------------------------------------ stopping
@@ -183,6 +186,10 @@ class RunController:
 
     def _on_version(self, cmd: NewModelVersion) -> None:
         self.rec.on_aggregation(cmd)
+        if self.privacy is not None:
+            self.privacy.step()
+            if self.privacy.spent:
+                self.stop("privacy_budget_spent")
         if self.rec.due(cmd.version):
             self._record(cmd.time, cmd.version, cmd.weights)
             if self.stop_at_target and self.rec.reached:
@@ -193,7 +200,8 @@ class RunController:
             self.stop("converged")
 
     def _record(self, time_s: float, version: int, weights: np.ndarray) -> EvalRow:
-        row = self.rec.record(time_s, version, weights)
+        eps = None if self.privacy is None else self.privacy.epsilon
+        row = self.rec.record(time_s, version, weights, eps)
         if self.sink is not None:
             self.sink.append(row)
         for hook in self.on_evaluation:
@@ -241,6 +249,8 @@ class RunController:
                 "version": None if at is None else at.version,
                 "time_s": None if at is None else at.time_s,
             }
+        if self.privacy is not None:
+            summ["privacy"] = self.privacy.summary()
         if rec.per_client is not None:  # run.per_client_eval: the final model, client by client
             summ["per_client"] = rec.per_client(self.orch.weights)
         return summ
@@ -266,6 +276,8 @@ class RunController:
         }
         if self.wire is not None:
             state["wire_down"], state["wire_up"] = dict(self.wire.down), dict(self.wire.up)
+        if self.privacy is not None:
+            state["privacy_aggregations"] = self.privacy.accountant.steps
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -278,13 +290,20 @@ class RunController:
         r.version_at_target = state["version_at_target"]
         if "stall" in state:  # a checkpoint from before stall time was measured starts it afresh
             self.stall.load_state_dict(state["stall"])
+        if self.privacy is not None:  # a checkpoint made without privacy: every version counts
+            self.privacy.accountant.steps = int(state.get("privacy_aggregations", self.orch.version))
         if self.wire is not None and "wire_down" in state:
             self.wire = ByteCounter(dict(state["wire_down"]), dict(state["wire_up"]))
 
 
 def _columns(rows: list[Any], cls: type) -> dict[str, np.ndarray]:
-    """Rows of a flat numeric dataclass as one float64 array per field (exact for ints below 2**53)."""
-    return {f.name: np.array([getattr(r, f.name) for r in rows], dtype=np.float64) for f in fields(cls)}
+    """Rows of a flat numeric dataclass as one float64 array per field (exact for ints below 2**53);
+    an optional field that some row leaves None (``epsilon`` without privacy) is left out."""
+    return {
+        f.name: np.array([getattr(r, f.name) for r in rows], dtype=np.float64)
+        for f in fields(cls)
+        if not any(getattr(r, f.name) is None for r in rows)
+    }
 
 
 def _rows(cols: dict[str, np.ndarray], cls: type) -> list[Any]:

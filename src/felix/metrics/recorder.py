@@ -50,6 +50,8 @@ class EvalRow:
     # control traffic. Eval traffic is part of the result: each eval task ships the whole model.
     bytes_train: int = 0
     bytes_eval: int = 0
+    # The privacy budget spent by this version (privacy on; evaluations.csv has the column then).
+    epsilon: float | None = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,9 @@ class Recorder:
     def due(self, version: int) -> bool:
         return self.eval_every > 0 and version % self.eval_every == 0
 
-    def record(self, time_s: float, version: int, weights: np.ndarray) -> EvalRow:
+    def record(
+        self, time_s: float, version: int, weights: np.ndarray, epsilon: float | None = None
+    ) -> EvalRow:
         if self.evaluate_at is not None:
             acc, loss = self.evaluate_at(time_s, version, weights)
         else:
@@ -124,6 +128,7 @@ class Recorder:
             b.total_up,
             b.down["train"] + b.up["train"],
             b.down["eval"] + b.up["eval"],
+            epsilon,
         )
         self.rows.append(row)
         if self.time_to_target is None and reached_target(

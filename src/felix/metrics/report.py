@@ -19,7 +19,8 @@ from felix.core.stats import OrchestratorStats
 from felix.metrics.provenance import provenance
 from felix.metrics.recorder import EvalRow, Recorder
 
-EVAL_COLUMNS = [f for f in EvalRow.__dataclass_fields__]
+#: evaluations.csv's columns; a run with privacy on adds ``epsilon`` (the budget spent by then).
+EVAL_COLUMNS = [f for f in EvalRow.__dataclass_fields__ if f != "epsilon"]
 #: The percentiles of the recorded update weights a run's diagnostics keep
 #: (``agg_weight_percentiles``): their distribution to 1%, enough for the share of updates above
 #: any weight (the FeLiX paper's Fig. 15 argument) without keeping every weight.
@@ -178,7 +179,7 @@ def write_run(out_dir: Path, summ: dict[str, Any], rows: list[EvalRow], plots: b
     out_dir.mkdir(parents=True, exist_ok=True)
     text = json.dumps(strict_json(summ), indent=2, sort_keys=True, allow_nan=False)
     (out_dir / "summary.json").write_text(text + "\n")
-    EvalLog(out_dir / "evaluations.csv").reset(rows)
+    EvalLog(out_dir / "evaluations.csv", epsilon="privacy" in summ).reset(rows)
     if plots:
         plot_curves(out_dir, {summ["strategy"]: rows}, summ["target_accuracy"])
 
@@ -189,19 +190,24 @@ class EvalLog:
     from the rows given (a fresh run: none; a resumed one: those restored); ``write_run`` rewrites
     it whole at the end, so no row is ever written twice."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, epsilon: bool = False) -> None:
         self.path = path
+        self.columns = [*EVAL_COLUMNS, "epsilon"] if epsilon else EVAL_COLUMNS
 
     def reset(self, rows: list[EvalRow]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=EVAL_COLUMNS)
+            w = csv.DictWriter(f, fieldnames=self.columns)
             w.writeheader()
-            w.writerows(asdict(r) for r in rows)
+            w.writerows(self._dict(r) for r in rows)
 
     def append(self, row: EvalRow) -> None:
         with open(self.path, "a", newline="") as f:
-            csv.DictWriter(f, fieldnames=EVAL_COLUMNS).writerow(asdict(row))
+            csv.DictWriter(f, fieldnames=self.columns).writerow(self._dict(row))
+
+    def _dict(self, row: EvalRow) -> dict[str, Any]:
+        d = asdict(row)
+        return {k: d[k] for k in self.columns}
 
 
 def plot_curves(

@@ -54,7 +54,8 @@ def run_config(
     assert ctl is not None
     live = live_dir or out_dir
     if live is not None:
-        ctl.sink = EvalLog(live / "evaluations.csv")  # evaluations land on disk as they happen
+        # evaluations land on disk as they happen
+        ctl.sink = EvalLog(live / "evaluations.csv", epsilon=cfg.privacy.enabled)
     tracked = None
     if cfg.run.log_to:
         from felix.metrics.tracking import TrackedSink, make_trackers
