@@ -22,6 +22,7 @@ import yaml
 from broker import MosquittoBroker, find_mosquitto
 
 from felix.config import Config
+from felix.deploy.channels import Address, Channel
 from felix.deploy.client import ClientHost, ClientOptions, credentials_from_map
 from felix.deploy.link import BrokerOptions
 from felix.deploy.server import ServeOptions, Server
@@ -188,3 +189,19 @@ def reap(*procs: subprocess.Popen[bytes], timeout: float = 10.0) -> list[int | N
             p.wait(5)
             codes.append(None)
     return codes
+
+
+class At:
+    """The addresses a transport vouches for: a client's register, state and result channels."""
+
+    @staticmethod
+    def register(cid: int) -> Address:
+        return Address(Channel.REGISTER, cid)
+
+    @staticmethod
+    def state(cid: int) -> Address:
+        return Address(Channel.STATE, cid)
+
+    @staticmethod
+    def result(cid: int) -> Address:
+        return Address(Channel.RESULT, cid)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from mqtt_support import At
 
 from felix.core.commands import CancelTask, DispatchEval, DispatchTrain, UpdateRejected
 from felix.core.events import ClientRegistered, TaskFailed, TaskFinished, TierChanged
@@ -28,22 +29,6 @@ from felix.deploy.topics import Topics
 RUN = "r1"
 
 UPDATE_KEYS = ("num_samples", "stat_utility", "loss", "duration", "delta", "aux", "data_span")
-
-
-class At:
-    """The addresses a transport vouches for: a client's register, state and result channels."""
-
-    @staticmethod
-    def register(cid: int) -> Address:
-        return Address(Channel.REGISTER, cid)
-
-    @staticmethod
-    def state(cid: int) -> Address:
-        return Address(Channel.STATE, cid)
-
-    @staticmethod
-    def result(cid: int) -> Address:
-        return Address(Channel.RESULT, cid)
 
 
 N = 5  # model parameters

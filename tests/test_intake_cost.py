@@ -12,29 +12,14 @@ from __future__ import annotations
 import json
 import time
 
+from mqtt_support import At
+
 from felix.core.refusals import Refusal
 from felix.core.types import Tier
 from felix.deploy import wire
-from felix.deploy.channels import Address, Channel
 from felix.deploy.protocol import Accepted, ProtocolLimits, Refused, ServerProtocol
 
 RUN = "r1"
-
-
-class At:
-    """The addresses a transport vouches for: a client's register, state and result channels."""
-
-    @staticmethod
-    def register(cid: int) -> Address:
-        return Address(Channel.REGISTER, cid)
-
-    @staticmethod
-    def state(cid: int) -> Address:
-        return Address(Channel.STATE, cid)
-
-    @staticmethod
-    def result(cid: int) -> Address:
-        return Address(Channel.RESULT, cid)
 
 
 class Nobody:
