@@ -247,6 +247,19 @@ class Hostile:
             seq = self.seq
         return {"run": RUN, "msg_id": f"{self.tag}-{seq}", "sent_at": time.time()}
 
+    def answer(self, msg: wire.TrainTask | wire.EvalTask, update: ClientUpdate) -> None:
+        """Publish ``update`` as this login's result of the task ``msg``."""
+        res = wire.Result(
+            **self.env(),
+            client=self.cid,
+            incarnation=self.tag,
+            task=msg.task,
+            kind=TaskKind.TRAIN if isinstance(msg, wire.TrainTask) else TaskKind.EVAL,
+            version=msg.version,
+            update=update,
+        )
+        self.publish(self.topics.result(self.cid), wire.encode(res))
+
     def publish(self, topic: str, payload: bytes, qos: int = 1) -> None:
         self.bytes_up += len(payload)
         self.c.publish(topic, payload, qos=qos)
@@ -360,14 +373,11 @@ class ExtremeUtility(Hostile):
         if not isinstance(msg, (wire.TrainTask, wire.EvalTask)):
             return
         train = isinstance(msg, wire.TrainTask)
-        res = wire.Result(
-            **self.env(),
-            client=self.cid,
-            incarnation=self.tag,
-            task=msg.task,
-            kind=TaskKind.TRAIN if train else TaskKind.EVAL,
-            version=msg.version,
-            update=ClientUpdate(
+        if train:
+            self.answered.add(msg.task)
+        self.answer(
+            msg,
+            ClientUpdate(
                 num_samples=self.num_samples,
                 stat_utility=self.utility,
                 loss=0.5,
@@ -375,9 +385,6 @@ class ExtremeUtility(Hostile):
                 delta=np.zeros(msg.weights.size, np.float32) if train else None,
             ),
         )
-        if train:
-            self.answered.add(msg.task)
-        self.publish(self.topics.result(self.cid), wire.encode(res))
 
 
 class AuxPoisoner(Hostile):
@@ -398,14 +405,11 @@ class AuxPoisoner(Hostile):
             if train
             else {}
         )
-        res = wire.Result(
-            **self.env(),
-            client=self.cid,
-            incarnation=self.tag,
-            task=msg.task,
-            kind=TaskKind.TRAIN if train else TaskKind.EVAL,
-            version=msg.version,
-            update=ClientUpdate(
+        if train:
+            self.poisoned.add(msg.task)
+        self.answer(
+            msg,
+            ClientUpdate(
                 num_samples=self.num_samples,
                 stat_utility=1.0,
                 loss=0.5,
@@ -414,9 +418,6 @@ class AuxPoisoner(Hostile):
                 aux=aux,
             ),
         )
-        if train:
-            self.poisoned.add(msg.task)
-        self.publish(self.topics.result(self.cid), wire.encode(res))
 
 
 # ---------------------------------------------------------------------- the hostile client
