@@ -297,6 +297,10 @@ class Orchestrator(Dispatch):
                 out,
             )
             return None
+        wrong = self.ledger.mismatch(task, ev.kind, ev.version)
+        if wrong is not None:
+            self._reject(ev.client_id, ev.task_id, *wrong, out)
+            return None
         upd = ev.update
         problem = malformed(task.kind, upd, self._theta)
         if problem is not None:

@@ -57,7 +57,7 @@ from felix.core.commands import (
     NewModelVersion,
     UpdateRejected,
 )
-from felix.core.events import Event, TaskFailed, TaskFinished, Tick
+from felix.core.events import Event, Tick
 from felix.core.refusals import Refusal
 from felix.deploy import checkpoint as ckpt
 from felix.deploy import wire
@@ -496,8 +496,6 @@ class Server:
         modelled bytes count), not one the server derived (a tick, a restart's lost task)."""
         commands = self.ctl.handle(event, from_client)
         rejected = any(isinstance(c, UpdateRejected) for c in commands)
-        if isinstance(event, (TaskFinished, TaskFailed)) and not rejected:
-            self.protocol.closed(event.task_id)
         for cmd in commands:
             if isinstance(cmd, NewModelVersion):
                 self._log_applied(cmd)
@@ -569,7 +567,7 @@ class Server:
             "plan_info": self.plan_info,
             "stats": asdict(self.stats),
             "applied": self.applied.position(),
-            **self.protocol.state_dict(),  # seq_marks, result_digests, incarnations, shadow
+            **self.protocol.state_dict(),  # seq_marks, result_digests, incarnations
             **({} if self.freshness is None else {"freshness": self.freshness.state_dict()}),
         }
 
