@@ -32,8 +32,7 @@ from felix.core.run_facts import RunFacts
 from felix.core.types import BufferedUpdate, ClientUpdate, Task, Tier
 from felix.deploy.channels import Channel
 from felix.deploy.client import ClientHost, ClientOptions
-from felix.deploy.link import BrokerOptions
-from felix.deploy.memory_transport import InMemoryTransport
+from felix.deploy.memory_transport import InMemoryTransport, MemoryOptions
 from felix.deploy.server import ServeOptions, Server
 from felix.deploy.transport import Ack, ClientLink, ClientLinkArgs, ServerLink, ServerLinkArgs
 from felix.deploy.transport import register as register_transport
@@ -588,6 +587,8 @@ class TappedMemory:
     """A transport defined here: the in-memory one with a tap that records each message's channel
     and client (a stand-in for what a new transport adds: a log, a proxy, another carrier)."""
 
+    options = MemoryOptions  # its options model: the in-memory one's
+
     def __init__(self) -> None:
         self.inner = InMemoryTransport()  # its own broker object, shared by both ends
         self.seen: list[tuple[Channel, int | None]] = []
@@ -618,7 +619,7 @@ def test_a_transport_defined_here_carries_a_deployment(tmp_path: Path) -> None:
         },
     )
     opts = ServeOptions(
-        BrokerOptions(),
+        MemoryOptions(),
         run_id="ext",
         out_dir=tmp_path,
         time_scale=0.02,
@@ -629,7 +630,7 @@ def test_a_transport_defined_here_carries_a_deployment(tmp_path: Path) -> None:
     serving = Background(server.run, "server")
     serving.start()
     copts = ClientOptions(
-        BrokerOptions(), run_id="ext", time_scale=0.02, max_wall_s=60.0, transport="tapped-memory"
+        MemoryOptions(), run_id="ext", time_scale=0.02, max_wall_s=60.0, transport="tapped-memory"
     )
     hosts = [ClientHost(cfg, [cid], copts, lambda cid: (None, None)) for cid in (0, 1)]
     threads = [Background(h.run, f"client-{i}") for i, h in enumerate(hosts)]

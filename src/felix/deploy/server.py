@@ -64,7 +64,7 @@ from felix.deploy import wire
 from felix.deploy.broker_config import SERVER_RECEIVE_MAXIMUM, default_max_message_bytes
 from felix.deploy.checkpoint import AppliedLog, AppliedUpdate
 from felix.deploy.inbox import Inbox
-from felix.deploy.link import BrokerOptions, LinkError
+from felix.deploy.link import LinkError
 from felix.deploy.protocol import (
     Duplicate,
     OrchestratorView,
@@ -74,8 +74,8 @@ from felix.deploy.protocol import (
     ServerProtocol,
     TransportStats,
 )
-from felix.deploy.transport import Ack, Connected, Delivery, ServerLinkArgs
-from felix.deploy.transport import get as get_transport
+from felix.deploy.transport import Ack, Connected, Delivery, LinkOptions, ServerLinkArgs
+from felix.deploy.transport import resolve as resolve_transport
 from felix.engine.setup import build_server_side
 from felix.metrics.recorder import EvalRow
 from felix.metrics.report import EvalLog, make_output_dir
@@ -99,7 +99,7 @@ REFUSALS_LOG_EVERY = 1000
 
 @dataclass(frozen=True)
 class ServeOptions:
-    broker: BrokerOptions
+    broker: LinkOptions  # the transport's options model (MQTT: BrokerOptions)
     run_id: str
     out_dir: Path | None = None
     checkpoint: Path | None = None
@@ -235,7 +235,7 @@ class Server:
         # checkpoint, which comes at the latest when max_pending_messages are pending.
         window = min(SERVER_RECEIVE_MAXIMUM, 2 * opts.max_pending_messages)
         # Acknowledged after handling, or after the checkpoint that holds the effect.
-        self.link = get_transport(opts.transport).server_link(
+        self.link = resolve_transport(opts.transport, opts.broker).server_link(
             ServerLinkArgs(opts.run_id, opts.broker, window, self.inbox.put, self.inbox.put_many)
         )
         self._mono0 = time.monotonic()
@@ -271,12 +271,11 @@ class Server:
         self._mono0 = time.monotonic()
         self.ctl.start()
         log.info(
-            "serving run %s (session %s, life %d) on %s:%d",
+            "serving run %s (session %s, life %d) on %s",
             self.opts.run_id,
             self.session,
             self.life,
-            self.opts.broker.host,
-            self.opts.broker.port,
+            self.opts.broker.describe(),
         )
         last_status = time.monotonic()
         while self.ctl.stop_reason is None:
@@ -311,7 +310,7 @@ class Server:
             return True
         if time.monotonic() > deadline:
             raise LinkError(
-                f"the broker at {self.opts.broker.host}:{self.opts.broker.port} did not confirm the "
+                f"the broker at {self.opts.broker.describe()} did not confirm the "
                 f"server's subscriptions within {self.opts.broker.connect_timeout_s:.0f} s"
             )
         return False
@@ -365,8 +364,8 @@ class Server:
                 "run_id": self.opts.run_id,
                 "time_scale": self.opts.time_scale,
                 "lives": self.life + 1,
-                "broker": f"{self.opts.broker.host}:{self.opts.broker.port}",
-                "tls": self.opts.broker.tls_ca is not None,
+                "broker": self.opts.broker.describe(),
+                "tls": self.opts.broker.secure,
                 "applied_task_ids_unique": self.applied.unique,
             },
         }
