@@ -123,8 +123,9 @@ class Orchestration(Protocol):
     def late_task(self, cid: int) -> int | None: ...
 
 
-class OrchestratorView:
-    """The orchestrator as the protocol reads it (:class:`Orchestration`)."""
+class LiveOrchestration:
+    """An orchestrator as the protocol reads it (:class:`Orchestration`); the policies' view of
+    it is another thing, ``felix.core.view.OrchestratorView``."""
 
     def __init__(self, orch: Orchestrator) -> None:
         self._orch = orch

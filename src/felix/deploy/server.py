@@ -67,7 +67,7 @@ from felix.deploy.inbox import Inbox
 from felix.deploy.link import LinkError
 from felix.deploy.protocol import (
     Duplicate,
-    OrchestratorView,
+    LiveOrchestration,
     ProtocolLimits,
     Received,
     Refused,
@@ -210,7 +210,7 @@ class Server:
             ),
             bytes_burst=8.0 * self.max_bytes,
         )
-        self.protocol = ServerProtocol(opts.run_id, self.session, limits, OrchestratorView(self.orch))
+        self.protocol = ServerProtocol(opts.run_id, self.session, limits, LiveOrchestration(self.orch))
         self._refused: dict[int, int] = {}  # client id (-1: none, or outside the population) -> refused
         self._refusals_logged = 0  # refusal lines logged in all, within REFUSALS_LOGGED_TOTAL
         self.applied = AppliedLog(None if opts.checkpoint is None else ckpt.applied_log_path(opts.checkpoint))
