@@ -340,7 +340,10 @@ def test_semi_async_closes_a_partial_buffer_on_its_period() -> None:
     [
         ({"selector": {"name": "fewest_updates", "params": {"foo": 1}}}, "selector.params.foo: unknown key"),
         ({"aggregator": {"name": "sample_power", "params": {"power": "strong"}}}, "aggregator.params.power"),
-        ({"orchestrator": {"mode_params": {"period": 1}}}, "orchestrator.mode_params.period: unknown key"),
+        (
+            {"orchestrator": {"mode_params": {"period": 1}}},
+            "orchestrator.round_policy_params.period: unknown key",
+        ),
         ({"orchestrator": {"knowledge": "psychic"}}, "unknown availability policy 'psychic'"),
         (
             {"orchestrator": {"mode": "no_such_module:rounds"}},
@@ -433,7 +436,7 @@ def test_each_setting_is_declared_once() -> None:
     )
     o = build_orchestrator(cfg, np.zeros(4, np.float32), None)
     assert o.cfg is cfg.orchestrator
-    assert (o.cfg.overcommit, o.cfg.max_staleness, o.cfg.mode_params) == (1.7, 4, {"period_s": 20.0})
+    assert (o.cfg.overcommit, o.cfg.max_staleness, o.cfg.round_policy_params) == (1.7, 4, {"period_s": 20.0})
     assert o.validator.config is cfg.validation
     t = TrainConfig.of(cfg.client.model_copy(update={"momentum": 0.5, "probe_loss": True}))
     assert (t.momentum, t.probe_loss_key) == (0.5, "qffl_loss")

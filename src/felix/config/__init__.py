@@ -30,12 +30,14 @@ from felix.config.files import deep_merge, load_yaml, parse_set, read_yaml
 from felix.config.scenario import DatasetCfg, PartitionCfg, RamCfg, RuntimeCfg, TraceCfg
 from felix.config.stream import ArrivalCfg, DriftCfg, LabelCfg, ShiftCfg, StoreCfg, StreamCfg
 from felix.core.admission import AdmissionConfig
+from felix.core.key_aliases import KEY_ALIASES, renamed
 from felix.core.orchestrator_config import OrchestratorConfig
 from felix.core.rounds import ROUND_POLICIES
 from felix.core.validation import ValidationConfig
 from felix.privacy.config import PrivacyCfg, check_privacy
 
 __all__ = [
+    "KEY_ALIASES",
     "AdmissionConfig",
     "AggregatorCfg",
     "ArrivalCfg",
@@ -338,6 +340,13 @@ class Config(StrictModel):
             out.pop("privacy", None)
         return out
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        """Old keys under their new names (``felix.core.key_aliases``): a config file, or a finished
+        run's ``config.json``, written before a key was renamed."""
+        return renamed(data) if isinstance(data, dict) else data
+
     @field_validator("model")
     @classmethod
     def _model(cls, v: str) -> str:
@@ -363,13 +372,19 @@ class Config(StrictModel):
                 c.objective_params,
                 "client.objective_params",
             ),
-            ("felix.core.rounds", "ROUND_POLICIES", o.mode, o.mode_params, "orchestrator.mode_params"),
+            (
+                "felix.core.rounds",
+                "ROUND_POLICIES",
+                o.round_policy,
+                o.round_policy_params,
+                "orchestrator.round_policy_params",
+            ),
             (
                 "felix.core.availability",
                 "AVAILABILITY",
-                o.knowledge,
-                o.knowledge_params,
-                "orchestrator.knowledge_params",
+                o.availability,
+                o.availability_params,
+                "orchestrator.availability_params",
             ),
             (
                 "felix.core.selection",
@@ -459,9 +474,9 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
         log.warning(
             "%s: round policy %r does not use orchestrator.%s (it reads %s)",
             source,
-            o.mode,
+            o.round_policy,
             ", orchestrator.".join(unread),
-            ", ".join(ROUND_POLICIES.entry(o.mode).traits["reads"]),
+            ", ".join(ROUND_POLICIES.entry(o.round_policy).traits["reads"]),
         )
     return cfg
 
