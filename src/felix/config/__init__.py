@@ -25,7 +25,14 @@ from pydantic import (
 )
 
 from felix.client.settings import Buffers, TrainSettings, buffers_field
-from felix.config.base import ConfigError, StrictModel, check_component, registered, unknown_key
+from felix.config.base import (
+    ConfigError,
+    StrictModel,
+    check_component,
+    check_part_params,
+    registered,
+    unknown_key,
+)
 from felix.config.files import deep_merge, load_yaml, parse_set, read_yaml
 from felix.config.scenario import DatasetCfg, PartitionCfg, RamCfg, RuntimeCfg, TraceCfg
 from felix.config.stream import ArrivalCfg, DriftCfg, LabelCfg, ShiftCfg, StoreCfg, StreamCfg
@@ -415,15 +422,13 @@ class Config(StrictModel):
     def _scenario_params(self) -> Config:
         """Each scenario part's keyword parameters by the part's own model (its registry's
         ``params_model``), so a misspelt key fails here rather than when the run is built."""
-        from felix.scenario.datasets import DATASETS
-        from felix.scenario.models import MODELS
-        from felix.scenario.partition import PARTITIONERS
-        from felix.scenario.traces import TRACES
-
-        MODELS.check_params(self.model, self.model_params)
-        DATASETS.check_params(self.dataset.name, self.dataset.params)
-        PARTITIONERS.check_params(self.partition.kind, self.partition.params)
-        TRACES.check_params(self.trace.kind, self.trace.params)
+        for module, registry, ref, params in (
+            ("felix.scenario.models", "MODELS", self.model, self.model_params),
+            ("felix.scenario.datasets", "DATASETS", self.dataset.name, self.dataset.params),
+            ("felix.scenario.partition", "PARTITIONERS", self.partition.kind, self.partition.params),
+            ("felix.scenario.traces", "TRACES", self.trace.kind, self.trace.params),
+        ):
+            check_part_params(module, registry, ref, params)
         return self
 
     @model_validator(mode="after")
