@@ -34,8 +34,7 @@ from felix.deploy.channels import Channel
 from felix.deploy.client import ClientHost, ClientOptions
 from felix.deploy.memory_transport import InMemoryTransport, MemoryOptions
 from felix.deploy.server import ServeOptions, Server
-from felix.deploy.transport import Ack, ClientLink, ClientLinkArgs, ServerLink, ServerLinkArgs
-from felix.deploy.transport import register as register_transport
+from felix.deploy.transport import TRANSPORTS, Ack, ClientLink, ClientLinkArgs, ServerLink, ServerLinkArgs
 from felix.engine.components import build_objective, build_orchestrator
 from felix.engine.setup import resolve_config
 from felix.scenario.build import build_runtimes
@@ -604,7 +603,7 @@ class TappedMemory:
 
 
 TAPPED = TappedMemory()
-register_transport("tapped-memory", TAPPED)
+TRANSPORTS.register("tapped-memory")(TAPPED)
 
 
 def test_a_transport_defined_here_carries_a_deployment(tmp_path: Path) -> None:

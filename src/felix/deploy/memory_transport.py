@@ -21,13 +21,13 @@ from typing import ClassVar
 from felix.deploy.channels import Address, Channel
 from felix.deploy.link import Connected, LinkError
 from felix.deploy.transport import (
+    TRANSPORTS,
     Ack,
     BatchSink,
     ClientLinkArgs,
     Delivery,
     ServerLinkArgs,
     Sink,
-    register,
 )
 
 
@@ -216,4 +216,4 @@ class InMemoryTransport:
         return InMemoryClientLink(self.broker, args)
 
 
-register("memory", InMemoryTransport())
+TRANSPORTS.register("memory")(InMemoryTransport())

@@ -16,13 +16,13 @@ from felix.deploy.channels import Address, Channel
 from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
 from felix.deploy.topics import Topics
 from felix.deploy.transport import (
+    TRANSPORTS,
     Ack,
     BatchSink,
     ClientLinkArgs,
     Delivery,
     ServerLinkArgs,
     Sink,
-    register,
 )
 
 AddressOf = Callable[[str], Address | None]
@@ -136,4 +136,4 @@ class MqttTransport:
         return MqttClientLink(args)
 
 
-register("mqtt", MqttTransport())
+TRANSPORTS.register("mqtt")(MqttTransport())

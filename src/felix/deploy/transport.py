@@ -6,7 +6,8 @@ addressing, and a transport is chosen by name (``felix serve/client --transport 
 ``ServeOptions.transport`` / ``ClientOptions.transport``; ``mqtt`` by default). A transport is one
 file that implements :class:`Transport`, keeps its options model beside it (a dataclass the
 shells read as :class:`LinkOptions`; the CLI builds it from ``--link KEY=VALUE`` with
-:func:`link_options`) and registers itself with :func:`register`.
+:func:`link_options`) and registers an instance in :data:`TRANSPORTS` (the registry class of every
+component kind, ``felix.core.registry``).
 
 A link hands what it receives to its owner's sinks, from any thread: a :class:`Connected` notice
 per (re)connection, and :class:`Delivery` items (one at a time to ``sink`` or a list at once to
@@ -23,11 +24,12 @@ import dataclasses
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from pydantic import TypeAdapter, ValidationError
 
 from felix.config.base import unknown_key
+from felix.core.registry import Registry
 from felix.deploy.channels import Address, Channel
 from felix.deploy.link import Connected
 
@@ -154,24 +156,16 @@ class Transport(Protocol):
     def client_link(self, args: ClientLinkArgs) -> ClientLink: ...
 
 
-_TRANSPORTS: dict[str, Transport] = {}
-
-
-def register(name: str, transport: Transport) -> None:
-    """Make ``transport`` available as ``name`` (a name registered twice is an error)."""
-    if name in _TRANSPORTS:
-        raise ValueError(f"transport {name!r} is already registered")
-    _TRANSPORTS[name] = transport
+#: The transports by name; the built-in ones' modules are imported on the first lookup. A
+#: transport registers an instance (its links share what it holds): ``TRANSPORTS.register(name)(t)``.
+TRANSPORTS: Registry[Transport] = Registry(
+    "transport", modules=("felix.deploy.mqtt_transport", "felix.deploy.memory_transport"), key="transport"
+)
 
 
 def get(name: str) -> Transport:
-    """The transport registered as ``name`` (the built-in ones register on first use)."""
-    from felix.deploy import memory_transport, mqtt_transport  # noqa: F401 - they register
-
-    try:
-        return _TRANSPORTS[name]
-    except KeyError:
-        raise ValueError(f"unknown transport {name!r}; known: {', '.join(sorted(_TRANSPORTS))}") from None
+    """The transport registered as ``name``."""
+    return cast(Transport, TRANSPORTS.entry(name).factory)  # an instance, registered as itself
 
 
 def resolve(name: str, options: object) -> Transport:
