@@ -74,6 +74,7 @@ from felix.deploy.protocol import (
     ServerProtocol,
     TransportStats,
 )
+from felix.deploy.refusal_log import RefusalLog
 from felix.deploy.transport import Ack, Connected, Delivery, LinkOptions, ServerLinkArgs
 from felix.deploy.transport import resolve as resolve_transport
 from felix.engine.setup import build_server_side
@@ -86,15 +87,6 @@ from felix.stream.summary import stream_summary
 log = logging.getLogger("felix.deploy.server")
 
 INBOX_BATCH = 64  # inbound messages handled per loop turn at most (timers and commits run between turns)
-# A client's refused messages are all counted (summary: rejected_by_reason), but only its first
-# REFUSALS_LOGGED and then every REFUSALS_LOG_EVERY-th are logged: one client publishing refused
-# messages as fast as it can must not fill the server's disk with log lines. Nor may many clients
-# (a population's worth of credentials, or made-up ids on a broker without ACLs): once
-# REFUSALS_LOGGED_TOTAL lines have been logged in all, only every REFUSALS_LOG_EVERY-th refusal
-# of the whole server is.
-REFUSALS_LOGGED = 20
-REFUSALS_LOGGED_TOTAL = 500
-REFUSALS_LOG_EVERY = 1000
 
 
 @dataclass(frozen=True)
@@ -211,8 +203,7 @@ class Server:
             bytes_burst=8.0 * self.max_bytes,
         )
         self.protocol = ServerProtocol(opts.run_id, self.session, limits, LiveOrchestration(self.orch))
-        self._refused: dict[int, int] = {}  # client id (-1: none, or outside the population) -> refused
-        self._refusals_logged = 0  # refusal lines logged in all, within REFUSALS_LOGGED_TOTAL
+        self.refusals = RefusalLog(self.num_clients)
         self.applied = AppliedLog(None if opts.checkpoint is None else ckpt.applied_log_path(opts.checkpoint))
         self.plan_info: dict[str, Any] | None = None  # the data plan (lb / dafl), once computed
         self.life = 0
@@ -392,36 +383,8 @@ class Server:
         self._publish_status("running")  # retained; after a reconnect too, in case the broker lost it
 
     def _log_refusal(self, r: Refused, error: bool = False) -> None:
-        """Log a refusal (the protocol counted it) within the per-client and the server-wide limits
-        (``error``: with the traceback of the exception being handled)."""
-        total = self.stats.rejected
-        # Ids outside the population share one count: a broker without ACLs lets anyone publish
-        # under any id, and a count per id would grow with every id made up.
-        key = r.client if 0 <= r.client < self.num_clients else -1
-        n = self._refused[key] = self._refused.get(key, 0) + 1
-        if (
-            n <= REFUSALS_LOGGED or n % REFUSALS_LOG_EVERY == 0
-        ) and self._refusals_logged < REFUSALS_LOGGED_TOTAL:
-            self._refusals_logged += 1
-            if self._refusals_logged == REFUSALS_LOGGED_TOTAL:
-                note = f" [{total} refused in all; from now on every {REFUSALS_LOG_EVERY}th of the server's is logged]"
-            elif n >= REFUSALS_LOGGED:
-                note = f" [{n} refused from this client; from now on every {REFUSALS_LOG_EVERY}th is logged]"
-            else:
-                note = ""
-        elif total % REFUSALS_LOG_EVERY == 0:
-            note = f" [{total} refused in all, {n} from this client; every {REFUSALS_LOG_EVERY}th is logged]"
-        else:
-            return
-        log.warning(
-            "rejected message from client %d (task %d): %s%s%s",
-            r.client,
-            r.task,
-            r.reason,
-            f" ({r.detail})" if r.detail else "",
-            note,
-            exc_info=error,
-        )
+        """Log a refusal (the protocol counted it) within bounds (``felix.deploy.refusal_log``)."""
+        self.refusals.log(r, self.stats.rejected, error)
 
     def handle_inbound(self, m: Delivery) -> None:
         """Handle one inbound message; its acknowledgement waits (without its payload) for the next
