@@ -421,7 +421,7 @@ class Config(StrictModel):
     @model_validator(mode="after")
     def _scenario_params(self) -> Config:
         """Each scenario part's keyword parameters by the part's own model (its registry's
-        ``params_model``), so a misspelt key fails here rather than when the run is built."""
+        ``check_params``), so a misspelt key fails here rather than when the run is built."""
         for module, registry, ref, params in (
             ("felix.scenario.models", "MODELS", self.model, self.model_params),
             ("felix.scenario.datasets", "DATASETS", self.dataset.name, self.dataset.params),
