@@ -184,7 +184,7 @@ def run_scenario(
     schedule = tier_schedule(ids, rng)
     oracle = ScheduleOracle(schedule)
     cfg, train, ev = _build(name, oracle)
-    agg = FedBuffAggregator() if cfg.mode == "async" else FedAvgAggregator()
+    agg = FedBuffAggregator() if cfg.round_policy == "async" else FedAvgAggregator()
     orch = Orchestrator(
         cfg,
         np.zeros(DIM, np.float32),

@@ -43,12 +43,12 @@ def test_every_preset_validates_and_builds(name):
     import numpy as np
 
     orch = build_orchestrator(cfg, np.zeros(3, np.float32), build_trace(cfg))
-    assert orch.cfg.mode == cfg.orchestrator.mode
+    assert orch.cfg.round_policy == cfg.orchestrator.round_policy
 
 
 def test_table1_axes():
     felix = resolve_config(None, "felix", {})
-    assert (felix.orchestrator.mode, felix.orchestrator.knowledge) == ("async", "tiertrack")
+    assert (felix.orchestrator.round_policy, felix.orchestrator.availability) == ("async", "tiertrack")
     assert (felix.selector.name, felix.eval_selector.name, felix.aggregator.name) == (
         "oort",
         "tierselect",
@@ -56,15 +56,19 @@ def test_table1_axes():
     )
     assert felix.aggregator.server_lr == 0.3
     oort = resolve_config(None, "oort", {})
-    assert (oort.orchestrator.mode, oort.orchestrator.knowledge, oort.orchestrator.task_timeout_s) == (
+    assert (
+        oort.orchestrator.round_policy,
+        oort.orchestrator.availability,
+        oort.orchestrator.task_timeout_s,
+    ) == (
         "sync",
         "none",
         None,
     )
-    assert resolve_config(None, "oort*", {}).orchestrator.knowledge == "oracle"
-    assert resolve_config(None, "oort-async*", {}).orchestrator.knowledge == "oracle"
+    assert resolve_config(None, "oort*", {}).orchestrator.availability == "oracle"
+    assert resolve_config(None, "oort-async*", {}).orchestrator.availability == "oracle"
     refl = resolve_config(None, "refl*", {})
-    assert (refl.selector.name, refl.aggregator.name, refl.orchestrator.knowledge) == (
+    assert (refl.selector.name, refl.aggregator.name, refl.orchestrator.availability) == (
         "refl_ips",
         "refl_saa",
         "oracle",

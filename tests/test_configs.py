@@ -79,7 +79,7 @@ def test_configs_folder_is_the_package_data() -> None:
 
 def test_strategy_presets_by_paper_name_or_file_name() -> None:
     assert strategy_preset("oort-async*") == strategy_preset("oort-async-oracle")
-    assert strategy_preset("oort-async*")["orchestrator"]["knowledge"] == "oracle"
+    assert strategy_preset("oort-async*")["orchestrator"]["availability"] == "oracle"
     assert slug("oort-async+tiertrack") == "oort-async-tiertrack"
     # A caller that mutates what it got does not change the preset.
     strategy_preset("felix")["aggregator"]["name"] = "x"

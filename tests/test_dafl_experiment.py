@@ -108,7 +108,7 @@ def test_the_file_is_the_old_experiment_setting() -> None:
     nic = cfgs["NIC"]
     assert nic.partition.table == scale_table(partition("D2"), 0.1).tolist()
     assert (
-        nic.orchestrator.mode == "sync"
+        nic.orchestrator.round_policy == "sync"
         and nic.orchestrator.agg_goal == 8
         and nic.orchestrator.overcommit == 1
     )

@@ -12,6 +12,8 @@ import pytest
 from felix.cli import main
 from felix.deploy.client import ClientOptions
 from felix.deploy.link import BrokerOptions
+from felix.deploy.memory_transport import MemoryOptions
+from felix.deploy.transport import link_options, resolve
 
 
 def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
@@ -94,4 +96,41 @@ def test_the_server_refuses_a_message_limit_below_one_update_and_folders_it_cann
     err = capsys.readouterr().err
     assert err.count("cannot hold one result: its update alone is") == 3
     assert f"checkpoint folder {a_file}: " in err and f"output folder {a_file}: " in err
+    assert "Traceback" not in err
+
+
+def test_a_transport_is_chosen_by_name_and_reads_its_own_options_model() -> None:
+    """``--transport NAME`` and ``--link KEY=VALUE`` build the named transport's options model;
+    a key it lacks is named (with the nearest one), and a model of another transport is refused."""
+    mqtt = link_options("mqtt", {"host": "broker.lan", "port": "1884", "keepalive_s": "30"})
+    assert mqtt == BrokerOptions(host="broker.lan", port=1884, keepalive_s=30)
+    assert mqtt.describe() == "broker.lan:1884" and not mqtt.secure
+    assert mqtt.with_login("u", "p") == BrokerOptions(
+        host="broker.lan", port=1884, keepalive_s=30, username="u", password="p"
+    )
+    memory = link_options("memory", {})
+    assert memory == MemoryOptions() and memory.with_login("u", "p") == memory
+    with pytest.raises(ValueError, match="transport 'mqtt': option 'prot': unknown key .did you mean `port`"):
+        link_options("mqtt", {"prot": "1"})
+    with pytest.raises(ValueError, match="transport 'mqtt': option 'port': Input should be a valid integer"):
+        link_options("mqtt", {"port": "x"})
+    with pytest.raises(
+        ValueError, match=r"transport: unknown transport 'carrier-pigeon'; choose one of \['memory', 'mqtt'"
+    ):
+        link_options("carrier-pigeon", {})
+    with pytest.raises(TypeError, match="transport 'memory' takes MemoryOptions, not BrokerOptions"):
+        resolve("memory", BrokerOptions())
+
+
+def test_the_commands_name_a_transports_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["client", "--id", "0", "--transport", "memory", "--broker", "127.0.0.1:1"]) == 2
+    assert main(["serve", "--transport", "mqtt", "--link", "keepalive=3"]) == 2
+    assert main(["serve", "--link", "keepalive_s"]) == 2
+    err = capsys.readouterr().err
+    assert "felix client: error: transport 'memory': option 'host': unknown key" in err
+    assert (
+        "felix serve: error: transport 'mqtt': option 'keepalive': unknown key (did you mean `keepalive_s`?)"
+        in err
+    )
+    assert "--link expects KEY=VALUE, got 'keepalive_s'" in err
     assert "Traceback" not in err

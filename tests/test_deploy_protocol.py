@@ -205,7 +205,9 @@ def test_a_data_plan_row_raises_the_registration_bound() -> None:
     )
 
 
-def test_results_are_checked_against_the_task_they_answer() -> None:
+def test_a_result_carries_its_kind_and_version_to_the_orchestrator() -> None:
+    """The protocol keeps no record of dispatched tasks: a result's kind and version travel in
+    its event, and the orchestrator's ledger checks them (test_orchestrator)."""
     p, _ = _protocol()
     out = p.send(DispatchTrain(7, 1, 3, np.zeros(N, np.float32)), sent_at=100.0)
     assert not isinstance(out, Refused) and out is not None
@@ -216,18 +218,35 @@ def test_results_are_checked_against_the_task_they_answer() -> None:
     )
     sent = wire.decode(out.payload, 1 << 16)
     assert isinstance(sent, wire.TrainTask) and (sent.task, sent.version, sent.sent_at) == (7, 3, 100.0)
-    assert _refusal(p.receive(At.result(1), _result(version=2), 1.0)) is Refusal.WRONG_VERSION
-    evald = _result(version=3, kind=TaskKind.EVAL, msg_id="inc-3", delta=None)
-    assert _refusal(p.receive(At.result(1), evald, 1.0)) is Refusal.WRONG_KIND
-    assert isinstance(p.receive(At.result(1), _result(version=3, msg_id="inc-4"), 1.0), Accepted)
-    p.closed(7)
-    assert 7 not in p.shadow
-    ev = p.send(DispatchEval(8, 2, 3, np.zeros(N, np.float32)), 1.0)
-    assert ev is not None and not isinstance(ev, Refused)
-    assert ev.wire_kind == "eval" and p.shadow[8].kind is TaskKind.EVAL
+    got = p.receive(At.result(1), _result(version=2), 1.0)
+    assert isinstance(got, Accepted)
+    ev = got.events[0][0]
+    assert isinstance(ev, TaskFinished) and (ev.task_id, ev.kind, ev.version) == (7, TaskKind.TRAIN, 2)
+    evald = p.receive(At.result(1), _result(version=3, kind=TaskKind.EVAL, msg_id="inc-3", delta=None), 1.0)
+    assert isinstance(evald, Accepted)
+    assert (evald.events[0][0].kind, evald.wire_kind) == (TaskKind.EVAL, "eval")  # type: ignore[union-attr]
+    ev8 = p.send(DispatchEval(8, 2, 3, np.zeros(N, np.float32)), 1.0)
+    assert ev8 is not None and not isinstance(ev8, Refused) and ev8.wire_kind == "eval"
     cancel = p.send(CancelTask(8, 2, "straggler"), 1.0)
     assert cancel is not None and not isinstance(cancel, Refused) and cancel.wire_kind == "control"
-    assert 8 not in p.shadow
+
+
+def test_a_checkpoint_written_with_the_shadow_record_still_loads() -> None:
+    """Checkpoints written before the ledger checked kind and version hold the protocol's own
+    ``shadow`` copy of the dispatched tasks; they load, and the copy is not needed."""
+    p, _ = _protocol()
+    p.receive(At.register(1), _register(), 0.0)
+    old = p.state_dict()
+    old["shadow"] = {
+        "task": np.array([7], np.int64),
+        "client": np.array([1], np.int64),
+        "train": np.array([1], np.int8),
+        "version": np.array([0], np.int64),
+    }
+    q, _ = _protocol()
+    q.load_state_dict(old)
+    assert (q.seq_marks, q.incarnations) == (p.seq_marks, p.incarnations) != ({}, {})
+    assert "shadow" not in q.state_dict()
 
 
 def test_an_update_the_orchestrator_rejects_is_counted_by_kind_and_reason() -> None:
@@ -272,11 +291,10 @@ def test_the_protocol_state_round_trips_through_a_checkpoint() -> None:
     p.accepted(first)
     q, _ = _protocol()
     q.load_state_dict(p.state_dict())
-    assert (q.seq_marks, q.result_digests, q.incarnations, q.shadow) == (
+    assert (q.seq_marks, q.result_digests, q.incarnations) == (
         p.seq_marks,
         p.result_digests,
         p.incarnations,
-        p.shadow,
     )
     assert isinstance(q.receive(At.result(1), _result(), 2.0), Duplicate)
 

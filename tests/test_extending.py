@@ -32,11 +32,9 @@ from felix.core.run_facts import RunFacts
 from felix.core.types import BufferedUpdate, ClientUpdate, Task, Tier
 from felix.deploy.channels import Channel
 from felix.deploy.client import ClientHost, ClientOptions
-from felix.deploy.link import BrokerOptions
-from felix.deploy.memory_transport import InMemoryTransport
+from felix.deploy.memory_transport import InMemoryTransport, MemoryOptions
 from felix.deploy.server import ServeOptions, Server
-from felix.deploy.transport import Ack, ClientLink, ClientLinkArgs, ServerLink, ServerLinkArgs
-from felix.deploy.transport import register as register_transport
+from felix.deploy.transport import TRANSPORTS, Ack, ClientLink, ClientLinkArgs, ServerLink, ServerLinkArgs
 from felix.engine.components import build_objective, build_orchestrator
 from felix.engine.setup import resolve_config
 from felix.scenario.build import build_runtimes
@@ -341,7 +339,10 @@ def test_semi_async_closes_a_partial_buffer_on_its_period() -> None:
     [
         ({"selector": {"name": "fewest_updates", "params": {"foo": 1}}}, "selector.params.foo: unknown key"),
         ({"aggregator": {"name": "sample_power", "params": {"power": "strong"}}}, "aggregator.params.power"),
-        ({"orchestrator": {"mode_params": {"period": 1}}}, "orchestrator.mode_params.period: unknown key"),
+        (
+            {"orchestrator": {"mode_params": {"period": 1}}},
+            "orchestrator.round_policy_params.period: unknown key",
+        ),
         ({"orchestrator": {"knowledge": "psychic"}}, "unknown availability policy 'psychic'"),
         (
             {"orchestrator": {"mode": "no_such_module:rounds"}},
@@ -434,7 +435,7 @@ def test_each_setting_is_declared_once() -> None:
     )
     o = build_orchestrator(cfg, np.zeros(4, np.float32), None)
     assert o.cfg is cfg.orchestrator
-    assert (o.cfg.overcommit, o.cfg.max_staleness, o.cfg.mode_params) == (1.7, 4, {"period_s": 20.0})
+    assert (o.cfg.overcommit, o.cfg.max_staleness, o.cfg.round_policy_params) == (1.7, 4, {"period_s": 20.0})
     assert o.validator.config is cfg.validation
     t = TrainConfig.of(cfg.client.model_copy(update={"momentum": 0.5, "probe_loss": True}))
     assert (t.momentum, t.probe_loss_key) == (0.5, "qffl_loss")
@@ -588,6 +589,8 @@ class TappedMemory:
     """A transport defined here: the in-memory one with a tap that records each message's channel
     and client (a stand-in for what a new transport adds: a log, a proxy, another carrier)."""
 
+    options = MemoryOptions  # its options model: the in-memory one's
+
     def __init__(self) -> None:
         self.inner = InMemoryTransport()  # its own broker object, shared by both ends
         self.seen: list[tuple[Channel, int | None]] = []
@@ -600,7 +603,7 @@ class TappedMemory:
 
 
 TAPPED = TappedMemory()
-register_transport("tapped-memory", TAPPED)
+TRANSPORTS.register("tapped-memory")(TAPPED)
 
 
 def test_a_transport_defined_here_carries_a_deployment(tmp_path: Path) -> None:
@@ -618,7 +621,7 @@ def test_a_transport_defined_here_carries_a_deployment(tmp_path: Path) -> None:
         },
     )
     opts = ServeOptions(
-        BrokerOptions(),
+        MemoryOptions(),
         run_id="ext",
         out_dir=tmp_path,
         time_scale=0.02,
@@ -629,7 +632,7 @@ def test_a_transport_defined_here_carries_a_deployment(tmp_path: Path) -> None:
     serving = Background(server.run, "server")
     serving.start()
     copts = ClientOptions(
-        BrokerOptions(), run_id="ext", time_scale=0.02, max_wall_s=60.0, transport="tapped-memory"
+        MemoryOptions(), run_id="ext", time_scale=0.02, max_wall_s=60.0, transport="tapped-memory"
     )
     hosts = [ClientHost(cfg, [cid], copts, lambda cid: (None, None)) for cid in (0, 1)]
     threads = [Background(h.run, f"client-{i}") for i, h in enumerate(hosts)]

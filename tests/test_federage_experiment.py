@@ -55,7 +55,7 @@ def test_the_file_lists_the_methods_of_the_old_catalogue() -> None:
     comp = load_comparison(COMPARISONS / "federage.yaml")
     assert list(comp.variants) == VARIANTS and comp.seeds == [0, 1, 2] and comp.reference == "fedavg"
     cfgs = {v: variant_config(comp, v, {}, 0) for v in VARIANTS}
-    assert cfgs["fedavg"].trace.kind == "ram" and cfgs["fedavg"].orchestrator.mode == "sync"
+    assert cfgs["fedavg"].trace.kind == "ram" and cfgs["fedavg"].orchestrator.round_policy == "sync"
     assert cfgs["scaffold"].client.objective == "scaffold"
     assert cfgs["qffl"].aggregator.name == "qffl" and cfgs["qffl"].client.probe_loss
     assert cfgs["fedprox"].client.objective_params == {"mu": 0.01}

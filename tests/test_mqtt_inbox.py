@@ -67,7 +67,7 @@ def test_a_client_flooding_refused_messages_cannot_flood_the_log(
 ) -> None:
     """Every refusal is counted, but a client's refusals are logged only at first and then one in
     REFUSALS_LOG_EVERY: a client publishing garbage as fast as it can must not fill the disk."""
-    from felix.deploy.server import REFUSALS_LOG_EVERY, REFUSALS_LOGGED
+    from felix.deploy.refusal_log import REFUSALS_LOG_EVERY, REFUSALS_LOGGED
 
     cfg = load_config(
         write_config(tmp_path / "cfg.yaml", partition={"num_clients": 2}), {"strategy": "fedbuff"}
@@ -87,7 +87,7 @@ def test_a_client_flooding_refused_messages_cannot_flood_the_log(
     # Made-up ids beyond the population (a broker without ACLs) share one count: no growth per id.
     for i in range(500):
         server.handle_inbound(result_from(10**6 + i, b"x", i))
-    assert set(server._refused) == {1, -1} and server._refused[-1] == 500
+    assert set(server.refusals.refused) == {1, -1} and server.refusals.refused[-1] == 500
 
 
 def test_many_clients_refused_together_cannot_flood_the_log(
@@ -96,7 +96,7 @@ def test_many_clients_refused_together_cannot_flood_the_log(
     """Each client's first refusals are within its own limit, but a population of them (stolen
     credentials, or a broker without ACLs) is held to the server-wide budget: after
     REFUSALS_LOGGED_TOTAL lines, only every REFUSALS_LOG_EVERY-th refusal of the server is logged."""
-    from felix.deploy.server import REFUSALS_LOG_EVERY, REFUSALS_LOGGED, REFUSALS_LOGGED_TOTAL
+    from felix.deploy.refusal_log import REFUSALS_LOG_EVERY, REFUSALS_LOGGED, REFUSALS_LOGGED_TOTAL
 
     clients, each = 300, 8
     assert each <= REFUSALS_LOGGED and clients * each > REFUSALS_LOGGED_TOTAL + REFUSALS_LOG_EVERY

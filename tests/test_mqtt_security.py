@@ -228,7 +228,9 @@ def test_hostile_messages_are_rejected_and_the_run_goes_on(tmp_path: Path) -> No
     }
     assert reasons == expected, reasons
     assert summ["transport"]["rejected"] == sum(expected.values())  # all rejections, shell and orchestrator
-    assert summ["diagnostics"]["rejected"] == 4  # those the orchestrator made itself
+    assert (
+        summ["diagnostics"]["rejected"] == 5
+    )  # those the orchestrator made itself (its ledger: the version)
     # The message on client 1's topic never reached the server: the broker's ACL dropped it.
     assert summ["transport"]["messages_in"] == 2 + len(sent) - 1 + 1
 

@@ -9,7 +9,7 @@ from felix.core.commands import CancelTask, DispatchTrain, NewModelVersion, Upda
 from felix.core.events import ClientRegistered, TaskFailed, TaskFinished, Tick, TierChanged
 from felix.core.orchestrator import AvailabilityName, Orchestrator, OrchestratorConfig
 from felix.core.refusals import Refusal
-from felix.core.types import ClientUpdate, Tier
+from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.core.validation import AuxDecl
 from felix.strategies.aggregation.fedavg import FedAvgAggregator, FedBuffAggregator
 from felix.strategies.selection.random import RandomSelector
@@ -79,6 +79,24 @@ def test_sync_overcommits_and_cancels_stragglers():
     assert len(dispatched(out)) == 3  # the next round starts in the same step
     late = o.handle(TaskFinished(3.0, tasks[2].client_id, tasks[2].task_id, upd()))
     assert [c.reason for c in late if isinstance(c, UpdateRejected)] == ["result for a cancelled task"]
+
+
+def test_the_ledger_refuses_a_result_of_another_kind_or_version():
+    """A result states its kind and model version (a deployment's wire carries both); the ledger
+    checks them against the task it answers, and the task stays open for the right result."""
+    o = make(concurrency=1, agg_goal=1)
+    (task,) = dispatched(register(o, 1))
+    cid, tid, v = task.client_id, task.task_id, task.version
+    wrong_kind = o.handle(TaskFinished(1.0, cid, tid, upd(), TaskKind.EVAL, v))
+    wrong_version = o.handle(TaskFinished(2.0, cid, tid, upd(), TaskKind.TRAIN, v + 1))
+    refused = [c for c in wrong_kind + wrong_version if isinstance(c, UpdateRejected)]
+    assert [(c.kind, c.reason) for c in refused] == [
+        (Refusal.WRONG_KIND, "eval result for a train task"),
+        (Refusal.WRONG_VERSION, f"result computed on version {v + 1}, task was dispatched with version {v}"),
+    ]
+    assert tid in o.ledger and o.stats.updates_applied == 0
+    o.handle(TaskFinished(3.0, cid, tid, upd(), TaskKind.TRAIN, v))
+    assert tid not in o.ledger and o.stats.updates_applied == 1
 
 
 def test_sync_without_deadline_or_timeout_stalls():

@@ -15,8 +15,8 @@ from PIL import Image
 from felix.cli import main
 from felix.config import ConfigError
 from felix.core.refusals import Refusal
+from felix.experiments.html_report import judge, report
 from felix.experiments.paper_catalog import DEFAULT_CATALOG, Claim, load_catalog
-from felix.experiments.report import judge, report
 from felix.experiments.result_folder import best_point, lr_grid, raw_weights, read_folder, run_diagnostics
 from felix.metrics.report import rejections_by_kind, rejections_by_reason
 

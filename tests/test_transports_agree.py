@@ -28,7 +28,9 @@ from mqtt_support import (
 from felix.config import Config
 from felix.deploy.client import ClientHost, ClientOptions, credentials_from_map
 from felix.deploy.link import BrokerOptions
+from felix.deploy.memory_transport import MemoryOptions
 from felix.deploy.server import ServeOptions, Server
+from felix.deploy.transport import LinkOptions
 
 pytestmark = needs_mosquitto
 SCALE = 0.1  # a 10 s task lasts 1 s of wall time: the three clients register well within it
@@ -49,7 +51,7 @@ def _config(tmp_path: Path) -> Config:
 
 
 def deploy(
-    cfg: Config, out: Path, transport: str, server_broker: BrokerOptions, client_broker: BrokerOptions, creds
+    cfg: Config, out: Path, transport: str, server_broker: LinkOptions, client_broker: LinkOptions, creds
 ) -> list[tuple[str, ...]]:
     """Run the deployment over ``transport``; the applied updates without their times."""
     run_id = f"agree-{transport}"
@@ -92,7 +94,7 @@ def deploy(
 def test_in_memory_and_mqtt_apply_the_same_updates(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     memory = deploy(
-        cfg, tmp_path / "memory", "memory", BrokerOptions(), BrokerOptions(), lambda cid: (None, None)
+        cfg, tmp_path / "memory", "memory", MemoryOptions(), MemoryOptions(), lambda cid: (None, None)
     )
     with MosquittoBroker(len(CLIENTS), workdir=tmp_path / "broker") as broker:
         mqtt = deploy(

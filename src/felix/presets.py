@@ -1,7 +1,7 @@
 """Named strategies (the papers' table rows), named scenarios and named comparisons, read from the
 YAML files shipped in ``felix/configs/`` (the repository's top-level ``configs/`` links there).
 
-A strategy preset sets only the strategy axes (orchestrator mode and knowledge, selectors,
+A strategy preset sets only the strategy axes (orchestrator round and availability policy, selectors,
 aggregator); a scenario sets the data, population, traces and targets; a comparison runs named
 variants of a base scenario (``felix.experiments.compare``). Merge order:
 defaults <- scenario/config file <- strategy preset <- --set.

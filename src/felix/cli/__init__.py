@@ -36,7 +36,7 @@ LAZY_COMMANDS = {
         "the DAFL paper's Table IV (configs/comparisons/dafl-table4.yaml)",
     ),
     "report": (
-        "felix.experiments.report",
+        "felix.experiments.html_report",
         "add_parser",
         "comparison folders as one offline HTML page, ours beside the paper's",
     ),

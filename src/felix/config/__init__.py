@@ -25,17 +25,26 @@ from pydantic import (
 )
 
 from felix.client.settings import Buffers, TrainSettings, buffers_field
-from felix.config.base import ConfigError, StrictModel, check_component, registered, unknown_key
+from felix.config.base import (
+    ConfigError,
+    StrictModel,
+    check_component,
+    check_part_params,
+    registered,
+    unknown_key,
+)
 from felix.config.files import deep_merge, load_yaml, parse_set, read_yaml
 from felix.config.scenario import DatasetCfg, PartitionCfg, RamCfg, RuntimeCfg, TraceCfg
 from felix.config.stream import ArrivalCfg, DriftCfg, LabelCfg, ShiftCfg, StoreCfg, StreamCfg
 from felix.core.admission import AdmissionConfig
+from felix.core.key_aliases import KEY_ALIASES, renamed
 from felix.core.orchestrator_config import OrchestratorConfig
 from felix.core.rounds import ROUND_POLICIES
 from felix.core.validation import ValidationConfig
 from felix.privacy.config import PrivacyCfg, check_privacy
 
 __all__ = [
+    "KEY_ALIASES",
     "AdmissionConfig",
     "AggregatorCfg",
     "ArrivalCfg",
@@ -338,6 +347,13 @@ class Config(StrictModel):
             out.pop("privacy", None)
         return out
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        """Old keys under their new names (``felix.core.key_aliases``): a config file, or a finished
+        run's ``config.json``, written before a key was renamed."""
+        return renamed(data) if isinstance(data, dict) else data
+
     @field_validator("model")
     @classmethod
     def _model(cls, v: str) -> str:
@@ -363,13 +379,19 @@ class Config(StrictModel):
                 c.objective_params,
                 "client.objective_params",
             ),
-            ("felix.core.rounds", "ROUND_POLICIES", o.mode, o.mode_params, "orchestrator.mode_params"),
+            (
+                "felix.core.rounds",
+                "ROUND_POLICIES",
+                o.round_policy,
+                o.round_policy_params,
+                "orchestrator.round_policy_params",
+            ),
             (
                 "felix.core.availability",
                 "AVAILABILITY",
-                o.knowledge,
-                o.knowledge_params,
-                "orchestrator.knowledge_params",
+                o.availability,
+                o.availability_params,
+                "orchestrator.availability_params",
             ),
             (
                 "felix.core.selection",
@@ -399,16 +421,14 @@ class Config(StrictModel):
     @model_validator(mode="after")
     def _scenario_params(self) -> Config:
         """Each scenario part's keyword parameters by the part's own model (its registry's
-        ``params_model``), so a misspelt key fails here rather than when the run is built."""
-        from felix.scenario.datasets import DATASETS
-        from felix.scenario.models import MODELS
-        from felix.scenario.partition import PARTITIONERS
-        from felix.scenario.traces import TRACES
-
-        MODELS.check_params(self.model, self.model_params)
-        DATASETS.check_params(self.dataset.name, self.dataset.params)
-        PARTITIONERS.check_params(self.partition.kind, self.partition.params)
-        TRACES.check_params(self.trace.kind, self.trace.params)
+        ``check_params``), so a misspelt key fails here rather than when the run is built."""
+        for module, registry, ref, params in (
+            ("felix.scenario.models", "MODELS", self.model, self.model_params),
+            ("felix.scenario.datasets", "DATASETS", self.dataset.name, self.dataset.params),
+            ("felix.scenario.partition", "PARTITIONERS", self.partition.kind, self.partition.params),
+            ("felix.scenario.traces", "TRACES", self.trace.kind, self.trace.params),
+        ):
+            check_part_params(module, registry, ref, params)
         return self
 
     @model_validator(mode="after")
@@ -459,9 +479,9 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
         log.warning(
             "%s: round policy %r does not use orchestrator.%s (it reads %s)",
             source,
-            o.mode,
+            o.round_policy,
             ", orchestrator.".join(unread),
-            ", ".join(ROUND_POLICIES.entry(o.mode).traits["reads"]),
+            ", ".join(ROUND_POLICIES.entry(o.round_policy).traits["reads"]),
         )
     return cfg
 

@@ -4,16 +4,10 @@ every section, and the checks of a scenario part or a strategy component against
 
 from __future__ import annotations
 
-import difflib
 import importlib
-from collections.abc import Iterable
 from typing import Any
 
-from felix.core.settings import Settings
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message says which key and why."""
+from felix.core.settings import ConfigError, Settings, unknown_key
 
 
 class StrictModel(Settings):
@@ -21,21 +15,21 @@ class StrictModel(Settings):
     that a section and a component's own settings model are one kind of thing."""
 
 
-def unknown_key(key: str, known: Iterable[str]) -> str:
-    """The problem of an unknown key, with the nearest of the ``known`` ones when one is close."""
-    near = difflib.get_close_matches(key, list(known), n=1)
-    return "unknown key" + (f" (did you mean `{near[0]}`?)" if near else "")
-
-
 def registered(module: str, registry: str, value: str) -> str:
     """A scenario part given as a registered name or an import path, checked against its registry
-    (``felix.scenario.registry``). The registry's module is imported only here, when a config is
+    (``felix.core.registry``). The registry's module is imported only here, when a config is
     validated: it may import torch, which merely importing this module must not."""
     reg = getattr(importlib.import_module(module), registry)
     try:
         return str(reg.check(value))
     except ConfigError as exc:
         raise ValueError(str(exc).removeprefix(f"{reg.key}: ")) from None
+
+
+def check_part_params(module: str, registry: str, ref: str, params: Any) -> None:
+    """A scenario part's keyword parameters checked against its model (the registry's
+    ``check_params``); the registry's module is imported only here, as for :func:`registered`."""
+    getattr(importlib.import_module(module), registry).check_params(ref, params)
 
 
 def check_component(
@@ -54,3 +48,6 @@ def check_component(
         reg.entry(name) if params is None else reg.parse(name, params, where)
     except RegistryError as exc:
         raise ValueError(str(exc) if keep_key else str(exc).removeprefix(f"{reg.key}: ")) from None
+
+
+__all__ = ["ConfigError", "StrictModel", "check_component", "check_part_params", "registered", "unknown_key"]

@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from felix.config.base import ConfigError
+from felix.core.key_aliases import renamed
 
 
 class _Yaml12Loader(yaml.SafeLoader):
@@ -58,15 +59,23 @@ def load_yaml(text: str) -> Any:
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     """Nested dicts merge key by key; anything else in ``over`` replaces. ``params`` dicts replace
-    whole, so a strategy preset never inherits another selector's parameters."""
+    whole, so a strategy preset never inherits another selector's parameters. Renamed keys
+    (``felix.config.aliases``) are read under their new names on both sides first, so an old key
+    and its new name are one key."""
+    try:
+        return _merge(renamed(base), renamed(over))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+_WHOLE = ("params", "objective_params", "model_params", "round_policy_params", "availability_params")
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(base)
     for k, v in over.items():
-        if (
-            isinstance(v, dict)
-            and isinstance(out.get(k), dict)
-            and k not in ("params", "objective_params", "model_params", "mode_params", "knowledge_params")
-        ):
-            out[k] = deep_merge(out[k], v)
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in _WHOLE:
+            out[k] = _merge(out[k], v)
         else:
             out[k] = copy.deepcopy(v)
     return out

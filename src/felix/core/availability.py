@@ -10,7 +10,7 @@ are not interrupted: the oracle baselines know who is online, not who just left.
 The orchestrator keeps each client's last reported tier (``ClientRecord.reported_tier``) and asks
 the policy for the tier it should act on (``ClientRecord.tier``). A new policy (a REFL-style
 availability predictor, say) is one subclass registered in ``AVAILABILITY`` next to it and picked
-by ``orchestrator.knowledge``; the orchestrator is not edited. A policy acts on the orchestrator
+by ``orchestrator.availability``; the orchestrator is not edited. A policy acts on the orchestrator
 through ``felix.core.view.OrchestratorView`` (``clients``, ``task``, ``release``).
 """
 
@@ -69,7 +69,7 @@ class AvailabilityPolicy:
         """Restore what ``state_dict`` returned."""
 
 
-AVAILABILITY: Registry[AvailabilityPolicy] = Registry("availability policy", key="orchestrator.knowledge")
+AVAILABILITY: Registry[AvailabilityPolicy] = Registry("availability policy", key="orchestrator.availability")
 
 
 @AVAILABILITY.register("none", params=NoParams)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from felix.core.types import ClientUpdate, Tier
+from felix.core.types import ClientUpdate, TaskKind, Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,10 +25,16 @@ class TierChanged:
 
 @dataclass(frozen=True, slots=True)
 class TaskFinished:
+    """A client's result for ``task_id``. ``kind`` and ``version`` say what the client computed
+    (a deployment's result carries both on the wire); the ledger checks them against the task it
+    issued (``TaskLedger.mismatch``). None: not stated (a caller that holds the task itself)."""
+
     time: float
     client_id: int
     task_id: int
     update: ClientUpdate = field(repr=False)
+    kind: TaskKind | None = None
+    version: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from felix.core.refusals import Refusal
 from felix.core.types import Task, TaskEvent, TaskKind, TaskState
 
 # Closed task ids are remembered one by one only above a watermark (the oldest task still open):
@@ -163,6 +164,19 @@ class TaskLedger:
         tid = self._late.get(client_id)
         task = None if tid is None else self._open.get(tid)
         return None if task is None or task.holds_slot else tid
+
+    def mismatch(self, task: Task, kind: TaskKind | None, version: int | None) -> tuple[Refusal, str] | None:
+        """Why a result stating ``kind`` and model ``version`` does not answer the open ``task``
+        (a train result for an eval task, or one computed on another version), else None; a
+        field not stated (None) is not checked."""
+        if kind is not None and kind is not task.kind:
+            return Refusal.WRONG_KIND, f"{kind.value} result for a {task.kind.value} task"
+        if version is not None and version != task.base_version:
+            return (
+                Refusal.WRONG_VERSION,
+                f"result computed on version {version}, task was dispatched with version {task.base_version}",
+            )
+        return None
 
     def owing(self) -> np.ndarray:
         """Clients that still owe the reply of a task that lost its slot (their device runs it

@@ -60,7 +60,7 @@ class Orchestrator(Dispatch):
         availability: AvailabilityPolicy | None = None,
     ) -> None:
         """The round and availability policies default to those the config names, with
-        ``mode_params`` / ``knowledge_params``; pass objects to use others."""
+        ``round_policy_params`` / ``availability_params``; pass objects to use others."""
         if initial_weights.ndim != 1:
             raise ValueError("initial_weights must be a flat parameter vector")
         self.cfg = config
@@ -69,9 +69,11 @@ class Orchestrator(Dispatch):
         self.eval_selector = eval_selector or EvalSelector()
         self.rng = rng
         self.oracle = oracle
-        self.rounds = round_policy or ROUND_POLICIES.create(config.round_policy, config.mode_params, config)
+        self.rounds = round_policy or ROUND_POLICIES.create(
+            config.round_policy, config.round_policy_params, config
+        )
         self.availability = availability or AVAILABILITY.create(
-            config.availability, config.knowledge_params, config
+            config.availability, config.availability_params, config
         )
         self.data_plan = data_plan or DataPlanPolicy()
         # Without one from the shell (``build_orchestrator`` makes it from the config, norms included),
@@ -296,6 +298,10 @@ class Orchestrator(Dispatch):
                 f"task {ev.task_id} was assigned to another client",
                 out,
             )
+            return None
+        wrong = self.ledger.mismatch(task, ev.kind, ev.version)
+        if wrong is not None:
+            self._reject(ev.client_id, ev.task_id, *wrong, out)
             return None
         upd = ev.update
         problem = malformed(task.kind, upd, self._theta)

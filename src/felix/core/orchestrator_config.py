@@ -11,10 +11,11 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from felix.core.admission import AdmissionConfig
 from felix.core.availability import AVAILABILITY
+from felix.core.key_aliases import renamed
 from felix.core.registry import Registry, RegistryError
 from felix.core.rounds import ROUND_POLICIES, ROUND_SETTINGS
 from felix.core.settings import Settings
@@ -22,7 +23,7 @@ from felix.core.settings import Settings
 
 class AvailabilityName(str, Enum):
     """The built-in availability policies' names (``felix.core.availability`` has their behaviour);
-    ``OrchestratorConfig.knowledge`` also takes the name of any other registered policy."""
+    ``OrchestratorConfig.availability`` also takes the name of any other registered policy."""
 
     NONE = "none"
     ORACLE = "oracle"
@@ -31,19 +32,18 @@ class AvailabilityName(str, Enum):
 
 class OrchestratorConfig(Settings):
     """The config's ``orchestrator`` section, read by the orchestrator as it is. The round policy
-    (``mode``) and availability policy (``knowledge``) are registered names
+    (``round_policy``) and availability policy (``availability``) are registered names
     (``felix.core.rounds.ROUND_POLICIES``, ``felix.core.availability.AVAILABILITY``), with their own
-    parameters in ``mode_params`` / ``knowledge_params``; the fields between are the settings the
-    built-in round policies share.
+    parameters in ``round_policy_params`` / ``availability_params``; the fields between are the
+    settings the built-in round policies share.
 
-    The two fields keep the names of the config keys they come from, which committed comparison
-    files use; code reads them as ``round_policy`` and ``availability``, the names of what they
-    choose."""
+    A config may still give them under their old keys (``mode``, ``knowledge``, ``mode_params``,
+    ``knowledge_params``), in a file or as keywords: ``felix.core.key_aliases`` renames them."""
 
-    mode: str = Field(
+    round_policy: str = Field(
         "async",
         description="round policy: sync | async, or a registered name or import path "
-        "(felix.core.rounds.ROUND_POLICIES); its parameters in mode_params",
+        "(felix.core.rounds.ROUND_POLICIES); its parameters in round_policy_params (old key: mode)",
     )
     agg_goal: int = Field(10, ge=1)
     concurrency: int = Field(30, ge=1, description="async: training tasks kept in flight")
@@ -87,45 +87,41 @@ class OrchestratorConfig(Settings):
         description="eval probes may go to clients that still owe an older task's "
         "reply (false: they are skipped, as their eval would wait behind it)",
     )
-    knowledge: str = Field(
+    availability: str = Field(
         AvailabilityName.NONE.value,
-        description="availability policy: none | oracle | tiertrack, or a registered "
-        "name or import path (felix.core.availability.AVAILABILITY); parameters in knowledge_params",
+        description="availability policy: none | oracle | tiertrack, or a registered name or import "
+        "path (felix.core.availability.AVAILABILITY); parameters in availability_params (old key: knowledge)",
     )
-    mode_params: dict[str, Any] = Field(
-        default_factory=dict, description="the round policy's typed parameters"
+    round_policy_params: dict[str, Any] = Field(
+        default_factory=dict, description="the round policy's typed parameters (old key: mode_params)"
     )
-    knowledge_params: dict[str, Any] = Field(
-        default_factory=dict, description="the availability policy's typed parameters"
+    availability_params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the availability policy's typed parameters (old key: knowledge_params)",
     )
     admission: AdmissionConfig = AdmissionConfig()
 
-    @property
-    def round_policy(self) -> str:
-        """The round policy's registered name or import path (the ``mode`` field)."""
-        return self.mode
-
-    @property
-    def availability(self) -> str:
-        """The availability policy's registered name or import path (the ``knowledge`` field)."""
-        return self.knowledge
-
-    @field_validator("mode")
+    @model_validator(mode="before")
     @classmethod
-    def _mode(cls, v: str) -> str:
+    def _renamed_keys(cls, data: Any) -> Any:
+        return renamed(data, ("orchestrator",)) if isinstance(data, dict) else data
+
+    @field_validator("round_policy")
+    @classmethod
+    def _round_policy(cls, v: str) -> str:
         return _registered(ROUND_POLICIES, v)
 
-    @field_validator("knowledge")
+    @field_validator("availability")
     @classmethod
-    def _knowledge(cls, v: str) -> str:
+    def _availability(cls, v: str) -> str:
         return _registered(AVAILABILITY, v)
 
     def unread_settings(self) -> list[str]:
         """The round settings (``felix.core.rounds.ROUND_SETTINGS``) set to other than their
         default that the chosen round policy does not read (its ``reads`` trait), so do nothing:
         ``concurrency`` under ``sync``, say. A policy that declares no ``reads`` has none. At its
-        default a setting changes nothing either way, so a preset's mode can be switched."""
-        reads = ROUND_POLICIES.entry(self.mode).traits.get("reads")
+        default a setting changes nothing either way, so a preset's round policy can be switched."""
+        reads = ROUND_POLICIES.entry(self.round_policy).traits.get("reads")
         if reads is None:
             return []
         fields = type(self).model_fields

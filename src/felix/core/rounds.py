@@ -10,8 +10,8 @@ A policy is called by the orchestrator at four points (``need`` before selection
 (``felix.core.view.OrchestratorView``: ``aggregate``, ``start_round``, ``cancel``, ``round_tasks``,
 ``buffered``, ``train_in_flight``), not through the orchestrator class itself.
 A new policy (semi-async, say) is one subclass registered in ``ROUND_POLICIES`` next to it and
-picked by ``orchestrator.mode``; the orchestrator is not edited. Its own parameters are its
-``params`` model (``orchestrator.mode_params``); of the shared settings in ``ROUND_SETTINGS`` it
+picked by ``orchestrator.round_policy``; the orchestrator is not edited. Its own parameters are its
+``params`` model (``orchestrator.round_policy_params``); of the shared settings in ``ROUND_SETTINGS`` it
 declares the ones it reads (``reads=(...)``), so that setting another is refused at config read.
 """
 
@@ -62,7 +62,7 @@ class RoundPolicy:
         """Restore what ``state_dict`` returned."""
 
 
-ROUND_POLICIES: Registry[RoundPolicy] = Registry("round policy", key="orchestrator.mode")
+ROUND_POLICIES: Registry[RoundPolicy] = Registry("round policy", key="orchestrator.round_policy")
 
 #: The orchestrator settings that only some round policies read. A policy declares the ones it
 #: reads as its ``reads`` trait, and a config that sets one the chosen policy does not read is

@@ -9,11 +9,26 @@ time limit or horizon is a mistyped setting, not a setting). Pydantic only: no t
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 from pydantic import BaseModel, ConfigDict
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says which key and why. (Here, beside the
+    settings base, so that the core's registries raise it too: ``felix.core.registry.RegistryError``
+    is one.)"""
+
+
+def unknown_key(key: str, known: Iterable[str]) -> str:
+    """The problem of an unknown key, with the nearest of the ``known`` ones when one is close."""
+    near = difflib.get_close_matches(key, list(known), n=1)
+    return "unknown key" + (f" (did you mean `{near[0]}`?)" if near else "")
 
 
 class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True, allow_inf_nan=False)
 
 
-__all__ = ["Settings"]
+__all__ = ["ConfigError", "Settings", "unknown_key"]

@@ -37,8 +37,19 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 def _broker_args(p: argparse.ArgumentParser, login: bool = True) -> None:
     p.add_argument(
-        "--broker", default="127.0.0.1:1883", metavar="HOST:PORT", help="MQTT broker (default %(default)s)"
+        "--transport",
+        default="mqtt",
+        help="the registered transport the links use (felix.deploy.transport): mqtt (default) or "
+        "memory (server and clients in one process)",
     )
+    p.add_argument(
+        "--link",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one of the transport's options (MQTT: felix.deploy.link.BrokerOptions, e.g. keepalive_s=30)",
+    )
+    p.add_argument("--broker", metavar="HOST:PORT", help="MQTT broker (default 127.0.0.1:1883)")
     if login:
         p.add_argument("--username", help=f"broker login (default: ${ENV_USER})")
         p.add_argument("--password", help=f"broker password (default: ${ENV_PASSWORD})")
@@ -83,21 +94,37 @@ def _run_id(args: argparse.Namespace, cfg: Config) -> str:
     )
 
 
-def _broker_options(args: argparse.Namespace, default_user: str | None) -> Any:
-    from felix.deploy.link import BrokerOptions
+def _link_settings(args: argparse.Namespace) -> dict[str, str]:
+    """``--link KEY=VALUE`` settings, with ``--broker`` and ``--tls-*`` as shorthands for the MQTT
+    transport's ``host``/``port`` and ``tls_*`` (a transport without them refuses them by name)."""
+    settings: dict[str, str] = {}
+    for item in args.link:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--link expects KEY=VALUE, got {item!r}")
+        settings[key.strip()] = value
+    if args.broker is not None:
+        host, sep, port = args.broker.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"broker address {args.broker!r} must be HOST:PORT")
+        settings.update(host=host, port=port)
+    for key in ("tls_ca", "tls_cert", "tls_key"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
+    return settings
 
-    host, port = BrokerOptions.parse_address(args.broker)
-    user = getattr(args, "username", None) or os.environ.get(ENV_USER) or default_user
-    password = getattr(args, "password", None) or os.environ.get(ENV_PASSWORD)
-    return BrokerOptions(
-        host=host,
-        port=port,
-        username=user,
-        password=password,
-        tls_ca=args.tls_ca,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-    )
+
+def _login(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """``--username``/``--password``, or the environment's."""
+    user = getattr(args, "username", None) or os.environ.get(ENV_USER)
+    return user, getattr(args, "password", None) or os.environ.get(ENV_PASSWORD)
+
+
+def _broker_options(args: argparse.Namespace) -> Any:
+    """The transport's options model (``felix.deploy.transport.link_options``)."""
+    from felix.deploy.transport import link_options
+
+    return link_options(args.transport, _link_settings(args))
 
 
 def _guard(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -145,7 +172,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.resume and ckpt is None:
         raise ValueError("--resume needs --checkpoint PATH")
     opts = ServeOptions(
-        broker=_broker_options(args, SERVER_USER),
+        broker=_broker_options(args).with_login(_login(args)[0] or SERVER_USER, _login(args)[1]),
+        transport=args.transport,
         run_id=run_id,
         out_dir=out,
         checkpoint=ckpt,
@@ -160,7 +188,7 @@ def _serve(args: argparse.Namespace) -> int:
         client_msg_burst=args.client_msg_burst,
     )
     print(
-        f"felix serve: {cfg.name} / {cfg.strategy} (seed {cfg.seed}), run {run_id} on {args.broker} -> {out}",
+        f"felix serve: {cfg.name} / {cfg.strategy} (seed {cfg.seed}), run {run_id} on {opts.broker.describe()} -> {out}",
         file=sys.stderr,
     )
     server = Server(cfg, opts)
@@ -206,18 +234,20 @@ def _client(args: argparse.Namespace) -> int:
     if args.torch_threads < 1:
         raise ValueError(f"--torch-threads must be at least 1, not {args.torch_threads}")
     torch.set_num_threads(args.torch_threads)
-    broker = _broker_options(args, None)
+    broker = _broker_options(args)
+    login, password = _login(args)
     if args.credentials:
         creds = credentials_from_map(load_credentials(args.credentials))
-    elif broker.password is not None:
+    elif password is not None:
         if len(ids) > 1:
             raise ValueError("several clients need --credentials (one login each)")
-        user = broker.username or f"client-{ids[0]}"
-        creds = lambda cid: (user, broker.password)
+        user = login or f"client-{ids[0]}"
+        creds = lambda cid: (user, password)
     else:
         creds = lambda cid: (None, None)  # a broker that allows anonymous clients
     opts = ClientOptions(
         broker=broker,
+        transport=args.transport,
         run_id=_run_id(args, cfg),
         time_scale=args.time_scale,
         runtime=args.runtime,
@@ -286,6 +316,7 @@ def _emulate(args: argparse.Namespace) -> int:
         ("--preset", args.preset),
         ("--scenario", args.scenario),
         ("--run-id", args.run_id),
+        ("--transport", args.transport),
         ("--broker", args.broker),
         ("--credentials", args.credentials),
         ("--tls-ca", args.tls_ca),
@@ -301,6 +332,8 @@ def _emulate(args: argparse.Namespace) -> int:
             base += [flag, value]
     for item in args.set:
         base += ["--set", item]
+    for item in args.link:
+        base += ["--link", item]
     if args.no_train:
         base.append("--no-train")
     # The population's trace is built once, here; each worker reads only its clients' share, so

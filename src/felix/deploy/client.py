@@ -59,10 +59,9 @@ from felix.deploy.broker_config import default_max_message_bytes
 from felix.deploy.channels import Channel
 from felix.deploy.client_protocol import ClientProtocol, Dropped
 from felix.deploy.inbox import Inbox
-from felix.deploy.link import BrokerOptions
 from felix.deploy.topics import client_user
-from felix.deploy.transport import ClientLink, ClientLinkArgs, Connected, Delivery
-from felix.deploy.transport import get as get_transport
+from felix.deploy.transport import ClientLink, ClientLinkArgs, Connected, Delivery, LinkOptions
+from felix.deploy.transport import resolve as resolve_transport
 from felix.engine.device import DeviceRunner, DeviceTask, Step, TaskRules, task_seed
 from felix.engine.setup import build_client_side
 from felix.scenario.build import build_population, build_trace
@@ -86,7 +85,7 @@ STOP_GRACE_S = 2.0  # on a stop request, the links get this long (together) to d
 
 @dataclass(frozen=True)
 class ClientOptions:
-    broker: BrokerOptions  # username/password are filled per client from ``credentials``
+    broker: LinkOptions  # the transport's options model; each client's login comes from ``credentials``
     run_id: str
     time_scale: float = 1.0  # wall seconds per config second (trace and runtime profile)
     runtime: str = "profile"  # "profile" (emulated runtime) or "compute" (real compute time)
@@ -156,7 +155,7 @@ class ClientHost:
             )
         self.cfg = cfg
         self.opts = opts
-        self.transport = get_transport(opts.transport)
+        self.transport = resolve_transport(opts.transport, opts.broker)
         if cfg.client.flower_app is not None:
             raise ConfigError(
                 "client.flower_app runs in the simulator (felix run, compare, sweep); "
@@ -256,12 +255,11 @@ class ClientHost:
         if self.stop_requested.is_set():
             return
         user, password = self._credentials(dev.cid)
-        bopts = BrokerOptions(**{**self.opts.broker.__dict__, "username": user, "password": password})
         link = self.transport.client_link(
             ClientLinkArgs(
                 self.opts.run_id,
                 dev.cid,
-                bopts,
+                self.opts.broker.with_login(user, password),
                 lambda item: self.inbox.put(item, dev.cid),
                 lambda items: self.inbox.put_many(items, dev.cid),
             )

@@ -38,6 +38,7 @@ every unacknowledged message, so acks of an older connection are dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import ssl
@@ -225,6 +226,9 @@ class LinkError(ConnectionError):
 
 @dataclass(frozen=True)
 class BrokerOptions:
+    """The MQTT transport's options (``felix.deploy.transport.LinkOptions``; ``--link KEY=VALUE``
+    sets any of them, ``--broker``, ``--username``/``--password`` and ``--tls-*`` are shorthands)."""
+
     host: str = "127.0.0.1"
     port: int = 1883
     username: str | None = None
@@ -261,6 +265,16 @@ class BrokerOptions:
                 raise ValueError(
                     f"TLS certificate {self.tls_cert} / key {self.tls_key}: {exc.strerror or exc}"
                 ) from None
+
+    @property
+    def secure(self) -> bool:
+        return self.tls_ca is not None
+
+    def describe(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def with_login(self, username: str | None, password: str | None) -> BrokerOptions:
+        return dataclasses.replace(self, username=username, password=password)
 
     @staticmethod
     def parse_address(text: str) -> tuple[str, int]:

@@ -16,18 +16,36 @@ import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from felix.deploy.channels import Address, Channel
 from felix.deploy.link import Connected, LinkError
 from felix.deploy.transport import (
+    TRANSPORTS,
     Ack,
     BatchSink,
     ClientLinkArgs,
     Delivery,
     ServerLinkArgs,
     Sink,
-    register,
 )
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """The in-memory transport's options: nothing to connect to, nothing to log in with."""
+
+    connect_timeout_s: float = 5.0
+
+    @property
+    def secure(self) -> bool:
+        return False  # nothing leaves the process
+
+    def describe(self) -> str:
+        return "in-memory"
+
+    def with_login(self, username: str | None, password: str | None) -> MemoryOptions:
+        return self
 
 
 @dataclass
@@ -189,6 +207,7 @@ class InMemoryTransport:
     """Links through one shared :class:`InMemoryBroker` (a process-wide one by default)."""
 
     broker: InMemoryBroker = field(default_factory=InMemoryBroker)
+    options: ClassVar[type[MemoryOptions]] = MemoryOptions
 
     def server_link(self, args: ServerLinkArgs) -> InMemoryServerLink:
         return InMemoryServerLink(self.broker, args)
@@ -197,4 +216,4 @@ class InMemoryTransport:
         return InMemoryClientLink(self.broker, args)
 
 
-register("memory", InMemoryTransport())
+TRANSPORTS.register("memory")(InMemoryTransport())

@@ -141,7 +141,7 @@ class ServerCollector(Collector):
             value=inbox.full_waits,
         )
 
-        broker = f"{s.opts.broker.host}:{s.opts.broker.port}"
+        broker = s.opts.broker.describe()
         connected = GaugeMetricFamily(
             "felix_broker_connected",
             "the server's connection to each broker shard (1 up, 0 down)",

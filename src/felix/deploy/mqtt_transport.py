@@ -13,16 +13,16 @@ import threading
 from collections.abc import Callable
 
 from felix.deploy.channels import Address, Channel
-from felix.deploy.link import Connected, Inbound, MqttLink
+from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
 from felix.deploy.topics import Topics
 from felix.deploy.transport import (
+    TRANSPORTS,
     Ack,
     BatchSink,
     ClientLinkArgs,
     Delivery,
     ServerLinkArgs,
     Sink,
-    register,
 )
 
 AddressOf = Callable[[str], Address | None]
@@ -53,7 +53,7 @@ class MqttServerLink:
         one, batch = _sinks(args.sink, args.batch_sink, self.topics.parse_inbound_to_server)
         self.mqtt = MqttLink(
             f"felix-{args.run_id}-server",
-            dataclasses.replace(args.broker, receive_maximum=args.receive_maximum),
+            dataclasses.replace(args.options, receive_maximum=args.receive_maximum),
             self.topics.server_subscriptions(),
             one,
             manual_ack=True,
@@ -94,7 +94,7 @@ class MqttClientLink:
         one, batch = _sinks(args.sink, args.batch_sink, address_of)
         self.mqtt = MqttLink(
             f"felix-{args.run_id}-c{args.client}",
-            args.broker,
+            args.options,
             self.topics.client_subscriptions(args.client),
             one,
             batch_sink=batch,
@@ -127,6 +127,8 @@ class MqttClientLink:
 
 
 class MqttTransport:
+    options = BrokerOptions
+
     def server_link(self, args: ServerLinkArgs) -> MqttServerLink:
         return MqttServerLink(args)
 
@@ -134,4 +136,4 @@ class MqttTransport:
         return MqttClientLink(args)
 
 
-register("mqtt", MqttTransport())
+TRANSPORTS.register("mqtt")(MqttTransport())

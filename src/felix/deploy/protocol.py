@@ -5,8 +5,9 @@ Everything the server decides about a client's message before the orchestrator s
 here, beside no socket, thread or clock: the channel, the sender's message budget, the wire format
 (``felix.deploy.wire``), the run id, that the header's client is the topic's, duplicates and
 replays, the population's bounds, registrations (class counts, sample bounds, incarnations: a
-client that restarted loses the tasks it held), tier reports of a previous incarnation, and a
-result's kind and model version against the task it answers. Time is passed in (config seconds),
+client that restarted loses the tasks it held) and tier reports of a previous incarnation. A
+result's kind and model version travel in its ``TaskFinished`` event, and the orchestrator's task
+ledger checks them against the task it answers (the one record of dispatched tasks). Time is passed in (config seconds),
 so tests drive it with hostile payloads alone, and the MQTT server (``felix.deploy.server``) is
 left with the link, the threads, the clock and the checkpoints.
 
@@ -34,7 +35,6 @@ from felix.core.commands import CancelTask, Command, DispatchEval, DispatchTrain
 from felix.core.events import ClientRegistered, Event, TaskFailed, TaskFinished, TierChanged
 from felix.core.orchestrator import Orchestrator
 from felix.core.refusals import Refusal, count_kind
-from felix.core.types import TaskKind
 from felix.deploy import wire
 from felix.deploy.channels import ALLOWED, Address, Channel
 from felix.metrics.report import tally_rejection
@@ -109,15 +109,6 @@ class TransportStats:
     refused_by_kind: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class ShadowTask:
-    """What the protocol remembers of a dispatched task, to check a result's kind and version."""
-
-    client_id: int
-    kind: TaskKind
-    version: int
-
-
 class Orchestration(Protocol):
     """What the protocol reads of the orchestrator: who registered, what a client holds, its
     data-plan row (a registration may count the rows it was planned to add)."""
@@ -132,8 +123,9 @@ class Orchestration(Protocol):
     def late_task(self, cid: int) -> int | None: ...
 
 
-class OrchestratorView:
-    """The orchestrator as the protocol reads it (:class:`Orchestration`)."""
+class LiveOrchestration:
+    """An orchestrator as the protocol reads it (:class:`Orchestration`); the policies' view of
+    it is another thing, ``felix.core.view.OrchestratorView``."""
 
     def __init__(self, orch: Orchestrator) -> None:
         self._orch = orch
@@ -213,8 +205,8 @@ def _wire_kind(msg: wire.Message) -> str:
 
 class ServerProtocol:
     """The server's side of the wire protocol for run ``run_id``: :meth:`receive` and
-    :meth:`send`, with the state they keep (sequence watermarks, result digests, incarnations,
-    dispatched tasks) and its part of a checkpoint (:meth:`state_dict`)."""
+    :meth:`send`, with the state they keep (sequence watermarks, result digests, incarnations)
+    and its part of a checkpoint (:meth:`state_dict`)."""
 
     def __init__(self, run_id: str, session: str, limits: ProtocolLimits, orch: Orchestration) -> None:
         self.run_id = run_id
@@ -230,7 +222,6 @@ class ServerProtocol:
         self.seq_marks: dict[int, dict[str, int]] = {}  # client -> message-id prefix -> highest sequence
         self.result_digests: dict[int, bytes] = {}  # task id -> digest of the result that closed it
         self.incarnations: dict[int, str] = {}
-        self.shadow: dict[int, ShadowTask] = {}
 
     # ------------------------------------------------------------------ inbound
     def receive(self, source: Address, payload: bytes, now: float, wall: float = 0.0) -> Received:
@@ -347,10 +338,6 @@ class ServerProtocol:
             for t in list(self.result_digests)[: RESULT_DIGESTS // 2]:
                 del self.result_digests[t]
 
-    def closed(self, task_id: int) -> None:
-        """The orchestrator closed ``task_id`` (a result or failure it accepted)."""
-        self.shadow.pop(task_id, None)
-
     def _first_delivery(self, cid: int, msg: wire.Message, payload: bytes) -> Duplicate | Refused | None:
         """None if the message is new (or a replay the orchestrator will refuse), else the verdict.
 
@@ -455,25 +442,8 @@ class ServerProtocol:
 
     def _on_result(self, msg: wire.Result, payload: bytes, now: float) -> Received:
         self.stats.results += 1
-        shadow = self.shadow.get(msg.task)
-        if shadow is not None and shadow.client_id == msg.client:
-            if shadow.kind is not msg.kind:
-                return self.refuse(
-                    Refusal.WRONG_KIND,
-                    msg.client,
-                    msg.task,
-                    f"{msg.kind.value} result for a {shadow.kind.value} task",
-                    msg=msg,
-                )
-            if shadow.version != msg.version:
-                return self.refuse(
-                    Refusal.WRONG_VERSION,
-                    msg.client,
-                    msg.task,
-                    f"result computed on version {msg.version}, task was dispatched with version {shadow.version}",
-                    msg=msg,
-                )
-        event = TaskFinished(now, msg.client, msg.task, msg.update)
+        # Its kind and version travel in the event: the orchestrator's ledger checks them.
+        event = TaskFinished(now, msg.client, msg.task, msg.update, msg.kind, msg.version)
         return Accepted(msg, msg.kind.value, ((event, True),), digest(msg.msg_id, payload))
 
     # ------------------------------------------------------------------ outbound
@@ -491,7 +461,6 @@ class ServerProtocol:
                 weights=cmd.weights,
                 aux=cmd.aux,
             )
-            self.shadow[cmd.task_id] = ShadowTask(cmd.client_id, TaskKind.TRAIN, cmd.version)
             return self._out(cmd.client_id, msg, "train")
         if isinstance(cmd, DispatchEval):
             msg = wire.EvalTask(
@@ -501,10 +470,8 @@ class ServerProtocol:
                 version=cmd.version,
                 weights=cmd.weights,
             )
-            self.shadow[cmd.task_id] = ShadowTask(cmd.client_id, TaskKind.EVAL, cmd.version)
             return self._out(cmd.client_id, msg, "eval")
         if isinstance(cmd, CancelTask):
-            self.shadow.pop(cmd.task_id, None)
             msg = wire.Cancel(**self._env(sent_at), client=cmd.client_id, task=cmd.task_id, reason=cmd.reason)
             return self._out(cmd.client_id, msg, "control")
         if isinstance(cmd, UpdateRejected):
@@ -528,7 +495,6 @@ class ServerProtocol:
         """The protocol's part of a checkpoint, explicit and columnar like ``Orchestrator.state_dict``."""
         marks = [(c, p, n) for c, m in self.seq_marks.items() for p, n in m.items()]
         digests = self.result_digests
-        sh = self.shadow
         return {
             "seq_marks": {
                 "client": np.array([c for c, _, _ in marks], dtype=np.int64),
@@ -543,17 +509,12 @@ class ServerProtocol:
                 "client": np.fromiter(self.incarnations.keys(), dtype=np.int64, count=len(self.incarnations)),
                 "incarnation": list(self.incarnations.values()),
             },
-            "shadow": {
-                "task": np.fromiter(sh.keys(), dtype=np.int64, count=len(sh)),
-                "client": np.fromiter((t.client_id for t in sh.values()), dtype=np.int64, count=len(sh)),
-                "train": np.fromiter(
-                    (t.kind is TaskKind.TRAIN for t in sh.values()), dtype=np.int8, count=len(sh)
-                ),
-                "version": np.fromiter((t.version for t in sh.values()), dtype=np.int64, count=len(sh)),
-            },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s keys. A checkpoint written before the orchestrator's ledger
+        checked a result's kind and version also holds ``shadow`` (the protocol's own copy of the
+        dispatched tasks); it is ignored: the ledger's open tasks say the same."""
         sm = state["seq_marks"]
         self.seq_marks = {}
         for c, p, n in zip(sm["client"].tolist(), sm["prefix"], sm["seq"].tolist(), strict=True):
@@ -563,14 +524,3 @@ class ServerProtocol:
         self.result_digests = {t: flat[16 * i : 16 * (i + 1)] for i, t in enumerate(rd["task"].tolist())}
         inc = state["incarnations"]
         self.incarnations = dict(zip(inc["client"].tolist(), inc["incarnation"], strict=True))
-        sh = state["shadow"]
-        self.shadow = {
-            t: ShadowTask(c, TaskKind.TRAIN if k else TaskKind.EVAL, v)
-            for t, c, k, v in zip(
-                sh["task"].tolist(),
-                sh["client"].tolist(),
-                sh["train"].tolist(),
-                sh["version"].tolist(),
-                strict=True,
-            )
-        }

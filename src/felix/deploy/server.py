@@ -57,25 +57,26 @@ from felix.core.commands import (
     NewModelVersion,
     UpdateRejected,
 )
-from felix.core.events import Event, TaskFailed, TaskFinished, Tick
+from felix.core.events import Event, Tick
 from felix.core.refusals import Refusal
 from felix.deploy import checkpoint as ckpt
 from felix.deploy import wire
 from felix.deploy.broker_config import SERVER_RECEIVE_MAXIMUM, default_max_message_bytes
 from felix.deploy.checkpoint import AppliedLog, AppliedUpdate
 from felix.deploy.inbox import Inbox
-from felix.deploy.link import BrokerOptions, LinkError
+from felix.deploy.link import LinkError
 from felix.deploy.protocol import (
     Duplicate,
-    OrchestratorView,
+    LiveOrchestration,
     ProtocolLimits,
     Received,
     Refused,
     ServerProtocol,
     TransportStats,
 )
-from felix.deploy.transport import Ack, Connected, Delivery, ServerLinkArgs
-from felix.deploy.transport import get as get_transport
+from felix.deploy.refusal_log import RefusalLog
+from felix.deploy.transport import Ack, Connected, Delivery, LinkOptions, ServerLinkArgs
+from felix.deploy.transport import resolve as resolve_transport
 from felix.engine.setup import build_server_side
 from felix.metrics.recorder import EvalRow
 from felix.metrics.report import EvalLog, make_output_dir
@@ -86,20 +87,11 @@ from felix.stream.summary import stream_summary
 log = logging.getLogger("felix.deploy.server")
 
 INBOX_BATCH = 64  # inbound messages handled per loop turn at most (timers and commits run between turns)
-# A client's refused messages are all counted (summary: rejected_by_reason), but only its first
-# REFUSALS_LOGGED and then every REFUSALS_LOG_EVERY-th are logged: one client publishing refused
-# messages as fast as it can must not fill the server's disk with log lines. Nor may many clients
-# (a population's worth of credentials, or made-up ids on a broker without ACLs): once
-# REFUSALS_LOGGED_TOTAL lines have been logged in all, only every REFUSALS_LOG_EVERY-th refusal
-# of the whole server is.
-REFUSALS_LOGGED = 20
-REFUSALS_LOGGED_TOTAL = 500
-REFUSALS_LOG_EVERY = 1000
 
 
 @dataclass(frozen=True)
 class ServeOptions:
-    broker: BrokerOptions
+    broker: LinkOptions  # the transport's options model (MQTT: BrokerOptions)
     run_id: str
     out_dir: Path | None = None
     checkpoint: Path | None = None
@@ -210,9 +202,8 @@ class Server:
             ),
             bytes_burst=8.0 * self.max_bytes,
         )
-        self.protocol = ServerProtocol(opts.run_id, self.session, limits, OrchestratorView(self.orch))
-        self._refused: dict[int, int] = {}  # client id (-1: none, or outside the population) -> refused
-        self._refusals_logged = 0  # refusal lines logged in all, within REFUSALS_LOGGED_TOTAL
+        self.protocol = ServerProtocol(opts.run_id, self.session, limits, LiveOrchestration(self.orch))
+        self.refusals = RefusalLog(self.num_clients)
         self.applied = AppliedLog(None if opts.checkpoint is None else ckpt.applied_log_path(opts.checkpoint))
         self.plan_info: dict[str, Any] | None = None  # the data plan (lb / dafl), once computed
         self.life = 0
@@ -235,7 +226,7 @@ class Server:
         # checkpoint, which comes at the latest when max_pending_messages are pending.
         window = min(SERVER_RECEIVE_MAXIMUM, 2 * opts.max_pending_messages)
         # Acknowledged after handling, or after the checkpoint that holds the effect.
-        self.link = get_transport(opts.transport).server_link(
+        self.link = resolve_transport(opts.transport, opts.broker).server_link(
             ServerLinkArgs(opts.run_id, opts.broker, window, self.inbox.put, self.inbox.put_many)
         )
         self._mono0 = time.monotonic()
@@ -271,12 +262,11 @@ class Server:
         self._mono0 = time.monotonic()
         self.ctl.start()
         log.info(
-            "serving run %s (session %s, life %d) on %s:%d",
+            "serving run %s (session %s, life %d) on %s",
             self.opts.run_id,
             self.session,
             self.life,
-            self.opts.broker.host,
-            self.opts.broker.port,
+            self.opts.broker.describe(),
         )
         last_status = time.monotonic()
         while self.ctl.stop_reason is None:
@@ -311,7 +301,7 @@ class Server:
             return True
         if time.monotonic() > deadline:
             raise LinkError(
-                f"the broker at {self.opts.broker.host}:{self.opts.broker.port} did not confirm the "
+                f"the broker at {self.opts.broker.describe()} did not confirm the "
                 f"server's subscriptions within {self.opts.broker.connect_timeout_s:.0f} s"
             )
         return False
@@ -365,8 +355,8 @@ class Server:
                 "run_id": self.opts.run_id,
                 "time_scale": self.opts.time_scale,
                 "lives": self.life + 1,
-                "broker": f"{self.opts.broker.host}:{self.opts.broker.port}",
-                "tls": self.opts.broker.tls_ca is not None,
+                "broker": self.opts.broker.describe(),
+                "tls": self.opts.broker.secure,
                 "applied_task_ids_unique": self.applied.unique,
             },
         }
@@ -393,36 +383,8 @@ class Server:
         self._publish_status("running")  # retained; after a reconnect too, in case the broker lost it
 
     def _log_refusal(self, r: Refused, error: bool = False) -> None:
-        """Log a refusal (the protocol counted it) within the per-client and the server-wide limits
-        (``error``: with the traceback of the exception being handled)."""
-        total = self.stats.rejected
-        # Ids outside the population share one count: a broker without ACLs lets anyone publish
-        # under any id, and a count per id would grow with every id made up.
-        key = r.client if 0 <= r.client < self.num_clients else -1
-        n = self._refused[key] = self._refused.get(key, 0) + 1
-        if (
-            n <= REFUSALS_LOGGED or n % REFUSALS_LOG_EVERY == 0
-        ) and self._refusals_logged < REFUSALS_LOGGED_TOTAL:
-            self._refusals_logged += 1
-            if self._refusals_logged == REFUSALS_LOGGED_TOTAL:
-                note = f" [{total} refused in all; from now on every {REFUSALS_LOG_EVERY}th of the server's is logged]"
-            elif n >= REFUSALS_LOGGED:
-                note = f" [{n} refused from this client; from now on every {REFUSALS_LOG_EVERY}th is logged]"
-            else:
-                note = ""
-        elif total % REFUSALS_LOG_EVERY == 0:
-            note = f" [{total} refused in all, {n} from this client; every {REFUSALS_LOG_EVERY}th is logged]"
-        else:
-            return
-        log.warning(
-            "rejected message from client %d (task %d): %s%s%s",
-            r.client,
-            r.task,
-            r.reason,
-            f" ({r.detail})" if r.detail else "",
-            note,
-            exc_info=error,
-        )
+        """Log a refusal (the protocol counted it) within bounds (``felix.deploy.refusal_log``)."""
+        self.refusals.log(r, self.stats.rejected, error)
 
     def handle_inbound(self, m: Delivery) -> None:
         """Handle one inbound message; its acknowledgement waits (without its payload) for the next
@@ -496,8 +458,6 @@ class Server:
         modelled bytes count), not one the server derived (a tick, a restart's lost task)."""
         commands = self.ctl.handle(event, from_client)
         rejected = any(isinstance(c, UpdateRejected) for c in commands)
-        if isinstance(event, (TaskFinished, TaskFailed)) and not rejected:
-            self.protocol.closed(event.task_id)
         for cmd in commands:
             if isinstance(cmd, NewModelVersion):
                 self._log_applied(cmd)
@@ -569,7 +529,7 @@ class Server:
             "plan_info": self.plan_info,
             "stats": asdict(self.stats),
             "applied": self.applied.position(),
-            **self.protocol.state_dict(),  # seq_marks, result_digests, incarnations, shadow
+            **self.protocol.state_dict(),  # seq_marks, result_digests, incarnations
             **({} if self.freshness is None else {"freshness": self.freshness.state_dict()}),
         }
 

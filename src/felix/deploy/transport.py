@@ -2,9 +2,12 @@
 
 Modelled on Flower's ``Grid`` (``InMemoryGrid`` / ``GrpcGrid``): the shells talk to a link in
 terms of channels and client ids (``felix.deploy.channels``), never a transport's own
-addressing, and a transport is chosen by name (``ServeOptions.transport`` /
-``ClientOptions.transport``; ``mqtt`` by default). A transport is one file that implements
-:class:`Transport` and registers itself with :func:`register`.
+addressing, and a transport is chosen by name (``felix serve/client --transport NAME``,
+``ServeOptions.transport`` / ``ClientOptions.transport``; ``mqtt`` by default). A transport is one
+file that implements :class:`Transport`, keeps its options model beside it (a dataclass the
+shells read as :class:`LinkOptions`; the CLI builds it from ``--link KEY=VALUE`` with
+:func:`link_options`) and registers an instance in :data:`TRANSPORTS` (the registry class of every
+component kind, ``felix.core.registry``).
 
 A link hands what it receives to its owner's sinks, from any thread: a :class:`Connected` notice
 per (re)connection, and :class:`Delivery` items (one at a time to ``sink`` or a list at once to
@@ -17,13 +20,18 @@ link except in ``start`` and ``close``.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, cast
 
+from pydantic import TypeAdapter, ValidationError
+
+from felix.config.base import unknown_key
+from felix.core.registry import Registry
 from felix.deploy.channels import Address, Channel
-from felix.deploy.link import BrokerOptions, Connected
+from felix.deploy.link import Connected
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +59,30 @@ class Delivery:
 Item = Delivery | Connected
 Sink = Callable[[Item], None]
 BatchSink = Callable[[list[Delivery]], bool]
+
+
+class LinkOptions(Protocol):
+    """What the shells read of a transport's options; the rest (a broker's address, TLS files,
+    keepalives) is the transport's own, in its options model."""
+
+    @property
+    def connect_timeout_s(self) -> float:
+        """How long a link may take to connect and set up its deliveries."""
+        ...
+
+    @property
+    def secure(self) -> bool:
+        """Whether the link is encrypted and the peer verified (MQTT: TLS)."""
+        ...
+
+    def describe(self) -> str:
+        """Where the link connects, for logs, metrics and the summary (MQTT: ``HOST:PORT``)."""
+        ...
+
+    def with_login(self, username: str | None, password: str | None) -> Any:
+        """The same options with a client's (or the server's) login; a transport without logins
+        returns them unchanged."""
+        ...
 
 
 class ServerLink(Protocol):
@@ -96,7 +128,7 @@ class ClientLink(Protocol):
 @dataclass(frozen=True)
 class ServerLinkArgs:
     run_id: str
-    broker: BrokerOptions
+    options: Any  # the transport's own options model (checked by resolve)
     receive_maximum: int | None  # deliveries the server may hold unacknowledged
     sink: Sink
     batch_sink: BatchSink
@@ -106,34 +138,59 @@ class ServerLinkArgs:
 class ClientLinkArgs:
     run_id: str
     client: int
-    broker: BrokerOptions  # with this client's login
+    options: Any  # the transport's own options model, with this client's login
     sink: Sink
     batch_sink: BatchSink
 
 
 class Transport(Protocol):
-    """Builds the links of one kind of transport."""
+    """Builds the links of one kind of transport from its options model (``options``)."""
+
+    @property
+    def options(self) -> type[Any]:
+        """Its options model: a dataclass that implements :class:`LinkOptions`."""
+        ...
 
     def server_link(self, args: ServerLinkArgs) -> ServerLink: ...
 
     def client_link(self, args: ClientLinkArgs) -> ClientLink: ...
 
 
-_TRANSPORTS: dict[str, Transport] = {}
-
-
-def register(name: str, transport: Transport) -> None:
-    """Make ``transport`` available as ``name`` (a name registered twice is an error)."""
-    if name in _TRANSPORTS:
-        raise ValueError(f"transport {name!r} is already registered")
-    _TRANSPORTS[name] = transport
+#: The transports by name; the built-in ones' modules are imported on the first lookup. A
+#: transport registers an instance (its links share what it holds): ``TRANSPORTS.register(name)(t)``.
+TRANSPORTS: Registry[Transport] = Registry(
+    "transport", modules=("felix.deploy.mqtt_transport", "felix.deploy.memory_transport"), key="transport"
+)
 
 
 def get(name: str) -> Transport:
-    """The transport registered as ``name`` (the built-in ones register on first use)."""
-    from felix.deploy import memory_transport, mqtt_transport  # noqa: F401 - they register
+    """The transport registered as ``name``."""
+    return cast(Transport, TRANSPORTS.entry(name).factory)  # an instance, registered as itself
 
+
+def resolve(name: str, options: object) -> Transport:
+    """The transport ``name``, once ``options`` is checked to be its options model."""
+    transport = get(name)
+    if not isinstance(options, transport.options):
+        raise TypeError(
+            f"transport {name!r} takes {transport.options.__name__}, not {type(options).__name__}"
+        )
+    return transport
+
+
+def link_options(name: str, settings: Mapping[str, str]) -> LinkOptions:
+    """Transport ``name``'s options from ``KEY=VALUE`` settings (the CLI's ``--link`` and its
+    shorthands), checked against its options model: one line for an unknown key or a bad value."""
+    model = get(name).options
+    known = [f.name for f in dataclasses.fields(model)]
+    for key in settings:
+        if key not in known:
+            raise ValueError(f"transport {name!r}: option {key!r}: {unknown_key(key, known)}")
     try:
-        return _TRANSPORTS[name]
-    except KeyError:
-        raise ValueError(f"unknown transport {name!r}; known: {', '.join(sorted(_TRANSPORTS))}") from None
+        opts: LinkOptions = TypeAdapter(model).validate_python(dict(settings))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        raise ValueError(f"transport {name!r}: " + (f"option {where!r}: " if where else "") + msg) from None
+    return opts

@@ -200,9 +200,11 @@ def build_orchestrator(
     ``PlanSetup.on_error``."""
     o = cfg.orchestrator  # the core's own settings model: read as it is
     try:
-        rounds = ROUND_POLICIES.create(o.mode, o.mode_params, o, where="orchestrator.mode_params")
+        rounds = ROUND_POLICIES.create(
+            o.round_policy, o.round_policy_params, o, where="orchestrator.round_policy_params"
+        )
         availability = AVAILABILITY.create(
-            o.knowledge, o.knowledge_params, o, where="orchestrator.knowledge_params"
+            o.availability, o.availability_params, o, where="orchestrator.availability_params"
         )
     except RegistryError as exc:
         raise ConfigError(str(exc)) from None
@@ -231,7 +233,7 @@ def build_orchestrator(
     if availability.needs_oracle:
         oracle = trace() if callable(trace) else trace
         if oracle is None:
-            raise ConfigError(f"orchestrator.knowledge {o.knowledge!r} needs an availability trace")
+            raise ConfigError(f"orchestrator.availability {o.availability!r} needs an availability trace")
     orch = Orchestrator(
         o,
         weights,

@@ -27,7 +27,7 @@ task also carries its aux arrays and its data-plan row (8 bytes a class), a regi
 counts (8 bytes a class), an evaluation result two numbers (16 bytes); a cancel and a client's
 failure report are bare headers. Which client messages count: every one the orchestrator acts on
 (events a shell derives itself, ticks or a restarted client's lost task, are no messages). A tier report is such a
-message only when the availability knowledge tracks tiers (``knowledge: tiertrack``, the FeLiX
+message only when the availability knowledge tracks tiers (``availability: tiertrack``, the FeLiX
 authors' TierTrack cost); under ``none`` and ``oracle`` the orchestrator ignores tier reports, so
 they are not part of the modelled protocol (the MQTT client still sends them: the server reports
 what really crossed the wire separately, ``wire_bytes_by_kind``). Messages a shell refuses before

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from felix.config import ConfigError
+from felix.core.key_aliases import renamed
 from felix.experiments.paper_catalog import HIGH_WEIGHT
 
 
@@ -112,9 +113,9 @@ def raw_weights(folder: Folder) -> dict[str, UpdateWeights]:
             configs.setdefault(str(run.get("variant")), run["config"])
     out: dict[str, UpdateWeights] = {}
     for variant, per_seed in folder.runs.items():
-        cfg = configs.get(variant) or {}
+        cfg = renamed(configs.get(variant) or {})  # a manifest written before a key was renamed, too
         orch, agg = cfg.get("orchestrator") or {}, cfg.get("aggregator") or {}
-        if orch.get("mode") != "async" or agg.get("normalize") != "count" or not per_seed:
+        if orch.get("round_policy") != "async" or agg.get("normalize") != "count" or not per_seed:
             continue
         k = float(orch.get("agg_goal") or 0)
         rows = [(r.get("diagnostics") or {}) for r in per_seed.values() if isinstance(r, dict)]

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from felix.config import ConfigError
+from felix.core.registry import CallShape, Registry
 from felix.scenario.errors import DatasetError
-from felix.scenario.registry import Registry
 
 log = logging.getLogger("felix")
 
@@ -87,12 +87,14 @@ def cache_dir() -> Path:
 DatasetLoader = Callable[..., tuple[ArrayDataset, "ArrayDataset | None"]]
 DATASETS: Registry[DatasetLoader] = Registry(
     "dataset",
-    "dataset.name",
-    "dataset loader(root: str | None, download: bool, **params) -> "
-    "(train: ArrayDataset, test: ArrayDataset | None)",
-    "dataset.params",
-    passed=2,
     modules=("felix.scenario.audio",),
+    key="dataset.name",
+    call=CallShape(
+        "dataset loader(root: str | None, download: bool, **params) -> "
+        "(train: ArrayDataset, test: ArrayDataset | None)",
+        "dataset.params",
+        passed=2,
+    ),
 )
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from felix.config import ConfigError
-from felix.scenario.registry import Registry
+from felix.core.registry import CallShape, Registry
 
 
 class FelixCifarCNN(nn.Module):
@@ -195,10 +195,12 @@ class ResNet34_1D(nn.Module):
 ModelFactory = Callable[..., nn.Module]
 MODELS: Registry[ModelFactory] = Registry(
     "model",
-    "model",
-    "model factory(sample_shape: tuple[int, ...], num_classes: int, **model_params) -> torch.nn.Module",
-    "model_params",
-    passed=2,
+    key="model",
+    call=CallShape(
+        "model factory(sample_shape: tuple[int, ...], num_classes: int, **model_params) -> torch.nn.Module",
+        "model_params",
+        passed=2,
+    ),
 )
 
 

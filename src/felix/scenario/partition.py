@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from felix.config import ConfigError
-from felix.scenario.registry import Registry
+from felix.core.registry import CallShape, Registry
 
 if TYPE_CHECKING:
     from felix.config import PartitionCfg
@@ -26,13 +26,15 @@ if TYPE_CHECKING:
 Partitioner = Callable[..., list[np.ndarray]]
 PARTITIONERS: Registry[Partitioner] = Registry(
     "partitioner",
-    "partition.kind",
-    "partitioner(labels: np.ndarray, num_classes: int, cfg: PartitionCfg, "
-    "rng: np.random.Generator, **params) -> list[np.ndarray] (one index array per client)",
-    "partition.params",
-    passed=4,
-    injected=("groups",),
     modules=("felix.scenario.long_tail",),
+    key="partition.kind",
+    call=CallShape(
+        "partitioner(labels: np.ndarray, num_classes: int, cfg: PartitionCfg, "
+        "rng: np.random.Generator, **params) -> list[np.ndarray] (one index array per client)",
+        "partition.params",
+        passed=4,
+        injected=("groups",),
+    ),
 )
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from felix.config import ConfigError
-from felix.scenario.registry import Registry
+from felix.core.registry import CallShape, Registry
 
 if TYPE_CHECKING:
     from felix.config import RuntimeCfg
@@ -48,11 +48,13 @@ def uniform_runtimes(n: int, rng: np.random.Generator, low: float, high: float) 
 RuntimeProfile = Callable[..., np.ndarray]
 RUNTIMES: Registry[RuntimeProfile] = Registry(
     "runtime profile",
-    "runtime.kind",
-    "runtime profile(cfg: RuntimeCfg, num_clients: int, rng: np.random.Generator, "
-    "sizes: list[int] | None) -> np.ndarray",
-    None,
-    passed=4,
+    key="runtime.kind",
+    call=CallShape(
+        "runtime profile(cfg: RuntimeCfg, num_clients: int, rng: np.random.Generator, "
+        "sizes: list[int] | None) -> np.ndarray",
+        None,
+        passed=4,
+    ),
 )
 
 

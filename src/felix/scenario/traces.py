@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from felix.config import ConfigError
+from felix.core.registry import CallShape, Registry
 from felix.core.types import Tier
 from felix.scenario.errors import TraceError
 from felix.scenario.locations import trace_file
-from felix.scenario.registry import Registry
 
 if TYPE_CHECKING:
     from felix.config import TraceCfg
@@ -337,12 +337,14 @@ def load_fedscale(path: str | Path) -> AvailabilityTrace:
 TraceBuilder = Callable[..., AvailabilityTrace]
 TRACES: Registry[TraceBuilder] = Registry(
     "trace",
-    "trace.kind",
-    "trace builder(cfg: TraceCfg, num_clients: int, rng: np.random.Generator, **params) -> AvailabilityTrace",
-    "trace.params",
-    passed=3,
-    injected=("class_counts",),
     modules=("felix.scenario.random_access",),
+    key="trace.kind",
+    call=CallShape(
+        "trace builder(cfg: TraceCfg, num_clients: int, rng: np.random.Generator, **params) -> AvailabilityTrace",
+        "trace.params",
+        passed=3,
+        injected=("class_counts",),
+    ),
 )
 
 
@@ -360,7 +362,7 @@ def make_trace(
     try:
         trace = fn(cfg, num_clients, rng, **extra)
     except TypeError as exc:
-        raise ConfigError(f"trace.kind {cfg.kind!r}: {exc}; expected a {TRACES.signature}") from None
+        raise TRACES.wrong(cfg.kind, f"fails when called: {exc}") from None
     if not isinstance(trace, AvailabilityTrace):
         raise TRACES.wrong(
             cfg.kind, f"returned a {type(trace).__name__}, not a felix.scenario.traces.AvailabilityTrace"

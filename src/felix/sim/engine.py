@@ -301,7 +301,8 @@ class Simulation:
         if step.timer is not None:
             self._push(step.timer.at, _DONE, dev.cid, step.timer.token)
         for held in step.released:
-            self._deliver(TaskFinished(self.now, dev.cid, held.task.task_id, held.result))
+            t = held.task
+            self._deliver(TaskFinished(self.now, dev.cid, t.task_id, held.result, t.kind, t.version))
 
     def _on_done(self, dev: SimDevice, token: int) -> None:
         task = dev.complete(token)

@@ -20,7 +20,6 @@ from felix.strategies.objectives.base import (
     masked_mean,
     objective_class,
     objective_params_model,
-    register_objective,
     stacked_views,
 )
 from felix.strategies.objectives.baselines import (
@@ -61,7 +60,6 @@ __all__ = [
     "max_risk_weight",
     "objective_class",
     "objective_params_model",
-    "register_objective",
     "risk_weight",
     "stacked_views",
 ]

@@ -233,13 +233,7 @@ OBJECTIVES: Registry[Objective] = Registry(
 )
 
 
-def register_objective(cls: type[Objective]) -> type[Objective]:
-    """Class decorator: register ``cls`` under ``cls.name`` with its typed parameters."""
-    OBJECTIVES.register(cls.name, params=cls.params())(cls)
-    return cls
-
-
-register_objective(Objective)
+OBJECTIVES.register(Objective.name)(Objective)  # plain cross-entropy, registered as its subclasses are
 
 
 def objective_class(name: str) -> type[Objective]:

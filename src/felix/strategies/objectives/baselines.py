@@ -12,10 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from felix.core.validation import AuxDecl
 from felix.strategies.objectives.base import (
+    OBJECTIVES,
     Objective,
     TaskContext,
     masked_mean,
-    register_objective,
     stacked_views,
 )
 
@@ -38,7 +38,7 @@ def inverse_frequency_weights(class_counts: torch.Tensor) -> torch.Tensor:
     return w.to(torch.float32)
 
 
-@register_objective
+@OBJECTIVES.register("wce")
 class WeightedCE(Objective):
     """Class-weighted cross-entropy (DAFL's WCEL baseline): up-weights the client's rare classes."""
 
@@ -66,7 +66,7 @@ class WeightedCE(Objective):
         return loss, loss
 
 
-@register_objective
+@OBJECTIVES.register("focal")
 class FocalLoss(Objective):
     """Focal loss (Lin et al. 2017), ``-alpha_y (1 - p_y)^gamma log p_y`` averaged over the batch.
 
@@ -114,7 +114,7 @@ class FocalLoss(Objective):
         return loss, loss
 
 
-@register_objective
+@OBJECTIVES.register("fedprox")
 class FedProx(Objective):
     """FedProx (Li et al. 2020): cross-entropy plus ``mu/2 ||w - w_global||^2``.
 
@@ -154,7 +154,7 @@ class ScaffoldParams(BaseModel):
     )
 
 
-@register_objective
+@OBJECTIVES.register("scaffold")
 class Scaffold(Objective):
     """SCAFFOLD (Karimireddy et al. 2020), option II control variates.
 

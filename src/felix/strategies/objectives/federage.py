@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from felix.core.validation import AuxDecl
-from felix.strategies.objectives.base import Objective, TaskContext, register_objective
+from felix.strategies.objectives.base import OBJECTIVES, Objective, TaskContext
 
 
 def risk_weight(loss: float, beta: float, alpha: float, gamma: float) -> float:
@@ -53,7 +53,7 @@ def beta_step(beta: B, weight: B, lr: float, lo: float, hi: float) -> B:
 FEDERAGE_STEP_RULES = ("paper", "normalised", "capped", "balanced")
 
 
-@register_objective
+@OBJECTIVES.register("federage")
 class FedeRage(Objective):
     """FedeRage's mean-CVaR local objective (Algorithm 2) over ``(theta, beta)``.
 

@@ -570,8 +570,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Standalone entry point (``python -m felix.experiments.report``)."""
-    p = argparse.ArgumentParser(prog="python -m felix.experiments.report", description=__doc__)
+    """Standalone entry point (``python -m felix.experiments.html_report``)."""
+    p = argparse.ArgumentParser(prog="python -m felix.experiments.html_report", description=__doc__)
     _configure(p)
     try:
         return run(p.parse_args(argv))
