@@ -37,6 +37,7 @@ from felix.scenario.models import ModelFactory, check_model, check_model_fits, m
 from felix.scenario.partition import partition
 from felix.scenario.profiles import make_runtimes
 from felix.scenario.random_access import ram_probabilities
+from felix.scenario.shards import Shards
 from felix.scenario.traces import AvailabilityTrace, make_trace
 
 log = logging.getLogger("felix.scenario.build")
@@ -95,13 +96,10 @@ def partition_indices(
     return [keep[ix] for ix in partition(p, labels[keep], num_classes, rng, kept_groups)]
 
 
-def build_trace(cfg: Config, population: Population | None = None) -> AvailabilityTrace:
+def build_trace(cfg: Config, population: Population | PopulationPlan | None = None) -> AvailabilityTrace:
     """The scenario's availability, from ``trace.offset_s`` seconds into it; with the population,
     a builder that asks for them gets the clients' class counts (felix.scenario.traces)."""
-    counts = None
-    if population is not None:
-        c = population.train.num_classes
-        counts = np.stack([d.class_counts(c).numpy() for d in population.client_data])
+    counts = None if population is None else population.class_counts()
     return make_trace(cfg.trace, cfg.partition.num_clients, _stream(cfg.seed, _TRACE), counts)
 
 
@@ -140,6 +138,33 @@ class Population:
     client_data: list[ClientData]
     initial_weights: np.ndarray
     model: torch.nn.Module
+
+    def class_counts(self) -> np.ndarray:
+        """Clients x classes: each client's training samples per class."""
+        c = self.train.num_classes
+        return np.stack([d.class_counts(c).numpy() for d in self.client_data])
+
+
+@dataclass
+class PopulationPlan:
+    """A population before its clients' samples are gathered: the training pool, the test set,
+    the initial model and each client's rows of the pool (``felix.scenario.shards``). The
+    simulator gathers every client (``gather``), a deployed client process only its own
+    (``shards.client``), the server none."""
+
+    train: ArrayDataset
+    test: ArrayDataset | None
+    shards: Shards
+    initial_weights: np.ndarray
+    model: torch.nn.Module
+
+    def class_counts(self) -> np.ndarray:
+        """Clients x classes: each client's training samples per class (from the labels alone)."""
+        return self.shards.class_counts
+
+    def gather(self) -> Population:
+        """The population with every client's data held (one client-ordered copy of the pool)."""
+        return Population(self.train, self.test, self.shards.gather(), self.initial_weights, self.model)
 
 
 @dataclass
@@ -275,10 +300,18 @@ def _root(root: str | None, download: bool) -> str | None:
 def build_population(
     cfg: Config, data: ClientDatasets | None = None, model: nn.Module | ModelFactory | None = None
 ) -> Population:
-    """The clients' data, the test set and the initial model. ``data`` replaces the configured
-    dataset and partition (``dataset.test_limit`` still applies); ``model`` replaces ``cfg.model``:
-    a factory (seeded by the run's model stream, as the registered ones) or a module, whose current
-    weights are then the initial ones."""
+    """The clients' data (every client's gathered), the test set and the initial model: see
+    :func:`plan_population`."""
+    return plan_population(cfg, data, model).gather()
+
+
+def plan_population(
+    cfg: Config, data: ClientDatasets | None = None, model: nn.Module | ModelFactory | None = None
+) -> PopulationPlan:
+    """The training pool and each client's rows of it, the test set and the initial model.
+    ``data`` replaces the configured dataset and partition (``dataset.test_limit`` still applies);
+    ``model`` replaces ``cfg.model``: a factory (seeded by the run's model stream, as the
+    registered ones) or a module, whose current weights are then the initial ones."""
     d = cfg.dataset
     if data is None:
         train, test = _dataset(
@@ -290,16 +323,11 @@ def build_population(
             json.dumps(d.params, sort_keys=True, default=str),
         )
         groups = None if train.groups is None else train.groups.numpy()
-        parts = partition_indices(cfg, train.y.numpy(), train.num_classes, groups)
-        # One gather into client order; each client's data is a row slice of it, so a cohort
-        # trainer's data pool adopts the whole without copying it again (cohort.DataPool).
-        order = torch.as_tensor(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
-        xs, ys = train.x.index_select(0, order), train.y.index_select(0, order)
-        ends = np.cumsum([len(ix) for ix in parts]).tolist()
-        datas = [ClientData(xs[a:b], ys[a:b]) for a, b in zip([0, *ends[:-1]], ends)]
+        shards = Shards(train, partition_indices(cfg, train.y.numpy(), train.num_classes, groups))
     else:
         pool_x, pool_y, datas = held_once(data.clients)  # no copy of one made by ClientDatasets.from_arrays
         train, test = ArrayDataset(pool_x, pool_y, data.classes), data.test
+        shards = Shards.of_held(train, datas)
     if test is not None and d.test_limit is not None and d.test_limit < len(test):
         # Folder datasets list the test set class by class: take a class-balanced subset, not a prefix.
         per_class = -(-d.test_limit // test.num_classes)
@@ -321,4 +349,4 @@ def build_population(
             params=cfg.model_params,
         )
     check_model_fits(net, train.x[:2], train.num_classes, ref)
-    return Population(train, test, datas, model_vector(net, cfg.client.buffers), net)
+    return PopulationPlan(train, test, shards, model_vector(net, cfg.client.buffers), net)
