@@ -6,8 +6,9 @@ resolved, its data shard, trace, trainer and runtime built), each repeat in a fr
 
 The population is the capacity benchmark's large one (``benchmarks/mqtt_capacity.py`` above
 1,000 clients): Fashion-MNIST split IID over ``--clients`` clients, a 6-unit MLP, the default
-halfnormal runtimes, a 50%-slotted trace. Prints one JSON line: the wall seconds and peak RSS
-(``ru_maxrss``) of each repeat, their median and spread, and the provenance.
+halfnormal runtimes, a 50%-slotted trace. Prints one JSON line: per repeat the wall seconds, the
+peak RSS (``ru_maxrss``) and the RSS held once started (``VmRSS``), their medians and spreads,
+and the provenance.
 """
 
 from __future__ import annotations
@@ -52,8 +53,22 @@ def _child(clients: int, cid: int, threads: int) -> None:
     host = ClientHost(cfg, [cid], opts, lambda c: (None, None))
     seconds = time.perf_counter() - T_START
     assert len(host.devices[cid].data) > 0
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    print(json.dumps({"seconds": seconds, "rss_mb": rss_mb, "samples": len(host.devices[cid].data)}))
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    with open("/proc/self/status") as f:
+        held_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    samples = len(host.devices[cid].data)
+    print(
+        json.dumps({"seconds": seconds, "peak_mb": peak_mb, "held_mb": held_kb / 1024.0, "samples": samples})
+    )
+
+
+def _figures(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    values = [r[key] for r in runs]
+    return {
+        key: [round(v, 1) for v in values],
+        f"{key}_median": round(statistics.median(values), 1),
+        f"{key}_spread": round(max(values) - min(values), 1),
+    }
 
 
 def _provenance(threads: int) -> dict[str, Any]:
@@ -104,7 +119,6 @@ def main() -> None:
         )
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     secs = [r["seconds"] for r in runs]
-    rss = [r["rss_mb"] for r in runs]
     print(
         json.dumps(
             {
@@ -115,9 +129,8 @@ def main() -> None:
                 "seconds": [round(s, 3) for s in secs],
                 "seconds_median": round(statistics.median(secs), 3),
                 "seconds_spread": round(max(secs) - min(secs), 3),
-                "rss_mb": [round(r, 1) for r in rss],
-                "rss_mb_median": round(statistics.median(rss), 1),
-                "rss_mb_spread": round(max(rss) - min(rss), 1),
+                **_figures(runs, "peak_mb"),
+                **_figures(runs, "held_mb"),
                 "provenance": _provenance(args.threads),
             }
         )

@@ -148,3 +148,25 @@ def test_a_simulated_run_passes_over_the_test_set_once_per_evaluation(tmp_path: 
     assert plan is not None and plan.test_pass is not None
     assert "per_client" in res.summary
     assert plan.test_pass.passes == res.summary["evaluations"] == 4
+
+
+def test_a_client_process_reads_only_its_rows_of_fashion_mnist(tmp_path: Path) -> None:
+    """Where the dataset can (Fashion-MNIST's idx files), a client process reads its own rows
+    alone, without the test set: the same samples, to the bit, as the simulator's client, and the
+    same initial model."""
+    from felix.scenario.datasets import LazyDataset
+
+    sets = {
+        "model_params": {"hidden": 6},
+        "dataset": {"name": "fashion_mnist", "per_class_limit": 300, "num_classes": 8},
+        "partition": {"kind": "dirichlet", "num_clients": 50, "alpha": 0.5},
+    }
+    cfg = load_config(write_config(tmp_path / "cfg.yaml"), sets)
+    client = plan_run(cfg, shards_only=True)
+    assert isinstance(client.train, LazyDataset) and client.test is None
+    whole = plan_run(cfg)
+    assert client.sizes == whole.sizes and np.array_equal(client.class_counts(), whole.class_counts())
+    assert np.array_equal(client.initial_weights, whole.initial_weights)
+    for cid in (0, 31, 49):
+        mine, theirs = client.client_data(cid), whole.gathered().client_data[cid]
+        assert torch.equal(mine.x, theirs.x) and torch.equal(mine.y, theirs.y)

@@ -165,7 +165,7 @@ class ClientHost:
         # The run's plan, as the simulator's and the server's: this process gathers only its own
         # clients' rows of the training pool, and its stream (the simulator's model: same seed,
         # same samples) reads availability from these clients' traces, in trace time.
-        plan = plan_run(cfg)
+        plan = plan_run(cfg, shards_only=True)
         if traces is None:
             traces = {
                 c: plan.trace.for_client(opts.trace_device if opts.trace_device is not None else c)

@@ -39,12 +39,13 @@ from felix.scenario.build import (
     fit_config,
     plan_population,
 )
-from felix.scenario.datasets import ArrayDataset
+from felix.scenario.datasets import ArrayDataset, LazyDataset
 from felix.scenario.models import ModelFactory
 from felix.scenario.shards import Shards
 from felix.scenario.traces import AvailabilityTrace, DeviceTrace
+from felix.stream.feed import StreamFeed
 from felix.stream.model import StreamModel
-from felix.stream.setup import ClientTraces, build_stream
+from felix.stream.setup import ClientTraces, build_stream, feed_for
 
 __all__ = ["RunPlan", "plan_run"]
 
@@ -64,8 +65,9 @@ class RunPlan:
 
     # ------------------------------------------------------------------ facts
     @property
-    def train(self) -> ArrayDataset:
-        """The training pool (streams draw from it; each client's rows are a shard of it)."""
+    def train(self) -> ArrayDataset | LazyDataset:
+        """The training pool, each client's rows a shard of it (read on demand in a client
+        process, where the dataset can)."""
         return self.population.train
 
     @property
@@ -136,6 +138,13 @@ class RunPlan:
             return None
         return build_stream(self.cfg, self.population, _PlanTraces(self))
 
+    def feed(self, cid: int) -> StreamFeed | None:
+        """Client ``cid``'s stream feed from the training pool (None without a stream)."""
+        if self.stream is None:
+            return None
+        assert isinstance(self.train, ArrayDataset)  # a stream's plan holds its pool (plan_run)
+        return feed_for(self.stream, self.train, cid)
+
     @functools.cached_property
     def trainers(self) -> TrainerFactory:
         """The factory of the run's trainers (sequential, Flower, cohort) from one objective spec."""
@@ -168,13 +177,17 @@ def plan_run(
     model: nn.Module | ModelFactory | None = None,
     trace: AvailabilityTrace | None = None,
     client_traces: ClientTraces | None = None,
+    shards_only: bool = False,
 ) -> RunPlan:
     """The plan of a run of ``cfg``, its torch settings applied. ``population``: a built
     ``Population`` (its model included) or prepared ``ClientDatasets`` (with ``model``, or
     ``cfg.model``), instead of the configured dataset and partition; ``partition.num_clients``
     becomes its size (``RunPlan.cfg`` is the config that runs). ``trace`` replaces the configured
     one (``trace.offset_s`` is not applied to it); ``client_traces``: the clients' own replay of
-    it (an MQTT process's share)."""
+    it (an MQTT process's share). ``shards_only`` (a deployed client process, which evaluates
+    nothing and gathers only its own clients): the training samples are read only for the shards
+    gathered, where the dataset can, and no test set is loaded; a stream keeps its pool (its
+    clients draw from all of it)."""
     autocast_dtype = apply_run_settings(cfg)
     if trace is not None and not isinstance(trace, AvailabilityTrace):
         raise ConfigError(f"build: trace must be a felix AvailabilityTrace, not {type(trace).__name__}")
@@ -190,10 +203,12 @@ def plan_run(
     else:
         if population is not None:
             cfg = fit_config(cfg, len(population.clients))
-        pop_plan = plan_population(cfg, population, model)
+        on_demand = shards_only and not cfg.stream.enabled
+        pop_plan = plan_population(cfg, population, model, on_demand=on_demand)
     plan = RunPlan(cfg, pop_plan, autocast_dtype, trace, client_traces)
     plan._gathered = gathered
-    check_plan(plan)
+    if not shards_only:
+        check_plan(plan)
     return plan
 
 

@@ -36,7 +36,7 @@ from felix.strategies.dataplans.plans import DataPlanRun, PlanApplier, prepare_d
 from felix.strategies.dataplans.policy import PlannedDataPlan
 from felix.stream.feed import StreamFeed
 from felix.stream.model import StreamModel
-from felix.stream.setup import attach_freshness, feed_for
+from felix.stream.setup import attach_freshness
 
 
 def resolve_config(
@@ -124,8 +124,7 @@ class ClientSide:
 
     def feed(self, cid: int) -> StreamFeed | None:
         """Client ``cid``'s stream feed (None without a stream: it trains on its fixed data)."""
-        stream = self.plan.stream
-        return None if stream is None else feed_for(stream, self.plan.train, cid)
+        return self.plan.feed(cid)
 
 
 def build_client_side(plan: RunPlan, planned: PlannedDataPlan | None = None) -> ClientSide:

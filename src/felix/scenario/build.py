@@ -30,7 +30,17 @@ from felix.client.trainer import ClientData
 from felix.client.weights import model_vector
 from felix.config import Config, ConfigError, deep_merge, validate
 from felix.core.types import Tier
-from felix.scenario.datasets import ArrayDataset, DatasetError, check_dataset, first_classes, load_dataset
+from felix.scenario.datasets import (
+    AnyDataset,
+    ArrayDataset,
+    DatasetError,
+    LazyDataset,
+    check_dataset,
+    first_classes,
+    lazy_train_set,
+    limit_per_class,
+    load_dataset,
+)
 from felix.scenario.locations import dataset_root
 from felix.scenario.long_tail import long_tail_indices
 from felix.scenario.models import ModelFactory, check_model, check_model_fits, make_model, model_ref
@@ -68,13 +78,30 @@ def _dataset(
     """Load (cached: a comparison's runs share one copy); ``params`` is ``dataset.params`` as JSON."""
     train, test = load_dataset(name, root, download, limit, json.loads(params))
     if num_classes is not None:
-        if num_classes > train.num_classes:
-            raise ConfigError(
-                f"dataset.num_classes is {num_classes} but {name} has {train.num_classes} classes"
-            )
-        train = first_classes(train, num_classes)
+        train = _first(train, name, num_classes)
         test = None if test is None else first_classes(test, num_classes)
     return train, test
+
+
+def _first(train: AnyDataset, name: str, num_classes: int) -> AnyDataset:
+    """``dataset.num_classes``: the first classes of ``train``."""
+    if num_classes > train.num_classes:
+        raise ConfigError(f"dataset.num_classes is {num_classes} but {name} has {train.num_classes} classes")
+    return first_classes(train, num_classes)
+
+
+def _train_on_demand(cfg: Config) -> LazyDataset | None:
+    """The configured training set with its samples read only for the rows a shard gathers, where
+    the dataset can (``felix.scenario.datasets.lazy_train_set``); None: load it whole."""
+    d = cfg.dataset
+    if d.params:
+        return None
+    train = lazy_train_set(d.name, _root(d.root, d.download))
+    if train is None:
+        return None
+    if d.per_class_limit is not None:
+        train = limit_per_class(train, d.per_class_limit)
+    return train if d.num_classes is None else _first(train, d.name, d.num_classes)
 
 
 def partition_indices(
@@ -152,7 +179,7 @@ class PopulationPlan:
     simulator gathers every client (``gather``), a deployed client process only its own
     (``shards.client``), the server none."""
 
-    train: ArrayDataset
+    train: ArrayDataset | LazyDataset  # read on demand in a deployed client process
     test: ArrayDataset | None
     shards: Shards
     initial_weights: np.ndarray
@@ -164,6 +191,8 @@ class PopulationPlan:
 
     def gather(self) -> Population:
         """The population with every client's data held (one client-ordered copy of the pool)."""
+        if isinstance(self.train, LazyDataset):
+            raise TypeError("a population read on demand gathers single shards, not every client")
         return Population(self.train, self.test, self.shards.gather(), self.initial_weights, self.model)
 
 
@@ -306,14 +335,26 @@ def build_population(
 
 
 def plan_population(
-    cfg: Config, data: ClientDatasets | None = None, model: nn.Module | ModelFactory | None = None
+    cfg: Config,
+    data: ClientDatasets | None = None,
+    model: nn.Module | ModelFactory | None = None,
+    on_demand: bool = False,
 ) -> PopulationPlan:
     """The training pool and each client's rows of it, the test set and the initial model.
     ``data`` replaces the configured dataset and partition (``dataset.test_limit`` still applies);
     ``model`` replaces ``cfg.model``: a factory (seeded by the run's model stream, as the
-    registered ones) or a module, whose current weights are then the initial ones."""
+    registered ones) or a module, whose current weights are then the initial ones. ``on_demand``
+    (a deployed client process): the samples are read only for the shards gathered, where the
+    dataset can, and no test set is loaded (the process evaluates none)."""
     d = cfg.dataset
-    if data is None:
+    lazy = _train_on_demand(cfg) if on_demand and data is None else None
+    train: ArrayDataset | LazyDataset
+    test: ArrayDataset | None
+    if lazy is not None:
+        train, test = lazy, None
+        groups = None if train.groups is None else train.groups.numpy()
+        shards = Shards(train, partition_indices(cfg, train.y.numpy(), train.num_classes, groups))
+    elif data is None:
         train, test = _dataset(
             d.name,
             _root(d.root, d.download),
@@ -348,5 +389,6 @@ def plan_population(
             seed=seed,
             params=cfg.model_params,
         )
-    check_model_fits(net, train.x[:2], train.num_classes, ref)
+    first = train.rows(np.arange(min(2, len(train)))) if isinstance(train, LazyDataset) else train.x[:2]
+    check_model_fits(net, first, train.num_classes, ref)
     return PopulationPlan(train, test, shards, model_vector(net, cfg.client.buffers), net)

@@ -17,14 +17,14 @@ import numpy as np
 import torch
 
 from felix.client.trainer import ClientData
-from felix.scenario.datasets import ArrayDataset
+from felix.scenario.datasets import ArrayDataset, LazyDataset
 
 
 class Shards:
     """Each client's rows of ``pool`` (``parts[cid]``), or, for a population whose clients are
     held already (``of_held``), those clients' data as they are."""
 
-    def __init__(self, pool: ArrayDataset, parts: Sequence[np.ndarray]) -> None:
+    def __init__(self, pool: ArrayDataset | LazyDataset, parts: Sequence[np.ndarray]) -> None:
         self.pool = pool
         self.parts = [np.asarray(p, dtype=np.int64) for p in parts]
         self._held: list[ClientData] | None = None
@@ -61,14 +61,20 @@ class Shards:
         """Client ``cid``'s data, gathered alone (a deployed client process's own shard)."""
         if self._held is not None:
             return self._held[cid]
-        idx = torch.as_tensor(self.parts[cid])
-        return ClientData(self.pool.x.index_select(0, idx), self.pool.y.index_select(0, idx))
+        return self._take(self.parts[cid])
 
     def gather(self) -> list[ClientData]:
         """Every client's data: one gather into client order, each client a row slice of it."""
         if self._held is not None:
             return self._held
-        order = torch.as_tensor(np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=np.int64))
-        xs, ys = self.pool.x.index_select(0, order), self.pool.y.index_select(0, order)
+        whole = self._take(np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=np.int64))
+        xs, ys = whole.x, whole.y
         ends = np.cumsum(self.sizes).tolist()
         return [ClientData(xs[a:b], ys[a:b]) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+
+    def _take(self, rows: np.ndarray) -> ClientData:
+        """The pool's ``rows``, gathered (read, for a pool read on demand)."""
+        idx = torch.as_tensor(rows)
+        pool = self.pool
+        x = pool.rows(rows) if isinstance(pool, LazyDataset) else pool.x.index_select(0, idx)
+        return ClientData(x, pool.y.index_select(0, idx))
