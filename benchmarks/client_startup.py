@@ -7,8 +7,9 @@ resolved, its data shard, trace, trainer and runtime built), each repeat in a fr
 The population is the capacity benchmark's large one (``benchmarks/mqtt_capacity.py`` above
 1,000 clients): Fashion-MNIST split IID over ``--clients`` clients, a 6-unit MLP, the default
 halfnormal runtimes, a 50%-slotted trace. Prints one JSON line: per repeat the wall seconds, the
-peak RSS (``ru_maxrss``) and the RSS held once started (``VmRSS``), their medians and spreads,
-and the provenance.
+CPU seconds (user + system: less sensitive than wall time to other work on the machine), the peak
+RSS (``ru_maxrss``) and the RSS held once started (``VmRSS``), their medians and spreads, and the
+provenance.
 """
 
 from __future__ import annotations
@@ -53,21 +54,30 @@ def _child(clients: int, cid: int, threads: int) -> None:
     host = ClientHost(cfg, [cid], opts, lambda c: (None, None))
     seconds = time.perf_counter() - T_START
     assert len(host.devices[cid].data) > 0
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    peak_mb, cpu_s = usage.ru_maxrss / 1024.0, usage.ru_utime + usage.ru_stime
     with open("/proc/self/status") as f:
         held_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     samples = len(host.devices[cid].data)
     print(
-        json.dumps({"seconds": seconds, "peak_mb": peak_mb, "held_mb": held_kb / 1024.0, "samples": samples})
+        json.dumps(
+            {
+                "seconds": seconds,
+                "cpu_s": cpu_s,
+                "peak_mb": peak_mb,
+                "held_mb": held_kb / 1024.0,
+                "samples": samples,
+            }
+        )
     )
 
 
 def _figures(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
     values = [r[key] for r in runs]
     return {
-        key: [round(v, 1) for v in values],
-        f"{key}_median": round(statistics.median(values), 1),
-        f"{key}_spread": round(max(values) - min(values), 1),
+        key: [round(v, 2) for v in values],
+        f"{key}_median": round(statistics.median(values), 2),
+        f"{key}_spread": round(max(values) - min(values), 2),
     }
 
 
@@ -118,7 +128,6 @@ def main() -> None:
             check=True,
         )
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    secs = [r["seconds"] for r in runs]
     print(
         json.dumps(
             {
@@ -126,9 +135,8 @@ def main() -> None:
                 "clients": args.clients,
                 "client_id": args.client_id,
                 "samples": runs[0]["samples"],
-                "seconds": [round(s, 3) for s in secs],
-                "seconds_median": round(statistics.median(secs), 3),
-                "seconds_spread": round(max(secs) - min(secs), 3),
+                **_figures(runs, "seconds"),
+                **_figures(runs, "cpu_s"),
                 **_figures(runs, "peak_mb"),
                 **_figures(runs, "held_mb"),
                 "provenance": _provenance(args.threads),
