@@ -88,10 +88,6 @@ class RunPlan:
         return self.train.num_classes
 
     @property
-    def num_clients(self) -> int:
-        return len(self.population.shards)
-
-    @property
     def sizes(self) -> list[int]:
         """Each client's number of training samples."""
         return self.population.shards.sizes
