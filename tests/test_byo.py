@@ -237,7 +237,7 @@ def test_a_dataset_without_a_test_set_needs_eval_every_0():
     with pytest.raises(ConfigError, match="no test set, but run.eval_every is 1"):
         api.build(resolve_config(None, None, sets))
     with pytest.raises(ConfigError, match="no test set"):
-        make_evaluator(bn_net(SHAPE, 3), None, "cpu")(np.zeros(3, dtype=np.float32))
+        make_evaluator(None)(np.zeros(3, dtype=np.float32))
 
 
 def test_the_shared_setup_imports_no_shell_and_the_deployment_not_the_simulator():

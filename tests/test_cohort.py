@@ -329,7 +329,7 @@ def test_a_batch_larger_than_every_client_trains_sequentially(caplog: pytest.Log
     built = build(resolve_config(None, "fedbuff", SIM))
     largest = max(len(d.data) for d in built.sim.devices)
     assert built.sim.cohort is not None
-    with caplog.at_level(logging.INFO, logger="felix.sim.build"):
+    with caplog.at_level(logging.INFO, logger="felix.engine.trainers"):
         over = deep_merge(SIM, {"client": {"batch_size": largest + 1}})
         assert build(resolve_config(None, "fedbuff", over)).sim.cohort is None
     assert f"more than the largest client's {largest} samples" in caplog.text

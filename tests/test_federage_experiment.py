@@ -138,14 +138,12 @@ def test_felix_cli_answers_bad_input_without_a_traceback(
 
 def test_federage_trains_on_full_model_batches_only() -> None:
     """FedeRage fixes the model mini-batch b (drop_last); the baselines keep the short last batch."""
-    from felix.engine.components import build_trainer
-    from felix.scenario.build import build_population
+    from felix.engine.plan import plan_run
 
     comp = load_comparison(COMPARISONS / "federage.yaml")
     fr = variant_config(comp, "federage-capped-a0.1-g0.5", small_sets(), 0)
     ce = variant_config(comp, "fedavg", small_sets(), 0)
-    pop = build_population(ce)
-    assert build_trainer(fr, pop).cfg.drop_last and not build_trainer(ce, pop).cfg.drop_last
+    assert plan_run(fr).trainers.trainer().cfg.drop_last and not plan_run(ce).trainers.trainer().cfg.drop_last
 
 
 def test_rare_clients_scenario_holds_rare_classes_at_rare_clients() -> None:

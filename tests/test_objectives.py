@@ -536,11 +536,9 @@ def test_scaffold_correction_moves_the_model_by_k_lr_ci() -> None:
 def test_run_config_trains_federage_on_full_batches() -> None:
     """A run config with the FedeRage objective gets drop_last (the fixed model mini-batch b)."""
     from felix.config import Config
-    from felix.engine.components import build_trainer
-    from felix.scenario.build import build_population
+    from felix.engine.plan import plan_run
 
     fr = Config.model_validate({"client": {"objective": "federage", "objective_params": {"alpha": 0.2}}})
-    pop = build_population(fr)
-    assert build_trainer(fr, pop).cfg.drop_last
+    assert plan_run(fr).trainers.trainer().cfg.drop_last
     ce = Config.model_validate({"client": {"objective": "ce"}})
-    assert not build_trainer(ce, pop).cfg.drop_last
+    assert not plan_run(ce).trainers.trainer().cfg.drop_last

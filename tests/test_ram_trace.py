@@ -123,11 +123,12 @@ def test_bad_settings_name_the_key(sets: dict, message: str) -> None:
 
 def test_probe_loss_sends_the_received_model_loss() -> None:
     """client.probe_loss: q-FFL's F_k is the loss at the received weights over the client's data."""
-    from felix.engine.components import build_trainer
+    from felix.engine.plan import plan_run
 
     cfg = cfg_of(**{"client.probe_loss": True, "aggregator.name": "qffl", "aggregator.params": "{q: 1}"})
-    pop = build_population(cfg)
-    trainer = build_trainer(cfg, pop)
+    plan = plan_run(cfg)
+    pop = plan.gathered()
+    trainer = plan.trainers.trainer()
     import torch
 
     data = pop.client_data[0]

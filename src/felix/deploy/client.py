@@ -1,7 +1,8 @@
 """Deployment clients: one process runs one client (``felix client``) or many (an emulate worker).
 
-Each client (a ``Device``) has its own MQTT connection and login, its local partition
-(``build_population(cfg).client_data[cid]``: the simulator's partition for the same seed), its
+Each client (a ``Device``) has its own MQTT connection and login, its local partition (its shard
+of the run's plan, ``felix.engine.plan``: the simulator's partition for the same seed, gathered
+alone: a process holds no other client's samples), its
 tier, replayed from the config's availability trace (device ``cid`` unless ``--trace-device``)
 with the trace's time compressed by ``time_scale``, and a queue of tasks: the shared device
 runner (:mod:`felix.engine.device`, the simulator's own), fed the trace time (clock / time_scale),
@@ -63,11 +64,10 @@ from felix.deploy.topics import client_user
 from felix.deploy.transport import ClientLink, ClientLinkArgs, Connected, Delivery, LinkOptions
 from felix.deploy.transport import resolve as resolve_transport
 from felix.engine.device import DeviceRunner, DeviceTask, Step, TaskRules, task_seed
+from felix.engine.plan import plan_run
 from felix.engine.setup import build_client_side
-from felix.scenario.build import build_population, build_trace
 from felix.scenario.traces import DeviceTrace
 from felix.strategies.dataplans.plans import PlanApplier
-from felix.stream.setup import build_stream
 
 log = logging.getLogger("felix.deploy.client")
 
@@ -161,22 +161,23 @@ class ClientHost:
                 "client.flower_app runs in the simulator (felix run, compare, sweep); "
                 "the MQTT client trains with felix's own trainer"
             )
-        pop = build_population(cfg)
-        self.max_bytes = default_max_message_bytes(int(pop.initial_weights.size))
+        # The run's plan, as the simulator's and the server's: this process gathers only its own
+        # clients' rows of the training pool, and its stream (the simulator's model: same seed,
+        # same samples) reads availability from these clients' traces, in trace time.
+        plan = plan_run(cfg, shards_only=True)
         if traces is None:
-            trace = build_trace(cfg)
             traces = {
-                c: trace.for_client(opts.trace_device if opts.trace_device is not None else c)
+                c: plan.trace.for_client(opts.trace_device if opts.trace_device is not None else c)
                 for c in client_ids
             }
         missing = [c for c in client_ids if c not in traces]
         if missing:
             raise ValueError(f"no availability trace for clients {missing[:5]}")
-        # Streaming data: the simulator's stream model (same seed, same samples), read in trace time.
-        stream = build_stream(cfg, pop, _TraceView(traces)) if cfg.stream.enabled else None
+        plan.client_traces = _TraceView(traces)
+        self.max_bytes = default_max_message_bytes(int(plan.initial_weights.size))
         # The simulator's client side: the same trainer, runtimes, data plan (augmentation, seeds and
         # time charge) and stream feeds.
-        side = build_client_side(cfg, pop, stream)
+        side = build_client_side(plan)
         self.trainer: LocalTrainer = side.trainer
         self.stream = side.stream
         self.plan_applier: PlanApplier | None = side.plan_applier
@@ -192,7 +193,7 @@ class ClientHost:
         for cid in client_ids:
             dt = traces[cid]
             self.devices[cid] = Device(
-                cid, side.data[cid], float(side.runtimes[cid]), dt.tier_at(self.trace_time()), trace=dt
+                cid, side.data(cid), float(side.runtimes[cid]), dt.tier_at(self.trace_time()), trace=dt
             )
             self.devices[cid].feed = side.feed(cid)
         self._credentials = credentials

@@ -1,6 +1,7 @@
 """The deployment shell around the orchestrator: wall clock, MQTT, evaluation, checkpoints.
 
-It mirrors the simulation engine (``felix.sim.engine``): the same server side
+It mirrors the simulation engine (``felix.sim.engine``): the same run plan (``felix.engine.plan``:
+the scenario's facts, no client's data) and server side
 (``felix.engine.setup.build_server_side``: orchestrator, evaluator, recorder and the run
 controller with its evaluations, stop rules, modelled byte accounting and summary; the server adds
 the real wire bytes it saw), but time is the wall clock (``time.monotonic()`` since the start,
@@ -36,7 +37,6 @@ is full paho's network thread waits, and TCP flow control pushes back on the bro
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import math
@@ -77,11 +77,10 @@ from felix.deploy.protocol import (
 from felix.deploy.refusal_log import RefusalLog
 from felix.deploy.transport import Ack, Connected, Delivery, LinkOptions, ServerLinkArgs
 from felix.deploy.transport import resolve as resolve_transport
+from felix.engine.plan import plan_run
 from felix.engine.setup import build_server_side
 from felix.metrics.recorder import EvalRow
 from felix.metrics.report import EvalLog, make_output_dir
-from felix.scenario.build import build_population, build_trace
-from felix.stream.setup import build_stream
 from felix.stream.summary import stream_summary
 
 log = logging.getLogger("felix.deploy.server")
@@ -155,28 +154,24 @@ class Server:
         )
         self.cfg = cfg
         self.opts = opts
-        pop = build_population(cfg)
+        # The run's plan: the scenario's facts (the partition's sizes and class counts come from
+        # the labels; no client's samples are gathered here), the trace built only if a part reads
+        # it (the oracle baselines, the per-client measure, availability-tied arrivals).
+        plan = plan_run(cfg)
         self.num_clients = cfg.partition.num_clients
-        self.num_classes = pop.train.num_classes
+        self.num_classes = plan.num_classes
         # Clients derive their data from the config's partition: none may claim more samples (the
         # registered count bounds every later result's num_samples, its weight and its norm bound).
-        self.partition_sizes = [len(d) for d in pop.client_data]
-        # The oracle baselines read the trace on the server's clock (clients replay it on theirs);
-        # it is built only if a part reads it.
-        trace = functools.cache(lambda: build_trace(cfg, pop))
+        self.partition_sizes = list(plan.sizes)
         # Streaming data: the same stream model as the clients' (its mix judges the model, its
         # registration bounds the sample counts); no client's samples are drawn here.
-        self.stream = None
-        if cfg.stream.enabled:
-            tied = cfg.stream.arrivals.kind == "availability"
-            self.stream = build_stream(cfg, pop, trace() if tied else None)
+        self.stream = plan.stream
+        if self.stream is not None:
             self.partition_sizes = [self.stream.registration(c)[0] for c in range(self.num_clients)]
-        self.num_params = int(pop.initial_weights.size)
+        self.num_params = int(plan.initial_weights.size)
         # A data plan the registered counts make impossible is logged and training goes on without it.
         sink = None if opts.out_dir is None else EvalLog(opts.out_dir / "evaluations.csv")
-        side = build_server_side(
-            cfg, pop, trace, self.stream, plan_errors="skip", sink=sink, measure_wire=True
-        )
+        side = build_server_side(plan, plan_errors="skip", sink=sink, measure_wire=True)
         self.orch, self.ctl, self.freshness = side.orch, side.controller, side.freshness
         self.ctl.on_evaluation.append(_log_evaluation)
         default_bytes = default_max_message_bytes(self.num_params)

@@ -1,5 +1,6 @@
 """A run's components from a validated ``Config``: the orchestrator with its policies, the
-client objective and trainer, the update validator, the global evaluator and the run measures.
+client objective, the update validator, the global evaluator and the run measures (the trainers
+are ``felix.engine.trainers``'s).
 
 The scenario (``felix.scenario.build``) gives a run its inputs: the population, the availability
 trace, the runtimes and the initial model. What trains, judges and orchestrates is built here, once
@@ -9,17 +10,13 @@ client side, which the simulator and the MQTT server and clients consume alike.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from felix import cpu_kernels
-from felix.client.trainer import LocalTrainer, TrainConfig, autocast, one_thread, thread_invariant
-from felix.client.weights import ModelWeights, weights_for
 from felix.config import Config, ConfigError
 from felix.core.availability import AVAILABILITY
 from felix.core.orchestrator import Orchestrator
@@ -31,9 +28,9 @@ from felix.core.server_optim import SERVER_OPTIMIZERS
 from felix.core.validation import LocalSteps, UpdateValidator
 from felix.metrics.per_client import PerClientSetup, make_per_client_eval
 from felix.metrics.recorder import Recorder
+from felix.metrics.test_pass import TestPass
 from felix.privacy.setup import install as install_privacy
-from felix.scenario.build import Population, participation_shares, strategy_stream
-from felix.scenario.datasets import ArrayDataset
+from felix.scenario.build import participation_shares, strategy_stream
 from felix.scenario.traces import AvailabilityTrace
 from felix.strategies.dataplans.plans import build_data_plan
 from felix.strategies.objectives import OBJECTIVES, Objective, objective_class
@@ -48,23 +45,11 @@ def _create(registry: Registry[Any], name: str, params: Any, where: str, ctx: An
         raise ConfigError(str(exc)) from None
 
 
-def make_evaluator(
-    model: torch.nn.Module,
-    test: ArrayDataset | None,
-    device: str,
-    batch_size: int = 1000,
-    autocast_dtype: torch.dtype | None = None,
-) -> Callable[[np.ndarray], tuple[float, float]]:
-    """The global model's test accuracy and loss. The test set is copied to ``device`` once; the
-    sums stay there, one transfer per evaluation. ``model`` must carry its factory's buffers: a
-    parameters-only vector (``client.buffers: local``) is evaluated with them. Without a test set,
-    the evaluator raises ``ConfigError`` when called.
-
-    A model whose single-client work stays on one thread (:func:`thread_invariant`) is evaluated on
-    one thread as well: MKL rounds the test set's ``[N, 784] x [784, 64]`` product differently on
-    two threads, and a last-bit change of a logit can flip a tied prediction and so the time to a
-    target; on one thread the evaluation gives the same bits at any ``run.threads``."""
-    if test is None:
+def make_evaluator(test_pass: TestPass | None) -> Callable[[np.ndarray], tuple[float, float]]:
+    """The global model's test accuracy and loss, from the run's test pass (one forward pass per
+    evaluated version, shared with the other measures: ``felix.metrics.test_pass``). Without a
+    test set, the evaluator raises ``ConfigError`` when called."""
+    if test_pass is None:
 
         def no_test_set(weights: np.ndarray) -> tuple[float, float]:
             raise ConfigError(
@@ -73,47 +58,25 @@ def make_evaluator(
             )
 
         return no_test_set
-    model = model.to(device)
-    layouts: dict[int, ModelWeights] = {}
-    x, y = test.x.to(device), test.y.to(device)
-    single_thread = thread_invariant(model, device)
-
-    @torch.no_grad()
-    def evaluate(weights: np.ndarray) -> tuple[float, float]:
-        with one_thread(single_thread):
-            return _evaluate(weights)
-
-    def _evaluate(weights: np.ndarray) -> tuple[float, float]:
-        size = int(np.asarray(weights).size)
-        if size not in layouts:
-            layouts[size] = weights_for(model, size)
-        layout = layouts[size]
-        layout.load(torch.from_numpy(np.array(weights, dtype=np.float32)).to(device))
-        layout.set_kept(None)
-        model.eval()
-        correct = torch.zeros((), dtype=torch.long, device=device)
-        loss = torch.zeros((), device=device)
-        for s in range(0, len(test), batch_size):
-            xb, yb = x[s : s + batch_size], y[s : s + batch_size]
-            with autocast(device, autocast_dtype):
-                logits = model(xb).float()
-            loss += F.cross_entropy(logits, yb, reduction="sum")
-            correct += (logits.argmax(1) == yb).sum()
-        return int(correct.cpu()) / len(test), float(loss.cpu()) / len(test)
-
-    return evaluate
+    return test_pass.accuracy_loss
 
 
-def apply_run_settings(cfg: Config) -> None:
-    """``run.threads`` for this process, and ``run.device`` checked (runs, ``felix compare``
-    workers and benchmarks all build through here, before any data is loaded): results and speed
-    must not depend on the machine's core count, and a device torch cannot use here is a
-    ``ConfigError`` at once. Also a warning if torch does not use the CPU kernels felix pins
+def apply_run_settings(cfg: Config) -> torch.dtype | None:
+    """The process-wide torch settings of a run, applied once per run by its plan
+    (``felix.engine.plan``): ``run.threads`` for this process, ``run.device`` checked (a device
+    torch cannot use here is a ``ConfigError`` at once), and ``run.precision`` (TF32 matmuls on
+    CUDA; returns the bf16 autocast dtype, None for fp32). Results and speed must not depend on the
+    machine's core count. Also a warning if torch does not use the CPU kernels felix pins
     (:mod:`felix.cpu_kernels`)."""
     cpu_kernels.check()
     if cfg.run.threads is not None and torch.get_num_threads() != cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     check_device(cfg.run.device)
+    if str(cfg.run.device).startswith("cuda"):
+        tf32 = cfg.run.precision == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+    return torch.bfloat16 if cfg.run.precision == "bf16" else None
 
 
 def check_device(device: str) -> None:
@@ -129,16 +92,6 @@ def check_device(device: str) -> None:
         raise ConfigError(f"run.device {device!r} is not usable here: {reason}") from None
 
 
-def apply_precision(cfg: Config) -> torch.dtype | None:
-    """``run.precision``: TF32 matmuls (CUDA) or the bf16 autocast dtype; fp32 changes nothing."""
-    on_cuda = str(cfg.run.device).startswith("cuda")
-    if on_cuda:
-        tf32 = cfg.run.precision == "tf32"
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        torch.backends.cudnn.allow_tf32 = tf32
-    return torch.bfloat16 if cfg.run.precision == "bf16" else None
-
-
 def build_objective(cfg: Config) -> Objective:
     """The client objective from its registry (``OBJECTIVES``), its ``objective_params`` validated
     by the objective's own typed parameters: a misspelt key fails with its dotted path."""
@@ -149,27 +102,6 @@ def build_objective(cfg: Config) -> Objective:
         )
     except RegistryError as exc:
         raise ConfigError(str(exc)) from None
-
-
-def build_trainer(cfg: Config, pop: Population) -> LocalTrainer:
-    apply_run_settings(cfg)
-    c = cfg.client
-    try:
-        tcfg = TrainConfig.of(c)
-    except ValueError as exc:
-        raise ConfigError(f"client: {exc}") from None
-    w = ModelWeights(pop.model, c.buffers)
-    objective = build_objective(cfg)
-    if w.size != w.num_params and objective.parameters_only:
-        raise ConfigError(
-            f"client.objective {c.objective!r} keeps state of the parameters only: with a "
-            "model that has buffers, set client.buffers: local"
-        )
-    if objective.fixed_batch and not tcfg.drop_last:
-        tcfg = tcfg.model_copy(update={"drop_last": True})  # FedeRage's model mini-batch b is fixed
-    return LocalTrainer(
-        copy.deepcopy(pop.model), objective, tcfg, pop.train.num_classes, cfg.run.device, apply_precision(cfg)
-    )
 
 
 def run_facts(cfg: Config) -> RunFacts:
@@ -280,23 +212,19 @@ def per_client_setup(cfg: Config, trace: AvailabilityTrace, class_counts: np.nda
 def attach_run_measures(
     cfg: Config,
     recorder: Recorder,
-    pop: Population,
+    test_pass: TestPass | None,
+    class_counts: np.ndarray,
     trace: AvailabilityTrace | Callable[[], AvailabilityTrace],
-    autocast_dtype: torch.dtype | None = None,
 ) -> None:
     """The run measures a config may switch on, on ``recorder`` (any shell): ``run.per_client_eval``
-    (felix.metrics.per_client) and ``run.converge_threshold`` (the DAFL paper's stop rule).
-    ``trace``, or a function making it, is read by the per-client measure only."""
+    (felix.metrics.per_client, read from the run's test pass) and ``run.converge_threshold`` (the
+    DAFL paper's stop rule). ``trace``, or a function making it, is read by the per-client measure
+    only."""
     if cfg.run.per_client_eval:
-        if pop.test is None:
+        if test_pass is None:
             raise ConfigError("run.per_client_eval needs a test set")
-        counts = np.stack([d.class_counts(pop.train.num_classes).numpy() for d in pop.client_data])
         recorder.per_client = make_per_client_eval(
-            copy.deepcopy(pop.model),
-            pop.test,
-            cfg.run.device,
-            per_client_setup(cfg, trace() if callable(trace) else trace, counts),
-            autocast_dtype,
+            test_pass, per_client_setup(cfg, trace() if callable(trace) else trace, class_counts)
         )
     if cfg.run.converge_threshold is not None:
         recorder.converge = (cfg.run.converge_threshold, cfg.run.converge_patience)

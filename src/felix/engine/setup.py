@@ -1,7 +1,7 @@
-"""A run set up once from its config, for every shell: the config from its sources, the server
-side (orchestrator, evaluator, recorder, run controller, the stream's freshness measure) and the
-client side (each client's data, the trainer, the runtime profile, the data plan's applier, the
-stream feeds).
+"""A run set up once from its config, for every shell: the config from its sources, and from
+the run's plan (``felix.engine.plan``) the server side (orchestrator, evaluator, recorder, run
+controller, the stream's freshness measure) and the client side (the trainer, the data plan's
+applier, each client's data, runtime and stream feed).
 
 The simulator (``felix.sim.build``), the MQTT server (``felix.deploy.server``) and the MQTT
 clients (``felix.deploy.client``) all build their parts here, so a setting means the same thing in
@@ -10,45 +10,33 @@ the configured autocast). The shells add only what is theirs: the virtual clock,
 cohorts of the simulator; the wall clock, MQTT and checkpoints of the deployment. Nothing here
 imports a shell.
 
-One config's way through a run: ``resolve_config`` -> ``felix.scenario.build`` (population,
-trace) -> ``felix.stream.setup.build_stream`` (streams only) -> ``build_server_side`` ->
-``build_client_side`` -> the shell.
+One config's way through a run: ``resolve_config`` -> ``felix.engine.plan.plan_run`` (the
+scenario's facts, lazy shards, trace and stream; the torch settings applied) ->
+``build_server_side`` / ``build_client_side`` -> the shell.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from felix.client.trainer import ClientData, LocalTrainer
-from felix.config import Config, ConfigError, deep_merge, read_yaml, validate
+from felix.config import Config, deep_merge, read_yaml, validate
 from felix.core.orchestrator import Orchestrator
-from felix.engine.components import (
-    apply_precision,
-    apply_run_settings,
-    attach_run_measures,
-    build_orchestrator,
-    build_trainer,
-    make_evaluator,
-)
+from felix.engine.components import attach_run_measures, build_orchestrator, make_evaluator
 from felix.engine.controller import EvalSink, RunController
+from felix.engine.plan import RunPlan
 from felix.metrics.freshness import FreshnessTracker
 from felix.metrics.recorder import Recorder
 from felix.presets import scenario_preset, strategy_preset
-from felix.scenario.build import Population, build_runtimes
 from felix.scenario.traces import AvailabilityTrace
 from felix.strategies.dataplans.plans import DataPlanRun, PlanApplier, prepare_data_plan
 from felix.strategies.dataplans.policy import PlannedDataPlan
 from felix.stream.feed import StreamFeed
 from felix.stream.model import StreamModel
-from felix.stream.setup import attach_freshness, feed_for
-
-TraceSource = AvailabilityTrace | Callable[[], AvailabilityTrace]
+from felix.stream.setup import attach_freshness
 
 
 def resolve_config(
@@ -68,22 +56,6 @@ def resolve_config(
     return validate(raw, config_path or f"scenario {scenario or 'default'}")
 
 
-def check_population(cfg: Config, pop: Population) -> None:
-    """Settings the population cannot serve, as one clear line before anything is built."""
-    if pop.test is None and cfg.run.eval_every > 0:
-        raise ConfigError(
-            f"the dataset has no test set, but run.eval_every is {cfg.run.eval_every}: give it a "
-            "test set, or set run.eval_every: 0"
-        )
-
-
-def once(trace: TraceSource) -> TraceSource:
-    """``trace`` as given, or its maker called at most once (a deployment's server builds the
-    trace only if a part asks for it: an oracle, the per-client measure, availability-tied
-    arrivals)."""
-    return trace if isinstance(trace, AvailabilityTrace) else functools.cache(trace)
-
-
 @dataclass
 class ServerSide:
     """What a run's server holds: the orchestrator and the run controller that drives it (stop
@@ -98,73 +70,68 @@ class ServerSide:
 
 
 def build_server_side(
-    cfg: Config,
-    pop: Population,
-    trace: TraceSource,
-    stream: StreamModel | None = None,
+    plan: RunPlan,
     *,
     plan_errors: str = "raise",
     sink: EvalSink | None = None,
     measure_wire: bool = False,
 ) -> ServerSide:
-    """The server side of ``cfg`` over ``pop``. ``trace``: the availability, or a function making
-    it (called once, and only if a part reads it); ``stream``: the run's stream model, whose
-    population mix judges the model; ``plan_errors``: ``PlanSetup.on_error`` of the data plan;
-    ``sink`` and ``measure_wire`` as ``RunController``'s."""
-    apply_run_settings(cfg)
-    check_population(cfg, pop)
-    trace = once(trace)
-    autocast_dtype = apply_precision(cfg)
+    """The server side of ``plan``: the trace is built only if a part reads it, no client's data
+    is gathered. ``plan_errors``: ``PlanSetup.on_error`` of the data plan; ``sink`` and
+    ``measure_wire`` as ``RunController``'s."""
+    cfg = plan.cfg
     r = cfg.run
-    evaluate = make_evaluator(copy.deepcopy(pop.model), pop.test, r.device, autocast_dtype=autocast_dtype)
-    recorder = Recorder(evaluate, r.target_accuracy, r.target_window, r.eval_every)
-    attach_run_measures(cfg, recorder, pop, trace, autocast_dtype)
+
+    def trace() -> AvailabilityTrace:  # the plan builds it once, if a part reads it
+        return plan.trace
+
+    recorder = Recorder(make_evaluator(plan.test_pass), r.target_accuracy, r.target_window, r.eval_every)
+    attach_run_measures(cfg, recorder, plan.test_pass, plan.class_counts(), trace)
     freshness = None
-    if stream is not None:
-        freshness = attach_freshness(cfg, recorder, pop, stream, autocast_dtype)
-    orch = build_orchestrator(cfg, pop.initial_weights, trace, plan_errors)
+    if plan.stream is not None:
+        freshness = attach_freshness(cfg, recorder, plan.test_pass, plan.stream)
+    orch = build_orchestrator(cfg, plan.initial_weights, trace, plan_errors)
     controller = RunController(cfg, orch, recorder, sink, measure_wire=measure_wire)
     return ServerSide(cfg, orch, recorder, controller, freshness)
 
 
 @dataclass
 class ClientSide:
-    """What a run's clients hold: each client's data (the population's, held once), the local
-    trainer, the runtime profile, the clients' side of a data plan and the stream they draw from.
-    A shell takes the clients it runs: the simulator all of them, an MQTT process its share."""
+    """What a run's clients hold: the plan (each client's data, the stream they draw from), the
+    local trainer, the runtime profile and the clients' side of a data plan. A shell takes the
+    clients it runs: the simulator all of them, an MQTT process its share."""
 
-    pop: Population
+    plan: RunPlan
     trainer: LocalTrainer
-    runtimes: np.ndarray
     data_plan: DataPlanRun | None = None
-    stream: StreamModel | None = None
 
     @property
-    def data(self) -> list[ClientData]:
-        return self.pop.client_data
+    def runtimes(self) -> np.ndarray:
+        return self.plan.runtimes
+
+    @property
+    def stream(self) -> StreamModel | None:
+        return self.plan.stream
 
     @property
     def plan_applier(self) -> PlanApplier | None:
         """The data plan's row applier (augmentation and its time charge), if the run plans."""
         return None if self.data_plan is None else self.data_plan.applier
 
+    def data(self, cid: int) -> ClientData:
+        """Client ``cid``'s training data (its shard alone where the others are not gathered)."""
+        return self.plan.client_data(cid)
+
     def feed(self, cid: int) -> StreamFeed | None:
         """Client ``cid``'s stream feed (None without a stream: it trains on its fixed data)."""
-        return None if self.stream is None else feed_for(self.stream, self.pop, cid)
+        return self.plan.feed(cid)
 
 
-def build_client_side(
-    cfg: Config,
-    pop: Population,
-    stream: StreamModel | None = None,
-    planned: PlannedDataPlan | None = None,
-) -> ClientSide:
-    """The client side of ``cfg`` over ``pop``: the trainer, the runtimes, and the data plan
-    beside the server's ``planned`` policy (the simulator shares its orchestrator's; a deployed
-    client's is its own). A Flower app (``client.flower_app``) wraps the trainer in the simulator,
-    the only shell that runs one."""
-    apply_run_settings(cfg)
-    runtimes = build_runtimes(cfg, [len(d) for d in pop.client_data])
-    trainer = build_trainer(cfg, pop)
-    data_plan = prepare_data_plan(cfg, pop.client_data, pop.train.num_classes, runtimes, planned)
-    return ClientSide(pop, trainer, runtimes, data_plan, stream)
+def build_client_side(plan: RunPlan, planned: PlannedDataPlan | None = None) -> ClientSide:
+    """The client side of ``plan``: the trainer (felix's, or the configured Flower app around it),
+    and the data plan beside the server's ``planned`` policy (the simulator shares its
+    orchestrator's; a deployed client's is its own)."""
+    cfg = plan.cfg
+    trainer = plan.trainers.trainer()
+    data_plan = prepare_data_plan(cfg, plan.class_counts(), plan.runtimes, planned)
+    return ClientSide(plan, trainer, data_plan)

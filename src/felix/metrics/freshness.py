@@ -21,47 +21,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
-from felix.client.trainer import autocast
-from felix.client.weights import ModelWeights, weights_for
 from felix.core.commands import NewModelVersion
-from felix.metrics.per_client import LabelledSet
-
-
-def make_class_evaluator(
-    model: torch.nn.Module, test: LabelledSet, device: str, autocast_dtype: torch.dtype | None = None
-) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
-    """The model's accuracy and mean loss on each class's test samples (NaN for a class with none)."""
-    model = model.to(device)
-    layouts: dict[int, ModelWeights] = {}
-    x, y = test.x.to(device), test.y.to(device)
-    c = test.num_classes
-    counts = torch.bincount(y, minlength=c).double()
-
-    @torch.no_grad()
-    def evaluate(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        size = int(np.asarray(weights).size)
-        if size not in layouts:
-            layouts[size] = weights_for(model, size)
-        layouts[size].load(torch.from_numpy(np.array(weights, dtype=np.float32)).to(device))
-        layouts[size].set_kept(None)
-        model.eval()
-        correct = torch.zeros(c, dtype=torch.float64, device=device)
-        loss = torch.zeros(c, dtype=torch.float64, device=device)
-        for s in range(0, len(test), 1000):
-            xb, yb = x[s : s + 1000], y[s : s + 1000]
-            with autocast(device, autocast_dtype):
-                logits = model(xb).float()
-            per = F.cross_entropy(logits, yb, reduction="none").double()
-            correct += torch.bincount(yb, weights=(logits.argmax(1) == yb).double(), minlength=c)
-            loss += torch.bincount(yb, weights=per, minlength=c)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            n = counts.cpu().numpy()
-            return correct.cpu().numpy() / n, loss.cpu().numpy() / n
-
-    return evaluate
 
 
 def time_average(times: np.ndarray, values: np.ndarray, end: float) -> float | None:
@@ -114,7 +75,9 @@ class ShiftMark(Protocol):
 
 class FreshnessTracker:
     """Accuracy on the current distribution for a run on streams: the recorder's ``evaluate_at``
-    and an aggregation hook (the model's newest data), then the summary and ``freshness.csv``."""
+    and an aggregation hook (the model's newest data), then the summary and ``freshness.csv``.
+    ``evaluate``: a model's accuracy and mean loss on each class's test samples (the run's
+    ``felix.metrics.test_pass.TestPass.per_class``)."""
 
     def __init__(
         self,

@@ -11,7 +11,8 @@ Model's p under ``trace.kind: ram``, else the share of the run each client's tra
 available). Tail classes: the rarest classes by global training count.
 
 Measured on the final model of a run (the summary's ``per_client`` section), not on every
-evaluation: it costs one more pass over the test set.
+evaluation, from the run's test pass (``felix.metrics.test_pass``): when the final model was
+evaluated, its logits are read again, not computed.
 """
 
 from __future__ import annotations
@@ -19,37 +20,20 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
-import torch
 from numpy.typing import NDArray
 
-from felix.client.trainer import autocast
-from felix.client.weights import weights_for
-from felix.metrics.classification import class_metrics, confusion_matrix, minority_classes
+from felix.metrics.classification import class_metrics, minority_classes
+from felix.metrics.test_pass import TestPass
 
 __all__ = [
-    "LabelledSet",
     "PerClientSetup",
-    "confusion_on_test",
     "make_per_client_eval",
     "per_client_metrics",
     "rare_client_mask",
 ]
-
-
-class LabelledSet(Protocol):
-    """A test set as the evaluators read it (``felix.scenario.datasets.ArrayDataset`` is one): the
-    metrics layer needs its tensors, not the scenario layer that loads them."""
-
-    x: torch.Tensor  # N x sample shape
-    y: torch.Tensor  # int64 labels, N
-
-    def __len__(self) -> int: ...
-
-    @property
-    def num_classes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -71,28 +55,6 @@ class PerClientSetup:
             raise ValueError(
                 f"{np.size(self.participation)} participation values for {counts.shape[0]} clients"
             )
-
-
-@torch.no_grad()
-def confusion_on_test(
-    model: torch.nn.Module,
-    weights: np.ndarray,
-    test: LabelledSet,
-    device: str,
-    batch_size: int = 1000,
-    autocast_dtype: torch.dtype | None = None,
-) -> NDArray[np.int64]:
-    """The confusion matrix of ``weights`` (loaded into ``model``) on the test set."""
-    model = model.to(device)
-    layout = weights_for(model, int(np.asarray(weights).size))  # parameters, with or without the buffers
-    layout.load(torch.from_numpy(np.array(weights, dtype=np.float32)).to(device))
-    layout.set_kept(None)
-    model.eval()
-    preds = []
-    for s in range(0, len(test), batch_size):
-        with autocast(device, autocast_dtype):
-            preds.append(model(test.x[s : s + batch_size].to(device)).float().argmax(1).cpu())
-    return confusion_matrix(test.y.numpy(), torch.cat(preds).numpy(), test.num_classes)
 
 
 def per_client_metrics(cm: NDArray[np.int64], setup: PerClientSetup) -> dict[str, Any]:
@@ -156,19 +118,14 @@ def rare_client_mask(
 
 
 def make_per_client_eval(
-    model: torch.nn.Module,
-    test: LabelledSet,
-    device: str,
-    setup: PerClientSetup,
-    autocast_dtype: torch.dtype | None = None,
+    test_pass: TestPass, setup: PerClientSetup
 ) -> Callable[[np.ndarray], dict[str, Any]]:
-    """``weights -> per_client_metrics``, plus whether the weights are finite (a diverged model
-    predicts one class, so its accuracies alone can hide the blow-up)."""
+    """``weights -> per_client_metrics`` from the run's test pass (``felix.metrics.test_pass``),
+    plus whether the weights are finite (a diverged model predicts one class, so its accuracies
+    alone can hide the blow-up)."""
 
     def evaluate(weights: np.ndarray) -> dict[str, Any]:
-        out = per_client_metrics(
-            confusion_on_test(model, weights, test, device, autocast_dtype=autocast_dtype), setup
-        )
+        out = per_client_metrics(test_pass.confusion(weights), setup)
         out["finite_model"] = bool(np.isfinite(weights).all())
         return out
 

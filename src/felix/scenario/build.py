@@ -30,13 +30,24 @@ from felix.client.trainer import ClientData
 from felix.client.weights import model_vector
 from felix.config import Config, ConfigError, deep_merge, validate
 from felix.core.types import Tier
-from felix.scenario.datasets import ArrayDataset, DatasetError, check_dataset, first_classes, load_dataset
+from felix.scenario.datasets import (
+    AnyDataset,
+    ArrayDataset,
+    DatasetError,
+    LazyDataset,
+    check_dataset,
+    first_classes,
+    lazy_train_set,
+    limit_per_class,
+    load_dataset,
+)
 from felix.scenario.locations import dataset_root
 from felix.scenario.long_tail import long_tail_indices
 from felix.scenario.models import ModelFactory, check_model, check_model_fits, make_model, model_ref
 from felix.scenario.partition import partition
 from felix.scenario.profiles import make_runtimes
 from felix.scenario.random_access import ram_probabilities
+from felix.scenario.shards import Shards
 from felix.scenario.traces import AvailabilityTrace, make_trace
 
 log = logging.getLogger("felix.scenario.build")
@@ -67,13 +78,30 @@ def _dataset(
     """Load (cached: a comparison's runs share one copy); ``params`` is ``dataset.params`` as JSON."""
     train, test = load_dataset(name, root, download, limit, json.loads(params))
     if num_classes is not None:
-        if num_classes > train.num_classes:
-            raise ConfigError(
-                f"dataset.num_classes is {num_classes} but {name} has {train.num_classes} classes"
-            )
-        train = first_classes(train, num_classes)
+        train = _first(train, name, num_classes)
         test = None if test is None else first_classes(test, num_classes)
     return train, test
+
+
+def _first(train: AnyDataset, name: str, num_classes: int) -> AnyDataset:
+    """``dataset.num_classes``: the first classes of ``train``."""
+    if num_classes > train.num_classes:
+        raise ConfigError(f"dataset.num_classes is {num_classes} but {name} has {train.num_classes} classes")
+    return first_classes(train, num_classes)
+
+
+def _train_on_demand(cfg: Config) -> LazyDataset | None:
+    """The configured training set with its samples read only for the rows a shard gathers, where
+    the dataset can (``felix.scenario.datasets.lazy_train_set``); None: load it whole."""
+    d = cfg.dataset
+    if d.params:
+        return None
+    train = lazy_train_set(d.name, _root(d.root, d.download))
+    if train is None:
+        return None
+    if d.per_class_limit is not None:
+        train = limit_per_class(train, d.per_class_limit)
+    return train if d.num_classes is None else _first(train, d.name, d.num_classes)
 
 
 def partition_indices(
@@ -95,13 +123,10 @@ def partition_indices(
     return [keep[ix] for ix in partition(p, labels[keep], num_classes, rng, kept_groups)]
 
 
-def build_trace(cfg: Config, population: Population | None = None) -> AvailabilityTrace:
+def build_trace(cfg: Config, population: Population | PopulationPlan | None = None) -> AvailabilityTrace:
     """The scenario's availability, from ``trace.offset_s`` seconds into it; with the population,
     a builder that asks for them gets the clients' class counts (felix.scenario.traces)."""
-    counts = None
-    if population is not None:
-        c = population.train.num_classes
-        counts = np.stack([d.class_counts(c).numpy() for d in population.client_data])
+    counts = None if population is None else population.class_counts()
     return make_trace(cfg.trace, cfg.partition.num_clients, _stream(cfg.seed, _TRACE), counts)
 
 
@@ -140,6 +165,35 @@ class Population:
     client_data: list[ClientData]
     initial_weights: np.ndarray
     model: torch.nn.Module
+
+    def class_counts(self) -> np.ndarray:
+        """Clients x classes: each client's training samples per class."""
+        c = self.train.num_classes
+        return np.stack([d.class_counts(c).numpy() for d in self.client_data])
+
+
+@dataclass
+class PopulationPlan:
+    """A population before its clients' samples are gathered: the training pool, the test set,
+    the initial model and each client's rows of the pool (``felix.scenario.shards``). The
+    simulator gathers every client (``gather``), a deployed client process only its own
+    (``shards.client``), the server none."""
+
+    train: ArrayDataset | LazyDataset  # read on demand in a deployed client process
+    test: ArrayDataset | None
+    shards: Shards
+    initial_weights: np.ndarray
+    model: torch.nn.Module
+
+    def class_counts(self) -> np.ndarray:
+        """Clients x classes: each client's training samples per class (from the labels alone)."""
+        return self.shards.class_counts
+
+    def gather(self) -> Population:
+        """The population with every client's data held (one client-ordered copy of the pool)."""
+        if isinstance(self.train, LazyDataset):
+            raise TypeError("a population read on demand gathers single shards, not every client")
+        return Population(self.train, self.test, self.shards.gather(), self.initial_weights, self.model)
 
 
 @dataclass
@@ -275,12 +329,32 @@ def _root(root: str | None, download: bool) -> str | None:
 def build_population(
     cfg: Config, data: ClientDatasets | None = None, model: nn.Module | ModelFactory | None = None
 ) -> Population:
-    """The clients' data, the test set and the initial model. ``data`` replaces the configured
-    dataset and partition (``dataset.test_limit`` still applies); ``model`` replaces ``cfg.model``:
-    a factory (seeded by the run's model stream, as the registered ones) or a module, whose current
-    weights are then the initial ones."""
+    """The clients' data (every client's gathered), the test set and the initial model: see
+    :func:`plan_population`."""
+    return plan_population(cfg, data, model).gather()
+
+
+def plan_population(
+    cfg: Config,
+    data: ClientDatasets | None = None,
+    model: nn.Module | ModelFactory | None = None,
+    on_demand: bool = False,
+) -> PopulationPlan:
+    """The training pool and each client's rows of it, the test set and the initial model.
+    ``data`` replaces the configured dataset and partition (``dataset.test_limit`` still applies);
+    ``model`` replaces ``cfg.model``: a factory (seeded by the run's model stream, as the
+    registered ones) or a module, whose current weights are then the initial ones. ``on_demand``
+    (a deployed client process): the samples are read only for the shards gathered, where the
+    dataset can, and no test set is loaded (the process evaluates none)."""
     d = cfg.dataset
-    if data is None:
+    lazy = _train_on_demand(cfg) if on_demand and data is None else None
+    train: ArrayDataset | LazyDataset
+    test: ArrayDataset | None
+    if lazy is not None:
+        train, test = lazy, None
+        groups = None if train.groups is None else train.groups.numpy()
+        shards = Shards(train, partition_indices(cfg, train.y.numpy(), train.num_classes, groups))
+    elif data is None:
         train, test = _dataset(
             d.name,
             _root(d.root, d.download),
@@ -290,16 +364,11 @@ def build_population(
             json.dumps(d.params, sort_keys=True, default=str),
         )
         groups = None if train.groups is None else train.groups.numpy()
-        parts = partition_indices(cfg, train.y.numpy(), train.num_classes, groups)
-        # One gather into client order; each client's data is a row slice of it, so a cohort
-        # trainer's data pool adopts the whole without copying it again (cohort.DataPool).
-        order = torch.as_tensor(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
-        xs, ys = train.x.index_select(0, order), train.y.index_select(0, order)
-        ends = np.cumsum([len(ix) for ix in parts]).tolist()
-        datas = [ClientData(xs[a:b], ys[a:b]) for a, b in zip([0, *ends[:-1]], ends)]
+        shards = Shards(train, partition_indices(cfg, train.y.numpy(), train.num_classes, groups))
     else:
         pool_x, pool_y, datas = held_once(data.clients)  # no copy of one made by ClientDatasets.from_arrays
         train, test = ArrayDataset(pool_x, pool_y, data.classes), data.test
+        shards = Shards.of_held(train, datas)
     if test is not None and d.test_limit is not None and d.test_limit < len(test):
         # Folder datasets list the test set class by class: take a class-balanced subset, not a prefix.
         per_class = -(-d.test_limit // test.num_classes)
@@ -320,5 +389,6 @@ def build_population(
             seed=seed,
             params=cfg.model_params,
         )
-    check_model_fits(net, train.x[:2], train.num_classes, ref)
-    return Population(train, test, datas, model_vector(net, cfg.client.buffers), net)
+    first = train.rows(np.arange(min(2, len(train)))) if isinstance(train, LazyDataset) else train.x[:2]
+    check_model_fits(net, first, train.num_classes, ref)
+    return PopulationPlan(train, test, shards, model_vector(net, cfg.client.buffers), net)

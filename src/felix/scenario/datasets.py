@@ -12,6 +12,7 @@ felix.scenario.build); a config names it ``dataset.name: NAME`` or ``package.mod
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import logging
@@ -22,7 +23,7 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -80,6 +81,60 @@ class ArrayDataset:
         return np.bincount(self.y.numpy(), minlength=self.num_classes)
 
 
+@dataclass(frozen=True)
+class LazyDataset:
+    """A training set's labels, its samples read only for the rows asked (``rows``): a deployed
+    client process partitions the labels and reads its own clients' rows, not the whole set.
+    ``read`` maps row indices to float32 samples, normalised as the dataset's loader does, so a
+    row read here is the loader's row to the bit."""
+
+    y: torch.Tensor  # int64, N
+    classes: list[str]
+    sample_shape: tuple[int, ...]
+    read: Callable[[np.ndarray], torch.Tensor]
+    groups: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def rows(self, idx: np.ndarray) -> torch.Tensor:
+        """The samples of rows ``idx``, in that order."""
+        return self.read(np.asarray(idx, dtype=np.int64))
+
+    def subset(self, idx: np.ndarray) -> LazyDataset:
+        keep = np.asarray(idx, dtype=np.int64)
+        t = torch.as_tensor(keep)
+        base = self.read
+        return LazyDataset(
+            self.y[t],
+            self.classes,
+            self.sample_shape,
+            lambda rows: base(keep[rows]),
+            None if self.groups is None else self.groups[t],
+        )
+
+
+def lazy_train_set(name: str, root: str | None) -> LazyDataset | None:
+    """The training set of built-in dataset ``name`` with its samples read on demand, where the
+    dataset can (Fashion-MNIST's idx files, found locally); else None (load it whole)."""
+    if name != "fashion_mnist":
+        return None
+    base = Path(root or FASHION_DEFAULT_ROOT)
+    if not base.is_dir():
+        return None
+    xs = _read_idx(_find(base, "train-images-idx3-ubyte"))
+    ys = _read_idx(_find(base, "train-labels-idx1-ubyte")).astype(np.int64)
+    if len(xs) != len(ys):
+        raise DatasetError(f"{base}: train has {len(xs)} images but {len(ys)} labels")
+    return LazyDataset(
+        torch.from_numpy(ys), FASHION_CLASSES, (1, *xs.shape[1:]), lambda rows: _normalise(xs[rows][:, None])
+    )
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("FELIX_CACHE", Path.home() / ".cache" / "felix-fl"))
 
@@ -128,9 +183,12 @@ def load_dataset(
                 f"{test.num_classes} differ from the train set's {train.sample_shape} / {train.num_classes}"
             )
     if per_class_limit is not None:
-        train = _limit(train, per_class_limit)
-        test = None if test is None else _limit(test, per_class_limit)
+        train = limit_per_class(train, per_class_limit)
+        test = None if test is None else limit_per_class(test, per_class_limit)
     return train, test
+
+
+AnyDataset = TypeVar("AnyDataset", "ArrayDataset", LazyDataset)
 
 
 def check_dataset(d: object, what: str) -> None:
@@ -163,22 +221,22 @@ def check_dataset(d: object, what: str) -> None:
         raise DatasetError(f"{what}: groups must be an int64 vector of {len(d)} group ids, or None")
 
 
-def _limit(d: ArrayDataset, n: int) -> ArrayDataset:
+def limit_per_class(d: AnyDataset, n: int) -> AnyDataset:
+    """The first ``n`` samples of each class, in the set's order."""
     y = d.y.numpy()
     keep = np.concatenate([np.flatnonzero(y == c)[:n] for c in range(d.num_classes)])
     keep.sort()
     return d.subset(keep)
 
 
-def first_classes(d: ArrayDataset, n: int) -> ArrayDataset:
+def first_classes(d: AnyDataset, n: int) -> AnyDataset:
     """Keep only the samples of the first ``n`` classes (label order), e.g. the DAFL paper's
     eight-class CIFAR-10 task; labels keep their values, so class ``c`` stays class ``c``."""
     if not 1 <= n <= d.num_classes:
         raise DatasetError(f"cannot keep the first {n} classes of a dataset with {d.num_classes}")
     if n == d.num_classes:
         return d
-    keep = d.subset(np.flatnonzero(d.y.numpy() < n))
-    return ArrayDataset(keep.x, keep.y, d.classes[:n], keep.groups)
+    return dataclasses.replace(d.subset(np.flatnonzero(d.y.numpy() < n)), classes=d.classes[:n])
 
 
 def _normalise(x_uint8: np.ndarray) -> torch.Tensor:

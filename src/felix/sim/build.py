@@ -1,7 +1,7 @@
-"""Assemble a simulation from a config: the scenario's inputs (felix.scenario.build), the run's
-server and client sides (felix.engine.setup, shared with the MQTT deployment), and what only the
-simulator has: the cohort trainer and its executor, the simulated devices and the virtual-clock
-shell around the orchestrator.
+"""Assemble a simulation from a config: the run's plan (felix.engine.plan) and its server and
+client sides (felix.engine.setup), shared with the MQTT deployment, and what only the simulator
+has: every client's data gathered at once, the cohort executor, the simulated devices and the
+virtual-clock shell around the orchestrator.
 
 ``build`` takes a prepared population and trace as well as a config (the Python API, felix.api,
 passes them).
@@ -9,71 +9,30 @@ passes them).
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass
 
 from torch import nn
 
-from felix.client.cohort import CohortTrainer, resolve_cohort
-from felix.client.trainer import ClientData, LocalTrainer
-from felix.config import Config, ConfigError
+from felix.client.cohort import CohortTrainer
+from felix.client.trainer import ClientData
+from felix.config import Config
 from felix.core.orchestrator import Orchestrator
-from felix.engine.components import apply_run_settings, build_objective
 from felix.engine.controller import RunController
-from felix.engine.setup import build_client_side, build_server_side, check_population
+from felix.engine.plan import RunPlan, plan_run
+from felix.engine.setup import build_client_side, build_server_side
+from felix.engine.trainers import Cohorts
 from felix.metrics.freshness import FreshnessTracker
 from felix.metrics.recorder import Recorder
-from felix.scenario.build import ClientDatasets, Population, build_population, build_trace, fit_config
+from felix.scenario.build import ClientDatasets, Population
 from felix.scenario.models import ModelFactory
 from felix.scenario.traces import AvailabilityTrace
 from felix.sim.engine import CohortExecutor, SimSettings, Simulation, make_devices
 from felix.strategies.dataplans.plans import DataPlanRun
 from felix.strategies.dataplans.policy import PlannedDataPlan
 from felix.stream.model import StreamModel
-from felix.stream.setup import build_stream
 
 log = logging.getLogger("felix.sim.build")
-
-
-def build_cohort(
-    cfg: Config, trainer: LocalTrainer, sample_shape: tuple[int, ...], largest_client: int
-) -> tuple[CohortTrainer | None, int, int]:
-    """The cohort trainer ``run.cohort`` asks for (None: sequential), its size and smallest cohort.
-
-    A cohort pads every client's batches to ``client.batch_size`` rows. With a batch size above
-    the largest client's data, every batch of every client is short, so a stack would be mostly
-    padding: 60,000-row batches of Fashion-MNIST clients of a few hundred samples took 8 GB and
-    20x the sequential time. ``auto`` then trains sequentially; an explicit size is refused."""
-    size, min_k = resolve_cohort(
-        cfg.run.cohort, trainer.model, trainer.objective, cfg.run.device, sample_shape
-    )
-    if size == 1 or cfg.client.probe_loss:  # the received-model loss is measured by the sequential trainer
-        return None, 1, 1
-    if cfg.client.flower_app is not None:  # a Flower app trains one message at a time
-        return None, 1, 1
-    bs = cfg.client.batch_size
-    if bs > largest_client:
-        why = (
-            f"client.batch_size {bs} is more than the largest client's {largest_client} samples, "
-            "and a cohort pads every batch to the batch size"
-        )
-        if cfg.run.cohort != "auto":
-            raise ConfigError(f"run.cohort {cfg.run.cohort}: {why}; use run.cohort auto or 1")
-        log.info("run.cohort=auto: sequential training (%s)", why)
-        return None, 1, 1
-    # Its own objective instance: the sequential trainer's keeps per-task attributes.
-    objective = build_objective(cfg)
-    cohort = CohortTrainer(
-        copy.deepcopy(trainer.model),
-        objective,
-        trainer.cfg,
-        trainer.num_classes,
-        cfg.run.device,
-        trainer.autocast_dtype,
-        sample_shape,
-    )
-    return cohort, size, min_k
 
 
 def build_executor(
@@ -105,6 +64,7 @@ class Built:
     controller: RunController | None = None
     stream: StreamModel | None = None
     freshness: FreshnessTracker | None = None
+    plan: RunPlan | None = None
 
 
 def build(
@@ -118,42 +78,23 @@ def build(
     dataset and partition; ``partition.num_clients`` becomes its size (``Built.cfg`` is the config
     that ran). ``trace`` replaces the configured one (``trace.offset_s`` is not applied to it).
 
-    The run's server side and client side come from ``felix.engine.setup``, as the MQTT server's
-    and clients' do; what is the simulator's own is added here: the cohorts and their executor,
-    the simulated devices and the virtual-clock shell."""
-    apply_run_settings(cfg)
-    if isinstance(population, Population):
-        if model is not None:
-            raise ConfigError(
-                "build: pass model with ClientDatasets, not with a built Population (it has its model)"
-            )
-        pop = population
-        cfg = fit_config(cfg, len(pop.client_data))
-    else:
-        if population is not None:
-            cfg = fit_config(cfg, len(population.clients))
-        pop = build_population(cfg, population, model)
-    check_population(cfg, pop)
-    if trace is not None and not isinstance(trace, AvailabilityTrace):
-        raise ConfigError(f"build: trace must be a felix AvailabilityTrace, not {type(trace).__name__}")
-    trace = build_trace(cfg, pop) if trace is None else trace
-    stream = build_stream(cfg, pop, trace) if cfg.stream.enabled else None
-    server = build_server_side(cfg, pop, trace, stream)
+    The run's plan (``felix.engine.plan``) and its server side and client side come from the
+    shared setup, as the MQTT server's and clients' do; what is the simulator's own is added here:
+    every client's data gathered at once, the cohorts and their executor, the simulated devices
+    and the virtual-clock shell."""
+    plan = plan_run(cfg, population, model, trace)
+    cfg = plan.cfg
+    pop = plan.gathered()
+    server = build_server_side(plan)
     planned = server.orch.data_plan
-    clients = build_client_side(cfg, pop, stream, planned if isinstance(planned, PlannedDataPlan) else None)
-    if cfg.client.flower_app is not None:
-        from felix.flower.trainer import build_flower_trainer
-
-        clients.trainer = build_flower_trainer(cfg, clients.trainer)
+    clients = build_client_side(plan, planned if isinstance(planned, PlannedDataPlan) else None)
     trainer = clients.trainer
-    if stream is None:
-        cohort, cohort_size, min_cohort = build_cohort(
-            cfg, trainer, tuple(pop.train.sample_shape), max(len(d) for d in pop.client_data)
-        )
+    if plan.stream is None:
+        cohorts = plan.trainers.cohorts(trainer, max(plan.sizes))
     else:  # every task trains on new data, which a cohort's data pool would keep: one at a time
-        cohort, cohort_size, min_cohort = None, 1, 1
-    executor = build_executor(cfg, cohort, pop.client_data)
-    devices = make_devices(pop.client_data, clients.runtimes, trace.for_client)
+        cohorts = Cohorts()
+    executor = build_executor(cfg, cohorts.trainer, pop.client_data)
+    devices = make_devices(pop.client_data, plan.runtimes, plan.trace.for_client)
     if cfg.client.flower_app is not None:
         from felix.flower.trainer import CLIENT_KEY
 
@@ -162,7 +103,10 @@ def build(
     for dev in devices:
         dev.feed = clients.feed(dev.cid)
     settings = SimSettings(
-        seed=cfg.seed, eval_fraction=cfg.runtime.eval_fraction, cohort_size=cohort_size, min_cohort=min_cohort
+        seed=cfg.seed,
+        eval_fraction=cfg.runtime.eval_fraction,
+        cohort_size=cohorts.size,
+        min_cohort=cohorts.min_size,
     )
     sim = Simulation(
         server.orch,
@@ -172,17 +116,18 @@ def build(
         settings,
         augment=clients.plan_applier,
         cohort=executor,
-        registration=None if stream is None else stream.registration,
+        registration=None if plan.stream is None else plan.stream.registration,
     )
     return Built(
         cfg,
         sim,
         server.orch,
         server.recorder,
-        trace,
+        plan.trace,
         pop,
         clients.data_plan,
         server.controller,
-        stream,
+        plan.stream,
         server.freshness,
+        plan,
     )

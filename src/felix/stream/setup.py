@@ -3,16 +3,15 @@ each device's feed, and the freshness measure on the recorder."""
 
 from __future__ import annotations
 
-import copy
 from typing import Protocol
-
-import torch
 
 from felix.config import Config, ConfigError
 from felix.core.types import Tier
-from felix.metrics.freshness import FreshnessTracker, make_class_evaluator
+from felix.metrics.freshness import FreshnessTracker
 from felix.metrics.recorder import Recorder
-from felix.scenario.build import Population
+from felix.metrics.test_pass import TestPass
+from felix.scenario.build import Population, PopulationPlan
+from felix.scenario.datasets import ArrayDataset
 from felix.scenario.traces import DeviceTrace
 from felix.stream.drift import check_classes
 from felix.stream.feed import StreamFeed
@@ -46,9 +45,9 @@ class ClientTraces(Protocol):
     def for_client(self, cid: int) -> DeviceTrace: ...
 
 
-def build_stream(cfg: Config, pop: Population, trace: ClientTraces | None) -> StreamModel:
+def build_stream(cfg: Config, pop: Population | PopulationPlan, trace: ClientTraces | None) -> StreamModel:
     """The run's stream model over ``pop``'s training pool; ``trace`` for availability-tied
-    arrivals (None where no client's samples are drawn: the MQTT server's mix and shifts)."""
+    arrivals (read only when a client's samples are drawn; None where none are)."""
     check_stream(cfg, pop.train.num_classes)
 
     def in_train_tier(cid: int, t: float) -> bool:
@@ -65,21 +64,23 @@ def build_stream(cfg: Config, pop: Population, trace: ClientTraces | None) -> St
     )
 
 
-def feed_for(stream: StreamModel, pop: Population, cid: int) -> StreamFeed:
-    return StreamFeed(stream.client(cid), pop.train.x)
+def feed_for(stream: StreamModel, pool: ArrayDataset, cid: int) -> StreamFeed:
+    """Client ``cid``'s feed of samples from the training ``pool``."""
+    return StreamFeed(stream.client(cid), pool.x)
 
 
 def attach_freshness(
-    cfg: Config, recorder: Recorder, pop: Population, stream: StreamModel, autocast_dtype: torch.dtype | None
+    cfg: Config, recorder: Recorder, test_pass: TestPass | None, stream: StreamModel
 ) -> FreshnessTracker:
-    """Judge the recorder's evaluations on the current distribution (felix.metrics.freshness)."""
-    if pop.test is None:
+    """Judge the recorder's evaluations on the current distribution (felix.metrics.freshness),
+    from the run's test pass."""
+    if test_pass is None:
         raise ConfigError(
             "streams are judged on the test set reweighted over time: the dataset needs a test set"
         )
     s = cfg.stream
     tracker = FreshnessTracker(
-        make_class_evaluator(copy.deepcopy(pop.model), pop.test, cfg.run.device, autocast_dtype),
+        test_pass.per_class,
         stream.population_mix,
         stream.shifts(),
         s.recovery_tolerance,

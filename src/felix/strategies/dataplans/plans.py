@@ -200,18 +200,17 @@ class DataPlanRun:
 
 def prepare_data_plan(
     cfg: Config,
-    client_data: Sequence[PlanData],
-    num_classes: int,
+    counts: NDArray[np.int64],
     runtimes: NDArray[np.float64],
     policy: PlannedDataPlan | None = None,
 ) -> DataPlanRun | None:
     """Set up the clients' side of ``cfg.data_plan`` beside the server's ``policy`` (a fresh one
-    when not given: the deployment's clients use only the applier); None for ``data_plan: none``."""
+    when not given: the deployment's clients use only the applier); None for ``data_plan: none``.
+    ``counts``: clients x classes, the samples every client registers."""
     if cfg.data_plan == "none":
         return None
     policy = policy or build_data_plan(cfg)
     assert policy is not None
-    counts = registered_counts(client_data, num_classes)
     try:
         sizes = counts.sum(axis=1)
         if cfg.runtime.kind == "per_sample":
