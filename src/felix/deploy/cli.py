@@ -294,7 +294,7 @@ def _emulate(args: argparse.Namespace) -> int:
     import tempfile
 
     from felix.deploy.client import MAX_CLIENTS_PER_PROCESS, save_trace_shard
-    from felix.scenario.build import build_trace
+    from felix.engine.plan import plan_run
 
     t0 = args.t0 if args.t0 is not None else time.time()
     procs = min(max(args.processes, -(-args.clients // MAX_CLIENTS_PER_PROCESS)), args.clients)
@@ -336,9 +336,10 @@ def _emulate(args: argparse.Namespace) -> int:
         base += ["--link", item]
     if args.no_train:
         base.append("--no-train")
-    # The population's trace is built once, here; each worker reads only its clients' share, so
+    # The population's trace is built once, here, from the run's plan (the server's, class counts
+    # included, no client's samples gathered); each worker reads only its clients' share, so
     # start-up grows with the number of clients, not with clients x workers.
-    trace = build_trace(cfg)
+    trace = plan_run(cfg, shards_only=True).trace
     device = getattr(args, "trace_device", None)
     shards = tempfile.TemporaryDirectory(prefix="felix-emulate-")
     children = []
@@ -414,11 +415,11 @@ def _credentials(args: argparse.Namespace) -> int:
         "not sized to a model (give the run's config)",
     )
     if args.config or args.preset or args.set or args.scenario:
-        from felix.scenario.build import build_population
+        from felix.engine.plan import plan_run
 
         cfg = _resolve(args)
         n = n or cfg.partition.num_clients
-        num_params = int(build_population(cfg).initial_weights.size)
+        num_params = int(plan_run(cfg, shards_only=True).initial_weights.size)
         max_bytes = default_max_message_bytes(num_params)
         concurrency = cfg.orchestrator.concurrency
         sized = f"sized to {num_params:,} parameters"
