@@ -23,7 +23,7 @@ them), a REGISTER or STATE by its sender's sequence number (message ids are
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -231,6 +231,8 @@ class ServerProtocol:
         self.result_digests: dict[int, bytes] = {}  # task id -> digest of the result that closed it
         self.incarnations: dict[int, str] = {}
         self.shadow: dict[int, ShadowTask] = {}
+        # Set (felix.deploy.model_store.ModelStore.ref): tasks name their model by hash instead of carrying it.
+        self.models: Callable[[np.ndarray, dict[str, np.ndarray]], wire.ModelRef] | None = None
 
     # ------------------------------------------------------------------ inbound
     def receive(self, source: Address, payload: bytes, now: float, wall: float = 0.0) -> Received:
@@ -490,6 +492,7 @@ class ServerProtocol:
                 plan=cmd.plan,
                 weights=cmd.weights,
                 aux=cmd.aux,
+                model=None if self.models is None else self.models(cmd.weights, cmd.aux),
             )
             self.shadow[cmd.task_id] = ShadowTask(cmd.client_id, TaskKind.TRAIN, cmd.version)
             return self._out(cmd.client_id, msg, "train")
@@ -500,6 +503,7 @@ class ServerProtocol:
                 task=cmd.task_id,
                 version=cmd.version,
                 weights=cmd.weights,
+                model=None if self.models is None else self.models(cmd.weights, {}),
             )
             self.shadow[cmd.task_id] = ShadowTask(cmd.client_id, TaskKind.EVAL, cmd.version)
             return self._out(cmd.client_id, msg, "eval")

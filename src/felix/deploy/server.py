@@ -65,6 +65,8 @@ from felix.deploy.broker_config import SERVER_RECEIVE_MAXIMUM, default_max_messa
 from felix.deploy.checkpoint import AppliedLog, AppliedUpdate
 from felix.deploy.inbox import Inbox
 from felix.deploy.link import BrokerOptions, LinkError
+from felix.deploy.model_http import ModelServer
+from felix.deploy.model_store import ModelHosting, ModelStore
 from felix.deploy.protocol import (
     Duplicate,
     OrchestratorView,
@@ -124,6 +126,9 @@ class ServeOptions:
     plots: bool = False
     status_every_s: float = 10.0
     transport: str = "mqtt"  # the registered transport (felix.deploy.transport) the server's link uses
+    models: ModelHosting | None = (
+        None  # tasks name their model by hash, fetched over HTTP (None: in the task)
+    )
 
 
 def _ms(values: deque[float], q: float) -> float | None:
@@ -211,6 +216,11 @@ class Server:
             bytes_burst=8.0 * self.max_bytes,
         )
         self.protocol = ServerProtocol(opts.run_id, self.session, limits, OrchestratorView(self.orch))
+        self.model_store: ModelStore | None = None
+        self.model_server: ModelServer | None = None
+        if opts.models is not None:
+            self.model_store, self.model_server = _host_models(opts.models)
+            self.protocol.models = self.model_store.ref
         self._refused: dict[int, int] = {}  # client id (-1: none, or outside the population) -> refused
         self._refusals_logged = 0  # refusal lines logged in all, within REFUSALS_LOGGED_TOTAL
         self.applied = AppliedLog(None if opts.checkpoint is None else ckpt.applied_log_path(opts.checkpoint))
@@ -259,12 +269,17 @@ class Server:
         SUBACK missing after that timeout ends the run with a LinkError, the inbox closed first so
         that no network thread stays blocked on it."""
         try:
+            if self.model_server is not None:
+                self.model_server.start()
             self.link.start(fresh=not self.opts.resume, stop=self.stop_requested)
             return self._serve()
         except BaseException:
             self.inbox.close()
             self.link.close(timeout=1.0)
             raise
+        finally:
+            if self.model_server is not None:
+                self.model_server.close()
 
     def _serve(self) -> dict[str, Any]:
         subscribed_by = time.monotonic() + self.opts.broker.connect_timeout_s
@@ -290,7 +305,7 @@ class Server:
                     break  # the rest stays unacknowledged: the broker redelivers it to the next session
                 if isinstance(item, Connected):
                     self._on_connected(item)
-                else:
+                elif isinstance(item, Delivery):
                     self.handle_inbound(item)
             now = self.now()
             wake = self.orch.next_wakeup()
@@ -370,6 +385,12 @@ class Server:
                 "applied_task_ids_unique": self.applied.unique,
             },
         }
+        if self.model_store is not None:
+            extra["deployment"]["models"] = {
+                "url": self.model_store.url_base,
+                **asdict(self.model_store.stats),
+                **({} if self.model_server is None else asdict(self.model_server.stats)),
+            }
         if self.plan_info is not None:
             extra["data_plan"] = self.plan_info
         extra.update(stream_summary(self, now))
@@ -621,6 +642,18 @@ class Server:
         self.protocol.load_state_dict(shell)
         if self.freshness is not None:  # a stream run: its curve goes on from the checkpoint
             self.freshness.load_state_dict(shell["freshness"])
+
+
+def _host_models(h: ModelHosting) -> tuple[ModelStore, ModelServer | None]:
+    """The store of a run's models and the built-in server that serves them (none when the
+    user's own server serves ``h.folder``); the server is bound here, so its URL is known."""
+    if h.port is None:
+        assert h.url is not None  # ModelHosting checks it
+        return ModelStore(h.url, h.keep, h.folder, in_memory=False), None
+    store = ModelStore("", h.keep, h.folder)
+    server = ModelServer(store, h)
+    store.url_base = h.url or f"http://{h.host}:{server.port}"
+    return store, server
 
 
 def _log_evaluation(row: EvalRow) -> None:
