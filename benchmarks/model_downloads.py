@@ -1,6 +1,7 @@
 """Bytes through the broker with the models inside the tasks and with model downloads over HTTP.
 
-A small deployment on loopback (a Mosquitto broker, ``felix serve`` and 24 clients in one host,
+A small deployment on loopback (a Mosquitto broker, ``felix serve`` and 24 clients, each its own
+host as a device is, so that each fetches the models it needs itself;
 digits with an MLP, the FeLiX preset, slotted churn) runs a fixed number of aggregations twice
 per seed: once with the models inside the TRAIN and EVAL messages (the default) and once with
 ``--model-http`` (tasks name the model's hash and URL, the built-in server serves each model once
@@ -78,15 +79,18 @@ def run_once(work: Path, seed: int, http: bool, aggregations: int, objective: st
             time_scale=SCALE,
             max_wall_s=300.0,
         )
-        host = ClientHost(cfg, list(range(CLIENTS)), copts, credentials_from_map(users))
-        clients = threading.Thread(target=host.run, daemon=True)
-        clients.start()
+        hosts = [ClientHost(cfg, [c], copts, credentials_from_map(users)) for c in range(CLIENTS)]
+        threads = [threading.Thread(target=h.run, daemon=True) for h in hosts]
+        for t in threads:
+            t.start()
         t0 = time.monotonic()
         try:
             summ = server.run()
         finally:
-            host.stop_requested.set()
-            clients.join(30)
+            for h in hosts:
+                h.stop_requested.set()
+            for t in threads:
+                t.join(30)
     wire = summ["wire_bytes_by_kind"]
     models = summ["deployment"].get("models", {})
     down, up = sum(wire["down"].values()), sum(wire["up"].values())
@@ -102,7 +106,7 @@ def run_once(work: Path, seed: int, http: bool, aggregations: int, objective: st
         "http_bytes_served": models.get("bytes_served", 0),
         "http_models_served": models.get("served", 0),
         "models_published": models.get("published", 0),
-        "client_bytes_fetched": host.models.bytes_fetched,
+        "client_bytes_fetched": sum(h.models.bytes_fetched for h in hosts),
         "wall_s": round(time.monotonic() - t0, 1),
     }
 
