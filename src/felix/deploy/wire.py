@@ -68,6 +68,9 @@ MAX_STR = 256
 MAX_LIST = 65536
 MAX_URL = 2048
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# What JSON turns into a surrogate (valid UTF-8 bytes encode none): the header's strings need the
+# walk of _check_unicode only when its raw bytes hold one of these escapes.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 _URL = re.compile(r"https?://[!-~]+")  # printable ASCII, no spaces: nothing a request line can be split by
 DTYPES: dict[str, np.dtype[Any]] = {"<f4": np.dtype("<f4"), "<f8": np.dtype("<f8"), "<i8": np.dtype("<i8")}
 
@@ -519,7 +522,8 @@ def decode(
         raise MessageError(Refusal.BAD_HEADER, "header nests too deeply") from None
     if not isinstance(header, dict):
         raise MessageError(Refusal.BAD_HEADER, f"header must be a JSON object, got {type(header).__name__}")
-    _check_unicode(header)
+    if _SURROGATE_ESCAPE.search(raw) is not None:  # only a \\uD800-\\uDFFF escape makes a lone surrogate
+        _check_unicode(header)
     if header.get("fmt") != FORMAT_VERSION:
         raise MessageError(Refusal.BAD_HEADER, f"header fmt {header.get('fmt')!r} disagrees with the prefix")
     t = header.get("type")
