@@ -159,6 +159,7 @@ def _serve(args: argparse.Namespace) -> int:
         client_msg_rate=args.client_msg_rate or None,
         client_msg_burst=args.client_msg_burst,
         models=_model_hosting(args),
+        decode_worker=args.decode_worker,
     )
     print(
         f"felix serve: {cfg.name} / {cfg.strategy} (seed {cfg.seed}), run {run_id} on {args.broker} -> {out}",
@@ -512,6 +513,11 @@ def add_parsers(subparsers: Any) -> None:
         "--metrics-host", default="127.0.0.1", help="the metrics endpoint's address (default %(default)s)"
     )
     _model_args(s)
+    s.add_argument(
+        "--decode-worker",
+        action="store_true",
+        help="parse inbound messages in a second process while the loop applies the ones before",
+    )
     s.add_argument("--plots", action="store_true", help="also write the accuracy plots")
     s.set_defaults(func=_guard(_serve))
 

@@ -238,23 +238,50 @@ class ServerProtocol:
     def receive(self, source: Address, payload: bytes, now: float, wall: float = 0.0) -> Received:
         """Check one inbound message from ``source`` (as its transport vouches) at config time
         ``now`` (``wall``: the server's wall clock in seconds, for the cost budget); refusals are
-        counted here. The caller charges the decode time with :meth:`charge_decode`."""
+        counted here. The caller charges the decode time with :meth:`charge_decode`.
+
+        It is :meth:`admit`, ``wire.parse`` and :meth:`receive_parsed` in turn; a server with a
+        decode worker (``felix.deploy.decode_worker``) runs the middle step in that process."""
+        refused = self.admit(source, len(payload), now, wall)
+        if refused is not None:
+            return refused
+        try:
+            parsed: wire.Parsed | wire.MessageError = wire.parse(
+                payload, self.limits.max_bytes, self.header_bytes
+            )
+        except wire.MessageError as exc:
+            parsed = exc
+        return self.receive_parsed(source, payload, parsed, now)
+
+    def admit(self, source: Address, size: int, now: float, wall: float) -> Refused | None:
+        """Count an inbound message of ``size`` bytes and refuse it unread (None: it may be
+        decoded) while its sender's message or cost budget is spent."""
         self.stats.messages_in += 1
         kind, cid = source.channel, source.client
-        lim = self.limits
         key = self.budget_key(cid)
         # Before decoding: a flood, or heavy headers, cost the server a topic parse and a counter.
         if self.buckets is not None and not self.buckets.take(key, now):
             return self.refuse(
                 Refusal.RATE_LIMIT, cid, 0, f"transport: rate limit ({kind.value})", wire_kind="control"
             )
-        spent = self.cost.admit(key, len(payload), wall)
+        spent = self.cost.admit(key, size, wall)
         if spent is not None:
             return self.refuse(
                 Refusal.COST_LIMIT, cid, 0, f"transport: cost limit ({spent})", wire_kind="control"
             )
+        return None
+
+    def receive_parsed(
+        self, source: Address, payload: bytes, parsed: wire.Parsed | wire.MessageError, now: float
+    ) -> Received:
+        """The rest of :meth:`receive` for an admitted message whose header ``wire.parse`` checked
+        (or refused: the error it raised)."""
+        kind, cid = source.channel, source.client
+        lim = self.limits
         try:
-            msg = wire.decode(payload, lim.max_bytes, lim.aux_spec, self.header_bytes)
+            if isinstance(parsed, wire.MessageError):
+                raise parsed
+            msg = wire.build(parsed, payload, lim.aux_spec)
         except wire.MessageError as exc:
             return self.refuse(
                 exc.code,

@@ -485,7 +485,31 @@ def decode(
     ``model_body``: for a task that names its arrays by hash, the bytes fetched for it (checked
     against the hash and size; without them the task is returned with empty arrays and its
     ``model`` reference, for the receiver to fetch).
+
+    The two halves, :func:`parse` (every check of the bytes and the header) and :func:`build`
+    (the arrays, as views of ``data``, and the message), may run in different processes.
     """
+    return build(parse(data, max_bytes, max_header_bytes, model_body), data, aux_spec, model_body)
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A message's checked header: its type, field values and the layout of its arrays (name,
+    dtype, shape, byte offset in the payload; None: a task whose model is not fetched yet)."""
+
+    mtype: MsgType
+    values: dict[str, Any]
+    layout: tuple[tuple[str, str, tuple[int, ...], int], ...] | None
+
+
+def parse(
+    data: bytes,
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+    model_body: bytes | None = None,
+) -> Parsed:
+    """Every check of :func:`decode` that needs no array: the bytes' sizes, the header, its
+    fields and the arrays' layout against the payload (plain values: it pickles cheaply)."""
     if len(data) > max_bytes:
         raise MessageError(
             Refusal.OVERSIZED, f"message of {len(data)} bytes exceeds the limit of {max_bytes}"
@@ -548,12 +572,30 @@ def decode(
     if ref is not None:
         body = _fetched_body(ref, declared, len(body), max_bytes, model_body)
         if model_body is None:
-            return _build(mtype, values, {"weights": _NO_ARRAY})
+            return Parsed(mtype, values, None)
     if declared != len(body):
         code = Refusal.TRUNCATED if len(body) < declared else Refusal.BAD_PAYLOAD
         raise MessageError(code, f"header declares a {declared}-byte payload, {len(body)} bytes follow")
-    arrays = _read_arrays(header["arrays"], body)
-    msg = _build(mtype, values, arrays)
+    return Parsed(mtype, values, _layout(header["arrays"], len(body)))
+
+
+def build(
+    parsed: Parsed, data: bytes, aux_spec: AuxSpec | None = None, model_body: bytes | None = None
+) -> Message:
+    """The message ``parsed`` describes, its arrays read-only views of ``data``'s payload (of
+    ``model_body`` for a task fetched by hash); ``aux_spec`` as for :func:`decode`."""
+    values = dict(parsed.values)  # _build consumes its copy
+    if parsed.layout is None:
+        return _build(parsed.mtype, values, {"weights": _NO_ARRAY})
+    if model_body is not None:
+        body = memoryview(model_body)
+    else:
+        body = memoryview(data)[PREFIX_BYTES + _PREFIX.unpack_from(data, 0)[2] :]
+    arrays = {
+        name: np.frombuffer(body, dtype=DTYPES[dt], count=math.prod(shape), offset=off).reshape(shape)
+        for name, dt, shape, off in parsed.layout
+    }
+    msg = _build(parsed.mtype, values, arrays)
     if aux_spec is not None and isinstance(msg, Result):
         problem = aux_problem(msg.update.aux, aux_spec)
         if problem is not None:
@@ -595,10 +637,11 @@ def check_model(ref: ModelRef, body: bytes) -> None:
         )
 
 
-def _read_arrays(manifest: Any, body: memoryview) -> dict[str, np.ndarray]:
+def _layout(manifest: Any, size: int) -> tuple[tuple[str, str, tuple[int, ...], int], ...]:
+    """The arrays' (name, dtype, shape, offset), checked to cover the ``size`` payload bytes exactly."""
     if not isinstance(manifest, list):
         raise _bad("arrays", "a list", manifest)
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, tuple[str, str, tuple[int, ...], int]] = {}
     offset = 0
     for i, spec in enumerate(manifest):
         if not isinstance(spec, dict) or set(spec) != {"name", "dtype", "shape"}:
@@ -619,17 +662,13 @@ def _read_arrays(manifest: Any, body: memoryview) -> dict[str, np.ndarray]:
         ):
             raise _bad(f"arrays[{i}].shape", "a list of at most 8 non-negative integers", shape)
         n = math.prod(shape) * dtype.itemsize
-        if offset + n > len(body):
+        if offset + n > size:
             raise MessageError(Refusal.BAD_PAYLOAD, f"array {name!r} runs past the end of the payload")
-        out[name] = np.frombuffer(body, dtype=dtype, count=math.prod(shape), offset=offset).reshape(
-            tuple(shape)
-        )
+        out[name] = (name, spec["dtype"], tuple(shape), offset)
         offset += n
-    if offset != len(body):
-        raise MessageError(
-            Refusal.BAD_PAYLOAD, f"{len(body) - offset} payload bytes are not covered by any array"
-        )
-    return out
+    if offset != size:
+        raise MessageError(Refusal.BAD_PAYLOAD, f"{size - offset} payload bytes are not covered by any array")
+    return tuple(out.values())
 
 
 def _split_aux(
