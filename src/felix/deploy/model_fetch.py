@@ -134,7 +134,8 @@ class ModelFetcher:
             try:
                 body = fetch_model(ref, self.opts.timeout_s)
             except wire.MessageError as exc:
-                self.refused += 1
+                with self._lock:
+                    self.refused += 1
                 error = str(exc)
                 log.warning("model %s... from %s refused: %s", ref.sha256[:12], ref.url[:80], exc)
             except (FetchError, OSError, http.client.HTTPException) as exc:
