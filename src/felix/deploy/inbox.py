@@ -61,7 +61,7 @@ class Inbox:
 
     def put(self, item: Item, tag: int = 0) -> None:
         """Queue ``item``; a ``Delivery`` waits while the inbox is full (never after ``close``)."""
-        if isinstance(item, Delivery):
+        if not isinstance(item, (Connected, Fetched)):
             self.put_many([item], tag)
             return
         with self._cond:
@@ -128,7 +128,7 @@ class Inbox:
             items = self._items
             out = [items.popleft() for _ in range(min(limit, len(items)))]
             for _, item in out:
-                if isinstance(item, Delivery):  # a message: it counted against the bounds
+                if not isinstance(item, (Connected, Fetched)):  # a message: it counted against the bounds
                     self._bytes -= len(item.payload)
                     self._messages -= 1
             self._cond.notify_all()
