@@ -281,3 +281,22 @@ def test_in_memory_deployment_fetches_scaffold_models_by_hash(tmp_path: Path) ->
     assert host.models.fetched >= 4 and host.models.bytes_fetched >= 4 * size
     down = summ["wire_bytes_by_kind"]["down"]
     assert 0 < down["train"] < 2000 * summ["transport"]["messages_out"]  # headers only
+
+
+# ---------------------------------------------------------------------- options
+def test_the_model_options_are_checked_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from felix.cli import main
+
+    base = ["serve", "--username", "u", "--password", "p", "--broker", "127.0.0.1:1", "--out", str(tmp_path)]
+    assert main([*base, "--model-http", "x"]) == 2
+    assert main([*base, "--model-dir", str(tmp_path / "m")]) == 2
+    assert main([*base, "--model-http", "0.0.0.0:8000"]) == 2
+    assert main([*base, "--model-http", "0", "--model-url", "file:///srv/models"]) == 2
+    err = capsys.readouterr().err
+    assert "--model-http expects [HOST:]PORT" in err and "--model-dir and --model-url go together" in err
+    assert "needs the URL clients reach it by" in err and "is not an http(s) URL" in err
+    assert "Traceback" not in err
+    with pytest.raises(ValueError, match="outside 0-65535"):
+        ModelHosting(port=70000)
