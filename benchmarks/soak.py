@@ -66,7 +66,11 @@ The JSON line:
 - ``slow_flips`` / ``slow_flipper_amplification`` / ``slow_flipper_messages_down``: the slow
   flipper's flips in the attack window, the bytes it was sent over those it sent, and the tasks
   and cancels it was sent (the drop budget bounds them: ``2 + T / 600`` unanswered downloads over
-  T config seconds, and one cancel each); ``heavy_headers_sent``: the heavy headers
+  T config seconds, and one cancel each); with ``--model-http`` the bytes down are the task
+  messages and the models the attackers fetched over HTTP (each keeps the last one it fetched,
+  as a client does: a task on the model it holds costs no download), and
+  ``slow_flipper_http_bytes_down`` the latter (``slow_flipper_broker_amplification``: the
+  task messages alone over the bytes it sent); ``heavy_headers_sent``: the heavy headers
   published; ``extreme_utility_answers``: training tasks answered with 1.7e308 and with 1e36 (the
   first count in ``bad_updates_applied`` if applied); ``resume_after_backlog_s``: wall seconds
   from starting the resumed server over the backlog to its "serving" line.
@@ -79,6 +83,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import http.client
 import json
 import math
 import os
@@ -102,6 +107,7 @@ from felix.config import AdmissionConfig
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import checkpoint as ckpt
 from felix.deploy import wire
+from felix.deploy.model_fetch import FetchError, fetch_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test broker fixture
 from broker import MosquittoBroker, find_mosquitto
@@ -211,6 +217,26 @@ def hostile_class_counts(cfg_path: Path, ids: list[int]) -> dict[int, tuple[int,
     }
 
 
+def with_model(msg: wire.Message, payload: bytes, held: dict[str, bytes]) -> tuple[wire.Message | None, int]:
+    """A task that names its model by hash (``--model-http``), decoded with the model: fetched
+    over HTTP unless ``held`` has it (a client keeps the last model it fetched). Returns the task
+    (None: the model could not be had) and the bytes downloaded."""
+    if not isinstance(msg, (wire.TrainTask, wire.EvalTask)) or msg.model is None:
+        return msg, 0
+    ref = msg.model
+    body = held.get(ref.sha256)
+    fetched = 0
+    if body is None:
+        try:
+            body = fetch_model(ref, 10.0)
+        except (OSError, wire.MessageError, FetchError, http.client.HTTPException):
+            return None, 0  # a failed download skips the task
+        held.clear()
+        held[ref.sha256] = body
+        fetched = len(body)
+    return wire.decode(payload, model_body=body), fetched
+
+
 class Hostile:
     """A raw paho client holding a valid login (client ``cid``) that registers its partition's
     real counts, reporting AVL_TRAIN, on every new server session; counts the payload bytes it
@@ -225,9 +251,11 @@ class Hostile:
         self.seq = 0
         self.session: str | None = None
         self.bytes_up = 0
-        self.bytes_down = 0
+        self.bytes_down = 0  # task messages, and the models fetched over HTTP for them (--model-http)
+        self.http_bytes_down = 0
         self.messages_down = 0
         self.largest_down = 0
+        self.models: dict[str, bytes] = {}
         self.lock = threading.Lock()
         self.c = mqtt.Client(
             mqtt.CallbackAPIVersion.VERSION2, client_id=f"felix-{RUN}-c{cid}", protocol=mqtt.MQTTv5
@@ -284,8 +312,13 @@ class Hostile:
             return
         self.bytes_down += len(m.payload)
         self.messages_down += 1
-        self.largest_down = max(self.largest_down, len(m.payload))
-        self.on_task(msg)
+        model = getattr(msg, "model", None)
+        self.largest_down = max(self.largest_down, len(m.payload) + (0 if model is None else model.size))
+        full, fetched = with_model(msg, m.payload, self.models)
+        self.bytes_down += fetched
+        self.http_bytes_down += fetched
+        if full is not None:
+            self.on_task(full)
 
     def on_task(self, msg: wire.Message) -> None:
         """A task or a cancel arrived (its bytes are counted)."""
@@ -451,6 +484,7 @@ class Fuzzer:
         self.poisoned: set[int] = set()
         self.poison_attempts = 0
         self.seeds: list[bytes] = []
+        self.models: dict[str, bytes] = {}
         self.seq = 0
         self.session: str | None = None
         self.stop = threading.Event()
@@ -476,9 +510,10 @@ class Fuzzer:
 
     def _on_message(self, client: mqtt.Client, userdata: object, m: mqtt.MQTTMessage) -> None:
         try:
-            msg = wire.decode(m.payload)
+            decoded, _ = with_model(wire.decode(m.payload), m.payload, self.models)
         except wire.MessageError:
             return
+        msg = decoded
         if isinstance(msg, wire.Status) and msg.session != self.session:
             self.session = msg.session
             reg = wire.encode(
@@ -648,8 +683,8 @@ class Soak:
         self.quiet = self.attack = self.attack_wall_s = self.flapper_amplification = 0.0
         self.quiet_updates = self.attack_updates = 0.0
         self.attack_up = self.attack_down = self.attack_flips = self.attack_msgs_down = self.largest_task = 0
-        self.slow_amplification = 0.0
-        self.slow_flips = self.slow_msgs_down = 0
+        self.slow_amplification = self.slow_broker_amplification = 0.0
+        self.slow_flips = self.slow_msgs_down = self.slow_http_bytes = 0
         self.heavy_sent = 0
         self.backlog: HeavySender | None = None  # publishes the backlog before the first resume
         self.resume_after_backlog_s: float | None = None
@@ -677,9 +712,12 @@ class Soak:
             )
 
     admission = True
+    model_http = False  # tasks name their model by hash, fetched over HTTP (felix serve --model-http)
 
     def start_server(self, resume: bool) -> None:
         args = ["serve", *self._common(), "--out", str(self.out), "--checkpoint", str(self.ck)]
+        if self.model_http:
+            args += ["--model-http", "127.0.0.1:0"]
         if not self.admission:  # the comparison: no intake limit, no damping, no task budget
             args += ["--client-msg-rate", "0"]
             args += [
@@ -914,6 +952,8 @@ class Soak:
         flapper, slow = attackers[0], attackers[2]
         self.flapper_amplification = flapper.bytes_down / max(1, flapper.bytes_up)
         self.slow_amplification = slow.bytes_down / max(1, slow.bytes_up)
+        self.slow_http_bytes = slow.http_bytes_down
+        self.slow_broker_amplification = (slow.bytes_down - slow.http_bytes_down) / max(1, slow.bytes_up)
         self.slow_flips = slow.flips
         self.slow_msgs_down = slow.messages_down
         self.heavy_sent = attackers[3].flips
@@ -992,6 +1032,9 @@ class Soak:
             "slow_flips": self.slow_flips,
             "slow_flipper_amplification": round(self.slow_amplification, 4),
             "slow_flipper_messages_down": self.slow_msgs_down,
+            "slow_flipper_http_bytes_down": self.slow_http_bytes,
+            "slow_flipper_broker_amplification": round(self.slow_broker_amplification, 4),
+            "model_http": self.model_http,
             "heavy_headers_sent": self.heavy_sent,
             "extreme_utility_answers": [len(x.answered) for x in extreme],
             "resume_after_backlog_s": None
@@ -1032,6 +1075,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="serve without the per-client message limit, flap damping and task budget (to compare)",
     )
+    ap.add_argument(
+        "--model-http",
+        action="store_true",
+        help="serve with --model-http: tasks name their model by hash, clients (and the hostile "
+        "logins, each keeping the last model it fetched) download it over HTTP",
+    )
     ap.add_argument("--keep", help="keep the run's files (logs, outputs) in this folder")
     args = ap.parse_args(argv)
     if find_mosquitto() is None:
@@ -1046,6 +1095,7 @@ def main(argv: list[str] | None = None) -> int:
         soak = Soak(plan, work, args.seed)
         soak.poison = args.poison
         soak.admission = not args.no_admission
+        soak.model_http = args.model_http
         result = soak.run(args.seed + 1)
     print(json.dumps(result), flush=True)
     return 0

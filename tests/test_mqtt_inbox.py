@@ -77,7 +77,7 @@ def test_a_client_flooding_refused_messages_cannot_flood_the_log(
     with caplog.at_level("WARNING", logger="felix"):
         for i in range(n):
             server.handle_inbound(result_from(1, b"garbage", i))  # not a message
-        server._on_inbound = lambda m: 1 / 0  # type: ignore[method-assign]  # handling that raises
+        server._on_inbound = lambda m, *_: 1 / 0  # type: ignore[method-assign]  # handling that raises
         server.handle_inbound(result_from(1, b"x", n))
     assert server.stats.rejected == n + 1 and len(server._pending_acks) == n + 1  # all counted and acked
     lines = [r for r in caplog.records if "rejected message from client 1" in r.getMessage()]

@@ -335,9 +335,9 @@ def test_a_message_whose_handling_raises_is_rejected_and_acknowledged(tmp_path: 
         on_inbound, ack, deliver = server._on_inbound, server.link.ack, server._deliver
         raised: list[bool] = []
 
-        def record_inbound(m):  # type: ignore[no-untyped-def]
+        def record_inbound(m, *verdict):  # type: ignore[no-untyped-def]
             inbound.append((m.ack.token, m.ack.epoch))
-            on_inbound(m)
+            on_inbound(m, *verdict)
 
         def record_acks(items: list[Ack]) -> None:
             acked.extend((a.token, a.epoch) for a in items)

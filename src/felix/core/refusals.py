@@ -29,6 +29,7 @@ class Refusal(str, Enum):
     BAD_FIELD = "bad_field"
     BAD_PAYLOAD = "bad_payload"
     BAD_AUX = "bad_aux"
+    MODEL_HASH = "model_hash"  # a task's model, fetched by hash, is not the bytes the hash names
     # The protocols (server and client): a decoded message checked against what the receiver knows.
     TYPE_ON_TOPIC = "type_on_topic"  # a message type the address does not carry
     OTHER_RUN = "other_run"

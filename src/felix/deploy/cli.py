@@ -186,6 +186,8 @@ def _serve(args: argparse.Namespace) -> int:
         checkpoint_interval_s=args.checkpoint_interval,
         client_msg_rate=args.client_msg_rate or None,
         client_msg_burst=args.client_msg_burst,
+        models=_model_hosting(args),
+        decode_worker=args.decode_worker,
     )
     print(
         f"felix serve: {cfg.name} / {cfg.strategy} (seed {cfg.seed}), run {run_id} on {opts.broker.describe()} -> {out}",
@@ -452,6 +454,38 @@ def _credentials(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model-http",
+        metavar="[HOST:]PORT",
+        help="serve each model version once over HTTP by its hash (PORT 0: any free port; HOST "
+        "default 127.0.0.1); tasks then name the hash and URL and the broker carries no models",
+    )
+    p.add_argument("--model-dir", help="also write each model to this folder, as a file named by its hash")
+    p.add_argument(
+        "--model-url",
+        help="base URL clients fetch <URL>/<sha256> from: a static server or CDN serving --model-dir "
+        "(without --model-http), or the built-in server's public address",
+    )
+
+
+def _model_hosting(args: argparse.Namespace) -> Any:
+    """The ``--model-*`` options as a ``ModelHosting`` (None: models travel inside the tasks)."""
+    from felix.deploy.model_store import ModelHosting
+
+    folder = Path(args.model_dir) if args.model_dir else None
+    if args.model_http is None:
+        if folder is None and args.model_url is None:
+            return None
+        if folder is None or args.model_url is None:
+            raise ValueError("--model-dir and --model-url go together (or give --model-http)")
+        return ModelHosting(port=None, url=args.model_url, folder=folder)
+    host, _, port = args.model_http.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"--model-http expects [HOST:]PORT, got {args.model_http!r}")
+    return ModelHosting(host=host or "127.0.0.1", port=int(port), url=args.model_url, folder=folder)
+
+
 # ---------------------------------------------------------------------- registration
 def add_parsers(subparsers: Any) -> None:
     """Register ``serve``, ``client``, ``emulate`` and ``mqtt-credentials`` on ``felix``'s subparsers."""
@@ -511,6 +545,12 @@ def add_parsers(subparsers: Any) -> None:
     )
     s.add_argument(
         "--metrics-host", default="127.0.0.1", help="the metrics endpoint's address (default %(default)s)"
+    )
+    _model_args(s)
+    s.add_argument(
+        "--decode-worker",
+        action="store_true",
+        help="parse inbound messages in a second process while the loop applies the ones before",
     )
     s.add_argument("--plots", action="store_true", help="also write the accuracy plots")
     s.set_defaults(func=_guard(_serve))

@@ -17,6 +17,9 @@ Protocol of a client:
   again whenever a new server session appears (a resumed server);
 - sends STATE only when its tier changes (TierTrack: no heartbeats), and once after each
   reconnect, to undo the last will (STATE UN_AVL) the broker sends if the connection is lost;
+- a task that names its model by hash (``felix serve --model-http``) first fetches it over HTTP
+  (``felix.deploy.model_fetch``: checked against the hash, shared by the host's clients, bounded
+  in size and time); a model that cannot be had fails the task (a FAILED report);
 - runs TRAIN and EVAL tasks in arrival order; a task re-delivered by the broker is run once;
   CANCEL drops a queued or running task;
 - after every reconnect, publishes again the results it sent in the last ``RESEND_WINDOW_S``
@@ -60,6 +63,7 @@ from felix.deploy.broker_config import default_max_message_bytes
 from felix.deploy.channels import Channel
 from felix.deploy.client_protocol import ClientProtocol, Dropped
 from felix.deploy.inbox import Inbox
+from felix.deploy.model_fetch import Fetched, FetchOptions, ModelFetcher
 from felix.deploy.topics import client_user
 from felix.deploy.transport import ClientLink, ClientLinkArgs, Connected, Delivery, LinkOptions
 from felix.deploy.transport import resolve as resolve_transport
@@ -97,6 +101,7 @@ class ClientOptions:
     max_inbox_bytes: int = 64 << 20  # received but not yet handled, all of a process's clients ...
     max_inbox_messages: int = 10000  # ... together: reaching either makes the network threads wait
     transport: str = "mqtt"  # the registered transport (felix.deploy.transport) the links use
+    fetch: FetchOptions = field(default_factory=FetchOptions)  # model downloads by hash
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
@@ -205,6 +210,9 @@ class ClientHost:
         self.stop_requested = threading.Event()
         self.tasks_done = 0
         self.protocol = ClientProtocol(opts.run_id, self.max_bytes)  # the checks of the server's messages
+        # Tasks that name their model by hash wait here (hash -> client, task, message) while it is fetched.
+        self.models = ModelFetcher(opts.fetch, lambda f: self.inbox.put(f))
+        self._awaiting: dict[str, list[tuple[int, wire.TrainTask | wire.EvalTask, bytes]]] = {}
 
     # ------------------------------------------------------------------ time
     def trace_time(self, mono: float | None = None) -> float:
@@ -230,6 +238,7 @@ class ClientHost:
             self.serve(deadline)
         finally:
             self.inbox.close()  # a network thread waiting on a full inbox must not block its link's close
+            self.models.close()
             self._close_links()
         if self.protocol.dropped_by_kind:
             dropped = dict(sorted(self.protocol.dropped_by_kind.items()))
@@ -304,9 +313,13 @@ class ClientHost:
                 self._on_done(dev, token)
 
     # ------------------------------------------------------------------ messages
-    def handle(self, cid: int, item: Delivery | Connected) -> None:
-        """One item from a client's link (a message or a reconnection), as the loop takes it."""
-        self._on_item(self.devices[cid], item)
+    def handle(self, cid: int, item: Delivery | Connected | Fetched) -> None:
+        """One item from a client's link (a message or a reconnection), or a model download that
+        ended, as the loop takes it."""
+        if isinstance(item, Fetched):
+            self._on_fetched(item)
+        else:
+            self._on_item(self.devices[cid], item)
 
     def _on_item(self, dev: Device, item: Delivery | Connected) -> None:
         if isinstance(item, Connected):
@@ -333,9 +346,49 @@ class ClientHost:
             return
         if isinstance(msg, wire.Cancel):
             self._cancel(dev, msg.task)
+        elif isinstance(msg, (wire.TrainTask, wire.EvalTask)) and msg.model is not None:
+            self._await_model(dev, msg, item.payload)
         elif isinstance(msg, wire.TrainTask):
             self._receive(dev, msg.task, TaskKind.TRAIN, msg.version, msg.weights, msg.aux, msg.plan)
         elif isinstance(msg, wire.EvalTask):
+            self._receive(dev, msg.task, TaskKind.EVAL, msg.version, msg.weights, {}, ())
+
+    def _await_model(self, dev: Device, msg: wire.TrainTask | wire.EvalTask, payload: bytes) -> None:
+        """A task that names its model by hash: run it with the host's copy, or once fetched."""
+        assert msg.model is not None
+        if msg.task in dev.seen:
+            return  # a redelivery, or cancelled already
+        body = self.models.cached(msg.model.sha256)
+        if body is not None:
+            self._with_model(dev, payload, body)
+            return
+        self._awaiting.setdefault(msg.model.sha256, []).append((dev.cid, msg, payload))
+        self.models.request(msg.model)
+
+    def _on_fetched(self, f: Fetched) -> None:
+        for cid, msg, payload in self._awaiting.pop(f.sha256, []):
+            dev = self.devices[cid]
+            if f.body is not None:
+                self._with_model(dev, payload, f.body)
+            elif msg.task not in dev.seen:  # not cancelled meanwhile: the server hears it failed
+                log.warning("client %d: task %d: %s", cid, msg.task, f.error)
+                self._cancel(dev, msg.task)
+                fail = wire.Failed(
+                    **self._env(dev),
+                    client=cid,
+                    incarnation=dev.incarnation,
+                    task=msg.task,
+                    reason=f.error[: wire.MAX_STR],
+                )
+                self._publish_result(dev, wire.encode(fail))
+
+    def _with_model(self, dev: Device, payload: bytes, body: bytes) -> None:
+        msg = self.protocol.complete(dev.cid, payload, body)
+        if isinstance(msg, Dropped):
+            log.warning("client %d: dropped %s", dev.cid, msg.detail)
+        elif isinstance(msg, wire.TrainTask):
+            self._receive(dev, msg.task, TaskKind.TRAIN, msg.version, msg.weights, msg.aux, msg.plan)
+        else:
             self._receive(dev, msg.task, TaskKind.EVAL, msg.version, msg.weights, {}, ())
 
     def _receive(

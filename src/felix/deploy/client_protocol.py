@@ -59,6 +59,16 @@ class ClientProtocol:
             )
         return msg
 
+    def complete(self, client: int, payload: bytes, body: bytes) -> wire.TrainTask | wire.EvalTask | Dropped:
+        """A task that named its model by hash (``receive`` passed it), decoded again with the
+        model's fetched bytes ``body``: bytes of another hash or size are dropped (``model_hash``)."""
+        try:
+            msg = wire.decode(payload, self.max_bytes, model_body=body)
+        except wire.MessageError as exc:
+            return self._drop(exc.code, f"task's model: {exc}")
+        assert isinstance(msg, (wire.TrainTask, wire.EvalTask)) and msg.client == client  # receive checked
+        return msg
+
     def _drop(self, kind: Refusal, detail: str) -> Dropped:
         count_kind(self.dropped_by_kind, kind)
         return Dropped(kind, detail)

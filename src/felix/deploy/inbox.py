@@ -28,15 +28,16 @@ import threading
 import time
 from collections import deque
 
+from felix.deploy.model_fetch import Fetched
 from felix.deploy.transport import Connected, Delivery
 
 log = logging.getLogger("felix.deploy.inbox")
 
-Item = Delivery | Connected
+Item = Delivery | Connected | Fetched  # a message, a (re)connection, a model download that ended
 
 
 class Inbox:
-    """A FIFO bounded by payload bytes and by count; ``Connected`` notices bypass the bound."""
+    """A FIFO bounded by payload bytes and by count; notices (``Connected``, ``Fetched``) bypass the bound."""
 
     def __init__(self, max_bytes: int, max_messages: int) -> None:
         if max_bytes < 1 or max_messages < 1:
@@ -60,7 +61,7 @@ class Inbox:
 
     def put(self, item: Item, tag: int = 0) -> None:
         """Queue ``item``; a ``Delivery`` waits while the inbox is full (never after ``close``)."""
-        if not isinstance(item, Connected):
+        if not isinstance(item, (Connected, Fetched)):
             self.put_many([item], tag)
             return
         with self._cond:
@@ -127,7 +128,7 @@ class Inbox:
             items = self._items
             out = [items.popleft() for _ in range(min(limit, len(items)))]
             for _, item in out:
-                if not isinstance(item, Connected):  # a message: it counted against the bounds
+                if not isinstance(item, (Connected, Fetched)):  # a message: it counted against the bounds
                     self._bytes -= len(item.payload)
                     self._messages -= 1
             self._cond.notify_all()

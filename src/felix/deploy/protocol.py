@@ -24,7 +24,7 @@ them), a REGISTER or STATE by its sender's sequence number (message ids are
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -222,28 +222,57 @@ class ServerProtocol:
         self.seq_marks: dict[int, dict[str, int]] = {}  # client -> message-id prefix -> highest sequence
         self.result_digests: dict[int, bytes] = {}  # task id -> digest of the result that closed it
         self.incarnations: dict[int, str] = {}
+        # Set (felix.deploy.model_store.ModelStore.ref): tasks name their model by hash instead of carrying it.
+        self.models: Callable[[np.ndarray, dict[str, np.ndarray]], wire.ModelRef] | None = None
 
     # ------------------------------------------------------------------ inbound
     def receive(self, source: Address, payload: bytes, now: float, wall: float = 0.0) -> Received:
         """Check one inbound message from ``source`` (as its transport vouches) at config time
         ``now`` (``wall``: the server's wall clock in seconds, for the cost budget); refusals are
-        counted here. The caller charges the decode time with :meth:`charge_decode`."""
+        counted here. The caller charges the decode time with :meth:`charge_decode`.
+
+        It is :meth:`admit`, ``wire.parse`` and :meth:`receive_parsed` in turn; a server with a
+        decode worker (``felix.deploy.decode_worker``) runs the middle step in that process."""
+        refused = self.admit(source, len(payload), now, wall)
+        if refused is not None:
+            return refused
+        try:
+            parsed: wire.Parsed | wire.MessageError = wire.parse(
+                payload, self.limits.max_bytes, self.header_bytes
+            )
+        except wire.MessageError as exc:
+            parsed = exc
+        return self.receive_parsed(source, payload, parsed, now)
+
+    def admit(self, source: Address, size: int, now: float, wall: float) -> Refused | None:
+        """Count an inbound message of ``size`` bytes and refuse it unread (None: it may be
+        decoded) while its sender's message or cost budget is spent."""
         self.stats.messages_in += 1
         kind, cid = source.channel, source.client
-        lim = self.limits
         key = self.budget_key(cid)
         # Before decoding: a flood, or heavy headers, cost the server a topic parse and a counter.
         if self.buckets is not None and not self.buckets.take(key, now):
             return self.refuse(
                 Refusal.RATE_LIMIT, cid, 0, f"transport: rate limit ({kind.value})", wire_kind="control"
             )
-        spent = self.cost.admit(key, len(payload), wall)
+        spent = self.cost.admit(key, size, wall)
         if spent is not None:
             return self.refuse(
                 Refusal.COST_LIMIT, cid, 0, f"transport: cost limit ({spent})", wire_kind="control"
             )
+        return None
+
+    def receive_parsed(
+        self, source: Address, payload: bytes, parsed: wire.Parsed | wire.MessageError, now: float
+    ) -> Received:
+        """The rest of :meth:`receive` for an admitted message whose header ``wire.parse`` checked
+        (or refused: the error it raised)."""
+        kind, cid = source.channel, source.client
+        lim = self.limits
         try:
-            msg = wire.decode(payload, lim.max_bytes, lim.aux_spec, self.header_bytes)
+            if isinstance(parsed, wire.MessageError):
+                raise parsed
+            msg = wire.build(parsed, payload, lim.aux_spec)
         except wire.MessageError as exc:
             return self.refuse(
                 exc.code,
@@ -460,6 +489,7 @@ class ServerProtocol:
                 plan=cmd.plan,
                 weights=cmd.weights,
                 aux=cmd.aux,
+                model=None if self.models is None else self.models(cmd.weights, cmd.aux),
             )
             return self._out(cmd.client_id, msg, "train")
         if isinstance(cmd, DispatchEval):
@@ -469,6 +499,7 @@ class ServerProtocol:
                 task=cmd.task_id,
                 version=cmd.version,
                 weights=cmd.weights,
+                model=None if self.models is None else self.models(cmd.weights, {}),
             )
             return self._out(cmd.client_id, msg, "eval")
         if isinstance(cmd, CancelTask):

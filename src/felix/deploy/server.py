@@ -63,8 +63,11 @@ from felix.deploy import checkpoint as ckpt
 from felix.deploy import wire
 from felix.deploy.broker_config import SERVER_RECEIVE_MAXIMUM, default_max_message_bytes
 from felix.deploy.checkpoint import AppliedLog, AppliedUpdate
+from felix.deploy.decode_worker import DecodeWorker
 from felix.deploy.inbox import Inbox
 from felix.deploy.link import LinkError
+from felix.deploy.model_http import ModelServer
+from felix.deploy.model_store import ModelHosting, ModelStore
 from felix.deploy.protocol import (
     Duplicate,
     LiveOrchestration,
@@ -115,6 +118,9 @@ class ServeOptions:
     plots: bool = False
     status_every_s: float = 10.0
     transport: str = "mqtt"  # the registered transport (felix.deploy.transport) the server's link uses
+    # Tasks name their model by hash, fetched over HTTP (felix.deploy.model_store; None: inside the task).
+    models: ModelHosting | None = None
+    decode_worker: bool = False  # parse inbound messages in a second process (felix.deploy.decode_worker)
 
 
 def _ms(values: deque[float], q: float) -> float | None:
@@ -199,6 +205,13 @@ class Server:
         )
         self.protocol = ServerProtocol(opts.run_id, self.session, limits, LiveOrchestration(self.orch))
         self.refusals = RefusalLog(self.num_clients)
+        self.decoder: DecodeWorker | None = None  # started by run()
+        self._parsing: list[Delivery] = []  # the admitted messages of the batch the decoder parses
+        self.model_store: ModelStore | None = None
+        self.model_server: ModelServer | None = None
+        if opts.models is not None:
+            self.model_store, self.model_server = _host_models(opts.models)
+            self.protocol.models = self.model_store.ref
         self.applied = AppliedLog(None if opts.checkpoint is None else ckpt.applied_log_path(opts.checkpoint))
         self.plan_info: dict[str, Any] | None = None  # the data plan (lb / dafl), once computed
         self.life = 0
@@ -245,12 +258,21 @@ class Server:
         SUBACK missing after that timeout ends the run with a LinkError, the inbox closed first so
         that no network thread stays blocked on it."""
         try:
+            if self.model_server is not None:
+                self.model_server.start()
+            if self.opts.decode_worker:
+                self.decoder = DecodeWorker(self.max_bytes, self.protocol.header_bytes)
             self.link.start(fresh=not self.opts.resume, stop=self.stop_requested)
             return self._serve()
         except BaseException:
             self.inbox.close()
             self.link.close(timeout=1.0)
             raise
+        finally:
+            if self.model_server is not None:
+                self.model_server.close()
+            if self.decoder is not None:
+                self.decoder.close()
 
     def _serve(self) -> dict[str, Any]:
         subscribed_by = time.monotonic() + self.opts.broker.connect_timeout_s
@@ -270,12 +292,18 @@ class Server:
             wake = self.orch.next_wakeup()
             now = self.now()
             timeout = 0.25 if wake is None else min(0.25, max(0.0, (wake - now) * self.opts.time_scale))
-            for _, item in self.inbox.get_batch(timeout, INBOX_BATCH):
+            batch = [item for _, item in self.inbox.get_batch(0.0 if self._parsing else timeout, INBOX_BATCH)]
+            if self.decoder is not None:
+                deliveries = [i for i in batch if isinstance(i, Delivery)]
+                # A reconnection is handled after what came before it: then without the pipeline.
+                self._pipeline(self.decoder, deliveries if len(deliveries) == len(batch) else [])
+                batch = [] if len(deliveries) == len(batch) else batch
+            for item in batch:
                 if self.ctl.stop_reason is not None:
                     break  # the rest stays unacknowledged: the broker redelivers it to the next session
                 if isinstance(item, Connected):
                     self._on_connected(item)
-                else:
+                elif isinstance(item, Delivery):
                     self.handle_inbound(item)
             now = self.now()
             wake = self.orch.next_wakeup()
@@ -355,6 +383,12 @@ class Server:
                 "applied_task_ids_unique": self.applied.unique,
             },
         }
+        if self.model_store is not None:
+            extra["deployment"]["models"] = {
+                "url": self.model_store.url_base,
+                **asdict(self.model_store.stats),
+                **({} if self.model_server is None else asdict(self.model_server.stats)),
+            }
         if self.plan_info is not None:
             extra["data_plan"] = self.plan_info
         extra.update(stream_summary(self, now))
@@ -381,15 +415,44 @@ class Server:
         """Log a refusal (the protocol counted it) within bounds (``felix.deploy.refusal_log``)."""
         self.refusals.log(r, self.stats.rejected, error)
 
-    def handle_inbound(self, m: Delivery) -> None:
+    def _pipeline(self, decoder: DecodeWorker, batch: list[Delivery]) -> None:
+        """With a decode worker: take the parsed results of the batch before, send this batch's
+        admitted messages to the worker, and apply those results while it parses them (two cores);
+        an empty batch only applies what is in flight. A message refused at admission (or on no
+        known address) is handled at once: it has no effect but its count."""
+        done = list(zip(self._parsing, decoder.collect(), strict=True))
+        self._parsing = []
+        now, wall = self.now(), time.monotonic()
+        for m in batch:
+            refused = (
+                self.protocol.admit(m.address, len(m.payload), now, wall) if m.address is not None else None
+            )
+            if m.address is None or refused is not None:
+                self.handle_inbound(m, refused)
+            else:
+                self._parsing.append(m)
+        if self._parsing:
+            decoder.submit([m.payload for m in self._parsing])
+        for m, (parsed, seconds) in done:
+            if self.ctl.stop_reason is not None:
+                break  # the rest stays unacknowledged: the broker redelivers it to the next session
+            self.handle_inbound(m, parsed, seconds)
+
+    def handle_inbound(
+        self,
+        m: Delivery,
+        verdict: Refused | wire.Parsed | wire.MessageError | None = None,
+        parse_s: float = 0.0,
+    ) -> None:
         """Handle one inbound message; its acknowledgement waits (without its payload) for the next
         durable point, which comes early when the pending bound is reached. If handling raises, the
         message is rejected and acknowledged with the others (so the broker does not redeliver
-        it): no client message stops the server."""
+        it): no client message stops the server. ``verdict``: the decode worker's (``parse_s``:
+        its parsing time), or the refusal at admission, when the message came through it."""
         self._pending_acks.append((m.ack, len(m.payload)))
         self._pending_bytes += len(m.payload)
         try:
-            self._on_inbound(m)
+            self._on_inbound(m, verdict, parse_s)
         except Exception as exc:  # noqa: BLE001 - any client message is hostile; the loop must survive it
             refused = self.protocol.refuse(
                 Refusal.INTERNAL,
@@ -405,7 +468,9 @@ class Server:
         ):
             self._checkpoint_due = True
 
-    def _on_inbound(self, m: Delivery) -> None:
+    def _on_inbound(
+        self, m: Delivery, verdict: Refused | wire.Parsed | wire.MessageError | None, parse_s: float
+    ) -> None:
         """The protocol's verdict on one message, carried out: bytes counted, the delivery delay
         noted, a refusal logged, a new message's events handed to the orchestrator."""
         wall = time.monotonic()
@@ -414,10 +479,14 @@ class Server:
             got: Received = self.protocol.unaddressed(
                 f"transport: message on an unexpected topic {m.origin[:80]!r}"
             )
+        elif isinstance(verdict, Refused):
+            got = verdict
+        elif verdict is not None:
+            got = self.protocol.receive_parsed(m.address, m.payload, verdict, self.now())
         else:
             got = self.protocol.receive(m.address, m.payload, self.now(), wall)
         sender = got.client if isinstance(got, Refused) else getattr(got.msg, "client", -1)
-        self.protocol.charge_decode(sender, time.thread_time() - spent, wall)
+        self.protocol.charge_decode(sender, time.thread_time() - spent + parse_s, wall)
         if got.wire_kind is not None:
             self.ctl.count_wire("up", got.wire_kind, len(m.payload))
         if got.msg is not None:
@@ -576,6 +645,18 @@ class Server:
         self.protocol.load_state_dict(shell)
         if self.freshness is not None:  # a stream run: its curve goes on from the checkpoint
             self.freshness.load_state_dict(shell["freshness"])
+
+
+def _host_models(h: ModelHosting) -> tuple[ModelStore, ModelServer | None]:
+    """The store of a run's models and the built-in server that serves them (none when the
+    user's own server serves ``h.folder``); the server is bound here, so its URL is known."""
+    if h.port is None:
+        assert h.url is not None  # ModelHosting checks it
+        return ModelStore(h.url, h.keep, h.folder, in_memory=False), None
+    store = ModelStore("", h.keep, h.folder)
+    server = ModelServer(store, h)
+    store.url_base = h.url or f"http://{h.host}:{server.port}"
+    return store, server
 
 
 def _log_evaluation(row: EvalRow) -> None:

@@ -10,6 +10,12 @@ header and raw arrays whose dtype and shape the header declares. Layout of one M
     10      H     header: a UTF-8 JSON object (fields below)
     10+H    P     payload: the arrays of the header's "arrays" list, concatenated, little-endian
 
+A TRAIN or EVAL task may instead name its arrays by content address (an optional ``model``
+field: ``{"sha256", "size", "url"}``): its header keeps the manifest and ``payload`` (= ``size``),
+no payload follows, and the receiver fetches the ``size`` bytes the SHA-256 names from ``url``
+(``felix.deploy.model_fetch``) and decodes the message again with them (``decode(...,
+model_body=...)``), which refuses bytes of another hash or size (``model_hash``).
+
 Every header holds ``fmt`` (= the prefix's version), ``type``, ``run`` (run id), ``msg`` (message
 id, unique per sender: the receiver's replay/duplicate check keys on it), ``sent`` (sender's Unix
 time), ``payload`` (P, so a cut message is caught) and ``arrays`` (``[{"name", "dtype", "shape"}]``,
@@ -23,8 +29,10 @@ that says what was wrong. Arrays are read-only views of the received bytes (no c
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +66,12 @@ MAX_HEADER_BRACKETS = 2 * 64 + 8
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_STR = 256
 MAX_LIST = 65536
+MAX_URL = 2048
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# What JSON turns into a surrogate (valid UTF-8 bytes encode none): the header's strings need the
+# walk of _check_unicode only when its raw bytes hold one of these escapes.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+_URL = re.compile(r"https?://[!-~]+")  # printable ASCII, no spaces: nothing a request line can be split by
 DTYPES: dict[str, np.dtype[Any]] = {"<f4": np.dtype("<f4"), "<f8": np.dtype("<f8"), "<i8": np.dtype("<i8")}
 
 
@@ -144,6 +158,16 @@ class Failed(Envelope):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ModelRef:
+    """Where a task's arrays are fetched from: the SHA-256 (hex) of their bytes (the payload the
+    message would otherwise carry), how many there are, and the URL that serves them."""
+
+    sha256: str
+    size: int
+    url: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainTask(Envelope):
     TYPE: ClassVar[MsgType] = MsgType.TRAIN
     client: int
@@ -152,6 +176,8 @@ class TrainTask(Envelope):
     plan: tuple[int, ...] = ()
     weights: np.ndarray = field(repr=False)
     aux: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    # Set: the arrays are fetched by hash (decoded without them, ``weights`` is empty and ``aux`` too).
+    model: ModelRef | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,6 +187,7 @@ class EvalTask(Envelope):
     task: int
     version: int
     weights: np.ndarray = field(repr=False)
+    model: ModelRef | None = None  # as TrainTask's
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -269,6 +296,22 @@ def _int_list(name: str, v: Any) -> tuple[int, ...]:
     return tuple(v)
 
 
+def is_model_url(url: Any) -> bool:
+    """An http(s) URL of at most ``MAX_URL`` printable ASCII characters (no file:, no spaces)."""
+    return isinstance(url, str) and len(url) <= MAX_URL and _URL.fullmatch(url) is not None
+
+
+def _model_ref(name: str, v: Any) -> ModelRef:
+    if not isinstance(v, dict) or v.keys() != {"sha256", "size", "url"}:
+        raise _bad(name, "an object with sha256, size and url", v)
+    sha, size, url = v["sha256"], v["size"], v["url"]
+    if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+        raise _bad(f"{name}.sha256", "64 lowercase hex digits", sha)
+    if not is_model_url(url):
+        raise _bad(f"{name}.url", f"an http(s) URL of at most {MAX_URL} printable characters", url)
+    return ModelRef(sha256=sha, size=_nonneg(f"{name}.size", size), url=url)
+
+
 _COMMON: dict[str, Check] = {"run": _str, "msg": _str, "sent": _time}
 _SCHEMAS: dict[MsgType, dict[str, Check]] = {
     MsgType.STATUS: {"session": _str, "state": _state},
@@ -294,6 +337,11 @@ _SCHEMAS: dict[MsgType, dict[str, Check]] = {
     MsgType.EVAL: {"client": _client_id, "task": _nonneg, "version": _nonneg},
     MsgType.CANCEL: {"client": _client_id, "task": _nonneg, "reason": _str},
 }
+# Fields a header of the type may carry or leave out.
+_OPTIONAL: dict[MsgType, dict[str, Check]] = {
+    MsgType.TRAIN: {"model": _model_ref},
+    MsgType.EVAL: {"model": _model_ref},
+}
 _UPDATE_FIELDS = ("num_samples", *REPORTED_RANGES)  # a result's header fields that are its update's
 _ENVELOPE_KEYS = {"fmt", "type", "payload", "arrays"}
 # Per type, built once: every field's check, and the exact key set a header must have.
@@ -318,6 +366,9 @@ def _header_fields(msg: Message) -> dict[str, Any]:
         elif isinstance(v, tuple):
             v = list(v)
         out[key] = v
+    ref = getattr(msg, "model", None)
+    if ref is not None:
+        out["model"] = {"sha256": ref.sha256, "size": ref.size, "url": ref.url}
     return out
 
 
@@ -366,8 +417,21 @@ def encode(msg: Message) -> bytes:
     if len(hbytes) > MAX_HEADER_BYTES:
         raise ValueError(f"header of {len(hbytes)} bytes exceeds {MAX_HEADER_BYTES}")
     parts = [_PREFIX.pack(MAGIC, FORMAT_VERSION, len(hbytes)), hbytes]
-    parts += [a.tobytes() for _, a in arrays]
+    if getattr(msg, "model", None) is None:  # else the arrays are fetched by hash
+        parts += [a.tobytes() for _, a in arrays]
     return b"".join(parts)
+
+
+def model_body(weights: np.ndarray, aux: dict[str, np.ndarray] | None = None) -> bytes:
+    """The bytes a task with these arrays carries as its payload: what its ``model`` hash names."""
+    arrays = [weights] + [v for _, v in sorted((aux or {}).items())]
+    return b"".join(_le(a).tobytes() for a in arrays)
+
+
+def model_ref(body: bytes, url_base: str) -> ModelRef:
+    """The reference to ``body`` served under ``url_base`` (``<url_base>/<sha256>``)."""
+    sha = hashlib.sha256(body).hexdigest()
+    return ModelRef(sha256=sha, size=len(body), url=f"{url_base.rstrip('/')}/{sha}")
 
 
 # ---------------------------------------------------------------------- decode
@@ -409,6 +473,7 @@ def decode(
     max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     aux_spec: AuxSpec | None = None,
     max_header_bytes: int = MAX_HEADER_BYTES,
+    model_body: bytes | None = None,
 ) -> Message:
     """Parse and validate one message; raises ``MessageError`` with the failed check's code.
 
@@ -417,7 +482,34 @@ def decode(
     passes it; ``None`` skips the check (a client reading the server's tasks).
     ``max_header_bytes``: the header's size limit (the server's is ``header_limit`` of its run),
     checked with its bracket count before the header is parsed.
+    ``model_body``: for a task that names its arrays by hash, the bytes fetched for it (checked
+    against the hash and size; without them the task is returned with empty arrays and its
+    ``model`` reference, for the receiver to fetch).
+
+    The two halves, :func:`parse` (every check of the bytes and the header) and :func:`build`
+    (the arrays, as views of ``data``, and the message), may run in different processes.
     """
+    return build(parse(data, max_bytes, max_header_bytes, model_body), data, aux_spec, model_body)
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A message's checked header: its type, field values and the layout of its arrays (name,
+    dtype, shape, byte offset in the payload; None: a task whose model is not fetched yet)."""
+
+    mtype: MsgType
+    values: dict[str, Any]
+    layout: tuple[tuple[str, str, tuple[int, ...], int], ...] | None
+
+
+def parse(
+    data: bytes,
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+    model_body: bytes | None = None,
+) -> Parsed:
+    """Every check of :func:`decode` that needs no array: the bytes' sizes, the header, its
+    fields and the arrays' layout against the payload (plain values: it pickles cheaply)."""
     if len(data) > max_bytes:
         raise MessageError(
             Refusal.OVERSIZED, f"message of {len(data)} bytes exceeds the limit of {max_bytes}"
@@ -454,7 +546,8 @@ def decode(
         raise MessageError(Refusal.BAD_HEADER, "header nests too deeply") from None
     if not isinstance(header, dict):
         raise MessageError(Refusal.BAD_HEADER, f"header must be a JSON object, got {type(header).__name__}")
-    _check_unicode(header)
+    if _SURROGATE_ESCAPE.search(raw) is not None:  # only a \\uD800-\\uDFFF escape makes a lone surrogate
+        _check_unicode(header)
     if header.get("fmt") != FORMAT_VERSION:
         raise MessageError(Refusal.BAD_HEADER, f"header fmt {header.get('fmt')!r} disagrees with the prefix")
     t = header.get("type")
@@ -462,21 +555,47 @@ def decode(
     if mtype is None:
         raise MessageError(Refusal.UNKNOWN_TYPE, f"message type {_short(t)}")
     schema = _FULL_SCHEMAS[mtype]
-    if header.keys() != _EXPECTED[mtype]:
+    optional = _OPTIONAL.get(mtype, {})
+    keys = header.keys() - optional.keys()
+    if keys != _EXPECTED[mtype]:
         expected = _EXPECTED[mtype]
         missing = expected - set(header)
         if missing:
             raise MessageError(Refusal.BAD_HEADER, f"{mtype.value} header lacks {sorted(missing)}")
-        extra = set(header) - expected
+        extra = keys - expected
         raise MessageError(Refusal.BAD_HEADER, f"{mtype.value} header has unknown fields {sorted(extra)}")
     values = {k: check(k, header[k]) for k, check in schema.items()}
+    values.update({k: check(k, header[k]) for k, check in optional.items() if k in header})
     body = memoryview(data)[PREFIX_BYTES + hlen :]
     declared = _nonneg("payload", header["payload"])
+    ref: ModelRef | None = values.get("model")
+    if ref is not None:
+        body = _fetched_body(ref, declared, len(body), max_bytes, model_body)
+        if model_body is None:
+            return Parsed(mtype, values, None)
     if declared != len(body):
         code = Refusal.TRUNCATED if len(body) < declared else Refusal.BAD_PAYLOAD
         raise MessageError(code, f"header declares a {declared}-byte payload, {len(body)} bytes follow")
-    arrays = _read_arrays(header["arrays"], body)
-    msg = _build(mtype, values, arrays)
+    return Parsed(mtype, values, _layout(header["arrays"], len(body)))
+
+
+def build(
+    parsed: Parsed, data: bytes, aux_spec: AuxSpec | None = None, model_body: bytes | None = None
+) -> Message:
+    """The message ``parsed`` describes, its arrays read-only views of ``data``'s payload (of
+    ``model_body`` for a task fetched by hash); ``aux_spec`` as for :func:`decode`."""
+    values = dict(parsed.values)  # _build consumes its copy
+    if parsed.layout is None:
+        return _build(parsed.mtype, values, {"weights": _NO_ARRAY})
+    if model_body is not None:
+        body = memoryview(model_body)
+    else:
+        body = memoryview(data)[PREFIX_BYTES + _PREFIX.unpack_from(data, 0)[2] :]
+    arrays = {
+        name: np.frombuffer(body, dtype=DTYPES[dt], count=math.prod(shape), offset=off).reshape(shape)
+        for name, dt, shape, off in parsed.layout
+    }
+    msg = _build(parsed.mtype, values, arrays)
     if aux_spec is not None and isinstance(msg, Result):
         problem = aux_problem(msg.update.aux, aux_spec)
         if problem is not None:
@@ -484,10 +603,45 @@ def decode(
     return msg
 
 
-def _read_arrays(manifest: Any, body: memoryview) -> dict[str, np.ndarray]:
+_NO_ARRAY = np.empty(0, np.float32)
+_NO_ARRAY.flags.writeable = False
+
+
+def _fetched_body(
+    ref: ModelRef, declared: int, inline: int, max_bytes: int, fetched: bytes | None
+) -> memoryview:
+    """The payload of a task that names its arrays by hash: ``fetched``, once it is the bytes the
+    hash names (an empty view while it is not fetched yet)."""
+    if inline:
+        raise MessageError(Refusal.BAD_PAYLOAD, f"a task fetched by hash carries {inline} payload bytes")
+    if declared != ref.size:
+        raise MessageError(
+            Refusal.BAD_HEADER, f"header declares a {declared}-byte payload, its model {ref.size}"
+        )
+    if ref.size > max_bytes:
+        raise MessageError(Refusal.OVERSIZED, f"model of {ref.size} bytes exceeds the limit of {max_bytes}")
+    if fetched is None:
+        return memoryview(b"")
+    check_model(ref, fetched)
+    return memoryview(fetched)
+
+
+def check_model(ref: ModelRef, body: bytes) -> None:
+    """Raise ``MessageError`` (``model_hash``) unless ``body`` is the bytes ``ref`` names."""
+    if len(body) != ref.size:
+        raise MessageError(Refusal.MODEL_HASH, f"model of {len(body)} bytes, its task names {ref.size}")
+    got = hashlib.sha256(body).hexdigest()
+    if got != ref.sha256:
+        raise MessageError(
+            Refusal.MODEL_HASH, f"model bytes hash to {got[:16]}..., its task names {ref.sha256[:16]}..."
+        )
+
+
+def _layout(manifest: Any, size: int) -> tuple[tuple[str, str, tuple[int, ...], int], ...]:
+    """The arrays' (name, dtype, shape, offset), checked to cover the ``size`` payload bytes exactly."""
     if not isinstance(manifest, list):
         raise _bad("arrays", "a list", manifest)
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, tuple[str, str, tuple[int, ...], int]] = {}
     offset = 0
     for i, spec in enumerate(manifest):
         if not isinstance(spec, dict) or set(spec) != {"name", "dtype", "shape"}:
@@ -508,17 +662,13 @@ def _read_arrays(manifest: Any, body: memoryview) -> dict[str, np.ndarray]:
         ):
             raise _bad(f"arrays[{i}].shape", "a list of at most 8 non-negative integers", shape)
         n = math.prod(shape) * dtype.itemsize
-        if offset + n > len(body):
+        if offset + n > size:
             raise MessageError(Refusal.BAD_PAYLOAD, f"array {name!r} runs past the end of the payload")
-        out[name] = np.frombuffer(body, dtype=dtype, count=math.prod(shape), offset=offset).reshape(
-            tuple(shape)
-        )
+        out[name] = (name, spec["dtype"], tuple(shape), offset)
         offset += n
-    if offset != len(body):
-        raise MessageError(
-            Refusal.BAD_PAYLOAD, f"{len(body) - offset} payload bytes are not covered by any array"
-        )
-    return out
+    if offset != size:
+        raise MessageError(Refusal.BAD_PAYLOAD, f"{size - offset} payload bytes are not covered by any array")
+    return tuple(out.values())
 
 
 def _split_aux(

@@ -1,0 +1,195 @@
+"""CPU of the server's loop thread per tier message, with the messages parsed in the loop and in
+the decode worker (``felix serve --decode-worker``).
+
+A server (the in-memory transport, nothing sent) with 400 registered clients of the MQTT tests'
+digits run (FeLiX preset, 10 tasks at a time) is fed pre-encoded STATE messages that flip each
+client between UN_AVL and AVL_TRAIN, the way the link hands them over (batches of 64). Measured
+with ``time.thread_time`` on the loop thread: its CPU per message in all, and the part spent in
+the orchestrator (``Server._deliver``: the run controller and the orchestrator's handling of the
+tier change, with the dispatches it triggers); with the worker, also the worker's parsing time per
+message (on the other core). ``--repeats`` rounds of ``--messages`` each, alternating the two
+ways; one JSON line with the mean and spread of each and the provenance.
+
+Run: ``python benchmarks/intake_cpu.py [--messages 10000] [--repeats 3] [--plain-only]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from felix.core.types import Tier
+from felix.deploy import wire
+from felix.deploy.channels import Address, Channel
+from felix.deploy.link import BrokerOptions
+from felix.deploy.server import INBOX_BATCH, ServeOptions, Server
+from felix.deploy.transport import Ack, Delivery
+from felix.engine.setup import resolve_config
+from felix.metrics.provenance import provenance
+
+CLIENTS = 400
+
+
+def make_server(work: Path) -> Server:
+    doc = {
+        "name": "intake-cpu",
+        "strategy": "felix",
+        "seed": 0,
+        "model": "mlp",
+        "dataset": {"name": "digits"},
+        "partition": {"kind": "dirichlet", "num_clients": CLIENTS, "alpha": 0.5},
+        "trace": {"kind": "always"},
+        "runtime": {"kind": "constant", "constant_s": 10.0},
+        "orchestrator": {"agg_goal": 5, "concurrency": 10},
+    }
+    (work / "cfg.yaml").write_text(yaml.safe_dump(doc))
+    cfg = resolve_config(str(work / "cfg.yaml"), None, {})
+    opts = ServeOptions(
+        BrokerOptions(),
+        run_id="r",
+        status_every_s=1e9,
+        transport="memory",
+        client_msg_rate=None,  # every message reaches the orchestrator: no budget refuses any
+        client_cost_limit=False,
+    )
+    srv = Server(cfg, opts)
+    srv.link.send = lambda *a: None  # type: ignore[method-assign]
+    for c in range(CLIENTS):
+        counts = [0] * srv.num_classes
+        counts[0] = srv.partition_sizes[c]
+        reg = wire.Register(
+            run="r",
+            msg_id=f"i{c}-1",
+            sent_at=time.time(),
+            client=c,
+            incarnation=f"i{c}",
+            num_samples=counts[0],
+            tier=Tier.AVL_TRAIN,
+            class_counts=tuple(counts),
+        )
+        srv.handle_inbound(Delivery(Address(Channel.REGISTER, c), wire.encode(reg), Ack(0, 0, 1), "r"))
+    return srv
+
+
+def flips(n: int, first_seq: int) -> list[Delivery]:
+    out = []
+    for k in range(n):
+        c, seq = k % CLIENTS, first_seq + k // CLIENTS
+        tier = Tier.UN_AVL if seq % 2 == 0 else Tier.AVL_TRAIN
+        msg = wire.State(
+            run="r", msg_id=f"i{c}-{seq}", sent_at=time.time(), client=c, incarnation=f"i{c}", tier=tier
+        )
+        out.append(Delivery(Address(Channel.STATE, c), wire.encode(msg), Ack(0, 0, 1), "r"))
+    return out
+
+
+class Timed:
+    """Wraps ``Server._deliver`` to add up its CPU time on the loop thread."""
+
+    def __init__(self, srv: Server) -> None:
+        self.inner = srv._deliver
+        self.cpu = 0.0
+        srv._deliver = self  # type: ignore[method-assign]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> bool:
+        t0 = time.thread_time()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.cpu += time.thread_time() - t0
+
+
+def one_round(srv: Server, timed: Timed, msgs: list[Delivery], worker: Any) -> dict[str, float]:
+    parse = 0.0
+    if worker is not None:
+        original = worker.collect
+
+        def collect() -> list[Any]:
+            nonlocal parse
+            out = original()
+            parse += sum(s for _, s in out)
+            return out
+
+        worker.collect = collect
+    timed.cpu = 0.0
+    before = srv.stats.tier_messages
+    t0 = time.thread_time()
+    for i in range(0, len(msgs), INBOX_BATCH):
+        batch = msgs[i : i + INBOX_BATCH]
+        if worker is None:
+            for m in batch:
+                srv.handle_inbound(m)
+        else:
+            srv._pipeline(worker, batch)
+    if worker is not None:
+        srv._pipeline(worker, [])
+        worker.collect = original
+    loop = time.thread_time() - t0
+    n = srv.stats.tier_messages - before
+    assert n == len(msgs) and srv.stats.rejected == 0, (n, srv.stats.rejected_by_reason)
+    return {
+        "loop_us": 1e6 * loop / n,
+        "orchestrator_us": 1e6 * timed.cpu / n,
+        "intake_us": 1e6 * (loop - timed.cpu) / n,
+        "worker_parse_us": 1e6 * parse / n,
+    }
+
+
+def _stats(rows: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    return {
+        k: {
+            "mean": round(statistics.fmean(r[k] for r in rows), 1),
+            "sd": round(statistics.pstdev(r[k] for r in rows), 1),
+        }
+        for k in rows[0]
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--messages", type=int, default=10000)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--plain-only", action="store_true", help="only the loop's own parsing")
+    args = p.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    worker = None
+    with tempfile.TemporaryDirectory(prefix="felix-intake-") as tmp:
+        srv = make_server(Path(tmp))
+        timed = Timed(srv)
+        if not args.plain_only:
+            from felix.deploy.decode_worker import DecodeWorker
+
+            worker = DecodeWorker(srv.max_bytes, srv.protocol.header_bytes)
+        plain, piped = [], []
+        seq = 2
+        one_round(srv, timed, flips(2 * CLIENTS, seq), None)  # warm up
+        seq += 2
+        for _ in range(args.repeats):
+            plain.append(one_round(srv, timed, flips(args.messages, seq), None))
+            seq += args.messages // CLIENTS + 1
+            if worker is not None:
+                piped.append(one_round(srv, timed, flips(args.messages, seq), worker))
+                seq += args.messages // CLIENTS + 1
+        if worker is not None:
+            worker.close()
+    out: dict[str, Any] = {"clients": CLIENTS, "messages": args.messages, "repeats": args.repeats}
+    out["loop_parses"] = _stats(plain)
+    if piped:
+        out["decode_worker"] = _stats(piped)
+    out["command"] = "python " + " ".join(["benchmarks/intake_cpu.py", *sys.argv[1:]])
+    out["provenance"] = provenance()
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

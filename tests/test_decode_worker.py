@@ -1,0 +1,169 @@
+"""The decode worker (``ServeOptions.decode_worker``): inbound messages parsed in a second process
+get the same verdicts as parsed in the loop, in the same order, and a deployment through it
+applies each update once."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mqtt_support import Background, load_config, one_torch_thread, write_config  # noqa: F401
+
+from felix.core.refusals import Refusal
+from felix.core.types import ClientUpdate, TaskKind, Tier
+from felix.deploy import wire
+from felix.deploy.channels import Address, Channel
+from felix.deploy.client import ClientHost, ClientOptions
+from felix.deploy.decode_worker import DecodeWorker
+from felix.deploy.link import BrokerOptions
+from felix.deploy.server import ServeOptions, Server
+from felix.deploy.transport import Ack, Delivery
+
+CLIENTS = 4
+
+
+def _server(tmp_path: Path, worker: bool) -> Server:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(
+        write_config(tmp_path / "cfg.yaml", partition={"num_clients": CLIENTS}, trace={"kind": "always"}),
+        {"strategy": "fedbuff", "orchestrator": {"agg_goal": 2, "concurrency": 2}},
+    )
+    opts = ServeOptions(
+        BrokerOptions(),
+        run_id="r",
+        time_scale=1.0,
+        status_every_s=1e9,
+        transport="memory",
+        decode_worker=worker,
+    )
+    return Server(cfg, opts)
+
+
+def _hostile_and_honest(srv: Server) -> list[Delivery]:
+    """Registrations, tier reports, a result, and malformed messages of several decoding kinds."""
+    env = lambda i: {"run": "r", "msg_id": f"i-{i}", "sent_at": time.time()}
+    out: list[tuple[Address, bytes]] = []
+    for c in range(CLIENTS):
+        counts = [0] * srv.num_classes
+        counts[0] = srv.partition_sizes[c]
+        reg = wire.Register(
+            **env(1),
+            client=c,
+            incarnation="i",
+            num_samples=counts[0],
+            tier=Tier.AVL_TRAIN,
+            class_counts=tuple(counts),
+        )
+        out.append((Address(Channel.REGISTER, c), wire.encode(reg)))
+    state = wire.encode(wire.State(**env(2), client=1, incarnation="i", tier=Tier.UN_AVL))
+    out.append((Address(Channel.STATE, 1), state))
+    out.append((Address(Channel.STATE, 1), state))  # a redelivery: a duplicate
+    hdr = {"fmt": 1, "type": "state", "run": "r", "msg": "i-9", "sent": 1.0, "payload": 0, "arrays": []}
+    heavy = json.dumps(
+        {**hdr, "client": 2, "incarnation": "i", "tier": "AVL_TRAIN", "x": [0] * 9000}
+    ).encode()
+    surrogate = json.dumps({**hdr, "client": 2, "incarnation": "i\\ud800", "tier": "AVL_TRAIN"})
+    surrogate_b = surrogate.replace("\\\\ud800", "\\ud800").encode()
+    upd = ClientUpdate(num_samples=5, stat_utility=1.0, loss=0.5, duration=1.0, delta=np.zeros(3, np.float32))
+    wrong = wire.encode(
+        wire.Result(**env(3), client=2, incarnation="i", task=1, kind=TaskKind.TRAIN, version=0, update=upd)
+    )
+    for payload in (
+        b"FLXM",  # truncated
+        b"XXXX" + bytes(20),  # bad magic
+        struct.pack("<4sHI", wire.MAGIC, 1, len(heavy)) + heavy,  # a header over the limit
+        struct.pack("<4sHI", wire.MAGIC, 1, len(surrogate_b)) + surrogate_b,  # a lone surrogate
+        state.replace(b'"run":"r"', b'"run":"q"'),  # another run
+        wrong,  # a result for a task never assigned (the orchestrator's refusal)
+    ):
+        out.append((Address(Channel.STATE if b'"state"' in payload else Channel.RESULT, 2), payload))
+    out.append(
+        (
+            Address(Channel.STATE, 0),
+            wire.encode(wire.State(**env(4), client=0, incarnation="i", tier=Tier.UN_AVL)),
+        )
+    )
+    return [Delivery(a, p, Ack(0, 0, 1), "t") for a, p in out]
+
+
+def test_the_worker_gives_the_loops_verdicts_in_order(tmp_path: Path) -> None:
+    plain, piped = _server(tmp_path / "a", False), _server(tmp_path / "b", True)
+    for m in _hostile_and_honest(plain):
+        plain.handle_inbound(m)
+    decoder = DecodeWorker(piped.max_bytes, piped.protocol.header_bytes)
+    try:
+        items = _hostile_and_honest(piped)
+        piped._pipeline(decoder, items[:5])  # two batches: the first is applied with the second
+        piped._pipeline(decoder, items[5:])
+        # The first batch is applied, the second is still being parsed.
+        assert len(piped.orch.clients) == CLIENTS and piped.stats.rejected == 0
+        piped._pipeline(decoder, [])
+    finally:
+        decoder.close()
+    for s in (plain.stats, piped.stats):
+        assert s.refused_by_kind == {
+            Refusal.TRUNCATED.value: 1,
+            Refusal.BAD_MAGIC.value: 1,
+            Refusal.BAD_HEADER.value: 2,
+            Refusal.OTHER_RUN.value: 1,
+            Refusal.NOT_HOLDER.value: 1,
+        }
+        assert s.duplicates == 1 and s.messages_in == 13 and s.registrations == CLIENTS
+    tiers = [[srv.orch.clients[c].tier for c in range(CLIENTS)] for srv in (plain, piped)]
+    assert tiers[0] == tiers[1]
+
+
+def test_a_worker_that_dies_stops_the_server_with_a_clear_error(tmp_path: Path) -> None:
+    from felix.deploy.decode_worker import DecodeWorkerError
+
+    srv = _server(tmp_path, True)
+    decoder = DecodeWorker(srv.max_bytes, srv.protocol.header_bytes, timeout_s=5.0)
+    decoder._proc.kill()
+    decoder._proc.wait(5)
+    with pytest.raises(DecodeWorkerError, match="decode worker"):
+        decoder.submit([b"x"] * 1000)
+        decoder.collect()
+    decoder.close()
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_deployment_through_the_decode_worker_applies_each_update_once(tmp_path: Path) -> None:
+    cfg = load_config(
+        write_config(tmp_path / "cfg.yaml", partition={"num_clients": CLIENTS}, trace={"kind": "always"}),
+        {
+            "strategy": "fedbuff",
+            "orchestrator": {"agg_goal": 2, "concurrency": 3},
+            "run": {"max_aggregations": 5, "target_accuracy": 1.0},
+        },
+    )
+    opts = ServeOptions(
+        BrokerOptions(),
+        run_id="dw",
+        out_dir=tmp_path / "out",
+        time_scale=0.05,
+        status_every_s=1e9,
+        transport="memory",
+        decode_worker=True,
+    )
+    server = Server(cfg, opts)
+    serving = Background(server.run, "server")
+    serving.start()
+    copts = ClientOptions(
+        broker=BrokerOptions(), run_id="dw", time_scale=0.05, max_wall_s=60, transport="memory"
+    )
+    host = ClientHost(cfg, list(range(CLIENTS)), copts, lambda cid: (None, None))
+    clients = Background(host.run, "clients")
+    clients.start()
+    try:
+        summ = serving.result(60)
+        clients.result(20)
+    finally:
+        server.stop_requested.set()
+        host.stop_requested.set()
+    assert summ["stop_reason"] == "max_aggregations"
+    assert summ["deployment"]["applied_task_ids_unique"] and summ["updates_applied"] == 10
+    assert summ["transport"]["rejected"] == 0 and server.decoder is not None
