@@ -19,7 +19,7 @@ from felix.deploy import wire
 from felix.deploy.channels import Address, Channel
 from felix.deploy.client import ClientHost, ClientOptions
 from felix.deploy.decode_worker import DecodeWorker
-from felix.deploy.link import BrokerOptions
+from felix.deploy.memory_transport import MemoryOptions
 from felix.deploy.server import ServeOptions, Server
 from felix.deploy.transport import Ack, Delivery
 
@@ -33,7 +33,7 @@ def _server(tmp_path: Path, worker: bool) -> Server:
         {"strategy": "fedbuff", "orchestrator": {"agg_goal": 2, "concurrency": 2}},
     )
     opts = ServeOptions(
-        BrokerOptions(),
+        MemoryOptions(),
         run_id="r",
         time_scale=1.0,
         status_every_s=1e9,
@@ -141,7 +141,7 @@ def test_a_deployment_through_the_decode_worker_applies_each_update_once(tmp_pat
         },
     )
     opts = ServeOptions(
-        BrokerOptions(),
+        MemoryOptions(),
         run_id="dw",
         out_dir=tmp_path / "out",
         time_scale=0.05,
@@ -153,7 +153,7 @@ def test_a_deployment_through_the_decode_worker_applies_each_update_once(tmp_pat
     serving = Background(server.run, "server")
     serving.start()
     copts = ClientOptions(
-        broker=BrokerOptions(), run_id="dw", time_scale=0.05, max_wall_s=60, transport="memory"
+        broker=MemoryOptions(), run_id="dw", time_scale=0.05, max_wall_s=60, transport="memory"
     )
     host = ClientHost(cfg, list(range(CLIENTS)), copts, lambda cid: (None, None))
     clients = Background(host.run, "clients")

@@ -27,7 +27,7 @@ from felix.core.refusals import Refusal
 from felix.deploy import wire
 from felix.deploy.client import ClientHost, ClientOptions
 from felix.deploy.client_protocol import ClientProtocol, Dropped
-from felix.deploy.link import BrokerOptions
+from felix.deploy.memory_transport import MemoryOptions
 from felix.deploy.model_fetch import Fetched, FetchOptions, ModelFetcher, fetch_model
 from felix.deploy.model_http import ModelServer
 from felix.deploy.model_store import ModelHosting, ModelStore
@@ -247,7 +247,7 @@ def test_in_memory_deployment_fetches_scaffold_models_by_hash(tmp_path: Path) ->
         },
     )
     opts = ServeOptions(
-        BrokerOptions(),
+        MemoryOptions(),
         run_id="dl",
         out_dir=tmp_path / "out",
         time_scale=0.05,
@@ -262,7 +262,7 @@ def test_in_memory_deployment_fetches_scaffold_models_by_hash(tmp_path: Path) ->
         cfg,
         list(range(4)),
         ClientOptions(
-            broker=BrokerOptions(), run_id="dl", time_scale=0.05, max_wall_s=60, transport="memory"
+            broker=MemoryOptions(), run_id="dl", time_scale=0.05, max_wall_s=60, transport="memory"
         ),
         lambda cid: (None, None),
     )
