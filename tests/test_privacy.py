@@ -52,10 +52,28 @@ def direct_epsilon(sigma: float, steps: int, delta: float) -> float:
         ({"privacy": {"clip_norm": 0}}, "privacy.clip_norm: must be > 0"),
         ({"privacy": {"delta": 1}}, "privacy.delta: must lie strictly between 0 and 1"),
         ({"privacy": {"delta": 0}}, "privacy.delta: must lie strictly between 0 and 1"),
-        ({"privacy": {"mechanism": "dp_ftrl"}}, "'dp_ftrl' is not built yet: use central_gaussian"),
-        ({"privacy": {"mechanism": "local"}}, "'local' is not built yet"),
-        ({"privacy": {"mechanism": "laplace"}}, "mechanism must be none or central_gaussian"),
-        ({"privacy": {"accountant": "pld"}}, "'pld' is not built yet: use rdp"),
+        (
+            {"privacy": {"mechanism": "laplace"}},
+            "mechanism must be one of none, central_gaussian, dp_ftrl, local",
+        ),
+        (
+            {"privacy": {"mechanism": "local"}},
+            "mechanism local composes each client's reports: set max_participations",
+        ),
+        ({"privacy": {"local_noise": "laplace"}}, "local_noise laplace is for mechanism local"),
+        (
+            {"privacy": {"mechanism": "dp_ftrl", "adaptive_clip": {}}},
+            "adaptive_clip is built for central_gaussian, not dp_ftrl",
+        ),
+        (
+            {
+                "privacy": {"mechanism": "central_gaussian", "adaptive_clip": {}},
+                "aggregator": {"normalize": "count"},
+            },
+            "adaptive_clip.count_noise 0.5 must exceed noise_multiplier / 2 (0.5)",
+        ),
+        ({"privacy": {"adaptive_clip": {"target_quantile": 1.0}}}, "privacy.adaptive_clip.target_quantile"),
+        ({"privacy": {"accountant": "prv"}}, "privacy.accountant"),
         ({"privacy": {"mechanism": "central_gaussian"}}, "set aggregator.normalize: count"),
         (
             {

@@ -79,6 +79,7 @@ from felix.deploy.transport import get as get_transport
 from felix.engine.setup import build_server_side
 from felix.metrics.recorder import EvalRow
 from felix.metrics.report import EvalLog, make_output_dir
+from felix.privacy.setup import use_os_noise
 from felix.scenario.build import build_population, build_trace
 from felix.stream.setup import build_stream
 from felix.stream.summary import stream_summary
@@ -181,10 +182,15 @@ class Server:
             self.partition_sizes = [self.stream.registration(c)[0] for c in range(self.num_clients)]
         self.num_params = int(pop.initial_weights.size)
         # A data plan the registered counts make impossible is logged and training goes on without it.
-        sink = None if opts.out_dir is None else EvalLog(opts.out_dir / "evaluations.csv")
+        sink = None
+        if opts.out_dir is not None:
+            sink = EvalLog(opts.out_dir / "evaluations.csv", epsilon=cfg.privacy.enabled)
         side = build_server_side(
             cfg, pop, trace, self.stream, plan_errors="skip", sink=sink, measure_wire=True
         )
+        use_os_noise(
+            side.orch, side.controller
+        )  # a deployment's privacy noise comes from the OS's CSPRNG, not the seed
         self.orch, self.ctl, self.freshness = side.orch, side.controller, side.freshness
         self.ctl.on_evaluation.append(_log_evaluation)
         default_bytes = default_max_message_bytes(self.num_params)
@@ -624,4 +630,5 @@ class Server:
 
 
 def _log_evaluation(row: EvalRow) -> None:
-    log.info("version %d at t=%.1fs: accuracy %.4f", row.version, row.time_s, row.accuracy)
+    eps = "" if row.epsilon is None else f", epsilon {row.epsilon:.3g}"
+    log.info("version %d at t=%.1fs: accuracy %.4f%s", row.version, row.time_s, row.accuracy, eps)

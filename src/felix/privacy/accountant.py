@@ -3,23 +3,41 @@
 Composition WITHOUT amplification by sampling: under churn, who trains is decided by
 availability (the trace, TierTrack, Oort's utilities), not by a uniform draw at a fixed rate,
 so the premise of privacy amplification by sampling does not hold and every aggregation counts
-as a full Gaussian mechanism on every client (docs/privacy.md).
+as a full mechanism on every client (docs/privacy.md).
+
+What one run releases, as a ``dp-accounting`` event (:func:`run_event`):
+
+- ``central_gaussian``: T Gaussian mechanisms of noise multiplier sigma (adaptive clipping's
+  noised count included: its share is taken off the update noise so that the pair is one
+  Gaussian mechanism of multiplier sigma, :mod:`felix.privacy.adaptive`);
+- ``dp_ftrl``: the tree's nodes, each noised with sigma C, as one Gaussian mechanism on a vector
+  whose L2 sensitivity is C sqrt(S), S from :func:`felix.privacy.tree.sensitivity_sq` (Kairouz et
+  al. 2021, appendix D; a client in at most m of the T aggregations);
+- ``local``: each client's own reports that use its data, at most ``max_participations`` of them
+  (the device enforces it), each a Gaussian (or Laplace) mechanism whose sensitivity is the
+  diameter 2C of the clip ball; the whole run's guarantee from the first aggregation on.
 
 Cheap per aggregation: an aggregation only counts; epsilon is composed by the library when it is
-read (an evaluation row, the summary), once per count and at the same cost for any count (the
-self-composition of T Gaussian mechanisms is one RDP curve times T), and the stop at
-``target_epsilon`` compares the count with the largest count within the target, found once
-before the run (``felix.privacy.budget``).
+read (an evaluation row, the summary), once per count, and the stop at ``target_epsilon``
+compares the count with the largest count within the target, found once before the run
+(``felix.privacy.budget``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from felix.config.base import ConfigError
+from felix.privacy.tree import sensitivity_sq
+
+#: PLD's value discretisation: coarser than the library's default (1e-4), which costs ten times
+#: more for an epsilon that differs in the seventh digit; a coarser grid only over-reports.
+PLD_DISCRETIZATION = 1e-3
 
 
-def _library() -> Any:
+def library() -> Any:
+    """The ``dp_accounting`` module, or a one-line refusal naming the extra."""
     try:
         import dp_accounting
     except ImportError:
@@ -29,30 +47,86 @@ def _library() -> Any:
     return dp_accounting
 
 
-class RdpAccountant:
-    """Epsilon at ``delta`` after ``steps`` Gaussian mechanisms of noise multiplier ``sigma``."""
+def run_event(
+    mechanism: str,
+    noise_multiplier: float,
+    steps: int,
+    *,
+    max_participations: int | None = None,
+    noise: str = "gaussian",
+) -> Any:
+    """The ``dp-accounting`` event of ``steps`` aggregations of ``mechanism``."""
+    dp = library()
+    if mechanism == "central_gaussian":
+        return dp.SelfComposedDpEvent(dp.GaussianDpEvent(noise_multiplier), steps)
+    if mechanism == "dp_ftrl":
+        m = steps if max_participations is None else min(max_participations, steps)
+        return dp.GaussianDpEvent(noise_multiplier / math.sqrt(sensitivity_sq(m, steps)))
+    if mechanism == "local":
+        assert max_participations is not None, "local DP composes each client's capped reports"
+        # the clip ball's diameter 2C is the sensitivity of one report: half the multiplier
+        one = (dp.LaplaceDpEvent if noise == "laplace" else dp.GaussianDpEvent)(noise_multiplier / 2)
+        return dp.SelfComposedDpEvent(one, max_participations)
+    raise ValueError(f"no accounting for mechanism {mechanism!r}")
 
-    name = "rdp"
 
-    def __init__(self, noise_multiplier: float, delta: float) -> None:
-        self._dp = _library()
+class Accountant:
+    """Epsilon at ``delta`` after ``steps`` aggregations of the configured mechanism, by the RDP
+    or the PLD accountant of ``dp-accounting``."""
+
+    def __init__(
+        self,
+        mechanism: str,
+        noise_multiplier: float,
+        delta: float,
+        *,
+        kind: str = "rdp",
+        max_participations: int | None = None,
+        noise: str = "gaussian",
+    ) -> None:
+        self._dp = library()
+        if kind not in ("rdp", "pld"):
+            raise ValueError(f"accountant must be rdp or pld, not {kind!r}")
+        self.name = kind
+        self.mechanism = mechanism
         self.noise_multiplier = float(noise_multiplier)
         self.delta = float(delta)
+        self.max_participations = max_participations
+        self.noise = noise
         self.steps = 0
-        self._event = self._dp.GaussianDpEvent(self.noise_multiplier)
         self._cached: tuple[int, float] = (0, 0.0)
 
     def step(self) -> None:
         """Account one more aggregation (a count: epsilon is composed when read)."""
         self.steps += 1
 
+    def with_noise(self, noise_multiplier: float) -> Accountant:
+        """The same accounting at another noise multiplier (to name the noise a target needs)."""
+        return Accountant(
+            self.mechanism,
+            noise_multiplier,
+            self.delta,
+            kind=self.name,
+            max_participations=self.max_participations,
+            noise=self.noise,
+        )
+
     def epsilon_after(self, steps: int) -> float:
-        """Epsilon after ``steps`` aggregations in all: the library composes the ``steps``
-        mechanisms at once (RDP adds up), at the same cost for any ``steps``."""
+        """Epsilon after ``steps`` aggregations in all, composed at once by the library."""
         if steps == 0:
             return 0.0
-        acc = self._dp.rdp.RdpAccountant()
-        acc.compose(self._dp.SelfComposedDpEvent(self._event, steps))
+        event = run_event(
+            self.mechanism,
+            self.noise_multiplier,
+            steps,
+            max_participations=self.max_participations,
+            noise=self.noise,
+        )
+        if self.name == "pld":
+            acc = self._dp.pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
+        else:
+            acc = self._dp.rdp.RdpAccountant()
+        acc.compose(event)
         return float(acc.get_epsilon(self.delta))
 
     @property
@@ -63,4 +137,4 @@ class RdpAccountant:
         return self._cached[1]
 
 
-__all__ = ["RdpAccountant"]
+__all__ = ["Accountant", "library", "run_event"]

@@ -24,6 +24,7 @@ from felix.engine.controller import RunController
 from felix.engine.setup import build_client_side, build_server_side, check_population
 from felix.metrics.freshness import FreshnessTracker
 from felix.metrics.recorder import Recorder
+from felix.privacy.setup import device_mechanism
 from felix.scenario.build import ClientDatasets, Population, build_population, build_trace, fit_config
 from felix.scenario.models import ModelFactory
 from felix.scenario.traces import AvailabilityTrace
@@ -171,6 +172,7 @@ def build(
         server.controller,
         settings,
         augment=clients.plan_applier,
+        privacy=device_mechanism(cfg),
         cohort=executor,
         registration=None if stream is None else stream.registration,
     )
