@@ -189,7 +189,7 @@ def test_a_local_report_is_the_clipped_update_plus_noise_of_scale_sigma_c(noise:
     mech = LocalMechanism(sigma, c, noise, max_participations=5, seed=9)
     out = mech.release(4, 17, _upd(big)).delta
     assert out is not None
-    rng = np.random.default_rng(np.random.SeedSequence([9, 0x4C4F43, 17]))
+    rng = np.random.default_rng(np.random.SeedSequence([9, 0x4C4F43, 17, 0]))
     replay = rng.laplace(0.0, sigma * c, n) if noise == "laplace" else rng.normal(0.0, sigma * c, n)
     signal = out.astype(np.float64) - replay
     norm = float(np.abs(signal).sum()) if noise == "laplace" else float(np.linalg.norm(signal))
@@ -202,7 +202,7 @@ def test_a_local_report_is_the_clipped_update_plus_noise_of_scale_sigma_c(noise:
 def test_beyond_its_cap_a_device_sends_noise_alone() -> None:
     mech = LocalMechanism(1.0, 1.0, "gaussian", max_participations=2, seed=1)
     d = np.full(1000, 0.03)  # norm about 0.95, within the clip
-    rng = lambda task: np.random.default_rng(np.random.SeedSequence([1, 0x4C4F43, task]))
+    rng = lambda task: np.random.default_rng(np.random.SeedSequence([1, 0x4C4F43, task, 0]))
     for task in (1, 2):
         out = mech.release(7, task, _upd(d)).delta
         np.testing.assert_allclose(out - rng(task).normal(0.0, 1.0, 1000), d, atol=1e-5)
@@ -321,3 +321,45 @@ def test_the_server_refuses_an_update_beyond_the_private_bound(
     assert v.check(1, TaskKind.TRAIN, _upd(d * ok_norm * 0.999), 10, 0, theta).update is not None
     verdict = v.check(2, TaskKind.TRAIN, _upd(d * bad_norm), 10, 0, theta)
     assert verdict.update is None and "privacy" in verdict.reason
+
+
+# ---------------------------------------------------------------------- reports (probes)
+def test_a_reply_reports_one_clipped_noised_loss_and_noise_alone_beyond_its_cap() -> None:
+    from felix.privacy.local import ScalarNoise
+
+    mech = LocalMechanism(None, 1.0, scalars=ScalarNoise(0.5, 4.0, 2), seed=3)
+    noise = lambda task: np.random.default_rng(np.random.SeedSequence([3, 0x4C4F43, task, 1])).normal(
+        0.0, 2.0
+    )
+    probe = ClientUpdate(50, 50 * 9.0, 8.0, 0.0)  # RMS loss 9, above the clip 4
+    for task, rms in ((1, 4.0), (2, 4.0), (3, 0.0)):  # the third is beyond the cap: no data in it
+        out = mech.release(5, task, probe)
+        expected = max(rms + noise(task), 0.0)
+        assert out.loss == pytest.approx(expected) and out.stat_utility == pytest.approx(50 * expected)
+        assert out.delta is None
+
+
+def test_a_felix_run_accounts_its_probes_and_without_reports_is_refused(tmp_path: Path) -> None:
+    from felix.config import ConfigError
+
+    lib = dp()
+    privacy = {"mechanism": "dp_ftrl", "noise_multiplier": 3.0, "clip_norm": 0.5, "max_participations": 2}
+    with pytest.raises(ConfigError, match=r"eval_selector .tierselect. sends probes .*\(felix-no-eval\)"):
+        resolve_config(None, "felix", {**TINY, "privacy": privacy})
+    reports = {"noise_multiplier": 4.0, "clip": 5.0, "max_per_client": 6}
+    cfg = resolve_config(None, "felix", {**TINY, "privacy": {**privacy, "reports": reports}})
+    assert cfg.eval_selector.name == "tierselect"
+    result = run_config(cfg, tmp_path / "felix", plots=False)
+    p = json.loads((tmp_path / "felix" / "summary.json").read_text())["privacy"]
+    steps = p["aggregations"]
+    direct = lib.rdp.RdpAccountant()
+    direct.compose(lib.GaussianDpEvent(3.0 / math.sqrt(sensitivity_sq(2, steps))))
+    direct.compose(lib.SelfComposedDpEvent(lib.GaussianDpEvent(4.0), 6))
+    assert p["epsilon"] == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
+    mech = result.built.sim._rules.privacy
+    assert sum(mech.scalar_reports.values()) > summary_updates(result)  # probes went through it too
+
+
+def summary_updates(result: Any) -> int:
+    """Training replies applied (each also sent its loss)."""
+    return int(result.summary["updates_applied"])

@@ -15,7 +15,10 @@ What one run releases, as a ``dp-accounting`` event (:func:`run_event`):
   al. 2021, appendix D; a client in at most m of the T aggregations);
 - ``local``: each client's own reports that use its data, at most ``max_participations`` of them
   (the device enforces it), each a Gaussian (or Laplace) mechanism whose sensitivity is the
-  diameter 2C of the clip ball; the whole run's guarantee from the first aggregation on.
+  diameter 2C of the clip ball; the whole run's guarantee from the first aggregation on;
+- with ``privacy.reports``, composed with the above: each client's at most ``max_per_client``
+  noised losses (probes and training replies), each a Gaussian mechanism of the reports'
+  multiplier (:class:`felix.privacy.local.ScalarNoise`), from the start of the run.
 
 Cheap per aggregation: an aggregation only counts; epsilon is composed by the library when it is
 read (an evaluation row, the summary), once per count, and the stop at ``target_epsilon``
@@ -83,6 +86,7 @@ class Accountant:
         kind: str = "rdp",
         max_participations: int | None = None,
         noise: str = "gaussian",
+        reports: tuple[float, int] | None = None,
     ) -> None:
         self._dp = library()
         if kind not in ("rdp", "pld"):
@@ -93,6 +97,7 @@ class Accountant:
         self.delta = float(delta)
         self.max_participations = max_participations
         self.noise = noise
+        self.reports = reports  # (noise multiplier, reports per client) of the private losses
         self.steps = 0
         self._cached: tuple[int, float] = (0, 0.0)
 
@@ -109,19 +114,28 @@ class Accountant:
             kind=self.name,
             max_participations=self.max_participations,
             noise=self.noise,
+            reports=self.reports,
         )
 
     def epsilon_after(self, steps: int) -> float:
         """Epsilon after ``steps`` aggregations in all, composed at once by the library."""
-        if steps == 0:
+        events = []
+        if steps > 0:
+            events.append(
+                run_event(
+                    self.mechanism,
+                    self.noise_multiplier,
+                    steps,
+                    max_participations=self.max_participations,
+                    noise=self.noise,
+                )
+            )
+        if self.reports is not None:
+            sigma, count = self.reports
+            events.append(self._dp.SelfComposedDpEvent(self._dp.GaussianDpEvent(sigma), count))
+        if not events:
             return 0.0
-        event = run_event(
-            self.mechanism,
-            self.noise_multiplier,
-            steps,
-            max_participations=self.max_participations,
-            noise=self.noise,
-        )
+        event = events[0] if len(events) == 1 else self._dp.ComposedDpEvent(events)
         if self.name == "pld":
             acc = self._dp.pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
         else:

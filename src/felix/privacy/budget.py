@@ -26,11 +26,18 @@ class PrivacyBudget:
             kind=p.accountant,
             max_participations=p.max_participations,
             noise=p.local_noise,
+            reports=None if p.reports is None else (p.reports.noise_multiplier, p.reports.max_per_client),
         )
         self.max_steps: int | None = None
         # seeded (a simulation) or os_csprng (a deployment: felix.privacy.setup.use_os_noise)
         self.noise_source = "seeded"
         if p.target_epsilon is not None:
+            alone = self.accountant.epsilon_after(0)  # what the reports spend whatever the updates
+            if alone > p.target_epsilon:
+                raise ConfigError(
+                    f"privacy.target_epsilon {p.target_epsilon:g} is exceeded by the reports alone "
+                    f"(epsilon {alone:.3g}): raise privacy.reports.noise_multiplier or lower max_per_client"
+                )
             self.max_steps = self._steps_within(p.target_epsilon)
             if self.max_steps == 0:
                 raise ConfigError(
@@ -75,6 +82,8 @@ class PrivacyBudget:
                 out["update_noise_multiplier"] = m.update_noise_multiplier
         if p.mechanism == "local":
             out["local_noise"] = p.local_noise
+        if p.reports is not None:
+            out["reports"] = p.reports.model_dump()
         return out
 
     def _steps_within(self, target: float) -> int:

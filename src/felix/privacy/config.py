@@ -35,6 +35,25 @@ class AdaptiveClipCfg(BaseModel):
     )
 
 
+class ReportsCfg(BaseModel):
+    """The scalars a client reports beside its update (``felix.privacy.local.ScalarNoise``): the
+    loss and statistical utility of TierSelect's probes (eval tasks) and of training replies,
+    which steer selection and TierFuse's weights. Each reply releases one number, the client's
+    RMS loss clipped to [0, ``clip``] plus N(0, (``noise_multiplier`` x clip)^2); its loss and
+    utility are computed from it. A device sends at most ``max_per_client`` such numbers from its
+    data (noise alone beyond), and the run's epsilon composes them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    noise_multiplier: float = Field(
+        ..., gt=0, description="the noise std on each reported RMS loss, in units of clip"
+    )
+    clip: float = Field(10.0, gt=0, description="the bound on a reported RMS loss (cross-entropy per sample)")
+    max_per_client: int = Field(
+        ..., ge=1, description="reports (probes and training replies) that use a client's data"
+    )
+
+
 class PrivacyCfg(BaseModel):
     """User-level differential privacy (docs/privacy.md). ``mechanism: none`` (the default) leaves
     a run exactly as without this section.
@@ -54,6 +73,11 @@ class PrivacyCfg(BaseModel):
     local_noise: Literal["gaussian", "laplace"] = Field(
         "gaussian",
         description="local: Gaussian noise (L2 clip) or Laplace noise (L1 clip), of scale noise_multiplier x clip_norm",
+    )
+    reports: ReportsCfg | None = Field(
+        None,
+        description="clip, noise and account the losses and utilities clients report (probes "
+        "included); required with an eval selector",
     )
     adaptive_clip: AdaptiveClipCfg | None = Field(
         None, description="central_gaussian: the clip norm follows a noised quantile of the update norms"
@@ -121,6 +145,12 @@ def check_privacy(cfg: Any) -> None:
     p, a = cfg.privacy, cfg.aggregator
     if not p.enabled:
         return
+    if cfg.eval_selector.name != "none" and p.reports is None:
+        raise ValueError(
+            f"privacy: eval_selector {cfg.eval_selector.name!r} sends probes whose losses reach the "
+            "server: set privacy.reports (clipped, noised, accounted) or use a strategy without probes "
+            "(felix-no-eval)"
+        )
     if p.adaptive_clip is not None:
         from felix.privacy.adaptive import update_noise_multiplier
 
@@ -139,6 +169,8 @@ def check_privacy(cfg: Any) -> None:
         raise ValueError(
             f"privacy: aggregator.robust {a.robust!r} has no bounded sensitivity: set robust: none"
         )
+    if p.target_epsilon is not None:
+        check_target(cfg)
     from felix.strategies.objectives.base import objective_class
 
     if objective_class(cfg.client.objective).declared_aux(1):
@@ -152,3 +184,18 @@ def count_noise(p: PrivacyCfg, agg_goal: int) -> float:
     """Adaptive clipping's count noise: as configured, else K / 20 (Andrew et al.)."""
     assert p.adaptive_clip is not None
     return p.adaptive_clip.count_noise if p.adaptive_clip.count_noise is not None else agg_goal / 20
+
+
+def check_target(cfg: Any) -> None:
+    """Refuse, when the config is read, a ``target_epsilon`` that the run cannot meet (one
+    aggregation, or the reports alone, exceed it), naming the noise it would need. Without the
+    accounting library the run is refused later, naming the extra."""
+    from felix.config.base import ConfigError
+    from felix.privacy.accountant import library
+    from felix.privacy.budget import PrivacyBudget
+
+    try:
+        library()
+    except ConfigError:
+        return
+    PrivacyBudget(cfg, None)

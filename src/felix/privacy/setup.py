@@ -16,7 +16,7 @@ from felix.privacy.adaptive import AdaptiveClip
 from felix.privacy.central import CentralGaussian, ClippedSum
 from felix.privacy.config import count_noise
 from felix.privacy.ftrl import TreeAggregation
-from felix.privacy.local import LocalMechanism
+from felix.privacy.local import LocalMechanism, ScalarNoise
 
 #: The noise stream's id under the run seed, apart from the scenario and strategy streams, so
 #: that turning privacy on changes no other random draw.
@@ -78,15 +78,18 @@ def device_mechanism(cfg: Any, *, os_noise: bool = False) -> LocalMechanism | No
     """What each device applies to its update (None with privacy off): clip and noise under
     ``local`` (seeded per task from the run seed in the simulator, from the OS's CSPRNG on a
     deployed device), clip alone under the server's mechanisms with a fixed clip norm (an adaptive
-    one moves at the server, which clips)."""
+    one moves at the server, which clips); with ``privacy.reports``, the reply's loss and utility
+    made private."""
     p = cfg.privacy
-    if not p.enabled or p.adaptive_clip is not None:
+    if not p.enabled:
         return None
+    r = p.reports
     return LocalMechanism(
         p.noise_multiplier if p.mechanism == "local" else None,
-        p.clip_norm,
+        None if p.adaptive_clip is not None else p.clip_norm,
         p.local_noise,
         p.max_participations,
+        scalars=None if r is None else ScalarNoise(r.noise_multiplier, r.clip, r.max_per_client),
         seed=None if os_noise else cfg.seed,
     )
 
