@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from felix.core.types import ClientUpdate
+from felix.privacy.central import l2
 
 #: The device noise's stream id under the run seed (beside the server's, ``felix.privacy.setup``).
 _DEVICE_STREAM = 0x4C4F43  # "LOC"
@@ -83,7 +84,7 @@ class LocalMechanism:
         v = np.asarray(delta, dtype=np.float64)
         if self.clip_norm is None:
             return v
-        norm = float(np.abs(v).sum()) if self.noise == "laplace" else float(np.linalg.norm(v))
+        norm = float(np.abs(v).sum()) if self.noise == "laplace" else l2(v)
         return v * (self.clip_norm / norm) if norm > self.clip_norm else v
 
     def release(self, cid: int, task_id: int, update: ClientUpdate) -> ClientUpdate:
