@@ -72,7 +72,8 @@ class ClippedSum:
         """The sum of the clients' clipped contributions (float64), each update's capped weight,
         and each client's largest raw update norm (for adaptive clipping's count)."""
         capped = np.minimum(np.asarray(weights, dtype=np.float64), 1.0)
-        per_client: dict[int, np.ndarray] = {}
+        # client -> (its summed contribution, that sum's norm when it is one update's, else None)
+        per_client: dict[int, tuple[np.ndarray, float | None]] = {}
         raw_norm: dict[int, float] = {}
         for wi, item in zip(capped, buffer, strict=True):
             delta = item.update.delta
@@ -82,12 +83,17 @@ class ClippedSum:
             raw_norm[item.client_id] = max(raw_norm.get(item.client_id, 0.0), norm)
             part = clipped(vec, self.clip_norm, norm) * wi
             prev = per_client.get(item.client_id)
-            per_client[item.client_id] = part if prev is None else prev + part
+            per_client[item.client_id] = (
+                (part, min(norm, self.clip_norm) * wi) if prev is None else (prev[0] + part, None)
+            )
         size = int(buffer[0].update.delta.size) if buffer and buffer[0].update.delta is not None else 0
         total = np.zeros(size, dtype=np.float64)
-        for part in per_client.values():
-            part = clipped(part, self.clip_norm)  # a client with two updates in one aggregation
-            self.max_contribution_norm = max(self.max_contribution_norm, l2(part))
+        for part, known in per_client.values():
+            if known is None:  # a client with two updates in one aggregation: its sum clipped again
+                summed = l2(part)
+                part = clipped(part, self.clip_norm, summed)
+                known = min(summed, self.clip_norm)
+            self.max_contribution_norm = max(self.max_contribution_norm, known)
             total += part
         return total, capped, raw_norm
 

@@ -74,10 +74,11 @@ class LocalMechanism:
     def noise_source(self) -> str:
         return "os_csprng" if self.seed is None else "seeded"
 
-    def _rng(self, task_id: int, part: int = 0) -> np.random.Generator:
+    def _rng(self, task_id: int) -> np.random.Generator:
+        """One reply's noise (the scalar's first, then the update's)."""
         if self.seed is None:
             return np.random.default_rng(secrets.randbits(128))
-        return np.random.default_rng(np.random.SeedSequence([self.seed, _DEVICE_STREAM, task_id, part]))
+        return np.random.default_rng(np.random.SeedSequence([self.seed, _DEVICE_STREAM, task_id]))
 
     def clip(self, delta: np.ndarray) -> np.ndarray:
         """``delta`` within the clip ball (L1 for Laplace noise, else L2), float64."""
@@ -90,8 +91,11 @@ class LocalMechanism:
     def release(self, cid: int, task_id: int, update: ClientUpdate) -> ClientUpdate:
         """The reply as it leaves device ``cid``: its update (if any) clipped and noised, its
         loss and utility private under ``scalars``."""
+        noised = self.scalars is not None or (self.noise_multiplier is not None and update.delta is not None)
+        rng = self._rng(task_id) if noised else None
         if self.scalars is not None:
-            update = self._private_scalars(cid, task_id, update, self.scalars)
+            assert rng is not None
+            update = self._private_scalars(cid, update, self.scalars, rng)
         if update.delta is None:
             return update
         assert self.clip_norm is not None or self.noise_multiplier is None
@@ -101,19 +105,19 @@ class LocalMechanism:
             if self.max_participations is not None and self.reports[cid] > self.max_participations:
                 v = np.zeros_like(v)  # beyond the cap: a report that uses none of the client's data
             scale = self.noise_multiplier * self.clip_norm
-            rng = self._rng(task_id)
+            assert rng is not None
             v = v + (
                 rng.laplace(0.0, scale, v.size) if self.noise == "laplace" else rng.normal(0.0, scale, v.size)
             )
         return dataclasses.replace(update, delta=v.astype(np.float32))
 
-    def _private_scalars(self, cid: int, task_id: int, update: ClientUpdate, sc: ScalarNoise) -> ClientUpdate:
+    def _private_scalars(
+        self, cid: int, update: ClientUpdate, sc: ScalarNoise, rng: np.random.Generator
+    ) -> ClientUpdate:
         n = max(int(update.num_samples), 1)
         self.scalar_reports[cid] += 1
         rms = 0.0 if self.scalar_reports[cid] > sc.max_per_client else update.stat_utility / n
-        rms = min(max(rms, 0.0), sc.clip) + float(
-            self._rng(task_id, 1).normal(0.0, sc.noise_multiplier * sc.clip)
-        )
+        rms = min(max(rms, 0.0), sc.clip) + float(rng.normal(0.0, sc.noise_multiplier * sc.clip))
         rms = max(rms, 0.0)
         return dataclasses.replace(update, stat_utility=n * rms, loss=rms)
 
