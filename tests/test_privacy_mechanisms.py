@@ -361,3 +361,28 @@ def test_a_felix_run_accounts_its_probes_and_without_reports_is_refused(tmp_path
 def summary_updates(result: Any) -> int:
     """Training replies applied (each also sent its loss)."""
     return int(result.summary["updates_applied"])
+
+
+# ---------------------------------------------------------------------- the dp-* comparisons
+@pytest.mark.parametrize("name", ["dp-fmnist-90", "dp-fmnist-mobiperf"])
+def test_the_dp_comparisons_give_each_budget_at_least_300_aggregations(name: str) -> None:
+    """Every strategy at every epsilon on 10,000 clients with buffers / cohorts of 100; each private
+    variant's noise lets its budget last at least 300 aggregations (to 511: the tree's epsilon grows
+    only when its depth does, and 300 aggregations make a tree of depth 9, as 511 do)."""
+    dp()
+    from felix.experiments.compare import load_comparison, variant_config
+    from felix.privacy.budget import PrivacyBudget
+
+    comp = load_comparison(name)
+    strategies = {"felix", "felix-authors", "oort-async*", "fedbuff", "oort*", "fedavg"}
+    assert set(comp.variants) == {f"{s}-eps{e}" for s in strategies for e in ("1", "2", "4", "8", "inf")}
+    for variant in comp.variants:
+        cfg = variant_config(comp, variant, {}, 0, max(comp.targets or [0.7]))
+        assert cfg.partition.num_clients == 10_000 and cfg.orchestrator.agg_goal == 100
+        assert cfg.aggregator.normalize == "count"
+        if variant.endswith("inf"):
+            assert not cfg.privacy.enabled
+            continue
+        assert cfg.privacy.target_epsilon == float(variant.rsplit("eps", 1)[1])
+        budget = PrivacyBudget(cfg, None)
+        assert budget.max_steps is not None and 300 <= budget.max_steps <= 511, (variant, budget.max_steps)
