@@ -21,7 +21,8 @@ What one run releases, as a ``dp-accounting`` event (:func:`run_event`):
   multiplier (:class:`felix.privacy.local.ScalarNoise`), from the start of the run.
 
 Cheap per aggregation: an aggregation only counts; epsilon is composed by the library when it is
-read (an evaluation row, the summary), once per count, and the stop at ``target_epsilon``
+read (an evaluation row, the summary), once per distinct event (per count; for ``dp_ftrl``, per
+tree depth), and the stop at ``target_epsilon``
 compares the count with the largest count within the target, found once before the run
 (``felix.privacy.budget``).
 """
@@ -100,6 +101,9 @@ class Accountant:
         self.reports = reports  # (noise multiplier, reports per client) of the private losses
         self.steps = 0
         self._cached: tuple[int, float] = (0, 0.0)
+        # epsilon by event: dp_ftrl's event changes only when the tree deepens (or the cap binds),
+        # so a run composes it about log2 T times, not T
+        self._by_event: dict[Any, float] = {}
 
     def step(self) -> None:
         """Account one more aggregation (a count: epsilon is composed when read)."""
@@ -136,12 +140,16 @@ class Accountant:
         if not events:
             return 0.0
         event = events[0] if len(events) == 1 else self._dp.ComposedDpEvent(events)
+        known = self._by_event.get(event)
+        if known is not None:
+            return known
         if self.name == "pld":
             acc = self._dp.pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
         else:
             acc = self._dp.rdp.RdpAccountant()
         acc.compose(event)
-        return float(acc.get_epsilon(self.delta))
+        self._by_event[event] = eps = float(acc.get_epsilon(self.delta))
+        return eps
 
     @property
     def epsilon(self) -> float:
