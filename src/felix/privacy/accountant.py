@@ -103,7 +103,7 @@ class Accountant:
         self._cached: tuple[int, float] = (0, 0.0)
         # epsilon by event: dp_ftrl's event changes only when the tree deepens (or the cap binds),
         # so a run composes it about log2 T times, not T
-        self._by_event: dict[Any, float] = {}
+        self._by_event: dict[str, float] = {}
 
     def step(self) -> None:
         """Account one more aggregation (a count: epsilon is composed when read)."""
@@ -140,7 +140,8 @@ class Accountant:
         if not events:
             return 0.0
         event = events[0] if len(events) == 1 else self._dp.ComposedDpEvent(events)
-        known = self._by_event.get(event)
+        key = repr(event)  # attrs' repr names every field; a composition holds a list (unhashable)
+        known = self._by_event.get(key)
         if known is not None:
             return known
         if self.name == "pld":
@@ -148,7 +149,7 @@ class Accountant:
         else:
             acc = self._dp.rdp.RdpAccountant()
         acc.compose(event)
-        self._by_event[event] = eps = float(acc.get_epsilon(self.delta))
+        self._by_event[key] = eps = float(acc.get_epsilon(self.delta))
         return eps
 
     @property
