@@ -386,3 +386,32 @@ def test_the_dp_comparisons_give_each_budget_at_least_300_aggregations(name: str
         assert cfg.privacy.target_epsilon == float(variant.rsplit("eps", 1)[1])
         budget = PrivacyBudget(cfg, None)
         assert budget.max_steps is not None and 300 <= budget.max_steps <= 511, (variant, budget.max_steps)
+
+
+def test_a_dp_ftrl_run_resumed_from_a_checkpoint_noises_as_one_without_a_break(tmp_path: Path) -> None:
+    """The tree's live nodes and the generator go through a checkpoint file (plain data): five
+    aggregations, saved after two and resumed, give the steps of five in one go."""
+    from felix.deploy.checkpoint import load_checkpoint, save_checkpoint
+
+    n = 1000
+    buffers = [_buffer([np.full(n, 0.01 * (i + 1))]) for i in range(5)]
+
+    def fresh() -> FedBuffAggregator:
+        agg = FedBuffAggregator(normalize="count")
+        agg.privacy = TreeAggregation(1.0, 0.5, 2, np.random.default_rng(8))
+        return agg
+
+    whole, theta = fresh(), np.zeros(n, dtype=np.float32)
+    straight = []
+    for b in buffers:
+        theta, _, _ = whole.aggregate(theta, b)
+        straight.append(theta)
+    first, theta = fresh(), np.zeros(n, dtype=np.float32)
+    for b in buffers[:3]:
+        theta, _, _ = first.aggregate(theta, b)
+    save_checkpoint(tmp_path / "ckpt", {"aggregator": first.state_dict()})
+    resumed = fresh()
+    resumed.load_state_dict(load_checkpoint(tmp_path / "ckpt")["aggregator"])
+    for i, b in enumerate(buffers[3:], start=3):
+        theta, _, _ = resumed.aggregate(theta, b)
+        np.testing.assert_array_equal(theta, straight[i])
