@@ -17,11 +17,11 @@ import statistics
 import time
 
 from felix.metrics.provenance import provenance
-from felix.privacy.accountant import RdpAccountant
+from felix.privacy.accountant import Accountant
 
 
 def per_aggregation_ms(sigma: float, n: int, read_every: int) -> float:
-    acc = RdpAccountant(sigma, 1e-5)
+    acc = Accountant("central_gaussian", sigma, 1e-5)
     t0 = time.perf_counter()
     for i in range(1, n + 1):
         acc.step()

@@ -52,10 +52,28 @@ def direct_epsilon(sigma: float, steps: int, delta: float) -> float:
         ({"privacy": {"clip_norm": 0}}, "privacy.clip_norm: must be > 0"),
         ({"privacy": {"delta": 1}}, "privacy.delta: must lie strictly between 0 and 1"),
         ({"privacy": {"delta": 0}}, "privacy.delta: must lie strictly between 0 and 1"),
-        ({"privacy": {"mechanism": "dp_ftrl"}}, "'dp_ftrl' is not built yet: use central_gaussian"),
-        ({"privacy": {"mechanism": "local"}}, "'local' is not built yet"),
-        ({"privacy": {"mechanism": "laplace"}}, "mechanism must be none or central_gaussian"),
-        ({"privacy": {"accountant": "pld"}}, "'pld' is not built yet: use rdp"),
+        (
+            {"privacy": {"mechanism": "laplace"}},
+            "mechanism must be one of none, central_gaussian, dp_ftrl, local",
+        ),
+        (
+            {"privacy": {"mechanism": "local"}},
+            "mechanism local composes each client's reports: set max_participations",
+        ),
+        ({"privacy": {"local_noise": "laplace"}}, "local_noise laplace is for mechanism local"),
+        (
+            {"privacy": {"mechanism": "dp_ftrl", "adaptive_clip": {}}},
+            "adaptive_clip is built for central_gaussian, not dp_ftrl",
+        ),
+        (
+            {
+                "privacy": {"mechanism": "central_gaussian", "adaptive_clip": {}},
+                "aggregator": {"normalize": "count"},
+            },
+            "adaptive_clip.count_noise 0.5 must exceed noise_multiplier / 2 (0.5)",
+        ),
+        ({"privacy": {"adaptive_clip": {"target_quantile": 1.0}}}, "privacy.adaptive_clip.target_quantile"),
+        ({"privacy": {"accountant": "prv"}}, "privacy.accountant"),
         ({"privacy": {"mechanism": "central_gaussian"}}, "set aggregator.normalize: count"),
         (
             {
@@ -206,15 +224,33 @@ def test_run_epsilon_matches_dp_accounting_and_the_target_stops_the_run(tmp_path
         assert eps == pytest.approx(direct_epsilon(sigma, version, delta) if version else 0.0, rel=1e-9)
 
 
-def test_an_unreachable_target_is_refused_naming_the_noise_it_needs() -> None:
+def test_an_unreachable_target_is_refused_when_the_config_is_read_naming_the_noise_it_needs() -> None:
     needs_accounting()
-    from felix.privacy.budget import PrivacyBudget
-
-    cfg = validate(
-        {**DP, "privacy": {"mechanism": "central_gaussian", "noise_multiplier": 0.5, "target_epsilon": 1.0}}
-    )
-    with pytest.raises(ConfigError, match=r"exceeded by one aggregation .* needs noise_multiplier >= \d"):
-        PrivacyBudget(cfg, None)
+    with pytest.raises(
+        ConfigError, match=r"exceeded by one aggregation .* needs noise_multiplier >= \d"
+    ) as err:
+        validate(
+            {
+                **DP,
+                "privacy": {"mechanism": "central_gaussian", "noise_multiplier": 0.5, "target_epsilon": 1.0},
+            }
+        )
+    assert "\n" not in str(err.value)
+    reports = {"noise_multiplier": 0.5, "max_per_client": 10}
+    with pytest.raises(
+        ConfigError, match=r"exceeded by the reports alone .* raise privacy.reports.noise_multiplier"
+    ):
+        validate(
+            {
+                **DP,
+                "privacy": {
+                    "mechanism": "central_gaussian",
+                    "noise_multiplier": 50,
+                    "target_epsilon": 2.0,
+                    "reports": reports,
+                },
+            }
+        )
 
 
 def test_max_participations_is_enforced_by_the_orchestrator(tmp_path: Path) -> None:

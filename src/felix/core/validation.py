@@ -314,6 +314,9 @@ class UpdateValidator:
         c = self.config
         # Update norm / sqrt(steps), and each declared aux key's norm.
         self.updates = RecentScale(c.norm_window, c.norm_min_history)
+        # privacy on (set by felix.privacy.setup): the norm no private update exceeds, which
+        # replaces the median rule (a private update is clipped on the device, then perhaps noised)
+        self.privacy_bound: float | None = None
         self.aux_scales = {k: RecentScale(c.norm_window, c.norm_min_history) for k in self.aux_spec}
 
     @property
@@ -355,7 +358,8 @@ class UpdateValidator:
                 return Verdict(None, screened)
             aux_clipped = screened is not upd
             upd = screened
-        if kind is not TaskKind.TRAIN or upd.delta is None or self.config.norm_policy == "off":
+        screen = self.config.norm_policy != "off" or self.privacy_bound is not None
+        if kind is not TaskKind.TRAIN or upd.delta is None or not screen:
             self._remember_aux(client_id, aux_norms)
             return Verdict(upd, clipped=aux_clipped)
         norm = l2_norm(upd.delta)
@@ -363,7 +367,7 @@ class UpdateValidator:
         bound = self.norm_bound(theta, steps)
         clipped = False
         if bound is not None and norm > bound:
-            if self.config.norm_policy == "reject":
+            if self.config.norm_policy != "clip":
                 return Verdict(
                     None, f"update norm {norm:.3g} exceeds the bound {bound:.3g} ({self._bound_basis()})"
                 )
@@ -424,6 +428,8 @@ class UpdateValidator:
         """The bound on the norm of an update of ``steps`` local steps, or None while there is no
         basis for one."""
         c = self.config
+        if self.privacy_bound is not None:
+            return self.privacy_bound
         if self.updates.ready:
             return c.norm_factor * self.updates.basis(c.norm_floor) * math.sqrt(steps)
         model = l2_norm(theta)
@@ -431,6 +437,8 @@ class UpdateValidator:
 
     def _bound_basis(self) -> str:
         c = self.config
+        if self.privacy_bound is not None:
+            return "privacy: the clip norm, plus the local noise's tail bound under local DP"
         if self.updates.ready:
             floor = f" (at least {c.norm_floor:g} x its peak {self.peak:.3g})" if c.norm_floor > 0 else ""
             return (

@@ -70,6 +70,7 @@ from felix.deploy.transport import resolve as resolve_transport
 from felix.engine.device import DeviceRunner, DeviceTask, Step, TaskRules, task_seed
 from felix.engine.plan import plan_run
 from felix.engine.setup import build_client_side
+from felix.privacy.setup import device_mechanism
 from felix.scenario.traces import DeviceTrace
 from felix.strategies.dataplans.plans import PlanApplier
 
@@ -190,6 +191,7 @@ class ClientHost:
             eval_fraction=cfg.runtime.eval_fraction,
             compute=opts.runtime == "compute",
             augment=self.plan_applier,
+            privacy=device_mechanism(cfg, os_noise=True),  # clipped (noised: local DP) on the device
         )
         self._clock = clock
         t0 = opts.t0 if opts.t0 is not None else time.time()
@@ -498,6 +500,8 @@ class ClientHost:
             self._follow(dev, dev.fail(self.trace_time(), task))
             return
         spent = self._clock() - t0
+        if self.rules.privacy is not None:
+            upd = self.rules.privacy.release(dev.cid, task.task_id, upd)
         upd.duration = task.duration if self.opts.runtime == "profile" else spent / self.opts.time_scale
         msg = wire.Result(
             **self._env(dev),

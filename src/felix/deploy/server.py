@@ -84,6 +84,7 @@ from felix.engine.plan import plan_run
 from felix.engine.setup import build_server_side
 from felix.metrics.recorder import EvalRow
 from felix.metrics.report import EvalLog, make_output_dir
+from felix.privacy.setup import use_os_noise
 from felix.stream.summary import stream_summary
 
 log = logging.getLogger("felix.deploy.server")
@@ -176,8 +177,11 @@ class Server:
             self.partition_sizes = [self.stream.registration(c)[0] for c in range(self.num_clients)]
         self.num_params = int(plan.initial_weights.size)
         # A data plan the registered counts make impossible is logged and training goes on without it.
-        sink = None if opts.out_dir is None else EvalLog(opts.out_dir / "evaluations.csv")
+        sink = None
+        if opts.out_dir is not None:
+            sink = EvalLog(opts.out_dir / "evaluations.csv", epsilon=cfg.privacy.enabled)
         side = build_server_side(plan, plan_errors="skip", sink=sink, measure_wire=True)
+        use_os_noise(side.orch, side.controller)  # a deployment's privacy noise comes from the OS's CSPRNG, not the seed
         self.orch, self.ctl, self.freshness = side.orch, side.controller, side.freshness
         self.ctl.on_evaluation.append(_log_evaluation)
         default_bytes = default_max_message_bytes(self.num_params)
@@ -660,4 +664,5 @@ def _host_models(h: ModelHosting) -> tuple[ModelStore, ModelServer | None]:
 
 
 def _log_evaluation(row: EvalRow) -> None:
-    log.info("version %d at t=%.1fs: accuracy %.4f", row.version, row.time_s, row.accuracy)
+    eps = "" if row.epsilon is None else f", epsilon {row.epsilon:.3g}"
+    log.info("version %d at t=%.1fs: accuracy %.4f%s", row.version, row.time_s, row.accuracy, eps)

@@ -57,6 +57,7 @@ from felix.core.types import TaskKind, Tier
 
 if TYPE_CHECKING:
     from felix.client.trainer import ClientData
+    from felix.privacy.local import LocalMechanism
     from felix.strategies.dataplans.plans import PlanClient
 
 log = logging.getLogger("felix.engine.device")
@@ -161,6 +162,9 @@ class TaskRules:
     augment: Callable[[PlanClient, Sequence[int]], float] | None = None
     """Applies a data-plan row to the device (``PlanApplier``: changes its ``data`` and perhaps its
     ``runtime_s``) and returns the augmentation's virtual seconds."""
+    privacy: LocalMechanism | None = None
+    """What the device does to each result before it leaves (``privacy:`` on: clip, and under
+    ``local`` noise; ``felix.privacy.setup.device_mechanism``)."""
 
 
 @dataclass(frozen=True)

@@ -3,23 +3,45 @@
 Composition WITHOUT amplification by sampling: under churn, who trains is decided by
 availability (the trace, TierTrack, Oort's utilities), not by a uniform draw at a fixed rate,
 so the premise of privacy amplification by sampling does not hold and every aggregation counts
-as a full Gaussian mechanism on every client (docs/privacy.md).
+as a full mechanism on every client (docs/privacy.md).
+
+What one run releases, as a ``dp-accounting`` event (:func:`run_event`):
+
+- ``central_gaussian``: T Gaussian mechanisms of noise multiplier sigma (adaptive clipping's
+  noised count included: its share is taken off the update noise so that the pair is one
+  Gaussian mechanism of multiplier sigma, :mod:`felix.privacy.adaptive`);
+- ``dp_ftrl``: the tree's nodes, each noised with sigma C, as one Gaussian mechanism on a vector
+  whose L2 sensitivity is C sqrt(S), S from :func:`felix.privacy.tree.sensitivity_sq` (Kairouz et
+  al. 2021, appendix D; a client in at most m of the T aggregations);
+- ``local``: each client's own reports that use its data, at most ``max_participations`` of them
+  (the device enforces it), each a Gaussian (or Laplace) mechanism whose sensitivity is the
+  diameter 2C of the clip ball; the whole run's guarantee from the first aggregation on;
+- with ``privacy.reports``, composed with the above: each client's at most ``max_per_client``
+  noised losses (probes and training replies), each a Gaussian mechanism of the reports'
+  multiplier (:class:`felix.privacy.local.ScalarNoise`), from the start of the run.
 
 Cheap per aggregation: an aggregation only counts; epsilon is composed by the library when it is
-read (an evaluation row, the summary), once per count and at the same cost for any count (the
-self-composition of T Gaussian mechanisms is one RDP curve times T), and the stop at
-``target_epsilon`` compares the count with the largest count within the target, found once
-before the run (``felix.privacy.budget``).
+read (an evaluation row, the summary), once per distinct event (per count; for ``dp_ftrl``, per
+tree depth), and the stop at ``target_epsilon``
+compares the count with the largest count within the target, found once before the run
+(``felix.privacy.budget``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from felix.config.base import ConfigError
+from felix.privacy.tree import sensitivity_sq
+
+#: PLD's value discretisation: coarser than the library's default (1e-4), which costs ten times
+#: more for an epsilon that differs in the seventh digit; a coarser grid only over-reports.
+PLD_DISCRETIZATION = 1e-3
 
 
-def _library() -> Any:
+def library() -> Any:
+    """The ``dp_accounting`` module, or a one-line refusal naming the extra."""
     try:
         import dp_accounting
     except ImportError:
@@ -29,31 +51,106 @@ def _library() -> Any:
     return dp_accounting
 
 
-class RdpAccountant:
-    """Epsilon at ``delta`` after ``steps`` Gaussian mechanisms of noise multiplier ``sigma``."""
+def run_event(
+    mechanism: str,
+    noise_multiplier: float,
+    steps: int,
+    *,
+    max_participations: int | None = None,
+    noise: str = "gaussian",
+) -> Any:
+    """The ``dp-accounting`` event of ``steps`` aggregations of ``mechanism``."""
+    dp = library()
+    if mechanism == "central_gaussian":
+        return dp.SelfComposedDpEvent(dp.GaussianDpEvent(noise_multiplier), steps)
+    if mechanism == "dp_ftrl":
+        m = steps if max_participations is None else min(max_participations, steps)
+        return dp.GaussianDpEvent(noise_multiplier / math.sqrt(sensitivity_sq(m, steps)))
+    if mechanism == "local":
+        assert max_participations is not None, "local DP composes each client's capped reports"
+        # the clip ball's diameter 2C is the sensitivity of one report: half the multiplier
+        one = (dp.LaplaceDpEvent if noise == "laplace" else dp.GaussianDpEvent)(noise_multiplier / 2)
+        return dp.SelfComposedDpEvent(one, max_participations)
+    raise ValueError(f"no accounting for mechanism {mechanism!r}")
 
-    name = "rdp"
 
-    def __init__(self, noise_multiplier: float, delta: float) -> None:
-        self._dp = _library()
+class Accountant:
+    """Epsilon at ``delta`` after ``steps`` aggregations of the configured mechanism, by the RDP
+    or the PLD accountant of ``dp-accounting``."""
+
+    def __init__(
+        self,
+        mechanism: str,
+        noise_multiplier: float,
+        delta: float,
+        *,
+        kind: str = "rdp",
+        max_participations: int | None = None,
+        noise: str = "gaussian",
+        reports: tuple[float, int] | None = None,
+    ) -> None:
+        self._dp = library()
+        if kind not in ("rdp", "pld"):
+            raise ValueError(f"accountant must be rdp or pld, not {kind!r}")
+        self.name = kind
+        self.mechanism = mechanism
         self.noise_multiplier = float(noise_multiplier)
         self.delta = float(delta)
+        self.max_participations = max_participations
+        self.noise = noise
+        self.reports = reports  # (noise multiplier, reports per client) of the private losses
         self.steps = 0
-        self._event = self._dp.GaussianDpEvent(self.noise_multiplier)
         self._cached: tuple[int, float] = (0, 0.0)
+        # epsilon by event: dp_ftrl's event changes only when the tree deepens (or the cap binds),
+        # so a run composes it about log2 T times, not T
+        self._by_event: dict[str, float] = {}
 
     def step(self) -> None:
         """Account one more aggregation (a count: epsilon is composed when read)."""
         self.steps += 1
 
+    def with_noise(self, noise_multiplier: float) -> Accountant:
+        """The same accounting at another noise multiplier (to name the noise a target needs)."""
+        return Accountant(
+            self.mechanism,
+            noise_multiplier,
+            self.delta,
+            kind=self.name,
+            max_participations=self.max_participations,
+            noise=self.noise,
+            reports=self.reports,
+        )
+
     def epsilon_after(self, steps: int) -> float:
-        """Epsilon after ``steps`` aggregations in all: the library composes the ``steps``
-        mechanisms at once (RDP adds up), at the same cost for any ``steps``."""
-        if steps == 0:
+        """Epsilon after ``steps`` aggregations in all, composed at once by the library."""
+        events = []
+        if steps > 0:
+            events.append(
+                run_event(
+                    self.mechanism,
+                    self.noise_multiplier,
+                    steps,
+                    max_participations=self.max_participations,
+                    noise=self.noise,
+                )
+            )
+        if self.reports is not None:
+            sigma, count = self.reports
+            events.append(self._dp.SelfComposedDpEvent(self._dp.GaussianDpEvent(sigma), count))
+        if not events:
             return 0.0
-        acc = self._dp.rdp.RdpAccountant()
-        acc.compose(self._dp.SelfComposedDpEvent(self._event, steps))
-        return float(acc.get_epsilon(self.delta))
+        event = events[0] if len(events) == 1 else self._dp.ComposedDpEvent(events)
+        key = repr(event)  # attrs' repr names every field; a composition holds a list (unhashable)
+        known = self._by_event.get(key)
+        if known is not None:
+            return known
+        if self.name == "pld":
+            acc = self._dp.pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
+        else:
+            acc = self._dp.rdp.RdpAccountant()
+        acc.compose(event)
+        self._by_event[key] = eps = float(acc.get_epsilon(self.delta))
+        return eps
 
     @property
     def epsilon(self) -> float:
@@ -63,4 +160,4 @@ class RdpAccountant:
         return self._cached[1]
 
 
-__all__ = ["RdpAccountant"]
+__all__ = ["Accountant", "library", "run_event"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from felix.config.base import ConfigError
-from felix.privacy.accountant import RdpAccountant
+from felix.privacy.accountant import Accountant
 
 
 class PrivacyBudget:
@@ -19,9 +19,25 @@ class PrivacyBudget:
         p = cfg.privacy
         self.cfg = p
         self.mechanism = mechanism
-        self.accountant = RdpAccountant(p.noise_multiplier, p.delta)
+        self.accountant = Accountant(
+            p.mechanism,
+            p.noise_multiplier,
+            p.delta,
+            kind=p.accountant,
+            max_participations=p.max_participations,
+            noise=p.local_noise,
+            reports=None if p.reports is None else (p.reports.noise_multiplier, p.reports.max_per_client),
+        )
         self.max_steps: int | None = None
+        # seeded (a simulation) or os_csprng (a deployment: felix.privacy.setup.use_os_noise)
+        self.noise_source = "seeded"
         if p.target_epsilon is not None:
+            alone = self.accountant.epsilon_after(0)  # what the reports spend whatever the updates
+            if alone > p.target_epsilon:
+                raise ConfigError(
+                    f"privacy.target_epsilon {p.target_epsilon:g} is exceeded by the reports alone "
+                    f"(epsilon {alone:.3g}): raise privacy.reports.noise_multiplier or lower max_per_client"
+                )
             self.max_steps = self._steps_within(p.target_epsilon)
             if self.max_steps == 0:
                 raise ConfigError(
@@ -53,13 +69,21 @@ class PrivacyBudget:
             "aggregations": self.accountant.steps,
             "accountant": self.accountant.name,
             "amplification": "none",
-            "noise_source": "seeded",
+            "noise_source": self.noise_source,
             "target_epsilon": p.target_epsilon,
             "max_participations": p.max_participations,
         }
-        if self.mechanism is not None:
-            out["denominator"] = self.mechanism.denominator
-            out["max_contribution_norm"] = self.mechanism.max_contribution_norm
+        m = self.mechanism
+        if m is not None and hasattr(m, "denominator"):  # the server's mechanism
+            out["denominator"] = m.denominator
+            out["max_contribution_norm"] = m.max_contribution_norm
+            if p.adaptive_clip is not None:
+                out["final_clip_norm"] = m.clip_norm
+                out["update_noise_multiplier"] = m.update_noise_multiplier
+        if p.mechanism == "local":
+            out["local_noise"] = p.local_noise
+        if p.reports is not None:
+            out["reports"] = p.reports.model_dump()
         return out
 
     def _steps_within(self, target: float) -> int:
@@ -82,7 +106,7 @@ class PrivacyBudget:
     def _sigma_for_one_step(self, target: float) -> float:
         """The smallest noise multiplier (to 1%) at which one aggregation stays within ``target``."""
         sigma = self.cfg.noise_multiplier
-        while RdpAccountant(sigma, self.cfg.delta).epsilon_after(1) > target:
+        while self.accountant.with_noise(sigma).epsilon_after(1) > target:
             sigma *= 1.01
         return sigma
 

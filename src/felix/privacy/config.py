@@ -9,15 +9,49 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-#: Mechanisms the issue names that are not built yet; refused at config read.
-NOT_BUILT = ("dp_ftrl", "local")
+#: The mechanisms: the trusted server's (central, tree) and the device's own (local).
+MECHANISMS = ("none", "central_gaussian", "dp_ftrl", "local")
 
 #: Aggregators whose weighted sum the central mechanism forms (the base class's sum, weights
 #: capped at 1); the others take their own step (q-FFL), reweight by data (REFL's SAA) or are
 #: custom, so their sensitivity is not bounded by construction.
 BOUNDED_AGGREGATORS = ("fedavg", "fedbuff", "tierfuse")
+
+
+class AdaptiveClipCfg(BaseModel):
+    """Adaptive clipping (Andrew et al. 2021, ``felix.privacy.adaptive``) for ``central_gaussian``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    target_quantile: float = Field(0.5, gt=0, lt=1, description="gamma: the share of updates left unclipped")
+    learning_rate: float = Field(0.2, gt=0, description="eta: the geometric step of the clip norm")
+    count_noise: float | None = Field(
+        None,
+        gt=0,
+        description="sigma_b: the std of the noise on the count of unclipped updates "
+        "(null: orchestrator.agg_goal / 20, the paper's choice); must exceed noise_multiplier / 2",
+    )
+
+
+class ReportsCfg(BaseModel):
+    """The scalars a client reports beside its update (``felix.privacy.local.ScalarNoise``): the
+    loss and statistical utility of TierSelect's probes (eval tasks) and of training replies,
+    which steer selection and TierFuse's weights. Each reply releases one number, the client's
+    RMS loss clipped to [0, ``clip``] plus N(0, (``noise_multiplier`` x clip)^2); its loss and
+    utility are computed from it. A device sends at most ``max_per_client`` such numbers from its
+    data (noise alone beyond), and the run's epsilon composes them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    noise_multiplier: float = Field(
+        ..., gt=0, description="the noise std on each reported RMS loss, in units of clip"
+    )
+    clip: float = Field(10.0, gt=0, description="the bound on a reported RMS loss (cross-entropy per sample)")
+    max_per_client: int = Field(
+        ..., ge=1, description="reports (probes and training replies) that use a client's data"
+    )
 
 
 class PrivacyCfg(BaseModel):
@@ -32,7 +66,21 @@ class PrivacyCfg(BaseModel):
     mechanism: str = Field(
         "none",
         description="none | central_gaussian: the trusted server clips each client's update to "
-        "clip_norm and adds Gaussian noise to each aggregation's sum (dp_ftrl and local are not built yet)",
+        "clip_norm and adds Gaussian noise to each aggregation's sum | dp_ftrl: the same sums, "
+        "noised by tree aggregation (no sampling assumption) | local: each client clips and noises "
+        "its own update before it leaves the device",
+    )
+    local_noise: Literal["gaussian", "laplace"] = Field(
+        "gaussian",
+        description="local: Gaussian noise (L2 clip) or Laplace noise (L1 clip), of scale noise_multiplier x clip_norm",
+    )
+    reports: ReportsCfg | None = Field(
+        None,
+        description="clip, noise and account the losses and utilities clients report (probes "
+        "included); required with an eval selector",
+    )
+    adaptive_clip: AdaptiveClipCfg | None = Field(
+        None, description="central_gaussian: the clip norm follows a noised quantile of the update norms"
     )
     noise_multiplier: float = Field(1.0, description="sigma: the noise std is sigma x clip_norm on the sum")
     clip_norm: float = Field(1.0, description="C: the L2 bound on each client's update in one aggregation")
@@ -44,7 +92,7 @@ class PrivacyCfg(BaseModel):
         None, ge=1, description="a client is never selected again once it has contributed this many updates"
     )
     accountant: Literal["rdp", "pld"] = Field(
-        "rdp", description="rdp: Renyi DP composition (dp-accounting); pld is not built yet"
+        "rdp", description="rdp: Renyi DP composition | pld: privacy loss distributions (both dp-accounting)"
     )
 
     @property
@@ -54,10 +102,8 @@ class PrivacyCfg(BaseModel):
     @field_validator("mechanism")
     @classmethod
     def _mechanism(cls, v: str) -> str:
-        if v in NOT_BUILT:
-            raise ValueError(f"mechanism {v!r} is not built yet: use central_gaussian (or none)")
-        if v not in ("none", "central_gaussian"):
-            raise ValueError(f"mechanism must be none or central_gaussian, not {v!r}")
+        if v not in MECHANISMS:
+            raise ValueError(f"mechanism must be one of {', '.join(MECHANISMS)}, not {v!r}")
         return v
 
     @field_validator("noise_multiplier", "clip_norm")
@@ -74,12 +120,21 @@ class PrivacyCfg(BaseModel):
             raise ValueError(f"must lie strictly between 0 and 1, not {v}")
         return v
 
-    @field_validator("accountant")
-    @classmethod
-    def _accountant(cls, v: str) -> str:
-        if v == "pld":
-            raise ValueError("accountant 'pld' is not built yet: use rdp")
-        return v
+    @model_validator(mode="after")
+    def _combinations(self) -> PrivacyCfg:
+        if self.mechanism == "local" and self.max_participations is None:
+            raise ValueError(
+                "mechanism local composes each client's reports: set max_participations (the device enforces it)"
+            )
+        if self.local_noise == "laplace" and self.mechanism != "local":
+            raise ValueError(
+                "local_noise laplace is for mechanism local: central mechanisms add Gaussian noise"
+            )
+        if self.adaptive_clip is not None and self.mechanism != "central_gaussian":
+            raise ValueError(
+                f"adaptive_clip is built for central_gaussian, not {self.mechanism}: use a fixed clip_norm"
+            )
+        return self
 
 
 def check_privacy(cfg: Any) -> None:
@@ -90,6 +145,16 @@ def check_privacy(cfg: Any) -> None:
     p, a = cfg.privacy, cfg.aggregator
     if not p.enabled:
         return
+    if cfg.eval_selector.name != "none" and p.reports is None:
+        raise ValueError(
+            f"privacy: eval_selector {cfg.eval_selector.name!r} sends probes whose losses reach the "
+            "server: set privacy.reports (clipped, noised, accounted) or use a strategy without probes "
+            "(felix-no-eval)"
+        )
+    if p.adaptive_clip is not None:
+        from felix.privacy.adaptive import update_noise_multiplier
+
+        update_noise_multiplier(p.noise_multiplier, count_noise(p, cfg.orchestrator.agg_goal))
     if a.name not in BOUNDED_AGGREGATORS:
         raise ValueError(
             f"privacy: aggregator {a.name!r} has no bounded sensitivity: use "
@@ -104,6 +169,8 @@ def check_privacy(cfg: Any) -> None:
         raise ValueError(
             f"privacy: aggregator.robust {a.robust!r} has no bounded sensitivity: set robust: none"
         )
+    if p.target_epsilon is not None:
+        check_target(cfg)
     from felix.strategies.objectives.base import objective_class
 
     if objective_class(cfg.client.objective).declared_aux(1):
@@ -111,3 +178,24 @@ def check_privacy(cfg: Any) -> None:
             f"privacy: client.objective {cfg.client.objective!r} sends aux state that would leave "
             "the server without noise: use an objective without aux (ce, fedprox)"
         )
+
+
+def count_noise(p: PrivacyCfg, agg_goal: int) -> float:
+    """Adaptive clipping's count noise: as configured, else K / 20 (Andrew et al.)."""
+    assert p.adaptive_clip is not None
+    return p.adaptive_clip.count_noise if p.adaptive_clip.count_noise is not None else agg_goal / 20
+
+
+def check_target(cfg: Any) -> None:
+    """Refuse, when the config is read, a ``target_epsilon`` that the run cannot meet (one
+    aggregation, or the reports alone, exceed it), naming the noise it would need. Without the
+    accounting library the run is refused later, naming the extra."""
+    from felix.config.base import ConfigError
+    from felix.privacy.accountant import library
+    from felix.privacy.budget import PrivacyBudget
+
+    try:
+        library()
+    except ConfigError:
+        return
+    PrivacyBudget(cfg, None)

@@ -24,6 +24,7 @@ from felix.engine.setup import build_client_side, build_server_side
 from felix.engine.trainers import Cohorts
 from felix.metrics.freshness import FreshnessTracker
 from felix.metrics.recorder import Recorder
+from felix.privacy.setup import device_mechanism
 from felix.scenario.build import ClientDatasets, Population
 from felix.scenario.models import ModelFactory
 from felix.scenario.traces import AvailabilityTrace
@@ -115,6 +116,7 @@ def build(
         server.controller,
         settings,
         augment=clients.plan_applier,
+        privacy=device_mechanism(cfg),
         cohort=executor,
         registration=None if plan.stream is None else plan.stream.registration,
     )

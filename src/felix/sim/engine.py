@@ -60,6 +60,7 @@ from felix.core.orchestrator import Orchestrator
 from felix.core.types import ClientUpdate, TaskKind
 from felix.engine.controller import RunController
 from felix.engine.device import DeviceRunner, DeviceTask, Step, TaskRules, task_seed
+from felix.privacy.local import LocalMechanism
 from felix.scenario.traces import DeviceTrace
 from felix.strategies.dataplans.plans import PlanClient
 
@@ -168,6 +169,7 @@ class Simulation:
         settings: SimSettings,
         on_train: Callable[[SimDevice, DeviceTask], None] | None = None,
         augment: Callable[[PlanClient, Sequence[int]], float] | None = None,
+        privacy: LocalMechanism | None = None,
         cohort: CohortExecutor | None = None,
         registration: Callable[[int], tuple[int, tuple[int, ...]]] | None = None,
     ) -> None:
@@ -202,7 +204,7 @@ class Simulation:
         self._probe_seconds = 0.0
         self._on_train = on_train
         # How tasks last and data plans apply (augment: a data-plan row -> its virtual seconds).
-        self._rules = TaskRules(eval_fraction=settings.eval_fraction, augment=augment)
+        self._rules = TaskRules(eval_fraction=settings.eval_fraction, augment=augment, privacy=privacy)
         self._shown = -1
 
     # ------------------------------------------------------------------ heap
@@ -340,6 +342,8 @@ class Simulation:
                 probed = self._probe_cohort(dev, task) if self.cohort is not None else None
             upd = probed.update if probed is not None else self.trainer.probe(task.weights, dev.data)
             self._probe_seconds += time.perf_counter() - t0
+        if self._rules.privacy is not None:  # clipped (and noised under local DP) on the device
+            upd = self._rules.privacy.release(dev.cid, task.task_id, upd)
         upd.duration = task.duration
         self._follow(dev, dev.finish(self.now, task, upd))
 
