@@ -15,7 +15,7 @@ import pytest
 from mqtt_support import Background, load_config, one_torch_thread, wait_until, write_config  # noqa: F401
 
 from felix.deploy.client import ClientHost, ClientOptions
-from felix.deploy.link import BrokerOptions
+from felix.deploy.memory_transport import MemoryOptions
 from felix.deploy.server import ServeOptions, Server
 from felix.privacy.central import CentralGaussian
 
@@ -41,7 +41,7 @@ def _deploy(tmp_path: Path, privacy: dict[str, Any]) -> tuple[Server, list[Clien
     server = Server(
         cfg,
         ServeOptions(
-            BrokerOptions(),
+            MemoryOptions(),
             run_id=run_id,
             out_dir=tmp_path / "out",
             time_scale=SCALE,
@@ -55,7 +55,7 @@ def _deploy(tmp_path: Path, privacy: dict[str, Any]) -> tuple[Server, list[Clien
     try:
         for cid in CLIENTS:
             opts = ClientOptions(
-                broker=BrokerOptions(), run_id=run_id, time_scale=SCALE, max_wall_s=60.0, transport="memory"
+                broker=MemoryOptions(), run_id=run_id, time_scale=SCALE, max_wall_s=60.0, transport="memory"
             )
             host = ClientHost(cfg, [cid], opts, lambda c: (None, None))
             hosts.append((host, Background(host.run, f"client-{cid}")))
