@@ -37,7 +37,11 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 def _broker_args(p: argparse.ArgumentParser, login: bool = True) -> None:
     p.add_argument(
-        "--broker", default="127.0.0.1:1883", metavar="HOST:PORT", help="MQTT broker (default %(default)s)"
+        "--broker",
+        default="127.0.0.1:1883",
+        metavar="HOST:PORT[,...]",
+        help="MQTT broker, or several comma-separated: one shard of the clients each, by client id "
+        "(docs/deployment.md, Sharded brokers; default %(default)s)",
     )
     if login:
         p.add_argument("--username", help=f"broker login (default: ${ENV_USER})")
@@ -86,7 +90,8 @@ def _run_id(args: argparse.Namespace, cfg: Config) -> str:
 def _broker_options(args: argparse.Namespace, default_user: str | None) -> Any:
     from felix.deploy.link import BrokerOptions
 
-    host, port = BrokerOptions.parse_address(args.broker)
+    addresses = BrokerOptions.parse_addresses(args.broker)
+    host, port = addresses[0]
     user = getattr(args, "username", None) or os.environ.get(ENV_USER) or default_user
     password = getattr(args, "password", None) or os.environ.get(ENV_PASSWORD)
     return BrokerOptions(
@@ -97,6 +102,7 @@ def _broker_options(args: argparse.Namespace, default_user: str | None) -> Any:
         tls_ca=args.tls_ca,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        shards=tuple(addresses) if len(addresses) > 1 else (),
     )
 
 
@@ -394,25 +400,29 @@ def _credentials(args: argparse.Namespace) -> int:
     if not n:
         raise ValueError("give --clients N or a config")
     limits = BrokerLimits.for_run(n, concurrency or n, max_bytes)
-    host, port = BrokerOptions.parse_address(args.listen)
-    out = security.generate(args.out, n, run_id)
-    folder = Path(args.out).resolve()
-    (folder / "db").mkdir(exist_ok=True)
-    conf = Path(args.out) / "mosquitto.conf"
-    conf.write_text(
-        mosquitto_conf(
-            listen=(host, port),
-            password_file=folder / "passwd",
-            acl_file=folder / "acl",
-            persistence_dir=folder / "db",
-            limits=limits,
+    listeners = BrokerOptions.parse_addresses(args.listen)
+    sets = security.generate_shards(args.out, n, len(listeners), run_id)
+    confs = []
+    for listen, creds in zip(listeners, sets, strict=True):  # one broker per shard (felix.deploy.shards)
+        folder = creds.password_file.parent.resolve()
+        (folder / "db").mkdir(exist_ok=True)
+        conf = creds.password_file.parent / "mosquitto.conf"
+        conf.write_text(
+            mosquitto_conf(
+                listen=listen,
+                password_file=folder / "passwd",
+                acl_file=folder / "acl",
+                persistence_dir=folder / "db",
+                limits=limits,
+            )
         )
-    )
+        confs.append(str(conf))
     print(
-        f"wrote {out.password_file} ({n} clients + {security.SERVER_USER}), {out.acl_file} "
-        f"(run {run_id or 'any'}), {out.credentials} (plaintext, mode 0600), {conf} (messages up to "
-        f"{limits.max_message_bytes:,} bytes, {sized}; at most {limits.max_queued_messages:,} messages "
-        f"and {limits.max_queued_bytes:,} bytes queued per session)",
+        f"wrote {', '.join(str(c.password_file) for c in sets)} ({n} clients + {security.SERVER_USER}"
+        + (f", over {len(sets)} shards" if len(sets) > 1 else "")
+        + f"), the ACLs (run {run_id or 'any'}), {sets[0].credentials} (plaintext, mode 0600), "
+        f"{', '.join(confs)} (messages up to {limits.max_message_bytes:,} bytes, {sized}; at most "
+        f"{limits.max_queued_messages:,} messages and {limits.max_queued_bytes:,} bytes queued per session)",
         file=sys.stderr,
     )
     return 0
@@ -514,8 +524,9 @@ def add_parsers(subparsers: Any) -> None:
     m.add_argument(
         "--listen",
         default="127.0.0.1:1883",
-        metavar="HOST:PORT",
-        help="the broker's listener in mosquitto.conf (default %(default)s)",
+        metavar="HOST:PORT[,...]",
+        help="the broker's listener in mosquitto.conf (default %(default)s); several, comma-separated: "
+        "one broker per shard, each in OUT/shard-K/ with its clients' logins and ACL",
     )
     m.add_argument(
         "--max-message-bytes",

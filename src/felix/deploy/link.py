@@ -240,6 +240,9 @@ class BrokerOptions:
     # MQTT 5's Receive Maximum: QoS 1 messages the broker may have in flight to this connection
     # (Mosquitto 2.0 honours it over its max_inflight_messages). None: the broker's setting.
     receive_maximum: int | None = None
+    # Sharded brokers (``felix.deploy.shards``): every broker's (host, port) in shard order, the
+    # first being ``host``/``port``; empty for one broker. Logins and TLS settings are shared.
+    shards: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         """TLS files are loaded once here, so a missing or unreadable CA, certificate or key is a
@@ -269,6 +272,19 @@ class BrokerOptions:
             raise ValueError(f"broker address {text!r} must be HOST:PORT")
         return host, int(port)
 
+    @staticmethod
+    def parse_addresses(text: str) -> list[tuple[str, int]]:
+        """``HOST:PORT`` or a comma-separated list of them (one broker per shard, each once)."""
+        addresses = [BrokerOptions.parse_address(a.strip()) for a in text.split(",")]
+        if len(set(addresses)) < len(addresses):
+            raise ValueError(f"broker list {text!r} names a broker twice")
+        return addresses
+
+    @property
+    def address(self) -> str:
+        """``HOST:PORT`` of the broker, or of every shard's, comma-separated (for logs and summaries)."""
+        return ",".join(f"{h}:{p}" for h, p in self.shards or ((self.host, self.port),))
+
 
 @dataclass(frozen=True, slots=True)
 class Inbound:
@@ -283,8 +299,9 @@ class Inbound:
 
 @dataclass(frozen=True, slots=True)
 class Connected:
-    epoch: int
+    epoch: int  # the connection's number, counted per shard
     session_present: bool
+    shard: int = 0  # which broker of a sharded deployment (``felix.deploy.shards``)
 
 
 Sink = Callable[[Inbound | Connected], None]

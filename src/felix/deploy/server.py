@@ -271,12 +271,11 @@ class Server:
         self._mono0 = time.monotonic()
         self.ctl.start()
         log.info(
-            "serving run %s (session %s, life %d) on %s:%d",
+            "serving run %s (session %s, life %d) on %s",
             self.opts.run_id,
             self.session,
             self.life,
-            self.opts.broker.host,
-            self.opts.broker.port,
+            self.opts.broker.address,
         )
         last_status = time.monotonic()
         while self.ctl.stop_reason is None:
@@ -311,7 +310,7 @@ class Server:
             return True
         if time.monotonic() > deadline:
             raise LinkError(
-                f"the broker at {self.opts.broker.host}:{self.opts.broker.port} did not confirm the "
+                f"the broker at {self.opts.broker.address} did not confirm the "
                 f"server's subscriptions within {self.opts.broker.connect_timeout_s:.0f} s"
             )
         return False
@@ -365,7 +364,7 @@ class Server:
                 "run_id": self.opts.run_id,
                 "time_scale": self.opts.time_scale,
                 "lives": self.life + 1,
-                "broker": f"{self.opts.broker.host}:{self.opts.broker.port}",
+                "broker": self.opts.broker.address,
                 "tls": self.opts.broker.tls_ca is not None,
                 "applied_task_ids_unique": self.applied.unique,
             },
@@ -387,8 +386,11 @@ class Server:
     def _on_connected(self, c: Connected) -> None:
         if c.epoch > 1:
             self.stats.reconnects += 1
-            # The broker redelivers every unacknowledged message on the new connection.
-            self._pending_acks = [m for m in self._pending_acks if m[0].epoch >= c.epoch]
+            # The broker redelivers every unacknowledged message on the new connection (of its
+            # shard: the other brokers' connections, and what they delivered, are untouched).
+            self._pending_acks = [
+                m for m in self._pending_acks if m[0].shard != c.shard or m[0].epoch >= c.epoch
+            ]
             self._pending_bytes = sum(m[1] for m in self._pending_acks)
         self._publish_status("running")  # retained; after a reconnect too, in case the broker lost it
 
