@@ -274,12 +274,19 @@ class MosquittoBroker:
 class ShardedBrokers:
     """Several brokers, one per shard (``felix.deploy.shards``): one ``credentials.json`` for all,
     each broker with the server's and its own clients' logins and ACL only. A context manager;
-    ``address`` is the ``--broker`` list in shard order."""
+    ``address`` is the ``--broker`` list in shard order. ``iterations``: of the password hashes
+    (fewer make throwaway logins for 100,000 clients quick to write and for the brokers to check)."""
 
     def __init__(
-        self, num_clients: int, shards: int, workdir: Path, run_id: str | None = None, host: str = "127.0.0.1"
+        self,
+        num_clients: int,
+        shards: int,
+        workdir: Path,
+        run_id: str | None = None,
+        host: str = "127.0.0.1",
+        iterations: int = security.PBKDF2_ITERATIONS,
     ) -> None:
-        sets = security.generate_shards(workdir, num_clients, shards, run_id)
+        sets = security.generate_shards(workdir, num_clients, shards, run_id, iterations)
         self.credentials_file = sets[0].credentials
         self.brokers = [
             MosquittoBroker(num_clients, run_id, workdir / f"shard-{k}", creds=c, host=host)
