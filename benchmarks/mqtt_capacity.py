@@ -22,7 +22,7 @@ whole stack on one box. Run:
 
 Beyond one broker: ``--brokers N`` shards the clients over N Mosquitto processes
 (``felix.deploy.shards``; each with its own clients' logins and ACL) and uses the light load
-generator (``benchmarks/mqtt_loadgen.py``), one process per 25,000 clients (``--loadgens``), each
+generator (``benchmarks/mqtt_loadgen.py``), one process per 25,000 clients or fewer (``--loadgens``), each
 in a network namespace of its own (``benchmarks/loadgen_netns.py``: its own address, made and
 removed here; needs root, ``--no-netns`` runs them on 127.0.0.1), because one source address holds
 only ~28,000 connections to a broker port. The open-file limit is checked first
@@ -65,6 +65,7 @@ from mqtt_loadgen import client_infos, save_infos
 from felix.deploy.client import MAX_CLIENTS_PER_PROCESS
 from felix.deploy.link import BrokerOptions
 from felix.deploy.server import ServeOptions, Server
+from felix.deploy.shards import shards_of
 from felix.deploy.topics import SERVER_USER
 
 # PBKDF2 iterations of the benchmark's throwaway logins (a deployment's have 1,000): at 1,000, hashing
@@ -341,34 +342,51 @@ def _start_emulate(
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def check_open_files(per_broker: int, per_loadgen: int) -> dict[str, Any]:
+FD_MARGIN = 256  # descriptors a broker or load generator holds beside its connections
+MAX_PER_LOADGEN = 25_000  # clients per load generator (per source address): under ~28,000 ports
+
+
+def _per_broker(n: int, brokers: int) -> int:
+    """Connections the fullest broker holds: its share of clients 0..n-1 and the server's."""
+    return int(np.bincount(shards_of(np.arange(n), brokers), minlength=brokers).max()) + 1
+
+
+def default_loadgens(n: int) -> int:
+    """One load generator per 25,000 clients, or fewer clients each where the hard open-file limit
+    is lower."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    room = MAX_PER_LOADGEN if hard == resource.RLIM_INFINITY else min(MAX_PER_LOADGEN, hard - FD_MARGIN)
+    return -(-n // max(1, room))
+
+
+def check_open_files(n: int, brokers: int, loadgens: int) -> dict[str, Any]:
     """The open-file limit every broker and load generator inherits from this process.
 
-    A Mosquitto broker holds one descriptor per connection, a load generator one per client: the
-    soft limit (often 1,024) is raised to the hard limit. Where the hard limit is below what one
-    process needs, only root can raise it: this does (up to ``fs.nr_open``) and says so; anyone
-    else is told how many descriptors are missing and that more brokers (``--brokers``: fewer
-    connections each) or load generators (``--loadgens``) need fewer per process."""
+    A Mosquitto broker holds one descriptor per connection, a load generator one per client. The
+    soft limit (often 1,024) is raised to the hard limit; a hard limit below what one process needs
+    can be raised only with CAP_SYS_RESOURCE: this tries, and where it may not, stops with how many
+    descriptors are missing and the fewest ``--brokers`` / ``--loadgens`` that fit under the limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = max(per_broker, per_loadgen) + 256  # listeners, logs, the persistence file, the server
+    per_broker, per_loadgen = _per_broker(n, brokers), -(-n // loadgens)
+    need = max(per_broker, per_loadgen) + FD_MARGIN
     info: dict[str, Any] = {"soft_before": soft, "hard_before": hard, "needed_per_process": need}
     if hard != resource.RLIM_INFINITY and hard < need:
-        nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (need, need))
         except (ValueError, OSError):
+            fit_b = next(b for b in range(brokers, n + 1) if _per_broker(n, b) + FD_MARGIN <= hard)
+            fit_l = -(-n // (hard - FD_MARGIN))
             raise SystemExit(
-                f"the hard open-file limit ({hard:,}) is below the {need:,} descriptors one broker or load "
-                f"generator needs here ({per_broker:,} connections per broker, {per_loadgen:,} per load "
-                "generator): raise it (ulimit -Hn as root, or limits.conf), or spread the clients over more "
-                "--brokers / --loadgens"
+                f"open files: the hard limit ({hard:,} per process) is below the {need:,} descriptors needed "
+                f"({per_broker:,} connections on the fullest of {brokers} brokers, {per_loadgen:,} per load "
+                f"generator), and this process may not raise it (CAP_SYS_RESOURCE). Raise it where the "
+                f"benchmark starts (ulimit -Hn as root, limits.conf, the container's nofile limit), or "
+                f"spread the clients: --brokers {max(brokers, fit_b)} --loadgens {max(loadgens, fit_l)} fit "
+                f"{n:,} clients under {hard:,}"
             ) from None
-        info["note"] = (
-            f"hard limit {hard:,} < {need:,} needed per process: raised to {need:,} (root; fs.nr_open {nr_open:,})"
-        )
+        info["note"] = f"hard limit {hard:,} < {need:,} needed per process: raised to {need:,}"
     else:
-        limit = hard if hard != resource.RLIM_INFINITY else need
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else need, hard))
     info["soft"], info["hard"] = resource.getrlimit(resource.RLIMIT_NOFILE)
     return info
 
@@ -408,7 +426,7 @@ def run_phase(
     _config(cfg_path, n, phase, slot_s, horizon_s, preset, light, concurrency)
     cfg = resolve_config(str(cfg_path), None, {})
     tag = f"{phase}-{n}{'-ck' if checkpoint else ''}"
-    open_files = check_open_files(n // brokers + n // (10 * brokers) + 64, n // loadgens + 64)
+    open_files = check_open_files(n, brokers, loadgens)
     infos = work / f"infos-{n}.npz"
     if light and not infos.exists():
         save_infos(str(infos), *client_infos(str(cfg_path), n))
@@ -608,7 +626,8 @@ def main() -> int:
         "--loadgens",
         type=int,
         default=None,
-        help="light: load-generator processes (default: one per 25,000 clients)",
+        help="light: load-generator processes (default: one per 25,000 clients, more if the open-file "
+        "limit is lower)",
     )
     p.add_argument(
         "--netns",
@@ -735,7 +754,7 @@ def _common(args: argparse.Namespace) -> dict[str, Any]:
         "preset": args.preset,
         "register_timeout_s": 900.0 if light else 180.0,
         "brokers": args.brokers,
-        "loadgens": args.loadgens or -(-max(args.clients) // 25_000),
+        "loadgens": args.loadgens or default_loadgens(max(args.clients)),
         "netns": light and args.netns,
     }
 
@@ -744,7 +763,7 @@ def _json_line(args: argparse.Namespace, provenance: dict[str, Any]) -> int:
     """``--json``: the tier phase of each ``--clients``, one JSON line each (the goal's figures first)."""
     with tempfile.TemporaryDirectory(prefix="felix-capacity-") as tmp:
         for n in args.clients:
-            common = {**_common(args), "loadgens": args.loadgens or -(-n // 25_000)}
+            common = {**_common(args), "loadgens": args.loadgens or default_loadgens(n)}
             t = run_phase(
                 n,
                 "tiers",
