@@ -288,6 +288,8 @@ class ShardedBrokers:
     ) -> None:
         sets = security.generate_shards(workdir, num_clients, shards, run_id, iterations)
         self.credentials_file = sets[0].credentials
+        # Mosquitto reads its password file and ACL before it listens: ~20,000 logins take seconds.
+        self.start_timeout = 10.0 + num_clients / (500 * shards)
         self.brokers = [
             MosquittoBroker(num_clients, run_id, workdir / f"shard-{k}", creds=c, host=host)
             for k, c in enumerate(sets)
@@ -300,7 +302,7 @@ class ShardedBrokers:
     def __enter__(self) -> Self:
         try:
             for b in self.brokers:
-                b.start()
+                b.start(timeout=self.start_timeout)
         except BaseException:
             self.close()
             raise
