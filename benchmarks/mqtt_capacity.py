@@ -475,9 +475,23 @@ def run_phase(
         gens = clients if isinstance(clients, _Loadgens) else None
         try:
             deadline = time.monotonic() + register_timeout_s
+            next_note = time.monotonic() + 30
             while len(server.orch.clients) < n:
-                if time.monotonic() > deadline or clients.poll() is not None:
-                    raise RuntimeError(f"only {len(server.orch.clients)} of {n} clients registered")
+                lost = sum(g.get("lost", 0) for g in gens.snapshot()) if gens is not None else 0
+                if time.monotonic() > deadline or clients.poll() is not None or lost:
+                    raise RuntimeError(
+                        f"only {len(server.orch.clients)} of {n} clients registered"
+                        + (f"; the load generators lost {lost} connections" if lost else "")
+                    )
+                if time.monotonic() > next_note:  # start-up of 100,000 clients takes minutes
+                    next_note += 30
+                    connected = sum(g.get("connected", 0) for g in gens.snapshot()) if gens is not None else 0
+                    print(
+                        f"{time.monotonic() - t_start:.0f} s: {connected} connected, "
+                        f"{len(server.orch.clients)} registered",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 time.sleep(0.1)
             registered_s = time.monotonic() - t_start
             time.sleep(2.0 if light else 1.0)  # let the registration burst drain

@@ -192,6 +192,8 @@ class Conn(asyncio.Protocol):
 
     def write(self, data: bytes) -> None:
         assert self.transport is not None
+        if self.transport.is_closing():  # lost (counted): asyncio would log every write to it
+            return
         self.transport.write(data)
         self.last_write = time.monotonic()
 
@@ -267,7 +269,8 @@ class LoadGen:
         self.state_topic = [self.topics.state(first_id + i).encode() for i in range(n)]
         self.result_topic = [self.topics.result(first_id + i).encode() for i in range(n)]
         self.zero_delta = np.zeros(num_params, np.float32)
-        self.conns: list[Conn] = []
+        self.conns: list[Conn] = []  # by client, once all are open
+        self.opened: list[Conn] = []  # in the order they opened
         self.counters = Counters()
         self.session: str | None = None
         self.running = asyncio.Event()
@@ -362,6 +365,7 @@ class LoadGen:
             self.counters.refused += 1
             raise ConnectionError(f"broker refused {user}: CONNACK return code {rc}")
         self.counters.connected += 1
+        self.opened.append(conn)
         subs = [self.topics.task(cid)] if self.answer else []
         if cid == self.first:
             subs.append(self.topics.status)
@@ -374,7 +378,7 @@ class LoadGen:
         while True:
             await asyncio.sleep(1.0)
             limit = time.monotonic() - KEEPALIVE_S / 2
-            for c in self.conns:
+            for c in self.opened:
                 if c.last_write < limit and c.transport is not None and not c.transport.is_closing():
                     c.write(PINGREQ)
                     self.counters.pings += 1
@@ -416,10 +420,12 @@ class LoadGen:
         sem = asyncio.Semaphore(self.max_connecting)
         t0 = time.monotonic()
         reporter = asyncio.create_task(self.report())
+        # Keep-alives from the first connection on: opening 20,000 connections on a busy machine
+        # takes longer than the broker waits (1.5 keep-alives) for a word from the first ones.
+        pinger = asyncio.create_task(self.keepalive())
         ids = range(self.first, self.first + len(self.clients))
         self.conns = list(await asyncio.gather(*(self.open(c, sem) for c in ids)))
         print(json.dumps({"connected_s": round(time.monotonic() - t0, 2)}), flush=True)
-        pinger = asyncio.create_task(self.keepalive())
         await self.running.wait()
         for c in self.conns:
             self.register(c)
