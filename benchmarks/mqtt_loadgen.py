@@ -16,7 +16,7 @@ task set and MQTT 5 property handling per client; gmqtt keeps several tasks and 
 client. Here a connection is one ``asyncio.Protocol`` (a few hundred bytes of state), one timer
 task drives every client's tier changes and one the keep-alives, so 10,000 clients and 5,000
 messages per second cost a fraction of a core. It is benchmark code: no TLS, no reconnects,
-no last will (MQTT 3.1.1 has no will delay); a lost connection is counted and reported.
+no last will (MQTT 3.1.1 has no will delay); a lost connection is counted, reported and opened again.
 
 Behaviour:
 - every client registers once the server's retained status says ``running`` (as real clients do);
@@ -165,6 +165,7 @@ class Counters:
     connected: int = 0
     refused: int = 0
     lost: int = 0
+    reopened: int = 0  # lost connections opened again (and registered again once running)
     registered: int = 0
     sent_state: int = 0
     sent_result: int = 0
@@ -211,6 +212,7 @@ class Conn(asyncio.Protocol):
             )
         elif not self.gen.stopping:
             self.gen.counters.lost += 1
+            self.gen.reopen(self.cid)
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -260,7 +262,6 @@ class LoadGen:
         self.rate = rate
         self.answer = answer
         self.answer_delay_s = answer_delay_s
-        self.max_connecting = max_connecting
         self.rng = np.random.default_rng(seed)
         n = len(clients)
         self.tiers = self.rng.integers(0, len(TIERS), n)
@@ -269,8 +270,10 @@ class LoadGen:
         self.state_topic = [self.topics.state(first_id + i).encode() for i in range(n)]
         self.result_topic = [self.topics.result(first_id + i).encode() for i in range(n)]
         self.zero_delta = np.zeros(num_params, np.float32)
-        self.conns: list[Conn] = []  # by client, once all are open
+        self.conns: list[Conn | None] = [None] * n  # by client (k - first_id): its current connection
         self.opened: list[Conn] = []  # in the order they opened
+        self.sem = asyncio.Semaphore(max_connecting)
+        self._reopening: set[asyncio.Task[None]] = set()
         self.counters = Counters()
         self.session: str | None = None
         self.running = asyncio.Event()
@@ -311,7 +314,9 @@ class LoadGen:
         payload = state_payload(
             self.run_id, env["msg_id"], env["sent_at"], cid, self.incarnation[i], TIERS[t]
         )
-        self.conns[i].publish(self.state_topic[i], payload)
+        conn = self.conns[i]
+        if conn is not None:
+            conn.publish(self.state_topic[i], payload)
         self.counters.sent_state += 1
 
     def on_publish(self, conn: Conn, topic: str, payload: bytes) -> None:
@@ -353,11 +358,25 @@ class LoadGen:
         self.counters.sent_result += 1
 
     # ------------------------------------------------------------------ connections
-    async def open(self, cid: int, sem: asyncio.Semaphore) -> Conn:
+    def reopen(self, cid: int) -> None:
+        """A lost connection (a broker that dropped it) opens again a second later; once the run
+        is on, the client registers again (same incarnation: the server refreshes it)."""
+        task = asyncio.get_running_loop().create_task(self._reopen(cid))
+        self._reopening.add(task)
+        task.add_done_callback(self._reopening.discard)
+
+    async def _reopen(self, cid: int) -> None:
+        await asyncio.sleep(1.0)
+        conn = await self.open(cid)
+        self.counters.reopened += 1
+        if self.running.is_set():
+            self.register(conn)
+
+    async def open(self, cid: int) -> Conn:
         loop = asyncio.get_running_loop()
         user = client_user(cid)
         host, port = self.brokers[shard_of(cid, len(self.brokers))]
-        async with sem:
+        async with self.sem:
             _, conn = await loop.create_connection(lambda: Conn(self, cid), host, port)
             conn.write(connect_packet(user, user, self.passwords[user], KEEPALIVE_S))
             rc = await asyncio.wait_for(conn.connack, 30)
@@ -366,6 +385,7 @@ class LoadGen:
             raise ConnectionError(f"broker refused {user}: CONNACK return code {rc}")
         self.counters.connected += 1
         self.opened.append(conn)
+        self.conns[cid - self.first] = conn
         subs = [self.topics.task(cid)] if self.answer else []
         if cid == self.first:
             subs.append(self.topics.status)
@@ -417,18 +437,18 @@ class LoadGen:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        sem = asyncio.Semaphore(self.max_connecting)
         t0 = time.monotonic()
         reporter = asyncio.create_task(self.report())
         # Keep-alives from the first connection on: opening 20,000 connections on a busy machine
         # takes longer than the broker waits (1.5 keep-alives) for a word from the first ones.
         pinger = asyncio.create_task(self.keepalive())
         ids = range(self.first, self.first + len(self.clients))
-        self.conns = list(await asyncio.gather(*(self.open(c, sem) for c in ids)))
+        await asyncio.gather(*(self.open(c) for c in ids))
         print(json.dumps({"connected_s": round(time.monotonic() - t0, 2)}), flush=True)
         await self.running.wait()
-        for c in self.conns:
-            self.register(c)
+        for conn in self.conns:
+            if conn is not None:
+                self.register(conn)
         driver = asyncio.create_task(self.drive_tiers())
         try:
             await asyncio.wait_for(stop.wait(), duration_s)
@@ -443,10 +463,10 @@ class LoadGen:
                 break
             await asyncio.sleep(0.05)
         self.print_line()
-        for c in self.conns:
-            if c.transport is not None:
-                c.transport.write(DISCONNECT)
-                c.transport.close()
+        for conn in self.conns:
+            if conn is not None and conn.transport is not None:
+                conn.transport.write(DISCONNECT)
+                conn.transport.close()
         await asyncio.sleep(0.1)
 
 
