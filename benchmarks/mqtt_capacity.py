@@ -822,7 +822,16 @@ def _provenance() -> dict[str, Any]:
         ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=False
     ).stdout.strip()
     dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"],
+        [
+            "git",
+            "status",
+            "--porcelain",
+            "--untracked-files=no",
+            "--",
+            "src",
+            "benchmarks",
+            "tests",
+        ],  # the code
         cwd=root,
         capture_output=True,
         text=True,
