@@ -494,6 +494,7 @@ def run_phase(
             settle_s = _settle(server, 60.0 if n > 10_000 else 2.0 if light else 1.0)
             s0, t0 = server.stats, time.monotonic()
             tiers0, results0, ck0 = s0.tier_messages, s0.results, s0.checkpoints
+            dups0, reconnects0, in0 = s0.duplicates, s0.reconnects, s0.messages_in
             gen0 = gens.snapshot() if gens is not None else []
             server.latency.clear()
             timed.clear()
@@ -529,6 +530,12 @@ def run_phase(
                 "results_per_s": (s1.results - results0) / dt,
                 "checkpoints_per_s": (s1.checkpoints - ck0) / dt,
                 "rejected": s1.rejected,
+                # Every message the loop handled in the window, the copies a broker delivered again
+                # among them, and the server's reconnects to a broker (which redeliver what it held).
+                "messages_in_per_s": (s1.messages_in - in0) / dt,
+                "duplicates_in_window": s1.duplicates - dups0,
+                "reconnects_in_window": s1.reconnects - reconnects0,
+                "reconnects": s1.reconnects,
                 "lat_p50_ms": float(np.percentile(lat, 50)) if lat.size else float("nan"),
                 "lat_p95_ms": float(np.percentile(lat, 95)) if lat.size else float("nan"),
                 "tier_event_p50_ms": float(np.percentile(sel, 50)) if sel.size else float("nan"),
