@@ -366,11 +366,16 @@ class LoadGen:
         task.add_done_callback(self._reopening.discard)
 
     async def _reopen(self, cid: int) -> None:
-        await asyncio.sleep(1.0)
-        conn = await self.open(cid)
-        self.counters.reopened += 1
-        if self.running.is_set():
-            self.register(conn)
+        while not self.stopping:  # a busy broker may not answer in time: try again
+            await asyncio.sleep(1.0)
+            try:
+                conn = await self.open(cid)
+            except (OSError, TimeoutError):  # ConnectionError is an OSError
+                continue
+            self.counters.reopened += 1
+            if self.running.is_set():
+                self.register(conn)
+            return
 
     async def open(self, cid: int) -> Conn:
         loop = asyncio.get_running_loop()
