@@ -118,3 +118,14 @@ def test_a_shards_reconnect_voids_only_that_shards_pending_acks(tmp_path: Path) 
     server._on_connected(Connected(epoch=2, session_present=True, shard=1))
     assert server._pending_acks == [p for p in pending if p[0].shard == 0]
     assert server._pending_bytes == 30 and server.stats.reconnects == 1
+
+
+def test_closing_a_link_whose_last_publish_found_no_connection_does_not_raise() -> None:
+    """A shard's broker down at the end of a run: the server's link to it published its status while
+    disconnected, and closing it raised paho's 'Message publish failed' from the close thread."""
+    from felix.deploy.link import MqttLink
+
+    link = MqttLink("x", BrokerOptions(port=1, connect_timeout_s=1), [], lambda item: None)
+    link.publish("felix/t/server/status", b"finished")
+    link.close(timeout=0.2)
+    assert not link.connected

@@ -219,6 +219,15 @@ def parse_publish(packet: bytes | bytearray, qos: int, v5: bool) -> tuple[str, i
     return topic, mid, bytes(packet[pos:])
 
 
+def _published(info: mqtt.MQTTMessageInfo) -> bool:
+    """Whether the broker acknowledged a publish; one made while disconnected counts as done here
+    (paho's ``is_published`` raises for it: close waits for nothing it could still send)."""
+    try:
+        return info.is_published()
+    except RuntimeError:
+        return True
+
+
 class LinkError(ConnectionError):
     """The broker could not be reached or refused us (bad credentials, not authorised)."""
 
@@ -514,7 +523,7 @@ class MqttLink:
         on_loop = threading.current_thread() is self._client._thread  # a sink closing: its own pass
         deadline = time.monotonic() + timeout
         while (
-            ((last is not None and not last.is_published()) or (self._handing_over and not on_loop))
+            ((last is not None and not _published(last)) or (self._handing_over and not on_loop))
             and self._client.is_connected()
             and time.monotonic() < deadline
         ):
