@@ -1,4 +1,4 @@
-"""How many clients one Mosquitto broker and one ``felix serve`` hold on this machine.
+"""How many clients one ``felix serve`` holds on this machine, over one Mosquitto broker or several.
 
 For each client count, two runs on a local broker (server in this process, clients in
 ``felix emulate`` worker processes with ``--no-train``, so the clients cost only their protocol):
@@ -19,13 +19,28 @@ thread (the loop thread that owns the orchestrator, paho's network thread) over 
 Everything (broker, server, clients) shares this machine's cores, so the figures are for the
 whole stack on one box. Run:
 ``python benchmarks/mqtt_capacity.py [--clients 50 100 200 400 800] [--horizon 120]``.
+
+Beyond one broker: ``--brokers N`` shards the clients over N Mosquitto processes
+(``felix.deploy.shards``; each with its own clients' logins and ACL) and uses the light load
+generator (``benchmarks/mqtt_loadgen.py``), one process per 25,000 clients or fewer (``--loadgens``), each
+in a network namespace of its own (``benchmarks/loadgen_netns.py``: its own address, made and
+removed here; needs root, ``--no-netns`` runs them on 127.0.0.1), because one source address holds
+only ~28,000 connections to a broker port. The open-file limit is checked first
+(:func:`check_open_files`). ``--json`` runs the tier phase and prints one JSON line: ``registered``,
+``offered_per_s``, ``handled_per_s``, ``delay_p50_ms``, ``delay_p95_ms``, ``server_rss_mb``,
+``idle_share`` (the machine's idle share of all cores over the window), then the details (CPU by
+process and server thread, orchestrator time per message, open files) and the provenance::
+
+    python benchmarks/mqtt_capacity.py --clients 100000 --brokers 4 --rate 10000 --json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -43,12 +58,20 @@ from felix.core.events import TierChanged
 from felix.engine.setup import resolve_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test broker fixture
-from broker import MosquittoBroker, find_mosquitto
+from broker import MosquittoBroker, ShardedBrokers, find_mosquitto
+from loadgen_netns import BROKER_ADDRESS, LoadgenNamespaces
+from mqtt_loadgen import client_infos, save_infos
 
 from felix.deploy.client import MAX_CLIENTS_PER_PROCESS
 from felix.deploy.link import BrokerOptions
 from felix.deploy.server import ServeOptions, Server
+from felix.deploy.shards import shards_of
 from felix.deploy.topics import SERVER_USER
+
+# PBKDF2 iterations of the benchmark's throwaway logins (a deployment's have 1,000): at 1,000, hashing
+# 100,000 of them takes ~5 min on a busy 2-core machine, and the brokers spend as much again
+# checking them at connection time, which is start-up, not the message rates measured here.
+LOGIN_HASH_ITERATIONS = 10
 
 
 def _config(
@@ -199,38 +222,101 @@ class _LoadgenLines:
                 self.last = doc
 
 
-def _start_clients(
-    loadgen: str,
-    cfg_path: Path,
-    n: int,
-    processes: int,
-    broker: MosquittoBroker,
-    window_s: float,
-    rate: float,
-    answer: bool,
-) -> tuple[subprocess.Popen[Any], _LoadgenLines | None]:
-    """``felix emulate --no-train`` worker processes, or the light load generator (one process)."""
-    if loadgen == "light":
-        cmd = [
-            sys.executable,
-            str(Path(__file__).with_name("mqtt_loadgen.py")),
-            str(cfg_path),
-            "--broker",
-            broker.address,
-            "--credentials",
-            str(broker.credentials_file),
-            "--run-id",
-            "cap",
-            "--clients",
-            str(n),
-            "--rate",
-            str(rate),
-            "--duration",
-            str(window_s + 600),
-            *(["--answer"] if answer else []),
-        ]
-        proc: subprocess.Popen[Any] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        return proc, _LoadgenLines(proc)
+class _Loadgens:
+    """The light load generators (benchmarks/mqtt_loadgen.py): ``count`` processes, each with a
+    contiguous share of the client ids and of the rate, each in a network namespace of its own when
+    ``netns`` is given (its own source address: one address holds ~28,000 connections to a broker
+    port). Their counters are summed."""
+
+    def __init__(
+        self,
+        count: int,
+        cfg_path: Path,
+        n: int,
+        brokers: str,
+        credentials: Path,
+        infos: Path,
+        window_s: float,
+        rate: float,
+        answer: bool,
+        netns: LoadgenNamespaces | None,
+    ) -> None:
+        bounds = [(n * k) // count for k in range(count + 1)]
+        self.procs: list[subprocess.Popen[str]] = []
+        for k in range(count):
+            cmd = [
+                *(netns.prefix(k) if netns is not None else []),
+                sys.executable,
+                str(Path(__file__).with_name("mqtt_loadgen.py")),
+                str(cfg_path),
+                "--broker",
+                brokers,
+                "--credentials",
+                str(credentials),
+                "--infos",
+                str(infos),
+                "--run-id",
+                "cap",
+                "--first-id",
+                str(bounds[k]),
+                "--clients",
+                str(bounds[k + 1] - bounds[k]),
+                "--rate",
+                str(rate / count),
+                "--seed",
+                str(k),
+                "--duration",
+                str(window_s + 900),
+                *(["--answer"] if answer else []),
+            ]
+            self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+        self.lines = [_LoadgenLines(proc) for proc in self.procs]
+
+    @property
+    def pid(self) -> int:
+        return self.procs[0].pid
+
+    def poll(self) -> int | None:
+        """The exit code of the first load generator that ended, else None."""
+        return next((code for proc in self.procs if (code := proc.poll()) is not None), None)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return [dict(lines.last) for lines in self.lines]
+
+    @property
+    def connected_s(self) -> float | None:
+        times = [lines.connected_s for lines in self.lines]
+        return None if None in times else max(t for t in times if t is not None)
+
+    def cpu(self) -> float:
+        return sum(_tree_cpu(proc.pid) for proc in self.procs)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def _offered(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> float | None:
+    """STATE messages per second the load generators sent between two snapshots (summed)."""
+    total = 0.0
+    for b, a in zip(before, after, strict=True):
+        dt = a.get("t", 0.0) - b.get("t", 0.0)
+        if dt <= 0:
+            return None
+        total += (a["sent_state"] - b["sent_state"]) / dt
+    return total
+
+
+def _start_emulate(
+    cfg_path: Path, n: int, processes: int, broker: MosquittoBroker, window_s: float
+) -> subprocess.Popen[Any]:
+    """``felix emulate --no-train`` worker processes (one broker, on 127.0.0.1)."""
     cmd = [
         sys.executable,
         "-m",
@@ -253,7 +339,63 @@ def _start_clients(
         "--max-wall-s",
         str(window_s + 240),
     ]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), None
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+FD_MARGIN = 256  # descriptors a broker or load generator holds beside its connections
+MAX_PER_LOADGEN = 25_000  # clients per load generator (per source address): under ~28,000 ports
+
+
+def _per_broker(n: int, brokers: int) -> int:
+    """Connections the fullest broker holds: its share of clients 0..n-1 and the server's."""
+    return int(np.bincount(shards_of(np.arange(n), brokers), minlength=brokers).max()) + 1
+
+
+def default_loadgens(n: int) -> int:
+    """One load generator per 25,000 clients, or fewer clients each where the hard open-file limit
+    is lower."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    room = MAX_PER_LOADGEN if hard == resource.RLIM_INFINITY else min(MAX_PER_LOADGEN, hard - FD_MARGIN)
+    return -(-n // max(1, room))
+
+
+def check_open_files(n: int, brokers: int, loadgens: int) -> dict[str, Any]:
+    """The open-file limit every broker and load generator inherits from this process.
+
+    A Mosquitto broker holds one descriptor per connection, a load generator one per client. The
+    soft limit (often 1,024) is raised to the hard limit; a hard limit below what one process needs
+    can be raised only with CAP_SYS_RESOURCE: this tries, and where it may not, stops with how many
+    descriptors are missing and the fewest ``--brokers`` / ``--loadgens`` that fit under the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    per_broker, per_loadgen = _per_broker(n, brokers), -(-n // loadgens)
+    need = max(per_broker, per_loadgen) + FD_MARGIN
+    info: dict[str, Any] = {"soft_before": soft, "hard_before": hard, "needed_per_process": need}
+    if hard != resource.RLIM_INFINITY and hard < need:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, need))
+        except (ValueError, OSError):
+            fit_b = next(b for b in range(brokers, n + 1) if _per_broker(n, b) + FD_MARGIN <= hard)
+            fit_l = -(-n // (hard - FD_MARGIN))
+            raise SystemExit(
+                f"open files: the hard limit ({hard:,} per process) is below the {need:,} descriptors needed "
+                f"({per_broker:,} connections on the fullest of {brokers} brokers, {per_loadgen:,} per load "
+                f"generator), and this process may not raise it (CAP_SYS_RESOURCE). Raise it where the "
+                f"benchmark starts (ulimit -Hn as root, limits.conf, the container's nofile limit), or "
+                f"spread the clients: --brokers {max(brokers, fit_b)} --loadgens {max(loadgens, fit_l)} fit "
+                f"{n:,} clients under {hard:,}"
+            ) from None
+        info["note"] = f"hard limit {hard:,} < {need:,} needed per process: raised to {need:,}"
+    else:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else need, hard))
+    info["soft"], info["hard"] = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return info
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def run_phase(
@@ -270,16 +412,39 @@ def run_phase(
     preset: str = "custom",
     concurrency: int | None = None,
     register_timeout_s: float = 180.0,
+    brokers: int = 1,
+    loadgens: int = 1,
+    netns: bool = False,
 ) -> dict[str, Any]:
+    """One phase: ``brokers`` brokers (shards), the server in this process, and the clients (the
+    emulate workers on one broker, or ``loadgens`` light load generators, in namespaces of their
+    own with ``netns``); the figures of a ``window_s`` window once every client registered."""
     light = loadgen == "light"
+    if not light and (brokers > 1 or netns):
+        raise SystemExit("several brokers and namespaces need --loadgen light")
     cfg_path = work / f"{phase}-{n}.yaml"
     _config(cfg_path, n, phase, slot_s, horizon_s, preset, light, concurrency)
     cfg = resolve_config(str(cfg_path), None, {})
     tag = f"{phase}-{n}{'-ck' if checkpoint else ''}"
-    with MosquittoBroker(n, workdir=work / f"broker-{tag}") as broker:
-        users = yaml.safe_load(broker.credentials_file.read_text())
+    open_files = check_open_files(n, brokers, loadgens)
+    infos = work / f"infos-{n}.npz"
+    if light and not infos.exists():
+        save_infos(str(infos), *client_infos(str(cfg_path), n))
+    with contextlib.ExitStack() as stack:
+        spaces = stack.enter_context(LoadgenNamespaces(loadgens)) if netns else None
+        host = BROKER_ADDRESS if netns else "127.0.0.1"
+        shards = stack.enter_context(
+            ShardedBrokers(n, brokers, work / f"broker-{tag}", host=host, iterations=LOGIN_HASH_ITERATIONS)
+        )
+        users = yaml.safe_load(shards.credentials_file.read_text())
+        addresses = BrokerOptions.parse_addresses(shards.address)
         opts = ServeOptions(
-            BrokerOptions("127.0.0.1", broker.port, SERVER_USER, users[SERVER_USER]),
+            BrokerOptions(
+                *addresses[0],
+                SERVER_USER,
+                users[SERVER_USER],
+                shards=tuple(addresses) if brokers > 1 else (),
+            ),
             run_id="cap",
             status_every_s=1e9,
             checkpoint=work / f"ck-{tag}.safetensors" if checkpoint else None,
@@ -290,58 +455,87 @@ def run_phase(
         thread = threading.Thread(target=server.run, daemon=True, name="felix-loop")
         thread.start()
         t_start = time.monotonic()
-        clients, lines = _start_clients(
-            loadgen,
-            cfg_path,
-            n,
-            processes,
-            broker,
-            window_s,
-            rate if phase == "tiers" else 0.0,
-            phase != "tiers",
+        answer = phase != "tiers"
+        clients: _Loadgens | subprocess.Popen[Any] = (
+            _Loadgens(
+                loadgens,
+                cfg_path,
+                n,
+                shards.address,
+                shards.credentials_file,
+                infos,
+                window_s,
+                rate if phase == "tiers" else 0.0,
+                answer,
+                spaces,
+            )
+            if light
+            else _start_emulate(cfg_path, n, processes, shards.brokers[0], window_s)
         )
+        gens = clients if isinstance(clients, _Loadgens) else None
         try:
             deadline = time.monotonic() + register_timeout_s
+            next_note = time.monotonic() + 30
             while len(server.orch.clients) < n:
                 if time.monotonic() > deadline or clients.poll() is not None:
                     raise RuntimeError(f"only {len(server.orch.clients)} of {n} clients registered")
+                if time.monotonic() > next_note:  # start-up of 100,000 clients takes minutes
+                    next_note += 30
+                    snap = gens.snapshot() if gens is not None else []
+                    print(
+                        f"{time.monotonic() - t_start:.0f} s: {sum(g.get('connected', 0) for g in snap)} "
+                        f"connections opened ({sum(g.get('lost', 0) for g in snap)} lost), "
+                        f"{len(server.orch.clients)} registered",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 time.sleep(0.1)
             registered_s = time.monotonic() - t_start
-            time.sleep(2.0 if light else 1.0)  # let the registration burst drain
+            settle_s = _settle(server, 60.0 if n > 10_000 else 2.0 if light else 1.0)
             s0, t0 = server.stats, time.monotonic()
             tiers0, results0, ck0 = s0.tier_messages, s0.results, s0.checkpoints
-            gen0 = dict(lines.last) if lines is not None else {}
+            dups0, reconnects0, in0 = s0.duplicates, s0.reconnects, s0.messages_in
+            gen0 = gens.snapshot() if gens is not None else []
             server.latency.clear()
             timed.clear()
             cpu0 = _thread_cpu(os.getpid())
-            broker_pid = broker._proc.pid if broker._proc is not None else -1
-            others0 = (_tree_cpu(broker_pid), _tree_cpu(clients.pid))
+            broker_pids = [b._proc.pid if b._proc is not None else -1 for b in shards.brokers]
+            others0 = (sum(_tree_cpu(pid) for pid in broker_pids), _clients_cpu(clients))
             machine0 = _machine_cpu()
             time.sleep(window_s)
             dt = time.monotonic() - t0
             cpu1 = _thread_cpu(os.getpid())
-            others1 = (_tree_cpu(broker_pid), _tree_cpu(clients.pid))
+            others1 = (sum(_tree_cpu(pid) for pid in broker_pids), _clients_cpu(clients))
             machine1 = _machine_cpu()
             s1 = server.stats
-            gen1 = dict(lines.last) if lines is not None else {}
+            gen1 = gens.snapshot() if gens is not None else []
             lat = np.array(server.latency) * 1000.0
             sel = np.array(timed.times) * 1000.0
             dispatching = np.array(timed.selecting) * 1000.0
             dispatching_cpu = np.array(timed.selecting_cpu) * 1000.0
             busy = sorted(((cpu1[k] - cpu0.get(k, 0.0)) / dt, k) for k in cpu1)[::-1]
-            gen_dt = gen1.get("t", 0.0) - gen0.get("t", 0.0)
+            offered = _offered(gen0, gen1) if gens is not None else None
             out = {
                 "registered": len(server.orch.clients),
                 "registered_s": registered_s,
-                "connected_s": lines.connected_s if lines is not None else None,
-                "offered_per_s": (gen1["sent_state"] - gen0["sent_state"]) / gen_dt
-                if gen_dt > 0
-                else _offered_tier_rate(n, slot_s),
-                "lost_connections": gen1.get("lost", 0),
+                "settle_s": settle_s,
+                "brokers": brokers,
+                "loadgens": loadgens if light else 0,
+                "netns": netns,
+                "connected_s": gens.connected_s if gens is not None else None,
+                "offered_per_s": offered if offered is not None else _offered_tier_rate(n, slot_s),
+                "lost_connections": sum(g.get("lost", 0) for g in gen1),
+                "reopened_connections": sum(g.get("reopened", 0) for g in gen1),
                 "tier_per_s": (s1.tier_messages - tiers0) / dt,
                 "results_per_s": (s1.results - results0) / dt,
                 "checkpoints_per_s": (s1.checkpoints - ck0) / dt,
                 "rejected": s1.rejected,
+                # Every message the loop handled in the window, the copies a broker delivered again
+                # among them, and the server's reconnects to a broker (which redeliver what it held).
+                "messages_in_per_s": (s1.messages_in - in0) / dt,
+                "duplicates_in_window": s1.duplicates - dups0,
+                "reconnects_in_window": s1.reconnects - reconnects0,
+                "reconnects": s1.reconnects,
                 "lat_p50_ms": float(np.percentile(lat, 50)) if lat.size else float("nan"),
                 "lat_p95_ms": float(np.percentile(lat, 95)) if lat.size else float("nan"),
                 "tier_event_p50_ms": float(np.percentile(sel, 50)) if sel.size else float("nan"),
@@ -380,15 +574,58 @@ def run_phase(
                 else None
             )
             out["threads"] = ", ".join(f"{k} {v:.0f}%" for k, v in out["cpu"].items())
+            out["server_threads_pct"] = _server_threads(cpu0, cpu1, dt)
+            out["orchestrator_us_per_msg"] = (
+                round(1e6 * sum(timed.times) / (s1.tier_messages - tiers0), 1)
+                if s1.tier_messages > tiers0 and phase == "tiers"
+                else None
+            )
+            out["server_rss_mb"] = round(_rss_mb(), 1)
+            out["open_files"] = open_files
         finally:
-            clients.send_signal(signal.SIGTERM)
-            try:
-                clients.wait(30)
-            except subprocess.TimeoutExpired:
-                clients.kill()
+            if gens is not None and sum(g.get("lost", 0) for g in gens.snapshot()):
+                for k, b in enumerate(shards.brokers):  # why a broker dropped connections, if it says
+                    print(f"broker {k} log:\n{b._log_tail(8)}", file=sys.stderr)
+            if isinstance(clients, _Loadgens):
+                clients.stop()
+            else:
+                clients.send_signal(signal.SIGTERM)
+                try:
+                    clients.wait(30)
+                except subprocess.TimeoutExpired:
+                    clients.kill()
             server.stop_requested.set()
             thread.join(30)
     return out
+
+
+def _settle(server: Server, limit_s: float) -> float:
+    """Wait for the registration burst's backlog to drain: until the last 200 messages' delivery
+    delay is under 0.5 s at the median (at least 2 s, at most ``limit_s``). How long it took; a
+    server that cannot keep up with the offered rate waits the whole limit."""
+    t0 = time.monotonic()
+    time.sleep(min(2.0, limit_s))
+    while time.monotonic() - t0 < limit_s:
+        recent = list(server.latency)[-200:]
+        if len(recent) >= 200 and float(np.median(recent)) < 0.5:
+            break
+        time.sleep(1.0)
+    return round(time.monotonic() - t0, 1)
+
+
+def _clients_cpu(clients: _Loadgens | subprocess.Popen[Any]) -> float:
+    return clients.cpu() if isinstance(clients, _Loadgens) else _tree_cpu(clients.pid)
+
+
+def _server_threads(cpu0: dict[str, float], cpu1: dict[str, float], dt: float) -> dict[str, float]:
+    """The server process's CPU over the window by kind of thread, in % of one core: the loop
+    (the orchestrator's thread), paho's network threads (one per broker shard), the rest."""
+    kinds: dict[str, float] = {}
+    for key, v in cpu1.items():
+        name = key.split("/")[0]
+        kind = "loop" if name == "felix-loop" else "network" if name.startswith("paho") else "other"
+        kinds[kind] = kinds.get(kind, 0.0) + 100 * (v - cpu0.get(key, 0.0)) / dt
+    return {k: round(v, 1) for k, v in sorted(kinds.items())}
 
 
 def main() -> int:
@@ -416,8 +653,36 @@ def main() -> int:
     p.add_argument(
         "--concurrency", type=int, default=None, help="tasks in flight in the round trips (default: clients)"
     )
-    p.add_argument("--json", type=Path, default=None, help="also write every phase's figures to this file")
+    p.add_argument(
+        "--brokers",
+        type=int,
+        default=1,
+        help="broker shards (felix.deploy.shards; more than one needs the light load generator, the default then)",
+    )
+    p.add_argument(
+        "--loadgens",
+        type=int,
+        default=None,
+        help="light: load-generator processes (default: one per 25,000 clients, more if the open-file "
+        "limit is lower)",
+    )
+    p.add_argument(
+        "--netns",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="light: each load generator in a network namespace of its own (needs root; default on)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="the tier phase only, its figures printed as one JSON line (with the run's provenance)",
+    )
+    p.add_argument("--record", type=Path, default=None, help="also write every phase's figures to this file")
     args = p.parse_args()
+    if args.brokers > 1:
+        args.loadgen = "light"
+    if args.json:
+        args.tiers_only = True
     import torch
 
     torch.set_num_threads(1)
@@ -425,6 +690,9 @@ def main() -> int:
         print("mosquitto is not installed (apt-get install mosquitto)", file=sys.stderr)
         return 2
     light = args.loadgen == "light"
+    provenance = _provenance()
+    if args.json:
+        return _json_line(args, provenance)
     print(
         f"{os.cpu_count()} CPUs; window {args.window:.0f} s; clients: {args.loadgen}; tier phase "
         + (f"{args.rate:.0f} msgs/s offered, preset {args.preset}" if light else f"trace slot {args.slot} s")
@@ -439,7 +707,7 @@ def main() -> int:
     print("-" * len(header))
     threads = []
     record: list[dict[str, Any]] = []
-    common = {"loadgen": args.loadgen, "preset": args.preset, "register_timeout_s": 600.0 if light else 180.0}
+    common = _common(args)
     with tempfile.TemporaryDirectory(prefix="felix-capacity-") as tmp:
         for n in args.clients:
             tiers = run_phase(
@@ -511,9 +779,106 @@ def main() -> int:
     if threads:
         print("\nCPU share of one core over the window (server loop, paho network thread, broker, clients):")
         print("\n".join(threads))
-    if args.json is not None:
-        args.json.write_text(json.dumps(record, indent=1) + "\n")
+    if args.record is not None:
+        args.record.write_text(json.dumps({"provenance": provenance, "runs": record}, indent=1) + "\n")
     return 0
+
+
+def _common(args: argparse.Namespace) -> dict[str, Any]:
+    light = args.loadgen == "light"
+    return {
+        "loadgen": args.loadgen,
+        "preset": args.preset,
+        "register_timeout_s": 900.0 if light else 180.0,
+        "brokers": args.brokers,
+        "loadgens": args.loadgens or default_loadgens(max(args.clients)),
+        "netns": light and args.netns,
+    }
+
+
+def _json_line(args: argparse.Namespace, provenance: dict[str, Any]) -> int:
+    """``--json``: the tier phase of each ``--clients``, one JSON line each (the goal's figures first)."""
+    with tempfile.TemporaryDirectory(prefix="felix-capacity-") as tmp:
+        for n in args.clients:
+            common = {**_common(args), "loadgens": args.loadgens or default_loadgens(n)}
+            t = run_phase(
+                n,
+                "tiers",
+                args.window,
+                args.processes,
+                args.slot,
+                Path(tmp),
+                horizon_s=args.horizon,
+                rate=args.rate,
+                **common,
+            )
+            line = {
+                "registered": t["registered"],
+                "offered_per_s": round(t["offered_per_s"], 1),
+                "handled_per_s": round(t["tier_per_s"], 1),
+                "delay_p50_ms": round(t["lat_p50_ms"], 2),
+                "delay_p95_ms": round(t["lat_p95_ms"], 2),
+                "server_rss_mb": t["server_rss_mb"],
+                "idle_share": max(0.0, round(t["machine"]["idle_pct"] / 100, 3)),
+                "clients": n,
+                "rate": args.rate,
+                "preset": args.preset,
+                "window_s": args.window,
+                **{
+                    k: v
+                    for k, v in t.items()
+                    if k not in ("registered", "offered_per_s", "tier_per_s", "threads")
+                },
+                "provenance": provenance,
+            }
+            strict = {
+                k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in line.items()
+            }
+            print(json.dumps(strict, allow_nan=False), flush=True)  # strict JSON: no NaN (nothing measured)
+    return 0
+
+
+def _provenance() -> dict[str, Any]:
+    """Where the figures come from: the commit, the CPU, the machine's load before the run."""
+    import torch
+
+    root = Path(__file__).resolve().parents[1]
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=False
+    ).stdout.strip()
+    dirty = subprocess.run(
+        [
+            "git",
+            "status",
+            "--porcelain",
+            "--untracked-files=no",
+            "--",
+            "src",
+            "benchmarks",
+            "tests",
+        ],  # the code
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        "unknown",
+    )
+    return {
+        "commit": commit + ("+dirty" if dirty else ""),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "loadavg_before": list(os.getloadavg()),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "mosquitto": find_mosquitto(),
+    }
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ task set and MQTT 5 property handling per client; gmqtt keeps several tasks and 
 client. Here a connection is one ``asyncio.Protocol`` (a few hundred bytes of state), one timer
 task drives every client's tier changes and one the keep-alives, so 10,000 clients and 5,000
 messages per second cost a fraction of a core. It is benchmark code: no TLS, no reconnects,
-no last will (MQTT 3.1.1 has no will delay); a lost connection is counted and reported.
+no last will (MQTT 3.1.1 has no will delay); a lost connection is counted, reported and opened again.
 
 Behaviour:
 - every client registers once the server's retained status says ``running`` (as real clients do);
@@ -52,6 +52,7 @@ import numpy as np
 
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
+from felix.deploy.shards import shard_of
 from felix.deploy.topics import Topics, client_user
 
 TIERS = (Tier.AVL_TRAIN, Tier.AVL_EVAL, Tier.UN_AVL)
@@ -164,6 +165,7 @@ class Counters:
     connected: int = 0
     refused: int = 0
     lost: int = 0
+    reopened: int = 0  # lost connections opened again (and registered again once running)
     registered: int = 0
     sent_state: int = 0
     sent_result: int = 0
@@ -191,6 +193,8 @@ class Conn(asyncio.Protocol):
 
     def write(self, data: bytes) -> None:
         assert self.transport is not None
+        if self.transport.is_closing():  # lost (counted): asyncio would log every write to it
+            return
         self.transport.write(data)
         self.last_write = time.monotonic()
 
@@ -208,6 +212,7 @@ class Conn(asyncio.Protocol):
             )
         elif not self.gen.stopping:
             self.gen.counters.lost += 1
+            self.gen.reopen(self.cid)
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -236,8 +241,7 @@ class ClientInfo:
 class LoadGen:
     def __init__(
         self,
-        host: str,
-        port: int,
+        brokers: list[tuple[str, int]],
         run_id: str,
         passwords: dict[str, str],
         clients: list[ClientInfo],
@@ -247,8 +251,10 @@ class LoadGen:
         answer_delay_s: float = 0.01,
         seed: int = 0,
         max_connecting: int = 64,
+        first_id: int = 0,
     ) -> None:
-        self.host, self.port = host, port
+        self.brokers = brokers  # one per shard: client k connects to brokers[shard_of(k, len(brokers))]
+        self.first = first_id  # clients first_id .. first_id + len(clients) - 1; arrays are by k - first_id
         self.topics = Topics(run_id)
         self.run_id = run_id
         self.passwords = passwords
@@ -256,16 +262,18 @@ class LoadGen:
         self.rate = rate
         self.answer = answer
         self.answer_delay_s = answer_delay_s
-        self.max_connecting = max_connecting
         self.rng = np.random.default_rng(seed)
         n = len(clients)
         self.tiers = self.rng.integers(0, len(TIERS), n)
         self.incarnation = [secrets.token_hex(4) for _ in range(n)]
         self.seq = [0] * n
-        self.state_topic = [self.topics.state(c).encode() for c in range(n)]
-        self.result_topic = [self.topics.result(c).encode() for c in range(n)]
+        self.state_topic = [self.topics.state(first_id + i).encode() for i in range(n)]
+        self.result_topic = [self.topics.result(first_id + i).encode() for i in range(n)]
         self.zero_delta = np.zeros(num_params, np.float32)
-        self.conns: list[Conn] = []
+        self.conns: list[Conn | None] = [None] * n  # by client (k - first_id): its current connection
+        self.opened: list[Conn] = []  # in the order they opened
+        self.sem = asyncio.Semaphore(max_connecting)
+        self._reopening: set[asyncio.Task[None]] = set()
         self.counters = Counters()
         self.session: str | None = None
         self.running = asyncio.Event()
@@ -274,35 +282,41 @@ class LoadGen:
 
     # ------------------------------------------------------------------ messages
     def env(self, cid: int) -> dict[str, Any]:
-        self.seq[cid] += 1
+        i = cid - self.first
+        self.seq[i] += 1
         return {
             "run": self.run_id,
-            "msg_id": f"{self.incarnation[cid]}-{self.seq[cid]}",
+            "msg_id": f"{self.incarnation[i]}-{self.seq[i]}",
             "sent_at": time.time(),
         }
 
     def register(self, conn: Conn) -> None:
-        cid, info = conn.cid, self.clients[conn.cid]
+        cid, i = conn.cid, conn.cid - self.first
+        info = self.clients[i]
         msg = wire.Register(
             **self.env(cid),
             client=cid,
-            incarnation=self.incarnation[cid],
+            incarnation=self.incarnation[i],
             num_samples=info.num_samples,
-            tier=TIERS[self.tiers[cid]],
+            tier=TIERS[self.tiers[i]],
             class_counts=info.class_counts,
         )
         conn.publish(self.topics.register(cid).encode(), wire.encode(msg))
         self.counters.registered += 1
 
-    def send_state(self, cid: int, step: int) -> None:
-        """A STATE message to one of the client's two other tiers (``step`` 1 or 2 tiers on)."""
-        t = (self.tiers[cid] + step) % len(TIERS)
-        self.tiers[cid] = t
+    def send_state(self, i: int, step: int) -> None:
+        """A STATE message from this process's ``i``-th client to one of its two other tiers
+        (``step`` 1 or 2 tiers on)."""
+        cid = self.first + i
+        t = (self.tiers[i] + step) % len(TIERS)
+        self.tiers[i] = t
         env = self.env(cid)
         payload = state_payload(
-            self.run_id, env["msg_id"], env["sent_at"], cid, self.incarnation[cid], TIERS[t]
+            self.run_id, env["msg_id"], env["sent_at"], cid, self.incarnation[i], TIERS[t]
         )
-        self.conns[cid].publish(self.state_topic[cid], payload)
+        conn = self.conns[i]
+        if conn is not None:
+            conn.publish(self.state_topic[i], payload)
         self.counters.sent_state += 1
 
     def on_publish(self, conn: Conn, topic: str, payload: bytes) -> None:
@@ -323,40 +337,62 @@ class LoadGen:
     def send_result(self, conn: Conn, task: int, version: int, mtype: wire.MsgType) -> None:
         if self.stopping or conn.transport is None or conn.transport.is_closing():
             return
-        cid = conn.cid
+        cid, i = conn.cid, conn.cid - self.first
         train = mtype is wire.MsgType.TRAIN
         msg = wire.Result(
             **self.env(cid),
             client=cid,
-            incarnation=self.incarnation[cid],
+            incarnation=self.incarnation[i],
             task=task,
             kind=TaskKind.TRAIN if train else TaskKind.EVAL,
             version=version,
             update=ClientUpdate(
-                num_samples=self.clients[cid].num_samples,
+                num_samples=self.clients[i].num_samples,
                 stat_utility=1.0,
                 loss=1.0,
                 duration=self.answer_delay_s,
                 delta=self.zero_delta if train else None,
             ),
         )
-        conn.publish(self.result_topic[cid], wire.encode(msg))
+        conn.publish(self.result_topic[i], wire.encode(msg))
         self.counters.sent_result += 1
 
     # ------------------------------------------------------------------ connections
-    async def open(self, cid: int, sem: asyncio.Semaphore) -> Conn:
+    def reopen(self, cid: int) -> None:
+        """A lost connection (a broker that dropped it) opens again a second later; once the run
+        is on, the client registers again (same incarnation: the server refreshes it)."""
+        task = asyncio.get_running_loop().create_task(self._reopen(cid))
+        self._reopening.add(task)
+        task.add_done_callback(self._reopening.discard)
+
+    async def _reopen(self, cid: int) -> None:
+        while not self.stopping:  # a busy broker may not answer in time: try again
+            await asyncio.sleep(1.0)
+            try:
+                conn = await self.open(cid)
+            except (OSError, TimeoutError):  # ConnectionError is an OSError
+                continue
+            self.counters.reopened += 1
+            if self.running.is_set():
+                self.register(conn)
+            return
+
+    async def open(self, cid: int) -> Conn:
         loop = asyncio.get_running_loop()
         user = client_user(cid)
-        async with sem:
-            _, conn = await loop.create_connection(lambda: Conn(self, cid), self.host, self.port)
+        host, port = self.brokers[shard_of(cid, len(self.brokers))]
+        async with self.sem:
+            _, conn = await loop.create_connection(lambda: Conn(self, cid), host, port)
             conn.write(connect_packet(user, user, self.passwords[user], KEEPALIVE_S))
             rc = await asyncio.wait_for(conn.connack, 30)
         if rc != 0:
             self.counters.refused += 1
             raise ConnectionError(f"broker refused {user}: CONNACK return code {rc}")
         self.counters.connected += 1
+        self.opened.append(conn)
+        self.conns[cid - self.first] = conn
         subs = [self.topics.task(cid)] if self.answer else []
-        if cid == 0:
+        if cid == self.first:
             subs.append(self.topics.status)
         if subs:
             conn.write(subscribe_packet(conn.pid(), subs))
@@ -367,7 +403,7 @@ class LoadGen:
         while True:
             await asyncio.sleep(1.0)
             limit = time.monotonic() - KEEPALIVE_S / 2
-            for c in self.conns:
+            for c in self.opened:
                 if c.last_write < limit and c.transport is not None and not c.transport.is_closing():
                     c.write(PINGREQ)
                     self.counters.pings += 1
@@ -383,12 +419,12 @@ class LoadGen:
             due = int(self.rate * (time.monotonic() - t0)) - sent
             if due <= 0:
                 continue
-            for cid, step in zip(
+            for i, step in zip(
                 self.rng.integers(0, n, due).tolist(),
                 self.rng.integers(1, len(TIERS), due).tolist(),
                 strict=True,
             ):
-                self.send_state(cid, step)
+                self.send_state(i, step)
             sent += due
 
     async def report(self) -> None:
@@ -406,15 +442,18 @@ class LoadGen:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        sem = asyncio.Semaphore(self.max_connecting)
         t0 = time.monotonic()
         reporter = asyncio.create_task(self.report())
-        self.conns = list(await asyncio.gather(*(self.open(c, sem) for c in range(len(self.clients)))))
-        print(json.dumps({"connected_s": round(time.monotonic() - t0, 2)}), flush=True)
+        # Keep-alives from the first connection on: opening 20,000 connections on a busy machine
+        # takes longer than the broker waits (1.5 keep-alives) for a word from the first ones.
         pinger = asyncio.create_task(self.keepalive())
+        ids = range(self.first, self.first + len(self.clients))
+        await asyncio.gather(*(self.open(c) for c in ids))
+        print(json.dumps({"connected_s": round(time.monotonic() - t0, 2)}), flush=True)
         await self.running.wait()
-        for c in self.conns:
-            self.register(c)
+        for conn in self.conns:
+            if conn is not None:
+                self.register(conn)
         driver = asyncio.create_task(self.drive_tiers())
         try:
             await asyncio.wait_for(stop.wait(), duration_s)
@@ -429,15 +468,15 @@ class LoadGen:
                 break
             await asyncio.sleep(0.05)
         self.print_line()
-        for c in self.conns:
-            if c.transport is not None:
-                c.transport.write(DISCONNECT)
-                c.transport.close()
+        for conn in self.conns:
+            if conn is not None and conn.transport is not None:
+                conn.transport.write(DISCONNECT)
+                conn.transport.close()
         await asyncio.sleep(0.1)
 
 
 def client_infos(cfg_path: str, n: int) -> tuple[list[ClientInfo], int]:
-    """Each client's sample and class counts as ``felix client`` derives them, and the model size."""
+    """Clients 0..n-1's sample and class counts as ``felix client`` derives them, and the model size."""
     from felix.engine.setup import resolve_config
     from felix.scenario.build import build_population
 
@@ -453,6 +492,26 @@ def client_infos(cfg_path: str, n: int) -> tuple[list[ClientInfo], int]:
     return infos, int(pop.initial_weights.size)
 
 
+def save_infos(path: str, infos: list[ClientInfo], num_params: int) -> None:
+    """The population's counts for load generators started side by side (``--infos``): building
+    a 100,000-client population once instead of once per process."""
+    np.savez(
+        path,
+        samples=np.array([i.num_samples for i in infos], np.int64),
+        classes=np.array([i.class_counts for i in infos], np.int64),
+        num_params=np.int64(num_params),
+    )
+
+
+def load_infos(path: str, first: int, n: int) -> tuple[list[ClientInfo], int]:
+    with np.load(path) as f:
+        samples, classes = f["samples"][first : first + n], f["classes"][first : first + n]
+        if len(samples) < n:
+            raise SystemExit(f"{path} holds {len(f['samples'])} clients, fewer than {first + n}")
+        infos = [ClientInfo(int(s), tuple(int(x) for x in c)) for s, c in zip(samples, classes, strict=True)]
+        return infos, int(f["num_params"])
+
+
 def raise_open_file_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if resource.RLIM_INFINITY not in (soft, hard) and soft < hard:
@@ -462,17 +521,19 @@ def raise_open_file_limit() -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="the run's config file (partition: sample and class counts)")
-    p.add_argument("--broker", required=True, help="HOST:PORT")
+    p.add_argument("--broker", required=True, help="HOST:PORT, or one per shard, comma-separated")
     p.add_argument("--credentials", required=True, help="credentials.json of felix mqtt-credentials")
     p.add_argument("--run-id", required=True)
     p.add_argument("--clients", type=int, required=True)
+    p.add_argument("--first-id", type=int, default=0, help="id of the first client (default 0)")
+    p.add_argument("--infos", help="the population's counts from save_infos (default: built from the config)")
     p.add_argument("--rate", type=float, default=0.0, help="STATE messages per second, all clients together")
     p.add_argument("--answer", action="store_true", help="subscribe to tasks and answer them")
     p.add_argument("--answer-delay", type=float, default=0.01)
     p.add_argument("--duration", type=float, default=3600.0, help="stop after this many seconds")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    host, _, port = args.broker.rpartition(":")
+    brokers = [(h, int(port)) for h, _, port in (a.rpartition(":") for a in args.broker.split(","))]
     limit = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     raise_open_file_limit()
     if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < args.clients + 64:
@@ -480,10 +541,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with open(args.credentials) as f:
         passwords = json.load(f)
-    infos, num_params = client_infos(args.config, args.clients)
+    if args.infos:
+        infos, num_params = load_infos(args.infos, args.first_id, args.clients)
+    else:
+        infos, num_params = client_infos(args.config, args.first_id + args.clients)
+        infos = infos[args.first_id :]
     gen = LoadGen(
-        host,
-        int(port),
+        brokers,
         args.run_id,
         passwords,
         infos,
@@ -492,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         args.answer,
         args.answer_delay,
         args.seed,
+        first_id=args.first_id,
     )
     asyncio.run(gen.run(args.duration))
     return 0

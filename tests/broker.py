@@ -42,15 +42,15 @@ def find_mosquitto() -> str | None:
     return shutil.which("mosquitto")
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
-def _port_open(port: int) -> bool:
+def _port_open(host: str, port: int) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+        with socket.create_connection((host, port), timeout=0.2):
             return True
     except OSError:
         return False
@@ -151,6 +151,8 @@ class MosquittoBroker:
         max_message_bytes: int = 64 * 1024 * 1024,
         binary: str | None = None,
         tls: bool = False,
+        creds: security.CredentialSet | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.binary = binary or find_mosquitto()
         if self.binary is None:
@@ -158,8 +160,10 @@ class MosquittoBroker:
         self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="felix-broker-")
         self.dir = Path(workdir) if workdir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.creds = security.generate(self.dir, num_clients, run_id)
-        self.port = free_port()
+        # ``creds``: logins made elsewhere (one shard's of ``ShardedBrokers``)
+        self.creds = creds if creds is not None else security.generate(self.dir, num_clients, run_id)
+        self.host = host  # the listener's address: 127.0.0.1 but for the capacity benchmark's namespaces
+        self.port = free_port(host)
         self.log_file = self.dir / "mosquitto.log"
         self.conf = self.dir / "mosquitto.conf"
         (self.dir / "db").mkdir(exist_ok=True)
@@ -172,7 +176,7 @@ class MosquittoBroker:
         limits = replace(limits, max_queued_messages=max(limits.max_queued_messages, TEST_QUEUED_MESSAGES))
         self.conf.write_text(
             mosquitto_conf(
-                listen=("127.0.0.1", self.port),
+                listen=(host, self.port),
                 password_file=self.creds.password_file,
                 acl_file=self.creds.acl_file,
                 persistence_dir=self.dir / "db",
@@ -185,7 +189,7 @@ class MosquittoBroker:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def credentials_file(self) -> Path:
@@ -205,12 +209,12 @@ class MosquittoBroker:
                 raise BrokerError(
                     f"mosquitto exited with code {self._proc.returncode}: {err.strip()}\n{self._log_tail()}"
                 )
-            if _port_open(self.port):
+            if _port_open(self.host, self.port):
                 return
             time.sleep(0.05)
         self.stop()
         raise BrokerError(
-            f"mosquitto did not listen on 127.0.0.1:{self.port} within {timeout} s\n{self._log_tail()}"
+            f"mosquitto did not listen on {self.address} within {timeout} s\n{self._log_tail()}"
         )
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -260,6 +264,53 @@ class MosquittoBroker:
     def __enter__(self) -> Self:
         self.start()
         return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class ShardedBrokers:
+    """Several brokers, one per shard (``felix.deploy.shards``): one ``credentials.json`` for all,
+    each broker with the server's and its own clients' logins and ACL only. A context manager;
+    ``address`` is the ``--broker`` list in shard order. ``iterations``: of the password hashes
+    (fewer make throwaway logins for 100,000 clients quick to write and for the brokers to check)."""
+
+    def __init__(
+        self,
+        num_clients: int,
+        shards: int,
+        workdir: Path,
+        run_id: str | None = None,
+        host: str = "127.0.0.1",
+        iterations: int = security.PBKDF2_ITERATIONS,
+    ) -> None:
+        sets = security.generate_shards(workdir, num_clients, shards, run_id, iterations)
+        self.credentials_file = sets[0].credentials
+        # Mosquitto reads its password file and ACL before it listens: ~20,000 logins take seconds.
+        self.start_timeout = 10.0 + num_clients / (500 * shards)
+        self.brokers = [
+            MosquittoBroker(num_clients, run_id, workdir / f"shard-{k}", creds=c, host=host)
+            for k, c in enumerate(sets)
+        ]
+
+    @property
+    def address(self) -> str:
+        return ",".join(b.address for b in self.brokers)
+
+    def __enter__(self) -> Self:
+        try:
+            for b in self.brokers:
+                b.start(timeout=self.start_timeout)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        for b in self.brokers:
+            b.close()
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

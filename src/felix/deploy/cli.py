@@ -49,7 +49,12 @@ def _broker_args(p: argparse.ArgumentParser, login: bool = True) -> None:
         metavar="KEY=VALUE",
         help="one of the transport's options (MQTT: felix.deploy.link.BrokerOptions, e.g. keepalive_s=30)",
     )
-    p.add_argument("--broker", metavar="HOST:PORT", help="MQTT broker (default 127.0.0.1:1883)")
+    p.add_argument(
+        "--broker",
+        metavar="HOST:PORT[,...]",
+        help="MQTT broker (default 127.0.0.1:1883), or several comma-separated: one shard of the "
+        "clients each, by client id (docs/deployment.md, Sharded brokers)",
+    )
     if login:
         p.add_argument("--username", help=f"broker login (default: ${ENV_USER})")
         p.add_argument("--password", help=f"broker password (default: ${ENV_PASSWORD})")
@@ -94,20 +99,22 @@ def _run_id(args: argparse.Namespace, cfg: Config) -> str:
     )
 
 
-def _link_settings(args: argparse.Namespace) -> dict[str, str]:
+def _link_settings(args: argparse.Namespace) -> dict[str, object]:
     """``--link KEY=VALUE`` settings, with ``--broker`` and ``--tls-*`` as shorthands for the MQTT
     transport's ``host``/``port`` and ``tls_*`` (a transport without them refuses them by name)."""
-    settings: dict[str, str] = {}
+    settings: dict[str, object] = {}
     for item in args.link:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--link expects KEY=VALUE, got {item!r}")
         settings[key.strip()] = value
     if args.broker is not None:
-        host, sep, port = args.broker.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"broker address {args.broker!r} must be HOST:PORT")
-        settings.update(host=host, port=port)
+        from felix.deploy.link import BrokerOptions
+
+        addresses = BrokerOptions.parse_addresses(args.broker)
+        settings.update(host=addresses[0][0], port=addresses[0][1])
+        if len(addresses) > 1:  # one broker per shard of the clients (felix.deploy.shards)
+            settings["shards"] = tuple(addresses)
     for key in ("tls_ca", "tls_cert", "tls_key"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
@@ -430,25 +437,29 @@ def _credentials(args: argparse.Namespace) -> int:
     if not n:
         raise ValueError("give --clients N or a config")
     limits = BrokerLimits.for_run(n, concurrency or n, max_bytes)
-    host, port = BrokerOptions.parse_address(args.listen)
-    out = security.generate(args.out, n, run_id)
-    folder = Path(args.out).resolve()
-    (folder / "db").mkdir(exist_ok=True)
-    conf = Path(args.out) / "mosquitto.conf"
-    conf.write_text(
-        mosquitto_conf(
-            listen=(host, port),
-            password_file=folder / "passwd",
-            acl_file=folder / "acl",
-            persistence_dir=folder / "db",
-            limits=limits,
+    listeners = BrokerOptions.parse_addresses(args.listen)
+    sets = security.generate_shards(args.out, n, len(listeners), run_id)
+    confs = []
+    for listen, creds in zip(listeners, sets, strict=True):  # one broker per shard (felix.deploy.shards)
+        folder = creds.password_file.parent.resolve()
+        (folder / "db").mkdir(exist_ok=True)
+        conf = creds.password_file.parent / "mosquitto.conf"
+        conf.write_text(
+            mosquitto_conf(
+                listen=listen,
+                password_file=folder / "passwd",
+                acl_file=folder / "acl",
+                persistence_dir=folder / "db",
+                limits=limits,
+            )
         )
-    )
+        confs.append(str(conf))
     print(
-        f"wrote {out.password_file} ({n} clients + {security.SERVER_USER}), {out.acl_file} "
-        f"(run {run_id or 'any'}), {out.credentials} (plaintext, mode 0600), {conf} (messages up to "
-        f"{limits.max_message_bytes:,} bytes, {sized}; at most {limits.max_queued_messages:,} messages "
-        f"and {limits.max_queued_bytes:,} bytes queued per session)",
+        f"wrote {', '.join(str(c.password_file) for c in sets)} ({n} clients + {security.SERVER_USER}"
+        + (f", over {len(sets)} shards" if len(sets) > 1 else "")
+        + f"), the ACLs (run {run_id or 'any'}), {sets[0].credentials} (plaintext, mode 0600), "
+        f"{', '.join(confs)} (messages up to {limits.max_message_bytes:,} bytes, {sized}; at most "
+        f"{limits.max_queued_messages:,} messages and {limits.max_queued_bytes:,} bytes queued per session)",
         file=sys.stderr,
     )
     return 0
@@ -588,8 +599,9 @@ def add_parsers(subparsers: Any) -> None:
     m.add_argument(
         "--listen",
         default="127.0.0.1:1883",
-        metavar="HOST:PORT",
-        help="the broker's listener in mosquitto.conf (default %(default)s)",
+        metavar="HOST:PORT[,...]",
+        help="the broker's listener in mosquitto.conf (default %(default)s); several, comma-separated: "
+        "one broker per shard, each in OUT/shard-K/ with its clients' logins and ACL",
     )
     m.add_argument(
         "--max-message-bytes",

@@ -220,6 +220,15 @@ def parse_publish(packet: bytes | bytearray, qos: int, v5: bool) -> tuple[str, i
     return topic, mid, bytes(packet[pos:])
 
 
+def _published(info: mqtt.MQTTMessageInfo) -> bool:
+    """Whether the broker acknowledged a publish; one made while disconnected counts as done here
+    (paho's ``is_published`` raises for it: close waits for nothing it could still send)."""
+    try:
+        return info.is_published()
+    except RuntimeError:
+        return True
+
+
 class LinkError(ConnectionError):
     """The broker could not be reached or refused us (bad credentials, not authorised)."""
 
@@ -244,6 +253,9 @@ class BrokerOptions:
     # MQTT 5's Receive Maximum: QoS 1 messages the broker may have in flight to this connection
     # (Mosquitto 2.0 honours it over its max_inflight_messages). None: the broker's setting.
     receive_maximum: int | None = None
+    # Sharded brokers (``felix.deploy.shards``): every broker's (host, port) in shard order, the
+    # first being ``host``/``port``; empty for one broker. Logins and TLS settings are shared.
+    shards: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         """TLS files are loaded once here, so a missing or unreadable CA, certificate or key is a
@@ -271,7 +283,7 @@ class BrokerOptions:
         return self.tls_ca is not None
 
     def describe(self) -> str:
-        return f"{self.host}:{self.port}"
+        return self.address
 
     def with_login(self, username: str | None, password: str | None) -> BrokerOptions:
         return dataclasses.replace(self, username=username, password=password)
@@ -282,6 +294,19 @@ class BrokerOptions:
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"broker address {text!r} must be HOST:PORT")
         return host, int(port)
+
+    @staticmethod
+    def parse_addresses(text: str) -> list[tuple[str, int]]:
+        """``HOST:PORT`` or a comma-separated list of them (one broker per shard, each once)."""
+        addresses = [BrokerOptions.parse_address(a.strip()) for a in text.split(",")]
+        if len(set(addresses)) < len(addresses):
+            raise ValueError(f"broker list {text!r} names a broker twice")
+        return addresses
+
+    @property
+    def address(self) -> str:
+        """``HOST:PORT`` of the broker, or of every shard's, comma-separated (for logs and summaries)."""
+        return ",".join(f"{h}:{p}" for h, p in self.shards or ((self.host, self.port),))
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,8 +322,9 @@ class Inbound:
 
 @dataclass(frozen=True, slots=True)
 class Connected:
-    epoch: int
+    epoch: int  # the connection's number, counted per shard
     session_present: bool
+    shard: int = 0  # which broker of a sharded deployment (``felix.deploy.shards``)
 
 
 Sink = Callable[[Inbound | Connected], None]
@@ -511,7 +537,7 @@ class MqttLink:
         on_loop = threading.current_thread() is self._client._thread  # a sink closing: its own pass
         deadline = time.monotonic() + timeout
         while (
-            ((last is not None and not last.is_published()) or (self._handing_over and not on_loop))
+            ((last is not None and not _published(last)) or (self._handing_over and not on_loop))
             and self._client.is_connected()
             and time.monotonic() < deadline
         ):

@@ -185,6 +185,9 @@ class InMemoryServerLink(_Link):
     def ack(self, acks: list[Ack]) -> None:
         """Nothing to do: the in-memory broker never redelivers."""
 
+    def connections(self) -> list[tuple[str, bool]]:
+        return [("memory", self.connected)]
+
 
 class InMemoryClientLink(_Link):
     def __init__(self, broker: InMemoryBroker, args: ClientLinkArgs) -> None:

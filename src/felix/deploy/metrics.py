@@ -28,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from felix.core.types import TaskKind, TaskState, Tier
+from felix.deploy.shards import shards_of
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("felix.deploy.metrics")
 
-SHARD = "0"  # the server's one broker connection; a sharded deployment labels each broker's
 READ_ATTEMPTS = 3  # reads of the live state before a scrape gives up on a family set
 
 
@@ -141,20 +141,23 @@ class ServerCollector(Collector):
             value=inbox.full_waits,
         )
 
-        broker = s.opts.broker.describe()
+        connections = s.link.connections()  # one per broker shard, in shard order
         connected = GaugeMetricFamily(
             "felix_broker_connected",
             "the server's connection to each broker shard (1 up, 0 down)",
             labels=["shard", "broker"],
         )
-        connected.add_metric([SHARD, broker], 1 if s.link.connected else 0)
+        for k, (broker, up) in enumerate(connections):
+            connected.add_metric([str(k), broker], 1 if up else 0)
         yield connected
         shard_clients = GaugeMetricFamily(
             "felix_broker_clients",
             "registered clients served through each broker shard",
             labels=["shard", "broker"],
         )
-        shard_clients.add_metric([SHARD, broker], int(tiers.sum()))
+        per_shard = np.bincount(shards_of(o.clients.ids, len(connections)), minlength=len(connections))
+        for k, (broker, _) in enumerate(connections):
+            shard_clients.add_metric([str(k), broker], int(per_shard[k]))
         yield shard_clients
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from felix.deploy.channels import Address, Channel
 from felix.deploy.link import BrokerOptions, Connected, Inbound, MqttLink
+from felix.deploy.shards import ShardedServerLink, client_broker
 from felix.deploy.topics import Topics
 from felix.deploy.transport import (
     TRANSPORTS,
@@ -28,29 +29,35 @@ from felix.deploy.transport import (
 AddressOf = Callable[[str], Address | None]
 
 
-def _delivery(m: Inbound, address_of: AddressOf) -> Delivery:
-    return Delivery(address_of(m.topic), m.payload, Ack(m.mid, m.qos, m.epoch), m.topic)
+def _delivery(m: Inbound, address_of: AddressOf, shard: int) -> Delivery:
+    return Delivery(address_of(m.topic), m.payload, Ack(m.mid, m.qos, m.epoch, shard), m.topic)
 
 
 def _sinks(
-    sink: Sink, batch_sink: BatchSink, address_of: AddressOf
+    sink: Sink, batch_sink: BatchSink, address_of: AddressOf, shard: int = 0
 ) -> tuple[Callable[[Inbound | Connected], None], Callable[[list[Inbound]], bool]]:
     def one(item: Inbound | Connected) -> None:
-        sink(item if isinstance(item, Connected) else _delivery(item, address_of))
+        if isinstance(item, Connected):
+            sink(dataclasses.replace(item, shard=shard) if shard else item)
+        else:
+            sink(_delivery(item, address_of, shard))
 
     def batch(items: list[Inbound]) -> bool:
-        return batch_sink([_delivery(m, address_of) for m in items])
+        return batch_sink([_delivery(m, address_of, shard) for m in items])
 
     return one, batch
 
 
 class MqttServerLink:
     """The server's MQTT connection: it subscribes to every client's inbound topics and
-    acknowledges only when told (after the checkpoint that holds a message's effect)."""
+    acknowledges only when told (after the checkpoint that holds a message's effect). ``shard``:
+    which broker of a sharded deployment this is (``felix.deploy.shards``), carried by its
+    deliveries and connection notices."""
 
-    def __init__(self, args: ServerLinkArgs) -> None:
+    def __init__(self, args: ServerLinkArgs, shard: int = 0) -> None:
         self.topics = Topics(args.run_id)
-        one, batch = _sinks(args.sink, args.batch_sink, self.topics.parse_inbound_to_server)
+        self.broker = args.options.address
+        one, batch = _sinks(args.sink, args.batch_sink, self.topics.parse_inbound_to_server, shard)
         self.mqtt = MqttLink(
             f"felix-{args.run_id}-server",
             dataclasses.replace(args.options, receive_maximum=args.receive_maximum),
@@ -78,6 +85,9 @@ class MqttServerLink:
 
     def close(self, timeout: float = 5.0) -> None:
         self.mqtt.close(timeout)
+
+    def connections(self) -> list[tuple[str, bool]]:
+        return [(self.broker, self.mqtt.connected)]
 
 
 class MqttClientLink:
@@ -127,13 +137,16 @@ class MqttClientLink:
 
 
 class MqttTransport:
+    """One broker, or several (``BrokerOptions.shards``): the server then links to each, and a
+    client to its shard's broker only (``felix.deploy.shards``)."""
+
     options = BrokerOptions
 
-    def server_link(self, args: ServerLinkArgs) -> MqttServerLink:
-        return MqttServerLink(args)
+    def server_link(self, args: ServerLinkArgs) -> MqttServerLink | ShardedServerLink:
+        return ShardedServerLink(args) if args.options.shards else MqttServerLink(args)
 
     def client_link(self, args: ClientLinkArgs) -> MqttClientLink:
-        return MqttClientLink(args)
+        return MqttClientLink(dataclasses.replace(args, options=client_broker(args.options, args.client)))
 
 
 TRANSPORTS.register("mqtt")(MqttTransport())

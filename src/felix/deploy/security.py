@@ -92,17 +92,43 @@ def generate(
     out_dir: str | Path, num_clients: int, run_id: str | None = None, iterations: int = PBKDF2_ITERATIONS
 ) -> CredentialSet:
     """Write ``passwd``, ``acl`` and ``credentials.json`` (username -> password) into ``out_dir``."""
-    if num_clients < 1:
-        raise ValueError("need at least one client")
+    return generate_shards(out_dir, num_clients, 1, run_id, iterations)[0]
+
+
+def generate_shards(
+    out_dir: str | Path,
+    num_clients: int,
+    num_shards: int,
+    run_id: str | None = None,
+    iterations: int = PBKDF2_ITERATIONS,
+) -> list[CredentialSet]:
+    """Credentials of a sharded deployment (``felix.deploy.shards``): one ``credentials.json`` for
+    everyone in ``out_dir``, and per shard ``shard-<k>/passwd`` and ``shard-<k>/acl`` holding the
+    server and that shard's clients only, so a client can log in to its own broker alone. With one
+    shard, ``passwd`` and ``acl`` are written into ``out_dir`` itself."""
+    from felix.deploy.shards import shard_of
+
+    if num_clients < 1 or num_shards < 1:
+        raise ValueError("need at least one client and one shard")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     users = {SERVER_USER: new_password()}
     users.update({client_user(c): new_password() for c in range(num_clients)})
-    passwd, acl, creds = out / "passwd", out / "acl", out / "credentials.json"
-    _write_private(passwd, password_file_text(users, iterations))
-    acl.write_text(acl_file_text(range(num_clients), run_id))
+    creds = out / "credentials.json"
     _write_private(creds, json.dumps(users, indent=1, sort_keys=True) + "\n")
-    return CredentialSet(passwd, acl, creds, users)
+    members: list[list[int]] = [[] for _ in range(num_shards)]
+    for c in range(num_clients):
+        members[shard_of(c, num_shards)].append(c)
+    sets = []
+    for k, ids in enumerate(members):
+        folder = out if num_shards == 1 else out / f"shard-{k}"
+        folder.mkdir(exist_ok=True)
+        mine = {SERVER_USER: users[SERVER_USER], **{client_user(c): users[client_user(c)] for c in ids}}
+        passwd, acl = folder / "passwd", folder / "acl"
+        _write_private(passwd, password_file_text(mine, iterations))
+        acl.write_text(acl_file_text(ids, run_id))
+        sets.append(CredentialSet(passwd, acl, creds, mine))
+    return sets
 
 
 _PASSWORD_ALPHABET = string.ascii_letters + string.digits

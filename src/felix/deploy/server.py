@@ -181,7 +181,9 @@ class Server:
         if opts.out_dir is not None:
             sink = EvalLog(opts.out_dir / "evaluations.csv", epsilon=cfg.privacy.enabled)
         side = build_server_side(plan, plan_errors="skip", sink=sink, measure_wire=True)
-        use_os_noise(side.orch, side.controller)  # a deployment's privacy noise comes from the OS's CSPRNG, not the seed
+        use_os_noise(
+            side.orch, side.controller
+        )  # a deployment's privacy noise comes from the OS's CSPRNG, not the seed
         self.orch, self.ctl, self.freshness = side.orch, side.controller, side.freshness
         self.ctl.on_evaluation.append(_log_evaluation)
         default_bytes = default_max_message_bytes(self.num_params)
@@ -410,8 +412,11 @@ class Server:
     def _on_connected(self, c: Connected) -> None:
         if c.epoch > 1:
             self.stats.reconnects += 1
-            # The broker redelivers every unacknowledged message on the new connection.
-            self._pending_acks = [m for m in self._pending_acks if m[0].epoch >= c.epoch]
+            # The broker redelivers every unacknowledged message on the new connection (of its
+            # shard: the other brokers' connections, and what they delivered, are untouched).
+            self._pending_acks = [
+                m for m in self._pending_acks if m[0].shard != c.shard or m[0].epoch >= c.epoch
+            ]
             self._pending_bytes = sum(m[1] for m in self._pending_acks)
         self._publish_status("running")  # retained; after a reconnect too, in case the broker lost it
 

@@ -14,7 +14,8 @@ per (re)connection, and :class:`Delivery` items (one at a time to ``sink`` or a 
 ``batch_sink``, which returns False when the owner dropped them while closing). Each delivery
 carries the :class:`Address` its transport vouches for and an :class:`Ack` handle: the server
 acknowledges a message only once its effect is durable (exactly once across restarts), and acks
-of an older connection (``Ack.epoch``) mean nothing to a newer one. The shells never block on a
+of an older connection (``Ack.epoch``) mean nothing to a newer one of the same shard (``Ack.shard``,
+``Connected.shard``: a link may span several brokers, each with its own connections). The shells never block on a
 link except in ``start`` and ``close``.
 """
 
@@ -42,6 +43,7 @@ class Ack:
     token: int
     qos: int
     epoch: int
+    shard: int = 0  # the broker it came through, in a sharded deployment (``felix.deploy.shards``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +108,10 @@ class ServerLink(Protocol):
         """Acknowledge deliveries (ones of an older connection are ignored)."""
 
     def close(self, timeout: float = 5.0) -> None: ...
+
+    def connections(self) -> list[tuple[str, bool]]:
+        """Each shard's broker (as the transport names it) and whether it is connected, in shard order."""
+        ...
 
 
 class ClientLink(Protocol):
@@ -178,7 +184,7 @@ def resolve(name: str, options: object) -> Transport:
     return transport
 
 
-def link_options(name: str, settings: Mapping[str, str]) -> LinkOptions:
+def link_options(name: str, settings: Mapping[str, object]) -> LinkOptions:
     """Transport ``name``'s options from ``KEY=VALUE`` settings (the CLI's ``--link`` and its
     shorthands), checked against its options model: one line for an unknown key or a bad value."""
     model = get(name).options
