@@ -12,6 +12,7 @@ from felix.deploy import security
 from felix.deploy.channels import Channel
 from felix.deploy.cli import main as deploy_main
 from felix.deploy.link import BrokerOptions, Connected
+from felix.deploy.memory_transport import MemoryOptions
 from felix.deploy.shards import ShardedServerLink, client_broker, shard_of, shards_of
 from felix.deploy.topics import SERVER_USER, client_user
 from felix.deploy.transport import Ack
@@ -112,7 +113,7 @@ def test_a_shards_reconnect_voids_only_that_shards_pending_acks(tmp_path: Path) 
     from felix.engine.setup import resolve_config
 
     cfg = resolve_config(None, None, {"partition": {"num_clients": 4}, "dataset": {"name": "digits"}})
-    server = Server(cfg, ServeOptions(BrokerOptions(), run_id="t", transport="memory"))
+    server = Server(cfg, ServeOptions(MemoryOptions(), run_id="t", transport="memory"))
     pending = [(Ack(token=i, qos=1, epoch=1, shard=i % 2), 10) for i in range(6)]
     server._pending_acks = list(pending)
     server._on_connected(Connected(epoch=2, session_present=True, shard=1))
