@@ -34,6 +34,7 @@ from felix.core.orchestrator_config import OrchestratorConfig
 from felix.core.rounds import ROUND_POLICIES
 from felix.core.validation import ValidationConfig
 from felix.privacy.config import PrivacyCfg, check_privacy
+from felix.secagg.config import SecureAggregationCfg, check_secure_aggregation
 
 __all__ = [
     "AdmissionConfig",
@@ -326,6 +327,10 @@ class Config(StrictModel):
     run: RunCfg = RunCfg()
     stream: StreamCfg = StreamCfg()
     privacy: PrivacyCfg = Field(PrivacyCfg(), description="user-level differential privacy (docs/privacy.md)")
+    secure_aggregation: SecureAggregationCfg = Field(
+        SecureAggregationCfg(),
+        description="the server learns only sums of groups of updates (docs/privacy.md)",
+    )
 
     @model_serializer(mode="wrap")
     def _without_stream_off(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
@@ -336,6 +341,8 @@ class Config(StrictModel):
             out.pop("stream", None)
         if isinstance(out, dict) and not self.privacy.enabled:
             out.pop("privacy", None)
+        if isinstance(out, dict) and not self.secure_aggregation.enabled:
+            out.pop("secure_aggregation", None)
         return out
 
     @field_validator("model")
@@ -433,6 +440,7 @@ class Config(StrictModel):
                     f"(aggregator is {self.aggregator.name!r})"
                 )
         check_privacy(self)
+        check_secure_aggregation(self)
         return self
 
 
