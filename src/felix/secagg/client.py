@@ -192,11 +192,11 @@ class SecAggClient:
         return -1 if self.layout is None else self.layout.group_id
 
     def _expect(self, stage: str, group_id: int, got: int) -> GroupLayout:
-        if group_id != got:
-            raise SecAggRefusal(Reason.WRONG_GROUP, f"a message for group {got}, not {group_id}")
         if self.stage != stage:
             reason = Reason.REPLAY if _order(self.stage) > _order(stage) else Reason.WRONG_STAGE
             raise SecAggRefusal(reason, f"a {stage} message at stage {self.stage}")
+        if group_id != got:
+            raise SecAggRefusal(Reason.WRONG_GROUP, f"a message for group {got}, not {group_id}")
         assert self.layout is not None
         return self.layout
 
