@@ -48,6 +48,14 @@ def _sa(**kw: Any) -> dict[str, Any]:
         ({**_sa(), "client": {"objective": "scaffold"}}, "client.objective 'scaffold' sends aux state"),
         ({**_sa(), "orchestrator": {"mode": "async"}}, "secagg_plus needs orchestrator.mode sync"),
         ({"secure_aggregation": {"protocol": "buffered"}, **SYNC}, "buffered serves orchestrator.mode async"),
+        (
+            {
+                **_sa(),
+                "privacy": {"mechanism": "central_gaussian"},
+                "aggregator": {"name": "fedavg", "normalize": "count"},
+            },
+            "with privacy.mechanism central_gaussian is not built yet",
+        ),
     ],
 )
 def test_bad_secure_aggregation_settings_are_refused_in_one_line(raw: dict[str, Any], says: str) -> None:

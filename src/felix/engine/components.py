@@ -35,6 +35,7 @@ from felix.privacy.setup import install as install_privacy
 from felix.scenario.build import Population, participation_shares, strategy_stream
 from felix.scenario.datasets import ArrayDataset
 from felix.scenario.traces import AvailabilityTrace
+from felix.secagg.setup import install as install_secagg
 from felix.strategies.dataplans.plans import build_data_plan
 from felix.strategies.objectives import OBJECTIVES, Objective, objective_class
 
@@ -246,6 +247,7 @@ def build_orchestrator(
         availability,
     )
     install_privacy(cfg, orch)
+    install_secagg(cfg, orch)
     return orch
 
 
