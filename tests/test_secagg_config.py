@@ -73,3 +73,21 @@ def test_secure_aggregation_is_off_by_default_and_left_out_of_the_written_config
     written = json.loads(on.model_dump_json())["secure_aggregation"]
     assert written["protocol"] == "secagg_plus" and on.secure_aggregation.t == 4
     assert validate({"secure_aggregation": {"protocol": "buffered"}}).secure_aggregation.enabled
+
+
+@pytest.mark.parametrize("trace", ["90", "mobiperf"])
+def test_secagg_comparisons_pair_each_strategy_with_and_without_secure_aggregation(trace: str) -> None:
+    from felix.experiments.compare import load_comparison, variant_config
+
+    comp = load_comparison(f"secagg-{trace}")
+    assert comp.seeds == [0, 1, 2] and comp.reference == "felix"
+    for name in ("felix", "felix-authors", "oort-async*", "oort*"):
+        plain = variant_config(comp, name, {})
+        secure = variant_config(comp, f"{name}+secagg", {})
+        assert not plain.secure_aggregation.enabled
+        want = "secagg_plus" if plain.orchestrator.mode == "sync" else "buffered"
+        assert secure.secure_aggregation.protocol == want
+        same = secure.model_copy(
+            update={"secure_aggregation": plain.secure_aggregation, "strategy": plain.strategy}
+        )
+        assert same == plain
