@@ -49,12 +49,8 @@ def _sa(**kw: Any) -> dict[str, Any]:
         ({**_sa(), "orchestrator": {"mode": "async"}}, "secagg_plus needs orchestrator.mode sync"),
         ({"secure_aggregation": {"protocol": "buffered"}, **SYNC}, "buffered serves orchestrator.mode async"),
         (
-            {
-                **_sa(),
-                "privacy": {"mechanism": "central_gaussian"},
-                "aggregator": {"name": "fedavg", "normalize": "count"},
-            },
-            "with privacy.mechanism central_gaussian is not built yet",
+            {**_sa(), "privacy": {"mechanism": "central_gaussian"}, "aggregator": {"name": "fedavg"}},
+            "privacy: aggregator.normalize 'weights' divides by a data-dependent sum",
         ),
     ],
 )

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from felix.core.types import BufferedUpdate, ClientUpdate
 from felix.engine.setup import resolve_config
@@ -109,3 +110,51 @@ def test_the_secure_step_is_the_weighted_mean_to_quantisation_and_dropped_tasks_
     assert np.allclose(norm_w, w / w.sum())
     s = mech.summary()
     assert s["groups"] == 3 and s["dropouts_recovered"] == 2 and s["groups_abandoned"] == 0
+
+
+# ---------------------------------------------------------------------- with central DP
+def _with_dp(sigma: float, clip: float, k: int) -> tuple[SecureSum, Any]:
+    from felix.privacy.central import CentralGaussian
+
+    dp = CentralGaussian(sigma, clip, k, np.random.default_rng(11))
+    orch = _Orch()
+    mech = SecureSum(
+        SecureAggregationCfg(protocol="buffered", group_size=10), "count", orch, np.random.default_rng(0), dp
+    )
+    return mech, dp
+
+
+def test_with_central_dp_the_clients_clip_and_the_server_noises_the_unmasked_sum() -> None:
+    n = 4000
+    mech, dp = _with_dp(sigma=2.0, clip=0.5, k=4)
+    step, norm_w = mech.noised_step(_buffer([np.zeros(n) for _ in range(4)]), np.ones(4))
+    expected = 2.0 * 0.5 / 4
+    assert abs(float(np.std(step)) - expected) < 5 * expected / np.sqrt(2 * (n - 1))
+    assert np.allclose(norm_w, 0.25)
+    mech, dp = _with_dp(sigma=1e-9, clip=0.5, k=3)
+    big = [np.full(n, 0.1), np.full(n, 0.1), np.zeros(n)]  # norm 6.3, clipped by the clients to 0.5
+    step, _ = mech.noised_step(_buffer(big), np.ones(3))
+    assert float(np.linalg.norm(step * 3)) == pytest.approx(1.0, rel=1e-3)
+    assert dp.max_contribution_norm == pytest.approx(0.5)
+
+
+def test_with_central_dp_a_clients_second_update_in_one_aggregation_is_left_out() -> None:
+    mech, _ = _with_dp(sigma=1e-9, clip=10.0, k=3)
+    buf = _buffer([np.full(8, 0.1), np.full(8, 0.2), np.full(8, 0.4)])
+    buf[1] = BufferedUpdate(0, 201, 0, 0.0, buf[1].update, 1)  # client 0 again (a late reply)
+    step, norm_w = mech.noised_step(buf, np.ones(3))
+    assert norm_w[0] == 0 and mech.summary()["updates_lost"] == 1
+    assert np.allclose(step, (0.2 + 0.4) / 3, atol=1e-4)
+
+
+def test_a_run_with_secure_aggregation_and_central_dp_reports_both(tmp_path: Path) -> None:
+    pytest.importorskip("dp_accounting", reason="extra felix-fl[privacy] (dp-accounting) not installed")
+    extra = {
+        "aggregator": {"normalize": "count"},
+        "privacy": {"mechanism": "central_gaussian", "noise_multiplier": 0.5, "clip_norm": 1.0},
+        "secure_aggregation": {"protocol": "buffered", "group_size": 6},
+    }
+    on, _ = _run(tmp_path, "both", "fedbuff", extra)
+    assert on["privacy"]["aggregations"] == 4 and on["privacy"]["epsilon"] > 0
+    assert on["privacy"]["max_contribution_norm"] <= 1.0 + 1e-9
+    assert on["secure_aggregation"]["groups"] == 4 and on["secure_aggregation"]["groups_abandoned"] == 0

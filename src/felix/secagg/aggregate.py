@@ -19,7 +19,12 @@ Who is in a group and who drops (the churn the run's trace produces):
   other groups' sum is still applied; when every group is abandoned the aggregation fails and the
   orchestrator rejects its updates (never a wrong sum).
 
-Each update's folded weight is the aggregator's weight for it over ``max_weight`` (capped at 1):
+With ``privacy.mechanism: central_gaussian`` on, the two compose: each client clips its delta to
+``clip_norm`` before masking and folds its weight capped at 1, a client's second update in one
+aggregation is left out (so one client moves the sum by at most C), and the server adds the
+mechanism's noise to the unmasked sum and divides by its fixed denominator.
+
+Otherwise each update's folded weight is the aggregator's weight for it over ``max_weight`` (capped at 1):
 in a deployment a client folds the weight it can compute itself (its sample count), and a
 staleness factor, known only on arrival, would be applied by the server to a whole group's sum
 (docs/privacy.md)."""
@@ -32,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from felix.core.types import BufferedUpdate, Tier
+from felix.privacy.central import CentralGaussian
 from felix.secagg.graph import GroupLayout, group_threshold, split_groups
 from felix.secagg.quantize import Quantizer
 from felix.secagg.session import Traffic, run_group
@@ -43,8 +49,11 @@ _PLACEHOLDER = 1 << 31
 class SecureSum:
     """The aggregation's sum by secure aggregation groups; counts what the summary reports."""
 
-    def __init__(self, cfg: Any, normalize: str, orch: Any, rng: np.random.Generator) -> None:
+    def __init__(
+        self, cfg: Any, normalize: str, orch: Any, rng: np.random.Generator, dp: CentralGaussian | None = None
+    ) -> None:
         self.cfg = cfg
+        self.dp = dp
         self.normalize = normalize
         self.orch = orch
         self.rng = rng
@@ -68,9 +77,15 @@ class SecureSum:
         stats = self.orch.stats
         dropped = stats.train_dropped + stats.train_cancelled - self._dropped_mark
         self._dropped_mark = stats.train_dropped + stats.train_cancelled
-        folded = np.minimum(np.asarray(weights, dtype=np.float64) / s.max_weight, 1.0)
-        index = {item.task_id: i for i, item in enumerate(buffer)}
-        ids = [item.task_id for item in buffer] + [_PLACEHOLDER + k for k in range(dropped)]
+        if self.dp is None:
+            folded = np.minimum(np.asarray(weights, dtype=np.float64) / s.max_weight, 1.0)
+            index = {item.task_id: i for i, item in enumerate(buffer)}
+        else:  # the central mechanism's bound: weights capped at 1, one update per client
+            folded = np.minimum(np.asarray(weights, dtype=np.float64), 1.0)
+            newest = {item.client_id: i for i, item in enumerate(buffer)}
+            index = {buffer[i].task_id: i for i in sorted(newest.values())}
+            self.updates_lost += len(buffer) - len(index)
+        ids = list(index) + [_PLACEHOLDER + k for k in range(dropped)]
         order = [ids[i] for i in self.rng.permutation(len(ids))]
         length = int(buffer[0].update.delta.size) if buffer and buffer[0].update.delta is not None else 0
         wsum, xsum, survivors, traffic, plain = 0.0, np.zeros(length), [], Traffic(), 0
@@ -86,7 +101,7 @@ class SecureSum:
                 if m in index:
                     item = buffer[index[m]]
                     assert item.update.delta is not None
-                    updates[m] = (float(folded[index[m]]), item.update.delta)
+                    updates[m] = (float(folded[index[m]]), self._client_side(item.update.delta))
                 else:
                     updates[m] = (0.0, np.zeros(length, dtype=np.float32))
             drop_at = {m: "masked" for m in members if m not in index}
@@ -116,6 +131,10 @@ class SecureSum:
         if not survivors:
             raise ValueError("secure aggregation: every group of this aggregation was abandoned")
         norm_w = np.zeros(len(buffer))
+        if self.dp is not None:  # noise on the unmasked sum, the fixed denominator
+            xsum += self.dp.rng.normal(0.0, self.dp.noise_std, length)
+            norm_w[survivors] = folded[survivors] / self.dp.denominator
+            return (xsum / self.dp.denominator).astype(np.float32), norm_w
         if self.normalize == "weights":
             if wsum <= 0:
                 raise ValueError("secure aggregation: the surviving weights sum to 0")
@@ -125,6 +144,24 @@ class SecureSum:
             step = xsum * s.max_weight / len(survivors)
             norm_w[survivors] = folded[survivors] * s.max_weight / len(survivors)
         return step.astype(np.float32), norm_w
+
+    def _client_side(self, delta: np.ndarray) -> np.ndarray:
+        """What a client masks: its delta, clipped to the central mechanism's L2 bound when DP is on
+        (the server cannot clip what it cannot see)."""
+        if self.dp is None:
+            return delta
+        norm = float(np.linalg.norm(delta))
+        self.dp.max_contribution_norm = max(self.dp.max_contribution_norm, min(norm, self.dp.clip_norm))
+        return delta * (self.dp.clip_norm / norm) if norm > self.dp.clip_norm else delta
+
+    @property
+    def denominator(self) -> int | None:
+        """The DP summary's fields, when DP is on (``felix.privacy.budget``)."""
+        return None if self.dp is None else self.dp.denominator
+
+    @property
+    def max_contribution_norm(self) -> float | None:
+        return None if self.dp is None else self.dp.max_contribution_norm
 
     def take_traffic(self) -> tuple[int, int]:
         """The (up, down) bytes the protocol added to the last aggregation (up: beyond the plaintext
@@ -145,6 +182,7 @@ class SecureSum:
 
     def state_dict(self) -> dict[str, Any]:
         return {
+            **({} if self.dp is None else {"dp": self.dp.state_dict()}),
             "rng": self.rng.bit_generator.state,
             "counts": [
                 self.groups,
@@ -159,6 +197,8 @@ class SecureSum:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.dp is not None:
+            self.dp.load_state_dict(state["dp"])
         self.rng.bit_generator.state = state["rng"]
         (
             self.groups,

@@ -117,11 +117,6 @@ def check_secure_aggregation(cfg: Any) -> None:
             f"secure_aggregation: client.objective {cfg.client.objective!r} sends aux state in the clear "
             "beside the update: use an objective without aux (ce, fedprox)"
         )
-    if cfg.privacy.enabled:
-        raise ValueError(
-            "secure_aggregation: with privacy.mechanism central_gaussian is not built yet (the noise would "
-            "need the clients to clip): turn one of them off"
-        )
     sync = cfg.orchestrator.mode == "sync"
     if s.protocol == "secagg_plus" and not sync:
         raise ValueError(
