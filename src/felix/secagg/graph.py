@@ -28,29 +28,33 @@ class GroupLayout:
             raise ValueError(f"threshold {self.threshold} must lie in 1..{min(self.num_shares, n)}")
 
     @cached_property
+    def _cache(self) -> dict[int, tuple[int, ...]]:
+        return {}
+
+    @cached_property
     def position(self) -> dict[int, int]:
         """Each member's Shamir point (its ring position + 1)."""
         return {m: i + 1 for i, m in enumerate(self.members)}
 
-    @cached_property
-    def _neighbours(self) -> dict[int, tuple[int, ...]]:
-        n = len(self.members)
-        if self.num_shares >= n:
-            return {m: tuple(x for x in self.members if x != m) for m in self.members}
-        half = (self.num_shares - 1) // 2
-        out = {}
-        for i, m in enumerate(self.members):
-            offs = sorted({(i + d) % n for d in range(-half, half + 1)} - {i})
-            out[m] = tuple(self.members[j] for j in offs)
-        return out
-
     def neighbours(self, member: int) -> tuple[int, ...]:
-        """The other share holders of ``member`` (symmetric: v is u's neighbour iff u is v's)."""
-        return self._neighbours[member]
+        """The other share holders of ``member`` (symmetric: v is u's neighbour iff u is v's).
+        Computed per member on demand: a client needs only its own, in a group of any size."""
+        got = self._cache.get(member)
+        if got is None:
+            n, i = len(self.members), self.position[member] - 1
+            if self.num_shares >= n:
+                got = self.members[:i] + self.members[i + 1 :]
+            else:
+                half = (self.num_shares - 1) // 2
+                offs = sorted({(i + d) % n for d in range(-half, half + 1)} - {i})
+                got = tuple(self.members[j] for j in offs)
+            self._cache[member] = got
+        return got
 
     def holders(self, member: int) -> tuple[int, ...]:
-        """Who holds shares of ``member``'s secrets: its neighbours and itself."""
-        return (member, *self._neighbours[member])
+        """Who holds shares of ``member``'s secrets: its neighbours and itself (symmetric too: h
+        holds m's shares iff m holds h's)."""
+        return (member, *self.neighbours(member))
 
 
 def group_threshold(size: int, num_shares: int, threshold: int) -> tuple[int, int]:

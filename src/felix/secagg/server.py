@@ -73,6 +73,7 @@ class SecAggServer:
         self.masked: set[int] = set()
         self.answers: dict[int, Unmask] = {}
         self._sent_keys: dict[int, set[int]] = {}  # member -> neighbours whose keys it was sent
+        self._used_keys: set[bytes] = set()
         self._acc = np.zeros(length + 1, dtype=quantizer.dtype)
 
     @property
@@ -98,6 +99,18 @@ class SecAggServer:
             q.modulus_bits,
         )
         return {m: msg for m in lay.members}
+
+    def waits_on(self, member: int) -> bool:
+        """Whether the current stage still waits on ``member`` (``expected`` for one member)."""
+        if self.stage == "keys":
+            return member in self.layout.position and member not in self.keys
+        if self.stage == "shares":
+            return member in self._sent_keys and member not in self.shares
+        if self.stage == "masked":
+            return member in self.shares and member not in self.masked
+        if self.stage == "unmask":
+            return member in self.requests and member not in self.answers
+        return False
 
     def expected(self) -> set[int]:
         """Who the current stage still waits on (the shell may advance once this is empty)."""
@@ -140,7 +153,7 @@ class SecAggServer:
             seen = any(msg.sender in d for d in (self.keys, self.shares, self.masked, self.answers))
             reason = Reason.REPLAY if seen else Reason.WRONG_STAGE
             raise SecAggRefusal(reason, f"a {type(msg).__name__} at stage {self.stage}")
-        if msg.sender not in self.expected():
+        if not self.waits_on(msg.sender):
             done: dict[str, Any] = {
                 "keys": self.keys,
                 "shares": self.shares,
@@ -165,9 +178,9 @@ class SecAggServer:
         crypto.check_public_key(msg.mask_pk)
         if len(msg.seed_commitment) != 32:
             raise SecAggRefusal(Reason.MALFORMED, "a seed commitment must be 32 bytes")
-        used = {k for other in self.keys.values() for k in (other.cipher_pk, other.mask_pk)}
-        if msg.cipher_pk == msg.mask_pk or {msg.cipher_pk, msg.mask_pk} & used:
+        if msg.cipher_pk == msg.mask_pk or {msg.cipher_pk, msg.mask_pk} & self._used_keys:
             raise SecAggRefusal(Reason.DUPLICATE_KEY, f"client {msg.sender} reuses a public key")
+        self._used_keys |= {msg.cipher_pk, msg.mask_pk}
         self.keys[msg.sender] = msg
 
     def _on_shares(self, msg: Shares) -> None:
@@ -262,8 +275,9 @@ class SecAggServer:
                 return self._abandon(f"member {m}'s secrets have fewer than {lay.threshold} live holders")
         out: dict[int, Message] = {}
         for h in sorted(u3):
-            seed_of = tuple(sorted(m for m in u3 if h in lay.holders(m)))
-            key_of = tuple(sorted(m for m in dropped if h in lay.holders(m)))
+            mine = set(lay.holders(h))  # h holds shares of m iff m holds h's: the relation is symmetric
+            seed_of = tuple(sorted(mine & u3))
+            key_of = tuple(sorted(mine & dropped))
             req = UnmaskRequest(lay.group_id, seed_of, key_of)
             self.requests[h] = req
             out[h] = req
