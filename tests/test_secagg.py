@@ -382,3 +382,22 @@ def test_the_prg_is_aes_ctr_and_differs_per_seed() -> None:
     assert np.array_equal(a, crypto.prg_words(b"a" * 32, 1000, np.uint32))
     assert not np.array_equal(a, crypto.prg_words(b"b" * 32, 1000, np.uint32))
     assert np.array_equal(a[:10], crypto.prg_words(b"a" * 32, 10, np.uint32))
+
+
+def test_a_replayed_share_message_is_refused_in_its_stage_and_after() -> None:
+    lay = _layout(4)
+    server = SecAggServer(lay, Q32, 3)
+    clients = {m: SecAggClient(m) for m in lay.members}
+    for m, s in server.setup().items():
+        server.receive(clients[m].on_setup(s))
+    shares = {m: clients[m].on_keys(b) for m, b in server.advance().items()}  # type: ignore[arg-type]
+    server.receive(shares[10])
+    for later in (False, True):
+        with pytest.raises(SecAggRefusal) as err:
+            server.receive(shares[10])
+        assert err.value.reason is Reason.REPLAY
+        if not later:
+            for m in (11, 12, 13):
+                server.receive(shares[m])
+            server.advance()  # into the masked stage: the replay is still a replay
+    assert [r.reason for _, r in server.refusals] == [Reason.REPLAY, Reason.REPLAY]
