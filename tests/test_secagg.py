@@ -401,3 +401,15 @@ def test_a_replayed_share_message_is_refused_in_its_stage_and_after() -> None:
                 server.receive(shares[m])
             server.advance()  # into the masked stage: the replay is still a replay
     assert [r.reason for _, r in server.refusals] == [Reason.REPLAY, Reason.REPLAY]
+
+
+def test_a_share_ciphertext_of_the_wrong_size_is_refused_by_the_server() -> None:
+    def truncate(msg: Shares) -> Shares:
+        first = min(msg.ciphertexts)
+        return replace(msg, ciphertexts={**msg.ciphertexts, first: msg.ciphertexts[first][:-1]})
+
+    server, updates = _run_hostile(_tampered(Shares, 15, truncate))
+    assert (15, Reason.MALFORMED) in _reasons(server)
+    r = server.result
+    assert r is not None and 15 not in r.members
+    assert np.array_equal(r.total.astype(np.uint64), _plain(Q32, updates, r.members))
