@@ -158,3 +158,21 @@ def test_a_run_with_secure_aggregation_and_central_dp_reports_both(tmp_path: Pat
     assert on["privacy"]["aggregations"] == 4 and on["privacy"]["epsilon"] > 0
     assert on["privacy"]["max_contribution_norm"] <= 1.0 + 1e-9
     assert on["secure_aggregation"]["groups"] == 4 and on["secure_aggregation"]["groups_abandoned"] == 0
+
+
+@pytest.mark.parametrize("normalize", ["weights", "count"])
+def test_weights_below_one_keep_the_secure_step_within_quantisation_of_the_plaintext(normalize: str) -> None:
+    """FedBuff's and TierFuse's weights are at most 1: folded over a fixed scale of 1,000 they would
+    shrink w * delta below the quantisation step (a 40% error on FeLiX's steps); the default scale is
+    the aggregation's largest weight."""
+    rng = np.random.default_rng(5)
+    deltas = [rng.normal(0, 0.01, 5000) for _ in range(10)]
+    w = rng.uniform(0.6, 1.0, 10)
+    mech = SecureSum(
+        SecureAggregationCfg(protocol="buffered", group_size=16), normalize, _Orch(), np.random.default_rng(0)
+    )
+    step, norm_w = mech.noised_step(_buffer(deltas), w)
+    denom = w.sum() if normalize == "weights" else len(w)
+    plain = sum(wi * d for wi, d in zip(w, deltas)) / denom
+    assert np.linalg.norm(step - plain) / np.linalg.norm(plain) < 1e-3
+    assert np.allclose(norm_w, w / denom, rtol=1e-5)

@@ -24,8 +24,9 @@ With ``privacy.mechanism: central_gaussian`` on, the two compose: each client cl
 aggregation is left out (so one client moves the sum by at most C), and the server adds the
 mechanism's noise to the unmasked sum and divides by its fixed denominator.
 
-Otherwise each update's folded weight is the aggregator's weight for it over ``max_weight`` (capped at 1):
-in a deployment a client folds the weight it can compute itself (its sample count), and a
+Otherwise each update's folded weight is the aggregator's weight for it over ``max_weight`` (capped
+at 1), or over the aggregation's largest weight when ``max_weight`` is null (the default): a weight
+far below 1 would shrink ``w * delta`` below the quantisation step. In a deployment a client folds the weight it can compute itself (its sample count), and a
 staleness factor, known only on arrival, would be applied by the server to a whole group's sum
 (docs/privacy.md)."""
 
@@ -78,9 +79,12 @@ class SecureSum:
         dropped = stats.train_dropped + stats.train_cancelled - self._dropped_mark
         self._dropped_mark = stats.train_dropped + stats.train_cancelled
         if self.dp is None:
-            folded = np.minimum(np.asarray(weights, dtype=np.float64) / s.max_weight, 1.0)
+            w = np.asarray(weights, dtype=np.float64)
+            scale = s.max_weight if s.max_weight is not None else float(w.max(initial=0.0)) or 1.0
+            folded = np.minimum(w / scale, 1.0)
             index = {item.task_id: i for i, item in enumerate(buffer)}
         else:  # the central mechanism's bound: weights capped at 1, one update per client
+            scale = 1.0
             folded = np.minimum(np.asarray(weights, dtype=np.float64), 1.0)
             newest = {item.client_id: i for i, item in enumerate(buffer)}
             index = {buffer[i].task_id: i for i in sorted(newest.values())}
@@ -141,8 +145,8 @@ class SecureSum:
             step = xsum / wsum
             norm_w[survivors] = folded[survivors] / folded[survivors].sum()
         else:
-            step = xsum * s.max_weight / len(survivors)
-            norm_w[survivors] = folded[survivors] * s.max_weight / len(survivors)
+            step = xsum * scale / len(survivors)
+            norm_w[survivors] = folded[survivors] * scale / len(survivors)
         return step.astype(np.float32), norm_w
 
     def _client_side(self, delta: np.ndarray) -> np.ndarray:

@@ -43,10 +43,11 @@ class SecureAggregationCfg(BaseModel):
     clipping_range: float = Field(8.0, gt=0, description="each coordinate of w x delta is clipped to +-this")
     quantization_bits: int = Field(22, ge=1, le=62, description="levels per coordinate: 2^quantization_bits")
     modulus_bits: int = Field(32, ge=2, le=64, description="the ring of the masked sums: Z_(2^modulus_bits)")
-    max_weight: float = Field(
-        1000.0,
+    max_weight: float | None = Field(
+        None,
         gt=0,
-        description="a client's aggregation weight is divided by this (and capped at 1) before folding",
+        description="a client's aggregation weight is divided by this (and capped at 1) before folding; "
+        "null: by the largest weight of the aggregation, so that the weights use the whole quantisation range",
     )
 
     @property
