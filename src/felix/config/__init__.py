@@ -42,6 +42,7 @@ from felix.core.orchestrator_config import OrchestratorConfig
 from felix.core.rounds import ROUND_POLICIES
 from felix.core.validation import ValidationConfig
 from felix.privacy.config import PrivacyCfg, check_privacy
+from felix.secagg.config import SecureAggregationCfg, check_secure_aggregation
 
 __all__ = [
     "KEY_ALIASES",
@@ -335,6 +336,10 @@ class Config(StrictModel):
     run: RunCfg = RunCfg()
     stream: StreamCfg = StreamCfg()
     privacy: PrivacyCfg = Field(PrivacyCfg(), description="user-level differential privacy (docs/privacy.md)")
+    secure_aggregation: SecureAggregationCfg = Field(
+        SecureAggregationCfg(),
+        description="the server learns only sums of groups of updates (docs/privacy.md)",
+    )
 
     @model_serializer(mode="wrap")
     def _without_stream_off(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
@@ -345,6 +350,8 @@ class Config(StrictModel):
             out.pop("stream", None)
         if isinstance(out, dict) and not self.privacy.enabled:
             out.pop("privacy", None)
+        if isinstance(out, dict) and not self.secure_aggregation.enabled:
+            out.pop("secure_aggregation", None)
         return out
 
     @model_validator(mode="before")
@@ -453,6 +460,7 @@ class Config(StrictModel):
                     f"(aggregator is {self.aggregator.name!r})"
                 )
         check_privacy(self)
+        check_secure_aggregation(self)
         return self
 
 

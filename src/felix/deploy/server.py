@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from felix.config import Config
+from felix.config import Config, ConfigError
 from felix.core.admission import DEPLOY_DROP_RATE
 from felix.core.commands import (
     Command,
@@ -130,6 +130,8 @@ def _ms(values: deque[float], q: float) -> float | None:
 
 class Server:
     def __init__(self, cfg: Config, opts: ServeOptions) -> None:
+        if cfg.secure_aggregation.enabled:  # the protocol's MQTT stages are not built (docs/privacy.md)
+            raise ConfigError("secure_aggregation over MQTT is not built yet: felix run simulates it")
         if opts.time_scale <= 0:
             raise ValueError("time scale must be positive")
         if opts.max_pending_bytes < 1 or opts.max_pending_messages < 1 or opts.checkpoint_interval_s < 0:

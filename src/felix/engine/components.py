@@ -32,6 +32,7 @@ from felix.metrics.test_pass import TestPass
 from felix.privacy.setup import install as install_privacy
 from felix.scenario.build import participation_shares, strategy_stream
 from felix.scenario.traces import AvailabilityTrace
+from felix.secagg.setup import install as install_secagg
 from felix.strategies.dataplans.plans import build_data_plan
 from felix.strategies.objectives import OBJECTIVES, Objective, objective_class
 
@@ -180,6 +181,7 @@ def build_orchestrator(
         availability,
     )
     install_privacy(cfg, orch)
+    install_secagg(cfg, orch)
     return orch
 
 

@@ -52,6 +52,7 @@ from felix.metrics.report import summary as run_summary
 from felix.metrics.report import write_run
 from felix.metrics.stall import StallClock
 from felix.privacy.budget import PrivacyBudget
+from felix.secagg.aggregate import SecureSum
 
 EVAL_RESULT_BYTES = HEADER_BYTES + 16  # an evaluation result: accuracy-style utility and loss
 
@@ -124,6 +125,9 @@ class RunController:
         self._stop: str | None = None
         # privacy on: the budget accounts each aggregation (felix.privacy.budget)
         self.privacy = PrivacyBudget(cfg, orch.aggregator.privacy) if cfg.privacy.enabled else None
+        # secure aggregation on: its groups' protocol bytes and counts (felix.secagg.aggregate)
+        mech = orch.aggregator.privacy
+        self.secagg = mech if isinstance(mech, SecureSum) else None
         self.on_evaluation: list[Callable[[EvalRow], None]] = []  # e.g. a log line per evaluation
 
     # ------------------------------------------------------------------ stopping
@@ -186,6 +190,10 @@ class RunController:
 
     def _on_version(self, cmd: NewModelVersion) -> None:
         self.rec.on_aggregation(cmd)
+        if self.secagg is not None:
+            up, down = self.secagg.take_traffic()
+            self.rec.bytes.add("up", "train", up)  # the protocol's messages are training traffic
+            self.rec.bytes.add("down", "train", down)
         if self.privacy is not None:
             self.privacy.step()
             if self.privacy.spent:
@@ -251,6 +259,8 @@ class RunController:
             }
         if self.privacy is not None:
             summ["privacy"] = self.privacy.summary()
+        if self.secagg is not None:
+            summ["secure_aggregation"] = self.secagg.summary()
         if rec.per_client is not None:  # run.per_client_eval: the final model, client by client
             summ["per_client"] = rec.per_client(self.orch.weights)
         return summ
