@@ -46,8 +46,8 @@ def _sa(**kw: Any) -> dict[str, Any]:
             "aggregator.clip_norm needs each update",
         ),
         ({**_sa(), "client": {"objective": "scaffold"}}, "client.objective 'scaffold' sends aux state"),
-        ({**_sa(), "orchestrator": {"mode": "async"}}, "secagg_plus needs orchestrator.mode sync"),
-        ({"secure_aggregation": {"protocol": "buffered"}, **SYNC}, "buffered serves orchestrator.mode async"),
+        ({**_sa(), "orchestrator": {"mode": "async"}}, "secagg_plus needs orchestrator.round_policy sync"),
+        ({"secure_aggregation": {"protocol": "buffered"}, **SYNC}, "buffered serves orchestrator.round_policy async"),
         (
             {**_sa(), "privacy": {"mechanism": "central_gaussian"}, "aggregator": {"name": "fedavg"}},
             "privacy: aggregator.normalize 'weights' divides by a data-dependent sum",
@@ -81,7 +81,7 @@ def test_secagg_comparisons_pair_each_strategy_with_and_without_secure_aggregati
         plain = variant_config(comp, name, {})
         secure = variant_config(comp, f"{name}+secagg", {})
         assert not plain.secure_aggregation.enabled
-        want = "secagg_plus" if plain.orchestrator.mode == "sync" else "buffered"
+        want = "secagg_plus" if plain.orchestrator.round_policy == "sync" else "buffered"
         assert secure.secure_aggregation.protocol == want
         same = secure.model_copy(
             update={"secure_aggregation": plain.secure_aggregation, "strategy": plain.strategy}

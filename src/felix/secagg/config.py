@@ -118,14 +118,14 @@ def check_secure_aggregation(cfg: Any) -> None:
             f"secure_aggregation: client.objective {cfg.client.objective!r} sends aux state in the clear "
             "beside the update: use an objective without aux (ce, fedprox)"
         )
-    sync = cfg.orchestrator.mode == "sync"
+    sync = cfg.orchestrator.round_policy == "sync"
     if s.protocol == "secagg_plus" and not sync:
         raise ValueError(
-            "secure_aggregation: secagg_plus needs orchestrator.mode sync: use buffered for async"
+            "secure_aggregation: secagg_plus needs orchestrator.round_policy sync: use buffered for async"
         )
     if s.protocol == "buffered" and sync:
         raise ValueError(
-            "secure_aggregation: buffered serves orchestrator.mode async: use secagg_plus for sync"
+            "secure_aggregation: buffered serves orchestrator.round_policy async: use secagg_plus for sync"
         )
 
 
