@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from felix import cpu_kernels
 from felix.client.trainer import LocalTrainer, TrainConfig, autocast, one_thread, thread_invariant
 from felix.client.weights import ModelWeights, weights_for
+from felix.client.workers import Workers
 from felix.config import Config, ConfigError
 from felix.core.availability import AVAILABILITY
 from felix.core.orchestrator import Orchestrator
@@ -54,6 +55,7 @@ def make_evaluator(
     device: str,
     batch_size: int = 1000,
     autocast_dtype: torch.dtype | None = None,
+    workers: Workers | None = None,
 ) -> Callable[[np.ndarray], tuple[float, float]]:
     """The global model's test accuracy and loss. The test set is copied to ``device`` once; the
     sums stay there, one transfer per evaluation. ``model`` must carry its factory's buffers: a
@@ -63,7 +65,9 @@ def make_evaluator(
     A model whose single-client work stays on one thread (:func:`thread_invariant`) is evaluated on
     one thread as well: MKL rounds the test set's ``[N, 784] x [784, 64]`` product differently on
     two threads, and a last-bit change of a logit can flip a tied prediction and so the time to a
-    target; on one thread the evaluation gives the same bits at any ``run.threads``."""
+    target; on one thread the evaluation gives the same bits at any ``run.threads``. With
+    ``workers`` the batches are spread over them, each on one thread, and their sums added in the
+    batches' order: the bits of the evaluation on one thread."""
     if test is None:
 
         def no_test_set(weights: np.ndarray) -> tuple[float, float]:
@@ -83,6 +87,14 @@ def make_evaluator(
         with one_thread(single_thread):
             return _evaluate(weights)
 
+    @torch.no_grad()
+    def batch(_: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The summed loss and the correct predictions of the batch that starts at sample ``s``."""
+        xb, yb = x[s : s + batch_size], y[s : s + batch_size]
+        with autocast(device, autocast_dtype):
+            logits = model(xb).float()
+        return F.cross_entropy(logits, yb, reduction="sum"), (logits.argmax(1) == yb).sum()
+
     def _evaluate(weights: np.ndarray) -> tuple[float, float]:
         size = int(np.asarray(weights).size)
         if size not in layouts:
@@ -93,12 +105,11 @@ def make_evaluator(
         model.eval()
         correct = torch.zeros((), dtype=torch.long, device=device)
         loss = torch.zeros((), device=device)
-        for s in range(0, len(test), batch_size):
-            xb, yb = x[s : s + batch_size], y[s : s + batch_size]
-            with autocast(device, autocast_dtype):
-                logits = model(xb).float()
-            loss += F.cross_entropy(logits, yb, reduction="sum")
-            correct += (logits.argmax(1) == yb).sum()
+        starts = range(0, len(test), batch_size)
+        sums = workers.map(batch, starts) if workers is not None else (batch(0, s) for s in starts)
+        for batch_loss, batch_correct in sums:
+            loss += batch_loss
+            correct += batch_correct
         return int(correct.cpu()) / len(test), float(loss.cpu()) / len(test)
 
     return evaluate

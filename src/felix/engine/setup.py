@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from felix.client.trainer import ClientData, LocalTrainer
+from felix.client.workers import Workers
 from felix.config import Config, ConfigError, deep_merge, read_yaml, validate
 from felix.core.orchestrator import Orchestrator
 from felix.engine.components import (
@@ -106,17 +107,21 @@ def build_server_side(
     plan_errors: str = "raise",
     sink: EvalSink | None = None,
     measure_wire: bool = False,
+    workers: Workers | None = None,
 ) -> ServerSide:
     """The server side of ``cfg`` over ``pop``. ``trace``: the availability, or a function making
     it (called once, and only if a part reads it); ``stream``: the run's stream model, whose
     population mix judges the model; ``plan_errors``: ``PlanSetup.on_error`` of the data plan;
-    ``sink`` and ``measure_wire`` as ``RunController``'s."""
+    ``sink`` and ``measure_wire`` as ``RunController``'s; ``workers``: the evaluation's batches are
+    spread over them (``make_evaluator``)."""
     apply_run_settings(cfg)
     check_population(cfg, pop)
     trace = once(trace)
     autocast_dtype = apply_precision(cfg)
     r = cfg.run
-    evaluate = make_evaluator(copy.deepcopy(pop.model), pop.test, r.device, autocast_dtype=autocast_dtype)
+    evaluate = make_evaluator(
+        copy.deepcopy(pop.model), pop.test, r.device, autocast_dtype=autocast_dtype, workers=workers
+    )
     recorder = Recorder(evaluate, r.target_accuracy, r.target_window, r.eval_every)
     attach_run_measures(cfg, recorder, pop, trace, autocast_dtype)
     freshness = None

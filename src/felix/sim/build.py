@@ -16,7 +16,10 @@ from dataclasses import dataclass
 from torch import nn
 
 from felix.client.cohort import CohortTrainer, resolve_cohort
+from felix.client.cohort_split import SplitCohort
 from felix.client.trainer import ClientData, LocalTrainer
+from felix.client.trainer_pool import TrainerPool
+from felix.client.workers import Workers
 from felix.config import Config, ConfigError
 from felix.core.orchestrator import Orchestrator
 from felix.engine.components import apply_run_settings, build_objective
@@ -74,6 +77,60 @@ def build_cohort(
         sample_shape,
     )
     return cohort, size, min_k
+
+
+def build_workers(cfg: Config, stream: bool) -> Workers | None:
+    """``run.workers`` above 1: the run's workers (None where the run trains in one place: a Ray
+    executor's actors, a stream's fresh data per task, a Flower app's messages)."""
+    n = cfg.run.workers
+    if n == 1:
+        return None
+    if cfg.run.executor != "local":
+        raise ConfigError(f"run.workers {n} needs run.executor local (Ray actors are the run's workers)")
+    if stream or cfg.client.flower_app is not None:
+        log.warning("run.workers %d: this run trains one task at a time in order (stream, Flower app)", n)
+        return None
+    return Workers(n)
+
+
+def over_workers(
+    cfg: Config,
+    workers: Workers,
+    trainer: LocalTrainer,
+    cohort: CohortTrainer | None,
+    sizes: tuple[int, int],
+) -> tuple[CohortExecutor, int, int]:
+    """The cohort executor on ``workers`` with its cohort size and smallest cohort: the live cohort
+    split in one share per worker, or, where clients train one at a time, a trainer per worker
+    taking groups of the tasks due next (the smallest group one, so that every task trains on a
+    worker's one thread)."""
+    if cohort is not None:
+        more = [
+            CohortTrainer(
+                copy.deepcopy(trainer.model),
+                build_objective(cfg),
+                cohort.cfg,
+                cohort.num_classes,
+                cfg.run.device,
+                cohort.autocast,
+                cohort.sample_shape,
+            )
+            for _ in range(workers.n - 1)
+        ]
+        return SplitCohort([cohort, *more], workers), *sizes
+    trainers = [
+        LocalTrainer(
+            copy.deepcopy(trainer.model),
+            build_objective(cfg),
+            trainer.cfg,
+            trainer.num_classes,
+            cfg.run.device,
+            trainer.autocast_dtype,
+        )
+        for _ in range(workers.n)
+    ]
+    pool = TrainerPool(trainers, workers)
+    return pool, pool.group_size, 1
 
 
 def build_executor(
@@ -138,7 +195,8 @@ def build(
         raise ConfigError(f"build: trace must be a felix AvailabilityTrace, not {type(trace).__name__}")
     trace = build_trace(cfg, pop) if trace is None else trace
     stream = build_stream(cfg, pop, trace) if cfg.stream.enabled else None
-    server = build_server_side(cfg, pop, trace, stream)
+    workers = build_workers(cfg, stream is not None)
+    server = build_server_side(cfg, pop, trace, stream, workers=workers)
     planned = server.orch.data_plan
     clients = build_client_side(cfg, pop, stream, planned if isinstance(planned, PlannedDataPlan) else None)
     if cfg.client.flower_app is not None:
@@ -153,6 +211,10 @@ def build(
     else:  # every task trains on new data, which a cohort's data pool would keep: one at a time
         cohort, cohort_size, min_cohort = None, 1, 1
     executor = build_executor(cfg, cohort, pop.client_data)
+    if workers is not None:
+        executor, cohort_size, min_cohort = over_workers(
+            cfg, workers, trainer, cohort, (cohort_size, min_cohort)
+        )
     devices = make_devices(pop.client_data, clients.runtimes, trace.for_client)
     if cfg.client.flower_app is not None:
         from felix.flower.trainer import CLIENT_KEY
