@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -123,3 +125,22 @@ def test_workers_need_the_local_executor() -> None:
     cfg = resolve_config(None, "felix", {"model": "mlp", "run": {"workers": 2, "executor": "ray"}})
     with pytest.raises(ConfigError, match="run.workers 2 needs run.executor local"):
         build(cfg)
+
+
+@pytest.mark.slow  # a benchmark harness (benchmarks/engine_speed.py)
+def test_engine_speed_times_each_worker_count_in_turn(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--workers 2,1``: one line per count, the same run on each, with the load averages."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import engine_speed
+    finally:
+        sys.path.pop(0)
+    argv = ["--scenario", "default", "--aggregations", "3", "--warmup", "1", "--bare-repeats", "1"]
+    argv += ["--set", "model=mlp", "--cohort", "4", "--workers", "2,1", "--json"]
+    assert engine_speed.main(argv) == 0
+    lines = [json.loads(ln) for ln in capsys.readouterr().out.strip().splitlines()]
+    assert [ln["workers"] for ln in lines] == [2, 1]
+    assert lines[0]["virtual_s"] == lines[1]["virtual_s"] and lines[0]["updates"] == lines[1]["updates"]
+    assert lines[0]["final_accuracy"] == lines[1]["final_accuracy"]
+    for ln in lines:
+        assert len(ln["load_avg_before"]) == len(ln["load_avg_after"]) == 3 and ln["ratio_to_bare"] > 0
