@@ -262,6 +262,10 @@ class CohortTrainer:
         the updates of the tasks that finished, which leave the stack."""
         return self._live.steps(steps)
 
+    def live_work(self) -> int:
+        """Steps the live tasks have left, summed."""
+        return self._live.work()
+
     def remaining(self, key: int) -> int:
         """Steps ``key``'s live task has left (``KeyError`` when it is not in the live stack)."""
         return self._live.remaining(key)

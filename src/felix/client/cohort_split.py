@@ -44,9 +44,7 @@ class SplitCohort:
         )
 
     def join(self, key: int, task: CohortTask) -> None:
-        work = [0] * len(self.trainers)
-        for k, j in self._share.items():
-            work[j] += self.trainers[j].remaining(k)
+        work = [t.live_work() for t in self.trainers]
         j = work.index(min(work))
         self.trainers[j].join(key, task)
         self._share[key] = j

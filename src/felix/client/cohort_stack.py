@@ -396,6 +396,10 @@ class LiveStack:
             raise KeyError(f"task {key} is not in the cohort stack")
         return target.remaining
 
+    def work(self) -> int:
+        """Steps left, summed over the tasks."""
+        return sum(r.remaining for r in self.rows)
+
     def advance(self, key: int) -> dict[int, ClientUpdate]:
         """Step every task until ``key``'s is done; the updates of the tasks that finished."""
         return self.steps(self.remaining(key))
