@@ -26,6 +26,11 @@ repeats the pair N times in this process, checks that every round ran the same r
 the median round (by ``ratio_to_bare``) with every round's wall time, bare time and ratio beside
 it (``*_rounds``) and the smallest ratio (``ratio_to_bare_min``).
 
+``--workers`` sets ``run.workers`` (a list runs each in turn): the run's clients trained side by side
+on that many single-threaded workers, e.g. ``--workers 1,2 --bare-threads 1`` for one worker and two
+against the bare loop on one thread. Every round records the machine's load averages before and
+after it (``load_avg_before``, ``load_avg_after``): other processes' work on a shared machine.
+
 ``--busy N`` starts N processes that each keep a core busy (a Python loop) for the whole
 measurement and ends them after: the run under contention, as when a user runs other work beside
 it (``busy`` in the JSON). On two cores, ``--set run.threads=2 --bare-threads 1 --busy 1`` is the
@@ -42,6 +47,7 @@ import copy
 import dataclasses
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
@@ -112,6 +118,7 @@ def simulate(
     cohort: str | None = None,
     around: AbstractContextManager[Any] | None = None,
     interleave: int = 0,
+    workers: int | None = None,
 ) -> Simulated:
     """Build and run the config; ``around`` wraps the run alone (e.g. a profiler), not the build.
     ``interleave`` above 0: pause the run after every that many aggregations for a chunk of the
@@ -121,6 +128,8 @@ def simulate(
     run.update({"max_aggregations": aggregations, "stop_at_target": False})
     if cohort is not None:
         run["cohort"] = cohort if cohort == "auto" else int(cohort)
+    if workers is not None:
+        run["workers"] = workers
     cfg = resolve_config(None, args.preset, sets, args.scenario)
     built = build(cfg)
     tasks: list[Task] = []
@@ -206,9 +215,12 @@ def bare_loop(built: Built, tasks: list[Task], model: torch.nn.Module) -> tuple[
     return time.perf_counter() - t0, time.process_time() - cpu0
 
 
-def engine(args: argparse.Namespace, aggregations: int, cohort: str | None) -> dict[str, Any]:
-    simulate(args, args.warmup, cohort)  # first-call costs of torch and the allocator are not the engine's
-    rounds = [measure_round(args, aggregations, cohort) for _ in range(args.rounds)]
+def engine(
+    args: argparse.Namespace, aggregations: int, cohort: str | None, workers: int | None = None
+) -> dict[str, Any]:
+    # first-call costs of torch and the allocator are not the engine's
+    simulate(args, args.warmup, cohort, workers=workers)
+    rounds = [measure_round(args, aggregations, cohort, workers) for _ in range(args.rounds)]
     same = {(r["virtual_s"], r["final_accuracy"], r["updates"]) for r in rounds}
     if len(same) != 1:
         raise RuntimeError(
@@ -228,10 +240,13 @@ def engine(args: argparse.Namespace, aggregations: int, cohort: str | None) -> d
     return {**res, "provenance": provenance()}
 
 
-def measure_round(args: argparse.Namespace, aggregations: int, cohort: str | None) -> dict[str, Any]:
+def measure_round(
+    args: argparse.Namespace, aggregations: int, cohort: str | None, workers: int | None = None
+) -> dict[str, Any]:
     """One simulated run and its bare loop (the best of ``--bare-repeats``, chunk by chunk when
-    interleaved), side by side."""
-    run = simulate(args, aggregations, cohort, interleave=args.interleave)
+    interleaved), side by side; the machine's load averages before and after (other work on it)."""
+    load_before = os.getloadavg()
+    run = simulate(args, aggregations, cohort, interleave=args.interleave, workers=workers)
     built, out, tasks, eval_s, sim_cpu = run.built, run.out, run.tasks, run.eval_s, run.cpu_s
     loop = run.bare
     if loop is None:  # not interleaved: the whole bare loop now, as one chunk
@@ -258,6 +273,7 @@ def measure_round(args: argparse.Namespace, aggregations: int, cohort: str | Non
         "seed": cfg.seed,
         "device": cfg.run.device,
         "threads": torch.get_num_threads(),
+        "workers": cfg.run.workers,
         "cohort_setting": cfg.run.cohort,
         "cohort_size": sim.cfg.cohort_size,
         "precision": cfg.run.precision,
@@ -291,6 +307,9 @@ def measure_round(args: argparse.Namespace, aggregations: int, cohort: str | Non
         "cpu_s": round(sim_cpu, 3),
         "bare_cpu_s": round(bare_cpu, 3),
         "cpu_ratio_to_bare": round(sim_cpu / bare_cpu, 3) if bare_cpu else None,
+        # 1, 5 and 15 minute load averages when the round began and ended
+        "load_avg_before": [round(v, 2) for v in load_before],
+        "load_avg_after": [round(v, 2) for v in os.getloadavg()],
     }
 
 
@@ -337,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         "--cohort",
         help="run.cohort: auto, 1 (sequential) or N (default: the config's); a "
         "comma-separated list runs each in turn in this process, one JSON line each",
+    )
+    ap.add_argument(
+        "--workers",
+        help="run.workers (default: the config's); a comma-separated list runs each in turn, after "
+        "one another for every --cohort value, one JSON line each",
     )
     ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="config override, as felix run"
@@ -419,9 +443,11 @@ def main(argv: list[str] | None = None) -> int:
         aggs *= len(cohorts)
     if len(aggs) != len(cohorts):
         ap.error("--aggregations needs one value, or one per --cohort value")
+    workers: list[int | None] = [int(w) for w in args.workers.split(",")] if args.workers else [None]
     with busy_cores(args.busy):
         for cohort, n in zip(cohorts, aggs):
-            report({**engine(args, n, cohort), "busy": args.busy}, args.json)
+            for w in workers:
+                report({**engine(args, n, cohort, w), "busy": args.busy}, args.json)
     if args.profile:
         profile(args, args.profile_aggregations, cohorts[0], args.profile)
     return 0

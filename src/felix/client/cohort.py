@@ -180,6 +180,7 @@ class CohortTrainer:
         self.cfg = cfg
         self.num_classes = num_classes
         self.autocast = autocast
+        self.sample_shape = sample_shape
         self.pool = DataPool(self.device)
         self.names = [n for n, _ in self.model.named_parameters()]
         self.shapes = [p.shape for _, p in self.model.named_parameters()]
@@ -255,6 +256,19 @@ class CohortTrainer:
         """Step every live task in lockstep until ``key``'s is done; return the updates of all tasks
         that finished (``key``'s among them), which leave the stack. The others keep their progress."""
         return self._live.advance(key)
+
+    def advance_steps(self, steps: int) -> dict[int, ClientUpdate]:
+        """Step every live task ``steps`` times or until it is done (one share of a split stack);
+        the updates of the tasks that finished, which leave the stack."""
+        return self._live.steps(steps)
+
+    def live_work(self) -> int:
+        """Steps the live tasks have left, summed."""
+        return self._live.work()
+
+    def remaining(self, key: int) -> int:
+        """Steps ``key``'s live task has left (``KeyError`` when it is not in the live stack)."""
+        return self._live.remaining(key)
 
     def drop(self, key: int) -> bool:
         """Remove ``key``'s task from the live stack unfinished (cancelled, or its data changed)."""

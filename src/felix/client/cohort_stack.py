@@ -389,15 +389,33 @@ class LiveStack:
         self.slab.keep(order)
 
     # ------------------------------------------------------------------ stepping
-    def advance(self, key: int) -> dict[int, ClientUpdate]:
-        tr, cfg, dev = self.tr, self.tr.cfg, self.tr.device
+    def remaining(self, key: int) -> int:
+        """Steps ``key``'s task has left."""
         target = next((r for r in self.rows if r.key == key), None)
         if target is None:
             raise KeyError(f"task {key} is not in the cohort stack")
-        order = self._lockstep_order(target.remaining)
+        return target.remaining
+
+    def work(self) -> int:
+        """Steps left, summed over the tasks."""
+        return sum(r.remaining for r in self.rows)
+
+    def advance(self, key: int) -> dict[int, ClientUpdate]:
+        """Step every task until ``key``'s is done; the updates of the tasks that finished."""
+        return self.steps(self.remaining(key))
+
+    def steps(self, S: int) -> dict[int, ClientUpdate]:
+        """Step every task ``S`` times or until it is done; the updates of the tasks that finished.
+        Each task's steps are its own, so a stack split in parts, each stepped ``S`` times, gives
+        every task the update this stack gives it (:class:`felix.client.cohort_split.SplitCohort`)."""
+        tr, cfg, dev = self.tr, self.tr.cfg, self.tr.device
+        if not self.rows:
+            return {}
+        S = min(S, max(r.remaining for r in self.rows))  # a share's tasks may all end sooner
+        order = self._lockstep_order(S)
         if order != list(range(len(self.rows))):
             self._take(order)
-        rows, bs, S = self.rows, cfg.batch_size, target.remaining
+        rows, bs = self.rows, cfg.batch_size
         x_all, y_all = tr.pool.x, tr.pool.y
         assert x_all is not None and y_all is not None
         ran = [min(r.remaining, S) for r in rows]

@@ -234,6 +234,14 @@ class RunCfg(StrictModel):
         description="clients trained together in one vectorised pass: 1 = one at a time; auto = "
         "vectorised on a GPU, and on a CPU for models without convolutions (felix.client.cohort)",
     )
+    workers: int = Field(
+        1,
+        ge=1,
+        description="simulator: threads that train clients side by side, each on one torch thread "
+        "(felix.client.workers): a live cohort split in shares, or clients that train one at a "
+        "time trained a few at once, and the evaluation's batches; the same results as one "
+        "worker at run.threads 1, for any count",
+    )
     executor: Literal["local", "ray"] = Field(
         "local",
         description="where cohorts train: local = in this process; ray = split over Ray actors "

@@ -15,8 +15,11 @@ from dataclasses import dataclass
 from torch import nn
 
 from felix.client.cohort import CohortTrainer
-from felix.client.trainer import ClientData
-from felix.config import Config
+from felix.client.cohort_split import SplitCohort
+from felix.client.trainer import ClientData, LocalTrainer
+from felix.client.trainer_pool import TrainerPool
+from felix.client.workers import Workers
+from felix.config import Config, ConfigError
 from felix.core.orchestrator import Orchestrator
 from felix.engine.controller import RunController
 from felix.engine.plan import RunPlan, plan_run
@@ -34,6 +37,36 @@ from felix.strategies.dataplans.policy import PlannedDataPlan
 from felix.stream.model import StreamModel
 
 log = logging.getLogger("felix.sim.build")
+
+
+def build_workers(cfg: Config, stream: bool) -> Workers | None:
+    """``run.workers`` above 1: the run's workers (None where the run trains in one place: a Ray
+    executor's actors, a stream's fresh data per task, a Flower app's messages)."""
+    n = cfg.run.workers
+    if n == 1:
+        return None
+    if cfg.run.executor != "local":
+        raise ConfigError(f"run.workers {n} needs run.executor local (Ray actors are the run's workers)")
+    if stream or cfg.client.flower_app is not None:
+        log.warning("run.workers %d: this run trains one task at a time in order (stream, Flower app)", n)
+        return None
+    return Workers(n)
+
+
+def over_workers(
+    plan: RunPlan, workers: Workers, trainer: LocalTrainer, cohorts: Cohorts
+) -> tuple[CohortExecutor, int, int]:
+    """The cohort executor on ``workers`` with its cohort size and smallest cohort: the live cohort
+    split in one share per worker (each share's trainer from the run's trainer factory), or, where
+    clients train one at a time, a trainer per worker taking groups of the tasks due next (the
+    smallest group one, so that every task trains on a worker's one thread)."""
+    if cohorts.trainer is not None:
+        largest = max(plan.sizes)
+        more = [plan.trainers.cohorts(trainer, largest).trainer for _ in range(workers.n - 1)]
+        shares = [cohorts.trainer, *(c for c in more if c is not None)]
+        return SplitCohort(shares, workers), cohorts.size, cohorts.min_size
+    pool = TrainerPool([plan.trainers.trainer() for _ in range(workers.n)], workers)
+    return pool, pool.group_size, 1
 
 
 def build_executor(
@@ -95,6 +128,10 @@ def build(
     else:  # every task trains on new data, which a cohort's data pool would keep: one at a time
         cohorts = Cohorts()
     executor = build_executor(cfg, cohorts.trainer, pop.client_data)
+    cohort_size, min_cohort = cohorts.size, cohorts.min_size
+    workers = build_workers(cfg, plan.stream is not None)
+    if workers is not None:
+        executor, cohort_size, min_cohort = over_workers(plan, workers, trainer, cohorts)
     devices = make_devices(pop.client_data, plan.runtimes, plan.trace.for_client)
     if cfg.client.flower_app is not None:
         from felix.flower.trainer import CLIENT_KEY
@@ -106,8 +143,8 @@ def build(
     settings = SimSettings(
         seed=cfg.seed,
         eval_fraction=cfg.runtime.eval_fraction,
-        cohort_size=cohorts.size,
-        min_cohort=cohorts.min_size,
+        cohort_size=cohort_size,
+        min_cohort=min_cohort,
     )
     sim = Simulation(
         server.orch,

@@ -1,0 +1,120 @@
+"""run.workers: clients trained side by side on single-threaded workers give the run of one worker."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from synthetic_data import fashion_like_idx
+
+from felix.client.cohort_split import SplitCohort
+from felix.client.trainer_pool import TrainerPool
+from felix.client.workers import Workers
+from felix.config import ConfigError
+from felix.engine.setup import resolve_config
+from felix.sim.build import build
+
+THREADS = torch.get_num_threads()
+
+
+def test_workers_return_results_in_order_each_piece_on_one_thread() -> None:
+    before = torch.get_num_threads()
+    workers = Workers(2)
+    try:
+        assert torch.get_num_threads() == before  # the caller keeps its count
+        seen: list[tuple[int, int, str]] = []
+
+        def piece(worker: int, item: int) -> int:
+            seen.append((worker, torch.get_num_threads(), threading.current_thread().name))
+            return item * item
+
+        assert workers.map(piece, range(40)) == [i * i for i in range(40)]
+        assert len(seen) == 40 and {threads for _, threads, _ in seen} == {1}
+        assert {w for w, _, _ in seen} <= {0, 1}
+        assert torch.get_num_threads() == before
+
+        def fails(worker: int, item: int) -> int:
+            if item == 3:
+                raise ValueError("piece 3")
+            return item
+
+        with pytest.raises(ValueError, match="piece 3"):
+            workers.map(fails, range(6))
+        assert workers.map(piece, [5]) == [25]
+    finally:
+        workers.close()
+    assert workers.map(lambda w, i: (w, i), [1, 2]) == [(0, 1), (0, 2)]  # closed: the caller takes all
+    with pytest.raises(ValueError, match="at least 1"):
+        Workers(0)
+
+
+@pytest.mark.parametrize(
+    ("model", "cohort", "executor"),
+    [("mlp", "auto", SplitCohort), ("mlp", 1, TrainerPool), ("small_cnn", "auto", TrainerPool)],
+    ids=["mlp-live-cohort", "mlp-sequential", "cnn-sequential"],
+)
+def test_a_run_on_two_workers_is_the_run_on_one(
+    model: str, cohort: Any, executor: type, tmp_path: Path
+) -> None:
+    """The same weights, evaluations and client states: each task's arithmetic is its own and on
+    one thread, whichever worker does it. FeLiX (eval tasks), two epochs with momentum (stacks
+    shrink to one row), an evaluation split in batches."""
+    root = fashion_like_idx(tmp_path / "fashion", per_class=300, test_per_class=50)
+    runs = []
+    for workers in (1, 2):
+        over = {
+            "model": model,
+            "dataset": {"name": "fashion_mnist", "root": str(root), "test_limit": 500},
+            "partition": {"num_clients": 24, "alpha": 0.5},
+            "client": {"epochs": 2, "momentum": 0.5},
+            "run": {
+                "threads": 1,
+                "workers": workers,
+                "cohort": cohort,
+                "max_aggregations": 8,
+                "stop_at_target": False,
+            },
+        }
+        built = build(resolve_config(None, "felix", over))
+        assert isinstance(built.sim.cohort, executor) == (workers == 2)
+        built.sim.run()
+        runs.append(built)
+    one, two = runs
+    assert one.orch.version == two.orch.version == 8
+    assert np.array_equal(one.orch.weights, two.orch.weights)
+    assert [(r.version, r.time_s, r.accuracy, r.loss) for r in one.recorder.rows] == [
+        (r.version, r.time_s, r.accuracy, r.loss) for r in two.recorder.rows
+    ]
+    for a, b in zip(one.sim.devices, two.sim.devices):
+        assert sorted(a.state) == sorted(b.state)
+
+
+def test_workers_need_the_local_executor() -> None:
+    cfg = resolve_config(None, "felix", {"model": "mlp", "run": {"workers": 2, "executor": "ray"}})
+    with pytest.raises(ConfigError, match="run.workers 2 needs run.executor local"):
+        build(cfg)
+
+
+@pytest.mark.slow  # a benchmark harness (benchmarks/engine_speed.py)
+def test_engine_speed_times_each_worker_count_in_turn(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--workers 2,1``: one line per count, the same run on each, with the load averages."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import engine_speed
+    finally:
+        sys.path.pop(0)
+    argv = ["--scenario", "default", "--aggregations", "3", "--warmup", "1", "--bare-repeats", "1"]
+    argv += ["--set", "model=mlp", "--cohort", "4", "--workers", "2,1", "--json"]
+    assert engine_speed.main(argv) == 0
+    lines = [json.loads(ln) for ln in capsys.readouterr().out.strip().splitlines()]
+    assert [ln["workers"] for ln in lines] == [2, 1]
+    assert lines[0]["virtual_s"] == lines[1]["virtual_s"] and lines[0]["updates"] == lines[1]["updates"]
+    assert lines[0]["final_accuracy"] == lines[1]["final_accuracy"]
+    for ln in lines:
+        assert len(ln["load_avg_before"]) == len(ln["load_avg_after"]) == 3 and ln["ratio_to_bare"] > 0
