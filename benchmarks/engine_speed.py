@@ -67,7 +67,7 @@ from felix.config import parse_set
 from felix.engine.setup import resolve_config
 from felix.metrics.provenance import provenance
 from felix.sim.build import Built, build
-from felix.sim.engine import SimOutcome
+from felix.sim.simulation import SimOutcome
 
 Task = tuple[ClientData, int, np.ndarray]  # a training task: its client's data, its id, its weights
 

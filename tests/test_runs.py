@@ -97,7 +97,7 @@ def test_a_finished_run_leaves_nothing_alive_in_the_process(tmp_path):
     many runs in a row (``--jobs 1``, a pool or Ray worker) does not grow by a population per run."""
     from felix.client.trainer import ClientData
     from felix.core.orchestrator import Orchestrator
-    from felix.sim.engine import Simulation
+    from felix.sim.simulation import Simulation
 
     gc.collect()
     gc.disable()  # the collector's own schedule must not do execute's work here

@@ -47,7 +47,10 @@ def _sa(**kw: Any) -> dict[str, Any]:
         ),
         ({**_sa(), "client": {"objective": "scaffold"}}, "client.objective 'scaffold' sends aux state"),
         ({**_sa(), "orchestrator": {"mode": "async"}}, "secagg_plus needs orchestrator.round_policy sync"),
-        ({"secure_aggregation": {"protocol": "buffered"}, **SYNC}, "buffered serves orchestrator.round_policy async"),
+        (
+            {"secure_aggregation": {"protocol": "buffered"}, **SYNC},
+            "buffered serves orchestrator.round_policy async",
+        ),
         (
             {**_sa(), "privacy": {"mechanism": "central_gaussian"}, "aggregator": {"name": "fedavg"}},
             "privacy: aggregator.normalize 'weights' divides by a data-dependent sum",

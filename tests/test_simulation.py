@@ -10,8 +10,8 @@ from felix.cli import main
 from felix.core.types import Tier
 from felix.engine.setup import resolve_config
 from felix.scenario.traces import DeviceTrace
-from felix.sim.engine import SimDevice
 from felix.sim.run import run_config
+from felix.sim.simulation import SimDevice
 
 SMALL = {
     "partition": {"num_clients": 20, "alpha": 0.5},

@@ -20,7 +20,7 @@ from felix.core.types import ClientUpdate
 
 
 class SplitCohort:
-    """The engine's live cohort (:class:`felix.sim.engine.LiveCohort`) over ``trainers``, one per
+    """The engine's live cohort (:class:`felix.sim.simulation.LiveCohort`) over ``trainers``, one per
     worker of ``workers``; eval tasks go to the first trainer, as one pass."""
 
     def __init__(self, trainers: list[CohortTrainer], workers: Workers) -> None:

@@ -1,5 +1,5 @@
 """Sequential trainers on workers (``run.workers`` where clients train one at a time, e.g. a CNN on
-a CPU): the engine's whole-group cohort executor (:class:`felix.sim.engine.CohortExecutor`) whose
+a CPU): the engine's whole-group cohort executor (:class:`felix.sim.simulation.CohortExecutor`) whose
 group is trained by :class:`~felix.client.trainer.LocalTrainer` s, one per worker, each task on one
 thread.
 

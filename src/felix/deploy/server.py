@@ -1,6 +1,6 @@
 """The deployment shell around the orchestrator: wall clock, MQTT, evaluation, checkpoints.
 
-It mirrors the simulation engine (``felix.sim.engine``): the same run plan (``felix.engine.plan``:
+It mirrors the simulation engine (``felix.sim.simulation``): the same run plan (``felix.engine.plan``:
 the scenario's facts, no client's data) and server side
 (``felix.engine.setup.build_server_side``: orchestrator, evaluator, recorder and the run
 controller with its evaluations, stop rules, modelled byte accounting and summary; the server adds

@@ -1,6 +1,6 @@
 """The run controller: what a run measures and when it stops, the same for both shells.
 
-It sits between a shell (the simulator, :mod:`felix.sim.engine`, or the MQTT server,
+It sits between a shell (the simulator, :mod:`felix.sim.simulation`, or the MQTT server,
 :mod:`felix.deploy.server`) and the orchestrator. The shell hands it every event; it passes the
 event on and returns the orchestrator's commands for the shell to carry out, and on the way it
 

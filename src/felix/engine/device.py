@@ -1,6 +1,6 @@
 """The device runner: one client's task queue as a sans-I/O state machine, shared by both shells.
 
-The simulator (:mod:`felix.sim.engine`) and the MQTT client (:mod:`felix.deploy.client`) drive the
+The simulator (:mod:`felix.sim.simulation`) and the MQTT client (:mod:`felix.deploy.client`) drive the
 same :class:`DeviceRunner`: they tell it what happened (a task arrived, the tier changed, a
 completion timer fired, a task was cancelled, a result was computed) with the time ``now`` in
 config seconds (the simulator's virtual clock; the client's trace time, wall time / ``time_scale``)

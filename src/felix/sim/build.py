@@ -31,7 +31,7 @@ from felix.privacy.setup import device_mechanism
 from felix.scenario.build import ClientDatasets, Population
 from felix.scenario.models import ModelFactory
 from felix.scenario.traces import AvailabilityTrace
-from felix.sim.engine import CohortExecutor, SimSettings, Simulation, make_devices
+from felix.sim.simulation import CohortExecutor, SimSettings, Simulation, make_devices
 from felix.strategies.dataplans.plans import DataPlanRun
 from felix.strategies.dataplans.policy import PlannedDataPlan
 from felix.stream.model import StreamModel

@@ -1,7 +1,7 @@
 """``run.executor: ray``: one simulated run's cohorts spread over Ray actors.
 
 The engine hands a cohort of training (or eval) tasks to its cohort executor and waits for the
-updates (:class:`felix.sim.engine.CohortExecutor`). The local executor is the in-process
+updates (:class:`felix.sim.simulation.CohortExecutor`). The local executor is the in-process
 :class:`~felix.client.cohort.CohortTrainer`; this one splits each cohort into shares, one per actor
 (one per GPU, or per ``run.threads`` CPUs), and each actor trains its share with its own
 ``CohortTrainer``. What travels:
