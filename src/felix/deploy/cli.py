@@ -5,6 +5,10 @@ own (``python -m felix.deploy ...``), which is also how ``emulate`` starts its w
 Broker logins come from ``--username/--password``, from the environment
 (``FELIX_MQTT_USERNAME`` / ``FELIX_MQTT_PASSWORD``: keeps passwords out of ``ps``), or, for many
 clients, from a ``credentials.json`` written by ``mqtt-credentials``.
+
+One file of about 620 lines on purpose: the four subcommands share their argument groups (config,
+transport and login, TLS) and the translation of those into the shells' options, which would
+otherwise be repeated per command or spread over a module per flag group.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Acknowledgements: paho acknowledges nothing by itself. Without ``manual_ack`` th
 PUBACKs of a read pass once the owner has taken its messages (one write for all of them); with
 it, the owner acknowledges when it chooses (``ack_many``: one write per call).
 
-One file of about 620 lines on purpose: the threading contract above holds across the
+One file of about 710 lines on purpose: the threading contract above holds across the
 connection's whole life (connect, reconnect, read passes, acknowledgements, close), and splitting
 it would spread one lock discipline over several modules.
 

@@ -33,6 +33,11 @@ grouped (at most one per ``checkpoint_interval_s``, 0.2 s): one covers every agg
 the last, so their cost does not grow with the aggregation rate. Messages wait for the loop in
 a bounded inbox (``max_inbox_bytes`` / ``max_inbox_messages``, :mod:`felix.deploy.inbox`): when it
 is full paho's network thread waits, and TCP flow control pushes back on the broker.
+
+One file of about 680 lines on purpose: it is the one place where the wall clock, the link, the
+inbox, checkpoints and acknowledgements meet, and their ordering (an ack only after the checkpoint
+that holds its effect) is easiest to check when the loop that keeps it is read whole. What can
+stand alone has moved out (refusal log, model hosting, decode worker, metrics).
 """
 
 from __future__ import annotations

@@ -33,6 +33,10 @@ What it must return: a reply (``Message(content, reply_to=msg)``) with an ``Arra
 |D| x ``train_loss``, the same with the mean loss in place of the root mean square) and a
 ``felix.aux`` ``ArrayRecord``. TierSelect's probes and q-FFL's loss at the received model
 (``client.probe_loss``), forward passes on the received model, stay felix's own.
+
+One file of about 650 lines on purpose: the translation between felix's task and Flower's
+``Message``/``RecordDict`` runs both ways (task in, reply out), and each check of one direction
+names a field the other direction writes; split, the two halves would each need the other's names.
 """
 
 from __future__ import annotations
