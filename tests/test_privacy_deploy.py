@@ -77,7 +77,7 @@ def _epsilons(out: Path) -> list[tuple[int, float]]:
 
 
 def test_a_central_deployment_noises_from_the_os_and_logs_epsilon(tmp_path: Path) -> None:
-    import dp_accounting as dp
+    dp = pytest.importorskip("dp_accounting", reason="extra felix-fl[privacy] not installed")
 
     server, hosts, summ = _deploy(
         tmp_path, {"mechanism": "central_gaussian", "noise_multiplier": 2.0, "clip_norm": 0.3}

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from mqtt_support import load_config, write_config
+from synthetic_data import fashion_like_idx
 
 from felix import api, cpu_kernels
 from felix.deploy.client import ClientHost, ClientOptions
@@ -156,9 +157,10 @@ def test_a_client_process_reads_only_its_rows_of_fashion_mnist(tmp_path: Path) -
     same initial model."""
     from felix.scenario.datasets import LazyDataset
 
+    root = fashion_like_idx(tmp_path / "fmnist")  # the suite needs no system dataset
     sets = {
         "model_params": {"hidden": 6},
-        "dataset": {"name": "fashion_mnist", "per_class_limit": 300, "num_classes": 8},
+        "dataset": {"name": "fashion_mnist", "root": str(root), "per_class_limit": 300, "num_classes": 8},
         "partition": {"kind": "dirichlet", "num_clients": 50, "alpha": 0.5},
     }
     cfg = load_config(write_config(tmp_path / "cfg.yaml"), sets)
