@@ -25,6 +25,7 @@ from felix.config import Config
 from felix.deploy.channels import Address, Channel
 from felix.deploy.client import ClientHost, ClientOptions, credentials_from_map
 from felix.deploy.link import BrokerOptions
+from felix.deploy.memory_transport import MemoryOptions
 from felix.deploy.server import ServeOptions, Server
 from felix.deploy.topics import SERVER_USER
 from felix.engine.setup import resolve_config
@@ -166,6 +167,39 @@ def run_deployed(
             server.stop_requested.set()
             host.stop_requested.set()
     return server, summ
+
+
+def run_in_memory(
+    cfg: Config, out: Path, run_id: str, time_scale: float = 0.05, timeout: float = 60.0, **serve: Any
+) -> tuple[Server, ClientHost, dict[str, Any]]:
+    """One whole deployed run over the in-memory transport: the server (``serve``: more
+    ``ServeOptions``) and one host for every config client, until the server finishes; both are
+    told to stop however it ends. Returns the server, the host and the summary."""
+    opts = ServeOptions(
+        MemoryOptions(),
+        run_id=run_id,
+        out_dir=out,
+        time_scale=time_scale,
+        status_every_s=1e9,
+        transport="memory",
+        **serve,
+    )
+    server = Server(cfg, opts)
+    serving = Background(server.run, "server")
+    serving.start()
+    copts = ClientOptions(
+        broker=MemoryOptions(), run_id=run_id, time_scale=time_scale, max_wall_s=timeout, transport="memory"
+    )
+    host = ClientHost(cfg, list(range(cfg.partition.num_clients)), copts, lambda cid: (None, None))
+    clients = Background(host.run, "clients")
+    clients.start()
+    try:
+        summ = serving.result(timeout)
+        clients.result(20)
+    finally:
+        server.stop_requested.set()
+        host.stop_requested.set()
+    return server, host, summ
 
 
 def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:

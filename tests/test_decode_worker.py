@@ -11,13 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mqtt_support import Background, load_config, one_torch_thread, write_config  # noqa: F401
+from mqtt_support import Background, load_config, one_torch_thread, run_in_memory, write_config  # noqa: F401
 
 from felix.core.refusals import Refusal
 from felix.core.types import ClientUpdate, TaskKind, Tier
 from felix.deploy import wire
 from felix.deploy.channels import Address, Channel
-from felix.deploy.client import ClientHost, ClientOptions
 from felix.deploy.decode_worker import DecodeWorker
 from felix.deploy.memory_transport import MemoryOptions
 from felix.deploy.server import ServeOptions, Server
@@ -140,30 +139,7 @@ def test_a_deployment_through_the_decode_worker_applies_each_update_once(tmp_pat
             "run": {"max_aggregations": 5, "target_accuracy": 1.0},
         },
     )
-    opts = ServeOptions(
-        MemoryOptions(),
-        run_id="dw",
-        out_dir=tmp_path / "out",
-        time_scale=0.05,
-        status_every_s=1e9,
-        transport="memory",
-        decode_worker=True,
-    )
-    server = Server(cfg, opts)
-    serving = Background(server.run, "server")
-    serving.start()
-    copts = ClientOptions(
-        broker=MemoryOptions(), run_id="dw", time_scale=0.05, max_wall_s=60, transport="memory"
-    )
-    host = ClientHost(cfg, list(range(CLIENTS)), copts, lambda cid: (None, None))
-    clients = Background(host.run, "clients")
-    clients.start()
-    try:
-        summ = serving.result(60)
-        clients.result(20)
-    finally:
-        server.stop_requested.set()
-        host.stop_requested.set()
+    server, _, summ = run_in_memory(cfg, tmp_path / "out", "dw", decode_worker=True)
     assert summ["stop_reason"] == "max_aggregations"
     assert summ["deployment"]["applied_task_ids_unique"] and summ["updates_applied"] == 10
     assert summ["transport"]["rejected"] == 0 and server.decoder is not None

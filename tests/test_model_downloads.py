@@ -17,21 +17,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mqtt_support import (
-    Background,
     load_config,
     one_torch_thread,  # noqa: F401  (a fixture)
+    run_in_memory,
     write_config,
 )
 
 from felix.core.refusals import Refusal
 from felix.deploy import wire
-from felix.deploy.client import ClientHost, ClientOptions
 from felix.deploy.client_protocol import ClientProtocol, Dropped
-from felix.deploy.memory_transport import MemoryOptions
 from felix.deploy.model_fetch import Fetched, FetchOptions, ModelFetcher, fetch_model
 from felix.deploy.model_http import ModelServer
 from felix.deploy.model_store import ModelHosting, ModelStore
-from felix.deploy.server import ServeOptions, Server
 
 ENV = {"run": "r1", "msg_id": "s-1", "sent_at": 1700000000.5}
 W = np.linspace(-1, 1, 500, dtype=np.float32)
@@ -246,34 +243,7 @@ def test_in_memory_deployment_fetches_scaffold_models_by_hash(tmp_path: Path) ->
             "run": {"max_aggregations": 4, "target_accuracy": 1.0},
         },
     )
-    opts = ServeOptions(
-        MemoryOptions(),
-        run_id="dl",
-        out_dir=tmp_path / "out",
-        time_scale=0.05,
-        status_every_s=1e9,
-        transport="memory",
-        models=ModelHosting(),
-    )
-    server = Server(cfg, opts)
-    serving = Background(server.run, "server")
-    serving.start()
-    host = ClientHost(
-        cfg,
-        list(range(4)),
-        ClientOptions(
-            broker=MemoryOptions(), run_id="dl", time_scale=0.05, max_wall_s=60, transport="memory"
-        ),
-        lambda cid: (None, None),
-    )
-    clients = Background(host.run, "clients")
-    clients.start()
-    try:
-        summ = serving.result(60)
-        clients.result(20)
-    finally:
-        server.stop_requested.set()
-        host.stop_requested.set()
+    server, host, summ = run_in_memory(cfg, tmp_path / "out", "dl", models=ModelHosting())
     assert summ["stop_reason"] == "max_aggregations"
     models = summ["deployment"]["models"]
     size = 2 * 4 * server.num_params  # weights and the control variate, float32
