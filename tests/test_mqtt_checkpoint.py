@@ -318,6 +318,7 @@ def test_generated_credentials_and_acl(tmp_path: Path) -> None:
         "topic write felix/run-1/server/register/1",
         "topic write felix/run-1/server/state/1",
         "topic write felix/run-1/server/result/1",
+        "topic write felix/run-1/server/secagg/1",
     ]
     assert "topic write felix/+/client/+/task" in security.acl_file_text([0])
     assert security.load_credentials(out.credentials) == users

@@ -43,6 +43,7 @@ class Refusal(str, Enum):
     OLD_INCARNATION = "old_incarnation"  # a tier report of a restarted client's previous process
     WRONG_KIND = "wrong_kind"  # a train result for an eval task, or the reverse
     WRONG_VERSION = "wrong_version"  # computed on another model version than dispatched
+    SECAGG = "secagg"  # a secure-aggregation message refused (its typed reason: felix.secagg.refusals)
     # The orchestrator (felix.core.orchestrator and felix.core.validation).
     BAD_REGISTRATION = "bad_registration"  # registered twice, or counts out of range
     UNKNOWN_CLIENT = "unknown_client"  # a tier change or result from a client never registered

@@ -19,17 +19,25 @@ class Channel(str, Enum):
     REGISTER = "register"  # client -> server
     STATE = "state"  # client -> server: TierTrack tier changes (and the MQTT will)
     RESULT = "result"  # client -> server: results and failure reports
+    SECAGG = "secagg"  # client -> server: secure-aggregation stages (felix.deploy.secagg_wire)
     TASK = "task"  # server -> one client
     STATUS = "status"  # server -> every client, kept for late joiners (MQTT: retained)
 
 
-INBOUND = (Channel.REGISTER, Channel.STATE, Channel.RESULT)  # the channels the server listens on
+INBOUND = (
+    Channel.REGISTER,
+    Channel.STATE,
+    Channel.RESULT,
+    Channel.SECAGG,
+)  # the channels the server listens on
 
-# Which message types each channel carries; anything else on it is refused.
+# Which message types each channel carries; anything else on it is refused. The secure-aggregation
+# channel carries no message of the wire format: its payloads are felix.deploy.secagg_wire's.
 ALLOWED: dict[Channel, frozenset[MsgType]] = {
     Channel.REGISTER: frozenset({MsgType.REGISTER}),
     Channel.STATE: frozenset({MsgType.STATE}),
     Channel.RESULT: frozenset({MsgType.RESULT, MsgType.FAILED}),
+    Channel.SECAGG: frozenset(),
     Channel.TASK: frozenset({MsgType.TRAIN, MsgType.EVAL, MsgType.CANCEL}),
     Channel.STATUS: frozenset({MsgType.STATUS}),
 }

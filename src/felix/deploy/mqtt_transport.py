@@ -119,6 +119,8 @@ class MqttClientLink:
             return self.topics.register(self.client)
         if channel is Channel.STATE:
             return self.topics.state(self.client)
+        if channel is Channel.SECAGG:
+            return self.topics.secagg(self.client)
         assert channel is Channel.RESULT, channel
         return self.topics.result(self.client)
 

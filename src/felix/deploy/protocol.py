@@ -23,6 +23,7 @@ them), a REGISTER or STATE by its sender's sequence number (message ids are
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -35,9 +36,11 @@ from felix.core.commands import CancelTask, Command, DispatchEval, DispatchTrain
 from felix.core.events import ClientRegistered, Event, TaskFailed, TaskFinished, TierChanged
 from felix.core.orchestrator import Orchestrator
 from felix.core.refusals import Refusal, count_kind
-from felix.deploy import wire
+from felix.core.types import TaskKind
+from felix.deploy import secagg_wire, wire
 from felix.deploy.channels import ALLOWED, Address, Channel
 from felix.metrics.report import tally_rejection
+from felix.secagg.refusals import SecAggRefusal
 
 SEQ_PREFIXES_PER_CLIENT = 4  # message-id prefixes (incarnations, wills) whose sequence watermark is kept
 RESULT_DIGESTS = 65536  # results remembered by task id (digest) to tell a redelivery from a replay
@@ -78,7 +81,19 @@ class Accepted:
     digest: bytes | None = None  # a result's, remembered once the orchestrator accepted it
 
 
-Received = Accepted | Duplicate | Refused
+@dataclass(frozen=True)
+class SecAggIn:
+    """A secure-aggregation message whose envelope passed (run, sender, format): the shell's
+    group driver (``felix.deploy.secagg_groups``) checks its group, member and stage."""
+
+    client: int
+    env: secagg_wire.SecAggEnvelope
+    digest: bytes  # of the payload: a verbatim redelivery is a duplicate, not a replay
+    wire_kind: str = "train"  # the protocol's messages are training traffic (as the simulator counts them)
+    msg: None = None  # (no wire-format message: no send time to take the delivery delay from)
+
+
+Received = Accepted | Duplicate | Refused | SecAggIn
 
 
 @dataclass(frozen=True)
@@ -164,6 +179,10 @@ class ProtocolLimits:
     cpu_burst_s: float = 0.25
     bytes_per_s: float | None = None
     bytes_burst: float = 0.0  # (at least one largest message)
+    # Secure aggregation on: a training result carries no update (it travels masked, through the
+    # secure-aggregation channel) and stands for a zero delta of this length in the ledger and
+    # the buffer; one that carries its update in the clear is refused. None: off.
+    sealed_length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -224,6 +243,7 @@ class ServerProtocol:
         self.incarnations: dict[int, str] = {}
         # Set (felix.deploy.model_store.ModelStore.ref): tasks name their model by hash instead of carrying it.
         self.models: Callable[[np.ndarray, dict[str, np.ndarray]], wire.ModelRef] | None = None
+        self._zeros: np.ndarray | None = None
 
     # ------------------------------------------------------------------ inbound
     def receive(self, source: Address, payload: bytes, now: float, wall: float = 0.0) -> Received:
@@ -236,6 +256,8 @@ class ServerProtocol:
         refused = self.admit(source, len(payload), now, wall)
         if refused is not None:
             return refused
+        if source.channel is Channel.SECAGG:
+            return self.receive_secagg(source, payload)
         try:
             parsed: wire.Parsed | wire.MessageError = wire.parse(
                 payload, self.limits.max_bytes, self.header_bytes
@@ -323,6 +345,50 @@ class ServerProtocol:
         return Accepted(
             msg, wk, ((TaskFailed(now, cid, msg.task, msg.reason), True),), digest(msg.msg_id, payload)
         )
+
+    def receive_secagg(self, source: Address, payload: bytes) -> SecAggIn | Refused:
+        """Check an admitted secure-aggregation message's envelope: its format, run and sender
+        (the group, member and stage are the group driver's to check)."""
+        cid = source.client
+        if self.limits.sealed_length is None:
+            return self.secagg_refusal(cid, 0, "secagg: secure aggregation is off in this run")
+        if len(payload) > self.limits.max_bytes:
+            return self.refuse(
+                Refusal.OVERSIZED, cid, 0, "transport: oversized", f"{len(payload)} bytes", wire_kind="train"
+            )
+        try:
+            env = secagg_wire.decode(payload, from_server=False)
+        except SecAggRefusal as exc:
+            return self.secagg_refusal(cid, 0, f"secagg: {exc.reason.value}", exc.detail)
+        if env.run != self.run_id:
+            return self.refuse(
+                Refusal.OTHER_RUN,
+                cid,
+                env.member,
+                f"transport: message for run {env.run!r}",
+                wire_kind="train",
+            )
+        if env.client != cid:
+            return self.refuse(
+                Refusal.SENDER_MISMATCH,
+                cid,
+                env.member,
+                f"transport: sender mismatch: envelope says client {env.client}, topic belongs to client {cid}",
+                wire_kind="train",
+            )
+        if cid >= self.limits.num_clients:
+            return self.refuse(
+                Refusal.OUTSIDE_POPULATION,
+                cid,
+                0,
+                f"transport: client id {cid} is outside the population of {self.limits.num_clients}",
+                wire_kind="train",
+            )
+        return SecAggIn(cid, env, hashlib.blake2b(payload, digest_size=16).digest())
+
+    def secagg_refusal(self, cid: int, member: int, reason: str, detail: str = "") -> Refused:
+        """Count a refused secure-aggregation message (``reason``: ``secagg: <typed reason>``)."""
+        return self.refuse(Refusal.SECAGG, cid, member, reason, detail, wire_kind="train")
 
     def unaddressed(self, reason: str) -> Refused:
         """Count a message that came on no address the server listens on (``reason`` says where)."""
@@ -471,9 +537,26 @@ class ServerProtocol:
 
     def _on_result(self, msg: wire.Result, payload: bytes, now: float) -> Received:
         self.stats.results += 1
+        update = msg.update
+        if self.limits.sealed_length is not None and msg.kind is TaskKind.TRAIN:
+            if not msg.sealed:
+                return self.secagg_refusal(
+                    msg.client, msg.task, "secagg: a training result that carries its update in the clear"
+                )
+            update = dataclasses.replace(update, delta=self._sealed_delta())
+        elif msg.sealed:
+            return self.secagg_refusal(msg.client, msg.task, "secagg: secure aggregation is off in this run")
         # Its kind and version travel in the event: the orchestrator's ledger checks them.
-        event = TaskFinished(now, msg.client, msg.task, msg.update, msg.kind, msg.version)
+        event = TaskFinished(now, msg.client, msg.task, update, msg.kind, msg.version)
         return Accepted(msg, msg.kind.value, ((event, True),), digest(msg.msg_id, payload))
+
+    def _sealed_delta(self) -> np.ndarray:
+        """The zero delta a sealed training result stands for (one read-only array for all)."""
+        if self._zeros is None:
+            assert self.limits.sealed_length is not None
+            self._zeros = np.zeros(self.limits.sealed_length, dtype=np.float32)
+            self._zeros.flags.writeable = False
+        return self._zeros
 
     # ------------------------------------------------------------------ outbound
     def send(self, cmd: Command, sent_at: float) -> Outbound | Refused | None:

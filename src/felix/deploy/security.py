@@ -62,6 +62,7 @@ def acl_file_text(client_ids: Iterable[int], run_id: str | None = None) -> str:
         f"topic read {root}/server/register/+",
         f"topic read {root}/server/state/+",
         f"topic read {root}/server/result/+",
+        f"topic read {root}/server/secagg/+",
         f"topic write {root}/server/status",
         f"topic write {root}/client/+/task",
     ]
@@ -74,6 +75,7 @@ def acl_file_text(client_ids: Iterable[int], run_id: str | None = None) -> str:
             f"topic write {root}/server/register/{cid}",
             f"topic write {root}/server/state/{cid}",
             f"topic write {root}/server/result/{cid}",
+            f"topic write {root}/server/secagg/{cid}",
         ]
     return "\n".join(lines) + "\n"
 

@@ -7,7 +7,8 @@ client writes ends in its own client id, so the broker's ACL can pin each client
     felix/<run>/server/register/<cid>       client -> server  REGISTER: sample and class counts, tier
     felix/<run>/server/state/<cid>          client -> server  STATE: TierTrack tier change (also the will)
     felix/<run>/server/result/<cid>         client -> server  RESULT (train or eval) / FAILED
-    felix/<run>/client/<cid>/task           server -> client  TRAIN / EVAL / CANCEL
+    felix/<run>/server/secagg/<cid>         client -> server  secure-aggregation stages (keys, shares, ...)
+    felix/<run>/client/<cid>/task           server -> client  TRAIN / EVAL / CANCEL / secure-aggregation stages
 
 All messages are published with QoS 1. MQTT does not tell a subscriber who published a message;
 identity comes from the broker (username/password plus the ACL, which lets only user
@@ -73,6 +74,9 @@ class Topics:
 
     def result(self, cid: int) -> str:
         return f"{self.root}/server/result/{cid}"
+
+    def secagg(self, cid: int) -> str:
+        return f"{self.root}/server/secagg/{cid}"
 
     def task(self, cid: int) -> str:
         return f"{self.root}/client/{cid}/task"

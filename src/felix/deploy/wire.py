@@ -149,6 +149,9 @@ class Result(Envelope):
     # only on streams, so results without it are the bytes they always were). An eval result
     # carries no arrays.
     update: ClientUpdate = field(repr=False)
+    # Secure aggregation: a train result without its delta, which travels masked in a group
+    # (``felix.deploy.secagg_wire``); the header's optional ``"sealed": true``.
+    sealed: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -304,6 +307,12 @@ def is_model_url(url: Any) -> bool:
     return isinstance(url, str) and len(url) <= MAX_URL and _URL.fullmatch(url) is not None
 
 
+def _true(name: str, v: Any) -> bool:
+    if v is not True:
+        raise _bad(name, "true (or left out)", v)
+    return v
+
+
 def _model_ref(name: str, v: Any) -> ModelRef:
     if not isinstance(v, dict) or v.keys() != {"sha256", "size", "url"}:
         raise _bad(name, "an object with sha256, size and url", v)
@@ -344,6 +353,7 @@ _SCHEMAS: dict[MsgType, dict[str, Check]] = {
 _OPTIONAL: dict[MsgType, dict[str, Check]] = {
     MsgType.TRAIN: {"model": _model_ref},
     MsgType.EVAL: {"model": _model_ref},
+    MsgType.RESULT: {"sealed": _true},
 }
 _UPDATE_FIELDS = ("num_samples", *REPORTED_RANGES)  # a result's header fields that are its update's
 _ENVELOPE_KEYS = {"fmt", "type", "payload", "arrays"}
@@ -369,6 +379,8 @@ def _header_fields(msg: Message) -> dict[str, Any]:
         elif isinstance(v, tuple):
             v = list(v)
         out[key] = v
+    if isinstance(msg, Result) and msg.sealed:
+        out["sealed"] = True
     ref = getattr(msg, "model", None)
     if ref is not None:
         out["model"] = {"sha256": ref.sha256, "size": ref.size, "url": ref.url}
@@ -708,8 +720,16 @@ def _build(mtype: MsgType, v: dict[str, Any], arrays: dict[str, np.ndarray]) -> 
     if mtype is MsgType.RESULT:
         span = arrays.pop("span", None)
         delta, aux = _split_aux(arrays, "delta", mtype)
-        if v["kind"] is TaskKind.TRAIN and delta is None:
-            raise MessageError(Refusal.BAD_HEADER, "a train result must carry a 'delta' array")
+        sealed = v.get("sealed", False)
+        if v["kind"] is TaskKind.TRAIN and (delta is None) != sealed:
+            raise MessageError(
+                Refusal.BAD_HEADER,
+                "a sealed train result carries no 'delta' array"
+                if sealed
+                else "a train result must carry a 'delta' array",
+            )
+        if sealed and v["kind"] is TaskKind.EVAL:
+            raise MessageError(Refusal.BAD_HEADER, "an eval result is never sealed")
         if v["kind"] is TaskKind.EVAL and (delta is not None or aux or span is not None):
             raise MessageError(Refusal.BAD_HEADER, "an eval result carries no arrays")
         counts = {k: v.pop(k) for k in _UPDATE_FIELDS}
