@@ -90,13 +90,3 @@ def test_secagg_comparisons_pair_each_strategy_with_and_without_secure_aggregati
             update={"secure_aggregation": plain.secure_aggregation, "strategy": plain.strategy}
         )
         assert same == plain
-
-
-def test_felix_serve_refuses_secure_aggregation_until_its_mqtt_stages_exist(tmp_path: Any) -> None:
-    from felix.deploy.link import BrokerOptions
-    from felix.deploy.server import ServeOptions, Server
-
-    cfg = validate({"secure_aggregation": {"protocol": "buffered"}})
-    with pytest.raises(ConfigError, match="secure_aggregation over MQTT is not built yet"):
-        Server(cfg, ServeOptions(BrokerOptions(), run_id="t", out_dir=tmp_path / "out"))
-    assert not (tmp_path / "out").exists()  # refused before anything is made

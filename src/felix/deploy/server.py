@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from felix.config import Config, ConfigError
+from felix.config import Config
 from felix.core.admission import DEPLOY_DROP_RATE
 from felix.core.commands import (
     Command,
@@ -67,9 +67,10 @@ from felix.core.refusals import Refusal
 from felix.deploy import checkpoint as ckpt
 from felix.deploy import wire
 from felix.deploy.broker_config import SERVER_RECEIVE_MAXIMUM, default_max_message_bytes
+from felix.deploy.channels import Channel
 from felix.deploy.checkpoint import AppliedLog, AppliedUpdate
 from felix.deploy.decode_worker import DecodeWorker
-from felix.deploy.inbox import Inbox
+from felix.deploy.inbox import Inbox, Item
 from felix.deploy.link import LinkError
 from felix.deploy.model_http import ModelServer
 from felix.deploy.model_store import ModelHosting, ModelStore
@@ -79,10 +80,12 @@ from felix.deploy.protocol import (
     ProtocolLimits,
     Received,
     Refused,
+    SecAggIn,
     ServerProtocol,
     TransportStats,
 )
 from felix.deploy.refusal_log import RefusalLog
+from felix.deploy.secagg_groups import DEFAULT_STAGE_S, NetworkGroups
 from felix.deploy.transport import Ack, Connected, Delivery, LinkOptions, ServerLinkArgs
 from felix.deploy.transport import resolve as resolve_transport
 from felix.engine.plan import plan_run
@@ -90,6 +93,8 @@ from felix.engine.setup import build_server_side
 from felix.metrics.recorder import EvalRow
 from felix.metrics.report import EvalLog, make_output_dir
 from felix.privacy.setup import use_os_noise
+from felix.secagg.aggregate import SecureSum
+from felix.secagg.refusals import SecAggRefusal
 from felix.stream.summary import stream_summary
 
 log = logging.getLogger("felix.deploy.server")
@@ -127,6 +132,7 @@ class ServeOptions:
     # Tasks name their model by hash, fetched over HTTP (felix.deploy.model_store; None: inside the task).
     models: ModelHosting | None = None
     decode_worker: bool = False  # parse inbound messages in a second process (felix.deploy.decode_worker)
+    secagg_stage_s: float = DEFAULT_STAGE_S  # wall seconds a secure-aggregation stage waits for its members
 
 
 def _ms(values: deque[float], q: float) -> float | None:
@@ -135,8 +141,6 @@ def _ms(values: deque[float], q: float) -> float | None:
 
 class Server:
     def __init__(self, cfg: Config, opts: ServeOptions) -> None:
-        if cfg.secure_aggregation.enabled:  # the protocol's MQTT stages are not built (docs/privacy.md)
-            raise ConfigError("secure_aggregation over MQTT is not built yet: felix run simulates it")
         if opts.time_scale <= 0:
             raise ValueError("time scale must be positive")
         if opts.max_pending_bytes < 1 or opts.max_pending_messages < 1 or opts.checkpoint_interval_s < 0:
@@ -215,9 +219,18 @@ class Server:
                 (opts.client_bytes_per_s or 4.0 * self.max_bytes) if opts.client_cost_limit else None
             ),
             bytes_burst=8.0 * self.max_bytes,
+            sealed_length=self.num_params if cfg.secure_aggregation.enabled else None,
         )
         self.protocol = ServerProtocol(opts.run_id, self.session, limits, LiveOrchestration(self.orch))
         self.refusals = RefusalLog(self.num_clients)
+        # Secure aggregation: the aggregator's sum mechanism runs its groups with the clients, over
+        # the link (felix.deploy.secagg_groups); messages that arrive meanwhile wait in the stash.
+        self.secagg: NetworkGroups | None = None
+        self._stash: list[Item] = []
+        mech = self.orch.aggregator.privacy
+        if isinstance(mech, SecureSum):
+            self.secagg = NetworkGroups(opts.run_id, self._send_secagg, self._pump, opts.secagg_stage_s)
+            mech.remote = self.secagg
         self.decoder: DecodeWorker | None = None  # started by run()
         self._parsing: list[Delivery] = []  # the admitted messages of the batch the decoder parses
         self.model_store: ModelStore | None = None
@@ -305,7 +318,10 @@ class Server:
             wake = self.orch.next_wakeup()
             now = self.now()
             timeout = 0.25 if wake is None else min(0.25, max(0.0, (wake - now) * self.opts.time_scale))
-            batch = [item for _, item in self.inbox.get_batch(0.0 if self._parsing else timeout, INBOX_BATCH)]
+            quick = bool(self._parsing or self._stash)
+            batch = [item for _, item in self.inbox.get_batch(0.0 if quick else timeout, INBOX_BATCH)]
+            if self._stash:  # what waited out a secure aggregation comes first, in arrival order
+                batch, self._stash = self._stash + batch, []
             if self.decoder is not None:
                 deliveries = [i for i in batch if isinstance(i, Delivery)]
                 # A reconnection is handled after what came before it: then without the pipeline.
@@ -443,7 +459,9 @@ class Server:
             refused = (
                 self.protocol.admit(m.address, len(m.payload), now, wall) if m.address is not None else None
             )
-            if m.address is None or refused is not None:
+            if m.address is not None and m.address.channel is Channel.SECAGG and refused is None:
+                self.handle_inbound(m, self.protocol.receive_secagg(m.address, m.payload))
+            elif m.address is None or refused is not None:
                 self.handle_inbound(m, refused)
             else:
                 self._parsing.append(m)
@@ -457,7 +475,7 @@ class Server:
     def handle_inbound(
         self,
         m: Delivery,
-        verdict: Refused | wire.Parsed | wire.MessageError | None = None,
+        verdict: Refused | SecAggIn | wire.Parsed | wire.MessageError | None = None,
         parse_s: float = 0.0,
     ) -> None:
         """Handle one inbound message; its acknowledgement waits (without its payload) for the next
@@ -485,7 +503,10 @@ class Server:
             self._checkpoint_due = True
 
     def _on_inbound(
-        self, m: Delivery, verdict: Refused | wire.Parsed | wire.MessageError | None, parse_s: float
+        self,
+        m: Delivery,
+        verdict: Refused | SecAggIn | wire.Parsed | wire.MessageError | None,
+        parse_s: float,
     ) -> None:
         """The protocol's verdict on one message, carried out: bytes counted, the delivery delay
         noted, a refusal logged, a new message's events handed to the orchestrator."""
@@ -495,13 +516,13 @@ class Server:
             got: Received = self.protocol.unaddressed(
                 f"transport: message on an unexpected topic {m.origin[:80]!r}"
             )
-        elif isinstance(verdict, Refused):
+        elif isinstance(verdict, (Refused, SecAggIn)):
             got = verdict
         elif verdict is not None:
             got = self.protocol.receive_parsed(m.address, m.payload, verdict, self.now())
         else:
             got = self.protocol.receive(m.address, m.payload, self.now(), wall)
-        sender = got.client if isinstance(got, Refused) else getattr(got.msg, "client", -1)
+        sender = got.client if isinstance(got, (Refused, SecAggIn)) else getattr(got.msg, "client", -1)
         self.protocol.charge_decode(sender, time.thread_time() - spent + parse_s, wall)
         if got.wire_kind is not None:
             self.ctl.count_wire("up", got.wire_kind, len(m.payload))
@@ -509,6 +530,8 @@ class Server:
             self.latency.append(max(0.0, time.time() - got.msg.sent_at))
         if isinstance(got, Refused):
             self._log_refusal(got)
+        elif isinstance(got, SecAggIn):
+            self._on_secagg(got, len(m.payload))
         elif isinstance(got, Duplicate):
             log.debug("duplicate delivery of %s on %s dropped", got.msg.msg_id, m.origin[:80])
         else:
@@ -519,6 +542,37 @@ class Server:
                 self.protocol.accepted(got)
             if isinstance(got.msg, wire.Register):
                 self._maybe_plan()
+
+    def _on_secagg(self, got: SecAggIn, size: int) -> None:
+        """A secure-aggregation message to its group (refused: no group is open outside an
+        aggregation, or its checks fail)."""
+        assert self.secagg is not None  # the protocol refuses these messages when it is off
+        try:
+            new = self.secagg.receive(got.client, got.env, got.digest, size)
+        except SecAggRefusal as exc:
+            reason = f"secagg: {exc.reason.value}"
+            self._log_refusal(self.protocol.secagg_refusal(got.client, got.env.member, reason, exc.detail))
+            return
+        if not new:
+            self.stats.duplicates += 1
+
+    def _send_secagg(self, client: int, payload: bytes) -> None:
+        self.stats.messages_out += 1
+        self.link.send(Channel.TASK, client, payload)
+        self.ctl.count_wire("down", "train", len(payload))
+
+    def _pump(self, timeout: float) -> None:
+        """Take inbound messages for up to ``timeout`` seconds while a secure aggregation's group
+        runs: its messages are handled, the others stashed (unacknowledged) for after it."""
+        for _, item in self.inbox.get_batch(timeout, INBOX_BATCH):
+            if (
+                isinstance(item, Delivery)
+                and item.address is not None
+                and item.address.channel is Channel.SECAGG
+            ):
+                self.handle_inbound(item)
+            else:
+                self._stash.append(item)
 
     def _maybe_plan(self) -> None:
         """Note the data plan (``data_plan: lb | dafl``) when the orchestrator's data-plan policy has

@@ -32,8 +32,8 @@ staleness factor, known only on arrival, would be applied by the server to a who
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -41,14 +41,34 @@ from felix.core.types import BufferedUpdate, Tier
 from felix.privacy.central import CentralGaussian
 from felix.secagg.graph import GroupLayout, group_threshold, split_groups
 from felix.secagg.quantize import Quantizer
+from felix.secagg.server import SecAggServer
 from felix.secagg.session import Traffic, run_group
 
 #: Ids of the members standing for dropped tasks (above any real client id the wire allows).
 _PLACEHOLDER = 1 << 31
 
 
+class RemoteGroups(Protocol):
+    """Runs a group with real members (the deployment's ``felix.deploy.secagg_groups``): each
+    member (a task id) is asked, through its client, for its masked ``[w, w * delta]`` with the
+    folded weight given; returns the finished (or abandoned) server state and the bytes."""
+
+    def run_group(
+        self,
+        layout: GroupLayout,
+        quantizer: Quantizer,
+        weights: Mapping[int, float],
+        length: int,
+        client_of: Mapping[int, int],
+    ) -> tuple[SecAggServer, Traffic]: ...
+
+
 class SecureSum:
-    """The aggregation's sum by secure aggregation groups; counts what the summary reports."""
+    """The aggregation's sum by secure aggregation groups; counts what the summary reports.
+
+    ``remote`` set (a deployment): the groups run with the clients that reported, which mask
+    their own deltas (the buffer holds none), and their dropouts are real; unset (the
+    simulator): the groups run in process on the buffered deltas, with the trace's dropouts."""
 
     def __init__(
         self, cfg: Any, normalize: str, orch: Any, rng: np.random.Generator, dp: CentralGaussian | None = None
@@ -68,6 +88,7 @@ class SecureSum:
         self.round_trips = 0
         self._dropped_mark = 0
         self._pending = (0, 0)  # (up, down) bytes of the aggregation just made, for the run's byte counts
+        self.remote: RemoteGroups | None = None
 
     def noised_step(
         self, buffer: Sequence[BufferedUpdate], weights: np.ndarray
@@ -78,6 +99,8 @@ class SecureSum:
         stats = self.orch.stats
         dropped = stats.train_dropped + stats.train_cancelled - self._dropped_mark
         self._dropped_mark = stats.train_dropped + stats.train_cancelled
+        if self.remote is not None:  # real members drop for real: no stand-ins
+            dropped = 0
         if self.dp is None:
             w = np.asarray(weights, dtype=np.float64)
             scale = s.max_weight if s.max_weight is not None else float(w.max(initial=0.0)) or 1.0
@@ -100,19 +123,12 @@ class SecureSum:
                 continue
             k, t = group_threshold(len(members), s.shares, s.t)
             layout = GroupLayout(self.orch.version * 4096 + g, tuple(members), k, t)
-            updates = {}
-            for m in members:
-                if m in index:
-                    item = buffer[index[m]]
-                    assert item.update.delta is not None
-                    updates[m] = (float(folded[index[m]]), self._client_side(item.update.delta))
-                else:
-                    updates[m] = (0.0, np.zeros(length, dtype=np.float32))
-            drop_at = {m: "masked" for m in members if m not in index}
-            for m in reporters:
-                if self.orch.clients[buffer[index[m]].client_id].reported_tier is Tier.UN_AVL:
-                    drop_at[m] = "unmask"
-            server, tr = run_group(layout, self.q, updates, drop_at)
+            if self.remote is not None:
+                client_of = {m: buffer[index[m]].client_id for m in members}
+                weights_of = {m: float(folded[index[m]]) for m in members}
+                server, tr = self.remote.run_group(layout, self.q, weights_of, length, client_of)
+            else:
+                server, tr = self._in_process(layout, members, index, buffer, folded, length)
             traffic.add(tr)
             self.groups += 1
             plain += 4 * length * len(reporters)
@@ -148,6 +164,32 @@ class SecureSum:
             step = xsum * scale / len(survivors)
             norm_w[survivors] = folded[survivors] * scale / len(survivors)
         return step.astype(np.float32), norm_w
+
+    def _in_process(
+        self,
+        layout: GroupLayout,
+        members: list[int],
+        index: dict[int, int],
+        buffer: Sequence[BufferedUpdate],
+        folded: np.ndarray,
+        length: int,
+    ) -> tuple[SecAggServer, Traffic]:
+        """The simulator's group: every member in this process, a stand-in for a dropped task
+        silent from the masked stage on, a reporter the orchestrator sees unavailable silent at
+        the unmask stage."""
+        updates = {}
+        for m in members:
+            if m in index:
+                item = buffer[index[m]]
+                assert item.update.delta is not None
+                updates[m] = (float(folded[index[m]]), self._client_side(item.update.delta))
+            else:
+                updates[m] = (0.0, np.zeros(length, dtype=np.float32))
+        drop_at = {m: "masked" for m in members if m not in index}
+        for m in members:
+            if m in index and self.orch.clients[buffer[index[m]].client_id].reported_tier is Tier.UN_AVL:
+                drop_at[m] = "unmask"
+        return run_group(layout, self.q, updates, drop_at)
 
     def _client_side(self, delta: np.ndarray) -> np.ndarray:
         """What a client masks: its delta, clipped to the central mechanism's L2 bound when DP is on

@@ -1,0 +1,138 @@
+"""Secure aggregation's groups over the deployment's link: the server's side of each SecAgg+ group
+(:class:`felix.secagg.server.SecAggServer`, the simulator's own state machine) driven with real
+clients and wall-clock deadlines.
+
+The aggregator's sum mechanism (``felix.secagg.aggregate.SecureSum``, the same object the
+simulator uses) forms the groups from the aggregation's reporters and calls :meth:`run_group` for
+each; the aggregation waits until its groups have unmasked or been abandoned, so a new model
+version is made whole or not at all, exactly as in the simulator. While a group runs, the server
+loop's ``pump`` takes inbound messages: the secure-aggregation ones come back here through the
+server protocol (:meth:`receive`), every other one waits, unhandled and unacknowledged, until the
+aggregation is over. Each stage lasts until every member it waits on has answered or
+``stage_s`` wall seconds have passed; a member that has not answered by then has dropped at that
+stage, and the protocol object decides whether the group goes on (enough holders of every needed
+secret) or is abandoned. So a group takes at most four stage deadlines, never a hang.
+
+Checks on each client message, beyond the protocol's envelope checks: the group is open, the
+member is one of the group's tasks and belongs to the sending client (so no login speaks for
+another's task), and then the state machine's own (stage, replay, sizes, keys, ranges, requested
+peers), each refusal with its typed reason (``felix.secagg.refusals``). A verbatim redelivery
+(QoS 1 is at least once) is a duplicate, not a replay."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from felix.deploy import secagg_wire
+from felix.secagg.graph import GroupLayout
+from felix.secagg.messages import Message
+from felix.secagg.quantize import Quantizer
+from felix.secagg.refusals import Reason, SecAggRefusal
+from felix.secagg.server import SecAggServer
+from felix.secagg.session import STAGES, Traffic
+
+#: Wall seconds a stage waits for its members by default (``ServeOptions.secagg_stage_s``).
+DEFAULT_STAGE_S = 30.0
+
+
+@dataclass
+class _Open:
+    server: SecAggServer
+    client_of: Mapping[int, int]
+    weights: Mapping[int, float]
+    traffic: Traffic
+    seen: set[bytes] = field(default_factory=set)  # digests of the accepted payloads
+
+
+class NetworkGroups:
+    """Runs groups with real members for run ``run_id``. ``send(client, payload)`` publishes to a
+    client's task channel; ``pump(seconds)`` lets the server loop take inbound messages for up to
+    that long; ``clock`` is monotonic wall seconds."""
+
+    def __init__(
+        self,
+        run_id: str,
+        send: Callable[[int, bytes], None],
+        pump: Callable[[float], None],
+        stage_s: float = DEFAULT_STAGE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not stage_s > 0:
+            raise ValueError(f"secure aggregation's stage deadline must be positive, not {stage_s}")
+        self.run_id = run_id
+        self.send = send
+        self.pump = pump
+        self.stage_s = stage_s
+        self.clock = clock
+        self.open: dict[int, _Open] = {}
+        self.refusals: list[tuple[int, SecAggRefusal]] = []  # (client, refusal), for the log and tests
+        self.duplicates = 0
+
+    def run_group(
+        self,
+        layout: GroupLayout,
+        quantizer: Quantizer,
+        weights: Mapping[int, float],
+        length: int,
+        client_of: Mapping[int, int],
+    ) -> tuple[SecAggServer, Traffic]:
+        """Run one group to its end (``felix.secagg.aggregate.RemoteGroups``)."""
+        server = SecAggServer(layout, quantizer, length)
+        members = layout.members
+        g = _Open(server, client_of, weights, Traffic({m: 0 for m in members}, {m: 0 for m in members}))
+        self.open[layout.group_id] = g
+        try:
+            out: dict[int, Message] = dict(server.setup())
+            for _ in STAGES:
+                g.traffic.round_trips += 1
+                for m, msg in out.items():
+                    self._send(g, m, msg)
+                deadline = self.clock() + self.stage_s
+                while server.expected():
+                    left = deadline - self.clock()
+                    if left <= 0:
+                        break
+                    self.pump(min(left, 0.05))
+                out = dict(server.advance())
+                if server.done:
+                    break
+        finally:
+            del self.open[layout.group_id]
+        return server, g.traffic
+
+    def _send(self, g: _Open, member: int, msg: Message) -> None:
+        env = secagg_wire.SecAggEnvelope(self.run_id, g.client_of[member], member, g.weights[member], msg)
+        payload = secagg_wire.encode(env)
+        g.traffic.down[member] += len(payload)
+        self.send(env.client, payload)
+
+    def receive(self, client: int, env: secagg_wire.SecAggEnvelope, digest: bytes, size: int) -> bool:
+        """Take one client's message (its envelope checked by the server protocol): True if new,
+        False for a verbatim redelivery; ``SecAggRefusal`` (kept in ``refusals``) if refused."""
+        try:
+            return self._receive(client, env, digest, size)
+        except SecAggRefusal as exc:
+            self.refusals.append((client, exc))
+            raise
+
+    def _receive(self, client: int, env: secagg_wire.SecAggEnvelope, digest: bytes, size: int) -> bool:
+        g = self.open.get(env.msg.group_id)
+        if g is None:
+            raise SecAggRefusal(Reason.WRONG_GROUP, f"group {env.msg.group_id} is not open")
+        if g.client_of.get(env.member) != client:
+            raise SecAggRefusal(
+                Reason.NOT_MEMBER,
+                f"task {env.member} is not a member of group {env.msg.group_id} for client {client}",
+            )
+        if digest in g.seen:
+            self.duplicates += 1
+            return False
+        g.traffic.up[env.member] += size
+        g.server.receive(env.msg)
+        g.seen.add(digest)
+        return True
+
+
+__all__ = ["DEFAULT_STAGE_S", "NetworkGroups"]
