@@ -22,6 +22,10 @@ Protocol of a client:
   in size and time); a model that cannot be had fails the task (a FAILED report);
 - runs TRAIN and EVAL tasks in arrival order; a task re-delivered by the broker is run once;
   CANCEL drops a queued or running task;
+- with ``secure_aggregation:`` on, a training RESULT carries the update's metadata only; the
+  client keeps the delta (of its last ``SEALED_HELD`` tasks) and answers the server's
+  secure-aggregation stages for that task (``felix.secagg.client``, one group per task: it masks
+  a task's update once), sending keys, shares, the masked ``[w, w * delta]`` and unmask shares;
 - after every reconnect, publishes again the results it sent in the last ``RESEND_WINDOW_S``
   (at most ``RESEND_MAX`` per client): a broker killed with ``kill -9`` loses what it had
   acknowledged since its last autosave, and the server drops what it already had (by task id).
@@ -58,7 +62,7 @@ import torch
 from felix.client.trainer import LocalTrainer
 from felix.config import Config, ConfigError
 from felix.core.types import ClientUpdate, TaskKind, Tier
-from felix.deploy import wire
+from felix.deploy import secagg_wire, wire
 from felix.deploy.broker_config import default_max_message_bytes
 from felix.deploy.channels import Channel
 from felix.deploy.client_protocol import ClientProtocol, Dropped
@@ -72,6 +76,9 @@ from felix.engine.plan import plan_run
 from felix.engine.setup import build_client_side
 from felix.privacy.setup import device_mechanism
 from felix.scenario.traces import DeviceTrace
+from felix.secagg import messages as sa
+from felix.secagg.client import SecAggClient
+from felix.secagg.refusals import Reason, SecAggRefusal
 from felix.strategies.dataplans.plans import PlanApplier
 
 log = logging.getLogger("felix.deploy.client")
@@ -86,6 +93,7 @@ RESEND_WINDOW_S = 30.0  # results re-published after a reconnect: those sent thi
 RESEND_MAX = 8  # ... at most this many per client
 INBOX_BATCH = 16  # messages handled per loop turn at most (timers run between turns)
 STOP_GRACE_S = 2.0  # on a stop request, the links get this long (together) to disconnect cleanly
+SEALED_HELD = 8  # secure aggregation: the updates (of the latest tasks) a client keeps for their groups
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,15 @@ class ClientOptions:
 
 
 @dataclass(eq=False)
+class Sealed:
+    """A training update waiting for its secure-aggregation group: the delta (dropped once
+    masked) and the member's state machine (None until the group's setup)."""
+
+    delta: np.ndarray | None
+    member: SecAggClient | None = None
+
+
+@dataclass(eq=False)
 class Device(DeviceRunner[bytes]):
     """A deployed client: the shared task runner (times in trace seconds; results are encoded
     RESULT messages), its trace, and its MQTT connection."""
@@ -130,6 +147,7 @@ class Device(DeviceRunner[bytes]):
     )  # recent results (clock time, payload)
     finished: bool = field(default=False, kw_only=True)
     connections: int = field(default=0, kw_only=True)
+    sealed: dict[int, Sealed] = field(default_factory=dict, kw_only=True)  # task -> its update's group
 
     def __post_init__(self) -> None:
         self.ids = wire.MsgIds(self.incarnation)
@@ -338,6 +356,9 @@ class ClientHost:
         if isinstance(msg, Dropped):
             log.warning("client %d: dropped %s", dev.cid, msg.detail)
             return
+        if isinstance(msg, secagg_wire.SecAggEnvelope):
+            self._on_secagg(dev, msg)
+            return
         if isinstance(msg, wire.Status):
             if msg.state == "finished":
                 log.info("client %d: the server finished the run", dev.cid)
@@ -503,6 +524,10 @@ class ClientHost:
         if self.rules.privacy is not None:
             upd = self.rules.privacy.release(dev.cid, task.task_id, upd)
         upd.duration = task.duration if self.opts.runtime == "profile" else spent / self.opts.time_scale
+        sealed = task.kind is TaskKind.TRAIN and self.cfg.secure_aggregation.enabled
+        if sealed:
+            self._seal(dev, task.task_id, upd.delta)
+            upd = dataclasses.replace(upd, delta=None)  # the update travels masked, in its group
         msg = wire.Result(
             **self._env(dev),
             client=dev.cid,
@@ -513,10 +538,56 @@ class ClientHost:
             update=dataclasses.replace(upd, data_span=task.data_span)  # what it trained on
             if task.kind is TaskKind.TRAIN
             else dataclasses.replace(upd, delta=None, aux={}, data_span=None),  # an eval sends no arrays
+            sealed=sealed,
         )
         self.tasks_done += 1
         self._refresh_tier(dev)  # the tier may have changed while computing
         self._follow(dev, dev.finish(self.trace_time(), task, wire.encode(msg)))  # sent now, or held
+
+    # ------------------------------------------------------------------ secure aggregation
+    def _seal(self, dev: Device, task_id: int, delta: np.ndarray | None) -> None:
+        dev.sealed[task_id] = Sealed(delta)
+        while len(dev.sealed) > SEALED_HELD:
+            del dev.sealed[next(iter(dev.sealed))]
+
+    def _on_secagg(self, dev: Device, env: secagg_wire.SecAggEnvelope) -> None:
+        """One stage of the group of the task ``env.member``: answer it, or refuse it (counted)."""
+        try:
+            reply = self._secagg_reply(dev, env)
+        except SecAggRefusal as exc:
+            log.warning("client %d: dropped %s", dev.cid, self.protocol.refused(exc).detail)
+            return
+        if reply is not None:
+            out = secagg_wire.SecAggEnvelope(self.opts.run_id, dev.cid, env.member, 0.0, reply)
+            self._publish(dev, Channel.SECAGG, secagg_wire.encode(out))
+
+    def _secagg_reply(self, dev: Device, env: secagg_wire.SecAggEnvelope) -> sa.Message | None:
+        st = dev.sealed.get(env.member)
+        msg = env.msg
+        if st is None:
+            raise SecAggRefusal(Reason.NOT_MEMBER, f"task {env.member} has no update waiting for a group")
+        if isinstance(msg, sa.Setup):
+            agent = st.member
+            if agent is not None and agent.layout is not None and agent.layout.group_id == msg.group_id:
+                return None  # a redelivered setup: answered already
+            if st.delta is None:
+                raise SecAggRefusal(Reason.REPLAY, f"task {env.member}'s update was masked in another group")
+            st.member = SecAggClient(env.member)  # a new group (the last one was abandoned before masking)
+            return st.member.on_setup(msg)
+        if st.member is None:
+            raise SecAggRefusal(Reason.WRONG_STAGE, f"a {type(msg).__name__} before the group's setup")
+        if isinstance(msg, sa.KeysBroadcast):
+            return st.member.on_keys(msg)
+        if isinstance(msg, sa.SharesForward):
+            st.member.on_shares(msg)
+            assert st.delta is not None  # (the member's stage guards it)
+            masked = st.member.masked(env.weight, st.delta)
+            st.delta = None
+            return masked
+        assert isinstance(msg, sa.UnmaskRequest)  # secagg_wire admits no other from the server
+        answer = st.member.on_unmask(msg)
+        del dev.sealed[env.member]
+        return answer
 
     def _compute(self, dev: Device, task: DeviceTask) -> ClientUpdate:
         if self.opts.no_train:

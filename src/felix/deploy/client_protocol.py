@@ -14,10 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from felix.core.refusals import Refusal, count_kind
-from felix.deploy import wire
+from felix.deploy import secagg_wire, wire
 from felix.deploy.channels import ALLOWED, Channel
+from felix.secagg.refusals import SecAggRefusal
 
-ToClient = wire.Status | wire.TrainTask | wire.EvalTask | wire.Cancel
+ToClient = wire.Status | wire.TrainTask | wire.EvalTask | wire.Cancel | secagg_wire.SecAggEnvelope
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,10 @@ class ClientProtocol:
     dropped_by_kind: dict[str, int] = field(default_factory=dict)
 
     def receive(self, client: int, channel: Channel, payload: bytes) -> ToClient | Dropped:
-        """Check one message that reached ``client`` on ``channel`` (task or status)."""
+        """Check one message that reached ``client`` on ``channel`` (task or status): a
+        secure-aggregation stage travels on the task channel in its own envelope."""
+        if channel is Channel.TASK and secagg_wire.is_secagg(payload):
+            return self._secagg(client, payload)
         try:
             msg = wire.decode(payload, self.max_bytes)
         except wire.MessageError as exc:
@@ -68,6 +72,25 @@ class ClientProtocol:
             return self._drop(exc.code, f"task's model: {exc}")
         assert isinstance(msg, (wire.TrainTask, wire.EvalTask)) and msg.client == client  # receive checked
         return msg
+
+    def _secagg(self, client: int, payload: bytes) -> secagg_wire.SecAggEnvelope | Dropped:
+        if len(payload) > self.max_bytes:
+            return self._drop(Refusal.OVERSIZED, f"a secure-aggregation message of {len(payload)} bytes")
+        try:
+            env = secagg_wire.decode(payload, from_server=True)
+        except SecAggRefusal as exc:
+            return self._drop(Refusal.SECAGG, f"a secure-aggregation message: {exc}")
+        if env.run != self.run_id:
+            return self._drop(Refusal.OTHER_RUN, f"a secure-aggregation message for run {env.run!r}")
+        if env.client != client:
+            return self._drop(
+                Refusal.WRONG_ADDRESSEE, f"a secure-aggregation message addressed to client {env.client}"
+            )
+        return env
+
+    def refused(self, exc: SecAggRefusal) -> Dropped:
+        """Count a secure-aggregation message the client's state machine refused."""
+        return self._drop(Refusal.SECAGG, f"a secure-aggregation message: {exc}")
 
     def _drop(self, kind: Refusal, detail: str) -> Dropped:
         count_kind(self.dropped_by_kind, kind)
