@@ -1,0 +1,324 @@
+"""Secure aggregation in a deployed run, end to end: ``felix serve``'s server and real clients
+(the in-memory transport for the fast tests, Mosquitto for one), instrumented on both sides. The
+applied model is the plaintext quantised aggregate's result, every group's unmasked sum is the
+plaintext quantised sum bit for bit, no payload the server receives holds one client's update,
+and clients that go silent at any stage are tolerated up to the threshold, abandoned (and
+counted) below it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from broker import MosquittoBroker
+from mqtt_support import (
+    Background,
+    broker_options,
+    load_config,
+    needs_mosquitto,
+    one_torch_thread,  # noqa: F401  (a fixture)
+    users,
+    wait_until,
+    write_config,
+)
+
+from felix.config import Config
+from felix.deploy import secagg_wire, wire
+from felix.deploy.channels import Channel
+from felix.deploy.client import ClientHost, ClientOptions, Device, credentials_from_map
+from felix.deploy.link import BrokerOptions
+from felix.deploy.memory_transport import MemoryOptions
+from felix.deploy.server import ServeOptions, Server
+from felix.secagg import messages as sa
+from felix.secagg.quantize import Quantizer
+from felix.secagg.session import STAGES
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@dataclass
+class Record:
+    """What the test sees of a run: every payload the server received, the deltas the clients
+    sealed (task -> delta), each group the server ran (its folded weights and its result), and
+    every new model version."""
+
+    received: list[tuple[Channel, bytes]] = field(default_factory=list)
+    deltas: dict[int, np.ndarray] = field(default_factory=dict)
+    groups: list[tuple[dict[int, float], dict[int, int], Any]] = field(default_factory=list)
+    versions: list[tuple[int, np.ndarray, tuple[int, ...]]] = field(default_factory=list)
+
+
+def instrument(server: Server, host: ClientHost, rec: Record) -> None:
+    inbound, log_applied, seal = server.handle_inbound, server._log_applied, host._seal
+    assert server.secagg is not None
+    run_group = server.secagg.run_group
+
+    def handle(m: Any, *rest: Any) -> None:
+        if m.address is not None:
+            rec.received.append((m.address.channel, m.payload))
+        inbound(m, *rest)
+
+    def group(layout: Any, q: Any, weights: Any, length: int, client_of: Any) -> Any:
+        out = run_group(layout, q, weights, length, client_of)
+        rec.groups.append((dict(weights), dict(client_of), out[0]))
+        return out
+
+    def applied(cmd: Any) -> None:
+        rec.versions.append((cmd.version, cmd.weights, cmd.report.task_ids))
+        log_applied(cmd)
+
+    def sealed(dev: Device, task_id: int, delta: np.ndarray | None) -> None:
+        assert delta is not None
+        rec.deltas[task_id] = delta.copy()
+        seal(dev, task_id, delta)
+
+    server.handle_inbound = handle  # type: ignore[method-assign]
+    server.secagg.run_group = group  # type: ignore[method-assign]
+    server._log_applied = applied  # type: ignore[method-assign]
+    host._seal = sealed  # type: ignore[method-assign]
+
+
+def check_sums_and_models(cfg: Config, server: Server, rec: Record, theta0: np.ndarray) -> None:
+    """Each finished group's unmasked sum is the plaintext quantised sum of its members' sealed
+    deltas, and each new model is the previous one plus the plaintext quantised aggregate."""
+    s = cfg.secure_aggregation
+    q = Quantizer(s.clipping_range, s.quantization_bits, s.modulus_bits)
+    plain: dict[int, tuple[float, np.ndarray]] = {}  # task -> (sum of w, sum of w * delta) share
+    for weights, _, group in rec.groups:
+        if group.result is None:
+            continue
+        total = np.zeros(theta0.size + 1, q.dtype)
+        for m in group.result.members:
+            total += q.encode(weights[m], rec.deltas[m])
+        np.testing.assert_array_equal(group.result.total, total)  # bit for bit
+        wsum, xsum = q.decode_sum(total, len(group.result.members))
+        for m in group.result.members:
+            plain[m] = (wsum, xsum)  # one entry per group is enough: keyed by its members
+    assert rec.versions, "no model version was made"
+    theta = theta0
+    lr = np.float32(cfg.aggregator.server_lr)
+    for _, new, tasks in rec.versions:
+        groups = {id(plain[t][1]): plain[t] for t in tasks if t in plain}
+        wsum = sum(w for w, _ in groups.values())
+        xsum = sum(x for _, x in groups.values())
+        expected = theta + lr * (xsum / wsum).astype(np.float32)
+        np.testing.assert_allclose(new, expected, rtol=0, atol=1e-6)
+        theta = new
+
+
+def check_nothing_in_the_clear(rec: Record, q: Quantizer) -> int:
+    """No training result carries a delta, and no masked vector the server received is within
+    2^20 quantisation levels (an eighth of the range at 2^22 levels and more) of any sealed
+    update's ``[w, w * delta]`` for any weight the server used; returns the masked vectors seen."""
+    encoded = [
+        q.encode(w, rec.deltas[m]).astype(np.int64)
+        for weights, _, _ in rec.groups
+        for m, w in weights.items()
+    ]
+    masked = 0
+    for channel, payload in rec.received:
+        if channel is Channel.RESULT:
+            msg = wire.decode(payload)
+            if isinstance(msg, wire.Result) and msg.kind.value == "train":
+                assert msg.sealed and msg.update.delta is None
+        elif channel is Channel.SECAGG:
+            got = secagg_wire.decode(payload, from_server=False).msg
+            if isinstance(got, sa.Masked):
+                masked += 1
+                words = got.words.astype(np.int64)
+                assert all(np.abs(words - e).max() > 1 << 20 for e in encoded)
+        for delta in rec.deltas.values():
+            assert delta[:8].tobytes() not in payload
+    return masked
+
+
+class SilentHost(ClientHost):
+    """Clients that go silent in their secure-aggregation groups from a stage on (``silent``:
+    client -> the first stage they do not answer), as a client stopped mid-protocol would."""
+
+    silent: dict[int, str]  # set before the run
+
+    def _secagg_reply(self, dev: Device, env: secagg_wire.SecAggEnvelope) -> sa.Message | None:
+        stage = {sa.Setup: "keys", sa.KeysBroadcast: "shares", sa.SharesForward: "masked"}.get(
+            type(env.msg), "unmask"
+        )
+        gone = self.silent.get(dev.cid)
+        if gone is not None and STAGES.index(gone) <= STAGES.index(stage):
+            return None
+        return super()._secagg_reply(dev, env)
+
+
+def run_memory(
+    cfg: Config,
+    out: Path,
+    run_id: str,
+    silent: dict[int, str] | None = None,
+    stop_when: Any = None,
+    timeout: float = 60.0,
+) -> tuple[Server, Record, dict[str, Any], np.ndarray]:
+    opts = ServeOptions(
+        MemoryOptions(),
+        run_id=run_id,
+        out_dir=out,
+        time_scale=0.05,
+        status_every_s=1e9,
+        transport="memory",
+        secagg_stage_s=1.0,
+    )
+    server = Server(cfg, opts)
+    theta0 = server.orch.weights.copy()
+    copts = ClientOptions(
+        broker=MemoryOptions(), run_id=run_id, time_scale=0.05, max_wall_s=timeout, transport="memory"
+    )
+    host = SilentHost(cfg, list(range(cfg.partition.num_clients)), copts, lambda cid: (None, None))
+    host.silent = silent or {}
+    rec = Record()
+    instrument(server, host, rec)
+    serving, clients = Background(server.run, "server"), Background(host.run, "clients")
+    serving.start()
+    clients.start()
+    try:
+        if stop_when is not None:  # an interrupted server does not end the run: the clients are told too
+            wait_until(lambda: stop_when(server), timeout, "the condition to stop")
+            server.stop_requested.set()
+            host.stop_requested.set()
+        summ = serving.result(timeout)
+        clients.result(20)
+    finally:
+        server.stop_requested.set()
+        host.stop_requested.set()
+    return server, rec, summ, theta0
+
+
+def _buffered(tmp_path: Path) -> Config:
+    return load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            secure_aggregation={"protocol": "buffered", "group_size": 4},
+            partition={"kind": "dirichlet", "num_clients": 12, "alpha": 0.5},
+            run={"target_accuracy": 0.99, "max_aggregations": 3, "max_time_s": 20000.0},
+        )
+    )
+
+
+def _sync(tmp_path: Path) -> Config:
+    """fedavg's synchronous rounds over all 8 clients (always available): every round's cohort
+    is one group of 8, threshold 5."""
+    path = write_config(
+        tmp_path / "c.yaml",
+        strategy="fedavg",
+        secure_aggregation={"protocol": "secagg_plus", "group_size": 8},
+        partition={"kind": "dirichlet", "num_clients": 8, "alpha": 0.5},
+        trace={"kind": "slotted", "unavailable_fraction": 0.0, "slot_s": 60.0, "horizon_s": 3600.0},
+        run={"target_accuracy": 0.99, "max_aggregations": 2, "max_time_s": 20000.0},
+    )
+    return load_config(path, {"orchestrator": {"agg_goal": 8, "overcommit": 1.0}})
+
+
+def test_buffered_deployment_applies_the_plaintext_quantised_aggregate_and_sees_no_update(
+    tmp_path: Path,
+) -> None:
+    cfg = _buffered(tmp_path)
+    server, rec, summ, theta0 = run_memory(cfg, tmp_path / "out", "sa-buffered")
+    assert summ["stop_reason"] == "max_aggregations" and len(rec.versions) == 3
+    sa_summ = summ["secure_aggregation"]
+    assert sa_summ["protocol"] == "buffered" and sa_summ["groups"] == len(rec.groups) >= 3
+    assert sa_summ["groups_abandoned"] == 0 and sa_summ["bytes_overhead"] > 0
+    check_sums_and_models(cfg, server, rec, theta0)
+    s = cfg.secure_aggregation
+    assert (
+        check_nothing_in_the_clear(rec, Quantizer(s.clipping_range, s.quantization_bits, s.modulus_bits))
+        >= 10
+    )
+    assert summ["rejected_by_kind"] == {} and server.secagg is not None and server.secagg.refusals == []
+    assert summ["wire_bytes_by_kind"]["up"]["train"] > 0
+
+
+@pytest.mark.parametrize(
+    "stage",
+    [
+        "keys",
+        pytest.param("shares", marks=pytest.mark.slow),
+        "masked",
+        pytest.param("unmask", marks=pytest.mark.slow),
+    ],
+)
+def test_a_client_silent_at_any_stage_is_tolerated_and_the_sum_stays_exact(
+    tmp_path: Path, stage: str
+) -> None:
+    cfg = _sync(tmp_path)
+    server, rec, summ, theta0 = run_memory(cfg, tmp_path / "out", f"sa-drop-{stage}", silent={3: stage})
+    assert summ["stop_reason"] == "max_aggregations" and len(rec.groups) == 2
+    for weights, client_of, group in rec.groups:
+        assert len(weights) == 8 and group.result is not None
+        (dropper,) = [m for m, c in client_of.items() if c == 3]
+        assert (dropper in group.result.members) == (stage == "unmask")
+    sa_summ = summ["secure_aggregation"]
+    assert sa_summ["groups_abandoned"] == 0
+    assert sa_summ["dropouts_recovered"] == (2 if stage == "masked" else 0)
+    assert sa_summ["updates_lost"] == (0 if stage == "unmask" else 2)
+    check_sums_and_models(cfg, server, rec, theta0)
+
+
+def test_below_the_threshold_a_group_is_abandoned_counted_and_nothing_is_applied(tmp_path: Path) -> None:
+    cfg = _sync(tmp_path)
+    silent = {c: "masked" for c in range(4)}  # 4 of 8 members: below the threshold of 5
+
+    def abandoned(server: Server) -> bool:
+        return int(server.orch.aggregator.privacy.groups_abandoned) >= 1  # type: ignore[union-attr]
+
+    server, rec, summ, _ = run_memory(cfg, tmp_path / "out", "sa-abandon", silent=silent, stop_when=abandoned)
+    assert rec.versions == [] and server.orch.version == 0
+    weights, _, group = rec.groups[0]
+    assert group.abandoned and group.result is None and len(weights) == 8
+    sa_summ = summ["secure_aggregation"]
+    assert sa_summ["groups_abandoned"] >= 1 and sa_summ["updates_lost"] >= 8
+    assert summ["rejected_by_kind"].get("unaggregatable", 0) >= 8  # the round's updates, refused whole
+
+
+def _over_mosquitto(fn: Any) -> Any:
+    for mark in reversed(needs_mosquitto):
+        fn = mark(fn)
+    return pytest.mark.slow(fn)
+
+
+@_over_mosquitto
+def test_sync_secagg_plus_over_mosquitto(tmp_path: Path) -> None:
+    cfg = _sync(tmp_path)
+    ids = list(range(cfg.partition.num_clients))
+    with MosquittoBroker(len(ids), workdir=tmp_path / "broker") as broker:
+        opts = ServeOptions(
+            broker_options(broker), run_id="t", out_dir=tmp_path / "out", time_scale=0.05, status_every_s=1e9
+        )
+        server = Server(cfg, opts)
+        theta0 = server.orch.weights.copy()
+        copts = ClientOptions(
+            broker=BrokerOptions("127.0.0.1", broker.port, reconnect_max_s=1.0),
+            run_id="t",
+            time_scale=0.05,
+            max_wall_s=90.0,
+        )
+        host = ClientHost(cfg, ids, copts, credentials_from_map(users(broker)))
+        rec = Record()
+        instrument(server, host, rec)
+        serving, clients = Background(server.run, "server"), Background(host.run, "clients")
+        serving.start()
+        clients.start()
+        try:
+            summ = serving.result(90)
+            clients.result(20)
+        finally:
+            server.stop_requested.set()
+            host.stop_requested.set()
+    assert summ["stop_reason"] == "max_aggregations" and len(rec.versions) == 2
+    assert summ["secure_aggregation"]["groups"] == 2 and summ["secure_aggregation"]["groups_abandoned"] == 0
+    check_sums_and_models(cfg, server, rec, theta0)
+    s = cfg.secure_aggregation
+    assert (
+        check_nothing_in_the_clear(rec, Quantizer(s.clipping_range, s.quantization_bits, s.modulus_bits))
+        == 16
+    )
+    assert summ["rejected_by_kind"] == {}
