@@ -151,6 +151,21 @@ class SilentHost(ClientHost):
         return super()._secagg_reply(dev, env)
 
 
+class HostileHost(SilentHost):
+    """Client 2 sends its shares, then other shares for the same stage (a replay); client 5
+    answers the unmask request with a share of a peer it was not asked about."""
+
+    def _secagg_reply(self, dev: Device, env: secagg_wire.SecAggEnvelope) -> sa.Message | None:
+        reply = super()._secagg_reply(dev, env)
+        if dev.cid == 2 and isinstance(reply, sa.Shares):
+            first = secagg_wire.SecAggEnvelope(self.opts.run_id, dev.cid, env.member, 0.0, reply)
+            self._publish(dev, Channel.SECAGG, secagg_wire.encode(first))
+            return sa.Shares(reply.group_id, reply.sender, {k: v[::-1] for k, v in reply.ciphertexts.items()})
+        if dev.cid == 5 and isinstance(reply, sa.Unmask):
+            return sa.Unmask(reply.group_id, reply.sender, {**reply.seed_shares, 123456: 7}, reply.key_shares)
+        return reply
+
+
 def run_memory(
     cfg: Config,
     out: Path,
@@ -158,6 +173,8 @@ def run_memory(
     silent: dict[int, str] | None = None,
     stop_when: Any = None,
     timeout: float = 60.0,
+    host_class: type[SilentHost] = SilentHost,
+    **serve: Any,
 ) -> tuple[Server, Record, dict[str, Any], np.ndarray]:
     opts = ServeOptions(
         MemoryOptions(),
@@ -167,13 +184,14 @@ def run_memory(
         status_every_s=1e9,
         transport="memory",
         secagg_stage_s=1.0,
+        **serve,
     )
     server = Server(cfg, opts)
     theta0 = server.orch.weights.copy()
     copts = ClientOptions(
         broker=MemoryOptions(), run_id=run_id, time_scale=0.05, max_wall_s=timeout, transport="memory"
     )
-    host = SilentHost(cfg, list(range(cfg.partition.num_clients)), copts, lambda cid: (None, None))
+    host = host_class(cfg, list(range(cfg.partition.num_clients)), copts, lambda cid: (None, None))
     host.silent = silent or {}
     rec = Record()
     instrument(server, host, rec)
@@ -218,11 +236,14 @@ def _sync(tmp_path: Path) -> Config:
     return load_config(path, {"orchestrator": {"agg_goal": 8, "overcommit": 1.0}})
 
 
+@pytest.mark.parametrize("decode_worker", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_buffered_deployment_applies_the_plaintext_quantised_aggregate_and_sees_no_update(
-    tmp_path: Path,
+    tmp_path: Path, decode_worker: bool
 ) -> None:
     cfg = _buffered(tmp_path)
-    server, rec, summ, theta0 = run_memory(cfg, tmp_path / "out", "sa-buffered")
+    server, rec, summ, theta0 = run_memory(
+        cfg, tmp_path / "out", f"sa-buffered-{decode_worker}", decode_worker=decode_worker
+    )
     assert summ["stop_reason"] == "max_aggregations" and len(rec.versions) == 3
     sa_summ = summ["secure_aggregation"]
     assert sa_summ["protocol"] == "buffered" and sa_summ["groups"] == len(rec.groups) >= 3
@@ -277,6 +298,19 @@ def test_below_the_threshold_a_group_is_abandoned_counted_and_nothing_is_applied
     sa_summ = summ["secure_aggregation"]
     assert sa_summ["groups_abandoned"] >= 1 and sa_summ["updates_lost"] >= 8
     assert summ["rejected_by_kind"].get("unaggregatable", 0) >= 8  # the round's updates, refused whole
+
+
+def test_hostile_secagg_messages_are_refused_with_their_reason_and_the_run_goes_on(tmp_path: Path) -> None:
+    cfg = _sync(tmp_path)
+    server, rec, summ, theta0 = run_memory(cfg, tmp_path / "out", "sa-hostile", host_class=HostileHost)
+    assert summ["stop_reason"] == "max_aggregations" and len(rec.versions) == 2
+    assert summ["rejected_by_reason"] == {"secagg: replay": 2, "secagg: unrequested": 2}
+    assert summ["rejected_by_kind"] == {"secagg": 4}
+    assert server.secagg is not None
+    assert [exc.reason.value for _, exc in server.secagg.refusals] == ["replay", "unrequested"] * 2
+    for _, client_of, group in rec.groups:  # both sent their vectors: both are in the sums
+        assert group.result is not None and len(group.result.members) == 8
+    check_sums_and_models(cfg, server, rec, theta0)
 
 
 def _over_mosquitto(fn: Any) -> Any:

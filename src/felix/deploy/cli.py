@@ -199,6 +199,7 @@ def _serve(args: argparse.Namespace) -> int:
         client_msg_burst=args.client_msg_burst,
         models=_model_hosting(args),
         decode_worker=args.decode_worker,
+        **({} if args.secagg_stage_s is None else {"secagg_stage_s": args.secagg_stage_s}),
     )
     print(
         f"felix serve: {cfg.name} / {cfg.strategy} (seed {cfg.seed}), run {run_id} on {opts.broker.describe()} -> {out}",
@@ -566,6 +567,14 @@ def add_parsers(subparsers: Any) -> None:
         "--decode-worker",
         action="store_true",
         help="parse inbound messages in a second process while the loop applies the ones before",
+    )
+    s.add_argument(
+        "--secagg-stage-s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with secure_aggregation on: wall seconds each stage of a group waits for its members "
+        "(a member silent that long has dropped at that stage; default 30)",
     )
     s.add_argument("--plots", action="store_true", help="also write the accuracy plots")
     s.set_defaults(func=_guard(_serve))
