@@ -26,9 +26,12 @@ mechanism's noise to the unmasked sum and divides by its fixed denominator.
 
 Otherwise each update's folded weight is the aggregator's weight for it over ``max_weight`` (capped
 at 1), or over the aggregation's largest weight when ``max_weight`` is null (the default): a weight
-far below 1 would shrink ``w * delta`` below the quantisation step. In a deployment a client folds the weight it can compute itself (its sample count), and a
-staleness factor, known only on arrival, would be applied by the server to a whole group's sum
-(docs/privacy.md)."""
+far below 1 would shrink ``w * delta`` below the quantisation step. In a deployment (``remote``
+set) the server sends each member its folded weight, and the member folds it into what it masks
+(docs/deployment.md, "Secure aggregation").
+
+The members are training tasks (their ids); in a deployment, only the aggregation's reporters,
+whose dropouts are real (``RemoteGroups``: ``felix.deploy.secagg_groups``)."""
 
 from __future__ import annotations
 
