@@ -158,7 +158,7 @@ class HostileHost(SilentHost):
     def _secagg_reply(self, dev: Device, env: secagg_wire.SecAggEnvelope) -> sa.Message | None:
         reply = super()._secagg_reply(dev, env)
         if dev.cid == 2 and isinstance(reply, sa.Shares):
-            first = secagg_wire.SecAggEnvelope(self.opts.run_id, dev.cid, env.member, 0.0, reply)
+            first = secagg_wire.SecAggEnvelope(self.opts.run_id, dev.cid, env.member, env.task, 0.0, reply)
             self._publish(dev, Channel.SECAGG, secagg_wire.encode(first))
             return sa.Shares(reply.group_id, reply.sender, {k: v[::-1] for k, v in reply.ciphertexts.items()})
         if dev.cid == 5 and isinstance(reply, sa.Unmask):

@@ -30,6 +30,7 @@ from felix.secagg.session import STAGES, run_group
 
 Q = Quantizer(8.0, 22, 32)
 LENGTH = 40
+BIG = (5 << 32) + 3  # a task id of a resumed server's later life: beyond the protocol's 32-bit ids
 
 
 # ---------------------------------------------------------------------- the envelope
@@ -38,10 +39,10 @@ def _keys(member: int = 7, gid: int = 3) -> sa.Keys:
 
 
 def test_envelope_round_trips_and_refuses_what_is_not_exactly_one() -> None:
-    env = SecAggEnvelope(RUN, 2, 7, 0.0, _keys())
+    env = SecAggEnvelope(RUN, 2, 7, BIG, 0.0, _keys())
     raw = secagg_wire.encode(env)
     assert secagg_wire.is_secagg(raw) and secagg_wire.decode(raw, from_server=False) == env
-    setup = SecAggEnvelope(RUN, 2, 7, 0.25, sa.Setup(3, (7, 8), 2, 2, 5, 8.0, 22, 32))
+    setup = SecAggEnvelope(RUN, 2, 7, BIG, 0.25, sa.Setup(3, (7, 8), 2, 2, 5, 8.0, 22, 32))
     assert secagg_wire.decode(secagg_wire.encode(setup), from_server=True) == setup
     bad: list[tuple[bytes, bool, Reason]] = [
         (raw[:9], False, Reason.MALFORMED),  # cut in the run id
@@ -49,12 +50,12 @@ def test_envelope_round_trips_and_refuses_what_is_not_exactly_one() -> None:
         (raw + b"\0", False, Reason.MALFORMED),  # trailing byte
         (b"FLXM" + raw[4:], False, Reason.MALFORMED),  # a wire-format magic
         (
-            secagg_wire.encode(SecAggEnvelope(RUN, 2, 7, 0.5, _keys())),
+            secagg_wire.encode(SecAggEnvelope(RUN, 2, 7, BIG, 0.5, _keys())),
             False,
             Reason.MALFORMED,
         ),  # a client's weight
-        (secagg_wire.encode(SecAggEnvelope(RUN, 2, 7, float("nan"), setup.msg)), True, Reason.MALFORMED),
-        (secagg_wire.encode(SecAggEnvelope(RUN, 2, 8, 0.0, _keys(member=7))), False, Reason.NOT_MEMBER),
+        (secagg_wire.encode(SecAggEnvelope(RUN, 2, 7, BIG, float("nan"), setup.msg)), True, Reason.MALFORMED),
+        (secagg_wire.encode(SecAggEnvelope(RUN, 2, 8, BIG, 0.0, _keys(member=7))), False, Reason.NOT_MEMBER),
         (raw, True, Reason.WRONG_STAGE),  # a client's message posing as the server's
         (
             secagg_wire.encode(replace(setup, weight=0.0)),
@@ -111,13 +112,23 @@ def test_sealed_results_stand_for_a_zero_delta_and_a_result_in_the_clear_is_refu
     ("env", "topic_client", "kind", "reason"),
     [
         (
-            SecAggEnvelope("other", 1, 7, 0.0, _keys()),
+            SecAggEnvelope("other", 1, 7, BIG, 0.0, _keys()),
             1,
             Refusal.OTHER_RUN,
             "transport: message for run 'other'",
         ),
-        (SecAggEnvelope(RUN, 2, 7, 0.0, _keys()), 1, Refusal.SENDER_MISMATCH, "transport: sender mismatch"),
-        (SecAggEnvelope(RUN, 9, 7, 0.0, _keys()), 9, Refusal.OUTSIDE_POPULATION, "transport: client id 9"),
+        (
+            SecAggEnvelope(RUN, 2, 7, BIG, 0.0, _keys()),
+            1,
+            Refusal.SENDER_MISMATCH,
+            "transport: sender mismatch",
+        ),
+        (
+            SecAggEnvelope(RUN, 9, 7, BIG, 0.0, _keys()),
+            9,
+            Refusal.OUTSIDE_POPULATION,
+            "transport: client id 9",
+        ),
         (None, 1, Refusal.SECAGG, "secagg: malformed"),
     ],
 )
@@ -129,9 +140,9 @@ def test_secagg_envelopes_are_checked_before_any_group_sees_them(
     got = p.receive(Address(Channel.SECAGG, topic_client), payload, 1.0)
     assert isinstance(got, Refused) and got.kind is kind and got.reason.startswith(reason), got
     ok = p.receive(
-        Address(Channel.SECAGG, 1), secagg_wire.encode(SecAggEnvelope(RUN, 1, 7, 0.0, _keys())), 1.0
+        Address(Channel.SECAGG, 1), secagg_wire.encode(SecAggEnvelope(RUN, 1, 7, BIG, 0.0, _keys())), 1.0
     )
-    assert isinstance(ok, SecAggIn) and ok.client == 1 and ok.env.member == 7
+    assert isinstance(ok, SecAggIn) and ok.client == 1 and ok.env.member == 7 and ok.env.task == BIG
     off = _protocol(False).receive(Address(Channel.SECAGG, 1), payload, 1.0)
     assert isinstance(off, Refused) and off.reason == "secagg: secure aggregation is off in this run"
 
@@ -155,7 +166,7 @@ class Harness:
         self.drop_at: dict[int, str] = {}
         self.tamper: Tamper | None = None
         self.extra: list[tuple[int, bytes]] = []  # payloads injected at the next pump
-        self.agents = {m: SecAggClient(m) for m in members}
+        self.agents: dict[int, SecAggClient] = {}  # task -> its member's state machine
         self.groups = NetworkGroups(RUN, self._send, self._pump, stage_s=1.0, clock=lambda: self.now)
 
     def run(self, layout: GroupLayout) -> Any:
@@ -178,18 +189,20 @@ class Harness:
         out, self.outbox = self.outbox, []
         for cid, payload in out:
             env = secagg_wire.decode(payload, from_server=True)
-            assert env.client == cid == self.client_of[env.member]
+            assert env.client == cid == self.client_of[env.task]
             stage = {sa.Setup: "keys", sa.KeysBroadcast: "shares", sa.SharesForward: "masked"}.get(
                 type(env.msg), "unmask"
             )
-            m = env.member
-            if m in self.drop_at and STAGES.index(self.drop_at[m]) <= STAGES.index(stage):
+            task = env.task
+            if task in self.drop_at and STAGES.index(self.drop_at[task]) <= STAGES.index(stage):
                 continue
-            reply = self._answer(self.agents[m], env)
+            if isinstance(env.msg, sa.Setup):
+                self.agents[task] = SecAggClient(env.member)
+            reply = self._answer(self.agents[task], env)
             if self.tamper is not None:
-                reply = self.tamper(m, reply)
+                reply = self.tamper(task, reply)
             if reply is not None:
-                self.deliver(cid, secagg_wire.encode(SecAggEnvelope(RUN, cid, m, 0.0, reply)))
+                self.deliver(cid, secagg_wire.encode(SecAggEnvelope(RUN, cid, env.member, task, 0.0, reply)))
         extra, self.extra = self.extra, []
         for cid, raw in extra:
             self.deliver(cid, raw)
@@ -202,16 +215,16 @@ class Harness:
             return agent.on_keys(msg)
         if isinstance(msg, sa.SharesForward):
             agent.on_shares(msg)
-            return agent.masked(env.weight, self.updates[env.member][1])
+            return agent.masked(env.weight, self.updates[env.task][1])
         assert isinstance(msg, sa.UnmaskRequest)
         return agent.on_unmask(msg)
 
 
 def _group(
-    n: int = 6, seed: int = 0
+    n: int = 6, seed: int = 0, base: int = 100
 ) -> tuple[GroupLayout, dict[int, int], dict[int, tuple[float, np.ndarray]]]:
     rng = np.random.default_rng(seed)
-    members = tuple(range(100, 100 + n))  # task ids
+    members = tuple(range(base, base + n))  # task ids
     client_of = {m: i % 4 for i, m in enumerate(members)}  # two tasks of one client in a group too
     updates = {
         m: (float(rng.uniform(0.2, 1.0)), rng.normal(0, 2, LENGTH).astype(np.float32)) for m in members
@@ -250,33 +263,39 @@ def test_dropouts_at_each_stage_tolerated_to_the_threshold_and_the_same_sum_as_t
     assert 1.0 <= h.now <= 4 * 1.0 + 0.2
     # what the server received holds no member's update: no masked vector decodes near one
     for raw in h.sent:
-        msg = secagg_wire.decode(raw, from_server=False).msg
+        env = secagg_wire.decode(raw, from_server=False)
+        msg = env.msg
         if isinstance(msg, sa.Masked):
-            mine = Q.encode(*updates[msg.sender]).astype(np.int64)
+            mine = Q.encode(*updates[env.task]).astype(np.int64)
             assert np.abs(msg.words.astype(np.int64) - mine).max() > 1 << 20
 
 
 def test_hostile_members_are_refused_with_their_reason_and_the_group_goes_on() -> None:
-    layout, client_of, updates = _group(seed=1)
+    layout, client_of, updates = _group(seed=1, base=BIG)  # task ids past 32 bits: members 0-5 on the wire
     h = Harness(client_of, updates)
     m0, m1, m2 = layout.members[:3]
     kept: dict[str, bytes] = {}
 
+    def env(m: int, reply: sa.Message, client: int | None = None) -> bytes:
+        c = client_of[m] if client is None else client
+        return secagg_wire.encode(SecAggEnvelope(RUN, c, reply.sender, m, 0.0, reply))
+
     def tamper(m: int, reply: sa.Message) -> sa.Message | None:
-        raw = secagg_wire.encode(SecAggEnvelope(RUN, client_of[m], m, 0.0, reply))
+        raw = env(m, reply)
         if isinstance(reply, sa.Shares) and m == m0:
             kept["shares"] = raw
             h.extra.append((client_of[m], raw))  # a verbatim redelivery: a duplicate
-            forged = sa.Shares(reply.group_id, m, {k: v[::-1] for k, v in reply.ciphertexts.items()})
-            h.extra.append(
-                (client_of[m], secagg_wire.encode(SecAggEnvelope(RUN, client_of[m], m, 0.0, forged)))
+            forged = sa.Shares(
+                reply.group_id, reply.sender, {k: v[::-1] for k, v in reply.ciphertexts.items()}
             )
+            h.extra.append((client_of[m], env(m, forged)))  # other shares: a replay
             other = 3 if client_of[m] != 3 else 2  # speaking for a task of another client
-            h.extra.append((other, secagg_wire.encode(SecAggEnvelope(RUN, other, m, 0.0, reply))))
+            h.extra.append((other, env(m, reply, other)))
         if isinstance(reply, sa.Masked) and m == m1:
-            return sa.Masked(reply.group_id, m, reply.words[:-1])  # the wrong length: m1 drops
+            return sa.Masked(reply.group_id, reply.sender, reply.words[:-1])  # the wrong length: m1 drops
         if isinstance(reply, sa.Unmask) and m == m2:
-            return sa.Unmask(reply.group_id, m, {**reply.seed_shares, m1: 5}, reply.key_shares)
+            extra = {**reply.seed_shares, 1: 5}  # member 1 is m1, whose seed was not asked for
+            return sa.Unmask(reply.group_id, reply.sender, extra, reply.key_shares)
         return reply
 
     h.tamper = tamper
@@ -308,7 +327,7 @@ def test_the_server_never_asks_one_member_for_both_secrets_of_a_peer() -> None:
     server, _ = h.run(layout)
     assert server.result is not None and len(requests) == 6
     asked_keys = {p for r in requests for p in r.key_of}
-    assert asked_keys == {layout.members[0], layout.members[5]}
+    assert asked_keys == {0, 5}  # the members of ring positions 0 and 5, as the wire numbers them
     for r in requests:
         assert not set(r.seed_of) & set(r.key_of)
-    assert all(p not in server.result.members for p in asked_keys)
+    assert layout.members[0] not in server.result.members and layout.members[5] not in server.result.members

@@ -558,24 +558,27 @@ class ClientHost:
             log.warning("client %d: dropped %s", dev.cid, self.protocol.refused(exc).detail)
             return
         if reply is not None:
-            out = secagg_wire.SecAggEnvelope(self.opts.run_id, dev.cid, env.member, 0.0, reply)
+            out = secagg_wire.SecAggEnvelope(self.opts.run_id, dev.cid, env.member, env.task, 0.0, reply)
             self._publish(dev, Channel.SECAGG, secagg_wire.encode(out))
 
     def _secagg_reply(self, dev: Device, env: secagg_wire.SecAggEnvelope) -> sa.Message | None:
-        st = dev.sealed.get(env.member)
+        st = dev.sealed.get(env.task)
         msg = env.msg
         if st is None:
-            raise SecAggRefusal(Reason.NOT_MEMBER, f"task {env.member} has no update waiting for a group")
+            raise SecAggRefusal(Reason.NOT_MEMBER, f"task {env.task} has no update waiting for a group")
         if isinstance(msg, sa.Setup):
             agent = st.member
-            if agent is not None and agent.layout is not None and agent.layout.group_id == msg.group_id:
+            lay = None if agent is None else agent.layout
+            if lay is not None and (lay.group_id, lay.members) == (msg.group_id, msg.members):
                 return None  # a redelivered setup: answered already
             if st.delta is None:
-                raise SecAggRefusal(Reason.REPLAY, f"task {env.member}'s update was masked in another group")
+                raise SecAggRefusal(Reason.REPLAY, f"task {env.task}'s update was masked in another group")
             st.member = SecAggClient(env.member)  # a new group (the last one was abandoned before masking)
             return st.member.on_setup(msg)
-        if st.member is None:
-            raise SecAggRefusal(Reason.WRONG_STAGE, f"a {type(msg).__name__} before the group's setup")
+        if st.member is None or st.member.client_id != env.member:
+            raise SecAggRefusal(
+                Reason.WRONG_STAGE, f"a {type(msg).__name__} for a group task {env.task} is not in"
+            )
         if isinstance(msg, sa.KeysBroadcast):
             return st.member.on_keys(msg)
         if isinstance(msg, sa.SharesForward):
@@ -586,7 +589,7 @@ class ClientHost:
             return masked
         assert isinstance(msg, sa.UnmaskRequest)  # secagg_wire admits no other from the server
         answer = st.member.on_unmask(msg)
-        del dev.sealed[env.member]
+        del dev.sealed[env.task]
         return answer
 
     def _compute(self, dev: Device, task: DeviceTask) -> ClientUpdate:

@@ -364,7 +364,7 @@ class ServerProtocol:
             return self.refuse(
                 Refusal.OTHER_RUN,
                 cid,
-                env.member,
+                env.task,
                 f"transport: message for run {env.run!r}",
                 wire_kind="train",
             )
@@ -372,7 +372,7 @@ class ServerProtocol:
             return self.refuse(
                 Refusal.SENDER_MISMATCH,
                 cid,
-                env.member,
+                env.task,
                 f"transport: sender mismatch: envelope says client {env.client}, topic belongs to client {cid}",
                 wire_kind="train",
             )

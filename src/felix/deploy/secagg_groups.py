@@ -21,6 +21,7 @@ peers), each refusal with its typed reason (``felix.secagg.refusals``). A verbat
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -40,9 +41,10 @@ DEFAULT_STAGE_S = 30.0
 @dataclass
 class _Open:
     server: SecAggServer
-    client_of: Mapping[int, int]
-    weights: Mapping[int, float]
-    traffic: Traffic
+    task_of: Mapping[int, int]  # member id in the group -> task
+    client_of: Mapping[int, int]  # task -> client
+    weights: Mapping[int, float]  # task -> folded weight
+    traffic: Traffic  # by task
     seen: set[bytes] = field(default_factory=set)  # digests of the accepted payloads
 
 
@@ -78,10 +80,14 @@ class NetworkGroups:
         length: int,
         client_of: Mapping[int, int],
     ) -> tuple[SecAggServer, Traffic]:
-        """Run one group to its end (``felix.secagg.aggregate.RemoteGroups``)."""
-        server = SecAggServer(layout, quantizer, length)
-        members = layout.members
-        g = _Open(server, client_of, weights, Traffic({m: 0 for m in members}, {m: 0 for m in members}))
+        """Run one group to its end (``felix.secagg.aggregate.RemoteGroups``). ``layout``'s
+        members are task ids; on the wire they are numbered 0 to n - 1 in ring order, and the
+        result names the tasks again."""
+        task_of = dict(enumerate(layout.members))
+        local = GroupLayout(layout.group_id, tuple(task_of), layout.num_shares, layout.threshold)
+        server = SecAggServer(local, quantizer, length)
+        tasks = layout.members
+        g = _Open(server, task_of, client_of, weights, Traffic({t: 0 for t in tasks}, {t: 0 for t in tasks}))
         self.open[layout.group_id] = g
         try:
             out: dict[int, Message] = dict(server.setup())
@@ -100,12 +106,16 @@ class NetworkGroups:
                     break
         finally:
             del self.open[layout.group_id]
+        if server.result is not None:
+            members = tuple(sorted(task_of[m] for m in server.result.members))
+            server.result = dataclasses.replace(server.result, members=members)
         return server, g.traffic
 
     def _send(self, g: _Open, member: int, msg: Message) -> None:
-        env = secagg_wire.SecAggEnvelope(self.run_id, g.client_of[member], member, g.weights[member], msg)
+        task = g.task_of[member]
+        env = secagg_wire.SecAggEnvelope(self.run_id, g.client_of[task], member, task, g.weights[task], msg)
         payload = secagg_wire.encode(env)
-        g.traffic.down[member] += len(payload)
+        g.traffic.down[task] += len(payload)
         self.send(env.client, payload)
 
     def receive(self, client: int, env: secagg_wire.SecAggEnvelope, digest: bytes, size: int) -> bool:
@@ -121,15 +131,15 @@ class NetworkGroups:
         g = self.open.get(env.msg.group_id)
         if g is None:
             raise SecAggRefusal(Reason.WRONG_GROUP, f"group {env.msg.group_id} is not open")
-        if g.client_of.get(env.member) != client:
+        if g.task_of.get(env.member) != env.task or g.client_of.get(env.task) != client:
             raise SecAggRefusal(
                 Reason.NOT_MEMBER,
-                f"task {env.member} is not a member of group {env.msg.group_id} for client {client}",
+                f"member {env.member} (task {env.task}) of group {env.msg.group_id} is not client {client}'s",
             )
         if digest in g.seen:
             self.duplicates += 1
             return False
-        g.traffic.up[env.member] += size
+        g.traffic.up[env.task] += size
         g.server.receive(env.msg)
         g.seen.add(digest)
         return True

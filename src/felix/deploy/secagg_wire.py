@@ -30,7 +30,7 @@ from felix.secagg.refusals import Reason, SecAggRefusal
 MAGIC = b"FLXS"
 VERSION = 1
 _HEAD = struct.Struct("<4sBB")
-_IDS = struct.Struct("<IId")
+_IDS = struct.Struct("<IIQd")
 _FROM_SERVER = (messages.Setup, messages.KeysBroadcast, messages.SharesForward, messages.UnmaskRequest)
 _FROM_CLIENT = (messages.Keys, messages.Shares, messages.Masked, messages.Unmask)
 
@@ -40,6 +40,7 @@ class SecAggEnvelope:
     run: str
     client: int
     member: int
+    task: int
     weight: float
     msg: messages.Message
 
@@ -54,7 +55,7 @@ def encode(env: SecAggEnvelope) -> bytes:
     return (
         _HEAD.pack(MAGIC, VERSION, len(run))
         + run
-        + _IDS.pack(env.client, env.member, env.weight)
+        + _IDS.pack(env.client, env.member, env.task, env.weight)
         + messages.encode(env.msg)
     )
 
@@ -71,7 +72,7 @@ def decode(raw: bytes, from_server: bool) -> SecAggEnvelope:
     run_raw = raw[_HEAD.size : _HEAD.size + n]
     if not run_raw.isascii() or not run_raw.decode().isprintable():
         raise SecAggRefusal(Reason.MALFORMED, "a run id that is not printable ASCII")
-    client, member, weight = _IDS.unpack_from(raw, _HEAD.size + n)
+    client, member, task, weight = _IDS.unpack_from(raw, _HEAD.size + n)
     if not math.isfinite(weight) or not 0.0 <= weight <= 1.0 or (not from_server and weight != 0.0):
         raise SecAggRefusal(Reason.MALFORMED, f"a weight of {weight!r}")
     msg = messages.decode(raw[_HEAD.size + n + _IDS.size :])
@@ -84,7 +85,7 @@ def decode(raw: bytes, from_server: bool) -> SecAggEnvelope:
         raise SecAggRefusal(Reason.NOT_MEMBER, f"a message of member {msg.sender} in an envelope of {member}")
     if from_server and msg.sender != messages.SERVER:
         raise SecAggRefusal(Reason.MALFORMED, "a server message with a client's sender id")
-    return SecAggEnvelope(run_raw.decode(), client, member, weight, msg)
+    return SecAggEnvelope(run_raw.decode(), client, member, task, weight, msg)
 
 
 __all__ = ["MAGIC", "SecAggEnvelope", "decode", "encode", "is_secagg"]

@@ -551,7 +551,7 @@ class Server:
             new = self.secagg.receive(got.client, got.env, got.digest, size)
         except SecAggRefusal as exc:
             reason = f"secagg: {exc.reason.value}"
-            self._log_refusal(self.protocol.secagg_refusal(got.client, got.env.member, reason, exc.detail))
+            self._log_refusal(self.protocol.secagg_refusal(got.client, got.env.task, reason, exc.detail))
             return
         if not new:
             self.stats.duplicates += 1
