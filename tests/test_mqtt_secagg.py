@@ -7,6 +7,9 @@ counted) below it."""
 
 from __future__ import annotations
 
+import csv
+import json
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,12 +23,16 @@ from mqtt_support import (
     load_config,
     needs_mosquitto,
     one_torch_thread,  # noqa: F401  (a fixture)
+    reap,
+    spawn,
+    start_clients,
     users,
     wait_until,
     write_config,
 )
 
 from felix.config import Config
+from felix.deploy import checkpoint as ckpt
 from felix.deploy import secagg_wire, wire
 from felix.deploy.channels import Channel
 from felix.deploy.client import ClientHost, ClientOptions, Device, credentials_from_map
@@ -356,3 +363,53 @@ def test_sync_secagg_plus_over_mosquitto(tmp_path: Path) -> None:
         == 16
     )
     assert summ["rejected_by_kind"] == {}
+
+
+@_over_mosquitto
+def test_kill_and_resume_with_secure_aggregation_applies_every_update_once(tmp_path: Path) -> None:
+    """The server is killed (SIGKILL) after a checkpoint, whether or not a group is open then;
+    ``--resume`` goes on with groups of the resumed life's tasks (ids past 2^32) and no update is
+    applied twice."""
+    cfg_path = write_config(
+        tmp_path / "cfg.yaml",
+        partition={"num_clients": 12},
+        trace={"kind": "always"},
+        secure_aggregation={"protocol": "buffered", "group_size": 3},
+        run={"target_accuracy": 0.99, "max_aggregations": 8, "max_time_s": 20000.0},
+    )
+    sets = ["--set", "orchestrator.agg_goal=3", "--set", "orchestrator.concurrency=6"]
+    cfg = load_config(cfg_path, {"orchestrator": {"agg_goal": 3, "concurrency": 6}})
+    out, ck = tmp_path / "out", tmp_path / "ck.safetensors"
+    with MosquittoBroker(12, workdir=tmp_path / "broker") as broker:
+        args = ["serve", str(cfg_path), *sets, "--broker", broker.address, "--run-id", "t"]
+        args += [f"--password={users(broker)['felix-server']}", "--time-scale", "0.03", "--out", str(out)]
+        args += ["--checkpoint", str(ck), "--secagg-stage-s", "2"]
+        first = spawn(args, tmp_path / "life0.log")
+        resumed = None
+        host, clients = start_clients(cfg, broker, list(range(12)), 0.03)
+        try:
+
+            def checkpointed_version() -> int:
+                try:
+                    return int(ckpt.load_checkpoint(ck)["orchestrator"]["version"])
+                except (ckpt.CheckpointError, OSError, KeyError):
+                    return -1
+
+            wait_until(lambda: checkpointed_version() >= 2, 60, "a checkpoint at version 2")
+            first.send_signal(signal.SIGKILL)
+            reap(first)
+            resumed = spawn([*args, "--resume"], tmp_path / "life1.log")
+            assert reap(resumed, timeout=90) == [0], (tmp_path / "life1.log").read_text()[-3000:]
+            clients.result(20)
+        finally:
+            host.stop_requested.set()
+            reap(*[p for p in (first, resumed) if p is not None])
+    summ = json.loads((out / "summary.json").read_text())
+    assert summ["stop_reason"] == "max_aggregations" and summ["deployment"]["lives"] == 2
+    sa_summ = summ["secure_aggregation"]
+    assert sa_summ["groups"] >= 8 and sa_summ["groups"] - sa_summ["groups_abandoned"] >= 8
+    with open(out / "applied_updates.csv") as f:
+        applied = list(csv.DictReader(f))
+    task_ids = [int(r["task_id"]) for r in applied]
+    assert len(task_ids) == len(set(task_ids)) == summ["updates_applied"], "an update was applied twice"
+    assert any(t > ckpt.RESUME_TASK_ID_STRIDE for t in task_ids)  # the resumed life's groups
