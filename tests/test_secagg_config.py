@@ -90,3 +90,19 @@ def test_secagg_comparisons_pair_each_strategy_with_and_without_secure_aggregati
             update={"secure_aggregation": plain.secure_aggregation, "strategy": plain.strategy}
         )
         assert same == plain
+
+
+def test_felix_serve_refuses_secure_aggregation_with_adaptive_clipping(tmp_path: Any) -> None:
+    """Deployed clients clip to a fixed norm; an adaptive one moves at the server, which cannot
+    clip what it cannot see: refused in one line, before anything is made."""
+    from felix.deploy.link import BrokerOptions
+    from felix.deploy.server import ServeOptions, Server
+
+    raw = {
+        "secure_aggregation": {"protocol": "buffered"},
+        "privacy": {"mechanism": "central_gaussian", "adaptive_clip": {"count_noise": 5.0}},
+        "aggregator": {"normalize": "count"},
+    }
+    with pytest.raises(ConfigError, match="secure_aggregation with privacy.adaptive_clip"):
+        Server(validate(raw), ServeOptions(BrokerOptions(), run_id="t", out_dir=tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from felix.config import Config
+from felix.config import Config, ConfigError
 from felix.core.admission import DEPLOY_DROP_RATE
 from felix.core.commands import (
     Command,
@@ -141,6 +141,11 @@ def _ms(values: deque[float], q: float) -> float | None:
 
 class Server:
     def __init__(self, cfg: Config, opts: ServeOptions) -> None:
+        if cfg.secure_aggregation.enabled and cfg.privacy.enabled and cfg.privacy.adaptive_clip is not None:
+            raise ConfigError(
+                "secure_aggregation with privacy.adaptive_clip: deployed clients clip to a fixed clip_norm "
+                "and the server cannot clip masked updates; set privacy.clip_norm without adaptive_clip"
+            )
         if opts.time_scale <= 0:
             raise ValueError("time scale must be positive")
         if opts.max_pending_bytes < 1 or opts.max_pending_messages < 1 or opts.checkpoint_interval_s < 0:
