@@ -248,6 +248,9 @@ def _result_header(**over: object) -> dict:
             "unexpected array",
         ),
         ({"arrays": [], "payload": 0}, 0, Refusal.BAD_HEADER, "must carry a 'delta'"),
+        ({"sealed": True}, 8, Refusal.BAD_HEADER, "a sealed train result carries no 'delta'"),
+        ({"sealed": True, "kind": "eval", "arrays": [], "payload": 0}, 0, Refusal.BAD_HEADER, "never sealed"),
+        ({"sealed": False, "arrays": [], "payload": 0}, 0, Refusal.BAD_FIELD, "'sealed'"),
         ({"kind": "eval"}, 8, Refusal.BAD_HEADER, "eval result carries no arrays"),
         ({"kind": "sleep"}, 8, Refusal.BAD_FIELD, "'kind'"),
         ({"loss": "0.1"}, 8, Refusal.BAD_FIELD, "'loss'"),
@@ -255,6 +258,15 @@ def _result_header(**over: object) -> dict:
 )
 def test_malformed_arrays(over: dict, payload: int, code: Refusal, fragment: str) -> None:
     _expect(_frame(_result_header(**over), b"\0" * payload), code, fragment)
+
+
+def test_a_sealed_train_result_carries_no_delta_and_round_trips() -> None:
+    """Secure aggregation: the update travels masked in its group; the result is its metadata."""
+    msg = wire.decode(_frame(_result_header(sealed=True, arrays=[], payload=0)))
+    assert isinstance(msg, wire.Result) and msg.sealed and msg.update.delta is None
+    assert wire.decode(wire.encode(msg)) == msg
+    plain = wire.decode(_frame(_result_header(), b"\0" * 8))
+    assert isinstance(plain, wire.Result) and not plain.sealed and b"sealed" not in wire.encode(plain)
 
 
 def test_non_finite_arrays_decode_for_the_orchestrator_to_reject() -> None:
