@@ -331,3 +331,41 @@ def test_the_server_never_asks_one_member_for_both_secrets_of_a_peer() -> None:
     for r in requests:
         assert not set(r.seed_of) & set(r.key_of)
     assert layout.members[0] not in server.result.members and layout.members[5] not in server.result.members
+
+
+# ---------------------------------------------------------------------- the client's member
+def test_a_client_masks_a_tasks_update_in_one_group_only() -> None:
+    from felix.deploy.secagg_member import SealedUpdates
+
+    rng = np.random.default_rng(3)
+    sealed = SealedUpdates(held=2)
+    for task in (BIG, BIG + 1, BIG + 2):  # the oldest is let go past ``held``
+        sealed.seal(task, rng.normal(0, 1, LENGTH).astype(np.float32))
+    assert list(sealed.tasks) == [BIG + 1, BIG + 2]
+
+    def env(msg: sa.Message, task: int = BIG + 1, member: int = 0) -> SecAggEnvelope:
+        return SecAggEnvelope(RUN, 1, member, task, 0.5, msg)
+
+    setup = sa.Setup(9, (0, 1), 2, 2, LENGTH, 8.0, 22, 32)
+    with pytest.raises(SecAggRefusal) as gone:
+        sealed.answer(env(setup, task=BIG))
+    assert gone.value.reason is Reason.NOT_MEMBER
+    with pytest.raises(SecAggRefusal) as early:
+        sealed.answer(env(sa.KeysBroadcast(9, {})))
+    assert early.value.reason is Reason.WRONG_STAGE
+    first = sealed.answer(env(setup))
+    assert isinstance(first, sa.Keys) and sealed.answer(env(setup)) is None  # a redelivery
+    again = sealed.answer(env(sa.Setup(10, (0, 1), 2, 2, LENGTH, 8.0, 22, 32)))  # a new group before masking
+    assert isinstance(again, sa.Keys) and again.group_id == 10 and again.mask_pk != first.mask_pk
+    peer = SecAggClient(1)  # the other member of group 10
+    keys = peer.on_setup(sa.Setup(10, (0, 1), 2, 2, LENGTH, 8.0, 22, 32))
+    shares = sealed.answer(env(sa.KeysBroadcast(10, {1: (keys.cipher_pk, keys.mask_pk)})))
+    assert isinstance(shares, sa.Shares)
+    peer.on_keys(sa.KeysBroadcast(10, {0: (again.cipher_pk, again.mask_pk)}))
+    masked = sealed.answer(env(sa.SharesForward(10, {})))
+    assert isinstance(masked, sa.Masked) and sealed.tasks[BIG + 1].delta is None
+    with pytest.raises(SecAggRefusal) as twice:  # masked once: no other group gets this update
+        sealed.answer(env(sa.Setup(11, (0, 1), 2, 2, LENGTH, 8.0, 22, 32)))
+    assert twice.value.reason is Reason.REPLAY
+    answer = sealed.answer(env(sa.UnmaskRequest(10, (0,), ())))
+    assert isinstance(answer, sa.Unmask) and BIG + 1 not in sealed.tasks

@@ -23,9 +23,8 @@ Protocol of a client:
 - runs TRAIN and EVAL tasks in arrival order; a task re-delivered by the broker is run once;
   CANCEL drops a queued or running task;
 - with ``secure_aggregation:`` on, a training RESULT carries the update's metadata only; the
-  client keeps the delta (of its last ``SEALED_HELD`` tasks) and answers the server's
-  secure-aggregation stages for that task (``felix.secagg.client``, one group per task: it masks
-  a task's update once), sending keys, shares, the masked ``[w, w * delta]`` and unmask shares;
+  client keeps the delta and answers the server's secure-aggregation stages for that task
+  (``felix.deploy.secagg_member``: keys, shares, the masked ``[w, w * delta]``, unmask shares);
 - after every reconnect, publishes again the results it sent in the last ``RESEND_WINDOW_S``
   (at most ``RESEND_MAX`` per client): a broker killed with ``kill -9`` loses what it had
   acknowledged since its last autosave, and the server drops what it already had (by task id).
@@ -68,6 +67,7 @@ from felix.deploy.channels import Channel
 from felix.deploy.client_protocol import ClientProtocol, Dropped
 from felix.deploy.inbox import Inbox
 from felix.deploy.model_fetch import Fetched, FetchOptions, ModelFetcher
+from felix.deploy.secagg_member import SealedUpdates
 from felix.deploy.topics import client_user
 from felix.deploy.transport import ClientLink, ClientLinkArgs, Connected, Delivery, LinkOptions
 from felix.deploy.transport import resolve as resolve_transport
@@ -77,8 +77,7 @@ from felix.engine.setup import build_client_side
 from felix.privacy.setup import device_mechanism
 from felix.scenario.traces import DeviceTrace
 from felix.secagg import messages as sa
-from felix.secagg.client import SecAggClient
-from felix.secagg.refusals import Reason, SecAggRefusal
+from felix.secagg.refusals import SecAggRefusal
 from felix.strategies.dataplans.plans import PlanApplier
 
 log = logging.getLogger("felix.deploy.client")
@@ -93,7 +92,6 @@ RESEND_WINDOW_S = 30.0  # results re-published after a reconnect: those sent thi
 RESEND_MAX = 8  # ... at most this many per client
 INBOX_BATCH = 16  # messages handled per loop turn at most (timers run between turns)
 STOP_GRACE_S = 2.0  # on a stop request, the links get this long (together) to disconnect cleanly
-SEALED_HELD = 8  # secure aggregation: the updates (of the latest tasks) a client keeps for their groups
 
 
 @dataclass(frozen=True)
@@ -124,15 +122,6 @@ class ClientOptions:
 
 
 @dataclass(eq=False)
-class Sealed:
-    """A training update waiting for its secure-aggregation group: the delta (dropped once
-    masked) and the member's state machine (None until the group's setup)."""
-
-    delta: np.ndarray | None
-    member: SecAggClient | None = None
-
-
-@dataclass(eq=False)
 class Device(DeviceRunner[bytes]):
     """A deployed client: the shared task runner (times in trace seconds; results are encoded
     RESULT messages), its trace, and its MQTT connection."""
@@ -147,7 +136,7 @@ class Device(DeviceRunner[bytes]):
     )  # recent results (clock time, payload)
     finished: bool = field(default=False, kw_only=True)
     connections: int = field(default=0, kw_only=True)
-    sealed: dict[int, Sealed] = field(default_factory=dict, kw_only=True)  # task -> its update's group
+    sealed: SealedUpdates = field(default_factory=SealedUpdates, kw_only=True)  # updates awaiting groups
 
     def __post_init__(self) -> None:
         self.ids = wire.MsgIds(self.incarnation)
@@ -546,9 +535,8 @@ class ClientHost:
 
     # ------------------------------------------------------------------ secure aggregation
     def _seal(self, dev: Device, task_id: int, delta: np.ndarray | None) -> None:
-        dev.sealed[task_id] = Sealed(delta)
-        while len(dev.sealed) > SEALED_HELD:
-            del dev.sealed[next(iter(dev.sealed))]
+        assert delta is not None  # a training update
+        dev.sealed.seal(task_id, delta)
 
     def _on_secagg(self, dev: Device, env: secagg_wire.SecAggEnvelope) -> None:
         """One stage of the group of the task ``env.member``: answer it, or refuse it (counted)."""
@@ -562,35 +550,7 @@ class ClientHost:
             self._publish(dev, Channel.SECAGG, secagg_wire.encode(out))
 
     def _secagg_reply(self, dev: Device, env: secagg_wire.SecAggEnvelope) -> sa.Message | None:
-        st = dev.sealed.get(env.task)
-        msg = env.msg
-        if st is None:
-            raise SecAggRefusal(Reason.NOT_MEMBER, f"task {env.task} has no update waiting for a group")
-        if isinstance(msg, sa.Setup):
-            agent = st.member
-            lay = None if agent is None else agent.layout
-            if lay is not None and (lay.group_id, lay.members) == (msg.group_id, msg.members):
-                return None  # a redelivered setup: answered already
-            if st.delta is None:
-                raise SecAggRefusal(Reason.REPLAY, f"task {env.task}'s update was masked in another group")
-            st.member = SecAggClient(env.member)  # a new group (the last one was abandoned before masking)
-            return st.member.on_setup(msg)
-        if st.member is None or st.member.client_id != env.member:
-            raise SecAggRefusal(
-                Reason.WRONG_STAGE, f"a {type(msg).__name__} for a group task {env.task} is not in"
-            )
-        if isinstance(msg, sa.KeysBroadcast):
-            return st.member.on_keys(msg)
-        if isinstance(msg, sa.SharesForward):
-            st.member.on_shares(msg)
-            assert st.delta is not None  # (the member's stage guards it)
-            masked = st.member.masked(env.weight, st.delta)
-            st.delta = None
-            return masked
-        assert isinstance(msg, sa.UnmaskRequest)  # secagg_wire admits no other from the server
-        answer = st.member.on_unmask(msg)
-        del dev.sealed[env.task]
-        return answer
+        return dev.sealed.answer(env)
 
     def _compute(self, dev: Device, task: DeviceTask) -> ClientUpdate:
         if self.opts.no_train:

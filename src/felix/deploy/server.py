@@ -34,7 +34,11 @@ the last, so their cost does not grow with the aggregation rate. Messages wait f
 a bounded inbox (``max_inbox_bytes`` / ``max_inbox_messages``, :mod:`felix.deploy.inbox`): when it
 is full paho's network thread waits, and TCP flow control pushes back on the broker.
 
-One file of about 680 lines on purpose: it is the one place where the wall clock, the link, the
+Secure aggregation (``secure_aggregation:``): the aggregator's sum mechanism runs its groups with
+the clients over the link (``felix.deploy.secagg_groups``) from inside the aggregation; meanwhile
+the loop handles only their messages and keeps every other one, unacknowledged, for after it.
+
+One file of about 740 lines on purpose: it is the one place where the wall clock, the link, the
 inbox, checkpoints and acknowledgements meet, and their ordering (an ack only after the checkpoint
 that holds its effect) is easiest to check when the loop that keeps it is read whole. What can
 stand alone has moved out (refusal log, model hosting, decode worker, metrics).

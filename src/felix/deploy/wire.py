@@ -26,7 +26,7 @@ docs/deployment.md; unknown or missing fields, and fields of the wrong JSON type
 machine-readable ``code`` (a :class:`felix.core.refusals.Refusal`, counted by kind) and a detail
 that says what was wrong. Arrays are read-only views of the received bytes (no copy).
 
-One file of about 740 lines on purpose: every message kind's fields, limits and checks sit beside
+One file of about 760 lines on purpose: every message kind's fields, limits and checks sit beside
 the one header parser that enforces them, so a kind's declaration and its validation cannot drift.
 """
 
