@@ -8,6 +8,7 @@ counted) below it."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import signal
 from dataclasses import dataclass, field
@@ -413,3 +414,78 @@ def test_kill_and_resume_with_secure_aggregation_applies_every_update_once(tmp_p
     task_ids = [int(r["task_id"]) for r in applied]
     assert len(task_ids) == len(set(task_ids)) == summ["updates_applied"], "an update was applied twice"
     assert any(t > ckpt.RESUME_TASK_ID_STRIDE for t in task_ids)  # the resumed life's groups
+
+
+class _Killed(BaseException):
+    """Ends a server's run as a crash would: not an ``Exception``, so no handler takes it."""
+
+
+@_over_mosquitto
+def test_a_server_killed_while_a_group_runs_resumes_without_that_group(tmp_path: Path) -> None:
+    """The server dies after the masked vectors of a group arrived and before it asks for the
+    unmask shares. The resumed server gets the group's results again from the broker and forms
+    new groups of them; their clients already masked those updates and refuse (``replay``), so
+    those updates are lost, counted, and the run goes on with no update applied twice."""
+    path = write_config(
+        tmp_path / "c.yaml",
+        partition={"num_clients": 12},
+        trace={"kind": "always"},
+        secure_aggregation={"protocol": "buffered", "group_size": 5},
+        run={"target_accuracy": 0.99, "max_aggregations": 4, "max_time_s": 20000.0},
+    )
+    cfg = load_config(path, {"orchestrator": {"agg_goal": 5, "concurrency": 10}})
+    ck = tmp_path / "ck.safetensors"
+    with MosquittoBroker(12, workdir=tmp_path / "broker") as broker:
+        opts = ServeOptions(
+            broker_options(broker),
+            run_id="t",
+            out_dir=tmp_path / "out",
+            checkpoint=ck,
+            time_scale=0.05,
+            status_every_s=1e9,
+            secagg_stage_s=2.0,
+        )
+        first = Server(cfg, opts)
+        assert first.secagg is not None
+        send = first.secagg.send
+
+        def die_before_unmasking(cid: int, payload: bytes) -> None:
+            msg = secagg_wire.decode(payload, from_server=True).msg
+            if isinstance(msg, sa.UnmaskRequest) and first.stats.checkpoints >= 1:
+                raise _Killed
+            send(cid, payload)
+
+        first.secagg.send = die_before_unmasking
+        copts = ClientOptions(
+            broker=BrokerOptions("127.0.0.1", broker.port, reconnect_max_s=1.0),
+            run_id="t",
+            time_scale=0.05,
+            max_wall_s=120.0,
+        )
+        host = ClientHost(cfg, list(range(12)), copts, credentials_from_map(users(broker)))
+        serving, clients = Background(first.run, "server"), Background(host.run, "clients")
+        serving.start()
+        clients.start()
+        try:
+            with pytest.raises(_Killed):
+                serving.result(60)
+            killed_at = first.orch.version
+            second = Server(cfg, dataclasses.replace(opts, resume=True))
+            summ = Background(second.run, "resumed")
+            summ.start()
+            summary = summ.result(90)
+            clients.result(20)
+        finally:
+            first.stop_requested.set()
+            host.stop_requested.set()
+    assert summary["stop_reason"] == "max_aggregations" and summary["deployment"]["lives"] == 2
+    assert second.orch.version == 4 > killed_at
+    # The dead group's stage messages come again from the broker: no group of this life has them.
+    assert summary["rejected_by_reason"].get("secagg: wrong_group", 0) >= 1
+    # Its members' updates were masked once: their clients refuse the new groups' setups.
+    refused = host.protocol.dropped_by_kind.get("secagg", 0)
+    sa_summ = summary["secure_aggregation"]
+    assert refused >= 1 and sa_summ["updates_lost"] >= refused
+    with open(tmp_path / "out" / "applied_updates.csv") as f:
+        task_ids = [int(r["task_id"]) for r in csv.DictReader(f)]
+    assert len(task_ids) == len(set(task_ids)) == summary["updates_applied"]

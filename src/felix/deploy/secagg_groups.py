@@ -22,6 +22,7 @@ peers), each refusal with its typed reason (``felix.secagg.refusals``). A verbat
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -81,14 +82,17 @@ class NetworkGroups:
         client_of: Mapping[int, int],
     ) -> tuple[SecAggServer, Traffic]:
         """Run one group to its end (``felix.secagg.aggregate.RemoteGroups``). ``layout``'s
-        members are task ids; on the wire they are numbered 0 to n - 1 in ring order, and the
-        result names the tasks again."""
+        members are task ids; on the wire they are numbered 0 to n - 1 in ring order, the group
+        has a random id, and the result names the tasks again."""
         task_of = dict(enumerate(layout.members))
-        local = GroupLayout(layout.group_id, tuple(task_of), layout.num_shares, layout.threshold)
+        # A fresh random group id on the wire: a resumed server (or an aggregation tried again)
+        # forms groups with the same number, and a client must tell a new group from a redelivery.
+        gid = secrets.randbits(63)
+        local = GroupLayout(gid, tuple(task_of), layout.num_shares, layout.threshold)
         server = SecAggServer(local, quantizer, length)
         tasks = layout.members
         g = _Open(server, task_of, client_of, weights, Traffic({t: 0 for t in tasks}, {t: 0 for t in tasks}))
-        self.open[layout.group_id] = g
+        self.open[gid] = g
         try:
             out: dict[int, Message] = dict(server.setup())
             for _ in STAGES:
@@ -105,7 +109,7 @@ class NetworkGroups:
                 if server.done:
                     break
         finally:
-            del self.open[layout.group_id]
+            del self.open[gid]
         if server.result is not None:
             members = tuple(sorted(task_of[m] for m in server.result.members))
             server.result = dataclasses.replace(server.result, members=members)
