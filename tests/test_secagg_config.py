@@ -32,6 +32,10 @@ def _sa(**kw: Any) -> dict[str, Any]:
         (_sa(quantization_bits=32, modulus_bits=32), "quantization_bits 32 must be below modulus_bits 32"),
         (_sa(protocol="lightsecagg"), "secure_aggregation.protocol"),
         (_sa(clipping_range=0), "clipping_range"),
+        (_sa(link={"up_mbps": 0}), "secure_aggregation.link.up_mbps"),
+        (_sa(link={"rtt_s": -0.1}), "secure_aggregation.link.rtt_s"),
+        (_sa(link={"latency": 0.1}), "secure_aggregation.link.latency"),
+        (_sa(stage_timeout_s=0), "secure_aggregation.stage_timeout_s"),
         (
             {**_sa(), "aggregator": {"name": "fedavg", "robust": "median"}},
             "aggregator.robust 'median' needs individual updates",

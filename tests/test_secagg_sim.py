@@ -15,7 +15,9 @@ import pytest
 from felix.core.types import BufferedUpdate, ClientUpdate
 from felix.engine.setup import resolve_config
 from felix.secagg.aggregate import SecureSum
-from felix.secagg.config import SecureAggregationCfg
+from felix.secagg.config import LinkCfg, SecureAggregationCfg
+from felix.secagg.latency import group_seconds
+from felix.secagg.session import StageTraffic
 from felix.sim.run import run_config
 
 TINY: dict[str, Any] = {
@@ -176,3 +178,63 @@ def test_weights_below_one_keep_the_secure_step_within_quantisation_of_the_plain
     plain = sum(wi * d for wi, d in zip(w, deltas)) / denom
     assert np.linalg.norm(step - plain) / np.linalg.norm(plain) < 1e-3
     assert np.allclose(norm_w, w / denom, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------- the exchanges' virtual time
+def _exchange(stage: str, down: dict[int, int], up: dict[int, int], silent: list[int] = []) -> StageTraffic:  # noqa: B006
+    return StageTraffic(stage, down, up, list(silent))
+
+
+def test_an_exchange_lasts_its_slowest_members_round_trip_or_the_deadline_for_a_silent_one() -> None:
+    link = LinkCfg(rtt_s=0.1, down_mbps=8.0, up_mbps=1.0)
+    keys = _exchange("keys", {1: 1000, 2: 1000, 3: 1000}, {1: 100, 2: 100, 3: 125_000})  # member 3: 1 Mbit up
+    assert group_seconds([keys], link, 10.0).seconds == pytest.approx(0.1 + 0.001 + 1.0)
+    masked = _exchange("masked", {1: 500, 2: 500}, {1: 1000, 2: 1000})
+    # the plaintext update's bytes are the task's, not the protocol's
+    assert group_seconds([masked], link, 10.0, excused={1: 1000, 2: 1000}).seconds == pytest.approx(
+        0.1 + 0.0005
+    )
+    unmask = _exchange("unmask", {1: 80, 2: 80, 4: 80}, {1: 50, 2: 50}, silent=[4])
+    took = group_seconds([keys, unmask], link, 10.0)
+    assert took.seconds == pytest.approx(1.101 + 10.0) and took.deadlines == 1
+    gone = group_seconds([keys, unmask], link, 10.0, gone={4})  # a member the server itself let go
+    assert gone.seconds == pytest.approx(1.101 + 0.1 + 80e-6 + 400e-6) and gone.deadlines == 0
+
+
+def test_a_member_silent_at_unmask_holds_the_aggregation_for_the_deadline_a_cancelled_one_does_not() -> None:
+    from felix.core.types import Tier
+
+    rng = np.random.default_rng(4)
+    buf = _buffer([rng.normal(0, 0.1, 50) for _ in range(6)])
+    w = np.ones(6)
+    cfg = SecureAggregationCfg(protocol="buffered", group_size=8, stage_timeout_s=7.0)
+    orch = _Orch()
+    mech = SecureSum(cfg, "weights", orch, np.random.default_rng(0))
+    orch.stats.train_dropped = 2  # two tasks the server itself let go after they shared
+    mech.noised_step(buf, w)
+    fast = mech.take_delay()
+    assert 4 * cfg.link.rtt_s < fast < 1.0 and mech.deadlines == 0 and mech.dropouts_recovered == 2
+    assert mech.take_delay() == 0.0  # taken once
+    orch.clients[buf[0].client_id].reported_tier = Tier.UN_AVL  # it will not answer the unmask request
+    mech.noised_step(buf, w)
+    slow = mech.take_delay()
+    assert 7.0 + 3 * cfg.link.rtt_s < slow < 8.0 and mech.deadlines == 1
+    assert mech.summary()["delay_s"] == pytest.approx(fast + slow)
+
+
+def test_a_sync_run_holds_each_new_version_back_by_its_groups_exchanges(tmp_path: Path) -> None:
+    """Each round starts when the previous version is released, so the last evaluation moves by
+    the sum of the delays; a shell that only stamped the evaluations later would move it by the
+    last delay alone, one that ignored the delays not at all."""
+    sync = {"orchestrator": {"mode": "sync", "agg_goal": 6}, "aggregator": {"name": "fedavg"}}
+    runs = {}
+    for name, rtt in (("quick", 0.001), ("slow", 2.0)):
+        link = {"rtt_s": rtt, "down_mbps": 100.0, "up_mbps": 100.0}
+        sa = {"protocol": "secagg_plus", "group_size": 8, "link": link}
+        runs[name] = _run(tmp_path, name, "fedavg", {**sync, "secure_aggregation": sa})
+    (quick, quick_csv), (slow, slow_csv) = runs["quick"], runs["slow"]
+    dq, ds = quick["secure_aggregation"]["delay_s"], slow["secure_aggregation"]["delay_s"]
+    assert ds > dq + 4 * 4 * 1.9  # four rounds of four exchanges
+    last = [float(r.split(",")[0]) for r in (quick_csv.splitlines()[-1], slow_csv.splitlines()[-1])]
+    assert last[1] - last[0] == pytest.approx(ds - dq, abs=1e-3)
+    assert quick_csv.splitlines()[0].split(",")[0] == "time_s"

@@ -128,6 +128,9 @@ class RunController:
         # secure aggregation on: its groups' protocol bytes and counts (felix.secagg.aggregate)
         mech = orch.aggregator.privacy
         self.secagg = mech if isinstance(mech, SecureSum) else None
+        # The versions whose release the groups' exchanges hold back: version -> virtual release time
+        # (only those not yet released at the latest aggregation; empty without secure aggregation).
+        self.releases: dict[int, float] = {}
         self.on_evaluation: list[Callable[[EvalRow], None]] = []  # e.g. a log line per evaluation
 
     # ------------------------------------------------------------------ stopping
@@ -188,18 +191,29 @@ class RunController:
         if self.wire is not None:
             self.wire.add(direction, kind, n)
 
+    def release_time(self, version: int) -> float | None:
+        """When ``version`` is released to the clients, if its secure aggregation holds it back
+        (the simulator delivers the tasks that carry it then); None: at once."""
+        return self.releases.get(version)
+
     def _on_version(self, cmd: NewModelVersion) -> None:
         self.rec.on_aggregation(cmd)
+        at = cmd.time
         if self.secagg is not None:
             up, down = self.secagg.take_traffic()
             self.rec.bytes.add("up", "train", up)  # the protocol's messages are training traffic
             self.rec.bytes.add("down", "train", down)
+            # the version exists once its groups have unmasked, and never before the one it follows
+            at = max([cmd.time + self.secagg.take_delay(), *self.releases.values()])
+            self.releases = {v: t for v, t in self.releases.items() if t > cmd.time}
+            if at > cmd.time:
+                self.releases[cmd.version] = at
         if self.privacy is not None:
             self.privacy.step()
             if self.privacy.spent:
                 self.stop("privacy_budget_spent")
         if self.rec.due(cmd.version):
-            self._record(cmd.time, cmd.version, cmd.weights)
+            self._record(at, cmd.version, cmd.weights)
             if self.stop_at_target and self.rec.reached:
                 self.stop("target_reached")
         if self.max_aggregations is not None and cmd.version >= self.max_aggregations:

@@ -19,6 +19,10 @@ Who is in a group and who drops (the churn the run's trace produces):
   other groups' sum is still applied; when every group is abandoned the aggregation fails and the
   orchestrator rejects its updates (never a wrong sum).
 
+What the groups' exchanges take in virtual time (``felix.secagg.latency``, from the section's link
+model) is kept for the run controller (:meth:`SecureSum.take_delay`): the simulator holds the new
+version back by it.
+
 With ``privacy.mechanism: central_gaussian`` on, the two compose: each client clips its delta to
 ``clip_norm`` before masking and folds its weight capped at 1, a client's second update in one
 aggregation is left out (so one client moves the sum by at most C), and the server adds the
@@ -43,6 +47,7 @@ import numpy as np
 from felix.core.types import BufferedUpdate, Tier
 from felix.privacy.central import CentralGaussian
 from felix.secagg.graph import GroupLayout, group_threshold, split_groups
+from felix.secagg.latency import group_seconds
 from felix.secagg.quantize import Quantizer
 from felix.secagg.server import SecAggServer
 from felix.secagg.session import Traffic, run_group
@@ -89,6 +94,9 @@ class SecureSum:
         self.bytes_total = 0
         self.bytes_plain = 0
         self.round_trips = 0
+        self.delay_s = 0.0  # the virtual seconds the groups' exchanges held back the new versions
+        self.deadlines = 0  # exchanges that waited out stage_timeout_s for a silent member
+        self._delay = 0.0  # the last aggregation's, for the run controller (take_delay)
         self._dropped_mark = 0
         self._pending = (0, 0)  # (up, down) bytes of the aggregation just made, for the run's byte counts
         self.remote: RemoteGroups | None = None
@@ -119,6 +127,7 @@ class SecureSum:
         order = [ids[i] for i in self.rng.permutation(len(ids))]
         length = int(buffer[0].update.delta.size) if buffer and buffer[0].update.delta is not None else 0
         wsum, xsum, survivors, traffic, plain = 0.0, np.zeros(length), [], Traffic(), 0
+        self._delay = 0.0
         for g, members in enumerate(split_groups(order, s.group_size) or [order]):
             reporters = [m for m in members if m in index]
             if len(members) < 2:  # a lone update cannot be hidden: it is not applied
@@ -133,6 +142,15 @@ class SecureSum:
             else:
                 server, tr = self._in_process(layout, members, index, buffer, folded, length)
             traffic.add(tr)
+            took = group_seconds(
+                tr.stages,
+                s.link,
+                s.stage_timeout_s,
+                [m for m in members if m not in index],  # stand-ins for dropped tasks
+                {m: 4 * length for m in reporters},
+            )
+            self._delay = max(self._delay, took.seconds)  # the groups run side by side
+            self.deadlines += took.deadlines
             self.groups += 1
             plain += 4 * length * len(reporters)
             if server.result is None:
@@ -151,6 +169,7 @@ class SecureSum:
         # the masked vectors stand in for the plaintext updates the byte model already counts
         self._pending = (sum(traffic.up.values()) - plain, sum(traffic.down.values()))
         self.round_trips += traffic.round_trips
+        self.delay_s += self._delay
         if not survivors:
             raise ValueError("secure aggregation: every group of this aggregation was abandoned")
         norm_w = np.zeros(len(buffer))
@@ -218,6 +237,12 @@ class SecureSum:
         out, self._pending = self._pending, (0, 0)
         return out
 
+    def take_delay(self) -> float:
+        """The virtual seconds the last aggregation's groups took (the simulator holds the new
+        version back by them: ``felix.engine.controller``), once."""
+        out, self._delay = self._delay, 0.0
+        return out
+
     def summary(self) -> dict[str, Any]:
         return {
             "protocol": self.cfg.protocol,
@@ -227,6 +252,8 @@ class SecureSum:
             "updates_lost": self.updates_lost,
             "bytes_overhead": self.bytes_total - self.bytes_plain,
             "round_trips": self.round_trips,
+            "delay_s": round(self.delay_s, 6),
+            "deadlines": self.deadlines,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -243,6 +270,7 @@ class SecureSum:
                 self.round_trips,
                 self._dropped_mark,
             ],
+            "delay": [self.delay_s, self.deadlines],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -259,6 +287,8 @@ class SecureSum:
             self.round_trips,
             self._dropped_mark,
         ) = (int(v) for v in state["counts"])
+        delay, deadlines = state.get("delay", (0.0, 0))  # a checkpoint from before the link cost
+        self.delay_s, self.deadlines = float(delay), int(deadlines)
 
 
 __all__ = ["SecureSum"]

@@ -15,6 +15,18 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 SUM_AGGREGATORS = ("fedavg", "fedbuff", "tierfuse")
 
 
+class LinkCfg(BaseModel):
+    """The link a group member's protocol messages cross in the simulator (its traces carry
+    availability and runtimes, no link): every member the same. The default stands for a mid-range
+    mobile link; a scenario that knows its clients' links sets its own."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    rtt_s: float = Field(0.1, ge=0, description="round-trip latency of one exchange (s)")
+    down_mbps: float = Field(20.0, gt=0, description="server-to-client bandwidth (Mbit/s)")
+    up_mbps: float = Field(5.0, gt=0, description="client-to-server bandwidth (Mbit/s)")
+
+
 class SecureAggregationCfg(BaseModel):
     """Secure aggregation (docs/privacy.md). ``protocol: none`` (the default) leaves a run exactly
     as without this section. Strict as the other sections (unknown keys, non-finite numbers
@@ -48,6 +60,17 @@ class SecureAggregationCfg(BaseModel):
         gt=0,
         description="a client's aggregation weight is divided by this (and capped at 1) before folding; "
         "null: by the largest weight of the aggregation, so that the weights use the whole quantisation range",
+    )
+
+    link: LinkCfg = Field(
+        LinkCfg(),
+        description="the simulator's cost of each protocol exchange: latency and bandwidth of a member's link",
+    )
+    stage_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="how long the server waits for a stage's answers before it goes on without the "
+        "silent members (the simulator charges it to a stage where a member goes silent)",
     )
 
     @property
@@ -129,4 +152,4 @@ def check_secure_aggregation(cfg: Any) -> None:
         )
 
 
-__all__ = ["SUM_AGGREGATORS", "SecureAggregationCfg", "check_secure_aggregation"]
+__all__ = ["SUM_AGGREGATORS", "LinkCfg", "SecureAggregationCfg", "check_secure_aggregation"]

@@ -24,15 +24,29 @@ STAGES = ("keys", "shares", "masked", "unmask")
 
 
 @dataclass
+class StageTraffic:
+    """One exchange of one group: the bytes each member received (``down``) and sent (``up``), and
+    the members that were sent a message and never answered (``silent``), for the simulator's
+    link cost (:mod:`felix.secagg.latency`)."""
+
+    stage: str
+    down: dict[int, int] = field(default_factory=dict)
+    up: dict[int, int] = field(default_factory=dict)
+    silent: list[int] = field(default_factory=list)
+
+
+@dataclass
 class Traffic:
     """Bytes and round trips of one group: ``up`` (clients to server) and ``down`` per member,
-    and ``round_trips``, the stages the group went through."""
+    and ``round_trips``, the stages the group went through; ``stages``, the exchanges one by one
+    (one group's: :meth:`add` sums bytes and leaves them out)."""
 
     up: dict[int, int] = field(default_factory=dict)
     down: dict[int, int] = field(default_factory=dict)
     round_trips: int = 0
     client_seconds: float = 0.0
     server_seconds: float = 0.0
+    stages: list[StageTraffic] = field(default_factory=list)
 
     def add(self, other: Traffic) -> None:
         for src, dst in ((other.up, self.up), (other.down, self.down)):
@@ -68,9 +82,13 @@ def run_group(
     inbox: dict[int, Message] = dict(server.setup())
     for stage in STAGES:
         traffic.round_trips += 1
+        exchange = StageTraffic(stage)
+        traffic.stages.append(exchange)
         for m, msg in inbox.items():
             raw = encode(msg)
             traffic.down[m] += len(raw)
+            exchange.down[m] = len(raw)
+            exchange.silent.append(m)
             if m in drop_at and STAGES.index(drop_at[m]) <= STAGES.index(stage):
                 continue
             t0 = clock() if clock else 0.0
@@ -86,6 +104,8 @@ def run_group(
             if tamper is not None:
                 reply = tamper(m, reply)
             traffic.up[m] += len(reply)
+            exchange.up[m] = len(reply)
+            exchange.silent.pop()
             t0 = clock() if clock else 0.0
             try:
                 server.receive(decode(reply))
@@ -121,4 +141,4 @@ def _answer(
     return None
 
 
-__all__ = ["STAGES", "Traffic", "run_group"]
+__all__ = ["STAGES", "StageTraffic", "Traffic", "run_group"]

@@ -66,7 +66,7 @@ from felix.strategies.dataplans.plans import PlanClient
 
 log = logging.getLogger("felix.sim")
 
-_TIER, _DONE, _WAKE = 0, 1, 2
+_TIER, _DONE, _WAKE, _RELEASE = 0, 1, 2, 3
 
 
 @dataclass(eq=False)
@@ -200,6 +200,9 @@ class Simulation:
         self._seq = 0
         self._wake_at: float | None = None
         self._rejected: list[UpdateRejected] = []
+        # Tasks held back until the version they carry is released (secure aggregation's exchanges),
+        # by heap token.
+        self._held: dict[int, DispatchTrain | DispatchEval] = {}
         self._train_seconds = 0.0
         self._probe_seconds = 0.0
         self._on_train = on_train
@@ -261,6 +264,8 @@ class Simulation:
                 self._on_tier(self.devices[cid])
             elif kind == _DONE:
                 self._on_done(self.devices[cid], token)
+            elif kind == _RELEASE:
+                self._apply([self._held.pop(token)])
             elif t == self._wake_at:
                 self._wake_at = None
                 self._deliver(Tick(t))
@@ -443,6 +448,8 @@ class Simulation:
     # ------------------------------------------------------------------ commands
     def _apply(self, commands: list[Command]) -> None:
         for cmd in commands:
+            if isinstance(cmd, DispatchTrain | DispatchEval) and self._hold(cmd):
+                continue
             if isinstance(cmd, DispatchTrain):
                 dev = self.devices[cmd.client_id]
                 self._follow(
@@ -473,6 +480,17 @@ class Simulation:
                     "rejected update from client %d task %d: %s", cmd.client_id, cmd.task_id, cmd.reason
                 )
                 self._rejected.append(cmd)
+
+    def _hold(self, cmd: DispatchTrain | DispatchEval) -> bool:
+        """Whether ``cmd`` waits for the release of the version it carries (then it is delivered at
+        that time: a device cannot start on a model that its secure aggregation has not unmasked)."""
+        at = self.ctl.release_time(cmd.version)
+        if at is None or at <= self.now:
+            return False
+        self._seq += 1
+        self._held[self._seq] = cmd
+        heapq.heappush(self._heap, (at, self._seq, _RELEASE, cmd.client_id, self._seq))
+        return True
 
     def _cancel(self, dev: SimDevice, task_id: int) -> None:
         self._unused += self._trained.pop(task_id, None) is not None or self._drop_live(task_id)
