@@ -238,3 +238,48 @@ def test_a_sync_run_holds_each_new_version_back_by_its_groups_exchanges(tmp_path
     last = [float(r.split(",")[0]) for r in (quick_csv.splitlines()[-1], slow_csv.splitlines()[-1])]
     assert last[1] - last[0] == pytest.approx(ds - dq, abs=1e-3)
     assert quick_csv.splitlines()[0].split(",")[0] == "time_s"
+
+
+# ---------------------------------------------------------------------- an aggregation abandoned whole
+class _SilentBeforeMasking:
+    """A deployment's groups (``SecureSum.remote``) in which all but two members go silent before
+    sending their masked vectors: with threshold 3, every group is abandoned."""
+
+    def __init__(self, deltas: dict[int, np.ndarray]) -> None:
+        self.deltas = deltas
+        self.bytes = 0
+
+    def run_group(self, layout: Any, q: Any, weights: Any, length: int, client_of: Any) -> Any:
+        from felix.secagg.session import run_group
+
+        updates = {m: (weights[m], self.deltas[m]) for m in layout.members}
+        server, traffic = run_group(layout, q, updates, {m: "masked" for m in layout.members[2:]})
+        self.bytes += traffic.total
+        return server, traffic
+
+
+def test_an_abandoned_aggregation_counts_its_updates_lost_once_and_no_negative_overhead() -> None:
+    """The orchestrator's fallback retries each update of a failed aggregation alone: those
+    retries must not count the updates lost again; and the overhead of a group abandoned before
+    its masked vectors has no plaintext update to subtract (none was sent)."""
+    from felix.core.buffer import AggregationBuffer
+    from felix.strategies.aggregation.fedavg import FedBuffAggregator
+
+    rng = np.random.default_rng(5)
+    buf = _buffer([rng.normal(0, 0.1, 2000) for _ in range(5)])
+    mech = SecureSum(SecureAggregationCfg(protocol="buffered", group_size=5), "weights", _Orch(), rng)
+    remote = _SilentBeforeMasking({b.task_id: b.update.delta for b in buf})
+    mech.remote = remote
+    agg = FedBuffAggregator()
+    agg.privacy = mech
+    buffer = AggregationBuffer()
+    for b in buf:
+        buffer.add(b)
+    theta = np.zeros(2000, np.float32)
+    with pytest.raises(ValueError, match="every group of this aggregation was abandoned"):
+        buffer.aggregate(agg, theta, 0)
+    assert len(buffer.drop_unaggregatable(agg, theta)) == 5  # as the orchestrator does: each alone
+    s = mech.summary()
+    assert (s["groups"], s["groups_abandoned"], s["updates_lost"]) == (1, 1, 5)
+    # two masked vectors stood in for two plaintext updates; the three others were never sent
+    assert s["bytes_overhead"] == remote.bytes - 2 * 4 * 2000 > 0

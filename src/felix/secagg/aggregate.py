@@ -99,6 +99,7 @@ class SecureSum:
         self._delay = 0.0  # the last aggregation's, for the run controller (take_delay)
         self._dropped_mark = 0
         self._pending = (0, 0)  # (up, down) bytes of the aggregation just made, for the run's byte counts
+        self._abandoned: set[int] = set()  # the tasks of the last aggregation, when every group was abandoned
         self.remote: RemoteGroups | None = None
 
     def noised_step(
@@ -107,6 +108,11 @@ class SecureSum:
         """The mean update from the groups' unmasked sums, and each update's effective weight (0 for
         the updates of an abandoned group)."""
         s = self.cfg
+        if self._abandoned and {item.task_id for item in buffer} <= self._abandoned:
+            # the orchestrator's fallback tries each update of a failed aggregation alone: those
+            # updates were lost (and counted) with it, and one update alone cannot be hidden
+            raise ValueError("secure aggregation: this update's aggregation was abandoned")
+        self._abandoned = set()
         stats = self.orch.stats
         dropped = stats.train_dropped + stats.train_cancelled - self._dropped_mark
         self._dropped_mark = stats.train_dropped + stats.train_cancelled
@@ -126,7 +132,7 @@ class SecureSum:
         ids = list(index) + [_PLACEHOLDER + k for k in range(dropped)]
         order = [ids[i] for i in self.rng.permutation(len(ids))]
         length = int(buffer[0].update.delta.size) if buffer and buffer[0].update.delta is not None else 0
-        wsum, xsum, survivors, traffic, plain = 0.0, np.zeros(length), [], Traffic(), 0
+        wsum, xsum, survivors, traffic, plain, excused = 0.0, np.zeros(length), [], Traffic(), 0, 0
         self._delay = 0.0
         for g, members in enumerate(split_groups(order, s.group_size) or [order]):
             reporters = [m for m in members if m in index]
@@ -153,6 +159,7 @@ class SecureSum:
             self.deadlines += took.deadlines
             self.groups += 1
             plain += 4 * length * len(reporters)
+            excused += 4 * length * len(server.masked)  # the plaintext updates masked vectors stood in for
             if server.result is None:
                 self.groups_abandoned += 1
                 self.updates_lost += len(reporters)
@@ -165,12 +172,13 @@ class SecureSum:
             xsum += r.weighted_sum
             survivors += [index[m] for m in r.members]
         self.bytes_total += traffic.total
-        self.bytes_plain += plain
+        self.bytes_plain += excused
         # the masked vectors stand in for the plaintext updates the byte model already counts
         self._pending = (sum(traffic.up.values()) - plain, sum(traffic.down.values()))
         self.round_trips += traffic.round_trips
         self.delay_s += self._delay
         if not survivors:
+            self._abandoned = {item.task_id for item in buffer}
             raise ValueError("secure aggregation: every group of this aggregation was abandoned")
         norm_w = np.zeros(len(buffer))
         if self.dp is not None:  # noise on the unmasked sum, the fixed denominator

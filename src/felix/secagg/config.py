@@ -37,8 +37,9 @@ class SecureAggregationCfg(BaseModel):
     protocol: Literal["none", "secagg_plus", "buffered"] = Field(
         "none",
         description="none | secagg_plus: SecAgg+ groups over each synchronous round's cohort | "
-        "buffered: SecAgg+ groups formed as training tasks are dispatched, each group's sum entering "
-        "the buffer as one update",
+        "buffered: SecAgg+ groups over each async aggregation's buffered updates, formed when the "
+        "aggregation is due (after the updates' metadata arrived, before any member masks), the "
+        "aggregate made from the groups' sums",
     )
     group_size: int = Field(
         100, description="members of one group (a cohort is cut into groups of about this size)"
