@@ -197,17 +197,24 @@ def test_an_exchange_lasts_its_slowest_members_round_trip_or_the_deadline_for_a_
     unmask = _exchange("unmask", {1: 80, 2: 80, 4: 80}, {1: 50, 2: 50}, silent=[4])
     took = group_seconds([keys, unmask], link, 10.0)
     assert took.seconds == pytest.approx(1.101 + 10.0) and took.deadlines == 1
+    enough = _exchange("unmask", {1: 80, 2: 80, 4: 80}, {1: 50, 2: 50}, silent=[4])
+    enough.sufficient = True  # the answers in suffice: the server waits the grace, not the deadline
+    took = group_seconds([keys, enough], link, 10.0, grace_s=2.0)
+    assert took.seconds == pytest.approx(1.101 + 0.1 + 80e-6 + 400e-6 + 2.0) and took.deadlines == 0
+    assert group_seconds([enough], link, 1.5, grace_s=2.0).seconds == 1.5  # the deadline comes first
     gone = group_seconds([keys, unmask], link, 10.0, gone={4})  # a member the server itself let go
     assert gone.seconds == pytest.approx(1.101 + 0.1 + 80e-6 + 400e-6) and gone.deadlines == 0
 
 
-def test_a_member_silent_at_unmask_holds_the_aggregation_for_the_deadline_a_cancelled_one_does_not() -> None:
+def test_a_silent_member_holds_the_aggregation_a_grace_past_the_answers_only_while_they_suffice() -> None:
+    """The deployment's rule: a member silent at the unmask request costs that exchange the grace
+    (the answers in suffice), a cancelled one nothing, and a group that cannot finish the deadline."""
     from felix.core.types import Tier
 
     rng = np.random.default_rng(4)
     buf = _buffer([rng.normal(0, 0.1, 50) for _ in range(6)])
     w = np.ones(6)
-    cfg = SecureAggregationCfg(protocol="buffered", group_size=8, stage_timeout_s=7.0)
+    cfg = SecureAggregationCfg(protocol="buffered", group_size=8, stage_timeout_s=7.0, stage_grace_s=2.0)
     orch = _Orch()
     mech = SecureSum(cfg, "weights", orch, np.random.default_rng(0))
     orch.stats.train_dropped = 2  # two tasks the server itself let go after they shared
@@ -218,8 +225,14 @@ def test_a_member_silent_at_unmask_holds_the_aggregation_for_the_deadline_a_canc
     orch.clients[buf[0].client_id].reported_tier = Tier.UN_AVL  # it will not answer the unmask request
     mech.noised_step(buf, w)
     slow = mech.take_delay()
-    assert 7.0 + 3 * cfg.link.rtt_s < slow < 8.0 and mech.deadlines == 1
-    assert mech.summary()["delay_s"] == pytest.approx(fast + slow)
+    assert slow == pytest.approx(fast + 2.0, abs=0.01) and mech.deadlines == 0
+    for b in buf[1:4]:  # 4 of 8 silent at the unmask request, threshold 5: the group cannot finish
+        orch.clients[b.client_id].reported_tier = Tier.UN_AVL
+    with pytest.raises(ValueError, match="abandoned"):
+        mech.noised_step(buf, w)
+    stuck = mech.take_delay()
+    assert 7.0 + 3 * cfg.link.rtt_s < stuck < 8.0 and mech.deadlines == 1
+    assert mech.summary()["delay_s"] == pytest.approx(fast + slow + stuck)
 
 
 def test_a_sync_run_holds_each_new_version_back_by_its_groups_exchanges(tmp_path: Path) -> None:

@@ -573,8 +573,8 @@ def add_parsers(subparsers: Any) -> None:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="with secure_aggregation on: wall seconds each stage of a group waits for its members "
-        "(a member silent that long has dropped at that stage; default 30)",
+        help="with secure_aggregation on: overrides the config's secure_aggregation.stage_timeout_s, "
+        "the wall seconds a stage of a group waits at most for its members (default: the config's)",
     )
     s.add_argument("--plots", action="store_true", help="also write the accuracy plots")
     s.set_defaults(func=_guard(_serve))

@@ -8,10 +8,16 @@ each; the aggregation waits until its groups have unmasked or been abandoned, so
 version is made whole or not at all, exactly as in the simulator. While a group runs, the server
 loop's ``pump`` takes inbound messages: the secure-aggregation ones come back here through the
 server protocol (:meth:`receive`), every other one waits, unhandled and unacknowledged, until the
-aggregation is over. Each stage lasts until every member it waits on has answered or
-``stage_s`` wall seconds have passed; a member that has not answered by then has dropped at that
-stage, and the protocol object decides whether the group goes on (enough holders of every needed
-secret) or is abandoned. So a group takes at most four stage deadlines, never a hang.
+aggregation is over. Each stage lasts until every member it waits on has answered, or
+``grace_s`` wall seconds after the answers in first sufficed for the group to finish (the protocol
+object's ``sufficient``: enough holders of every needed secret, at least the threshold), or
+``stage_s`` wall seconds, whichever comes first; a member that has not answered by then has
+dropped at that stage, and the protocol object decides whether the group goes on or is abandoned.
+So one silent (or hostile) member costs a stage the grace, not the deadline, while an honest
+member slower than the grace counts as dropped; only a group that cannot finish waits out the
+deadline, and a group takes at most four of them, never a hang. Both come from the config's
+``secure_aggregation.stage_timeout_s`` and ``stage_grace_s``, the simulator's own rule
+(``felix.secagg.latency``), in wall seconds.
 
 Checks on each client message, beyond the protocol's envelope checks: the group is open, the
 member is one of the group's tasks and belongs to the sending client (so no login speaks for
@@ -35,9 +41,6 @@ from felix.secagg.refusals import Reason, SecAggRefusal
 from felix.secagg.server import SecAggServer
 from felix.secagg.session import STAGES, Traffic
 
-#: Wall seconds a stage waits for its members by default (``ServeOptions.secagg_stage_s``).
-DEFAULT_STAGE_S = 30.0
-
 
 @dataclass
 class _Open:
@@ -52,22 +55,27 @@ class _Open:
 class NetworkGroups:
     """Runs groups with real members for run ``run_id``. ``send(client, payload)`` publishes to a
     client's task channel; ``pump(seconds)`` lets the server loop take inbound messages for up to
-    that long; ``clock`` is monotonic wall seconds."""
+    that long; ``stage_s`` and ``grace_s`` are a stage's deadline and its grace once the answers
+    suffice (wall seconds); ``clock`` is monotonic wall seconds."""
 
     def __init__(
         self,
         run_id: str,
         send: Callable[[int, bytes], None],
         pump: Callable[[float], None],
-        stage_s: float = DEFAULT_STAGE_S,
+        stage_s: float,
+        grace_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not stage_s > 0:
             raise ValueError(f"secure aggregation's stage deadline must be positive, not {stage_s}")
+        if not grace_s >= 0:
+            raise ValueError(f"secure aggregation's stage grace must be >= 0, not {grace_s}")
         self.run_id = run_id
         self.send = send
         self.pump = pump
         self.stage_s = stage_s
+        self.grace_s = grace_s
         self.clock = clock
         self.open: dict[int, _Open] = {}
         self.refusals: list[tuple[int, SecAggRefusal]] = []  # (client, refusal), for the log and tests
@@ -99,12 +107,7 @@ class NetworkGroups:
                 g.traffic.round_trips += 1
                 for m, msg in out.items():
                     self._send(g, m, msg)
-                deadline = self.clock() + self.stage_s
-                while server.expected():
-                    left = deadline - self.clock()
-                    if left <= 0:
-                        break
-                    self.pump(min(left, 0.05))
+                self._wait(server)
                 out = dict(server.advance())
                 if server.done:
                     break
@@ -114,6 +117,19 @@ class NetworkGroups:
             members = tuple(sorted(task_of[m] for m in server.result.members))
             server.result = dataclasses.replace(server.result, members=members)
         return server, g.traffic
+
+    def _wait(self, server: SecAggServer) -> None:
+        """Take the stage's answers until none is awaited, the grace after they first sufficed, or
+        the deadline."""
+        now = self.clock()
+        deadline = now + self.stage_s
+        while server.expected():
+            if server.sufficient():
+                deadline = min(deadline, now + self.grace_s)
+            if now >= deadline:
+                return
+            self.pump(min(deadline - now, 0.05))
+            now = self.clock()
 
     def _send(self, g: _Open, member: int, msg: Message) -> None:
         task = g.task_of[member]
@@ -149,4 +165,4 @@ class NetworkGroups:
         return True
 
 
-__all__ = ["DEFAULT_STAGE_S", "NetworkGroups"]
+__all__ = ["NetworkGroups"]

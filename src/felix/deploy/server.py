@@ -89,7 +89,7 @@ from felix.deploy.protocol import (
     TransportStats,
 )
 from felix.deploy.refusal_log import RefusalLog
-from felix.deploy.secagg_groups import DEFAULT_STAGE_S, NetworkGroups
+from felix.deploy.secagg_groups import NetworkGroups
 from felix.deploy.transport import Ack, Connected, Delivery, LinkOptions, ServerLinkArgs
 from felix.deploy.transport import resolve as resolve_transport
 from felix.engine.plan import plan_run
@@ -136,7 +136,7 @@ class ServeOptions:
     # Tasks name their model by hash, fetched over HTTP (felix.deploy.model_store; None: inside the task).
     models: ModelHosting | None = None
     decode_worker: bool = False  # parse inbound messages in a second process (felix.deploy.decode_worker)
-    secagg_stage_s: float = DEFAULT_STAGE_S  # wall seconds a secure-aggregation stage waits for its members
+    secagg_stage_s: float | None = None  # overrides secure_aggregation.stage_timeout_s (wall seconds)
 
 
 def _ms(values: deque[float], q: float) -> float | None:
@@ -238,7 +238,9 @@ class Server:
         self._stash: list[Item] = []
         mech = self.orch.aggregator.privacy
         if isinstance(mech, SecureSum):
-            self.secagg = NetworkGroups(opts.run_id, self._send_secagg, self._pump, opts.secagg_stage_s)
+            sa = cfg.secure_aggregation
+            stage_s = sa.stage_timeout_s if opts.secagg_stage_s is None else opts.secagg_stage_s
+            self.secagg = NetworkGroups(opts.run_id, self._send_secagg, self._pump, stage_s, sa.stage_grace_s)
             mech.remote = self.secagg
         self.decoder: DecodeWorker | None = None  # started by run()
         self._parsing: list[Delivery] = []  # the admitted messages of the batch the decoder parses

@@ -154,6 +154,7 @@ class SecureSum:
                 s.stage_timeout_s,
                 [m for m in members if m not in index],  # stand-ins for dropped tasks
                 {m: 4 * length for m in reporters},
+                s.stage_grace_s,
             )
             self._delay = max(self._delay, took.seconds)  # the groups run side by side
             self.deadlines += took.deadlines

@@ -71,7 +71,15 @@ class SecureAggregationCfg(BaseModel):
         10.0,
         gt=0,
         description="how long the server waits for a stage's answers before it goes on without the "
-        "silent members (the simulator charges it to a stage where a member goes silent)",
+        "silent members (seconds: virtual in the simulator, wall in a deployment)",
+    )
+    stage_grace_s: float = Field(
+        3.0,
+        ge=0,
+        description="once the answers in suffice for the group to finish (threshold holders of every "
+        "needed secret), the server waits this long more for the others, then goes on without them: "
+        "a silent member costs a stage this grace, not stage_timeout_s, and an honest member slower "
+        "than that counts as dropped",
     )
 
     @property

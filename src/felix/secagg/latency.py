@@ -4,9 +4,12 @@ each member's messages really have (:class:`felix.secagg.session.StageTraffic`).
 
 A group's exchanges run one after another. In each, the server sends every member its message and
 waits for the answers, so an exchange lasts as long as its slowest answering member's round trip
-(``rtt_s`` + bytes down / ``down_mbps`` + bytes up / ``up_mbps``), or ``stage_timeout_s`` when a
-member it waits on stays silent: the server cannot tell a dropped member from a slow one before
-the deadline. Members the server itself knows to be gone (``gone``: their training tasks were
+(``rtt_s`` + bytes down / ``down_mbps`` + bytes up / ``up_mbps``). When a member it waits on
+stays silent, the server cannot tell a dropped member from a slow one: it waits ``stage_grace_s``
+past the answers once they suffice for the group to finish (the rule of a deployment's
+``felix.deploy.secagg_groups``; the members share one link here, so the answers arrive together
+and the grace runs from the slowest), or ``stage_timeout_s`` when they never suffice (the group
+is abandoned at that stage), whichever comes first. Members the server itself knows to be gone (``gone``: their training tasks were
 cancelled or ran out of time, the orchestrator's own decision) are not waited on. In the masked
 vector exchange, each member's ``excused`` bytes (its plaintext update's size) are not charged: a
 run without secure aggregation sends the update too, as part of its task; only the protocol's
@@ -40,6 +43,7 @@ def group_seconds(
     timeout_s: float,
     gone: Collection[int] = (),
     excused: Mapping[int, int] | None = None,
+    grace_s: float = 0.0,
 ) -> GroupTime:
     """The virtual seconds of one group's exchanges, in order (see the module docstring)."""
     excused = excused or {}
@@ -51,8 +55,11 @@ def group_seconds(
             default=0.0,
         )
         if any(m not in gone for m in ex.silent):
-            slowest = max(slowest, timeout_s)
-            deadlines += 1
+            if ex.sufficient and slowest + grace_s < timeout_s:
+                slowest += grace_s
+            else:
+                slowest = max(slowest, timeout_s)
+                deadlines += 1
         total += slowest
     return GroupTime(total, deadlines)
 

@@ -1,7 +1,8 @@
 """The server's side of one SecAgg+ group, sans-I/O: ``setup`` opens the group, ``receive``
 takes each client's message of the current stage (refusing anything hostile with a typed reason:
 that client counts as dropped at this stage), and ``advance`` closes the stage when the shell
-decides (every expected answer in, or its deadline passed), returning the next stage's messages.
+decides (every expected answer in; the answers in ``sufficient`` and a grace passed; or its deadline
+passed), returning the next stage's messages.
 
 Stages and survivor sets (Bonawitz et al.'s U1..U4): keys (U1), shares (U2), masked vectors (U3),
 unmask answers. A member whose secrets fewer than ``threshold`` live holders could rebuild is
@@ -16,6 +17,7 @@ once, so no answer holds both secrets of one peer."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -123,6 +125,28 @@ class SecAggServer:
         if self.stage == "unmask":
             return set(self.requests) - set(self.answers)
         return set()
+
+    def sufficient(self) -> bool:
+        """Whether the answers in suffice for the group to finish if the stage closed now without
+        the members it still waits on: at least ``threshold`` members go on, and every secret the
+        next stages need has ``threshold`` live holders (at the unmask stage: ``threshold`` shares
+        of every needed secret are in). The shell may then close the stage early, after a grace."""
+        lay, t = self.layout, self.layout.threshold
+        if self.stage == "keys":
+            return len(self._prune(set(self.keys))) >= t
+        if self.stage == "shares":
+            return len(self._prune(set(self.shares))) >= t
+        if self.stage == "masked":
+            u3 = set(self.masked)
+            dropped = {p for p in set(self.shares) - u3 if set(lay.neighbours(p)) & u3}
+            return len(u3) >= t and all(len(set(lay.holders(m)) & u3) >= t for m in u3 | dropped)
+        if self.stage == "unmask":
+            seeds = Counter(m for a in self.answers.values() for m in a.seed_shares)
+            keys = Counter(p for a in self.answers.values() for p in a.key_shares)
+            return all(seeds[m] >= t for m in self.masked) and all(
+                keys[p] >= t for p in self.requests_key_of()
+            )
+        return False
 
     def receive(self, msg: Message) -> None:
         """Take one client's message; ``SecAggRefusal`` (also kept in ``refusals``) if hostile."""

@@ -26,13 +26,15 @@ STAGES = ("keys", "shares", "masked", "unmask")
 @dataclass
 class StageTraffic:
     """One exchange of one group: the bytes each member received (``down``) and sent (``up``), and
-    the members that were sent a message and never answered (``silent``), for the simulator's
-    link cost (:mod:`felix.secagg.latency`)."""
+    the members that were sent a message and never answered (``silent``), and whether the answers
+    in sufficed for the group to finish (``sufficient``: the server may close such a stage a grace
+    after they are in), for the simulator's link cost (:mod:`felix.secagg.latency`)."""
 
     stage: str
     down: dict[int, int] = field(default_factory=dict)
     up: dict[int, int] = field(default_factory=dict)
     silent: list[int] = field(default_factory=list)
+    sufficient: bool = False
 
 
 @dataclass
@@ -114,6 +116,7 @@ def run_group(
                     server.refusals.append((m, exc))  # did not decode: refused before the server saw it
             if clock:
                 traffic.server_seconds += clock() - t0
+        exchange.sufficient = server.sufficient()
         t0 = clock() if clock else 0.0
         inbox = dict(server.advance())
         if clock:
