@@ -321,6 +321,69 @@ def test_hostile_secagg_messages_are_refused_with_their_reason_and_the_run_goes_
     check_sums_and_models(cfg, server, rec, theta0)
 
 
+class FloodHost(SilentHost):
+    """The first client a group's setup reaches floods the server with FLOOD valid tier reports
+    (fresh message ids) before it answers, so they reach the server while that group runs."""
+
+    FLOOD = 400
+    flood: list[bytes]
+
+    def _secagg_reply(self, dev: Device, env: secagg_wire.SecAggEnvelope) -> sa.Message | None:
+        if isinstance(env.msg, sa.Setup) and not self.flood:
+            for _ in range(self.FLOOD):
+                raw = wire.encode(
+                    wire.State(**self._env(dev), client=dev.cid, incarnation=dev.incarnation, tier=dev.tier)
+                )
+                self.flood.append(raw)
+                self._publish(dev, Channel.STATE, raw)
+        return super()._secagg_reply(dev, env)
+
+
+@pytest.mark.parametrize(
+    ("budget", "bound"),
+    [(True, 50000), (False, 30)],  # the senders' admission budgets on; off, with a stash of 30
+)
+def test_a_flood_during_a_group_is_bounded_and_loses_nothing(
+    tmp_path: Path, budget: bool, bound: int
+) -> None:
+    """With budgets on, the flood's excess is refused as it arrives (as it would be later) and
+    the stash holds about one burst; with them off, the stash holds at most its bound and the
+    rest waits in the inbox, then the broker. Either way every flooded message is handled once
+    the aggregation is over, and the run goes on with exact sums."""
+    cfg = _buffered(tmp_path)
+    FloodHost.flood = []
+    peaks: list[int] = []
+    limits: dict[str, Any] = (
+        {"client_msg_rate": 1.0}
+        if budget
+        else {"client_msg_rate": None, "client_cost_limit": False, "max_inbox_messages": bound}
+    )
+    real = Server._pump
+
+    def pump(self: Server, timeout: float) -> None:
+        real(self, timeout)
+        peaks.append(len(self._stash))
+
+    Server._pump = pump  # type: ignore[method-assign]
+    try:
+        server, rec, summ, theta0 = run_memory(
+            cfg, tmp_path / "out", f"sa-flood-{budget}", host_class=FloodHost, **limits
+        )
+    finally:
+        Server._pump = real  # type: ignore[method-assign]
+    assert len(FloodHost.flood) == FloodHost.FLOOD and peaks
+    handled = {payload for channel, payload in rec.received if channel is Channel.STATE}
+    assert all(raw in handled for raw in FloodHost.flood)  # nothing lost: each handled once it could be
+    assert summ["stop_reason"] == "max_aggregations" and len(rec.versions) == 3
+    check_sums_and_models(cfg, server, rec, theta0)
+    if budget:  # a burst of 50 and what the rate refills meanwhile; the rest refused at once
+        assert max(peaks) <= 120
+        assert summ["rejected_by_reason"].get("transport: rate limit (state)", 0) >= FloodHost.FLOOD - 120
+    else:
+        assert max(peaks) <= bound
+        assert summ["transport"]["secagg_stash_full_reads"] > 0
+
+
 def _over_mosquitto(fn: Any) -> Any:
     for mark in reversed(needs_mosquitto):
         fn = mark(fn)

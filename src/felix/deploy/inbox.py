@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from felix.deploy.model_fetch import Fetched
 from felix.deploy.transport import Connected, Delivery
@@ -114,25 +115,40 @@ class Inbox:
                 self.full_waits,
             )
 
-    def get_batch(self, timeout: float, limit: int) -> list[tuple[int, Item]]:
+    def get_batch(
+        self, timeout: float, limit: int, only: Callable[[Item], bool] | None = None
+    ) -> list[tuple[int, Item]]:
         """Up to ``limit`` of the oldest ``(tag, item)``, waiting up to ``timeout`` seconds for the first
         (empty list: none came). Taking what has queued at once costs one lock round trip and one
-        wake-up of a waiting network thread per batch instead of per message."""
+        wake-up of a waiting network thread per batch instead of per message. ``only``: take just
+        the items it accepts, leaving the others queued in order (the server reads a secure
+        aggregation's messages past the ones it cannot hold)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while not self._items:
+            while not (out := self._take(limit, only)):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return []
                 self._cond.wait(left)
-            items = self._items
-            out = [items.popleft() for _ in range(min(limit, len(items)))]
             for _, item in out:
                 if not isinstance(item, (Connected, Fetched)):  # a message: it counted against the bounds
                     self._bytes -= len(item.payload)
                     self._messages -= 1
             self._cond.notify_all()
             return out
+
+    def _take(self, limit: int, only: Callable[[Item], bool] | None) -> list[tuple[int, Item]]:
+        items = self._items
+        if only is None:
+            return [items.popleft() for _ in range(min(limit, len(items)))]
+        out: list[tuple[int, Item]] = []
+        kept: deque[tuple[int, Item]] = deque()
+        while items and len(out) < limit:
+            entry = items.popleft()
+            (out if only(entry[1]) else kept).append(entry)
+        kept.extend(items)
+        self._items = kept
+        return out
 
     def close(self) -> None:
         """Stop accepting: blocked and later ``put`` calls drop their message and return."""

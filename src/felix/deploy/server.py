@@ -36,7 +36,9 @@ is full paho's network thread waits, and TCP flow control pushes back on the bro
 
 Secure aggregation (``secure_aggregation:``): the aggregator's sum mechanism runs its groups with
 the clients over the link (``felix.deploy.secagg_groups``) from inside the aggregation; meanwhile
-the loop handles only their messages and keeps every other one, unacknowledged, for after it.
+the loop handles only their messages and keeps every other one, unacknowledged, for after it, in a
+stash bounded as the inbox is (:mod:`felix.deploy.stash`: charged to its sender's budget, and
+back-pressure while full).
 
 One file of about 740 lines on purpose: it is the one place where the wall clock, the link, the
 inbox, checkpoints and acknowledgements meet, and their ordering (an ack only after the checkpoint
@@ -90,6 +92,7 @@ from felix.deploy.protocol import (
 )
 from felix.deploy.refusal_log import RefusalLog
 from felix.deploy.secagg_groups import NetworkGroups
+from felix.deploy.stash import Stash
 from felix.deploy.transport import Ack, Connected, Delivery, LinkOptions, ServerLinkArgs
 from felix.deploy.transport import resolve as resolve_transport
 from felix.engine.plan import plan_run
@@ -137,6 +140,11 @@ class ServeOptions:
     models: ModelHosting | None = None
     decode_worker: bool = False  # parse inbound messages in a second process (felix.deploy.decode_worker)
     secagg_stage_s: float | None = None  # overrides secure_aggregation.stage_timeout_s (wall seconds)
+
+
+def _is_secagg(item: Item) -> bool:
+    """Whether ``item`` is a client's secure-aggregation message (a group's stage answer)."""
+    return isinstance(item, Delivery) and item.address is not None and item.address.channel is Channel.SECAGG
 
 
 def _ms(values: deque[float], q: float) -> float | None:
@@ -235,7 +243,7 @@ class Server:
         # Secure aggregation: the aggregator's sum mechanism runs its groups with the clients, over
         # the link (felix.deploy.secagg_groups); messages that arrive meanwhile wait in the stash.
         self.secagg: NetworkGroups | None = None
-        self._stash: list[Item] = []
+        self._stash = Stash(opts.max_inbox_bytes, opts.max_inbox_messages)
         mech = self.orch.aggregator.privacy
         if isinstance(mech, SecureSum):
             sa = cfg.secure_aggregation
@@ -329,10 +337,12 @@ class Server:
             wake = self.orch.next_wakeup()
             now = self.now()
             timeout = 0.25 if wake is None else min(0.25, max(0.0, (wake - now) * self.opts.time_scale))
-            quick = bool(self._parsing or self._stash)
-            batch = [item for _, item in self.inbox.get_batch(0.0 if quick else timeout, INBOX_BATCH)]
+            batch: list[Item] = []
             if self._stash:  # what waited out a secure aggregation comes first, in arrival order
-                batch, self._stash = self._stash + batch, []
+                self._drain_stash()
+            else:
+                quick = bool(self._parsing)
+                batch = [item for _, item in self.inbox.get_batch(0.0 if quick else timeout, INBOX_BATCH)]
             if self.decoder is not None:
                 deliveries = [i for i in batch if isinstance(i, Delivery)]
                 # A reconnection is handled after what came before it: then without the pipeline.
@@ -412,6 +422,14 @@ class Server:
                 "latency_p50_ms": _ms(self.latency, 50),
                 "latency_p95_ms": _ms(self.latency, 95),
                 "inbox_full_waits": self.inbox.full_waits,
+                **(
+                    {}
+                    if self.secagg is None
+                    else {
+                        "secagg_stash_peak_messages": self._stash.peak_messages,
+                        "secagg_stash_full_reads": self._stash.full_reads,
+                    }
+                ),
             },
             "admission": asdict(self.orch.admission.stats),
             "deployment": {
@@ -574,16 +592,39 @@ class Server:
 
     def _pump(self, timeout: float) -> None:
         """Take inbound messages for up to ``timeout`` seconds while a secure aggregation's group
-        runs: its messages are handled, the others stashed (unacknowledged) for after it."""
-        for _, item in self.inbox.get_batch(timeout, INBOX_BATCH):
-            if (
-                isinstance(item, Delivery)
-                and item.address is not None
-                and item.address.channel is Channel.SECAGG
-            ):
-                self.handle_inbound(item)
+        runs: its messages are handled; the others are charged to their senders' budgets (refused
+        at once when over it) and stashed, unacknowledged, for after it, as many as the stash holds;
+        the rest stay in the inbox (``felix.deploy.stash``)."""
+        fits = self._stash.fits()
+        for _, item in self.inbox.get_batch(timeout, INBOX_BATCH, lambda i: _is_secagg(i) or fits(i)):
+            if not isinstance(item, Delivery):
+                self._stash.push(item)
+            elif item.address is None or item.address.channel is Channel.SECAGG:
+                self.handle_inbound(item)  # (a message on no known address is only refused)
             else:
-                self._stash.append(item)
+                refused = self.protocol.admit(item.address, len(item.payload), self.now(), time.monotonic())
+                if refused is not None:
+                    self.handle_inbound(item, refused)
+                else:
+                    self._stash.push(item)
+
+    def _drain_stash(self) -> None:
+        """Handle what a secure aggregation held, in arrival order, after what the decode worker
+        holds (it came first); an aggregation that it triggers stashes behind it."""
+        if self.decoder is not None and self._parsing:
+            self._pipeline(self.decoder, [])
+        while self._stash and self.ctl.stop_reason is None:
+            item = self._stash.pop()
+            if isinstance(item, Connected):
+                self._on_connected(item)
+            elif isinstance(item, Delivery):  # admitted when stashed: parsed, not charged again
+                try:
+                    parsed: wire.Parsed | wire.MessageError = wire.parse(
+                        item.payload, self.max_bytes, self.protocol.header_bytes
+                    )
+                except wire.MessageError as exc:
+                    parsed = exc
+                self.handle_inbound(item, parsed)
 
     def _maybe_plan(self) -> None:
         """Note the data plan (``data_plan: lb | dafl``) when the orchestrator's data-plan policy has
