@@ -384,6 +384,49 @@ def test_a_flood_during_a_group_is_bounded_and_loses_nothing(
         assert summ["transport"]["secagg_stash_full_reads"] > 0
 
 
+def test_central_dp_with_secure_aggregation_noises_the_unmasked_sum_from_the_os(tmp_path: Path) -> None:
+    """``privacy.mechanism: central_gaussian`` with ``buffered``: each group's sum stays exact, the
+    server adds N(0, (sigma C)^2) per coordinate to the unmasked sum from the OS's CSPRNG (nothing
+    a checkpoint could replay) and divides by the fixed denominator, and the DP summary's
+    ``max_contribution_norm`` is the bound the members were asked to keep."""
+    pytest.importorskip("dp_accounting", reason="extra felix-fl[privacy] not installed")
+    sigma, clip = 0.5, 0.3
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            strategy="fedbuff",  # (FeLiX's probes would send losses in the clear)
+            secure_aggregation={"protocol": "buffered", "group_size": 4},
+            privacy={"mechanism": "central_gaussian", "noise_multiplier": sigma, "clip_norm": clip},
+            partition={"kind": "dirichlet", "num_clients": 12, "alpha": 0.5},
+            run={"target_accuracy": 0.99, "max_aggregations": 3, "max_time_s": 20000.0},
+        )
+    )
+    server, rec, summ, theta0 = run_memory(cfg, tmp_path / "out", "sa-dp")
+    assert summ["stop_reason"] == "max_aggregations" and len(rec.versions) == 3
+    mech = server.orch.aggregator.privacy
+    dp = getattr(mech, "dp", None)
+    assert dp is not None and dp.os_noise and summ["privacy"]["noise_source"] == "os_csprng"
+    assert mech.state_dict()["dp"]["rng"] is None  # type: ignore[union-attr]
+    s = cfg.secure_aggregation
+    q = Quantizer(s.clipping_range, s.quantization_bits, s.modulus_bits)
+    done = [(w, g.result) for w, _, g in rec.groups if g.result is not None]
+    for weights, result in done:  # each group's sum is exact; the deltas were clipped to C
+        total = np.zeros(theta0.size + 1, q.dtype)
+        for m in result.members:
+            assert np.linalg.norm(rec.deltas[m]) <= clip * (1 + 1e-5)
+            total += q.encode(weights[m], rec.deltas[m])
+        np.testing.assert_array_equal(result.total, total)
+    bound = clip * max(w[m] for w, r in done for m in r.members)
+    assert summ["privacy"]["max_contribution_norm"] == pytest.approx(bound)
+    theta, lr = theta0, float(cfg.aggregator.server_lr)
+    for _, new, tasks in rec.versions:
+        xsum = sum(r.weighted_sum for _, r in done if set(r.members) <= set(tasks))
+        noise = (new.astype(np.float64) - theta) / lr * dp.denominator - xsum
+        assert abs(noise.mean()) < 0.1 * sigma * clip
+        assert noise.std() == pytest.approx(sigma * clip, rel=0.1)
+        theta = new.astype(np.float64)
+
+
 def _over_mosquitto(fn: Any) -> Any:
     for mark in reversed(needs_mosquitto):
         fn = mark(fn)

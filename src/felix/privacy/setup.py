@@ -68,6 +68,7 @@ def use_os_noise(orch: Any, controller: Any) -> None:
     the summary says so (under ``local`` the devices' noise is theirs: a deployed device draws it
     from its own OS, ``device_mechanism(..., os_noise=True)``)."""
     mechanism = getattr(orch.aggregator, "privacy", None)
+    mechanism = getattr(mechanism, "dp", mechanism)  # under secure aggregation's sum (SecureSum.dp)
     if isinstance(mechanism, ClippedSum):
         mechanism.os_noise = True
     if controller.privacy is not None:

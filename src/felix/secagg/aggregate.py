@@ -26,7 +26,11 @@ version back by it.
 With ``privacy.mechanism: central_gaussian`` on, the two compose: each client clips its delta to
 ``clip_norm`` before masking and folds its weight capped at 1, a client's second update in one
 aggregation is left out (so one client moves the sum by at most C), and the server adds the
-mechanism's noise to the unmasked sum and divides by its fixed denominator.
+mechanism's noise to the unmasked sum (from the mechanism's generator: the OS's CSPRNG in a
+deployment) and divides by its fixed denominator. The DP summary's ``max_contribution_norm`` is
+measured on the deltas in the simulator; a deployment's server cannot measure a masked update,
+and reports the bound its members were asked to keep (C times the largest folded weight in the
+sum).
 
 Otherwise each update's folded weight is the aggregator's weight for it over ``max_weight`` (capped
 at 1), or over the aggregation's largest weight when ``max_weight`` is null (the default): a weight
@@ -183,7 +187,10 @@ class SecureSum:
             raise ValueError("secure aggregation: every group of this aggregation was abandoned")
         norm_w = np.zeros(len(buffer))
         if self.dp is not None:  # noise on the unmasked sum, the fixed denominator
-            xsum += self.dp.rng.normal(0.0, self.dp.noise_std, length)
+            if self.remote is not None:  # the members clipped to C and folded w <= 1: the bound
+                bound = self.dp.clip_norm * float(folded[survivors].max())
+                self.dp.max_contribution_norm = max(self.dp.max_contribution_norm, bound)
+            xsum += self.dp.generator().normal(0.0, self.dp.noise_std, length)
             norm_w[survivors] = folded[survivors] / self.dp.denominator
             return (xsum / self.dp.denominator).astype(np.float32), norm_w
         if self.normalize == "weights":
