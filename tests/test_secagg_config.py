@@ -36,6 +36,7 @@ def _sa(**kw: Any) -> dict[str, Any]:
         (_sa(link={"rtt_s": -0.1}), "secure_aggregation.link.rtt_s"),
         (_sa(link={"latency": 0.1}), "secure_aggregation.link.latency"),
         (_sa(stage_timeout_s=0), "secure_aggregation.stage_timeout_s"),
+        (_sa(stage_grace_s=-1), "secure_aggregation.stage_grace_s"),
         (
             {**_sa(), "aggregator": {"name": "fedavg", "robust": "median"}},
             "aggregator.robust 'median' needs individual updates",
