@@ -617,14 +617,15 @@ class Server:
             item = self._stash.pop()
             if isinstance(item, Connected):
                 self._on_connected(item)
-            elif isinstance(item, Delivery):  # admitted when stashed: parsed, not charged again
+            elif isinstance(item, Delivery):  # admitted when stashed: parsed here, not admitted again
+                spent = time.thread_time()
                 try:
                     parsed: wire.Parsed | wire.MessageError = wire.parse(
                         item.payload, self.max_bytes, self.protocol.header_bytes
                     )
                 except wire.MessageError as exc:
                     parsed = exc
-                self.handle_inbound(item, parsed)
+                self.handle_inbound(item, parsed, time.thread_time() - spent)
 
     def _maybe_plan(self) -> None:
         """Note the data plan (``data_plan: lb | dafl``) when the orchestrator's data-plan policy has
