@@ -181,7 +181,9 @@ def test_weights_below_one_keep_the_secure_step_within_quantisation_of_the_plain
 
 
 # ---------------------------------------------------------------------- the exchanges' virtual time
-def _exchange(stage: str, down: dict[int, int], up: dict[int, int], silent: list[int] = []) -> StageTraffic:  # noqa: B006
+def _exchange(
+    stage: str, down: dict[int, int], up: dict[int, int], silent: tuple[int, ...] = ()
+) -> StageTraffic:
     return StageTraffic(stage, down, up, list(silent))
 
 
@@ -194,7 +196,7 @@ def test_an_exchange_lasts_its_slowest_members_round_trip_or_the_deadline_for_a_
     assert group_seconds([masked], link, 10.0, excused={1: 1000, 2: 1000}).seconds == pytest.approx(
         0.1 + 0.0005
     )
-    unmask = _exchange("unmask", {1: 80, 2: 80, 4: 80}, {1: 50, 2: 50}, silent=[4])
+    unmask = _exchange("unmask", {1: 80, 2: 80, 4: 80}, {1: 50, 2: 50}, silent=(4,))
     took = group_seconds([keys, unmask], link, 10.0)
     assert took.seconds == pytest.approx(1.101 + 10.0) and took.deadlines == 1
     gone = group_seconds([keys, unmask], link, 10.0, gone={4})  # a member the server itself let go
