@@ -226,9 +226,11 @@ def test_a_member_silent_at_unmask_holds_the_aggregation_for_the_deadline_a_canc
 
 def test_a_sync_run_holds_each_new_version_back_by_its_groups_exchanges(tmp_path: Path) -> None:
     """Each round starts when the previous version is released, so the last evaluation moves by
-    the sum of the delays; a shell that only stamped the evaluations later would move it by the
-    last delay alone, one that ignored the delays not at all."""
+    the sum of the delays, against the same rounds without secure aggregation (no delay at all);
+    a shell that only stamped the evaluations later would move it by the last delay alone, one
+    that ignored the delays not at all."""
     sync = {"orchestrator": {"mode": "sync", "agg_goal": 6}, "aggregator": {"name": "fedavg"}}
+    _, plain_csv = _run(tmp_path, "plain", "fedavg", sync)
     runs = {}
     for name, rtt in (("quick", 0.001), ("slow", 2.0)):
         link = {"rtt_s": rtt, "down_mbps": 100.0, "up_mbps": 100.0}
@@ -237,6 +239,7 @@ def test_a_sync_run_holds_each_new_version_back_by_its_groups_exchanges(tmp_path
     (quick, quick_csv), (slow, slow_csv) = runs["quick"], runs["slow"]
     dq, ds = quick["secure_aggregation"]["delay_s"], slow["secure_aggregation"]["delay_s"]
     assert ds > dq + 4 * 4 * 1.9  # four rounds of four exchanges
-    last = [float(r.split(",")[0]) for r in (quick_csv.splitlines()[-1], slow_csv.splitlines()[-1])]
-    assert last[1] - last[0] == pytest.approx(ds - dq, abs=1e-3)
-    assert quick_csv.splitlines()[0].split(",")[0] == "time_s"
+    assert plain_csv.splitlines()[0].split(",")[0] == "time_s"
+    last = [float(c.splitlines()[-1].split(",")[0]) for c in (plain_csv, quick_csv, slow_csv)]
+    assert last[1] - last[0] == pytest.approx(dq, abs=1e-3)
+    assert last[2] - last[0] == pytest.approx(ds, abs=1e-3)
