@@ -181,7 +181,9 @@ def test_weights_below_one_keep_the_secure_step_within_quantisation_of_the_plain
 
 
 # ---------------------------------------------------------------------- the exchanges' virtual time
-def _exchange(stage: str, down: dict[int, int], up: dict[int, int], silent: list[int] = []) -> StageTraffic:  # noqa: B006
+def _exchange(
+    stage: str, down: dict[int, int], up: dict[int, int], silent: tuple[int, ...] = ()
+) -> StageTraffic:
     return StageTraffic(stage, down, up, list(silent))
 
 
@@ -194,10 +196,10 @@ def test_an_exchange_lasts_its_slowest_members_round_trip_or_the_deadline_for_a_
     assert group_seconds([masked], link, 10.0, excused={1: 1000, 2: 1000}).seconds == pytest.approx(
         0.1 + 0.0005
     )
-    unmask = _exchange("unmask", {1: 80, 2: 80, 4: 80}, {1: 50, 2: 50}, silent=[4])
+    unmask = _exchange("unmask", {1: 80, 2: 80, 4: 80}, {1: 50, 2: 50}, silent=(4,))
     took = group_seconds([keys, unmask], link, 10.0)
     assert took.seconds == pytest.approx(1.101 + 10.0) and took.deadlines == 1
-    enough = _exchange("unmask", {1: 80, 2: 80, 4: 80}, {1: 50, 2: 50}, silent=[4])
+    enough = _exchange("unmask", {1: 80, 2: 80, 4: 80}, {1: 50, 2: 50}, silent=(4,))
     enough.sufficient = True  # the answers in suffice: the server waits the grace, not the deadline
     took = group_seconds([keys, enough], link, 10.0, grace_s=2.0)
     assert took.seconds == pytest.approx(1.101 + 0.1 + 80e-6 + 400e-6 + 2.0) and took.deadlines == 0
@@ -237,9 +239,11 @@ def test_a_silent_member_holds_the_aggregation_a_grace_past_the_answers_only_whi
 
 def test_a_sync_run_holds_each_new_version_back_by_its_groups_exchanges(tmp_path: Path) -> None:
     """Each round starts when the previous version is released, so the last evaluation moves by
-    the sum of the delays; a shell that only stamped the evaluations later would move it by the
-    last delay alone, one that ignored the delays not at all."""
+    the sum of the delays, against the same rounds without secure aggregation (no delay at all);
+    a shell that only stamped the evaluations later would move it by the last delay alone, one
+    that ignored the delays not at all."""
     sync = {"orchestrator": {"mode": "sync", "agg_goal": 6}, "aggregator": {"name": "fedavg"}}
+    _, plain_csv = _run(tmp_path, "plain", "fedavg", sync)
     runs = {}
     for name, rtt in (("quick", 0.001), ("slow", 2.0)):
         link = {"rtt_s": rtt, "down_mbps": 100.0, "up_mbps": 100.0}
@@ -248,9 +252,10 @@ def test_a_sync_run_holds_each_new_version_back_by_its_groups_exchanges(tmp_path
     (quick, quick_csv), (slow, slow_csv) = runs["quick"], runs["slow"]
     dq, ds = quick["secure_aggregation"]["delay_s"], slow["secure_aggregation"]["delay_s"]
     assert ds > dq + 4 * 4 * 1.9  # four rounds of four exchanges
-    last = [float(r.split(",")[0]) for r in (quick_csv.splitlines()[-1], slow_csv.splitlines()[-1])]
-    assert last[1] - last[0] == pytest.approx(ds - dq, abs=1e-3)
-    assert quick_csv.splitlines()[0].split(",")[0] == "time_s"
+    assert plain_csv.splitlines()[0].split(",")[0] == "time_s"
+    last = [float(c.splitlines()[-1].split(",")[0]) for c in (plain_csv, quick_csv, slow_csv)]
+    assert last[1] - last[0] == pytest.approx(dq, abs=1e-3)
+    assert last[2] - last[0] == pytest.approx(ds, abs=1e-3)
 
 
 # ---------------------------------------------------------------------- an aggregation abandoned whole

@@ -6,7 +6,9 @@ arrives late and stale, as on real devices. Local training really runs, in-proce
 virtual. What a device does with its tasks (queue, pause and resume, cancel, durations, the data
 plan, task seeds) is the shared device runner's (:mod:`felix.engine.device`), the same code the
 MQTT client runs: this shell only turns the runner's timers into heap events and its released
-results into ``TaskFinished`` events, and trains.
+results into ``TaskFinished`` events, and trains. With secure aggregation, a task that carries a
+model version its groups have not yet unmasked (``RunController.release_time``: the virtual time
+of the protocol's exchanges) reaches its device at the version's release.
 
 A training task's result depends only on its dispatched weights, its client's data, its client's
 objective state and its seed, so it may be computed at any moment before its completion event.
