@@ -719,7 +719,7 @@ class Soak:
         if self.model_http:
             args += ["--model-http", "127.0.0.1:0"]
         if not self.admission:  # the comparison: no intake limit, no damping, no task budget
-            args += ["--client-msg-rate", "0"]
+            args += ["--client-msg-rate", "0", "--download-ratio", "0"]
             args += [
                 "--set",
                 "orchestrator.admission.flap_limit=null",

@@ -199,6 +199,7 @@ def _serve(args: argparse.Namespace) -> int:
         client_msg_burst=args.client_msg_burst,
         models=_model_hosting(args),
         decode_worker=args.decode_worker,
+        download_ratio=args.download_ratio or None,
     )
     print(
         f"felix serve: {cfg.name} / {cfg.strategy} (seed {cfg.seed}), run {run_id} on {opts.broker.describe()} -> {out}",
@@ -566,6 +567,13 @@ def add_parsers(subparsers: Any) -> None:
         "--decode-worker",
         action="store_true",
         help="parse inbound messages in a second process while the loop applies the ones before",
+    )
+    s.add_argument(
+        "--download-ratio",
+        type=float,
+        default=2.0,
+        help="bytes a client may be sent and leave unanswered per byte it sent (a per-client download "
+        "budget, docs/deployment.md); 0 turns it off (default 2)",
     )
     s.add_argument("--plots", action="store_true", help="also write the accuracy plots")
     s.set_defaults(func=_guard(_serve))
