@@ -254,6 +254,7 @@ class Hostile:
         self.bytes_down = 0  # task messages, and the models fetched over HTTP for them (--model-http)
         self.http_bytes_down = 0
         self.messages_down = 0
+        self.downs: list[str] = []  # what it was sent: "<type> <bytes>@<wall s>", for the log
         self.largest_down = 0
         self.models: dict[str, bytes] = {}
         self.lock = threading.Lock()
@@ -312,6 +313,7 @@ class Hostile:
             return
         self.bytes_down += len(m.payload)
         self.messages_down += 1
+        self.downs.append(f"{msg.TYPE.value} {len(m.payload)}@{time.monotonic():.1f}")
         model = getattr(msg, "model", None)
         self.largest_down = max(self.largest_down, len(m.payload) + (0 if model is None else model.size))
         full, fetched = with_model(msg, m.payload, self.models)
@@ -956,6 +958,7 @@ class Soak:
         self.slow_broker_amplification = (slow.bytes_down - slow.http_bytes_down) / max(1, slow.bytes_up)
         self.slow_flips = slow.flips
         self.slow_msgs_down = slow.messages_down
+        log(f"slow flipper: {slow.flips} flips ({slow.bytes_up} B up) from {t0:.1f}; sent {slow.downs}")
         self.heavy_sent = attackers[3].flips
         self.largest_task = max(a.largest_down for a in attackers)
         log(

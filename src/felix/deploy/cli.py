@@ -571,9 +571,9 @@ def add_parsers(subparsers: Any) -> None:
     s.add_argument(
         "--download-ratio",
         type=float,
-        default=2.0,
+        default=1.0,
         help="bytes a client may be sent and leave unanswered per byte it sent (a per-client download "
-        "budget, docs/deployment.md); 0 turns it off (default 2)",
+        "budget, docs/deployment.md); 0 turns it off (default 1)",
     )
     s.add_argument("--plots", action="store_true", help="also write the accuracy plots")
     s.set_defaults(func=_guard(_serve))

@@ -131,7 +131,7 @@ class ServeOptions:
     # Per-login download budget (felix.deploy.download_budget): what a login is sent and leaves
     # unanswered stays under download_ratio times the bytes it sent (plus one task and one largest
     # task forgiven per download_forgive_s wall seconds). None turns it off.
-    download_ratio: float | None = 2.0
+    download_ratio: float | None = 1.0
     download_forgive_s: float = 600.0
 
 
