@@ -65,8 +65,9 @@ The JSON line:
   refused for the sender's cost budget (decode time or bytes per wall second);
 - ``slow_flips`` / ``slow_flipper_amplification`` / ``slow_flipper_messages_down``: the slow
   flipper's flips in the attack window, the bytes it was sent over those it sent, and the tasks
-  and cancels it was sent (the drop budget bounds them: ``2 + T / 600`` unanswered downloads over
-  T config seconds, and one cancel each); with ``--model-http`` the bytes down are the task
+  and cancels it was sent (the drop budget bounds their number: ``2 + T / 600`` unanswered
+  downloads over T config seconds, and one cancel each; the download budget their bytes: at most
+  what it sent, plus one task, plus one task per 600 wall seconds); with ``--model-http`` the bytes down are the task
   messages and the models the attackers fetched over HTTP (each keeps the last one it fetched,
   as a client does: a task on the model it holds costs no download), and
   ``slow_flipper_http_bytes_down`` the latter (``slow_flipper_broker_amplification``: the
