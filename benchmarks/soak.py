@@ -67,7 +67,7 @@ The JSON line:
   flipper's flips in the attack window, the bytes it was sent over those it sent, and the tasks
   and cancels it was sent (the drop budget bounds their number: ``2 + T / 600`` unanswered
   downloads over T config seconds, and one cancel each; the download budget their bytes: at most
-  what it sent, plus one task, plus one task per 600 wall seconds); with ``--model-http`` the bytes down are the task
+  what it sent, plus one task, plus its largest task per 600 wall seconds); with ``--model-http`` the bytes down are the task
   messages and the models the attackers fetched over HTTP (each keeps the last one it fetched,
   as a client does: a task on the model it holds costs no download), and
   ``slow_flipper_http_bytes_down`` the latter (``slow_flipper_broker_amplification``: the

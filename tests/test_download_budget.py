@@ -174,6 +174,11 @@ def test_debts_are_forgiven_at_one_largest_task_per_forgive_s() -> None:
     assert not b.is_held(7) and holds[-1] == (7, False) and b.balance(7) == 0.0
     b.sweep(10_000.0)  # forgiveness pays debt only: no credit grows from time
     assert b.balance(7) == 0.0
+    # The unit is each login's own largest debit: another login's huge task does not speed it up.
+    b.sent(8, 2, 100_000, None, 0, wall=10_000.0)
+    b.sent(9, 3, 1000, None, 0, wall=10_000.0)
+    b.sweep(10_050.0)
+    assert b.balance(9) == pytest.approx(-500.0) and b.balance(8) == pytest.approx(-50_000.0)
 
 
 def test_an_answered_task_is_refunded_and_a_held_model_costs_nothing() -> None:

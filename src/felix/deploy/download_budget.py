@@ -13,9 +13,10 @@ up) still brought 4-6x their bytes down. Here the currency is bytes. Each login 
   (a client keeps the last model it fetched);
 - a result for one of its tasks refunds that task's debit (an answered task is work done, not
   amplification);
-- a debt is forgiven at one largest task (the largest debit seen) per ``forgive_s`` wall seconds,
-  so that an honest client that left its first task before answering anything is not shut out
-  for good.
+- a debt is forgiven at the login's own largest debit per ``forgive_s`` wall seconds, so that an
+  honest client that left its first task before answering anything is not shut out for good.
+  (The unit is the login's own: the run's largest task, a model with every aux array, was five
+  times the slow flipper's and let it through early.)
 
 A login whose balance is below zero is held: the orchestrator does not select it
 (``felix.core.admission.Admission.hold``) until the balance is back at zero. A task is sent only
@@ -40,6 +41,7 @@ class _Login:
     balance: float = 0.0  # bytes of credit (below zero: in debt)
     at: float = 0.0  # wall time the balance was last brought up to date
     held: bool = False
+    largest: float = 0.0  # its largest debit: the unit of forgiveness
     model: str = ""  # the hash of the last model it was sent (--model-http)
     open: dict[int, float] | None = None  # task id -> bytes debited for it, until answered or cancelled
 
@@ -64,7 +66,6 @@ class DownloadBudget:
         self.forgive_s = forgive_s
         self._hold = hold
         self._logins: dict[int, _Login] = {}
-        self._largest = 0.0  # the largest debit seen: the unit of forgiveness
         self.stats = DownloadStats()
 
     def received(self, cid: int, nbytes: int, wall: float) -> None:
@@ -85,7 +86,7 @@ class DownloadBudget:
         if model is not None and model != rec.model:
             cost += model_bytes
             rec.model = model
-        self._largest = max(self._largest, cost)
+        rec.largest = max(rec.largest, cost)
         self.stats.bytes_debited += int(cost)
         if task >= 0:
             if rec.open is None:
@@ -121,7 +122,7 @@ class DownloadBudget:
 
     def _settle(self, cid: int, rec: _Login, wall: float, delta: float) -> None:
         if rec.balance < 0.0:  # forgiveness pays debt only, never builds credit
-            forgiven = max(0.0, wall - rec.at) * self._largest / self.forgive_s
+            forgiven = max(0.0, wall - rec.at) * rec.largest / self.forgive_s
             rec.balance = min(0.0, rec.balance + forgiven)
         rec.at = max(rec.at, wall)
         rec.balance += delta
