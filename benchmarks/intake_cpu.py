@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -29,7 +30,7 @@ import yaml
 from felix.core.types import Tier
 from felix.deploy import wire
 from felix.deploy.channels import Address, Channel
-from felix.deploy.link import BrokerOptions
+from felix.deploy.memory_transport import MemoryOptions
 from felix.deploy.server import INBOX_BATCH, ServeOptions, Server
 from felix.deploy.transport import Ack, Delivery
 from felix.engine.setup import resolve_config
@@ -53,7 +54,7 @@ def make_server(work: Path) -> Server:
     (work / "cfg.yaml").write_text(yaml.safe_dump(doc))
     cfg = resolve_config(str(work / "cfg.yaml"), None, {})
     opts = ServeOptions(
-        BrokerOptions(),
+        MemoryOptions(),
         run_id="r",
         status_every_s=1e9,
         transport="memory",
@@ -162,6 +163,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
+    load_before = os.getloadavg()
     worker = None
     with tempfile.TemporaryDirectory(prefix="felix-intake-") as tmp:
         srv = make_server(Path(tmp))
@@ -188,6 +190,9 @@ def main() -> None:
         out["decode_worker"] = _stats(piped)
     out["command"] = "python " + " ".join(["benchmarks/intake_cpu.py", *sys.argv[1:]])
     out["provenance"] = provenance()
+    # Other work on the machine moves these figures: the load average before and after the rounds.
+    out["loadavg_before"] = [round(x, 2) for x in load_before]
+    out["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(out), flush=True)
 
 

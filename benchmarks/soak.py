@@ -65,8 +65,9 @@ The JSON line:
   refused for the sender's cost budget (decode time or bytes per wall second);
 - ``slow_flips`` / ``slow_flipper_amplification`` / ``slow_flipper_messages_down``: the slow
   flipper's flips in the attack window, the bytes it was sent over those it sent, and the tasks
-  and cancels it was sent (the drop budget bounds them: ``2 + T / 600`` unanswered downloads over
-  T config seconds, and one cancel each); with ``--model-http`` the bytes down are the task
+  and cancels it was sent (the drop budget bounds their number: ``2 + T / 600`` unanswered
+  downloads over T config seconds, and one cancel each; the download budget their bytes: at most
+  what it sent, plus one task, plus its largest task per 600 wall seconds); with ``--model-http`` the bytes down are the task
   messages and the models the attackers fetched over HTTP (each keeps the last one it fetched,
   as a client does: a task on the model it holds costs no download), and
   ``slow_flipper_http_bytes_down`` the latter (``slow_flipper_broker_amplification``: the
@@ -254,6 +255,7 @@ class Hostile:
         self.bytes_down = 0  # task messages, and the models fetched over HTTP for them (--model-http)
         self.http_bytes_down = 0
         self.messages_down = 0
+        self.downs: list[str] = []  # what it was sent: "<type> <bytes>@<wall s>", for the log
         self.largest_down = 0
         self.models: dict[str, bytes] = {}
         self.lock = threading.Lock()
@@ -312,6 +314,7 @@ class Hostile:
             return
         self.bytes_down += len(m.payload)
         self.messages_down += 1
+        self.downs.append(f"{msg.TYPE.value} {len(m.payload)}@{time.monotonic():.1f}")
         model = getattr(msg, "model", None)
         self.largest_down = max(self.largest_down, len(m.payload) + (0 if model is None else model.size))
         full, fetched = with_model(msg, m.payload, self.models)
@@ -719,7 +722,7 @@ class Soak:
         if self.model_http:
             args += ["--model-http", "127.0.0.1:0"]
         if not self.admission:  # the comparison: no intake limit, no damping, no task budget
-            args += ["--client-msg-rate", "0"]
+            args += ["--client-msg-rate", "0", "--download-ratio", "0"]
             args += [
                 "--set",
                 "orchestrator.admission.flap_limit=null",
@@ -956,6 +959,7 @@ class Soak:
         self.slow_broker_amplification = (slow.bytes_down - slow.http_bytes_down) / max(1, slow.bytes_up)
         self.slow_flips = slow.flips
         self.slow_msgs_down = slow.messages_down
+        log(f"slow flipper: {slow.flips} flips ({slow.bytes_up} B up) from {t0:.1f}; sent {slow.downs}")
         self.heavy_sent = attackers[3].flips
         self.largest_task = max(a.largest_down for a in attackers)
         log(

@@ -113,8 +113,10 @@ def test_a_model_larger_than_the_client_accepts_is_refused_before_any_download()
 
 
 # ---------------------------------------------------------------------- the built-in server
-def _request(port: int, raw: bytes, timeout: float = 5.0) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+def _request(port: int, raw: bytes, timeout: float = 5.0, source: str | None = None) -> bytes:
+    """One raw request to the model server (from ``source``, another loopback address, if given)."""
+    bind = None if source is None else (source, 0)
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout, source_address=bind) as s:
         s.sendall(raw)
         out = b""
         while chunk := s.recv(65536):
@@ -179,6 +181,28 @@ def test_a_slow_client_is_cut_off_and_connections_are_bounded() -> None:
         for s in idle:
             s.close()
         assert server.stats.refused.get("busy") == 1 and server.stats.refused.get("slow") == 3
+    finally:
+        server.close()
+
+
+def test_one_address_cannot_hold_the_other_requesters_slots() -> None:
+    """A requester holding its ``max_per_address`` connections open is refused one more (503) at
+    once, while a download from another address is served: it cannot slow everyone else's."""
+    store, server = _served(max_per_address=3, deadline_s=5.0, io_timeout_s=5.0)
+    try:
+        ref = store.ref(W, AUX)
+        get = f"GET /{ref.sha256} HTTP/1.1\r\n\r\n".encode()
+        idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(3)]
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        assert _request(server.port, get).startswith(b"HTTP/1.1 503")
+        assert _request(server.port, get, source="127.0.0.2").startswith(b"HTTP/1.1 200")
+        assert time.monotonic() - t0 < 2.0  # neither waited for the idle ones' deadline
+        for s in idle:
+            s.close()
+        assert server.stats.refused.get("address") == 1 and server.stats.served == 1
+        with pytest.raises(ValueError, match="per address too"):
+            ModelHosting(max_per_address=0)
     finally:
         server.close()
 

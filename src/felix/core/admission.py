@@ -36,6 +36,10 @@ that, in the sans-I/O core so that the simulator and the MQTT server share them:
   methods (honest churn does drop tasks); ``felix serve`` turns it on with ``DEPLOY_DROP_RATE``
   unless the config sets ``drop_rate``.
 
+A shell may hold a client out of selection by a rule of its own (``hold``; the MQTT server's
+per-login download budget, ``felix.deploy.download_budget``, counted in bytes and wall seconds,
+which the core does not see); a held client is excluded like a damped one until released.
+
 Time is the events' time (config seconds); nothing here reads a clock. The state is per client
 that ever changed tier or got a task, bounded by the population, plus the change times within one
 window per client.
@@ -144,6 +148,7 @@ class Admission:
         drop = self.config.drop_rate
         self._drops = None if drop is None else TokenBuckets(drop, self.config.drop_burst)
         self._throttled: dict[int, float] = {}  # client -> when it has one token again
+        self._held: set[int] = set()  # clients a shell holds out of selection (not checkpointed)
         self._wakeups: list[tuple[float, int]] = []  # candidate release times (lazy: checked when due)
         self._excluded: np.ndarray | None = np.empty(0, dtype=np.int64)  # None: to rebuild
 
@@ -151,14 +156,23 @@ class Admission:
     @property
     def any_excluded(self) -> bool:
         """Whether some client is damped or out of budget (the usual answer, no, costs nothing)."""
-        return bool(self._damped or self._throttled)
+        return bool(self._damped or self._throttled or self._held)
 
     def excluded_ids(self) -> np.ndarray:
         """The clients that may not be given a task now (damped or out of budget), sorted."""
         if self._excluded is None:
-            ids = set(self._damped) | set(self._throttled)
+            ids = set(self._damped) | set(self._throttled) | self._held
             self._excluded = np.array(sorted(ids), dtype=np.int64)
         return self._excluded
+
+    def hold(self, client_id: int, held: bool) -> None:
+        """A shell's own rule holds ``client_id`` out of selection (``held``) or releases it."""
+        if held != (client_id in self._held):
+            if held:
+                self._held.add(client_id)
+            else:
+                self._held.discard(client_id)
+            self._excluded = None
 
     def is_damped(self, client_id: int) -> bool:
         return client_id in self._damped

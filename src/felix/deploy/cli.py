@@ -200,6 +200,7 @@ def _serve(args: argparse.Namespace) -> int:
         models=_model_hosting(args),
         decode_worker=args.decode_worker,
         **({} if args.secagg_stage_s is None else {"secagg_stage_s": args.secagg_stage_s}),
+        download_ratio=args.download_ratio or None,
     )
     print(
         f"felix serve: {cfg.name} / {cfg.strategy} (seed {cfg.seed}), run {run_id} on {opts.broker.describe()} -> {out}",
@@ -575,6 +576,13 @@ def add_parsers(subparsers: Any) -> None:
         metavar="SECONDS",
         help="with secure_aggregation on: overrides the config's secure_aggregation.stage_timeout_s, "
         "the wall seconds a stage of a group waits at most for its members (default: the config's)",
+    )
+    s.add_argument(
+        "--download-ratio",
+        type=float,
+        default=1.0,
+        help="bytes a client may be sent and leave unanswered per byte it sent (a per-client download "
+        "budget, docs/deployment.md); 0 turns it off (default 1)",
     )
     s.add_argument("--plots", action="store_true", help="also write the accuracy plots")
     s.set_defaults(func=_guard(_serve))

@@ -17,6 +17,10 @@ hand-over, or the owner does, later) nor read the ones behind them; the broker k
 the rest of its pass; the link acknowledges none of that pass, so the broker redelivers it to the
 next session (the parts already queued arrive twice, and the receiver drops the copies).
 
+A network thread waiting for room keeps its connection alive: each slice of the wait
+(``WAIT_SLICE_S``) it writes what its link has queued and a PINGREQ when one is due
+(``felix.deploy.blocked``), so the broker never drops a link because its owner is behind.
+
 Items carry a ``tag``: a client host runs many clients' links into one inbox, and the tag says
 whose link a message came in on (the server's single link uses 0).
 """
@@ -29,12 +33,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from felix.deploy.blocked import serve_waiting_link
 from felix.deploy.model_fetch import Fetched
 from felix.deploy.transport import Connected, Delivery
 
 log = logging.getLogger("felix.deploy.inbox")
 
 Item = Delivery | Connected | Fetched  # a message, a (re)connection, a model download that ended
+WAIT_SLICE_S = 0.2  # a put waiting for room lets its link's upkeep run this often
 
 
 class Inbox:
@@ -83,7 +89,12 @@ class Inbox:
                     if not waited:
                         waited = True
                         self._count_wait()
-                    self._cond.wait(0.5)
+                    self._cond.wait(WAIT_SLICE_S)
+                    self._cond.release()  # the link's upkeep runs outside the lock
+                    try:
+                        serve_waiting_link()
+                    finally:
+                        self._cond.acquire()
                     continue
                 part = items[taken : taken + n]
                 self._bytes += sum(len(item.payload) for item in part)

@@ -30,6 +30,13 @@ TLS: a certificate that does not name the host in ``--broker`` (or an unknown CA
 such, at once on a fresh start and after the connect timeout otherwise (paho's network thread
 retries silently; ``_tls_problem`` then repeats the handshake to say why).
 
+Keep-alive under back-pressure: a read pass handed to an owner whose inbox is full makes the
+network thread wait (that is the back-pressure), and while it waits the inbox has it write what
+is queued and a PINGREQ once per keep-alive (``felix.deploy.blocked``, ``MqttLink._upkeep``);
+bytes waiting unread in the socket count as the broker's sign of life. So the keep-alive does
+not depend on the inbox: an owner that is behind for minutes keeps its connections, instead of
+having the broker drop them and redeliver everything unacknowledged on each reconnect.
+
 ``manual_ack=True`` lets the owner acknowledge a message only once its effect is durable (the
 server acks after its checkpoint), so the broker redelivers anything the server had not saved.
 Acks belong to the connection a message arrived on: after a reconnect the broker redelivers
@@ -40,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import select
 import socket
 import ssl
 import struct
@@ -52,6 +60,8 @@ from typing import Any
 import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+
+from felix.deploy.blocked import keeping_alive
 
 log = logging.getLogger("felix.deploy.link")
 
@@ -365,6 +375,7 @@ class MqttLink:
         # A read pass is being handed to the owner and acknowledged (set by the network thread):
         # ``close`` lets it finish, so what the owner took is acknowledged before the DISCONNECT.
         self._handing_over = False
+        self.upkeeps = 0  # times the network thread kept the connection alive while its owner was full
         # paho never acknowledges by itself: the link does, after the owner has the message
         # (``manual_ack=False``), or the owner does, once the message's effect is durable.
         self._client = self._new_client(True)
@@ -695,13 +706,40 @@ class MqttLink:
         self._rx, self._rx_acks, self._rx_bytes = [], [], 0
         self._handing_over = True
         try:
-            if self.batch_sink is not None:
-                taken = self.batch_sink(rx)
-            else:
-                for item in rx:
-                    self.sink(item)
-                taken = True
+            with keeping_alive(self._upkeep):
+                if self.batch_sink is not None:
+                    taken = self.batch_sink(rx)
+                else:
+                    for item in rx:
+                        self.sink(item)
+                    taken = True
             if taken and not self.manual_ack:
                 self._send_acks(acks)
         finally:
             self._handing_over = False
+
+    def _upkeep(self) -> None:
+        """The network thread waits for room in its owner's inbox: write what is queued (the
+        owner's acknowledgements) and a PINGREQ when one is due, reading nothing. Unread bytes in
+        the socket show the broker alive, so paho's own keep-alive does not give up on it."""
+        c = self._client
+        sock = c._sock
+        if sock is None:
+            return
+        if _unread(sock):
+            with c._msgtime_mutex:
+                c._last_bytes_received = mqtt.time_func()
+        c._check_keepalive()
+        c.loop_write()
+        self.upkeeps += 1
+
+
+def _unread(sock: Any) -> bool:
+    """Whether bytes (or the end of the stream) wait to be read on ``sock``."""
+    try:
+        pending = getattr(sock, "pending", None)
+        if pending is not None and pending():
+            return True
+        return bool(select.select([sock], [], [], 0.0)[0])
+    except (OSError, ValueError):
+        return False

@@ -4,7 +4,9 @@ Clients fetch ``/<sha256>`` (64 lowercase hex digits) of a model the store holds
 (``felix.deploy.model_store``); any other path, method or malformed request is refused with a
 4xx status and the connection closed. It listens on loopback unless told otherwise, and every
 client is hostile until proven otherwise, so each resource is bounded: at most
-``max_connections`` at once (one more is answered 503 and closed at once), a request head of
+``max_connections`` at once and ``max_per_address`` of them from one address (one more is
+answered 503 and closed at once: a requester that holds many connections open cannot take the
+slots of everyone else's downloads), a request head of
 at most ``MAX_HEAD`` bytes, ``io_timeout_s`` per read or write and ``deadline_s`` for the whole
 connection (a client that sends its request or reads its answer slowly is cut off), one request
 per connection. The bytes are immutable (their name is their hash), so any cache may keep them.
@@ -42,7 +44,8 @@ _REASONS = {
 class ServerStats:
     served: int = 0  # models sent whole
     bytes_served: int = 0
-    refused: dict[str, int] = field(default_factory=dict)  # by reason: path, method, request, busy, slow
+    # by reason: path, method, request, busy (all slots taken), address (its slots taken), slow
+    refused: dict[str, int] = field(default_factory=dict)
 
     def refuse(self, why: str) -> None:
         self.refused[why] = self.refused.get(why, 0) + 1
@@ -60,7 +63,8 @@ class ModelServer:
         self.store = store
         self.hosting = hosting
         self.stats = ServerStats()
-        self._slots = threading.BoundedSemaphore(hosting.max_connections)
+        self._open = 0  # connections being served
+        self._per_address: dict[str, int] = {}  # address -> its connections being served
         self._lock = threading.Lock()
         self._tcp = _TCPServer((hosting.host, hosting.port), self)
         self._thread: threading.Thread | None = None
@@ -85,6 +89,30 @@ class ModelServer:
     def _count(self, why: str) -> None:
         with self._lock:
             self.stats.refuse(why)
+
+    def _enter(self, address: str) -> str | None:
+        """Take a slot for a connection from ``address``; None, or why not (the refusal counted)."""
+        with self._lock:
+            why = None
+            if self._open >= self.hosting.max_connections:
+                why = "busy"
+            elif self._per_address.get(address, 0) >= self.hosting.max_per_address:
+                why = "address"
+            if why is not None:
+                self.stats.refuse(why)
+                return why
+            self._open += 1
+            self._per_address[address] = self._per_address.get(address, 0) + 1
+            return None
+
+    def _leave(self, address: str) -> None:
+        with self._lock:
+            self._open -= 1
+            left = self._per_address[address] - 1
+            if left:
+                self._per_address[address] = left
+            else:
+                del self._per_address[address]
 
     # ------------------------------------------------------------------ one connection
     def handle(self, sock: socket.socket) -> None:
@@ -173,8 +201,7 @@ class _TCPServer(socketserver.ThreadingTCPServer):
         super().__init__(address, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.owner._slots.acquire(blocking=False):
-            self.owner._count("busy")
+        if self.owner._enter(str(client_address[0])) is not None:
             try:
                 request.settimeout(0.5)
                 request.sendall(
@@ -190,7 +217,7 @@ class _TCPServer(socketserver.ThreadingTCPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.owner._slots.release()
+            self.owner._leave(str(client_address[0]))
 
 
 class _Handler(socketserver.BaseRequestHandler):

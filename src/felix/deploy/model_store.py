@@ -31,8 +31,9 @@ class ModelHosting:
     ``port``: the built-in HTTP server's port on ``host`` (0: any free one; None: no built-in
     server, ``folder`` is served by another). ``url``: the base URL clients fetch
     ``<url>/<sha256>`` from (default ``http://host:port``). ``folder``: also write each model there.
-    The built-in server takes at most ``max_connections`` at once, each for ``deadline_s`` wall
-    seconds at most, ``io_timeout_s`` per read or write."""
+    The built-in server takes at most ``max_connections`` at once, at most ``max_per_address`` of
+    them from one address (one requester cannot hold the others' slots), each for ``deadline_s``
+    wall seconds at most, ``io_timeout_s`` per read or write."""
 
     host: str = "127.0.0.1"
     port: int | None = 0
@@ -40,6 +41,7 @@ class ModelHosting:
     folder: Path | None = None
     keep: int = 16
     max_connections: int = 64
+    max_per_address: int = 16
     deadline_s: float = 30.0
     io_timeout_s: float = 5.0
 
@@ -54,8 +56,16 @@ class ModelHosting:
             )
         if self.url is not None and not wire.is_model_url(self.url):
             raise ValueError(f"model URL {self.url!r} is not an http(s) URL")
-        if self.keep < 2 or self.max_connections < 1 or self.deadline_s <= 0 or self.io_timeout_s <= 0:
-            raise ValueError("keep at least 2 models; connections, deadline and timeout must be positive")
+        if (
+            self.keep < 2
+            or self.max_connections < 1
+            or self.max_per_address < 1
+            or self.deadline_s <= 0
+            or self.io_timeout_s <= 0
+        ):
+            raise ValueError(
+                "keep at least 2 models; connections (per address too), deadline and timeout must be positive"
+            )
 
 
 @dataclass

@@ -39,6 +39,7 @@ from felix.core.refusals import Refusal, count_kind
 from felix.core.types import TaskKind
 from felix.deploy import secagg_wire, wire
 from felix.deploy.channels import ALLOWED, Address, Channel
+from felix.deploy.download_budget import DownloadBudget
 from felix.metrics.report import tally_rejection
 from felix.secagg.refusals import SecAggRefusal
 
@@ -244,6 +245,8 @@ class ServerProtocol:
         # Set (felix.deploy.model_store.ModelStore.ref): tasks name their model by hash instead of carrying it.
         self.models: Callable[[np.ndarray, dict[str, np.ndarray]], wire.ModelRef] | None = None
         self._zeros: np.ndarray | None = None
+        # Set (the MQTT server): what a login is sent and leaves unanswered is bounded by what it sent.
+        self.downloads: DownloadBudget | None = None
 
     # ------------------------------------------------------------------ inbound
     def receive(self, source: Address, payload: bytes, now: float, wall: float = 0.0) -> Received:
@@ -282,6 +285,8 @@ class ServerProtocol:
             return self.refuse(
                 Refusal.COST_LIMIT, cid, 0, f"transport: cost limit ({spent})", wire_kind="control"
             )
+        if self.downloads is not None and key >= 0:
+            self.downloads.received(cid, size, wall)
         return None
 
     def receive_parsed(
@@ -422,12 +427,15 @@ class ServerProtocol:
             wire_kind = _wire_kind(msg)
         return Refused(kind, cid, task, reason, detail, msg, wire_kind)
 
-    def accepted(self, received: Accepted) -> None:
+    def accepted(self, received: Accepted, wall: float = 0.0) -> None:
         """The orchestrator took ``received``'s events: a result's or failure's task is closed, and
-        a redelivery of the same message is from now on a duplicate."""
+        a redelivery of the same message is from now on a duplicate (``wall``: the server's wall
+        clock, for the download budget, which refunds an answered task)."""
         msg = received.msg
         if received.digest is None or not isinstance(msg, (wire.Result, wire.Failed)):
             return
+        if self.downloads is not None:
+            self.downloads.closed(msg.client, msg.task, isinstance(msg, wire.Result), wall)
         self.result_digests[msg.task] = received.digest
         if len(self.result_digests) > RESULT_DIGESTS:
             for t in list(self.result_digests)[: RESULT_DIGESTS // 2]:
@@ -559,12 +567,12 @@ class ServerProtocol:
         return self._zeros
 
     # ------------------------------------------------------------------ outbound
-    def send(self, cmd: Command, sent_at: float) -> Outbound | Refused | None:
-        """The message that carries out ``cmd`` (``sent_at``: Unix time, the wire's stamp), or the
-        counted refusal of an update the orchestrator rejected; None for a command the wire does
-        not carry (a new model version)."""
+    def send(self, cmd: Command, sent_at: float, wall: float = 0.0) -> Outbound | Refused | None:
+        """The message that carries out ``cmd`` (``sent_at``: Unix time, the wire's stamp; ``wall``:
+        the server's wall clock, for the download budget), or the counted refusal of an update the
+        orchestrator rejected; None for a command the wire does not carry (a new model version)."""
         if isinstance(cmd, DispatchTrain):
-            msg: wire.Message = wire.TrainTask(
+            task = wire.TrainTask(
                 **self._env(sent_at),
                 client=cmd.client_id,
                 task=cmd.task_id,
@@ -574,9 +582,9 @@ class ServerProtocol:
                 aux=cmd.aux,
                 model=None if self.models is None else self.models(cmd.weights, cmd.aux),
             )
-            return self._out(cmd.client_id, msg, "train")
+            return self._task_out(cmd.client_id, cmd.task_id, task, "train", wall)
         if isinstance(cmd, DispatchEval):
-            msg = wire.EvalTask(
+            probe = wire.EvalTask(
                 **self._env(sent_at),
                 client=cmd.client_id,
                 task=cmd.task_id,
@@ -584,10 +592,14 @@ class ServerProtocol:
                 weights=cmd.weights,
                 model=None if self.models is None else self.models(cmd.weights, {}),
             )
-            return self._out(cmd.client_id, msg, "eval")
+            return self._task_out(cmd.client_id, cmd.task_id, probe, "eval", wall)
         if isinstance(cmd, CancelTask):
             msg = wire.Cancel(**self._env(sent_at), client=cmd.client_id, task=cmd.task_id, reason=cmd.reason)
-            return self._out(cmd.client_id, msg, "control")
+            out = self._out(cmd.client_id, msg, "control")
+            if self.downloads is not None:
+                self.downloads.closed(cmd.client_id, cmd.task_id, False, wall)
+                self.downloads.sent(cmd.client_id, -1, len(out.payload), None, 0, wall)
+            return out
         if isinstance(cmd, UpdateRejected):
             return self.refuse(cmd.kind, cmd.client_id, cmd.task_id, cmd.reason)
         return None
@@ -599,6 +611,16 @@ class ServerProtocol:
 
     def _env(self, sent_at: float) -> dict[str, Any]:
         return {"run": self.run_id, "msg_id": self.ids.next(), "sent_at": sent_at}
+
+    def _task_out(
+        self, cid: int, task: int, msg: wire.TrainTask | wire.EvalTask, kind: str, wall: float
+    ) -> Outbound:
+        out = self._out(cid, msg, kind)
+        if self.downloads is not None:
+            ref = msg.model
+            sha, size = (None, 0) if ref is None else (ref.sha256, ref.size)
+            self.downloads.sent(cid, task, len(out.payload), sha, size, wall)
+        return out
 
     def _out(self, cid: int, msg: wire.Message, kind: str) -> Outbound:
         self.stats.messages_out += 1

@@ -76,6 +76,7 @@ from felix.deploy.broker_config import SERVER_RECEIVE_MAXIMUM, default_max_messa
 from felix.deploy.channels import Channel
 from felix.deploy.checkpoint import AppliedLog, AppliedUpdate
 from felix.deploy.decode_worker import DecodeWorker
+from felix.deploy.download_budget import DownloadBudget
 from felix.deploy.inbox import Inbox, Item
 from felix.deploy.link import LinkError
 from felix.deploy.model_http import ModelServer
@@ -140,6 +141,11 @@ class ServeOptions:
     models: ModelHosting | None = None
     decode_worker: bool = False  # parse inbound messages in a second process (felix.deploy.decode_worker)
     secagg_stage_s: float | None = None  # overrides secure_aggregation.stage_timeout_s (wall seconds)
+    # Per-login download budget (felix.deploy.download_budget): what a login is sent and leaves
+    # unanswered stays under download_ratio times the bytes it sent (plus one task and one largest
+    # task forgiven per download_forgive_s wall seconds). None turns it off.
+    download_ratio: float | None = 1.0
+    download_forgive_s: float = 600.0
 
 
 def _is_secagg(item: Item) -> bool:
@@ -239,6 +245,11 @@ class Server:
             sealed_length=self.num_params if cfg.secure_aggregation.enabled else None,
         )
         self.protocol = ServerProtocol(opts.run_id, self.session, limits, LiveOrchestration(self.orch))
+        if opts.download_ratio is not None:
+            self.protocol.downloads = DownloadBudget(
+                opts.download_ratio, opts.download_forgive_s, self.orch.admission.hold
+            )
+        self._swept = 0.0  # time.monotonic() of the last forgiveness sweep
         self.refusals = RefusalLog(self.num_clients)
         # Secure aggregation: the aggregator's sum mechanism runs its groups with the clients, over
         # the link (felix.deploy.secagg_groups); messages that arrive meanwhile wait in the stash.
@@ -355,6 +366,9 @@ class Server:
                     self._on_connected(item)
                 elif isinstance(item, Delivery):
                     self.handle_inbound(item)
+            if self.protocol.downloads is not None and time.monotonic() - self._swept >= 1.0:
+                self._swept = time.monotonic()
+                self.protocol.downloads.sweep(self._swept)  # debts forgiven: held logins released
             now = self.now()
             wake = self.orch.next_wakeup()
             if wake is not None and wake <= now and self.ctl.stop_reason is None:
@@ -441,6 +455,8 @@ class Server:
                 "applied_task_ids_unique": self.applied.unique,
             },
         }
+        if self.protocol.downloads is not None:
+            extra["deployment"]["download_budget"] = asdict(self.protocol.downloads.stats)
         if self.model_store is not None:
             extra["deployment"]["models"] = {
                 "url": self.model_store.url_base,
@@ -568,7 +584,7 @@ class Server:
             for event, from_client in got.events:
                 taken = self._deliver(event) if from_client else self._deliver(event, from_client=False)
             if taken:
-                self.protocol.accepted(got)
+                self.protocol.accepted(got, wall)
             if isinstance(got.msg, wire.Register):
                 self._maybe_plan()
 
@@ -688,7 +704,7 @@ class Server:
             self.applied.append(AppliedUpdate(cmd.version, task_id, cid, st, w, cmd.time))
 
     def _apply(self, cmd: Command) -> None:
-        out = self.protocol.send(cmd, time.time())
+        out = self.protocol.send(cmd, time.time(), time.monotonic())
         if isinstance(out, Refused):
             self._log_refusal(out)
         elif out is not None:
