@@ -553,6 +553,15 @@ class MqttLink:
             and time.monotonic() < deadline
         ):
             time.sleep(0.02)
+        # The acks just queued must reach the socket before the DISCONNECT ends the thread's loop
+        # (a sink closing is that thread: its writes wait until it returns).
+        while (
+            not on_loop
+            and self._client._out_packet
+            and self._client.is_connected()
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.01)
         self._client.disconnect()
         # paho's loop_stop joins the network thread without a limit; a thread blocked in its owner's
         # sink (a full inbox not yet closed) would hold the process forever. Bounded here: the
