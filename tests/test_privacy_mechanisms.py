@@ -389,3 +389,38 @@ def test_the_dp_comparisons_give_each_budget_exactly_their_127_aggregations(name
         assert budget.max_steps == 127, (variant, budget.max_steps)
         less = budget.accountant.with_noise(cfg.privacy.noise_multiplier - 0.01)
         assert less.epsilon_after(127) > cfg.privacy.target_epsilon, variant
+
+
+def test_a_private_sync_run_is_the_run_of_the_scanned_round_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sync round's top-up reads the ledger's per-round in-flight count: a private run with
+    over-selection and stragglers cancelled at each round's end, under churn, gives, bit for bit,
+    the run of the scan over the open tasks that the count replaced (every way out of a slot is
+    checked against the scan in tests/test_ledger.py)."""
+    dp()
+    from felix.core.ledger import TaskLedger
+    from felix.sim.build import build
+
+    over = {
+        **TINY,
+        "partition": {"num_clients": 40},
+        "trace": {"kind": "slotted", "unavailable_fraction": 0.3, "slot_s": 20.0},
+        "orchestrator": {"agg_goal": 4, "overcommit": 1.5},
+        "run": {**TINY["run"], "max_aggregations": 8},
+        "privacy": {"mechanism": "dp_ftrl", "noise_multiplier": 2.0, "clip_norm": 0.5},
+    }
+
+    def run() -> tuple[np.ndarray, list[Any], Any]:
+        built = build(resolve_config(None, "fedavg", over))
+        built.sim.run()
+        rows = [(r.version, r.accuracy, r.loss, r.epsilon) for r in built.recorder.rows]
+        return built.orch.weights.copy(), rows, built.orch.stats
+
+    kept = run()
+    monkeypatch.setattr(
+        TaskLedger,
+        "round_in_flight",
+        lambda self, r: sum(t.holds_slot for t in self.round_tasks(r)),
+    )
+    scanned = run()
+    assert kept[2].train_cancelled > 0  # stragglers left their slots
+    assert np.array_equal(kept[0], scanned[0]) and kept[1] == scanned[1]
