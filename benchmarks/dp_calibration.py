@@ -21,6 +21,9 @@ from felix.privacy.accountant import Accountant
 STRATEGIES = ("felix", "felix-authors", "oort-async*", "fedbuff", "oort*", "fedavg")
 PROBING = ("felix", "felix-authors")
 ASYNC = ("felix", "felix-authors", "oort-async*", "fedbuff")
+#: Without privacy these keep their preset's sample-weighted mean: their weights are sample counts,
+#: so dividing the weighted sum by the cohort size would multiply the step by the mean count.
+SAMPLE_WEIGHTED = ("oort*", "fedavg")
 
 
 def smallest(ok: Callable[[float], bool], lo: float = 0.01, hi: float = 1e4) -> float:
@@ -88,7 +91,8 @@ def main() -> None:
                 f"target_epsilon: {eps:g}{extra}}}"
             )
             print(f'  "{s}-eps{eps:g}": {head}, {priv}}}')
-        print(f'  "{s}-epsinf": {head}}}')
+        plain = head.replace(", aggregator.normalize: count", "") if s in SAMPLE_WEIGHTED else head
+        print(f'  "{s}-epsinf": {plain}}}')
 
 
 if __name__ == "__main__":
