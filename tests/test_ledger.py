@@ -171,6 +171,39 @@ def test_train_in_flight_counts_slot_holders_only() -> None:
     assert ledger.train_in_flight == 0 and len(ledger) == 0
 
 
+def test_round_in_flight_is_the_scan_of_the_rounds_slot_holders() -> None:
+    """The per-round count a sync round's top-up reads at every event equals the scan it replaces,
+    through every way a task leaves its slot, and after a restore."""
+    rng = np.random.default_rng(0)
+    ledger = TaskLedger(one_late_task_per_client=True)
+
+    def scan(r: int) -> int:
+        return sum(t.holds_slot for t in ledger.round_tasks(r))
+
+    rounds = range(4)
+    for _ in range(400):
+        holding = [t for t in ledger.tasks() if t.holds_slot]
+        late = [t for t in ledger.tasks() if not t.holds_slot]
+        move = rng.integers(4)
+        if move == 0 or not holding:
+            free = [c for c in range(12) if ledger.holder(c) is None]
+            if free:
+                kind = TaskKind.EVAL if rng.random() < 0.2 else TaskKind.TRAIN
+                ledger.open(int(rng.choice(free)), kind, 0, int(rng.choice(rounds)), 0.0)
+        elif move == 1:
+            ledger.release(holding[rng.integers(len(holding))], E.CLIENT_LEFT)
+        elif move == 2:
+            event = [E.RESULT, E.WITHDRAWN, E.FAILED][rng.integers(3)]
+            ledger.close(holding[rng.integers(len(holding))], event)
+        elif late:
+            ledger.close(late[rng.integers(len(late))], E.LATE_RESULT)
+        assert [ledger.round_in_flight(r) for r in rounds] == [scan(r) for r in rounds]
+    assert sum(scan(r) for r in rounds) > 0  # some are still holding: the restore has work
+    back = TaskLedger(one_late_task_per_client=True)
+    back.load_state_dict(ledger.state_dict())
+    assert [back.round_in_flight(r) for r in rounds] == [scan(r) for r in rounds]
+
+
 def test_timers_fire_in_order_and_skip_tasks_that_lost_their_slot() -> None:
     ledger = TaskLedger(task_timeout_s=5.0)
     a = _task(ledger, 0, now=0.0)

@@ -48,6 +48,9 @@ class StandIn:
     def round_tasks(self, round_: int) -> list[Task]:
         return self._ledger.round_tasks(round_)
 
+    def round_in_flight(self, round_: int) -> int:
+        return self._ledger.round_in_flight(round_)
+
     def start_round(self, round_: int) -> None:
         self.calls.append(f"start_round {round_}")
         self.round = round_

@@ -30,6 +30,7 @@ Sans-I/O like the rest of ``felix.core``: time arrives as arguments.
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
@@ -113,6 +114,8 @@ class TaskLedger:
         self._late: dict[int, int] = {}  # client -> its task that lost its slot and may still answer
         self._expired: list[Task] = []  # tasks closed by the one-late-task rule, not yet reported
         self._train_in_flight = 0
+        # round -> its training tasks holding a slot (a sync round's top-up reads it at every event)
+        self._round_in_flight: dict[int, int] = {}
 
     # ------------------------------------------------------------------ reading
     def __contains__(self, task_id: object) -> bool:
@@ -154,6 +157,11 @@ class TaskLedger:
     def was_issued(self, task_id: int) -> bool:
         """``task_id`` is below the watermark: issued, and (when not open) closed."""
         return 0 < task_id < self._closed_below
+
+    def round_in_flight(self, round_: int) -> int:
+        """Training tasks of round ``round_`` holding a slot (counted as they open and leave
+        ``IN_FLIGHT``: what ``round_tasks`` would filter, without the scan)."""
+        return self._round_in_flight.get(round_, 0)
 
     def round_tasks(self, round_: int) -> list[Task]:
         """The open training tasks of round ``round_`` (a list: the caller may close them)."""
@@ -200,6 +208,7 @@ class TaskLedger:
         self._open[task.task_id] = task
         if kind is TaskKind.TRAIN:
             self._train_in_flight += 1
+            self._round_in_flight[round_] = self._round_in_flight.get(round_, 0) + 1
         self._hold(client_id, task.task_id)
         return task
 
@@ -261,6 +270,11 @@ class TaskLedger:
         if task.holds_slot:
             if task.kind is TaskKind.TRAIN:
                 self._train_in_flight -= 1
+                left = self._round_in_flight[task.round] - 1
+                if left:
+                    self._round_in_flight[task.round] = left
+                else:
+                    del self._round_in_flight[task.round]
             self._hold(task.client_id, None)
         task.state = state
         return state
@@ -355,6 +369,9 @@ class TaskLedger:
             )
         self._late = {task.client_id: tid for tid, task in sorted(self._open.items()) if not task.holds_slot}
         self._holder = {task.client_id: tid for tid, task in self._open.items() if task.holds_slot}
+        self._round_in_flight = dict(
+            Counter(t.round for t in self._open.values() if t.holds_slot and t.kind is TaskKind.TRAIN)
+        )
         if self._slots is not None:
             self._slots.reset_in_flight(self._holder)
         self._expired = []

@@ -380,6 +380,10 @@ class Orchestrator(Dispatch):
         """The open training tasks of round ``round_`` (a list: the caller may cancel them)."""
         return self.ledger.round_tasks(round_)
 
+    def round_in_flight(self, round_: int) -> int:
+        """Training tasks of round ``round_`` holding a slot."""
+        return self.ledger.round_in_flight(round_)
+
     def start_round(self, round_: int) -> None:
         """Number the round ``round_``; the eval-probe budget and the probe rejoin rule restart."""
         self.model_path.start_round(self.round, round_)

@@ -114,7 +114,7 @@ class SyncRounds(RoundPolicy):
         if not self.active:
             self._start(orch)
         # The over-selection at the start, and a top-up for tasks that failed, timed out or left.
-        outstanding = sum(1 for t in orch.round_tasks(orch.round) if t.holds_slot)
+        outstanding = orch.round_in_flight(orch.round)
         return math.ceil(self.cfg.agg_goal * self.cfg.overcommit) - self.received - outstanding
 
     def on_buffered(self, orch: OrchestratorView, task: Task, out: list[Command]) -> None:

@@ -72,6 +72,10 @@ class OrchestratorView(Protocol):
         """The open training tasks of round ``round_``."""
         ...
 
+    def round_in_flight(self, round_: int) -> int:
+        """Training tasks of round ``round_`` holding a slot."""
+        ...
+
     def start_round(self, round_: int) -> None:
         """Number the round ``round_``; the eval-probe budget and probe rejoin rule restart."""
         ...

@@ -1,0 +1,99 @@
+"""The noise multipliers of the dp-* comparisons, calibrated with the run's own accounting.
+
+Each private variant's budget (``privacy.target_epsilon``) must last a given number of
+aggregations: the smallest noise multiplier (to 0.01, rounded up) at which
+``felix.privacy.budget.PrivacyBudget`` lets the run take that many. Strategies with probes first
+give ``--reports-share`` of the budget to their reports (the smallest report noise whose
+epsilon alone is within that share), then calibrate the updates' noise with the reports composed.
+Printed as the comparison file's variant lines, so the numbers in the file are this script's.
+
+    python benchmarks/dp_calibration.py --aggregations 127
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+from felix.privacy.accountant import Accountant
+
+STRATEGIES = ("felix", "felix-authors", "oort-async*", "fedbuff", "oort*", "fedavg")
+PROBING = ("felix", "felix-authors")
+ASYNC = ("felix", "felix-authors", "oort-async*", "fedbuff")
+#: Without privacy these keep their preset's sample-weighted mean: their weights are sample counts,
+#: so dividing the weighted sum by the cohort size would multiply the step by the mean count.
+SAMPLE_WEIGHTED = ("oort*", "fedavg")
+
+
+def smallest(ok: Callable[[float], bool], lo: float = 0.01, hi: float = 1e4) -> float:
+    """The smallest sigma on the 0.01 grid with ``ok(sigma)`` (``ok`` is monotone in sigma)."""
+    a, b = math.ceil(lo * 100), math.ceil(hi * 100)
+    assert ok(b / 100), "no noise multiplier up to the bound meets the budget"
+    while b - a > 1:
+        mid = (a + b) // 2
+        a, b = (a, mid) if ok(mid / 100) else (mid, b)
+    return b / 100
+
+
+def calibrate(epsilon: float, steps: int, delta: float, cap: int, reports: tuple[float, int] | None) -> float:
+    """The update noise multiplier at which ``steps`` aggregations stay within ``epsilon``."""
+
+    def ok(sigma: float) -> bool:
+        acc = Accountant("dp_ftrl", sigma, delta, max_participations=cap, reports=reports)
+        return acc.epsilon_after(steps) <= epsilon
+
+    return smallest(ok)
+
+
+def report_noise(epsilon: float, count: int, delta: float) -> float:
+    """The report noise multiplier whose ``count`` reports alone spend at most ``epsilon``."""
+
+    def ok(sigma: float) -> bool:
+        acc = Accountant("dp_ftrl", 1.0, delta, reports=(sigma, count))
+        return acc.epsilon_after(0) <= epsilon
+
+    return smallest(ok)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--aggregations", type=int, required=True, help="how long each budget must last")
+    ap.add_argument("--epsilons", type=float, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--delta", type=float, default=1e-5)
+    ap.add_argument("--clip", type=float, default=0.5)
+    ap.add_argument("--max-participations", type=int, default=5)
+    ap.add_argument("--agg-goal", type=int, default=100)
+    ap.add_argument("--concurrency", type=int, default=300)
+    ap.add_argument("--reports-share", type=float, default=0.25)
+    ap.add_argument("--report-clip", type=float, default=10.0)
+    ap.add_argument("--reports-per-client", type=int, default=20)
+    a = ap.parse_args()
+    for s in STRATEGIES:
+        orch = f"orchestrator.agg_goal: {a.agg_goal}"
+        if s in ASYNC:
+            orch += f", orchestrator.concurrency: {a.concurrency}"
+        head = f'{{strategy: "{s}", {orch}, aggregator.normalize: count'
+        for eps in a.epsilons:
+            reports = None
+            extra = ""
+            if s in PROBING:
+                rs = report_noise(eps * a.reports_share, a.reports_per_client, a.delta)
+                reports = (rs, a.reports_per_client)
+                extra = (
+                    f", reports: {{noise_multiplier: {rs:g}, clip: {a.report_clip}, "
+                    f"max_per_client: {a.reports_per_client}}}"
+                )
+            sigma = calibrate(eps, a.aggregations, a.delta, a.max_participations, reports)
+            priv = (
+                f"privacy: {{mechanism: dp_ftrl, noise_multiplier: {sigma:g}, clip_norm: {a.clip}, "
+                f"delta: {a.delta:g}, max_participations: {a.max_participations}, "
+                f"target_epsilon: {eps:g}{extra}}}"
+            )
+            print(f'  "{s}-eps{eps:g}": {head}, {priv}}}')
+        plain = head.replace(", aggregator.normalize: count", "") if s in SAMPLE_WEIGHTED else head
+        print(f'  "{s}-epsinf": {plain}}}')
+
+
+if __name__ == "__main__":
+    main()
