@@ -119,6 +119,9 @@ def test_a_scrape_follows_the_running_server(tmp_path: Path) -> None:
     open_tasks = sum(second["felix_tasks"].values())
     assert open_tasks <= cfg.orchestrator.concurrency + n  # slots, and at most one late task a client
     assert one(second, "felix_admission_tier_changes_total") <= summ["admission"]["tier_changes"]
+    # The per-login download budget's counters (on by default): every task sent was debited.
+    debited = one(second, "felix_download_budget_bytes_debited_total")
+    assert 0 < debited <= summ["deployment"]["download_budget"]["bytes_debited"]
     assert one(second, "felix_inbox_max_messages") == server.inbox.max_messages
     assert second["felix_inbox_messages"][()] < server.inbox.max_messages
 

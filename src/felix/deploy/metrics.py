@@ -123,6 +123,10 @@ class ServerCollector(Collector):
         )
         yield from _counters("felix_transport", "transport counter", stats)
         yield from _counters("felix_admission", "admission counter", o.admission.stats)
+        if s.protocol.downloads is not None:  # the per-login download budget (felix serve --download-ratio)
+            yield from _counters(
+                "felix_download_budget", "download budget counter", s.protocol.downloads.stats
+            )
 
         inbox = s.inbox
         yield GaugeMetricFamily(
