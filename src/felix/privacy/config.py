@@ -145,12 +145,8 @@ def check_privacy(cfg: Any) -> None:
     p, a = cfg.privacy, cfg.aggregator
     if not p.enabled:
         return
-    if cfg.eval_selector.name != "none" and p.reports is None:
-        raise ValueError(
-            f"privacy: eval_selector {cfg.eval_selector.name!r} sends probes whose losses reach the "
-            "server: set privacy.reports (clipped, noised, accounted) or use a strategy without probes "
-            "(felix-no-eval)"
-        )
+    if p.reports is None:
+        check_report_readers(cfg)
     if p.adaptive_clip is not None:
         from felix.privacy.adaptive import update_noise_multiplier
 
@@ -178,6 +174,29 @@ def check_privacy(cfg: Any) -> None:
             f"privacy: client.objective {cfg.client.objective!r} sends aux state that would leave "
             "the server without noise: use an objective without aux (ce, fedprox)"
         )
+
+
+def check_report_readers(cfg: Any) -> None:
+    """Refuse a private run without ``privacy.reports`` whose selector, eval selector or
+    aggregator reads the losses and utilities clients report: un-noised, they would steer the run
+    outside its epsilon. Each component declares it (its registry entry's ``reads_reports``, a
+    value or a predicate of its parameters); one that declares nothing, such as an unregistered
+    import path, is taken to read them."""
+    from felix.core.policies import AGGREGATORS, EVAL_SELECTORS, TRAIN_SELECTORS
+
+    for registry, section in (
+        (TRAIN_SELECTORS, cfg.selector),
+        (EVAL_SELECTORS, cfg.eval_selector),
+        (AGGREGATORS, cfg.aggregator),
+    ):
+        if registry.declares(section.name, "reads_reports", section.params, default=True):
+            blind = " or ".join(registry.declaring("reads_reports", False))
+            raise ValueError(
+                f"privacy: {registry.kind} {section.name!r} reads the losses and utilities clients "
+                "report (probes included), which would reach the server un-noised: set "
+                f"privacy.reports (clipped, noised, accounted) or use a {registry.kind} that reads "
+                f"none ({blind}), e.g. strategy fedbuff or fedavg"
+            )
 
 
 def count_noise(p: PrivacyCfg, agg_goal: int) -> float:
