@@ -29,6 +29,17 @@ from typing import Any
 
 from felix.config import ConfigError
 from felix.experiments.paper_catalog import DEFAULT_CATALOG, HIGH_WEIGHT, Catalog, Claim, load_catalog
+from felix.experiments.price_of_privacy import (
+    Grid,
+    Table,
+    accuracy_points,
+    accuracy_table,
+    grid,
+    is_private_comparison,
+    noise_table,
+    paired_table,
+    time_table,
+)
 from felix.experiments.result_folder import (
     DIAGNOSTICS,
     Folder,
@@ -272,6 +283,90 @@ def weights_plot(weights: dict[str, UpdateWeights]) -> str:
     return out
 
 
+def epsilon_plot(g: Grid) -> str:
+    """The last evaluation's accuracy against epsilon, a line per strategy (mean over seeds,
+    sd error bars; epsilon on a log axis, "no DP" at the right); base64 PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finite = [float(e) for e in g.epsilons if e != "inf"]
+    x_inf = 2 * max(finite) if finite else 1.0
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    markers = "osD^vP*X"  # the page's 16 colours merge near hues: a marker per strategy tells them apart
+    for i, (s, points) in enumerate(accuracy_points(g).items()):
+        xs = [x_inf if e == "inf" else float(e) for e, _ in points]
+        stats = [_mean_std(acc) for _, acc in points]
+        ax.errorbar(
+            xs,
+            [m for m, _ in stats],
+            yerr=[d for _, d in stats],
+            marker=markers[i % len(markers)],
+            ls=("-", "--", ":")[i // len(markers) % 3],
+            capsize=3,
+            label=s,
+        )
+    ticks = finite + ([x_inf] if "inf" in g.epsilons else [])
+    ax.set_xscale("log")
+    ax.set_xticks(ticks, [f"{t:g}" for t in finite] + (["no DP"] if "inf" in g.epsilons else []))
+    ax.minorticks_off()
+    ax.set_xlabel("epsilon (delta as configured)")
+    ax.set_ylabel("accuracy, last evaluation")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    out = _png(fig)
+    plt.close(fig)
+    return out
+
+
+def _html_table(t: Table) -> str:
+    e = html.escape
+    head = "".join(f"<th>{e(h)}</th>" for h in t.header)
+    rows = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in t.rows)
+    return f"<table><tr>{head}</tr>{rows}</table>"
+
+
+def privacy_section(f: Folder) -> list[str]:
+    """A dp-* comparison's price of privacy (``felix.experiments.price_of_privacy``): accuracy
+    against epsilon (table and plot), time to each target per epsilon, the noise multipliers and
+    epsilon spent, and felix's paired lead; nothing for a folder without private variants."""
+    if not is_private_comparison(f.runs):
+        return []
+    e = html.escape
+    g = grid(f.runs)
+    window = f.target_window
+    out = [
+        "<h3>The price of privacy</h3>",
+        (
+            "<p class='small'>Variants <code>&lt;strategy&gt;-eps&lt;e&gt;</code>; no DP is the same "
+            "orchestration without privacy. Accuracy of the last evaluation, mean ± sd over seeds (ε: "
+            "the largest any seed spent); a private run stops when its budget is spent.</p>"
+        ),
+        _html_table(accuracy_table(g)),
+        f"<img alt='accuracy against epsilon, {e(f.name)}' src='data:image/png;base64,{epsilon_plot(g)}'>",
+    ]
+    for t in f.targets:
+        rule = f" (mean of the last {window} evaluations)" if window else ""
+        out.append(
+            f"<p class='small'>Virtual seconds to {t:g}{e(rule)}, mean ± sd over the seeds that reached it.</p>"
+        )
+        out.append(_html_table(time_table(g, f.stats, f"{t:g}")))
+    out.append(
+        "<p class='small'>The noise multipliers (σ: the updates'; the reports': the losses and "
+        "utilities clients send, noised on the device under <code>privacy.reports</code>) and the "
+        "epsilon the runs spent.</p>"
+    )
+    out.append(_html_table(noise_table(g)))
+    if "felix" in g.strategies:
+        out.append(
+            "<p class='small'>felix's last-evaluation accuracy minus each strategy's, paired by seed "
+            "(mean [min..max]).</p>"
+        )
+        out.append(_html_table(paired_table(g)))
+    return out
+
+
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
     mean = sum(values) / len(values)
     var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
@@ -436,6 +531,7 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
                 )
         else:
             body.append("<p class='not'>The catalog has no figure of the paper for this comparison.</p>")
+        body += privacy_section(f)
         weights = raw_weights(f)
         if weights:
             body.append("<h3>Update weights (the paper's Fig. 15 argument)</h3>")
