@@ -131,6 +131,10 @@ REPORTS = {"noise_multiplier": 4.0, "max_per_client": 6}
             "aggregator 'tierfuse' reads the losses",
         ),
         (
+            {"run": {"converge_threshold": 0.01}},
+            "run.converge_threshold stops the run on the clients' reported",
+        ),
+        (
             {"selector": {"name": "test_privacy:undeclared_selector"}},
             "selector 'test_privacy:undeclared_selector' reads the losses",
         ),

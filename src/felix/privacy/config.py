@@ -181,8 +181,16 @@ def check_report_readers(cfg: Any) -> None:
     aggregator reads the losses and utilities clients report: un-noised, they would steer the run
     outside its epsilon. Each component declares it (its registry entry's ``reads_reports``, a
     value or a predicate of its parameters); one that declares nothing, such as an unregistered
-    import path, is taken to read them."""
+    import path, is taken to read them. ``run.converge_threshold`` reads them too: it stops the
+    run on the reported training losses."""
     from felix.core.policies import AGGREGATORS, EVAL_SELECTORS, TRAIN_SELECTORS
+
+    if cfg.run.converge_threshold is not None:
+        raise ValueError(
+            "privacy: run.converge_threshold stops the run on the clients' reported training losses, "
+            "which would reach the server un-noised: set privacy.reports (clipped, noised, accounted) "
+            "or stop by run.max_aggregations or privacy.target_epsilon"
+        )
 
     for registry, section in (
         (TRAIN_SELECTORS, cfg.selector),
