@@ -362,8 +362,10 @@ def test_a_dp_comparison_shows_the_price_of_privacy(tmp_path: Path) -> None:
     seeds that reached it, the noise multipliers and epsilon spent, felix's paired lead; a small
     page; and a folder without private variants shows none of it."""
     out = tmp_path / "privacy.html"
-    assert main(["report", str(dp_folder(tmp_path)), "--out", str(out)]) == 0
+    assert main(["report", str(dp_folder(tmp_path)), "--catalog", "privacy", "--out", str(out)]) == 0
     page = out.read_text()
+    assert "<h1>The price of user-level differential privacy under churn</h1>" in page
+    assert "Summary: every claim" not in page  # the shipped privacy catalog sets no paper figures
     assert "The price of privacy" in page and "accuracy against epsilon, dp-test" in page
     # felix at epsilon 8: 0.61 ± 0.014 over two seeds, epsilon 7.99; fedbuff never ran at 1.
     assert "<td>0.610 ± 0.014 (n=2), ε 7.99</td>" in page and "<td>0.220 ± 0.028 (n=2), ε 1.00</td>" in page

@@ -4,7 +4,9 @@ Each DIR is a folder ``felix compare`` wrote (``comparison.json`` and ``manifest
 one the page shows the time and bytes to every target (mean ± std over seeds) as a table and an
 embedded plot, the paper's figures for that experiment (from a catalog of the paper's claims,
 ``configs/reports/felix.yaml`` by default) against ours with a flag where they differ by more
-than the catalog's tolerance, and the command that regenerates the folder. Plots are PNGs
+than the catalog's tolerance, and the command that regenerates the folder. A dp-* folder (variants
+``<strategy>-eps<e>``) also gets the price of privacy (``felix.experiments.price_of_privacy``);
+``--catalog privacy`` titles a page of such folders without the paper's figures. Plots are PNGs
 embedded as base64, so the page reads offline and can be committed as one file.
 
 Our side of a claim is computed from the folder's per-target statistics: a speed-up is the
@@ -479,13 +481,15 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         f"<title>{e(catalog.title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{e(catalog.title)}</h1><p>{e(catalog.paper)}</p>",
-        (
+    ]
+    claims = any(x.claims for x in catalog.experiments)  # a catalog without the paper's figures: no verdicts
+    if claims:
+        parts.append(
             f"<p class='small'>A claim <span class='agrees'>agrees</span> when the paper's value lies within "
             f"{catalog.tolerance:.0%} of our range over the targets (for the paper's lower bounds: our largest "
             "value reaches it), else it <span class='differs'>differs</span>. Speed-up = the baseline's mean "
             "time to the target / the subject's; bytes saving = 1 - the subject's mean bytes / the baseline's.</p>"
-        ),
-    ]
+        )
     summary: list[tuple[Folder, Verdict]] = []
     body: list[str] = []
     for f in folders:
@@ -609,16 +613,19 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
         body.append(
             f"<img alt='time and bytes to target, {e(f.name)}' src='data:image/png;base64,{time_plot(f)}'>"
         )
-    parts.append("<h2>Summary: every claim</h2><table><tr><th>comparison</th><th>claim</th><th>paper</th>")
-    parts.append("<th>ours (per target)</th><th></th></tr>")
-    for f, v in summary:
-        cls = "not" if v.status == "not measured" else v.status
+    if claims:
         parts.append(
-            f"<tr><td><a href='#{e(f.name)}'>{e(f.name)}</a></td><td>{e(v.claim.label)}</td>"
-            f"<td>{e(v.claim.paper_text())}</td>"
-            f"<td>{e(v.ours_text())}</td><td class='{cls}'>{e(v.status)}</td></tr>"
+            "<h2>Summary: every claim</h2><table><tr><th>comparison</th><th>claim</th><th>paper</th>"
         )
-    parts.append("</table>")
+        parts.append("<th>ours (per target)</th><th></th></tr>")
+        for f, v in summary:
+            cls = "not" if v.status == "not measured" else v.status
+            parts.append(
+                f"<tr><td><a href='#{e(f.name)}'>{e(f.name)}</a></td><td>{e(v.claim.label)}</td>"
+                f"<td>{e(v.claim.paper_text())}</td>"
+                f"<td>{e(v.ours_text())}</td><td class='{cls}'>{e(v.status)}</td></tr>"
+            )
+        parts.append("</table>")
     parts += body
     parts.append("</body></html>\n")
     return "\n".join(parts)
@@ -640,15 +647,22 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="report.html", help="the HTML page to write (default report.html)")
     p.add_argument(
         "--catalog",
-        help="YAML of the paper's figures per experiment (default: the FeLiX paper's, configs/reports/felix.yaml)",
+        help="YAML of the paper's figures per experiment, or the name of a shipped one in configs/reports/ "
+        "(default: felix, the FeLiX paper's; privacy: the dp-* comparisons' page)",
     )
     p.set_defaults(func=run)
 
 
+def catalog_path(value: str | None) -> Path:
+    """``--catalog``: a file, else the shipped catalog of that name (``configs/reports/<name>.yaml``)."""
+    if value is None:
+        return DEFAULT_CATALOG
+    shipped = DEFAULT_CATALOG.parent / f"{value}.yaml"
+    return shipped if not Path(value).is_file() and shipped.is_file() else Path(value)
+
+
 def run(args: argparse.Namespace) -> int:
-    out = report(
-        [Path(d) for d in args.dirs], Path(args.out), Path(args.catalog) if args.catalog else DEFAULT_CATALOG
-    )
+    out = report([Path(d) for d in args.dirs], Path(args.out), catalog_path(args.catalog))
     print(f"felix report: {len(args.dirs)} comparison(s) -> {out}")
     return 0
 
