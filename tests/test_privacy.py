@@ -179,6 +179,28 @@ def test_random_selection_strategies_run_private_without_reports(tmp_path: Path,
     assert summary["privacy"]["aggregations"] == 4 and "reports" not in summary["privacy"]
 
 
+@pytest.mark.parametrize("strategy", ["oort*", "oort-async*"])
+def test_oort_selection_reads_only_the_private_reports(tmp_path: Path, strategy: str) -> None:
+    """With privacy.reports, the utilities Oort ranks clients by are the device's noised ones: at a
+    report noise of 50 x the clip 10, RMS losses far above the clip reach the selector's column,
+    which no real (clipped) loss could give."""
+    needs_accounting()
+    reports = {"noise_multiplier": 50.0, "clip": 10.0, "max_per_client": 10}
+    cfg = resolve_config(
+        None, strategy, {**TINY, **PRIVATE, "privacy": {**PRIVATE["privacy"], "reports": reports}}
+    )
+    assert cfg.selector.name == "oort"
+    result = run_config(cfg, tmp_path / "run", plots=False)
+    clients = result.built.orch.clients
+    utility = clients.column("stat_utility")
+    samples = clients.column("num_samples")
+    seen = ~np.isnan(utility)
+    assert seen.sum() >= 4
+    rms = utility[seen] / np.maximum(samples[seen], 1)
+    assert rms.max() > 10.0  # above the clip: noise, not a loss
+    assert sum(result.built.sim._rules.privacy.scalar_reports.values()) >= seen.sum()
+
+
 def test_privacy_is_off_by_default_and_left_out_of_the_written_config() -> None:
     cfg = validate({})
     assert not cfg.privacy.enabled
