@@ -176,22 +176,15 @@ def check_privacy(cfg: Any) -> None:
         )
 
 
-def check_report_readers(cfg: Any) -> None:
-    """Refuse a private run without ``privacy.reports`` whose selector, eval selector or
-    aggregator reads the losses and utilities clients report: un-noised, they would steer the run
-    outside its epsilon. Each component declares it (its registry entry's ``reads_reports``, a
-    value or a predicate of its parameters); one that declares nothing, such as an unregistered
-    import path, is taken to read them. ``run.converge_threshold`` reads them too: it stops the
-    run on the reported training losses."""
+def report_readers(cfg: Any) -> list[tuple[str, str]]:
+    """What in ``cfg`` reads the losses and utilities clients report, each with the alternative
+    that reads none: its selector, eval selector or aggregator, as each declares it (its registry
+    entry's ``reads_reports``, a value or a predicate of its parameters; one that declares nothing,
+    such as an unregistered import path, is taken to read them), and ``run.converge_threshold``,
+    which stops the run on the reported training losses."""
     from felix.core.policies import AGGREGATORS, EVAL_SELECTORS, TRAIN_SELECTORS
 
-    if cfg.run.converge_threshold is not None:
-        raise ValueError(
-            "privacy: run.converge_threshold stops the run on the clients' reported training losses, "
-            "which would reach the server un-noised: set privacy.reports (clipped, noised, accounted) "
-            "or stop by run.max_aggregations or privacy.target_epsilon"
-        )
-
+    out = []
     for registry, section in (
         (TRAIN_SELECTORS, cfg.selector),
         (EVAL_SELECTORS, cfg.eval_selector),
@@ -199,12 +192,32 @@ def check_report_readers(cfg: Any) -> None:
     ):
         if registry.declares(section.name, "reads_reports", section.params, default=True):
             blind = " or ".join(registry.declaring("reads_reports", False))
-            raise ValueError(
-                f"privacy: {registry.kind} {section.name!r} reads the losses and utilities clients "
-                "report (probes included), which would reach the server un-noised: set "
-                f"privacy.reports (clipped, noised, accounted) or use a {registry.kind} that reads "
-                f"none ({blind}), e.g. strategy fedbuff or fedavg"
+            out.append(
+                (
+                    f"{registry.kind} {section.name!r} reads the losses and utilities clients report (probes included)",
+                    f"use a {registry.kind} that reads none ({blind}), e.g. strategy fedbuff or fedavg",
+                )
             )
+    if cfg.run.converge_threshold is not None:
+        out.append(
+            (
+                "run.converge_threshold stops the run on the clients' reported training losses",
+                "stop by run.max_aggregations or privacy.target_epsilon",
+            )
+        )
+    return out
+
+
+def check_report_readers(cfg: Any) -> None:
+    """Refuse a private run without ``privacy.reports`` that reads the reports
+    (:func:`report_readers`): un-noised, they would steer the run outside its epsilon."""
+    readers = report_readers(cfg)
+    if readers:
+        what, instead = readers[0]
+        raise ValueError(
+            f"privacy: {what}, which would reach the server un-noised: set privacy.reports "
+            f"(clipped, noised, accounted) or {instead}"
+        )
 
 
 def count_noise(p: PrivacyCfg, agg_goal: int) -> float:
