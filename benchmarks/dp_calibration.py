@@ -2,8 +2,9 @@
 
 Each private variant's budget (``privacy.target_epsilon``) must last a given number of
 aggregations: the smallest noise multiplier (to 0.01, rounded up) at which
-``felix.privacy.budget.PrivacyBudget`` lets the run take that many. Strategies with probes first
-give ``--reports-share`` of the budget to their reports (the smallest report noise whose
+``felix.privacy.budget.PrivacyBudget`` lets the run take that many. Strategies that read their
+clients' reported losses and utilities (felix's probes and TierFuse, Oort's statistical utility),
+which a private run must noise, first give ``--reports-share`` of the budget to their reports (the smallest report noise whose
 epsilon alone is within that share), then calibrate the updates' noise with the reports composed.
 Printed as the comparison file's variant lines, so the numbers in the file are this script's.
 
@@ -19,7 +20,8 @@ from collections.abc import Callable
 from felix.privacy.accountant import Accountant
 
 STRATEGIES = ("felix", "felix-authors", "oort-async*", "fedbuff", "oort*", "fedavg")
-PROBING = ("felix", "felix-authors")
+#: Their selector, eval selector or aggregator reads reports: a private run needs ``privacy.reports``.
+READS_REPORTS = ("felix", "felix-authors", "oort-async*", "oort*")
 ASYNC = ("felix", "felix-authors", "oort-async*", "fedbuff")
 #: Without privacy these keep their preset's sample-weighted mean: their weights are sample counts,
 #: so dividing the weighted sum by the cohort size would multiply the step by the mean count.
@@ -77,7 +79,7 @@ def main() -> None:
         for eps in a.epsilons:
             reports = None
             extra = ""
-            if s in PROBING:
+            if s in READS_REPORTS:
                 rs = report_noise(eps * a.reports_share, a.reports_per_client, a.delta)
                 reports = (rs, a.reports_per_client)
                 extra = (

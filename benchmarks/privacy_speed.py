@@ -6,8 +6,8 @@ read at every evaluation).
         [--aggregations 40] [--repeats 3] [--threads 1] [--mechanism dp_ftrl]
 
 Both sides divide by the buffer size (``aggregator.normalize: count``, which privacy requires), so
-privacy is the only difference; the strategy's probes are made private too (``privacy.reports``)
-when it has an eval selector. Runs alternate off / on, ``--repeats`` times, after one warm-up of
+privacy is the only difference; the losses and utilities the clients report (probes included) are
+made private too (``privacy.reports``) when the strategy reads them. Runs alternate off / on, ``--repeats`` times, after one warm-up of
 each. Prints JSON: CPU seconds per run (min and median), the ratio on / off of each, and
 provenance. The budget is a ratio of at most 1.05.
 """
@@ -22,6 +22,7 @@ from typing import Any
 
 from felix.engine.setup import resolve_config
 from felix.metrics.provenance import provenance
+from felix.privacy.config import report_readers
 from felix.sim.build import build
 
 PRIVACY: dict[str, dict[str, Any]] = {
@@ -39,7 +40,7 @@ def cpu_seconds(args: argparse.Namespace, private: bool, aggregations: int) -> t
     cfg = resolve_config(None, args.strategy, sets, args.scenario)
     if private:
         privacy = dict(PRIVACY[args.mechanism])
-        if cfg.eval_selector.name != "none":
+        if report_readers(cfg):
             privacy["reports"] = {"noise_multiplier": 1.0, "clip": 10.0, "max_per_client": 1000}
         cfg = resolve_config(None, args.strategy, {**sets, "privacy": privacy}, args.scenario)
     built = build(cfg)

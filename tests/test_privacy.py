@@ -106,6 +106,101 @@ def test_bad_privacy_settings_are_refused_in_one_line(raw: dict[str, Any], says:
     assert "\n" not in str(err.value)
 
 
+def undeclared_selector(params: Any, ctx: Any) -> Any:
+    """A selector by import path, registered nowhere: it declares nothing about reports."""
+    from felix.core.selection import TrainSelector
+
+    return TrainSelector()
+
+
+PRIVATE = {"privacy": {"mechanism": "dp_ftrl", "noise_multiplier": 3.0, "max_participations": 2}, **DP}
+REPORTS = {"noise_multiplier": 4.0, "max_per_client": 6}
+
+
+@pytest.mark.parametrize(
+    ("components", "says"),
+    [
+        ({"selector": {"name": "oort"}}, "selector 'oort' reads the losses and utilities"),
+        (
+            {"selector": {"name": "refl_ips", "params": {"oort": {}}}},
+            "selector 'refl_ips' reads the losses and utilities",
+        ),
+        ({"eval_selector": {"name": "tierselect"}}, "eval_selector 'tierselect' reads the losses"),
+        (
+            {"aggregator": {"name": "tierfuse", "normalize": "count"}},
+            "aggregator 'tierfuse' reads the losses",
+        ),
+        (
+            {"run": {"converge_threshold": 0.01}},
+            "run.converge_threshold stops the run on the clients' reported",
+        ),
+        (
+            {"selector": {"name": "test_privacy:undeclared_selector"}},
+            "selector 'test_privacy:undeclared_selector' reads the losses",
+        ),
+    ],
+)
+def test_a_component_that_reads_reports_is_refused_without_private_reports(
+    components: dict[str, Any], says: str
+) -> None:
+    """Un-noised losses and utilities would steer the run outside its epsilon: each reader, as its
+    registry entry declares (an unregistered import path is taken to read), is refused in one line
+    naming the alternatives; with privacy.reports the same components are accepted."""
+    with pytest.raises(ConfigError) as err:
+        validate({**PRIVATE, **components})
+    assert says in str(err.value) and "set privacy.reports" in str(err.value)
+    assert "\n" not in str(err.value)
+    with_reports = {**PRIVATE["privacy"], "reports": REPORTS}
+    assert validate({**PRIVATE, **components, "privacy": with_reports}).privacy.reports is not None
+
+
+@pytest.mark.parametrize(
+    "components",
+    [
+        {"selector": {"name": "refl_ips"}},  # random within REFL's priority classes
+        {
+            "aggregator": {"name": "tierfuse", "normalize": "count", "params": {"sigma": 1.0}}
+        },  # staleness only
+    ],
+)
+def test_a_component_that_reads_no_reports_under_its_parameters_is_accepted(
+    components: dict[str, Any],
+) -> None:
+    assert validate({**PRIVATE, **components}).privacy.reports is None
+
+
+@pytest.mark.parametrize("strategy", ["fedbuff", "fedavg"])
+def test_random_selection_strategies_run_private_without_reports(tmp_path: Path, strategy: str) -> None:
+    needs_accounting()
+    cfg = resolve_config(None, strategy, {**TINY, **PRIVATE})
+    assert cfg.selector.name == "random" and cfg.privacy.reports is None
+    run_config(cfg, tmp_path / strategy, plots=False)
+    summary = json.loads((tmp_path / strategy / "summary.json").read_text())
+    assert summary["privacy"]["aggregations"] == 4 and "reports" not in summary["privacy"]
+
+
+@pytest.mark.parametrize("strategy", ["oort*", "oort-async*"])
+def test_oort_selection_reads_only_the_private_reports(tmp_path: Path, strategy: str) -> None:
+    """With privacy.reports, the utilities Oort ranks clients by are the device's noised ones: at a
+    report noise of 50 x the clip 10, RMS losses far above the clip reach the selector's column,
+    which no real (clipped) loss could give."""
+    needs_accounting()
+    reports = {"noise_multiplier": 50.0, "clip": 10.0, "max_per_client": 10}
+    cfg = resolve_config(
+        None, strategy, {**TINY, **PRIVATE, "privacy": {**PRIVATE["privacy"], "reports": reports}}
+    )
+    assert cfg.selector.name == "oort"
+    result = run_config(cfg, tmp_path / "run", plots=False)
+    clients = result.built.orch.clients
+    utility = clients.column("stat_utility")
+    samples = clients.column("num_samples")
+    seen = ~np.isnan(utility)
+    assert seen.sum() >= 4
+    rms = utility[seen] / np.maximum(samples[seen], 1)
+    assert rms.max() > 10.0  # above the clip: noise, not a loss
+    assert sum(result.built.sim._rules.privacy.scalar_reports.values()) >= seen.sum()
+
+
 def test_privacy_is_off_by_default_and_left_out_of_the_written_config() -> None:
     cfg = validate({})
     assert not cfg.privacy.enabled

@@ -342,7 +342,7 @@ def test_a_felix_run_accounts_its_probes_and_without_reports_is_refused(tmp_path
 
     lib = dp()
     privacy = {"mechanism": "dp_ftrl", "noise_multiplier": 3.0, "clip_norm": 0.5, "max_participations": 2}
-    with pytest.raises(ConfigError, match=r"eval_selector .tierselect. sends probes .*\(felix-no-eval\)"):
+    with pytest.raises(ConfigError, match=r"selector 'oort' reads the losses .* set privacy.reports"):
         resolve_config(None, "felix", {**TINY, "privacy": privacy})
     reports = {"noise_multiplier": 4.0, "clip": 5.0, "max_per_client": 6}
     cfg = resolve_config(None, "felix", {**TINY, "privacy": {**privacy, "reports": reports}})

@@ -321,3 +321,60 @@ def test_rejections_are_counted_by_kind_and_by_reason() -> None:
         "result for a closed task": 1,
         "update norm N exceeds the bound N": 2,
     }
+
+
+def dp_folder(tmp_path: Path) -> Path:
+    """A dp-* comparison folder: felix at epsilon 1 and 8 and without privacy, fedbuff at 8 and
+    without, two seeds each; felix-eps8 reaches 0.6 in one seed of two."""
+
+    def run(acc: float, eps: float | None, sigma: float, reports: float | None) -> dict[str, object]:
+        out: dict[str, object] = {"final_accuracy": acc}
+        if eps is not None:
+            p: dict[str, object] = {"epsilon": eps, "noise_multiplier": sigma, "aggregations": 127}
+            if reports is not None:
+                p["reports"] = {"noise_multiplier": reports, "clip": 10.0, "max_per_client": 20}
+            out["privacy"] = p
+        return out
+
+    runs = {
+        "felix-eps1": {"0": run(0.20, 1.0, 48.2, 65.15), "1": run(0.24, 0.99, 48.2, 65.15)},
+        "felix-eps8": {"0": run(0.60, 7.99, 7.65, 9.62), "1": run(0.62, 7.99, 7.65, 9.62)},
+        "felix-epsinf": {"0": run(0.70, None, 0, None), "1": run(0.70, None, 0, None)},
+        "fedbuff-eps8": {"0": run(0.50, 8.0, 7.3, None), "1": run(0.54, 8.0, 7.3, None)},
+        "fedbuff-epsinf": {"0": run(0.71, None, 0, None), "1": run(0.72, None, 0, None)},
+    }
+    reached = {"mean": 400.0, "std": None, "n": 1, "of": 2, "min": 400.0, "max": 400.0}
+    missed = {"mean": None, "std": None, "n": 0, "of": 2, "min": None, "max": None}
+    stats = {
+        v: {"0.6": {"time_s": reached if v == "felix-eps8" else missed, "bytes_total": missed}} for v in runs
+    }
+    d = tmp_path / "dp-test"
+    d.mkdir()
+    doc = {"name": "dp-test", "description": "test", "reference": "felix-epsinf", "targets": [0.6]}
+    (d / "comparison.json").write_text(
+        json.dumps({**doc, "seeds": [0, 1], "target_window": 5, "stats": stats, "runs": runs})
+    )
+    return d
+
+
+def test_a_dp_comparison_shows_the_price_of_privacy(tmp_path: Path) -> None:
+    """Accuracy against epsilon (mean ± sd, a plot), time to the target per epsilon with the
+    seeds that reached it, the noise multipliers and epsilon spent, felix's paired lead; a small
+    page; and a folder without private variants shows none of it."""
+    out = tmp_path / "privacy.html"
+    assert main(["report", str(dp_folder(tmp_path)), "--catalog", "privacy", "--out", str(out)]) == 0
+    page = out.read_text()
+    assert "<h1>The price of user-level differential privacy under churn</h1>" in page
+    assert "Summary: every claim" not in page  # the shipped privacy catalog sets no paper figures
+    assert "The price of privacy" in page and "accuracy against epsilon, dp-test" in page
+    # felix at epsilon 8: 0.61 ± 0.014 over two seeds, epsilon 7.99; fedbuff never ran at 1.
+    assert "<td>0.610 ± 0.014 (n=2), ε 7.99</td>" in page and "<td>0.220 ± 0.028 (n=2), ε 1.00</td>" in page
+    assert re.search(r"<td>fedbuff</td><td>not run</td>", page)
+    assert "<td>400 ± 0 (1/2 reached)</td>" in page and "<td>not reached (0/2)</td>" in page
+    assert "σ 7.65, reports σ 9.62; ε 7.99 after 127 aggregations" in page
+    assert "σ 7.3, reports not noised; ε 8.00 after 127 aggregations" in page
+    assert "<td>+0.090 [+0.080..+0.100]</td>" in page  # felix minus fedbuff at epsilon 8, by seed
+    assert out.stat().st_size < 2_000_000
+    plain = tmp_path / "plain.html"
+    assert main(["report", str(folder(tmp_path)), "--out", str(plain)]) == 0
+    assert "The price of privacy" not in plain.read_text()

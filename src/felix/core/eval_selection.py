@@ -38,7 +38,7 @@ EVAL_SELECTORS: Registry[EvalSelector] = Registry(
 )
 
 
-@EVAL_SELECTORS.register("none", params=NoParams)
+@EVAL_SELECTORS.register("none", params=NoParams, reads_reports=False)
 def _no_eval(params: NoParams, ctx: Any) -> EvalSelector:
     """No forward-pass probes."""
     return EvalSelector()

@@ -171,7 +171,8 @@ class Registry(Generic[T]):
         with ``from_params``, or a scenario part's plain callable, under ``name``; ``params``
         defaults to the one it owns (:meth:`own_params`). ``traits`` are what the component
         declares about itself for the constraints between axes, checked generically (e.g.
-        ``reads_aux=("qffl_loss",)``: the client aux an aggregator reads)."""
+        ``reads_aux=("qffl_loss",)``: the client aux an aggregator reads; a trait may be a
+        predicate of the validated parameters, read by :meth:`declares`)."""
         if not name or ":" in name:
             raise ValueError(f"{self.kind} name {name!r}: must be non-empty and without ':'")
 
@@ -198,6 +199,18 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         self._load()
         return sorted(self._entries)
+
+    def declares(self, name: str, trait: str, raw: dict[str, Any] | BaseModel | None, default: Any) -> Any:
+        """What component ``name`` with parameters ``raw`` declares as ``trait`` (``default`` when it
+        declares nothing, e.g. an unregistered import path): the trait's value, or, for a trait
+        that depends on the parameters, the value of its predicate on the validated ones."""
+        value = self.entry(name).traits.get(trait, default)
+        return value(self.parse(name, raw)) if callable(value) else value
+
+    def declaring(self, trait: str, value: Any) -> list[str]:
+        """The registered names whose ``trait`` is ``value`` itself (not a predicate)."""
+        self._load()
+        return [n for n, e in sorted(self._entries.items()) if e.traits.get(trait) is value]
 
     def having(self, trait: str, value: Any) -> list[str]:
         """The registered names whose ``trait`` holds ``value`` (a member of a tuple trait)."""

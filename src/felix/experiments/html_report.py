@@ -4,7 +4,9 @@ Each DIR is a folder ``felix compare`` wrote (``comparison.json`` and ``manifest
 one the page shows the time and bytes to every target (mean ± std over seeds) as a table and an
 embedded plot, the paper's figures for that experiment (from a catalog of the paper's claims,
 ``configs/reports/felix.yaml`` by default) against ours with a flag where they differ by more
-than the catalog's tolerance, and the command that regenerates the folder. Plots are PNGs
+than the catalog's tolerance, and the command that regenerates the folder. A dp-* folder (variants
+``<strategy>-eps<e>``) also gets the price of privacy (``felix.experiments.price_of_privacy``);
+``--catalog privacy`` titles a page of such folders without the paper's figures. Plots are PNGs
 embedded as base64, so the page reads offline and can be committed as one file.
 
 Our side of a claim is computed from the folder's per-target statistics: a speed-up is the
@@ -29,6 +31,17 @@ from typing import Any
 
 from felix.config import ConfigError
 from felix.experiments.paper_catalog import DEFAULT_CATALOG, HIGH_WEIGHT, Catalog, Claim, load_catalog
+from felix.experiments.price_of_privacy import (
+    Grid,
+    Table,
+    accuracy_points,
+    accuracy_table,
+    grid,
+    is_private_comparison,
+    noise_table,
+    paired_table,
+    time_table,
+)
 from felix.experiments.result_folder import (
     DIAGNOSTICS,
     Folder,
@@ -272,6 +285,90 @@ def weights_plot(weights: dict[str, UpdateWeights]) -> str:
     return out
 
 
+def epsilon_plot(g: Grid) -> str:
+    """The last evaluation's accuracy against epsilon, a line per strategy (mean over seeds,
+    sd error bars; epsilon on a log axis, "no DP" at the right); base64 PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finite = [float(e) for e in g.epsilons if e != "inf"]
+    x_inf = 2 * max(finite) if finite else 1.0
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    markers = "osD^vP*X"  # the page's 16 colours merge near hues: a marker per strategy tells them apart
+    for i, (s, points) in enumerate(accuracy_points(g).items()):
+        xs = [x_inf if e == "inf" else float(e) for e, _ in points]
+        stats = [_mean_std(acc) for _, acc in points]
+        ax.errorbar(
+            xs,
+            [m for m, _ in stats],
+            yerr=[d for _, d in stats],
+            marker=markers[i % len(markers)],
+            ls=("-", "--", ":")[i // len(markers) % 3],
+            capsize=3,
+            label=s,
+        )
+    ticks = finite + ([x_inf] if "inf" in g.epsilons else [])
+    ax.set_xscale("log")
+    ax.set_xticks(ticks, [f"{t:g}" for t in finite] + (["no DP"] if "inf" in g.epsilons else []))
+    ax.minorticks_off()
+    ax.set_xlabel("epsilon (delta as configured)")
+    ax.set_ylabel("accuracy, last evaluation")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    out = _png(fig)
+    plt.close(fig)
+    return out
+
+
+def _html_table(t: Table) -> str:
+    e = html.escape
+    head = "".join(f"<th>{e(h)}</th>" for h in t.header)
+    rows = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in t.rows)
+    return f"<table><tr>{head}</tr>{rows}</table>"
+
+
+def privacy_section(f: Folder) -> list[str]:
+    """A dp-* comparison's price of privacy (``felix.experiments.price_of_privacy``): accuracy
+    against epsilon (table and plot), time to each target per epsilon, the noise multipliers and
+    epsilon spent, and felix's paired lead; nothing for a folder without private variants."""
+    if not is_private_comparison(f.runs):
+        return []
+    e = html.escape
+    g = grid(f.runs)
+    window = f.target_window
+    out = [
+        "<h3>The price of privacy</h3>",
+        (
+            "<p class='small'>Variants <code>&lt;strategy&gt;-eps&lt;e&gt;</code>; no DP is the same "
+            "orchestration without privacy. Accuracy of the last evaluation, mean ± sd over seeds (ε: "
+            "the largest any seed spent); a private run stops when its budget is spent.</p>"
+        ),
+        _html_table(accuracy_table(g)),
+        f"<img alt='accuracy against epsilon, {e(f.name)}' src='data:image/png;base64,{epsilon_plot(g)}'>",
+    ]
+    for t in f.targets:
+        rule = f" (mean of the last {window} evaluations)" if window else ""
+        out.append(
+            f"<p class='small'>Virtual seconds to {t:g}{e(rule)}, mean ± sd over the seeds that reached it.</p>"
+        )
+        out.append(_html_table(time_table(g, f.stats, f"{t:g}")))
+    out.append(
+        "<p class='small'>The noise multipliers (σ: the updates'; the reports': the losses and "
+        "utilities clients send, noised on the device under <code>privacy.reports</code>) and the "
+        "epsilon the runs spent.</p>"
+    )
+    out.append(_html_table(noise_table(g)))
+    if "felix" in g.strategies:
+        out.append(
+            "<p class='small'>felix's last-evaluation accuracy minus each strategy's, paired by seed "
+            "(mean [min..max]).</p>"
+        )
+        out.append(_html_table(paired_table(g)))
+    return out
+
+
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
     mean = sum(values) / len(values)
     var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
@@ -384,13 +481,15 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         f"<title>{e(catalog.title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{e(catalog.title)}</h1><p>{e(catalog.paper)}</p>",
-        (
+    ]
+    claims = any(x.claims for x in catalog.experiments)  # a catalog without the paper's figures: no verdicts
+    if claims:
+        parts.append(
             f"<p class='small'>A claim <span class='agrees'>agrees</span> when the paper's value lies within "
             f"{catalog.tolerance:.0%} of our range over the targets (for the paper's lower bounds: our largest "
             "value reaches it), else it <span class='differs'>differs</span>. Speed-up = the baseline's mean "
             "time to the target / the subject's; bytes saving = 1 - the subject's mean bytes / the baseline's.</p>"
-        ),
-    ]
+        )
     summary: list[tuple[Folder, Verdict]] = []
     body: list[str] = []
     for f in folders:
@@ -436,6 +535,7 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
                 )
         else:
             body.append("<p class='not'>The catalog has no figure of the paper for this comparison.</p>")
+        body += privacy_section(f)
         weights = raw_weights(f)
         if weights:
             body.append("<h3>Update weights (the paper's Fig. 15 argument)</h3>")
@@ -513,16 +613,19 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
         body.append(
             f"<img alt='time and bytes to target, {e(f.name)}' src='data:image/png;base64,{time_plot(f)}'>"
         )
-    parts.append("<h2>Summary: every claim</h2><table><tr><th>comparison</th><th>claim</th><th>paper</th>")
-    parts.append("<th>ours (per target)</th><th></th></tr>")
-    for f, v in summary:
-        cls = "not" if v.status == "not measured" else v.status
+    if claims:
         parts.append(
-            f"<tr><td><a href='#{e(f.name)}'>{e(f.name)}</a></td><td>{e(v.claim.label)}</td>"
-            f"<td>{e(v.claim.paper_text())}</td>"
-            f"<td>{e(v.ours_text())}</td><td class='{cls}'>{e(v.status)}</td></tr>"
+            "<h2>Summary: every claim</h2><table><tr><th>comparison</th><th>claim</th><th>paper</th>"
         )
-    parts.append("</table>")
+        parts.append("<th>ours (per target)</th><th></th></tr>")
+        for f, v in summary:
+            cls = "not" if v.status == "not measured" else v.status
+            parts.append(
+                f"<tr><td><a href='#{e(f.name)}'>{e(f.name)}</a></td><td>{e(v.claim.label)}</td>"
+                f"<td>{e(v.claim.paper_text())}</td>"
+                f"<td>{e(v.ours_text())}</td><td class='{cls}'>{e(v.status)}</td></tr>"
+            )
+        parts.append("</table>")
     parts += body
     parts.append("</body></html>\n")
     return "\n".join(parts)
@@ -544,15 +647,22 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="report.html", help="the HTML page to write (default report.html)")
     p.add_argument(
         "--catalog",
-        help="YAML of the paper's figures per experiment (default: the FeLiX paper's, configs/reports/felix.yaml)",
+        help="YAML of the paper's figures per experiment, or the name of a shipped one in configs/reports/ "
+        "(default: felix, the FeLiX paper's; privacy: the dp-* comparisons' page)",
     )
     p.set_defaults(func=run)
 
 
+def catalog_path(value: str | None) -> Path:
+    """``--catalog``: a file, else the shipped catalog of that name (``configs/reports/<name>.yaml``)."""
+    if value is None:
+        return DEFAULT_CATALOG
+    shipped = DEFAULT_CATALOG.parent / f"{value}.yaml"
+    return shipped if not Path(value).is_file() and shipped.is_file() else Path(value)
+
+
 def run(args: argparse.Namespace) -> int:
-    out = report(
-        [Path(d) for d in args.dirs], Path(args.out), Path(args.catalog) if args.catalog else DEFAULT_CATALOG
-    )
+    out = report([Path(d) for d in args.dirs], Path(args.out), catalog_path(args.catalog))
     print(f"felix report: {len(args.dirs)} comparison(s) -> {out}")
     return 0
 

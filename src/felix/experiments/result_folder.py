@@ -30,6 +30,7 @@ class Folder:
     stats: dict[str, dict[str, Any]]
     manifest: dict[str, Any] = field(default_factory=dict)
     runs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    target_window: int | None = None  # the evaluations a target's mean is over
 
     def spread(self, variant: str, target: float, key: str) -> dict[str, Any] | None:
         per = self.stats.get(variant, {}).get(f"{target:g}")
@@ -75,6 +76,7 @@ def read_folder(path: Path) -> Folder:
         stats=doc["stats"],
         manifest=manifest if isinstance(manifest, dict) else {},
         runs=runs if isinstance(runs := doc.get("runs"), dict) else {},
+        target_window=window if isinstance(window := doc.get("target_window"), int) else None,
     )
 
 

@@ -145,12 +145,8 @@ def check_privacy(cfg: Any) -> None:
     p, a = cfg.privacy, cfg.aggregator
     if not p.enabled:
         return
-    if cfg.eval_selector.name != "none" and p.reports is None:
-        raise ValueError(
-            f"privacy: eval_selector {cfg.eval_selector.name!r} sends probes whose losses reach the "
-            "server: set privacy.reports (clipped, noised, accounted) or use a strategy without probes "
-            "(felix-no-eval)"
-        )
+    if p.reports is None:
+        check_report_readers(cfg)
     if p.adaptive_clip is not None:
         from felix.privacy.adaptive import update_noise_multiplier
 
@@ -177,6 +173,50 @@ def check_privacy(cfg: Any) -> None:
         raise ValueError(
             f"privacy: client.objective {cfg.client.objective!r} sends aux state that would leave "
             "the server without noise: use an objective without aux (ce, fedprox)"
+        )
+
+
+def report_readers(cfg: Any) -> list[tuple[str, str]]:
+    """What in ``cfg`` reads the losses and utilities clients report, each with the alternative
+    that reads none: its selector, eval selector or aggregator, as each declares it (its registry
+    entry's ``reads_reports``, a value or a predicate of its parameters; one that declares nothing,
+    such as an unregistered import path, is taken to read them), and ``run.converge_threshold``,
+    which stops the run on the reported training losses."""
+    from felix.core.policies import AGGREGATORS, EVAL_SELECTORS, TRAIN_SELECTORS
+
+    out = []
+    for registry, section in (
+        (TRAIN_SELECTORS, cfg.selector),
+        (EVAL_SELECTORS, cfg.eval_selector),
+        (AGGREGATORS, cfg.aggregator),
+    ):
+        if registry.declares(section.name, "reads_reports", section.params, default=True):
+            blind = " or ".join(registry.declaring("reads_reports", False))
+            out.append(
+                (
+                    f"{registry.kind} {section.name!r} reads the losses and utilities clients report (probes included)",
+                    f"use a {registry.kind} that reads none ({blind}), e.g. strategy fedbuff or fedavg",
+                )
+            )
+    if cfg.run.converge_threshold is not None:
+        out.append(
+            (
+                "run.converge_threshold stops the run on the clients' reported training losses",
+                "stop by run.max_aggregations or privacy.target_epsilon",
+            )
+        )
+    return out
+
+
+def check_report_readers(cfg: Any) -> None:
+    """Refuse a private run without ``privacy.reports`` that reads the reports
+    (:func:`report_readers`): un-noised, they would steer the run outside its epsilon."""
+    readers = report_readers(cfg)
+    if readers:
+        what, instead = readers[0]
+        raise ValueError(
+            f"privacy: {what}, which would reach the server un-noised: set privacy.reports "
+            f"(clipped, noised, accounted) or {instead}"
         )
 
 

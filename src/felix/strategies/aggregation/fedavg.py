@@ -28,11 +28,11 @@ class FedBuffAggregator(Aggregator):
         return 1.0 / float(np.sqrt(1.0 + item.staleness))
 
 
-@AGGREGATORS.register("fedavg", params=NoParams)
+@AGGREGATORS.register("fedavg", params=NoParams, reads_reports=False)
 def _fedavg(params: NoParams, ctx: RunFacts) -> FedAvgAggregator:
     return FedAvgAggregator(ctx.server_lr, ctx.normalize, ctx.clip_norm)
 
 
-@AGGREGATORS.register("fedbuff", params=NoParams)
+@AGGREGATORS.register("fedbuff", params=NoParams, reads_reports=False)
 def _fedbuff(params: NoParams, ctx: RunFacts) -> FedBuffAggregator:
     return FedBuffAggregator(ctx.server_lr, ctx.normalize, ctx.clip_norm)

@@ -95,7 +95,9 @@ class QFFLParams(BaseModel):
     loss_key: str = "qffl_loss"
 
 
-@AGGREGATORS.register("qffl", params=QFFLParams, reads_aux=("qffl_loss",), own_step=True)
+@AGGREGATORS.register(
+    "qffl", params=QFFLParams, reads_aux=("qffl_loss",), own_step=True, reads_reports=True
+)  # the reply's loss, without client.probe_loss
 def _qffl(params: QFFLParams, ctx: RunFacts) -> QFFLAggregator:
     """q-FFL reads each client's loss at the received model from aux ``qffl_loss`` when a client
     sends it, else the mean local training loss (biased low; see QFFLAggregator)."""

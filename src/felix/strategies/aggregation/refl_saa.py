@@ -117,6 +117,6 @@ class ReflSAAAggregator(Aggregator):
 ReflSAAModel = params_from_dataclass(ReflSAAParams, "ReflSAAModel")
 
 
-@AGGREGATORS.register("refl_saa", params=ReflSAAModel)
+@AGGREGATORS.register("refl_saa", params=ReflSAAModel, reads_reports=False)  # norms of updates only
 def _refl_saa(params: Any, ctx: RunFacts) -> ReflSAAAggregator:
     return ReflSAAAggregator(ReflSAAParams(**params.model_dump()), ctx.server_lr, ctx.clip_norm)

@@ -161,7 +161,9 @@ class TierFuseAggregator(Aggregator):
 TierFuseModel = params_from_dataclass(TierFuseParams, "TierFuseModel")
 
 
-@AGGREGATORS.register("tierfuse", params=TierFuseModel)
+@AGGREGATORS.register(
+    "tierfuse", params=TierFuseModel, reads_reports=lambda p: p.sigma < 1.0
+)  # beta(L) weighs a reported loss or utility unless sigma is 1
 def _tierfuse(params: Any, ctx: RunFacts) -> TierFuseAggregator:
     return TierFuseAggregator(
         TierFuseParams(**params.model_dump()), ctx.server_lr, ctx.normalize, ctx.clip_norm

@@ -638,7 +638,7 @@ def oort_params(params: Any) -> OortParams:
     return replace(OORT_BASES[given.pop("base", params.base)](), **given)
 
 
-@TRAIN_SELECTORS.register("oort", params=OortSelectorParams)
+@TRAIN_SELECTORS.register("oort", params=OortSelectorParams, reads_reports=True)  # statistical utility
 def make_oort(params: Any, ctx: RunFacts | None) -> OortSelector:
     reward_cap = params.reward_cap
     if reward_cap is None and ctx is not None and ctx.max_steps is not None:

@@ -29,6 +29,6 @@ class RandomSelector(TrainSelector):
             raise ValueError(f"the random selector has no state, got keys {sorted(state)}")
 
 
-@TRAIN_SELECTORS.register("random", params=NoParams)
+@TRAIN_SELECTORS.register("random", params=NoParams, reads_reports=False)
 def _random(params: NoParams, cfg: Any) -> RandomSelector:
     return RandomSelector()

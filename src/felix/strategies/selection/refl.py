@@ -161,7 +161,9 @@ ReflSelectorParams = params_from_dataclass(
 )
 
 
-@TRAIN_SELECTORS.register("refl_ips", params=ReflSelectorParams)
+@TRAIN_SELECTORS.register(
+    "refl_ips", params=ReflSelectorParams, reads_reports=lambda p: p.oort is not None
+)  # Oort's utility ranks the priority clients when given
 def _refl_ips(params: Any, ctx: RunFacts) -> ReflIPSSelector:
     fields = params.model_dump(exclude={"oort"})
     oort = None if params.oort is None else make_oort(params.oort, ctx)

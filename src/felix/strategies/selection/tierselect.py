@@ -139,7 +139,9 @@ def tierselect(
 TierSelectEvalModel = params_from_dataclass(TierSelectEvalParams, "TierSelectEvalModel")
 
 
-@EVAL_SELECTORS.register("tierselect", params=TierSelectEvalModel)
+@EVAL_SELECTORS.register(
+    "tierselect", params=TierSelectEvalModel, reads_reports=True
+)  # its probes are reports, and order: value reads the utility
 def _tierselect_eval(params: Any, ctx: RunFacts) -> TierSelectEval:
     """The eval path sized by the run's ``orchestrator.agg_goal``."""
     return TierSelectEval(ctx.agg_goal, TierSelectEvalParams(**params.model_dump()))
