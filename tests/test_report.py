@@ -378,3 +378,30 @@ def test_a_dp_comparison_shows_the_price_of_privacy(tmp_path: Path) -> None:
     plain = tmp_path / "plain.html"
     assert main(["report", str(folder(tmp_path)), "--out", str(plain)]) == 0
     assert "The price of privacy" not in plain.read_text()
+
+
+def test_parts_of_one_comparison_read_as_one(tmp_path: Path) -> None:
+    """A comparison run in parts (some variants rerun into another folder) is one section: the later
+    part's variants replace the earlier's, the others stay, and each part's command is shown;
+    parts with other targets are refused."""
+    (tmp_path / "a").mkdir()
+    first = dp_folder(tmp_path / "a")
+    doc = json.loads((first / "comparison.json").read_text())
+    private = {"epsilon": 7.98, "noise_multiplier": 7.65, "aggregations": 127}
+    rerun = {s: {"final_accuracy": a, "privacy": private} for s, a in (("0", 0.40), ("1", 0.44))}
+    missed = doc["stats"]["fedbuff-eps8"]
+    second = tmp_path / "b" / "dp-test"
+    second.mkdir(parents=True)
+    part = {**doc, "runs": {"fedbuff-eps8": rerun}, "stats": {"fedbuff-eps8": missed}}
+    (second / "comparison.json").write_text(json.dumps(part))
+    out = tmp_path / "privacy.html"
+    assert main(["report", str(first), str(second), "--catalog", "privacy", "--out", str(out)]) == 0
+    page = out.read_text()
+    assert page.count("<h2 id='dp-test'>") == 1
+    assert "<td>0.420 ± 0.028 (n=2), ε 7.98</td>" in page
+    assert "0.520 ± 0.028" not in page  # the first part's fedbuff-eps8 is replaced
+    assert "<td>0.610 ± 0.014 (n=2), ε 7.99</td>" in page  # felix-eps8 stays from the first part
+    assert "replacing the variants it holds (fedbuff-eps8)" in page
+    (second / "comparison.json").write_text(json.dumps({**part, "targets": [0.5]}))
+    with pytest.raises(ConfigError, match="other targets"):
+        report([first, second], tmp_path / "x.html", DEFAULT_CATALOG)

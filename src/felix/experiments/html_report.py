@@ -47,6 +47,7 @@ from felix.experiments.result_folder import (
     Folder,
     UpdateWeights,
     best_point,
+    combine_folders,
     lr_grid,
     raw_weights,
     read_folder,
@@ -505,6 +506,12 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
             f"<span class='small'>Seeds {e(str(f.seeds))}; reference {e(f.reference)}; made at "
             f"{e(provenance_text(f))}.</span></p>"
         )
+        for part in f.more:
+            body.append(
+                f"<p><b>Then, replacing the variants it holds ({e(', '.join(part.runs))}):</b> "
+                f"<code>{e(regenerate_command(part))}</code><br><span class='small'>made at "
+                f"{e(provenance_text(part))}.</span></p>"
+            )
         if exp and not exp.claims:
             body.append(
                 f"<p class='not'>The paper ({e(exp.section)}) gives no figure to set beside these.</p>"
@@ -636,14 +643,20 @@ def report(dirs: Sequence[Path], out: Path, catalog_path: Path = DEFAULT_CATALOG
     if not dirs:
         raise ConfigError("felix report: give at least one comparison folder")
     catalog = load_catalog(catalog_path)
-    folders = [read_folder(Path(d)) for d in dirs]
+    folders = combine_folders([read_folder(Path(d)) for d in dirs])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render(folders, catalog))
     return out
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dirs", nargs="+", metavar="DIR", help="folders written by felix compare")
+    p.add_argument(
+        "dirs",
+        nargs="+",
+        metavar="DIR",
+        help="folders written by felix compare; parts of one comparison (the same name) read as one, a later part's "
+        "variants replacing the earlier's",
+    )
     p.add_argument("--out", default="report.html", help="the HTML page to write (default report.html)")
     p.add_argument(
         "--catalog",

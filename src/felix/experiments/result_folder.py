@@ -8,7 +8,7 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,9 @@ class Folder:
     manifest: dict[str, Any] = field(default_factory=dict)
     runs: dict[str, dict[str, Any]] = field(default_factory=dict)
     target_window: int | None = None  # the evaluations a target's mean is over
+    #: Later folders of the same comparison combined into this one (``combine_folders``): their
+    #: variants replace this folder's of the same name; each keeps its own manifest.
+    more: tuple[Folder, ...] = ()
 
     def spread(self, variant: str, target: float, key: str) -> dict[str, Any] | None:
         per = self.stats.get(variant, {}).get(f"{target:g}")
@@ -48,6 +51,31 @@ class Folder:
     def mean(self, variant: str, target: float, key: str) -> float | None:
         s = self.spread(variant, target, key)
         return None if s is None else s.get("mean")
+
+
+def combine_folders(folders: Sequence[Folder]) -> list[Folder]:
+    """One folder per comparison name, in first-seen order: a comparison run in parts (some
+    variants rerun into another output folder) reads as one, each later part's variants replacing
+    the earlier parts' of the same name. Parts must agree on the targets and the target rule."""
+    by_name: dict[str, Folder] = {}
+    for f in folders:
+        first = by_name.get(f.name)
+        if first is None:
+            by_name[f.name] = f
+            continue
+        if first.targets != f.targets or first.target_window != f.target_window:
+            raise ConfigError(
+                f"{f.path}: comparison {f.name!r} has other targets or target rule than {first.path}; "
+                "give parts of one comparison only"
+            )
+        by_name[f.name] = replace(
+            first,
+            stats={**first.stats, **f.stats},
+            runs={**first.runs, **f.runs},
+            seeds=sorted({*first.seeds, *f.seeds}),
+            more=(*first.more, f),
+        )
+    return list(by_name.values())
 
 
 def read_folder(path: Path) -> Folder:
