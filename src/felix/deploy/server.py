@@ -280,6 +280,8 @@ class Server:
         # Delivery delay of recent inbound messages (receive time - the sender's "sent" stamp; one
         # clock on a single machine, clock skew across machines): the broker's and the loop's backlog.
         self.latency: deque[float] = deque(maxlen=4096)
+        # Of that delay, the wait between the transport's receipt and the loop (the inbox's queue).
+        self.inbox_delay: deque[float] = deque(maxlen=4096)
         self._prior_wall = 0.0
         self._start_time = 0.0
         self.config_digest = hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
@@ -435,6 +437,8 @@ class Server:
                 **{k: v for k, v in asdict(self.stats).items() if k != "rejected_by_reason"},
                 "latency_p50_ms": _ms(self.latency, 50),
                 "latency_p95_ms": _ms(self.latency, 95),
+                "inbox_delay_p50_ms": _ms(self.inbox_delay, 50),
+                "inbox_delay_p95_ms": _ms(self.inbox_delay, 95),
                 "inbox_full_waits": self.inbox.full_waits,
                 **(
                     {}
@@ -573,6 +577,8 @@ class Server:
             self.ctl.count_wire("up", got.wire_kind, len(m.payload))
         if got.msg is not None:
             self.latency.append(max(0.0, time.time() - got.msg.sent_at))
+            if m.received_at:
+                self.inbox_delay.append(wall - m.received_at)
         if isinstance(got, Refused):
             self._log_refusal(got)
         elif isinstance(got, SecAggIn):
