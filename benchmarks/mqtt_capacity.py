@@ -895,6 +895,7 @@ def _json_line(args: argparse.Namespace, provenance: dict[str, Any]) -> int:
                 "preset": args.preset,
                 "window_s": args.window,
                 "switch_interval_s": sys.getswitchinterval(),
+                "decode_worker": args.decode_worker,
                 **{
                     k: v
                     for k, v in t.items()
