@@ -15,7 +15,11 @@ runs one round of each way in a fresh process on each code (``git archive`` of `
 script on both), the two codes alternating, so that other work on the machine weighs on both
 alike; the line then holds, for each code and way, the mean, spread, minimum and median.
 
-Run: ``python benchmarks/intake_cpu.py [--messages 10000] [--repeats 3] [--plain-only] [--baseline REV]``.
+``--batch N`` hands the messages over N at a time instead of the inbox's 64 (the worker's round
+trip per batch against parsing in the loop: the server sends batches under
+``WORKER_MIN_BATCH`` to no worker).
+
+Run: ``python benchmarks/intake_cpu.py [--messages 10000] [--repeats 3] [--plain-only] [--baseline REV] [--batch N]``.
 """
 
 from __future__ import annotations
@@ -115,7 +119,9 @@ class Timed:
             self.cpu += time.thread_time() - t0
 
 
-def one_round(srv: Server, timed: Timed, msgs: list[Delivery], worker: Any) -> dict[str, float]:
+def one_round(
+    srv: Server, timed: Timed, msgs: list[Delivery], worker: Any, batch_size: int = INBOX_BATCH
+) -> dict[str, float]:
     parse = 0.0
     if worker is not None:
         original = worker.collect
@@ -130,8 +136,8 @@ def one_round(srv: Server, timed: Timed, msgs: list[Delivery], worker: Any) -> d
     timed.cpu = 0.0
     before = srv.stats.tier_messages
     t0 = time.thread_time()
-    for i in range(0, len(msgs), INBOX_BATCH):
-        batch = msgs[i : i + INBOX_BATCH]
+    for i in range(0, len(msgs), batch_size):
+        batch = msgs[i : i + batch_size]
         if worker is None:
             for m in batch:
                 srv.handle_inbound(m)
@@ -163,7 +169,16 @@ def _stats(rows: list[dict[str, float]], spread: bool = False) -> dict[str, dict
 
 def _one_process(src: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One round of each way in a fresh process on the code under ``src``."""
-    cmd = [sys.executable, __file__, "--messages", str(args.messages), "--repeats", "1"]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--messages",
+        str(args.messages),
+        "--repeats",
+        "1",
+        "--batch",
+        str(args.batch),
+    ]
     env = {**os.environ, "PYTHONPATH": str(src)}
     out = subprocess.run(
         cmd + (["--plain-only"] if args.plain_only else []),
@@ -205,6 +220,12 @@ def main() -> None:
     p.add_argument("--messages", type=int, default=10000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--plain-only", action="store_true", help="only the loop's own parsing")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=INBOX_BATCH,
+        help="messages handed over per loop turn (the inbox's batch)",
+    )
     p.add_argument("--baseline", metavar="REV", help="also run commit REV's code, interleaved")
     args = p.parse_args()
     import torch
@@ -212,7 +233,13 @@ def main() -> None:
     torch.set_num_threads(1)
     load_before = os.getloadavg()
     if args.baseline is not None:
-        out = {"clients": CLIENTS, "messages": args.messages, "repeats": args.repeats, **compare(args)}
+        out = {
+            "clients": CLIENTS,
+            "messages": args.messages,
+            "repeats": args.repeats,
+            "batch": args.batch,
+            **compare(args),
+        }
         _finish(out, load_before)
         return
     worker = None
@@ -228,14 +255,19 @@ def main() -> None:
         one_round(srv, timed, flips(2 * CLIENTS, seq), None)  # warm up
         seq += 2
         for _ in range(args.repeats):
-            plain.append(one_round(srv, timed, flips(args.messages, seq), None))
+            plain.append(one_round(srv, timed, flips(args.messages, seq), None, args.batch))
             seq += args.messages // CLIENTS + 1
             if worker is not None:
-                piped.append(one_round(srv, timed, flips(args.messages, seq), worker))
+                piped.append(one_round(srv, timed, flips(args.messages, seq), worker, args.batch))
                 seq += args.messages // CLIENTS + 1
         if worker is not None:
             worker.close()
-    out: dict[str, Any] = {"clients": CLIENTS, "messages": args.messages, "repeats": args.repeats}
+    out: dict[str, Any] = {
+        "clients": CLIENTS,
+        "messages": args.messages,
+        "repeats": args.repeats,
+        "batch": args.batch,
+    }
     out["loop_parses"] = _stats(plain)
     if piped:
         out["decode_worker"] = _stats(piped)

@@ -108,6 +108,7 @@ from felix.stream.summary import stream_summary
 log = logging.getLogger("felix.deploy.server")
 
 INBOX_BATCH = 64  # inbound messages handled per loop turn at most (timers and commits run between turns)
+WORKER_MIN_BATCH = 8  # smaller batches are parsed in the loop, not sent to the decode worker
 
 
 @dataclass(frozen=True)
@@ -356,12 +357,7 @@ class Server:
             else:
                 quick = bool(self._parsing)
                 batch = [item for _, item in self.inbox.get_batch(0.0 if quick else timeout, INBOX_BATCH)]
-            if self.decoder is not None:
-                deliveries = [i for i in batch if isinstance(i, Delivery)]
-                # A reconnection is handled after what came before it: then without the pipeline.
-                self._pipeline(self.decoder, deliveries if len(deliveries) == len(batch) else [])
-                batch = [] if len(deliveries) == len(batch) else batch
-            for item in batch:
+            for item in self._intake(batch):
                 if self.ctl.stop_reason is not None:
                     break  # the rest stays unacknowledged: the broker redelivers it to the next session
                 if isinstance(item, Connected):
@@ -495,6 +491,22 @@ class Server:
     def _log_refusal(self, r: Refused, error: bool = False) -> None:
         """Log a refusal (the protocol counted it) within bounds (``felix.deploy.refusal_log``)."""
         self.refusals.log(r, self.stats.rejected, error)
+
+    def _intake(self, batch: list[Item]) -> list[Item]:
+        """What of ``batch`` the loop handles itself. With a decode worker, a batch of
+        ``WORKER_MIN_BATCH`` messages or more goes through the pipeline (none is left); a smaller
+        one, or one that holds a reconnection (handled after what came before it), is left to the
+        loop after what is in flight: a round trip to the worker costs the loop more than parsing
+        a few messages itself (``benchmarks/intake_cpu.py --batch``), and under load the batches
+        grow past the bound."""
+        if self.decoder is None:
+            return batch
+        deliveries = [i for i in batch if isinstance(i, Delivery)]
+        if len(batch) >= WORKER_MIN_BATCH and len(deliveries) == len(batch):
+            self._pipeline(self.decoder, deliveries)
+            return []
+        self._pipeline(self.decoder, [])
+        return batch
 
     def _pipeline(self, decoder: DecodeWorker, batch: list[Delivery]) -> None:
         """With a decode worker: take the parsed results of the batch before, send this batch's
