@@ -226,8 +226,8 @@ class _LoopWaits:
 
     def _sched(self) -> tuple[float, float]:
         """(run s, runnable-waiting s) of the loop thread so far."""
-        if self._fd < 0:
-            self._fd = os.open(f"/proc/self/task/{self.tid}/schedstat", os.O_RDONLY)
+        if self._fd < 0:  # the first call, on the loop thread itself
+            self._fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
         run_ns, wait_ns, _ = os.pread(self._fd, 128, 0).split()
         return int(run_ns) / 1e9, int(wait_ns) / 1e9
 
