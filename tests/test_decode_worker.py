@@ -15,6 +15,7 @@ from mqtt_support import Background, load_config, one_torch_thread, run_in_memor
 
 from felix.core.refusals import Refusal
 from felix.core.types import ClientUpdate, TaskKind, Tier
+from felix.deploy import server as server_module
 from felix.deploy import wire
 from felix.deploy.channels import Address, Channel
 from felix.deploy.decode_worker import DecodeWorker
@@ -165,7 +166,19 @@ def test_a_worker_that_dies_stops_the_server_with_a_clear_error(tmp_path: Path) 
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_a_deployment_through_the_decode_worker_applies_each_update_once(tmp_path: Path) -> None:
+def test_a_deployment_through_the_decode_worker_applies_each_update_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Four clients send a few messages per loop turn: every batch goes to the worker here.
+    monkeypatch.setattr(server_module, "WORKER_MIN_BATCH", 1)
+    submitted: list[int] = []
+    submit = DecodeWorker.submit
+
+    def counted(self: DecodeWorker, payloads: list[bytes]) -> None:
+        submitted.append(len(payloads))
+        submit(self, payloads)
+
+    monkeypatch.setattr(DecodeWorker, "submit", counted)
     cfg = load_config(
         write_config(tmp_path / "cfg.yaml", partition={"num_clients": CLIENTS}, trace={"kind": "always"}),
         {
@@ -178,3 +191,4 @@ def test_a_deployment_through_the_decode_worker_applies_each_update_once(tmp_pat
     assert summ["stop_reason"] == "max_aggregations"
     assert summ["deployment"]["applied_task_ids_unique"] and summ["updates_applied"] == 10
     assert summ["transport"]["rejected"] == 0 and server.decoder is not None
+    assert sum(submitted) >= summ["transport"]["messages_in"] - CLIENTS  # all but a few went through it
