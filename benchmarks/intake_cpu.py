@@ -10,7 +10,16 @@ tier change, with the dispatches it triggers); with the worker, also the worker'
 message (on the other core). ``--repeats`` rounds of ``--messages`` each, alternating the two
 ways; one JSON line with the mean and spread of each and the provenance.
 
-Run: ``python benchmarks/intake_cpu.py [--messages 10000] [--repeats 3] [--plain-only]``.
+``--baseline REV`` compares the working tree's code with commit ``REV`` side by side: each repeat
+runs one round of each way in a fresh process on each code (``git archive`` of ``REV``, this
+script on both), the two codes alternating, so that other work on the machine weighs on both
+alike; the line then holds, for each code and way, the mean, spread, minimum and median.
+
+``--batch N`` hands the messages over N at a time instead of the inbox's 64 (the worker's round
+trip per batch against parsing in the loop: the server sends batches under
+``WORKER_MIN_BATCH`` to no worker).
+
+Run: ``python benchmarks/intake_cpu.py [--messages 10000] [--repeats 3] [--plain-only] [--baseline REV] [--batch N]``.
 """
 
 from __future__ import annotations
@@ -19,7 +28,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -108,7 +119,9 @@ class Timed:
             self.cpu += time.thread_time() - t0
 
 
-def one_round(srv: Server, timed: Timed, msgs: list[Delivery], worker: Any) -> dict[str, float]:
+def one_round(
+    srv: Server, timed: Timed, msgs: list[Delivery], worker: Any, batch_size: int = INBOX_BATCH
+) -> dict[str, float]:
     parse = 0.0
     if worker is not None:
         original = worker.collect
@@ -123,8 +136,8 @@ def one_round(srv: Server, timed: Timed, msgs: list[Delivery], worker: Any) -> d
     timed.cpu = 0.0
     before = srv.stats.tier_messages
     t0 = time.thread_time()
-    for i in range(0, len(msgs), INBOX_BATCH):
-        batch = msgs[i : i + INBOX_BATCH]
+    for i in range(0, len(msgs), batch_size):
+        batch = msgs[i : i + batch_size]
         if worker is None:
             for m in batch:
                 srv.handle_inbound(m)
@@ -144,13 +157,61 @@ def one_round(srv: Server, timed: Timed, msgs: list[Delivery], worker: Any) -> d
     }
 
 
-def _stats(rows: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+def _stats(rows: list[dict[str, float]], spread: bool = False) -> dict[str, dict[str, float]]:
+    out = {}
+    for k in rows[0]:
+        xs = [r[k] for r in rows]
+        out[k] = {"mean": round(statistics.fmean(xs), 1), "sd": round(statistics.pstdev(xs), 1)}
+        if spread:
+            out[k] |= {"min": round(min(xs), 1), "median": round(statistics.median(xs), 1)}
+    return out
+
+
+def _one_process(src: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One round of each way in a fresh process on the code under ``src``."""
+    cmd = [
+        sys.executable,
+        __file__,
+        "--messages",
+        str(args.messages),
+        "--repeats",
+        "1",
+        "--batch",
+        str(args.batch),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    out = subprocess.run(
+        cmd + (["--plain-only"] if args.plain_only else []),
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(out.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def compare(args: argparse.Namespace) -> dict[str, Any]:
+    """The working tree's code and ``args.baseline``'s, one process each per repeat, alternating."""
+    root = Path(__file__).resolve().parents[1]
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", args.baseline], cwd=root, check=True, capture_output=True, text=True
+    ).stdout.strip()
+    rows: dict[str, dict[str, list[dict[str, float]]]] = {"baseline": {}, "this": {}}
+    with tempfile.TemporaryDirectory(prefix="felix-intake-base-") as tmp:
+        archive = Path(tmp) / "base.tar"
+        subprocess.run(["git", "archive", "-o", str(archive), rev, "src"], cwd=root, check=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp, filter="data")
+        codes = {"baseline": Path(tmp) / "src", "this": root / "src"}
+        for i in range(args.repeats):
+            for name in ("baseline", "this") if i % 2 == 0 else ("this", "baseline"):
+                line = _one_process(codes[name], args)
+                for way in ("loop_parses", "decode_worker"):
+                    if way in line:
+                        rows[name].setdefault(way, []).append({k: v["mean"] for k, v in line[way].items()})
     return {
-        k: {
-            "mean": round(statistics.fmean(r[k] for r in rows), 1),
-            "sd": round(statistics.pstdev(r[k] for r in rows), 1),
-        }
-        for k in rows[0]
+        "baseline": {"commit": rev, **{w: _stats(r, True) for w, r in rows["baseline"].items()}},
+        "this": {w: _stats(r, True) for w, r in rows["this"].items()},
     }
 
 
@@ -159,11 +220,28 @@ def main() -> None:
     p.add_argument("--messages", type=int, default=10000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--plain-only", action="store_true", help="only the loop's own parsing")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=INBOX_BATCH,
+        help="messages handed over per loop turn (the inbox's batch)",
+    )
+    p.add_argument("--baseline", metavar="REV", help="also run commit REV's code, interleaved")
     args = p.parse_args()
     import torch
 
     torch.set_num_threads(1)
     load_before = os.getloadavg()
+    if args.baseline is not None:
+        out = {
+            "clients": CLIENTS,
+            "messages": args.messages,
+            "repeats": args.repeats,
+            "batch": args.batch,
+            **compare(args),
+        }
+        _finish(out, load_before)
+        return
     worker = None
     with tempfile.TemporaryDirectory(prefix="felix-intake-") as tmp:
         srv = make_server(Path(tmp))
@@ -177,17 +255,26 @@ def main() -> None:
         one_round(srv, timed, flips(2 * CLIENTS, seq), None)  # warm up
         seq += 2
         for _ in range(args.repeats):
-            plain.append(one_round(srv, timed, flips(args.messages, seq), None))
+            plain.append(one_round(srv, timed, flips(args.messages, seq), None, args.batch))
             seq += args.messages // CLIENTS + 1
             if worker is not None:
-                piped.append(one_round(srv, timed, flips(args.messages, seq), worker))
+                piped.append(one_round(srv, timed, flips(args.messages, seq), worker, args.batch))
                 seq += args.messages // CLIENTS + 1
         if worker is not None:
             worker.close()
-    out: dict[str, Any] = {"clients": CLIENTS, "messages": args.messages, "repeats": args.repeats}
+    out: dict[str, Any] = {
+        "clients": CLIENTS,
+        "messages": args.messages,
+        "repeats": args.repeats,
+        "batch": args.batch,
+    }
     out["loop_parses"] = _stats(plain)
     if piped:
         out["decode_worker"] = _stats(piped)
+    _finish(out, load_before)
+
+
+def _finish(out: dict[str, Any], load_before: tuple[float, float, float]) -> None:
     out["command"] = "python " + " ".join(["benchmarks/intake_cpu.py", *sys.argv[1:]])
     out["provenance"] = provenance()
     # Other work on the machine moves these figures: the load average before and after the rounds.

@@ -203,6 +203,76 @@ class _Timed:
         self.selecting_cpu.clear()
 
 
+class _LoopWaits:
+    """Where the loop thread's wall time goes over the window: its CPU and its wait for a core
+    (``/proc/self/task/<tid>/schedstat``: time run, time runnable but not running); of the rest,
+    its wait in the inbox for a batch (``Inbox.get_batch``, wrapped) and, with the decode worker,
+    for the worker's verdicts (``DecodeWorker.collect``), each counted without the time run or
+    runnable inside the call; and what remains: blocked elsewhere, mostly for the interpreter
+    while a network thread holds it. Also the batches taken and their mean size. It costs the
+    loop thread about 10 us per batch (four reads of ``schedstat``)."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.inner = server.inbox.get_batch
+        self.tid = 0
+        self._fd = -1
+        self.waited = 0.0
+        self.worker_waited = 0.0
+        self.batches = 0
+        self.items = 0
+        self._collect: Any = None
+        server.inbox.get_batch = self  # type: ignore[method-assign]
+
+    def _sched(self) -> tuple[float, float]:
+        """(run s, runnable-waiting s) of the loop thread so far."""
+        if self._fd < 0:  # the first call, on the loop thread itself
+            self._fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
+        run_ns, wait_ns, _ = os.pread(self._fd, 128, 0).split()
+        return int(run_ns) / 1e9, int(wait_ns) / 1e9
+
+    def _blocked(self, call: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+        """``call``'s result, and the time it spent neither running nor runnable."""
+        (r0, q0), t0 = self._sched(), time.perf_counter()
+        out = call(*args, **kwargs)
+        t1, (r1, q1) = time.perf_counter(), self._sched()
+        return out, max(0.0, (t1 - t0) - (r1 - r0) - (q1 - q0))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        decoder = self.server.decoder
+        if decoder is not None and self._collect is None:  # started with the loop: wrapped once there
+            self._collect = decoder.collect
+            decoder.collect = self._collect_timed  # type: ignore[method-assign]
+        out, blocked = self._blocked(self.inner, *args, **kwargs)
+        self.waited += blocked
+        self.batches += 1
+        self.items += len(out)
+        return out
+
+    def _collect_timed(self) -> Any:
+        out, blocked = self._blocked(self._collect)
+        self.worker_waited += blocked
+        return out
+
+    def sample(self) -> tuple[float, ...]:
+        """(run s, runnable-waiting s, inbox s, worker s, batches, items) of the loop thread so far."""
+        run = Path(f"/proc/self/task/{self.tid}/schedstat").read_text().split()
+        return int(run[0]) / 1e9, int(run[1]) / 1e9, self.waited, self.worker_waited, self.batches, self.items
+
+    @staticmethod
+    def shares(before: tuple[float, ...], after: tuple[float, ...], dt: float) -> dict[str, float]:
+        run, runq, inbox, worker, batches, items = (a - b for a, b in zip(after, before, strict=True))
+        return {
+            "cpu_pct": round(100 * run / dt, 1),
+            "runqueue_pct": round(100 * runq / dt, 1),
+            "inbox_wait_pct": round(100 * inbox / dt, 1),
+            "worker_wait_pct": round(100 * worker / dt, 1),
+            "other_wait_pct": round(100 * max(0.0, dt - run - runq - inbox - worker) / dt, 1),
+            "batches_per_s": round(batches / dt, 1),
+            "mean_batch": round(items / max(1, batches), 1),
+        }
+
+
 class _LoadgenLines:
     """Reads the load generator's JSON lines (cumulative counters, once a second) on a thread."""
 
@@ -415,6 +485,7 @@ def run_phase(
     brokers: int = 1,
     loadgens: int = 1,
     netns: bool = False,
+    decode_worker: bool = False,
 ) -> dict[str, Any]:
     """One phase: ``brokers`` brokers (shards), the server in this process, and the clients (the
     emulate workers on one broker, or ``loadgens`` light load generators, in namespaces of their
@@ -447,13 +518,16 @@ def run_phase(
             ),
             run_id="cap",
             status_every_s=1e9,
+            decode_worker=decode_worker,
             checkpoint=work / f"ck-{tag}.safetensors" if checkpoint else None,
         )
         server = Server(cfg, opts)
         timed = _Timed(server.orch.handle)
         server.orch.handle = timed  # type: ignore[method-assign]
+        waits = _LoopWaits(server)
         thread = threading.Thread(target=server.run, daemon=True, name="felix-loop")
         thread.start()
+        waits.tid = thread.native_id or 0
         t_start = time.monotonic()
         answer = phase != "tiers"
         clients: _Loadgens | subprocess.Popen[Any] = (
@@ -497,12 +571,15 @@ def run_phase(
             dups0, reconnects0, in0 = s0.duplicates, s0.reconnects, s0.messages_in
             gen0 = gens.snapshot() if gens is not None else []
             server.latency.clear()
+            server.inbox_delay.clear()
             timed.clear()
             cpu0 = _thread_cpu(os.getpid())
             broker_pids = [b._proc.pid if b._proc is not None else -1 for b in shards.brokers]
             others0 = (sum(_tree_cpu(pid) for pid in broker_pids), _clients_cpu(clients))
             machine0 = _machine_cpu()
+            waits0 = waits.sample()
             time.sleep(window_s)
+            waits1 = waits.sample()
             dt = time.monotonic() - t0
             cpu1 = _thread_cpu(os.getpid())
             others1 = (sum(_tree_cpu(pid) for pid in broker_pids), _clients_cpu(clients))
@@ -510,6 +587,7 @@ def run_phase(
             s1 = server.stats
             gen1 = gens.snapshot() if gens is not None else []
             lat = np.array(server.latency) * 1000.0
+            queued = np.array(server.inbox_delay) * 1000.0
             sel = np.array(timed.times) * 1000.0
             dispatching = np.array(timed.selecting) * 1000.0
             dispatching_cpu = np.array(timed.selecting_cpu) * 1000.0
@@ -538,6 +616,9 @@ def run_phase(
                 "reconnects": s1.reconnects,
                 "lat_p50_ms": float(np.percentile(lat, 50)) if lat.size else float("nan"),
                 "lat_p95_ms": float(np.percentile(lat, 95)) if lat.size else float("nan"),
+                # Of that delay, the wait in the server's inbox (the loop behind), the rest before.
+                "inbox_delay_p50_ms": float(np.percentile(queued, 50)) if queued.size else float("nan"),
+                "inbox_delay_p95_ms": float(np.percentile(queued, 95)) if queued.size else float("nan"),
                 "tier_event_p50_ms": float(np.percentile(sel, 50)) if sel.size else float("nan"),
                 "tier_event_p95_ms": float(np.percentile(sel, 95)) if sel.size else float("nan"),
                 "tier_event_p99_ms": float(np.percentile(sel, 99)) if sel.size else float("nan"),
@@ -580,6 +661,7 @@ def run_phase(
                 if s1.tier_messages > tiers0 and phase == "tiers"
                 else None
             )
+            out["loop_waits"] = _LoopWaits.shares(waits0, waits1, dt)
             out["server_rss_mb"] = round(_rss_mb(), 1)
             out["open_files"] = open_files
         finally:
@@ -678,7 +760,20 @@ def main() -> int:
         help="the tier phase only, its figures printed as one JSON line (with the run's provenance)",
     )
     p.add_argument("--record", type=Path, default=None, help="also write every phase's figures to this file")
+    p.add_argument(
+        "--decode-worker",
+        action="store_true",
+        help="the server parses in a worker process (felix serve --decode-worker)",
+    )
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="the server process's GIL switch interval, seconds (sys.setswitchinterval; Python's default 0.005)",
+    )
     args = p.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if args.brokers > 1:
         args.loadgen = "light"
     if args.json:
@@ -793,6 +888,7 @@ def _common(args: argparse.Namespace) -> dict[str, Any]:
         "brokers": args.brokers,
         "loadgens": args.loadgens or default_loadgens(max(args.clients)),
         "netns": light and args.netns,
+        "decode_worker": args.decode_worker,
     }
 
 
@@ -824,6 +920,8 @@ def _json_line(args: argparse.Namespace, provenance: dict[str, Any]) -> int:
                 "rate": args.rate,
                 "preset": args.preset,
                 "window_s": args.window,
+                "switch_interval_s": sys.getswitchinterval(),
+                "decode_worker": args.decode_worker,
                 **{
                     k: v
                     for k, v in t.items()

@@ -189,6 +189,26 @@ def test_admission_state_survives_a_checkpoint() -> None:
     assert fresh.due(last + 100) == [ATTACKER]
 
 
+def test_allowed_matches_the_excluded_set_for_any_ids() -> None:
+    """``allowed`` (a table lookup) agrees with a set membership test for ids inside, beyond and
+    below the table, sparse and extreme ids, and after the excluded set changes."""
+    rng = np.random.default_rng(0)
+    extremes = np.array([-(2**63), -1, 0, 1, 2**22 - 1, 2**22, 2**40, 2**63 - 1], dtype=np.int64)
+    a = Admission(OFF)
+    for excluded in ([], [0], [3, 7, 399], [5, 2**22 + 9], [-4, 12], [2**63 - 1]):
+        for cid in list(a._held):
+            a.hold(cid, False)
+        for cid in excluded:
+            a.hold(cid, True)
+        for _ in range(5):
+            ids = np.sort(
+                np.concatenate([rng.integers(-3, 500, 300), extremes, np.asarray(excluded, np.int64)])
+            )
+            want = np.array([int(i) not in set(excluded) for i in ids])
+            assert a.allowed(ids).tolist() == want.tolist(), excluded
+    assert a.allowed(np.empty(0, np.int64)).size == 0
+
+
 @pytest.mark.parametrize(
     "bad",
     [{"flap_limit": 0}, {"flap_window_s": 0.0}, {"task_rate": -1.0}, {"task_burst": 0.5}],

@@ -15,11 +15,12 @@ from mqtt_support import Background, load_config, one_torch_thread, run_in_memor
 
 from felix.core.refusals import Refusal
 from felix.core.types import ClientUpdate, TaskKind, Tier
+from felix.deploy import server as server_module
 from felix.deploy import wire
 from felix.deploy.channels import Address, Channel
 from felix.deploy.decode_worker import DecodeWorker
 from felix.deploy.memory_transport import MemoryOptions
-from felix.deploy.server import ServeOptions, Server
+from felix.deploy.server import WORKER_MIN_BATCH, ServeOptions, Server
 from felix.deploy.transport import Ack, Delivery
 
 CLIENTS = 4
@@ -116,6 +117,41 @@ def test_the_worker_gives_the_loops_verdicts_in_order(tmp_path: Path) -> None:
     assert tiers[0] == tiers[1]
 
 
+def test_a_small_batch_is_parsed_in_the_loop_and_a_large_one_by_the_worker(tmp_path: Path) -> None:
+    """A round trip to the worker costs the loop more than parsing a few messages: a batch under
+    ``WORKER_MIN_BATCH`` is left to the loop, after what is in flight, and the verdicts are the
+    loop's, in order."""
+    plain, piped = _server(tmp_path / "a", False), _server(tmp_path / "b", True)
+    for m in _hostile_and_honest(plain):
+        plain.handle_inbound(m)
+    decoder = piped.decoder = DecodeWorker(piped.max_bytes, piped.protocol.header_bytes)
+    sent: list[int] = []
+    submit = decoder.submit
+
+    def counted(payloads: list[bytes]) -> None:
+        sent.append(len(payloads))
+        submit(payloads)
+
+    decoder.submit = counted  # type: ignore[method-assign]
+    try:
+        items = _hostile_and_honest(piped)
+        first, rest = items[:WORKER_MIN_BATCH], items[WORKER_MIN_BATCH:]
+        assert 0 < len(rest) < WORKER_MIN_BATCH
+        assert piped._intake(first) == [] and sent == [WORKER_MIN_BATCH]  # in flight
+        assert piped._intake(rest) == rest and sent == [WORKER_MIN_BATCH]  # the loop's to parse
+        assert piped.stats.messages_in == WORKER_MIN_BATCH and not piped._parsing  # the first applied
+        for m in rest:
+            piped.handle_inbound(m)
+        assert piped._intake(rest[:1]) == rest[:1] and sent == [WORKER_MIN_BATCH]
+    finally:
+        decoder.close()
+    for s in (plain.stats, piped.stats):
+        assert s.duplicates == 1 and s.messages_in == 13 and s.registrations == CLIENTS
+    assert plain.stats.refused_by_kind == piped.stats.refused_by_kind
+    tiers = [[srv.orch.clients[c].tier for c in range(CLIENTS)] for srv in (plain, piped)]
+    assert tiers[0] == tiers[1]
+
+
 def test_a_worker_that_dies_stops_the_server_with_a_clear_error(tmp_path: Path) -> None:
     from felix.deploy.decode_worker import DecodeWorkerError
 
@@ -130,7 +166,19 @@ def test_a_worker_that_dies_stops_the_server_with_a_clear_error(tmp_path: Path) 
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_a_deployment_through_the_decode_worker_applies_each_update_once(tmp_path: Path) -> None:
+def test_a_deployment_through_the_decode_worker_applies_each_update_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Four clients send a few messages per loop turn: every batch goes to the worker here.
+    monkeypatch.setattr(server_module, "WORKER_MIN_BATCH", 1)
+    submitted: list[int] = []
+    submit = DecodeWorker.submit
+
+    def counted(self: DecodeWorker, payloads: list[bytes]) -> None:
+        submitted.append(len(payloads))
+        submit(self, payloads)
+
+    monkeypatch.setattr(DecodeWorker, "submit", counted)
     cfg = load_config(
         write_config(tmp_path / "cfg.yaml", partition={"num_clients": CLIENTS}, trace={"kind": "always"}),
         {
@@ -143,3 +191,4 @@ def test_a_deployment_through_the_decode_worker_applies_each_update_once(tmp_pat
     assert summ["stop_reason"] == "max_aggregations"
     assert summ["deployment"]["applied_task_ids_unique"] and summ["updates_applied"] == 10
     assert summ["transport"]["rejected"] == 0 and server.decoder is not None
+    assert sum(submitted) >= summ["transport"]["messages_in"] - CLIENTS  # all but a few went through it

@@ -76,8 +76,11 @@ class Dispatch:
         m = self.clients
         rows = self.availability.train_rows(m, self.now)
         if self.admission.any_excluded and len(rows):
-            rows = rows[~np.isin(m.ids_of(rows), self.admission.excluded_ids())]
-        if self.max_participations is not None and len(rows):
+            rows = rows[self.admission.allowed(m.ids_of(rows))]
+        if not len(rows):  # nobody idle, or all of them excluded: nothing to filter
+            self._rejoin_at = None
+            return m.ids_of(rows)
+        if self.max_participations is not None:
             rows = rows[m.column("times_updated")[rows] < self.max_participations]
         fresh = np.ones(len(rows), dtype=bool)
         if self.rounds.one_task_per_round:
@@ -113,7 +116,7 @@ class Dispatch:
             if not self.cfg.probe_busy_clients and len(cands):
                 cands = cands[~np.isin(cands, self.ledger.owing())]
             if self.admission.any_excluded and len(cands):
-                cands = cands[~np.isin(cands, self.admission.excluded_ids())]
+                cands = cands[self.admission.allowed(cands)]
             if len(cands):
                 for cid in self.eval_selector.select(cands, budget, self._ctx()):
                     self._dispatch(cid, TaskKind.EVAL, out)

@@ -30,7 +30,7 @@ AddressOf = Callable[[str], Address | None]
 
 
 def _delivery(m: Inbound, address_of: AddressOf, shard: int) -> Delivery:
-    return Delivery(address_of(m.topic), m.payload, Ack(m.mid, m.qos, m.epoch, shard), m.topic)
+    return Delivery(address_of(m.topic), m.payload, Ack(m.mid, m.qos, m.epoch, shard), m.topic, m.received_at)
 
 
 def _sinks(

@@ -108,6 +108,7 @@ from felix.stream.summary import stream_summary
 log = logging.getLogger("felix.deploy.server")
 
 INBOX_BATCH = 64  # inbound messages handled per loop turn at most (timers and commits run between turns)
+WORKER_MIN_BATCH = 8  # smaller batches are parsed in the loop, not sent to the decode worker
 
 
 @dataclass(frozen=True)
@@ -280,6 +281,8 @@ class Server:
         # Delivery delay of recent inbound messages (receive time - the sender's "sent" stamp; one
         # clock on a single machine, clock skew across machines): the broker's and the loop's backlog.
         self.latency: deque[float] = deque(maxlen=4096)
+        # Of that delay, the wait between the transport's receipt and the loop (the inbox's queue).
+        self.inbox_delay: deque[float] = deque(maxlen=4096)
         self._prior_wall = 0.0
         self._start_time = 0.0
         self.config_digest = hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
@@ -354,12 +357,7 @@ class Server:
             else:
                 quick = bool(self._parsing)
                 batch = [item for _, item in self.inbox.get_batch(0.0 if quick else timeout, INBOX_BATCH)]
-            if self.decoder is not None:
-                deliveries = [i for i in batch if isinstance(i, Delivery)]
-                # A reconnection is handled after what came before it: then without the pipeline.
-                self._pipeline(self.decoder, deliveries if len(deliveries) == len(batch) else [])
-                batch = [] if len(deliveries) == len(batch) else batch
-            for item in batch:
+            for item in self._intake(batch):
                 if self.ctl.stop_reason is not None:
                     break  # the rest stays unacknowledged: the broker redelivers it to the next session
                 if isinstance(item, Connected):
@@ -435,6 +433,8 @@ class Server:
                 **{k: v for k, v in asdict(self.stats).items() if k != "rejected_by_reason"},
                 "latency_p50_ms": _ms(self.latency, 50),
                 "latency_p95_ms": _ms(self.latency, 95),
+                "inbox_delay_p50_ms": _ms(self.inbox_delay, 50),
+                "inbox_delay_p95_ms": _ms(self.inbox_delay, 95),
                 "inbox_full_waits": self.inbox.full_waits,
                 **(
                     {}
@@ -491,6 +491,22 @@ class Server:
     def _log_refusal(self, r: Refused, error: bool = False) -> None:
         """Log a refusal (the protocol counted it) within bounds (``felix.deploy.refusal_log``)."""
         self.refusals.log(r, self.stats.rejected, error)
+
+    def _intake(self, batch: list[Item]) -> list[Item]:
+        """What of ``batch`` the loop handles itself. With a decode worker, a batch of
+        ``WORKER_MIN_BATCH`` messages or more goes through the pipeline (none is left); a smaller
+        one, or one that holds a reconnection (handled after what came before it), is left to the
+        loop after what is in flight: a round trip to the worker costs the loop more than parsing
+        a few messages itself (``benchmarks/intake_cpu.py --batch``), and under load the batches
+        grow past the bound."""
+        if self.decoder is None:
+            return batch
+        deliveries = [i for i in batch if isinstance(i, Delivery)]
+        if len(batch) >= WORKER_MIN_BATCH and len(deliveries) == len(batch):
+            self._pipeline(self.decoder, deliveries)
+            return []
+        self._pipeline(self.decoder, [])
+        return batch
 
     def _pipeline(self, decoder: DecodeWorker, batch: list[Delivery]) -> None:
         """With a decode worker: take the parsed results of the batch before, send this batch's
@@ -573,6 +589,8 @@ class Server:
             self.ctl.count_wire("up", got.wire_kind, len(m.payload))
         if got.msg is not None:
             self.latency.append(max(0.0, time.time() - got.msg.sent_at))
+            if m.received_at:
+                self.inbox_delay.append(wall - m.received_at)
         if isinstance(got, Refused):
             self._log_refusal(got)
         elif isinstance(got, SecAggIn):

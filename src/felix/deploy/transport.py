@@ -50,12 +50,15 @@ class Ack:
 class Delivery:
     """One inbound message. ``address`` is None when the transport could not place it (MQTT: a
     topic outside the scheme); ``origin`` is the transport's own name for where it came from
-    (MQTT: the topic), for logs only."""
+    (MQTT: the topic), for logs only. ``received_at``: when the transport received it
+    (``time.monotonic()``; 0.0 where it does not say), so that a message's delay splits into the
+    part before the server had it and its wait in the inbox."""
 
     address: Address | None
     payload: bytes
     ack: Ack
     origin: str
+    received_at: float = 0.0
 
 
 Item = Delivery | Connected

@@ -274,10 +274,14 @@ def _str(name: str, v: Any) -> str:
     return v
 
 
+_TIERS = dict(Tier.__members__)  # ``Tier.__members__`` builds a new mapping proxy at each access
+
+
 def _tier(name: str, v: Any) -> Tier:
-    if not isinstance(v, str) or v not in Tier.__members__:
-        raise _bad(name, f"one of {sorted(Tier.__members__)}", v)
-    return Tier[v]
+    tier = _TIERS.get(v) if isinstance(v, str) else None
+    if tier is None:
+        raise _bad(name, f"one of {sorted(_TIERS)}", v)
+    return tier
 
 
 def _kind(name: str, v: Any) -> TaskKind:
@@ -515,6 +519,11 @@ class Parsed:
     mtype: MsgType
     values: dict[str, Any]
     layout: tuple[tuple[str, str, tuple[int, ...], int], ...] | None
+
+    def __reduce__(self) -> tuple[type[Parsed], tuple[Any, ...]]:
+        # Rebuilt by its constructor: half the unpickling time of the dataclass's generic
+        # ``__setstate__``, which the server's loop pays for every message the decode worker parsed.
+        return Parsed, (self.mtype, self.values, self.layout)
 
 
 def parse(
