@@ -176,18 +176,23 @@ def test_workers_need_the_local_executor() -> None:
 
 @pytest.mark.slow  # a benchmark harness (benchmarks/engine_speed.py)
 def test_engine_speed_times_each_worker_count_in_turn(capsys: pytest.CaptureFixture[str]) -> None:
-    """``--workers 2,1``: one line per count, the same run on each, with the load averages."""
+    """``--workers 2,1``: one line per count, the same run on each, with the load averages;
+    ``--bare-evaluate``: the bare loop redoes the run's evaluations and eval tasks too (a second ratio)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     try:
         import engine_speed
     finally:
         sys.path.pop(0)
     argv = ["--scenario", "default", "--aggregations", "3", "--warmup", "1", "--bare-repeats", "1"]
-    argv += ["--set", "model=mlp", "--cohort", "4", "--workers", "2,1", "--json"]
+    argv += ["--set", "model=mlp", "--cohort", "4", "--workers", "2,1", "--json", "--bare-evaluate"]
     assert engine_speed.main(argv) == 0
     lines = [json.loads(ln) for ln in capsys.readouterr().out.strip().splitlines()]
     assert [ln["workers"] for ln in lines] == [2, 1]
     assert lines[0]["virtual_s"] == lines[1]["virtual_s"] and lines[0]["updates"] == lines[1]["updates"]
     assert lines[0]["final_accuracy"] == lines[1]["final_accuracy"]
+    assert lines[0]["bare_probes"] == lines[1]["bare_probes"] > 0  # FeLiX's eval tasks, the same on both
     for ln in lines:
         assert len(ln["load_avg_before"]) == len(ln["load_avg_after"]) == 3 and ln["ratio_to_bare"] > 0
+        assert ln["bare_evaluations"] == 4  # the initial model's and three aggregations'
+        with_eval = ln["wall_s"] / (ln["bare_sequential_s"] + ln["bare_eval_s"])  # from rounded parts
+        assert ln["ratio_to_bare_with_eval"] == pytest.approx(with_eval, rel=0.05) and ln["bare_eval_s"] > 0
