@@ -147,9 +147,9 @@ def simulate(
     bare_loop_too: bool = False,
 ) -> Simulated:
     """Build and run the config; ``around`` wraps the run alone (e.g. a profiler), not the build.
-    ``bare_loop_too``: the bare loop of the same updates too, after the run or, with ``interleave``
-    above 0, paused into after every that many aggregations (the training tasks completed since the
-    last chunk; see the module docstring)."""
+    ``interleave`` above 0: pause the run after every that many aggregations for a chunk of the
+    bare loop (the training tasks completed since the last chunk; see the module docstring);
+    ``bare_loop_too``: the bare loop after the run where it is not interleaved."""
     sets = parse_set(args.set)
     run = sets.setdefault("run", {})
     run.update({"max_aggregations": aggregations, "stop_at_target": False})
@@ -160,10 +160,9 @@ def simulate(
     cfg = resolve_config(None, args.preset, sets, args.scenario)
     built = build(cfg)
     tasks: list[Task] = []
-    bare = (
-        BareLoop(built, args.bare_repeats, args.bare_threads, args.bare_evaluate) if bare_loop_too else None
-    )
-    interleave = interleave if bare is not None else 0
+    bare = None
+    if interleave > 0 or bare_loop_too:
+        bare = BareLoop(built, args.bare_repeats, args.bare_threads, args.bare_evaluate)
     if bare is not None and bare.evaluate:  # every eval task the run completes, for the bare loop to redo
         for dev in built.sim.devices:
             dev.complete = recording_probes(dev, bare.probes)  # type: ignore[method-assign]
