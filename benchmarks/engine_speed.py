@@ -31,6 +31,13 @@ on that many single-threaded workers, e.g. ``--workers 1,2 --bare-threads 1`` fo
 against the bare loop on one thread. Every round records the machine's load averages before and
 after it (``load_avg_before``, ``load_avg_after``): other processes' work on a shared machine.
 
+``--bare-evaluate`` makes the bare loop also do the run's evaluations in the plainest PyTorch: a
+forward pass over the test set (batches of 1,000) for every global evaluation and over the client's
+data (batches of 256) for every eval task the run completed, timed apart (``bare_eval_s``) and
+reported as a second ratio, ``ratio_to_bare_with_eval`` = simulator wall / (bare training + bare
+evaluations), beside ``ratio_to_bare`` (training only), which stays as it is. A scenario that
+evaluates at every aggregation (felix-cifar10-cpu) does about as much evaluating as training.
+
 ``--busy N`` starts N processes that each keep a core busy (a Python loop) for the whole
 measurement and ends them after: the run under contention, as when a user runs other work beside
 it (``busy`` in the JSON). On two cores, ``--set run.threads=2 --bare-threads 1 --busy 1`` is the
@@ -64,12 +71,14 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from felix.client.trainer import ClientData
 from felix.config import parse_set
+from felix.core.types import TaskKind
 from felix.engine.setup import resolve_config
 from felix.metrics.provenance import provenance
 from felix.sim.build import Built, build
 from felix.sim.simulation import SimOutcome
 
 Task = tuple[ClientData, int, np.ndarray]  # a training task: its client's data, its id, its weights
+Probe = tuple[ClientData, np.ndarray]  # an eval task: its client's data, its weights
 
 
 @dataclass
@@ -83,17 +92,25 @@ class Simulated:
     cpu_s: float  # process CPU seconds of the run (without the bare loop's chunks)
     gc_s: float  # wall seconds in Python's cyclic garbage collector (within the parts above)
     gc_collections: int
-    bare: BareLoop | None  # the bare loop interleaved with the run, if it was
+    bare: BareLoop | None  # the bare loop (interleaved with the run, or after it), if asked for
 
 
 class BareLoop:
     """:func:`bare_loop` in chunks, each timed as the best of ``repeats``; the times add up.
-    ``threads``: torch threads for the chunks (``None``: the run's), the run's restored after."""
+    ``threads``: torch threads for the chunks (``None``: the run's), the run's restored after.
+    With ``evaluate``, each chunk also does the run's evaluations and eval tasks recorded since the
+    last one (``evals``, ``probes``: the run appends to them) with :func:`bare_evaluate`, timed apart."""
 
-    def __init__(self, built: Built, repeats: int, threads: int | None = None) -> None:
-        self.built, self.repeats, self.threads = built, repeats, threads
+    def __init__(
+        self, built: Built, repeats: int, threads: int | None = None, evaluate: bool = False
+    ) -> None:
+        self.built, self.repeats, self.threads, self.evaluate = built, repeats, threads, evaluate
         self.model = copy.deepcopy(built.sim.trainer.model)  # the run's own models stay untouched
         self.wall_s = self.cpu_s = 0.0  # the sums of the chunks' best times
+        self.eval_wall_s = self.eval_cpu_s = 0.0  # the same for the evaluations (evaluate)
+        self.evals: list[np.ndarray] = []
+        self.probes: list[Probe] = []
+        self._evaluated = [0, 0]  # evals and probes already done
         self.paused_s = self.paused_cpu_s = 0.0  # everything the chunks took, repeats included
 
     def chunk(self, tasks: list[Task]) -> None:
@@ -104,6 +121,14 @@ class BareLoop:
         t0, cpu0 = time.perf_counter(), time.process_time()
         try:
             runs = [bare_loop(self.built, tasks, self.model) for _ in range(self.repeats)]
+            if self.evaluate:
+                evals, probes = self.evals[self._evaluated[0] :], self.probes[self._evaluated[1] :]
+                self._evaluated = [len(self.evals), len(self.probes)]
+                evaluated = [
+                    bare_evaluate(self.built, evals, probes, self.model) for _ in range(self.repeats)
+                ]
+                self.eval_wall_s += min(r[0] for r in evaluated)
+                self.eval_cpu_s += min(r[1] for r in evaluated)
         finally:
             torch.set_num_threads(run_threads)
         self.wall_s += min(r[0] for r in runs)
@@ -119,10 +144,12 @@ def simulate(
     around: AbstractContextManager[Any] | None = None,
     interleave: int = 0,
     workers: int | None = None,
+    bare_loop_too: bool = False,
 ) -> Simulated:
     """Build and run the config; ``around`` wraps the run alone (e.g. a profiler), not the build.
     ``interleave`` above 0: pause the run after every that many aggregations for a chunk of the
-    bare loop (the training tasks completed since the last chunk; see the module docstring)."""
+    bare loop (the training tasks completed since the last chunk; see the module docstring);
+    ``bare_loop_too``: the bare loop after the run where it is not interleaved."""
     sets = parse_set(args.set)
     run = sets.setdefault("run", {})
     run.update({"max_aggregations": aggregations, "stop_at_target": False})
@@ -133,13 +160,18 @@ def simulate(
     cfg = resolve_config(None, args.preset, sets, args.scenario)
     built = build(cfg)
     tasks: list[Task] = []
-    bare = BareLoop(built, args.bare_repeats, args.bare_threads) if interleave > 0 else None
+    bare = None
+    if interleave > 0 or bare_loop_too:
+        bare = BareLoop(built, args.bare_repeats, args.bare_threads, args.bare_evaluate)
+    if bare is not None and bare.evaluate:  # every eval task the run completes, for the bare loop to redo
+        for dev in built.sim.devices:
+            dev.complete = recording_probes(dev, bare.probes)  # type: ignore[method-assign]
     done = [0, interleave]  # tasks already in a chunk; the version that ends the current chunk
 
     def on_train(dev: Any, task: Any) -> None:
         # Called at a training task's completion, before the engine times its training.
         tasks.append((dev.data, task.task_id, task.weights))
-        if bare is not None and built.orch.version >= done[1]:
+        if bare is not None and interleave > 0 and built.orch.version >= done[1]:
             bare.chunk(tasks[done[0] :])
             done[0], done[1] = len(tasks), built.orch.version + interleave
 
@@ -147,6 +179,8 @@ def simulate(
     evaluate, eval_s = built.recorder.evaluate, [0.0]
 
     def timed_evaluate(weights: np.ndarray) -> tuple[float, float]:
+        if bare is not None:
+            bare.evals.append(np.array(weights, copy=True))
         t0 = time.perf_counter()
         try:
             return evaluate(weights)  # ends in a host copy of the result: GPU work is done
@@ -171,10 +205,12 @@ def simulate(
             cpu_s = time.process_time() - cpu0
     finally:
         gc.callbacks.remove(timed_collection)
-    if bare is not None:
+    if bare is not None and interleave > 0:
         out = dataclasses.replace(out, wall_time_s=out.wall_time_s - bare.paused_s)
         cpu_s -= bare.paused_cpu_s
         bare.chunk(tasks[done[0] :])  # the updates since the last pause
+    elif bare is not None:  # the whole bare loop now, as one chunk
+        bare.chunk(tasks)
     return Simulated(built, out, tasks, eval_s[0], cpu_s, collector[1], int(collector[2]), bare)
 
 
@@ -215,6 +251,54 @@ def bare_loop(built: Built, tasks: list[Task], model: torch.nn.Module) -> tuple[
     return time.perf_counter() - t0, time.process_time() - cpu0
 
 
+def recording_probes(dev: Any, probes: list[Probe]) -> Any:
+    """``dev.complete`` that also appends each completed eval task's data and weights to ``probes``."""
+    complete = dev.complete
+
+    def recorded(token: int) -> Any:
+        task = complete(token)
+        if task is not None and task.kind is TaskKind.EVAL:
+            probes.append((dev.data, task.weights))
+        return task
+
+    return recorded
+
+
+@torch.no_grad()
+def bare_evaluate(
+    built: Built, evals: list[np.ndarray], probes: list[Probe], model: torch.nn.Module
+) -> tuple[float, float]:
+    """The run's evaluations in the plainest PyTorch: per evaluated version a forward pass over the
+    test set in batches of 1,000 (accuracy and summed loss), per eval task one over its client's
+    data in batches of 256 (the sums of squared and plain losses). ``model`` as in :func:`bare_loop`."""
+    assert built.plan is not None and built.plan.test_pass is not None, "the run has no test set"
+    test = built.plan.test_pass
+    device = torch.device(built.cfg.run.device)
+    params = list(model.parameters())
+    model.eval()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    for weights in evals:
+        vector_to_parameters(torch.from_numpy(np.array(weights)).to(device), params)
+        correct, loss = 0, 0.0
+        for s in range(0, len(test.y), 1000):
+            logits, yb = model(test.x[s : s + 1000]), test.y[s : s + 1000]
+            loss += float(F.cross_entropy(logits, yb, reduction="sum"))
+            correct += int((logits.argmax(1) == yb).sum())
+    for data, weights in probes:
+        vector_to_parameters(torch.from_numpy(np.array(weights)).to(device), params)
+        x, y = data.on(device)
+        sq, ls = 0.0, 0.0
+        for s in range(0, len(y), 256):
+            per = F.cross_entropy(model(x[s : s + 256]), y[s : s + 256], reduction="none")
+            sq += float((per * per).sum())
+            ls += float(per.sum())
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, time.process_time() - cpu0
+
+
 def engine(
     args: argparse.Namespace, aggregations: int, cohort: str | None, workers: int | None = None
 ) -> dict[str, Any]:
@@ -246,12 +330,12 @@ def measure_round(
     """One simulated run and its bare loop (the best of ``--bare-repeats``, chunk by chunk when
     interleaved), side by side; the machine's load averages before and after (other work on it)."""
     load_before = os.getloadavg()
-    run = simulate(args, aggregations, cohort, interleave=args.interleave, workers=workers)
+    run = simulate(
+        args, aggregations, cohort, interleave=args.interleave, workers=workers, bare_loop_too=True
+    )
     built, out, tasks, eval_s, sim_cpu = run.built, run.out, run.tasks, run.eval_s, run.cpu_s
     loop = run.bare
-    if loop is None:  # not interleaved: the whole bare loop now, as one chunk
-        loop = BareLoop(built, args.bare_repeats, args.bare_threads)
-        loop.chunk(tasks)
+    assert loop is not None
     bare, bare_cpu = loop.wall_s, loop.cpu_s
     cfg, sim = built.cfg, built.sim
     aggs = built.orch.version
@@ -307,9 +391,23 @@ def measure_round(
         "cpu_s": round(sim_cpu, 3),
         "bare_cpu_s": round(bare_cpu, 3),
         "cpu_ratio_to_bare": round(sim_cpu / bare_cpu, 3) if bare_cpu else None,
+        **(with_evaluations(loop, wall, sim_cpu) if loop.evaluate else {}),
         # 1, 5 and 15 minute load averages when the round began and ended
         "load_avg_before": [round(v, 2) for v in load_before],
         "load_avg_after": [round(v, 2) for v in os.getloadavg()],
+    }
+
+
+def with_evaluations(loop: BareLoop, wall: float, cpu: float) -> dict[str, Any]:
+    """The second ratio (``--bare-evaluate``): the run against the bare loop's training and evaluations."""
+    bare, bare_cpu = loop.wall_s + loop.eval_wall_s, loop.cpu_s + loop.eval_cpu_s
+    return {
+        "bare_evaluations": len(loop.evals),
+        "bare_probes": len(loop.probes),
+        "bare_eval_s": round(loop.eval_wall_s, 3),
+        "bare_eval_cpu_s": round(loop.eval_cpu_s, 3),
+        "ratio_to_bare_with_eval": round(wall / bare, 3) if bare else None,
+        "cpu_ratio_to_bare_with_eval": round(cpu / bare_cpu, 3) if bare_cpu else None,
     }
 
 
@@ -377,6 +475,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="torch threads for the bare loop (default: the run's run.threads); e.g. 1 to set a run "
         "on two threads against the bare loop on one",
+    )
+    ap.add_argument(
+        "--bare-evaluate",
+        action="store_true",
+        help="the bare loop also does the run's global evaluations and eval tasks, reported as a "
+        "second ratio (ratio_to_bare_with_eval) beside ratio_to_bare",
     )
     ap.add_argument(
         "--interleave",

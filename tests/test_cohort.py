@@ -636,7 +636,12 @@ def test_engine_speed_interleaves_the_bare_loop_with_the_run(monkeypatch: pytest
 
     monkeypatch.setattr(engine_speed, "bare_loop", fake_bare)
     ns = argparse.Namespace(
-        scenario="default", preset="felix", set=["model=mlp", "run.threads=2"], bare_repeats=1, bare_threads=1
+        scenario="default",
+        preset="felix",
+        set=["model=mlp", "run.threads=2"],
+        bare_repeats=1,
+        bare_threads=1,
+        bare_evaluate=False,
     )
     started = time.perf_counter()
     run = engine_speed.simulate(ns, 4, "4", interleave=1)

@@ -14,10 +14,14 @@ import torch
 from synthetic_data import fashion_like_idx
 
 from felix.client.cohort_split import SplitCohort
+from felix.client.trainer import one_thread
 from felix.client.trainer_pool import TrainerPool
 from felix.client.workers import Workers
 from felix.config import ConfigError
 from felix.engine.setup import resolve_config
+from felix.metrics.test_pass import TestPass
+from felix.scenario.datasets import ArrayDataset
+from felix.scenario.models import mlp, small_cnn
 from felix.sim.build import build
 
 THREADS = torch.get_num_threads()
@@ -54,24 +58,87 @@ def test_workers_return_results_in_order_each_piece_on_one_thread() -> None:
         Workers(0)
 
 
+class Dealt(Workers):
+    """Two workers that take the pieces last first, the odd ones on worker 1, each piece on a thread
+    of its own (grad mode and thread counts are per thread): a deal unlike one worker's order."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.n = 2
+        self.taken: list[int] = []
+
+    def map(self, fn: Any, items: Any) -> list[Any]:
+        out: list[Any] = [None] * len(items)
+
+        def one(i: int) -> None:
+            torch.set_num_threads(1)
+            out[i] = fn(i % 2, items[i])
+
+        for i in reversed(range(len(items))):
+            self.taken.append(i % 2)
+            t = threading.Thread(target=one, args=(i,))
+            t.start()
+            t.join()
+        return out
+
+
+@pytest.mark.parametrize("make", [mlp, small_cnn], ids=["mlp", "small_cnn"])
+def test_the_evaluation_spread_over_workers_is_the_unsplit_one(make: Any) -> None:
+    """Each test batch forwarded on a worker's own model copy, the sums added in batch order: the
+    accuracy, loss, per-class figures and confusion matrix of one worker, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    test = ArrayDataset(
+        torch.randn(230, 1, 28, 28, generator=gen),
+        torch.randint(0, 10, (230,), generator=gen),
+        [str(c) for c in range(10)],
+    )
+    torch.manual_seed(1)
+    model = make((1, 28, 28), 10)
+    weights = [torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy()]
+    weights.append(
+        weights[0]
+        + np.float32(0.01) * np.random.default_rng(2).standard_normal(weights[0].size, dtype=np.float32)
+    )
+    with torch.no_grad():
+        one = TestPass(model, test, "cpu", batch_size=50)
+        spread = TestPass(model, test, "cpu", batch_size=50)
+    workers = Dealt()
+    spread.spread(workers)
+    for w in weights:
+        with one_thread():  # a run on workers has the bits of run.threads 1 (a convolution's differ)
+            want = (one.accuracy_loss(w), one.per_class(w), one.confusion(w))
+        assert spread.accuracy_loss(w) == want[0]
+        for a, b in zip(spread.per_class(w), want[1]):
+            assert np.array_equal(a, b, equal_nan=True)
+        assert np.array_equal(spread.confusion(w), want[2])
+        assert all(not lg.requires_grad for lg, _ in spread.batches(w))  # no graph kept on a worker
+    assert workers.taken == [0, 1, 0, 1, 0] * 2  # five batches per pass, two passes, dealt round both
+    assert one.passes == spread.passes == 2
+
+
 @pytest.mark.parametrize(
-    ("model", "cohort", "executor"),
-    [("mlp", "auto", SplitCohort), ("mlp", 1, TrainerPool), ("small_cnn", "auto", TrainerPool)],
-    ids=["mlp-live-cohort", "mlp-sequential", "cnn-sequential"],
+    ("model", "cohort", "clients", "executor"),
+    [
+        ("mlp", "auto", 24, SplitCohort),
+        ("mlp", 16, 100, SplitCohort),
+        ("mlp", 1, 24, TrainerPool),
+        ("small_cnn", "auto", 24, TrainerPool),
+    ],
+    ids=["mlp-live-cohort", "mlp-live-cohort-probes", "mlp-sequential", "cnn-sequential"],
 )
 def test_a_run_on_two_workers_is_the_run_on_one(
-    model: str, cohort: Any, executor: type, tmp_path: Path
+    model: str, cohort: Any, clients: int, executor: type, tmp_path: Path
 ) -> None:
     """The same weights, evaluations and client states: each task's arithmetic is its own and on
-    one thread, whichever worker does it. FeLiX (eval tasks), two epochs with momentum (stacks
-    shrink to one row), an evaluation split in batches."""
+    one thread, whichever worker does it. FeLiX (eval tasks, on both workers), two epochs with
+    momentum (stacks shrink to one row), an evaluation in four batches spread over the workers."""
     root = fashion_like_idx(tmp_path / "fashion", per_class=300, test_per_class=50)
     runs = []
     for workers in (1, 2):
         over = {
             "model": model,
             "dataset": {"name": "fashion_mnist", "root": str(root), "test_limit": 500},
-            "partition": {"num_clients": 24, "alpha": 0.5},
+            "partition": {"num_clients": clients, "alpha": 0.5},
             "client": {"epochs": 2, "momentum": 0.5},
             "run": {
                 "threads": 1,
@@ -83,6 +150,8 @@ def test_a_run_on_two_workers_is_the_run_on_one(
         }
         built = build(resolve_config(None, "felix", over))
         assert isinstance(built.sim.cohort, executor) == (workers == 2)
+        assert built.plan is not None and built.plan.test_pass is not None
+        built.plan.test_pass.batch_size = 128  # four batches, spread over the workers
         built.sim.run()
         runs.append(built)
     one, two = runs
@@ -93,6 +162,9 @@ def test_a_run_on_two_workers_is_the_run_on_one(
     ]
     for a, b in zip(one.sim.devices, two.sim.devices):
         assert sorted(a.state) == sorted(b.state)
+    if clients == 100:  # eval tasks in groups (at least two ready), each dealt round both shares
+        assert isinstance(two.sim.cohort, SplitCohort)
+        assert all(t.stats.probe_rows > 0 for t in two.sim.cohort.trainers)
 
 
 def test_workers_need_the_local_executor() -> None:
@@ -104,18 +176,23 @@ def test_workers_need_the_local_executor() -> None:
 
 @pytest.mark.slow  # a benchmark harness (benchmarks/engine_speed.py)
 def test_engine_speed_times_each_worker_count_in_turn(capsys: pytest.CaptureFixture[str]) -> None:
-    """``--workers 2,1``: one line per count, the same run on each, with the load averages."""
+    """``--workers 2,1``: one line per count, the same run on each, with the load averages;
+    ``--bare-evaluate``: the bare loop redoes the run's evaluations and eval tasks too (a second ratio)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     try:
         import engine_speed
     finally:
         sys.path.pop(0)
     argv = ["--scenario", "default", "--aggregations", "3", "--warmup", "1", "--bare-repeats", "1"]
-    argv += ["--set", "model=mlp", "--cohort", "4", "--workers", "2,1", "--json"]
+    argv += ["--set", "model=mlp", "--cohort", "4", "--workers", "2,1", "--json", "--bare-evaluate"]
     assert engine_speed.main(argv) == 0
     lines = [json.loads(ln) for ln in capsys.readouterr().out.strip().splitlines()]
     assert [ln["workers"] for ln in lines] == [2, 1]
     assert lines[0]["virtual_s"] == lines[1]["virtual_s"] and lines[0]["updates"] == lines[1]["updates"]
     assert lines[0]["final_accuracy"] == lines[1]["final_accuracy"]
+    assert lines[0]["bare_probes"] == lines[1]["bare_probes"] > 0  # FeLiX's eval tasks, the same on both
     for ln in lines:
         assert len(ln["load_avg_before"]) == len(ln["load_avg_after"]) == 3 and ln["ratio_to_bare"] > 0
+        assert ln["bare_evaluations"] == 4  # the initial model's and three aggregations'
+        with_eval = ln["wall_s"] / (ln["bare_sequential_s"] + ln["bare_eval_s"])  # from rounded parts
+        assert ln["ratio_to_bare_with_eval"] == pytest.approx(with_eval, rel=0.05) and ln["bare_eval_s"] > 0

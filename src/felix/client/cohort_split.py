@@ -21,7 +21,8 @@ from felix.core.types import ClientUpdate
 
 class SplitCohort:
     """The engine's live cohort (:class:`felix.sim.simulation.LiveCohort`) over ``trainers``, one per
-    worker of ``workers``; eval tasks go to the first trainer, as one pass."""
+    worker of ``workers``; a group of eval tasks is dealt round the trainers as whole-group
+    :meth:`train` is (a client's probe sums are its own, whichever clients share its pass)."""
 
     def __init__(self, trainers: list[CohortTrainer], workers: Workers) -> None:
         if len(trainers) != workers.n:
@@ -30,16 +31,17 @@ class SplitCohort:
         self.workers = workers
         self._share: dict[int, int] = {}  # live task key -> its trainer
         self._advances = 0
+        self._probe_calls = 0
 
     @property
     def stats(self) -> CohortStats:
-        """The shares' work summed; advances counted once per split advance."""
+        """The shares' work summed; advances and probe calls counted once per split call."""
         parts = [t.stats for t in self.trainers]
         return CohortStats(
             advances=self._advances,
             lockstep_steps=sum(p.lockstep_steps for p in parts),
             client_steps=sum(p.client_steps for p in parts),
-            probe_calls=sum(p.probe_calls for p in parts),
+            probe_calls=self._probe_calls,
             probe_rows=sum(p.probe_rows for p in parts),
         )
 
@@ -84,7 +86,13 @@ class SplitCohort:
         return out
 
     def probe(self, weights: list[np.ndarray], datas: list[ClientData]) -> list[ClientUpdate]:
-        return self.trainers[0].probe(weights, datas)
+        n = min(len(self.trainers), len(datas))
+        self._probe_calls += 1
+        parts = self.workers.map(lambda _, j: self.trainers[j].probe(weights[j::n], datas[j::n]), range(n))
+        out: list[ClientUpdate] = [None] * len(datas)  # type: ignore[list-item]
+        for j, part in enumerate(parts):
+            out[j::n] = part
+        return out
 
     def close(self) -> None:
         self.workers.close()

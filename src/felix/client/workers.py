@@ -1,6 +1,6 @@
 """Client-parallel workers (``run.workers``): a run's independent pieces of work (clients' training
-tasks, a live cohort stack's shares, the evaluation's batches) spread over threads that each run
-torch on one intra-op thread.
+tasks, a live cohort stack's shares, a group's eval tasks, the test batches of the global
+evaluation) spread over threads that each run torch on one intra-op thread.
 
 Why across pieces and not inside operations: a small model's operations are too short for
 torch's intra-op threads to pay for their wake-ups (with passive waiting, one per parallel

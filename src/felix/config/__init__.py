@@ -239,8 +239,8 @@ class RunCfg(StrictModel):
         ge=1,
         description="simulator: threads that train clients side by side, each on one torch thread "
         "(felix.client.workers): a live cohort split in shares, or clients that train one at a "
-        "time trained a few at once, and the evaluation's batches; the same results as one "
-        "worker at run.threads 1, for any count",
+        "time trained a few at once, groups of eval tasks and the global evaluation's test batches; "
+        "the same results as one worker at run.threads 1, for any count",
     )
     executor: Literal["local", "ray"] = Field(
         "local",

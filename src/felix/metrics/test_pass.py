@@ -12,10 +12,17 @@ The pass runs on one thread when the model's single-client work does
 (``felix.client.trainer.thread_invariant``): MKL rounds the test set's products differently on
 two threads, and a last-bit change of a logit can flip a tied prediction and so the time to a
 target; on one thread the evaluation gives the same bits at any ``run.threads``.
+
+With ``run.workers`` (:meth:`TestPass.spread`) the batches are shared out over the workers, each
+forwarding whole batches on its own copy of the model and one thread, and the sums are added up
+batch by batch in order afterwards as before: a batch's logits do not depend on which worker
+computed them, so the evaluation gives the bits of one worker on one thread (accuracy is a count;
+the loss is summed in the same order).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Protocol
 
 import numpy as np
@@ -25,6 +32,7 @@ from numpy.typing import NDArray
 
 from felix.client.trainer import autocast, one_thread, thread_invariant
 from felix.client.weights import ModelWeights, weights_for
+from felix.client.workers import Workers
 from felix.metrics.classification import confusion_matrix
 
 __all__ = ["LabelledSet", "TestPass"]
@@ -67,13 +75,22 @@ class TestPass:
         self.x, self.y = test.x.to(device), test.y.to(device)
         self.num_classes = test.num_classes
         self.single_thread = thread_invariant(self.model, device)
-        self._layouts: dict[int, ModelWeights] = {}
+        self._models = [self.model]  # one per worker (spread): each forwards whole batches
+        self._workers: Workers | None = None
+        self._layouts: dict[tuple[int, int], ModelWeights] = {}  # by (worker, vector size)
         self._weights: np.ndarray | None = None  # the weights the kept logits belong to
         self._logits: list[torch.Tensor] = []  # per batch of ``batch_size`` test samples
         self.passes = 0  # forward passes run (a measure of the sharing)
 
     def __len__(self) -> int:
         return len(self.test)
+
+    def spread(self, workers: Workers) -> None:
+        """Forward the test batches on ``workers`` (``run.workers``), each worker on its own copy of
+        the model. Each worker forwards on one thread: the bits of ``run.threads`` 1, as for every
+        piece of a run on workers."""
+        self._workers = workers
+        self._models = [self.model, *(copy.deepcopy(self.model) for _ in range(workers.n - 1))]
 
     def batches(self, weights: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(logits, labels)`` per test batch under ``weights``: the kept ones when ``weights``
@@ -88,19 +105,23 @@ class TestPass:
 
     @torch.no_grad()
     def _forward(self, weights: np.ndarray) -> list[torch.Tensor]:
-        size = int(weights.size)
-        if size not in self._layouts:
-            self._layouts[size] = weights_for(self.model, size)
-        layout = self._layouts[size]
-        layout.load(torch.from_numpy(np.array(weights, dtype=np.float32)).to(self.device))
-        layout.set_kept(None)
-        self.model.eval()
-        out = []
-        with one_thread(self.single_thread):
-            for s in range(0, len(self.test), self.batch_size):
-                with autocast(self.device, self.autocast_dtype):
-                    out.append(self.model(self.x[s : s + self.batch_size]).float())
-        return out
+        flat = torch.from_numpy(np.array(weights, dtype=np.float32)).to(self.device)
+        for w, model in enumerate(self._models):  # read-only in a forward pass: one vector for all
+            key = (w, int(flat.numel()))
+            if key not in self._layouts:
+                self._layouts[key] = weights_for(model, key[1])
+            self._layouts[key].load(flat)
+            self._layouts[key].set_kept(None)
+            model.eval()
+        starts = range(0, len(self.test), self.batch_size)
+        if self._workers is None:
+            return [self._batch(0, s) for s in starts]
+        return self._workers.map(self._batch, starts)
+
+    def _batch(self, worker: int, start: int) -> torch.Tensor:
+        """The logits of the test batch at ``start`` on ``worker``'s model (grad mode is per thread)."""
+        with torch.no_grad(), one_thread(self.single_thread), autocast(self.device, self.autocast_dtype):
+            return self._models[worker](self.x[start : start + self.batch_size]).float()
 
     def accuracy_loss(self, weights: np.ndarray) -> tuple[float, float]:
         """The test accuracy and mean cross-entropy loss (the sums kept on the device)."""

@@ -132,6 +132,8 @@ def build(
     workers = build_workers(cfg, plan.stream is not None)
     if workers is not None:
         executor, cohort_size, min_cohort = over_workers(plan, workers, trainer, cohorts)
+        if plan.test_pass is not None:  # the global evaluation's batches on the workers too
+            plan.test_pass.spread(workers)
     devices = make_devices(pop.client_data, plan.runtimes, plan.trace.for_client)
     if cfg.client.flower_app is not None:
         from felix.flower.trainer import CLIENT_KEY
