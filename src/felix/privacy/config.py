@@ -11,8 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-#: The mechanisms: the trusted server's (central, tree) and the device's own (local).
-MECHANISMS = ("none", "central_gaussian", "dp_ftrl", "local")
+#: The mechanisms: the trusted server's (central, tree, banded matrix factorisation) and the
+#: device's own (local).
+MECHANISMS = ("none", "central_gaussian", "dp_ftrl", "banded_mf", "local")
 
 #: Aggregators whose weighted sum the central mechanism forms (the base class's sum, weights
 #: capped at 1); the others take their own step (q-FFL), reweight by data (REFL's SAA) or are
@@ -67,8 +68,15 @@ class PrivacyCfg(BaseModel):
         "none",
         description="none | central_gaussian: the trusted server clips each client's update to "
         "clip_norm and adds Gaussian noise to each aggregation's sum | dp_ftrl: the same sums, "
-        "noised by tree aggregation (no sampling assumption) | local: each client clips and noises "
-        "its own update before it leaves the device",
+        "noised by tree aggregation (no sampling assumption) | banded_mf: the same sums, noised by "
+        "a banded matrix factorisation (set bands) | local: each client clips and noises its own "
+        "update before it leaves the device",
+    )
+    bands: int | None = Field(
+        None,
+        ge=1,
+        description="banded_mf: the bands b of the factor C; a client's contributions fall at least "
+        "b aggregations apart (b = 1: independent noise on every aggregation)",
     )
     local_noise: Literal["gaussian", "laplace"] = Field(
         "gaussian",
@@ -129,6 +137,12 @@ class PrivacyCfg(BaseModel):
         if self.local_noise == "laplace" and self.mechanism != "local":
             raise ValueError(
                 "local_noise laplace is for mechanism local: central mechanisms add Gaussian noise"
+            )
+        if self.mechanism == "banded_mf" and self.bands is None:
+            raise ValueError("mechanism banded_mf needs privacy.bands (b >= 1, e.g. 8)")
+        if self.bands is not None and self.mechanism != "banded_mf":
+            raise ValueError(
+                f"privacy.bands is for mechanism banded_mf, not {self.mechanism}: remove bands or set banded_mf"
             )
         if self.adaptive_clip is not None and self.mechanism != "central_gaussian":
             raise ValueError(
