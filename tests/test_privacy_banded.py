@@ -310,12 +310,29 @@ def test_a_banded_run_reports_its_epsilon_after_each_aggregation(tmp_path: Path)
         ({"mechanism": "banded_mf"}, "mechanism banded_mf needs privacy.bands"),
         ({"mechanism": "dp_ftrl", "bands": 4}, "privacy.bands is for mechanism banded_mf, not dp_ftrl"),
         ({"bands": 4}, "privacy.bands is for mechanism banded_mf, not none"),
+        (
+            {"mechanism": "banded_mf", "bands": 11},
+            (
+                "privacy.bands 11: 11 aggregations of agg_goal 10 need 110 distinct clients (each sits out 10 "
+                "after contributing), more than the 100 of partition.num_clients: set bands <= 10"
+            ),
+        ),
     ],
 )
 def test_bad_banded_settings_are_refused_in_one_line(privacy: dict[str, Any], says: str) -> None:
+    """Among them, bands the population cannot serve (100 clients, buffers of 10: 10 bands use
+    every client once per window, 11 would stall the run)."""
+    base = {
+        "aggregator": {"normalize": "count"},
+        "partition": {"num_clients": 100},
+        "orchestrator": {"agg_goal": 10},
+    }
     with pytest.raises(ConfigError) as err:
-        validate({"aggregator": {"normalize": "count"}, "privacy": privacy})
+        validate({**base, "privacy": privacy})
     assert says in str(err.value) and "\n" not in str(err.value)
+    if privacy.get("bands") == 11:  # the largest that fits is accepted, and a run shorter than the bands
+        validate({**base, "privacy": {**privacy, "bands": 10}})
+        validate({**base, "privacy": privacy, "run": {"max_aggregations": 10}})
 
 
 def test_a_resumed_server_continues_the_same_noise_and_separation(tmp_path: Path) -> None:

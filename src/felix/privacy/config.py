@@ -179,6 +179,8 @@ def check_privacy(cfg: Any) -> None:
         raise ValueError(
             f"privacy: aggregator.robust {a.robust!r} has no bounded sensitivity: set robust: none"
         )
+    if p.mechanism == "banded_mf":
+        check_bands(cfg)
     if p.target_epsilon is not None:
         check_target(cfg)
     from felix.strategies.objectives.base import objective_class
@@ -231,6 +233,21 @@ def check_report_readers(cfg: Any) -> None:
         raise ValueError(
             f"privacy: {what}, which would reach the server un-noised: set privacy.reports "
             f"(clipped, noised, accounted) or {instead}"
+        )
+
+
+def check_bands(cfg: Any) -> None:
+    """Refuse bands that the population cannot serve: after each contribution a client sits out
+    b - 1 aggregations, so b consecutive aggregations of K updates (or all of a shorter run) need
+    b K distinct clients; with fewer the run would stall once they are spent."""
+    b, k, n = cfg.privacy.bands, cfg.orchestrator.agg_goal, cfg.partition.num_clients
+    runs = cfg.run.max_aggregations
+    window = b if runs is None else min(b, runs)
+    if window * k > n:
+        raise ValueError(
+            f"privacy.bands {b}: {window} aggregations of agg_goal {k} need {window * k} distinct "
+            f"clients (each sits out {b - 1} after contributing), more than the {n} of "
+            f"partition.num_clients: set bands <= {max(n // k, 1)}"
         )
 
 
