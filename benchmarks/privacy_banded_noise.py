@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
-import subprocess
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from felix.metrics.provenance import provenance
 from felix.privacy.accountant import Accountant
 from felix.privacy.banded import (
     inverse_coefficients,
@@ -107,9 +106,6 @@ def main() -> None:
         results.append({"epsilon": eps, "rows": rows})
         for r in rows:
             print(eps, *r.values())
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], check=True, capture_output=True, text=True
-    ).stdout.strip()
     doc = {
         "what": "noise std in units of the clip norm on one aggregation's sum (divide by K for the mean)",
         "steps": steps,
@@ -118,10 +114,8 @@ def main() -> None:
         "accountant": a.accountant,
         "results": results,
         "provenance": {
-            "commit": commit,
+            **provenance(),
             "dp_accounting": version("dp-accounting"),
-            "numpy": np.__version__,
-            "python": platform.python_version(),
             "command": f"python benchmarks/privacy_banded_noise.py --out {a.out}",
         },
     }
