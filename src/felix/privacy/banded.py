@@ -81,9 +81,13 @@ def sensitivity(steps: int, bands: int, cap: int | None) -> float:
     aggregations. Its k contributions touch columns with disjoint supports, so the squares of
     their norms add; column norms do not grow along the run, so the worst case takes columns
     0, b, 2b, ...: at most sqrt(k) times the largest column norm, equal to it when the run holds
-    k whole bands (k b <= steps), less when the last columns are cut by the run's end."""
+    k whole bands (k b <= steps), less when the last column is cut by the run's end (one
+    cumulative sum of squares, so the cost does not grow with the run)."""
     k = participations(steps, bands, cap)
-    return math.sqrt(sum(column_norm(bands, steps, i * bands) ** 2 for i in range(k)))
+    squares = np.concatenate([[0.0], np.cumsum(np.square(sqrt_coefficients(bands)))])
+    whole = min(k, steps // bands)  # columns with all b coefficients inside the run
+    cut = steps - whole * bands if k > whole else 0  # the rows left to the last column
+    return math.sqrt(whole * float(squares[bands]) + float(squares[cut]))
 
 
 class BandedNoise:
