@@ -392,3 +392,12 @@ def test_a_resumed_server_continues_the_same_noise_and_separation(tmp_path: Path
         ahead, again = drive(live, i), drive(restored, i)
         assert ahead and len(ahead) == len(again)
         assert all(np.array_equal(a, b) for a, b in zip(ahead, again, strict=True))
+
+
+@pytest.mark.parametrize("privacy", [{"mechanism": "dp_ftrl"}, {"mechanism": "banded_mf", "bands": 2}])
+def test_the_ftrl_mechanisms_are_refused_with_secure_aggregation(privacy: dict[str, Any]) -> None:
+    """Secure aggregation noises the unmasked sum with the central Gaussian mechanism only: the
+    FTRL mechanisms beside it are refused when the config is read, not failed at build time."""
+    raw = {**TINY, "secure_aggregation": {"protocol": "buffered"}, "privacy": privacy}
+    with pytest.raises(ConfigError, match=f"mechanism {privacy['mechanism']} with secure_aggregation"):
+        resolve_config(None, "fedbuff", raw)

@@ -181,6 +181,11 @@ def check_privacy(cfg: Any) -> None:
         )
     if p.mechanism == "banded_mf":
         check_bands(cfg)
+    if p.mechanism in ("dp_ftrl", "banded_mf") and cfg.secure_aggregation.enabled:
+        raise ValueError(
+            f"privacy: mechanism {p.mechanism} with secure_aggregation: the unmasked sums are noised "
+            "by central_gaussian only: use mechanism central_gaussian"
+        )
     if p.target_epsilon is not None:
         check_target(cfg)
     from felix.strategies.objectives.base import objective_class
