@@ -401,3 +401,34 @@ def test_the_ftrl_mechanisms_are_refused_with_secure_aggregation(privacy: dict[s
     raw = {**TINY, "secure_aggregation": {"protocol": "buffered"}, "privacy": privacy}
     with pytest.raises(ConfigError, match=f"mechanism {privacy['mechanism']} with secure_aggregation"):
         resolve_config(None, "fedbuff", raw)
+
+
+def test_a_late_reply_within_the_bands_is_not_applied() -> None:
+    """One client: its first task times out, its second is applied (aggregation 1); the first's
+    late reply would fall in aggregation 2, within 3 bands of the client's last: discarded."""
+    from felix.core.events import ClientRegistered, TaskFinished, Tick
+    from felix.core.types import Tier
+    from felix.engine.components import build_orchestrator
+    from felix.scenario.build import build_population
+
+    cfg = resolve_config(
+        None,
+        "fedbuff",
+        {
+            **TINY,
+            "partition": {"num_clients": 3},
+            "orchestrator": {"agg_goal": 1, "concurrency": 1, "task_timeout_s": 10.0},
+            "privacy": {"mechanism": "banded_mf", "bands": 3, "noise_multiplier": 1.0, "clip_norm": 0.5},
+        },
+    )
+    orch = build_orchestrator(cfg, build_population(cfg).initial_weights, None)
+    update = ClientUpdate(20, 1.0, 0.7, 5.0, np.full(orch.weights.size, 1e-3, dtype=np.float32))
+    orch.handle(ClientRegistered(0.0, 0, 20, Tier.AVL_TRAIN, (10, 10)))
+    orch.handle(Tick(20.0))  # task 1 times out: its reply may still come
+    orch.handle(Tick(40.0))  # the client is asked again: task 2
+    assert sorted(t.task_id for t in orch.tasks()) == [1, 2]
+    orch.handle(TaskFinished(41.0, 0, 2, update))
+    assert orch.version == 1 and orch.stats.updates_discarded == 0
+    orch.handle(TaskFinished(42.0, 0, 1, update))
+    assert orch.version == 1 and orch.stats.updates_discarded == 1
+    assert not orch.tasks()  # nor is the client asked again within the bands
