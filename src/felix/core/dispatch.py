@@ -85,8 +85,11 @@ class Dispatch:
         if self.max_participations is not None and len(rows):
             rows = rows[m.column("times_updated")[rows] < self.max_participations]
         if self.separation.active and len(rows):
-            pending = [b.client_id for b in self.buffer.items]
-            rows = rows[~np.isin(m.ids_of(rows), self.separation.blocked(pending))]
+            blocked = self.separation.blocked([b.client_id for b in self.buffer.items])
+            if blocked.size:  # a mask over the rows: cheaper than np.isin on the ids at any population
+                out = np.zeros(len(m), dtype=bool)
+                out[m.rows_of(blocked)] = True
+                rows = rows[~out[rows]]
         fresh = np.ones(len(rows), dtype=bool)
         if self.rounds.one_task_per_round:
             fresh = m.column("selected_round")[rows] != self.round

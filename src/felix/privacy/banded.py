@@ -93,7 +93,7 @@ def sensitivity(steps: int, bands: int, cap: int | None) -> float:
 class BandedNoise:
     """The correlated noise w = C^-1 z of each released increment, z ~ N(0, std^2) per coordinate
     drawn from ``rng`` (reproducible from a seeded generator), by forward substitution over the
-    last ``bands - 1`` values of w."""
+    last ``bands - 1`` values of w (C_0 = 1: no division)."""
 
     def __init__(self, size: int, std: float, bands: int, rng: np.random.Generator) -> None:
         if bands < 1:
@@ -110,9 +110,9 @@ class BandedNoise:
         """One step more: the noise of its increment (float64)."""
         self.steps += 1
         w = self.rng.normal(0.0, self.std, self.size)
+        scratch = np.empty_like(w)
         for c_k, past in zip(self.coefficients[1:], self._past, strict=False):
-            w -= c_k * past
-        w /= self.coefficients[0]
+            w -= np.multiply(past, c_k, out=scratch)
         if self.bands > 1:
             self._past.appendleft(w.copy())
         return w
