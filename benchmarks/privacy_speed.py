@@ -28,6 +28,13 @@ from felix.sim.build import build
 PRIVACY: dict[str, dict[str, Any]] = {
     "central_gaussian": {"mechanism": "central_gaussian", "noise_multiplier": 1.0, "clip_norm": 1.0},
     "dp_ftrl": {"mechanism": "dp_ftrl", "noise_multiplier": 1.0, "clip_norm": 1.0, "max_participations": 50},
+    "banded_mf": {
+        "mechanism": "banded_mf",
+        "bands": 4,
+        "noise_multiplier": 1.0,
+        "clip_norm": 1.0,
+        "max_participations": 50,
+    },
     "local": {"mechanism": "local", "noise_multiplier": 0.1, "clip_norm": 1.0, "max_participations": 50},
 }
 

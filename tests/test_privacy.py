@@ -54,7 +54,7 @@ def direct_epsilon(sigma: float, steps: int, delta: float) -> float:
         ({"privacy": {"delta": 0}}, "privacy.delta: must lie strictly between 0 and 1"),
         (
             {"privacy": {"mechanism": "laplace"}},
-            "mechanism must be one of none, central_gaussian, dp_ftrl, local",
+            "mechanism must be one of none, central_gaussian, dp_ftrl, banded_mf, local",
         ),
         (
             {"privacy": {"mechanism": "local"}},

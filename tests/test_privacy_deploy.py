@@ -117,3 +117,25 @@ def test_a_local_dp_deployment_noises_on_the_devices(tmp_path: Path) -> None:
         c * (1 + 1e-5) + sigma * c * (math.sqrt(d) + 10)
     )
     assert server.orch.aggregator.privacy is None  # the server adds no noise of its own
+
+
+def test_a_banded_deployment_keeps_contributions_apart_and_logs_epsilon(tmp_path: Path) -> None:
+    """banded_mf through the shared setup: the OS's noise, the separation rule on the deployed
+    orchestrator, epsilon by the separated sensitivity."""
+    dp = pytest.importorskip("dp_accounting", reason="extra felix-fl[privacy] not installed")
+    from felix.privacy.banded import sensitivity
+    from felix.privacy.ftrl import BandedAggregation
+
+    privacy = {"mechanism": "banded_mf", "bands": 2, "noise_multiplier": 2.0, "clip_norm": 0.3}
+    server, _, summ = _deploy(tmp_path, privacy)
+    assert summ["privacy"]["noise_source"] == "os_csprng" and summ["privacy"]["bands"] == 2
+    mech = server.orch.aggregator.privacy
+    assert isinstance(mech, BandedAggregation) and mech.os_noise and mech.state_dict()["rng"] is None
+    assert server.orch.separation.bands == 2
+    # one update per aggregation (agg_goal 1): the last aggregation's client is the one held back
+    assert len(server.orch.separation.blocked([])) == 1
+    for version, eps in _epsilons(tmp_path / "out"):
+        acc = dp.rdp.RdpAccountant()
+        if version:
+            acc.compose(dp.GaussianDpEvent(2.0 / sensitivity(version, 2, None)))
+        assert eps == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)

@@ -14,6 +14,7 @@ import numpy as np
 
 from felix.core.admission import Admission
 from felix.core.availability import AvailabilityPolicy
+from felix.core.buffer import AggregationBuffer
 from felix.core.client_map import ClientMap
 from felix.core.commands import Command, DispatchEval, DispatchTrain
 from felix.core.dataplan import DataPlanPolicy
@@ -22,6 +23,7 @@ from felix.core.ledger import TaskLedger
 from felix.core.orchestrator_config import OrchestratorConfig
 from felix.core.rounds import RoundPolicy
 from felix.core.selection import AvailabilityOracle, SelectionContext, TrainSelector
+from felix.core.separation import Separation
 from felix.core.stats import ModelPath, OrchestratorStats
 from felix.core.types import TaskEvent, TaskKind, Tier
 
@@ -53,6 +55,8 @@ class Dispatch:
     _probe_dropped: set[int]  # clients whose eval task dropped this round: not probed again in it
     _rejoin_at: float | None  # when blocked clients may train again (the stall rule)
     max_participations: int | None  # clients that contributed this many updates never train again
+    separation: Separation  # clients within the bands of their last contribution do not train
+    buffer: AggregationBuffer
 
     def _ctx(self) -> SelectionContext:
         return SelectionContext(
@@ -66,7 +70,8 @@ class Dispatch:
         sync mode nobody trains twice in one round. One vectorised filter over the idle set.
 
         The participation cap (``max_participations``): a client that has contributed that many
-        updates is never picked again.
+        updates is never picked again; nor, under a separation rule (``banded_mf``), is a client
+        that contributed to one of the last ``bands - 1`` aggregations or has an update buffered.
 
         The stall rule: when no training task holds a slot and the rejoin rule leaves nobody to pick,
         no reply, timer or new version could ever lift it (async rounds follow the version), so the
@@ -82,6 +87,12 @@ class Dispatch:
             return m.ids_of(rows)
         if self.max_participations is not None:
             rows = rows[m.column("times_updated")[rows] < self.max_participations]
+        if self.separation.active and len(rows):
+            blocked = self.separation.blocked([b.client_id for b in self.buffer.items])
+            if blocked.size:  # a mask over the rows: cheaper than np.isin on the ids at any population
+                out = np.zeros(len(m), dtype=bool)
+                out[m.rows_of(blocked)] = True
+                rows = rows[~out[rows]]
         fresh = np.ones(len(rows), dtype=bool)
         if self.rounds.one_task_per_round:
             fresh = m.column("selected_round")[rows] != self.round

@@ -32,6 +32,7 @@ from felix.core.orchestrator_config import AvailabilityName, OrchestratorConfig
 from felix.core.refusals import Refusal
 from felix.core.rounds import ROUND_POLICIES, RoundPolicy
 from felix.core.selection import AvailabilityOracle, TrainSelector
+from felix.core.separation import Separation
 from felix.core.stats import ModelPath, OrchestratorStats, StatsCheckpoint
 from felix.core.types import BufferedUpdate, ClientUpdate, Task, TaskEvent, TaskKind, TaskState, Tier
 from felix.core.validation import UpdateValidator, ValidationConfig, malformed
@@ -104,6 +105,8 @@ class Orchestrator(Dispatch):
         self._stats_ckpt = StatsCheckpoint()
         # privacy.max_participations (set by the run's builder): the user-level cap on updates
         self.max_participations: int | None = None
+        # privacy.bands under banded_mf (set by the run's builder): contributions b aggregations apart
+        self.separation = Separation()
         self.model_path = ModelPath()
 
     # ------------------------------------------------------------------ public API
@@ -245,6 +248,9 @@ class Orchestrator(Dispatch):
             return
         if self.max_participations is not None and rec.times_updated >= self.max_participations:
             self.stats.updates_discarded += 1  # a late reply beyond the cap: never applied
+            return
+        if not self.separation.allows(rec.client_id, self.version):
+            self.stats.updates_discarded += 1  # within the bands of its last contribution
             return
         rec.times_updated += 1
         self.buffer.add(
@@ -478,6 +484,7 @@ class Orchestrator(Dispatch):
             max((b.update.data_span[1] for b in buffer if b.update.data_span is not None), default=None),
         )
         out.append(NewModelVersion(self.version, self.now, self._theta, report))
+        self.separation.aggregated([b.client_id for b in buffer], self.version)  # last: nothing to undo
 
     def cancel(self, task: Task, reason: str, out: list[Command]) -> None:
         """Withdraw ``task``: the client is told, and a late reply is rejected."""
@@ -531,6 +538,7 @@ class Orchestrator(Dispatch):
             "availability": self.availability.state_dict(),
             "data_plan": self.data_plan.state_dict(),
             "admission": self.admission.state_dict(),
+            "separation": self.separation.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -566,6 +574,8 @@ class Orchestrator(Dispatch):
         self.data_plan.load_state_dict(state["data_plan"])
         if "admission" in state:  # checkpoints from before admission control start with fresh budgets
             self.admission.load_state_dict(state["admission"])
+        if "separation" in state:  # checkpoints from before the rule had no banded_mf runs
+            self.separation.load_state_dict(state["separation"])
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

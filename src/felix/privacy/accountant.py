@@ -13,6 +13,10 @@ What one run releases, as a ``dp-accounting`` event (:func:`run_event`):
 - ``dp_ftrl``: the tree's nodes, each noised with sigma C, as one Gaussian mechanism on a vector
   whose L2 sensitivity is C sqrt(S), S from :func:`felix.privacy.tree.sensitivity_sq` (Kairouz et
   al. 2021, appendix D; a client in at most m of the T aggregations);
+- ``banded_mf``: one Gaussian mechanism C x + z, z of std sigma C per coordinate, whose
+  sensitivity is C sqrt(k) times the largest column norm of the banded factor over the T
+  aggregations, k = min(m, ceil(T / b)) the aggregations a client can reach b apart
+  (:func:`felix.privacy.banded.sensitivity`);
 - ``local``: each client's own reports that use its data, at most ``max_participations`` of them
   (the device enforces it), each a Gaussian (or Laplace) mechanism whose sensitivity is the
   diameter 2C of the clip ball; the whole run's guarantee from the first aggregation on;
@@ -33,6 +37,7 @@ import math
 from typing import Any
 
 from felix.config.base import ConfigError
+from felix.privacy.banded import sensitivity
 from felix.privacy.tree import sensitivity_sq
 
 #: PLD's value discretisation: coarser than the library's default (1e-4), which costs ten times
@@ -58,6 +63,7 @@ def run_event(
     *,
     max_participations: int | None = None,
     noise: str = "gaussian",
+    bands: int | None = None,
 ) -> Any:
     """The ``dp-accounting`` event of ``steps`` aggregations of ``mechanism``."""
     dp = library()
@@ -66,6 +72,9 @@ def run_event(
     if mechanism == "dp_ftrl":
         m = steps if max_participations is None else min(max_participations, steps)
         return dp.GaussianDpEvent(noise_multiplier / math.sqrt(sensitivity_sq(m, steps)))
+    if mechanism == "banded_mf":
+        assert bands is not None, "banded_mf's sensitivity depends on its bands"
+        return dp.GaussianDpEvent(noise_multiplier / sensitivity(steps, bands, max_participations))
     if mechanism == "local":
         assert max_participations is not None, "local DP composes each client's capped reports"
         # the clip ball's diameter 2C is the sensitivity of one report: half the multiplier
@@ -88,6 +97,7 @@ class Accountant:
         max_participations: int | None = None,
         noise: str = "gaussian",
         reports: tuple[float, int] | None = None,
+        bands: int | None = None,
     ) -> None:
         self._dp = library()
         if kind not in ("rdp", "pld"):
@@ -99,10 +109,12 @@ class Accountant:
         self.max_participations = max_participations
         self.noise = noise
         self.reports = reports  # (noise multiplier, reports per client) of the private losses
+        self.bands = bands
         self.steps = 0
         self._cached: tuple[int, float] = (0, 0.0)
         # epsilon by event: dp_ftrl's event changes only when the tree deepens (or the cap binds),
-        # so a run composes it about log2 T times, not T
+        # so a run composes it about log2 T times, not T; banded_mf's, until the run outgrows
+        # the bands and then once every b aggregations until the cap binds
         self._by_event: dict[str, float] = {}
 
     def step(self) -> None:
@@ -119,6 +131,7 @@ class Accountant:
             max_participations=self.max_participations,
             noise=self.noise,
             reports=self.reports,
+            bands=self.bands,
         )
 
     def epsilon_after(self, steps: int) -> float:
@@ -132,6 +145,7 @@ class Accountant:
                     steps,
                     max_participations=self.max_participations,
                     noise=self.noise,
+                    bands=self.bands,
                 )
             )
         if self.reports is not None:

@@ -27,6 +27,7 @@ class PrivacyBudget:
             max_participations=p.max_participations,
             noise=p.local_noise,
             reports=None if p.reports is None else (p.reports.noise_multiplier, p.reports.max_per_client),
+            bands=p.bands,
         )
         self.max_steps: int | None = None
         # seeded (a simulation) or os_csprng (a deployment: felix.privacy.setup.use_os_noise)
@@ -82,6 +83,8 @@ class PrivacyBudget:
                 out["update_noise_multiplier"] = m.update_noise_multiplier
         if p.mechanism == "local":
             out["local_noise"] = p.local_noise
+        if p.mechanism == "banded_mf":
+            out["bands"] = p.bands
         if p.reports is not None:
             out["reports"] = p.reports.model_dump()
         return out

@@ -11,8 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-#: The mechanisms: the trusted server's (central, tree) and the device's own (local).
-MECHANISMS = ("none", "central_gaussian", "dp_ftrl", "local")
+#: The mechanisms: the trusted server's (central, tree, banded matrix factorisation) and the
+#: device's own (local).
+MECHANISMS = ("none", "central_gaussian", "dp_ftrl", "banded_mf", "local")
 
 #: Aggregators whose weighted sum the central mechanism forms (the base class's sum, weights
 #: capped at 1); the others take their own step (q-FFL), reweight by data (REFL's SAA) or are
@@ -67,8 +68,15 @@ class PrivacyCfg(BaseModel):
         "none",
         description="none | central_gaussian: the trusted server clips each client's update to "
         "clip_norm and adds Gaussian noise to each aggregation's sum | dp_ftrl: the same sums, "
-        "noised by tree aggregation (no sampling assumption) | local: each client clips and noises "
-        "its own update before it leaves the device",
+        "noised by tree aggregation (no sampling assumption) | banded_mf: the same sums, noised by "
+        "a banded matrix factorisation (set bands) | local: each client clips and noises its own "
+        "update before it leaves the device",
+    )
+    bands: int | None = Field(
+        None,
+        ge=1,
+        description="banded_mf: the bands b of the factor C; a client's contributions fall at least "
+        "b aggregations apart (b = 1: independent noise on every aggregation)",
     )
     local_noise: Literal["gaussian", "laplace"] = Field(
         "gaussian",
@@ -130,6 +138,12 @@ class PrivacyCfg(BaseModel):
             raise ValueError(
                 "local_noise laplace is for mechanism local: central mechanisms add Gaussian noise"
             )
+        if self.mechanism == "banded_mf" and self.bands is None:
+            raise ValueError("mechanism banded_mf needs privacy.bands (b >= 1, e.g. 8)")
+        if self.bands is not None and self.mechanism != "banded_mf":
+            raise ValueError(
+                f"privacy.bands is for mechanism banded_mf, not {self.mechanism}: remove bands or set banded_mf"
+            )
         if self.adaptive_clip is not None and self.mechanism != "central_gaussian":
             raise ValueError(
                 f"adaptive_clip is built for central_gaussian, not {self.mechanism}: use a fixed clip_norm"
@@ -164,6 +178,13 @@ def check_privacy(cfg: Any) -> None:
     if a.robust != "none":
         raise ValueError(
             f"privacy: aggregator.robust {a.robust!r} has no bounded sensitivity: set robust: none"
+        )
+    if p.mechanism == "banded_mf":
+        check_bands(cfg)
+    if p.mechanism in ("dp_ftrl", "banded_mf") and cfg.secure_aggregation.enabled:
+        raise ValueError(
+            f"privacy: mechanism {p.mechanism} with secure_aggregation: the unmasked sums are noised "
+            "by central_gaussian only: use mechanism central_gaussian"
         )
     if p.target_epsilon is not None:
         check_target(cfg)
@@ -217,6 +238,21 @@ def check_report_readers(cfg: Any) -> None:
         raise ValueError(
             f"privacy: {what}, which would reach the server un-noised: set privacy.reports "
             f"(clipped, noised, accounted) or {instead}"
+        )
+
+
+def check_bands(cfg: Any) -> None:
+    """Refuse bands that the population cannot serve: after each contribution a client sits out
+    b - 1 aggregations, so b consecutive aggregations of K updates (or all of a shorter run) need
+    b K distinct clients; with fewer the run would stall once they are spent."""
+    b, k, n = cfg.privacy.bands, cfg.orchestrator.agg_goal, cfg.partition.num_clients
+    runs = cfg.run.max_aggregations
+    window = b if runs is None else min(b, runs)
+    if window * k > n:
+        raise ValueError(
+            f"privacy.bands {b}: {window} aggregations of agg_goal {k} need {window * k} distinct "
+            f"clients (each sits out {b - 1} after contributing), more than the {n} of "
+            f"partition.num_clients: set bands <= {max(n // k, 1)}"
         )
 
 

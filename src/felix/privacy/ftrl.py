@@ -1,8 +1,11 @@
-"""DP-FTRL by tree aggregation (Kairouz et al., ICML 2021): the server releases, after every
-aggregation, the noised prefix sum of all the clipped sums so far, each prefix noised from a
-binary tree of Gaussian nodes (:mod:`felix.privacy.tree`). No sampling assumption is needed: the
-guarantee holds whoever the availability trace and the selector let in, so this is the natural
-mechanism under churn.
+"""DP-FTRL by tree aggregation (Kairouz et al., ICML 2021) or by banded matrix factorisation
+(:class:`BandedAggregation`).
+
+Tree aggregation: the server releases, after every aggregation, the noised prefix sum of all
+the clipped sums so far, each prefix noised from a binary tree of Gaussian nodes
+(:mod:`felix.privacy.tree`). No sampling assumption is needed (nor by the banded factorisation):
+the guarantee holds whoever the availability trace and the selector let in, so these are the
+natural mechanisms under churn.
 
 The aggregation's step is the difference of two consecutive noised prefix sums over the fixed
 denominator K: g_t + n_t - n_(t-1), with g_t the clipped sum (as ``central_gaussian``: each
@@ -19,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from felix.core.types import BufferedUpdate
+from felix.privacy.banded import BandedNoise
 from felix.privacy.central import ClippedSum
 from felix.privacy.tree import TreeNoise
 
@@ -75,4 +79,61 @@ class TreeAggregation(ClippedSum):
             self._tree.load_state_dict(state["tree"])
 
 
-__all__ = ["TreeAggregation"]
+class BandedAggregation(ClippedSum):
+    """Clip, sum with capped weights, add the increment's correlated noise w_t = (C^-1 z)_t of the
+    ``bands``-banded square-root factorisation (:mod:`felix.privacy.banded`), divide by K. The
+    released prefix sums are A x + B z with B = A C^-1; a server optimiser acting on the steps is
+    post-processing of them. The last ``bands - 1`` noise vectors are checkpointed with the
+    generator, so a resumed run continues the same noise."""
+
+    def __init__(
+        self,
+        noise_multiplier: float,
+        clip_norm: float,
+        denominator: int,
+        bands: int,
+        rng: np.random.Generator,
+    ) -> None:
+        if not noise_multiplier > 0:
+            raise ValueError("noise_multiplier must be > 0")
+        super().__init__(clip_norm, denominator)
+        self.noise_multiplier = float(noise_multiplier)
+        self.bands = int(bands)
+        self.rng = rng
+        self._noise: BandedNoise | None = None  # made at the first aggregation, when the size is known
+
+    @property
+    def noise_std(self) -> float:
+        """The std of each coordinate of z (sigma C)."""
+        return self.noise_multiplier * self.clip_norm
+
+    def noised_step(
+        self, buffer: Sequence[BufferedUpdate], weights: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        total, capped, _ = self.clipped_sum(buffer, weights)
+        rng = self.generator()
+        if self._noise is None:
+            self._noise = BandedNoise(total.size, self.noise_std, self.bands, rng)
+        self._noise.rng = rng
+        step = total + self._noise.advance()
+        return (step / self.denominator).astype(np.float32), capped / self.denominator
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "rng": self.rng_state(),
+            "max_contribution_norm": self.max_contribution_norm,
+            "size": None if self._noise is None else self._noise.size,
+            "noise": None if self._noise is None else self._noise.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.load_rng_state(state["rng"])
+        self.max_contribution_norm = float(state["max_contribution_norm"])
+        if state["noise"] is None:
+            self._noise = None
+        else:
+            self._noise = BandedNoise(int(state["size"]), self.noise_std, self.bands, self.rng)
+            self._noise.load_state_dict(state["noise"])
+
+
+__all__ = ["BandedAggregation", "TreeAggregation"]

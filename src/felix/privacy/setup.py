@@ -1,5 +1,6 @@
 """Putting the ``privacy:`` section into a built run, the same for both shells: the server's
-mechanism on the orchestrator's aggregator and the participation cap on the orchestrator (they
+mechanism on the orchestrator's aggregator, the participation cap and (``banded_mf``) the
+separation of a client's contributions on the orchestrator (they
 share ``felix.engine.components.build_orchestrator``, which calls :func:`install`), and the
 device's own mechanism for ``local`` (:func:`device_mechanism`, which both shells' devices apply
 to each result before it leaves). A deployment turns the noise to the operating system's CSPRNG
@@ -12,10 +13,11 @@ from typing import Any
 
 import numpy as np
 
+from felix.core.separation import Separation
 from felix.privacy.adaptive import AdaptiveClip
 from felix.privacy.central import CentralGaussian, ClippedSum
 from felix.privacy.config import count_noise
-from felix.privacy.ftrl import TreeAggregation
+from felix.privacy.ftrl import BandedAggregation, TreeAggregation
 from felix.privacy.local import LocalMechanism, ScalarNoise
 
 #: The noise stream's id under the run seed, apart from the scenario and strategy streams, so
@@ -29,8 +31,8 @@ def noise_stream(seed: int) -> np.random.Generator:
 
 
 def install(cfg: Any, orch: Any) -> None:
-    """Attach the configured server mechanism (denominator ``orchestrator.agg_goal``) and the
-    cap; nothing when privacy is off. Under ``local`` the devices noise and the server adds
+    """Attach the configured server mechanism (denominator ``orchestrator.agg_goal``), the cap
+    and ``banded_mf``'s separation of a client's contributions; nothing when privacy is off. Under ``local`` the devices noise and the server adds
     nothing (what arrives is already private: any aggregation of it is post-processing)."""
     p = cfg.privacy
     orch.max_participations = p.max_participations
@@ -46,6 +48,9 @@ def install(cfg: Any, orch: Any) -> None:
         orch.aggregator.privacy = CentralGaussian(p.noise_multiplier, p.clip_norm, k, rng, adaptive)
     elif p.mechanism == "dp_ftrl":
         orch.aggregator.privacy = TreeAggregation(p.noise_multiplier, p.clip_norm, k, rng)
+    elif p.mechanism == "banded_mf":
+        orch.aggregator.privacy = BandedAggregation(p.noise_multiplier, p.clip_norm, k, p.bands, rng)
+        orch.separation = Separation(p.bands)
 
 
 def private_norm_bound(p: Any, size: int) -> float:
