@@ -405,3 +405,64 @@ def test_parts_of_one_comparison_read_as_one(tmp_path: Path) -> None:
     (second / "comparison.json").write_text(json.dumps({**part, "targets": [0.5]}))
     with pytest.raises(ConfigError, match="other targets"):
         report([first, second], tmp_path / "x.html", DEFAULT_CATALOG)
+
+
+def busy_folder(tmp_path: Path, name: str, variants: list[str]) -> Path:
+    """A comparison folder like the committed ones: three targets and six run diagnostics per
+    variant, three seeds each, with a spread (the values vary by variant and seed)."""
+    targets = [0.78, 0.8, 0.82]
+    stats = {
+        v: {
+            f"{t:g}": {
+                "time_s": spread(300.0 + 40 * i + 900 * (t - 0.78) * (1 + i % 3), 20.0 + 7 * i),
+                "bytes_total": spread(5e8 + 3e7 * i + 1e10 * (t - 0.78), 4e7 + 1e6 * i),
+            }
+            for t in targets
+        }
+        for i, v in enumerate(variants)
+    }
+    fields = ("aggregation_interval_p50_s", "aggregation_interval_p95_s", "staleness_mean")
+    fields += ("staleness_p95", "utility_age_at_selection_mean", "dropped_share")
+    runs = {
+        v: {
+            str(s): {
+                "diagnostics": {k: (1 + j) * (1 + 0.1 * i) + 0.3 * s * (j % 2) for j, k in enumerate(fields)}
+            }
+            for s in range(3)
+        }
+        for i, v in enumerate(variants)
+    }
+    d = tmp_path / name
+    d.mkdir()
+    doc = {"name": name, "description": "t", "reference": variants[0], "targets": targets, "seeds": [0, 1, 2]}
+    (d / "comparison.json").write_text(json.dumps({**doc, "stats": stats, "runs": runs}))
+    manifest = {
+        "command": ["felix", "compare", name],
+        "runs": {
+            f"{v}/seed={s}": {"variant": v, "config": {"run": {"max_time_s": 4000.0}}}
+            for v in variants
+            for s in range(3)
+        },
+    }
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    return d
+
+
+def test_the_page_stays_small_per_folder(tmp_path: Path) -> None:
+    """The committed page embeds the plots of some sixty folders and must stay under 2 MB, so a
+    folder's plots are bounded: a server-lr grid shows its tuning table, not a bar per grid point,
+    and plain folders' plots use few colours."""
+    names = ["felix", "felix-no-eval", "felix-no-tierfuse", "felix-probe-measured", "oort-async*", "oort*"]
+    grid = [f"{s}-lr{lr:g}" for s in ("felix", "oort-async*") for lr in (0.3, 0.6, 1.2, 2.4, 4.8)]
+    dirs = [busy_folder(tmp_path, f"felix-ablations-{t}", names) for t in ("90", "50")]
+    dirs += [busy_folder(tmp_path, f"felix-lr-tune-{t}", grid) for t in ("90", "50")]
+    page = report(dirs, tmp_path / "p.html").read_text()
+    # About 26 kB a folder with a plot per grid point and 16 colours everywhere; 11.4 kB now.
+    assert len(page.encode()) / len(dirs) < 16_000
+    for d in dirs:
+        assert f"<h2 id='{d.name}'>" in page
+    grid_section = page.split("<h2 id='felix-lr-tune-90'>")[1].split("<h2 id=")[0]
+    assert "Server learning rate grid" in grid_section and "<td>felix-lr4.8</td>" in grid_section
+    assert "<img" not in grid_section
+    plain = page.split("<h2 id='felix-ablations-90'>")[1].split("<h2 id=")[0]
+    assert "alt='run diagnostics, felix-ablations-90'" in plain and "alt='time and bytes to target" in plain

@@ -2,7 +2,7 @@
 
 Each DIR is a folder ``felix compare`` wrote (``comparison.json`` and ``manifest.json``). For each
 one the page shows the time and bytes to every target (mean ± std over seeds) as a table and an
-embedded plot, the paper's figures for that experiment (from a catalog of the paper's claims,
+embedded plot (a server-lr grid: its tuning table instead of the time and diagnostics plots), the paper's figures for that experiment (from a catalog of the paper's claims,
 ``configs/reports/felix.yaml`` by default) against ours with a flag where they differ by more
 than the catalog's tolerance, and the command that regenerates the folder. A dp-* folder (variants
 ``<strategy>-eps<e>``) also gets the price of privacy (``felix.experiments.price_of_privacy``);
@@ -153,17 +153,19 @@ def _judge_diagnostic(folder: Folder, claim: Claim, tolerance: float) -> Verdict
     return Verdict(claim, {0.0: ours}, "agrees" if ok else "differs")
 
 
-def _png(fig: Any) -> str:
-    """``fig`` as a base64 PNG of at most 16 colours: a plot's few flat colours and their
-    antialiased edges need no more, and the page, which embeds every plot (over 190 for the FeLiX
-    report), stays under 2 MB (32 colours: 2.1 MB; 256: about 2.7 MB; RGBA: three times that)."""
+def _png(fig: Any, colors: int = 16) -> str:
+    """``fig`` as a base64 PNG of at most ``colors`` colours: a plot's few flat colours and their
+    antialiased edges need no more, and the page, which embeds every plot (over 170 for the FeLiX
+    report), stays under 2 MB. 16 keeps lines told apart by colour (32 made that page 2.1 MB instead
+    of 1.9, 256 about 2.7 MB); bars in three colours read the same at 8, bars in one at 4 (which
+    takes a diagnostics plot from 11 to 7 kB)."""
     from PIL import Image
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=72)
     buf.seek(0)
     with Image.open(buf) as img:
-        small = img.convert("RGB").quantize(colors=16, method=Image.Quantize.MEDIANCUT)
+        small = img.convert("RGB").quantize(colors=colors, method=Image.Quantize.MEDIANCUT)
     out = io.BytesIO()
     small.save(out, format="png", optimize=True)
     return base64.b64encode(out.getvalue()).decode("ascii")
@@ -196,7 +198,7 @@ def time_plot(folder: Folder) -> str:
         ax.legend(fontsize=7)
     axes[0].set_title("mean ± std over seeds (0 = not reached)", fontsize=8)
     fig.tight_layout()
-    out = _png(fig)
+    out = _png(fig, colors=8)
     plt.close(fig)
     return out
 
@@ -398,14 +400,15 @@ def diagnostics_table(diag: dict[str, dict[str, list[float]]], seeds: int) -> st
 
 
 def diagnostics_plot(diag: dict[str, dict[str, list[float]]]) -> str:
-    """One panel per diagnostic, a bar per variant (mean over seeds, std error bars); base64 PNG."""
+    """One panel per diagnostic, three to a row, a bar per variant (mean over seeds, std error bars);
+    base64 PNG in 4 colours (one bar colour, black, white and their edges)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     keys = [(k, label) for k, label in DIAGNOSTICS if any(k in d for d in diag.values())]
-    cols = min(5, len(keys))
+    cols = min(3, len(keys))
     nrows = -(-len(keys) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(2.6 * cols, 0.9 + 0.3 * len(diag) * nrows), squeeze=False)
     names = list(diag)
@@ -418,10 +421,11 @@ def diagnostics_plot(diag: dict[str, dict[str, list[float]]]) -> str:
         ax.invert_yaxis()
         ax.set_title(label, fontsize=7)
         ax.tick_params(axis="x", labelsize=7)
+        ax.locator_params(axis="x", nbins=4)  # a third of the width: 0.0025-wide labels would collide
     for ax in list(axes.flat)[len(keys) :]:
         ax.axis("off")
     fig.tight_layout()
-    out = _png(fig)
+    out = _png(fig, colors=4)
     plt.close(fig)
     return out
 
@@ -563,6 +567,7 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
             body.append(
                 f"<img alt='update weights, {e(f.name)}' src='data:image/png;base64,{weights_plot(weights)}'>"
             )
+        grid = lr_grid(f)  # a tuning grid: its tables rank the settings; a bar per grid point is unreadable
         diag = run_diagnostics(f)
         if diag:
             body.append("<h3>Run diagnostics (mean ± std over seeds)</h3>")
@@ -575,10 +580,10 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
                 "run diagnostics.</p>"
             )
             body.append(diagnostics_table(diag, len(f.seeds)))
-            body.append(
-                f"<img alt='run diagnostics, {e(f.name)}' src='data:image/png;base64,{diagnostics_plot(diag)}'>"
-            )
-        grid = lr_grid(f)
+            if not grid:
+                body.append(
+                    f"<img alt='run diagnostics, {e(f.name)}' src='data:image/png;base64,{diagnostics_plot(diag)}'>"
+                )
         if grid:
             lrs = sorted({p.lr for points in grid.values() for p in points})
             body.append("<h3>Server learning rate grid (tuning criterion)</h3>")
@@ -617,9 +622,10 @@ def render(folders: Sequence[Folder], catalog: Catalog) -> str:
             )
             body.append(f"<tr><td>{e(name)}</td>{cells}</tr>")
         body.append("</table>")
-        body.append(
-            f"<img alt='time and bytes to target, {e(f.name)}' src='data:image/png;base64,{time_plot(f)}'>"
-        )
+        if not grid:
+            body.append(
+                f"<img alt='time and bytes to target, {e(f.name)}' src='data:image/png;base64,{time_plot(f)}'>"
+            )
     if claims:
         parts.append(
             "<h2>Summary: every claim</h2><table><tr><th>comparison</th><th>claim</th><th>paper</th>"
