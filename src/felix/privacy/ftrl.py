@@ -27,8 +27,10 @@ from felix.privacy.central import ClippedSum
 from felix.privacy.tree import TreeNoise
 
 
-class TreeAggregation(ClippedSum):
-    """Clip, sum with capped weights, add the tree's prefix-noise difference, divide by K."""
+class CorrelatedNoiseSum(ClippedSum):
+    """The clipped sum of the DP-FTRL mechanisms, whose noise is correlated across aggregations
+    (the tree's nodes, the banded factorisation's stream): each draws Gaussian noise of std
+    sigma C per coordinate from ``rng``."""
 
     def __init__(
         self, noise_multiplier: float, clip_norm: float, denominator: int, rng: np.random.Generator
@@ -38,13 +40,22 @@ class TreeAggregation(ClippedSum):
         super().__init__(clip_norm, denominator)
         self.noise_multiplier = float(noise_multiplier)
         self.rng = rng
-        self._tree: TreeNoise | None = None  # made at the first aggregation, when the size is known
-        self._last_noise: np.ndarray | None = None
 
     @property
     def noise_std(self) -> float:
-        """The std of each tree node's noise, per coordinate (sigma C)."""
+        """The std of each coordinate of a noise draw (sigma C)."""
         return self.noise_multiplier * self.clip_norm
+
+
+class TreeAggregation(CorrelatedNoiseSum):
+    """Clip, sum with capped weights, add the tree's prefix-noise difference, divide by K."""
+
+    def __init__(
+        self, noise_multiplier: float, clip_norm: float, denominator: int, rng: np.random.Generator
+    ) -> None:
+        super().__init__(noise_multiplier, clip_norm, denominator, rng)
+        self._tree: TreeNoise | None = None  # made at the first aggregation, when the size is known
+        self._last_noise: np.ndarray | None = None
 
     def noised_step(
         self, buffer: Sequence[BufferedUpdate], weights: np.ndarray
@@ -79,7 +90,7 @@ class TreeAggregation(ClippedSum):
             self._tree.load_state_dict(state["tree"])
 
 
-class BandedAggregation(ClippedSum):
+class BandedAggregation(CorrelatedNoiseSum):
     """Clip, sum with capped weights, add the increment's correlated noise w_t = (C^-1 z)_t of the
     ``bands``-banded square-root factorisation (:mod:`felix.privacy.banded`), divide by K. The
     released prefix sums are A x + B z with B = A C^-1; a server optimiser acting on the steps is
@@ -94,18 +105,9 @@ class BandedAggregation(ClippedSum):
         bands: int,
         rng: np.random.Generator,
     ) -> None:
-        if not noise_multiplier > 0:
-            raise ValueError("noise_multiplier must be > 0")
-        super().__init__(clip_norm, denominator)
-        self.noise_multiplier = float(noise_multiplier)
+        super().__init__(noise_multiplier, clip_norm, denominator, rng)
         self.bands = int(bands)
-        self.rng = rng
         self._noise: BandedNoise | None = None  # made at the first aggregation, when the size is known
-
-    @property
-    def noise_std(self) -> float:
-        """The std of each coordinate of z (sigma C)."""
-        return self.noise_multiplier * self.clip_norm
 
     def noised_step(
         self, buffer: Sequence[BufferedUpdate], weights: np.ndarray
