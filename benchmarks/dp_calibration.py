@@ -6,23 +6,34 @@ aggregations: the smallest noise multiplier (to 0.01, rounded up) at which
 clients' reported losses and utilities (felix's probes and TierFuse, Oort's statistical utility),
 which a private run must noise, first give ``--reports-share`` of the budget to their reports (the smallest report noise whose
 epsilon alone is within that share), then calibrate the updates' noise with the reports composed.
-Printed as the comparison file's variant lines, so the numbers in the file are this script's.
+Printed as the comparison file's variant lines, or with ``--comparison`` written into that shipped
+comparison file in place of its ``variants:`` block, so the numbers in the file are this script's;
+the family's buffer size and concurrency are arguments (the Fashion-MNIST family's are the defaults).
 
-    python benchmarks/dp_calibration.py --aggregations 127
+    python benchmarks/dp_calibration.py --aggregations 127 --comparison dp-fmnist-90
+    python benchmarks/dp_calibration.py --aggregations 127 --agg-goal 50 --concurrency 150 \
+        --comparison dp-fsdd-mobiperf
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
+from pathlib import Path
 
+import felix
 from felix.privacy.accountant import Accountant
 
 STRATEGIES = ("felix", "felix-authors", "oort-async*", "fedbuff", "oort*", "fedavg")
 #: Their selector, eval selector or aggregator reads reports: a private run needs ``privacy.reports``.
 READS_REPORTS = ("felix", "felix-authors", "oort-async*", "oort*")
 ASYNC = ("felix", "felix-authors", "oort-async*", "fedbuff")
+#: The shipped comparison files, which ``--comparison`` rewrites.
+COMPARISONS = Path(felix.__file__).parent / "configs" / "comparisons"
+#: A comparison file's variants block: the ``variants:`` line and its indented lines.
+VARIANTS_BLOCK = re.compile(r"^variants:\n(?:[ #].*\n)*", re.MULTILINE)
 #: Without privacy these keep their preset's sample-weighted mean: their weights are sample counts,
 #: so dividing the weighted sum by the cohort size would multiply the step by the mean count.
 SAMPLE_WEIGHTED = ("oort*", "fedavg")
@@ -58,19 +69,9 @@ def report_noise(epsilon: float, count: int, delta: float) -> float:
     return smallest(ok)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--aggregations", type=int, required=True, help="how long each budget must last")
-    ap.add_argument("--epsilons", type=float, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--delta", type=float, default=1e-5)
-    ap.add_argument("--clip", type=float, default=0.5)
-    ap.add_argument("--max-participations", type=int, default=5)
-    ap.add_argument("--agg-goal", type=int, default=100)
-    ap.add_argument("--concurrency", type=int, default=300)
-    ap.add_argument("--reports-share", type=float, default=0.25)
-    ap.add_argument("--report-clip", type=float, default=10.0)
-    ap.add_argument("--reports-per-client", type=int, default=20)
-    a = ap.parse_args()
+def variant_lines(a: argparse.Namespace) -> list[str]:
+    """The comparison file's variant lines: each strategy at each epsilon, then without privacy."""
+    lines = []
     for s in STRATEGIES:
         orch = f"orchestrator.agg_goal: {a.agg_goal}"
         if s in ASYNC:
@@ -92,9 +93,53 @@ def main() -> None:
                 f"delta: {a.delta:g}, max_participations: {a.max_participations}, "
                 f"target_epsilon: {eps:g}{extra}}}"
             )
-            print(f'  "{s}-eps{eps:g}": {head}, {priv}}}')
+            lines.append(f'  "{s}-eps{eps:g}": {head}, {priv}}}')
         plain = head.replace(", aggregator.normalize: count", "") if s in SAMPLE_WEIGHTED else head
-        print(f'  "{s}-epsinf": {plain}}}')
+        lines.append(f'  "{s}-epsinf": {plain}}}')
+    return lines
+
+
+def with_variants(text: str, lines: list[str]) -> str:
+    """A comparison file's text with its ``variants:`` block replaced by ``lines``."""
+    if len(VARIANTS_BLOCK.findall(text)) != 1:
+        raise ValueError("the comparison file needs exactly one top-level 'variants:' block")
+    return VARIANTS_BLOCK.sub(lambda _: "variants:\n" + "".join(f"{line}\n" for line in lines), text)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--aggregations", type=int, required=True, help="how long each budget must last")
+    ap.add_argument("--epsilons", type=float, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--delta", type=float, default=1e-5)
+    ap.add_argument("--clip", type=float, default=0.5)
+    ap.add_argument("--max-participations", type=int, default=5)
+    ap.add_argument("--agg-goal", type=int, default=100, help="the family's buffer / cohort size K")
+    ap.add_argument("--concurrency", type=int, default=300, help="the async strategies' clients running")
+    ap.add_argument("--reports-share", type=float, default=0.25)
+    ap.add_argument("--report-clip", type=float, default=10.0)
+    ap.add_argument("--reports-per-client", type=int, default=20)
+    ap.add_argument(
+        "--comparison",
+        help="a shipped dp-* comparison (e.g. dp-fsdd-mobiperf) whose variants block to rewrite; "
+        "without it the lines are printed",
+    )
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    a = parse_args()
+    lines = variant_lines(a)
+    if a.comparison is None:
+        print("\n".join(lines))
+        return
+    path = COMPARISONS / f"{a.comparison}.yaml"
+    if not path.is_file():
+        raise SystemExit(f"--comparison {a.comparison}: no shipped comparison of that name ({path.name})")
+    try:
+        path.write_text(with_variants(path.read_text(), lines))
+    except ValueError as exc:
+        raise SystemExit(f"{path.name}: {exc}") from None
+    print(f"wrote {len(lines)} variants into {path.name}")
 
 
 if __name__ == "__main__":

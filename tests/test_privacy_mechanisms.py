@@ -364,9 +364,14 @@ def summary_updates(result: Any) -> int:
 
 
 # ---------------------------------------------------------------------- the dp-* comparisons
-@pytest.mark.parametrize("name", ["dp-fmnist-90", "dp-fmnist-mobiperf"])
-def test_the_dp_comparisons_give_each_budget_exactly_their_127_aggregations(name: str) -> None:
-    """Every strategy at every epsilon on 10,000 clients with buffers / cohorts of 100, every run
+@pytest.mark.parametrize(
+    ("name", "clients", "k"),
+    [("dp-fmnist-90", 10_000, 100), ("dp-fmnist-mobiperf", 10_000, 100), ("dp-fsdd-mobiperf", 2_500, 50)],
+)
+def test_the_dp_comparisons_give_each_budget_exactly_their_127_aggregations(
+    name: str, clients: int, k: int
+) -> None:
+    """Every strategy at every epsilon on 10,000 clients with buffers / cohorts of 100 (FSDD: 2,500 and 50), every run
     capped at 127 aggregations; each private variant's noise is the smallest (to 0.01) whose budget
     lasts those 127, as benchmarks/dp_calibration.py computes it: 0.01 less noise would stop the
     run earlier."""
@@ -379,7 +384,7 @@ def test_the_dp_comparisons_give_each_budget_exactly_their_127_aggregations(name
     assert set(comp.variants) == {f"{s}-eps{e}" for s in strategies for e in ("1", "2", "4", "8", "inf")}
     for variant in comp.variants:
         cfg = variant_config(comp, variant, {}, 0, max(comp.targets or [0.7]))
-        assert cfg.partition.num_clients == 10_000 and cfg.orchestrator.agg_goal == 100
+        assert cfg.partition.num_clients == clients and cfg.orchestrator.agg_goal == k
         assert cfg.run.max_aggregations == 127
         if variant.endswith("inf"):
             # without privacy, FedAvg's sample-count weights keep their own denominator
