@@ -9,7 +9,15 @@ from felix.engine.setup import resolve_config
 from felix.experiments.compare import load_comparison, variant_config
 
 # The tuned plain-step server lr of OORT+Async* ("The tuned verdict") and felix-authors' tuned lr.
-TUNED = {"100": (0.6, 1.2), "90": (0.6, 1.2), "50": (0.6, 1.2), "mobiperf": (1.2, 2.4)}
+# Each strategy's tuned (server optimiser, server lr) per trace: the plain step everywhere except
+# OORT+Async* on MobiPerf, where adagrad beat it on the tuning seeds.
+PLAIN = {"felix-next": ("sgd", 0.6), "oort-async*": ("sgd", 1.2)}
+TUNED = {
+    "100": PLAIN,
+    "90": PLAIN,
+    "50": PLAIN,
+    "mobiperf": {"felix-next": ("sgd", 1.2), "oort-async*": ("adagrad", 0.02)},
+}
 
 
 def test_felix_next_is_felix_authors_without_the_probes() -> None:
@@ -35,9 +43,14 @@ def test_best_comparisons_hold_felix_next_and_tuned_oort_async_on_the_reported_s
     comp = load_comparison(f"felix-best-10seeds-{trace}")
     assert list(comp.variants) == ["felix-next", "oort-async*"] and comp.reference == "oort-async*"
     assert comp.seeds == list(range(10)) and comp.targets == [0.78, 0.8, 0.82]
-    lrs = tuple(variant_config(comp, v, {}).aggregator.server_lr for v in comp.variants)
-    assert lrs == TUNED[trace]
-    assert variant_config(comp, "oort-async*", {}).aggregator.server_optimizer == "sgd"
+    tuned = {
+        v: (
+            variant_config(comp, v, {}).aggregator.server_optimizer,
+            variant_config(comp, v, {}).aggregator.server_lr,
+        )
+        for v in comp.variants
+    }
+    assert tuned == TUNED[trace]
 
 
 def test_the_tuning_uses_tuning_seeds_only() -> None:
