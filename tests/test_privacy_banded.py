@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from privacy_support import dp, tiny
 
 from felix.config import ConfigError, validate
 from felix.core.separation import Separation
@@ -33,20 +34,7 @@ from felix.privacy.ftrl import BandedAggregation
 from felix.sim.run import run_config
 from felix.strategies.aggregation.fedavg import FedBuffAggregator
 
-TINY: dict[str, Any] = {
-    "partition": {"num_clients": 12},
-    "model": "mlp",
-    "trace": {"kind": "always"},
-    "run": {"max_aggregations": 6, "target_accuracy": 0.3, "target_window": 1, "stop_at_target": False},
-    "orchestrator": {"concurrency": 4, "agg_goal": 2},
-    "aggregator": {"normalize": "count"},
-}
-
-
-def dp() -> Any:
-    return pytest.importorskip(
-        "dp_accounting", reason="extra felix-fl[privacy] (dp-accounting) not installed"
-    )
+TINY: dict[str, Any] = tiny(6)
 
 
 def _prefix(n: int) -> np.ndarray:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from privacy_support import dp, tiny
 
 from felix.core.types import BufferedUpdate, ClientUpdate
 from felix.engine.setup import resolve_config
@@ -24,20 +25,7 @@ from felix.privacy.tree import TreeNoise, depth, nodes_of, sensitivity_sq
 from felix.sim.run import run_config
 from felix.strategies.aggregation.fedavg import FedBuffAggregator
 
-TINY: dict[str, Any] = {
-    "partition": {"num_clients": 12},
-    "model": "mlp",
-    "trace": {"kind": "always"},
-    "run": {"max_aggregations": 4, "target_accuracy": 0.3, "target_window": 1, "stop_at_target": False},
-    "orchestrator": {"concurrency": 4, "agg_goal": 2},
-    "aggregator": {"normalize": "count"},
-}
-
-
-def dp() -> Any:
-    return pytest.importorskip(
-        "dp_accounting", reason="extra felix-fl[privacy] (dp-accounting) not installed"
-    )
+TINY: dict[str, Any] = tiny(4)
 
 
 def _buffer(deltas: list[np.ndarray]) -> list[BufferedUpdate]:
