@@ -171,9 +171,13 @@ class _Clocks(NamedTuple):
 Verdict = Refused | SecAggIn | wire.Message | Exception
 
 
-def _build(protocol: ServerProtocol, parsed: wire.Parsed | wire.MessageError, payload: bytes) -> Verdict:
-    """``ServerProtocol.build``, with an unexpected exception kept for its own message: one
-    message's failure is not its batch's."""
+def _build(
+    protocol: ServerProtocol, parsed: wire.Parsed | wire.Message | wire.MessageError, payload: bytes
+) -> Verdict:
+    """``ServerProtocol.build`` (a message the decode worker built, or refused, as it is), with an
+    unexpected exception kept for its own message: one message's failure is not its batch's."""
+    if not isinstance(parsed, wire.Parsed):
+        return parsed
     try:
         return protocol.build(parsed, payload)
     except Exception as exc:  # noqa: BLE001 - a client's message may raise anything; refused when handled
