@@ -730,6 +730,8 @@ class Server:
         commands; False if it was rejected. ``from_client``: the event is a client's message (its
         modelled bytes count), not one the server derived (a tick, a restart's lost task)."""
         commands = self.ctl.handle(event, from_client)
+        if not commands:  # most tier reports: nothing to carry out
+            return True
         rejected = any(isinstance(c, UpdateRejected) for c in commands)
         for cmd in commands:
             if isinstance(cmd, NewModelVersion):
