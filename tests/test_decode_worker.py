@@ -195,6 +195,30 @@ def test_the_worker_builds_messages_without_arrays_and_each_sender_is_charged_it
     assert all(s >= p > 0.0 for (_, s), p in zip(charged, parse_s, strict=True))
 
 
+def test_a_result_whose_building_raises_is_refused_alone(tmp_path: Path) -> None:
+    """The loop builds a batch's results in one pass: an unexpected exception building one is
+    that message's internal error, and the rest of the batch is handled as usual."""
+    srv = _server(tmp_path, True)
+    build = srv.protocol.build
+
+    def broken(parsed: object, payload: bytes) -> object:
+        if isinstance(parsed, wire.Parsed):
+            raise TypeError("boom")
+        return build(parsed, payload)  # type: ignore[arg-type]
+
+    srv.protocol.build = broken  # type: ignore[method-assign,assignment]
+    decoder = DecodeWorker(srv.max_bytes, srv.protocol.header_bytes)
+    try:
+        srv._pipeline(decoder, _hostile_and_honest(srv))
+        srv._pipeline(decoder, [])
+    finally:
+        decoder.close()
+    assert srv.stats.refused_by_kind[Refusal.INTERNAL.value] == 1  # the result, in place of not_holder
+    assert Refusal.NOT_HOLDER.value not in srv.stats.refused_by_kind
+    assert srv.stats.registrations == CLIENTS and srv.stats.duplicates == 1
+    assert srv.orch.clients[0].reported_tier is Tier.UN_AVL  # the batch's last message was applied
+
+
 def test_a_worker_that_dies_stops_the_server_with_a_clear_error(tmp_path: Path) -> None:
     from felix.deploy.decode_worker import DecodeWorkerError
 
