@@ -15,6 +15,11 @@ runs one round of each way in a fresh process on each code (``git archive`` of `
 script on both), the two codes alternating, so that other work on the machine weighs on both
 alike; the line then holds, for each code and way, the mean, spread, minimum and median.
 
+The rounds run with the objects made before them frozen, as ``Server.run`` serves
+(``felix.engine.heap.gc_frozen``; a commit that predates it runs them unfrozen, as its server
+did), and ``gc_us`` is the loop thread's CPU per message in the cyclic collector's passes (a full
+pass walks every object not frozen), a part of ``loop_us``.
+
 ``--batch N`` hands the messages over N at a time instead of the inbox's 64 (the worker's round
 trip per batch against parsing in the loop: the server sends batches under
 ``WORKER_MIN_BATCH`` to no worker).
@@ -25,6 +30,8 @@ Run: ``python benchmarks/intake_cpu.py [--messages 10000] [--repeats 3] [--plain
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import statistics
@@ -119,10 +126,40 @@ class Timed:
             self.cpu += time.thread_time() - t0
 
 
+class GcTime:
+    """The loop thread's CPU in the cyclic collector's passes (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.cpu = 0.0
+        self._t0 = 0.0
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.thread_time()
+        else:
+            self.cpu += time.thread_time() - self._t0
+
+
+def frozen() -> contextlib.AbstractContextManager[None]:
+    """The heap frozen as ``Server.run`` freezes it (nothing, for a commit whose server did not)."""
+    try:
+        from felix.engine.heap import gc_frozen
+    except ImportError:
+        return contextlib.nullcontext()
+    return gc_frozen()
+
+
 def one_round(
-    srv: Server, timed: Timed, msgs: list[Delivery], worker: Any, batch_size: int = INBOX_BATCH
+    srv: Server,
+    timed: Timed,
+    msgs: list[Delivery],
+    worker: Any,
+    batch_size: int = INBOX_BATCH,
+    gc_time: GcTime | None = None,
 ) -> dict[str, float]:
     parse = 0.0
+    gc_before = 0.0 if gc_time is None else gc_time.cpu
     if worker is not None:
         original = worker.collect
 
@@ -154,6 +191,7 @@ def one_round(
         "orchestrator_us": 1e6 * timed.cpu / n,
         "intake_us": 1e6 * (loop - timed.cpu) / n,
         "worker_parse_us": 1e6 * parse / n,
+        "gc_us": 0.0 if gc_time is None else 1e6 * (gc_time.cpu - gc_before) / n,
     }
 
 
@@ -254,12 +292,16 @@ def main() -> None:
         seq = 2
         one_round(srv, timed, flips(2 * CLIENTS, seq), None)  # warm up
         seq += 2
-        for _ in range(args.repeats):
-            plain.append(one_round(srv, timed, flips(args.messages, seq), None, args.batch))
-            seq += args.messages // CLIENTS + 1
-            if worker is not None:
-                piped.append(one_round(srv, timed, flips(args.messages, seq), worker, args.batch))
+        gc_time = GcTime()
+        with frozen():
+            for _ in range(args.repeats):
+                msgs = flips(args.messages, seq)
+                plain.append(one_round(srv, timed, msgs, None, args.batch, gc_time))
                 seq += args.messages // CLIENTS + 1
+                if worker is not None:
+                    msgs = flips(args.messages, seq)
+                    piped.append(one_round(srv, timed, msgs, worker, args.batch, gc_time))
+                    seq += args.messages // CLIENTS + 1
         if worker is not None:
             worker.close()
     out: dict[str, Any] = {

@@ -152,6 +152,73 @@ def test_a_small_batch_is_parsed_in_the_loop_and_a_large_one_by_the_worker(tmp_p
     assert tiers[0] == tiers[1]
 
 
+def test_the_worker_builds_messages_without_arrays_and_each_sender_is_charged_its_time(
+    tmp_path: Path,
+) -> None:
+    """A registration or tier report comes back built (the message the loop would build), a
+    result as its checked header (its aux entries are the loop's to check); each message's
+    sender is charged at least the worker's time for it."""
+    srv = _server(tmp_path, True)
+    items = _hostile_and_honest(srv)
+    decoder = DecodeWorker(srv.max_bytes, srv.protocol.header_bytes)
+    try:
+        decoder.submit([m.payload for m in items])
+        results = decoder.collect()
+    finally:
+        decoder.close()
+    kinds = [type(r).__name__ for r, _ in results]
+    assert kinds[: CLIENTS + 2] == ["Register"] * CLIENTS + ["State", "State"]
+    assert results[CLIENTS][0] == wire.decode(items[CLIENTS].payload)
+    assert kinds.count("Parsed") == 1  # the result for a task never assigned
+    assert kinds[-1] == "State" and all(s > 0.0 for _, s in results)
+
+    srv = _server(tmp_path / "charged", True)
+    charged: list[tuple[int, float]] = []
+    srv.protocol.charge_decode = lambda cid, s, wall: charged.append((cid, s))  # type: ignore[method-assign]
+    decoder = DecodeWorker(srv.max_bytes, srv.protocol.header_bytes)
+    parse_s: list[float] = []
+    collect = decoder.collect
+
+    def timed() -> list[tuple[object, float]]:
+        out = collect()
+        parse_s.extend(s for _, s in out)
+        return out  # type: ignore[return-value]
+
+    decoder.collect = timed  # type: ignore[method-assign]
+    try:
+        items = _hostile_and_honest(srv)
+        srv._pipeline(decoder, items)
+        srv._pipeline(decoder, [])
+    finally:
+        decoder.close()
+    assert [c for c, _ in charged] == [m.address.client for m in items if m.address is not None]
+    assert all(s >= p > 0.0 for (_, s), p in zip(charged, parse_s, strict=True))
+
+
+def test_a_result_whose_building_raises_is_refused_alone(tmp_path: Path) -> None:
+    """The loop builds a batch's results in one pass: an unexpected exception building one is
+    that message's internal error, and the rest of the batch is handled as usual."""
+    srv = _server(tmp_path, True)
+    build = srv.protocol.build
+
+    def broken(parsed: object, payload: bytes) -> object:
+        if isinstance(parsed, wire.Parsed):
+            raise TypeError("boom")
+        return build(parsed, payload)  # type: ignore[arg-type]
+
+    srv.protocol.build = broken  # type: ignore[method-assign,assignment]
+    decoder = DecodeWorker(srv.max_bytes, srv.protocol.header_bytes)
+    try:
+        srv._pipeline(decoder, _hostile_and_honest(srv))
+        srv._pipeline(decoder, [])
+    finally:
+        decoder.close()
+    assert srv.stats.refused_by_kind[Refusal.INTERNAL.value] == 1  # the result, in place of not_holder
+    assert Refusal.NOT_HOLDER.value not in srv.stats.refused_by_kind
+    assert srv.stats.registrations == CLIENTS and srv.stats.duplicates == 1
+    assert srv.orch.clients[0].reported_tier is Tier.UN_AVL  # the batch's last message was applied
+
+
 def test_a_worker_that_dies_stops_the_server_with_a_clear_error(tmp_path: Path) -> None:
     from felix.deploy.decode_worker import DecodeWorkerError
 

@@ -108,8 +108,9 @@ class TierTrack(AvailabilityPolicy):
         super().__init__(cfg)
 
     def on_tier(self, orch: OrchestratorView, rec: ClientRecord | ClientView, tier: Tier) -> None:
-        orch.clients.set_tier(rec.client_id, tier)
-        holder = orch.clients[rec.client_id].in_flight  # the ledger's column (a record has none)
+        cid = rec.client_id
+        orch.clients.set_tier(cid, tier)
+        holder = orch.clients[cid].in_flight  # the ledger's column (a record has none)
         if holder is None:
             return
         task = orch.task(holder)

@@ -263,6 +263,13 @@ class ClientMap:
     def __getitem__(self, client_id: int) -> ClientView:
         return ClientView(self, self.row(client_id))
 
+    def get(self, client_id: object) -> ClientView | None:
+        """The view of a registered client, or None (one lookup where ``in`` and ``[]`` take two)."""
+        if not isinstance(client_id, (int, np.integer)):
+            return None
+        r = self._find(int(client_id))
+        return None if r < 0 else ClientView(self, r)
+
     def __iter__(self) -> Iterator[ClientView]:
         return (ClientView(self, r) for r in range(self._n))
 
@@ -422,8 +429,9 @@ class ClientMap:
         few clients holding a slot are cut out by their positions in the members, so no member's
         fields are read (at a million clients each read is a cache miss).
         """
-        parts = [self._idle_members(int(t)) for t in tiers]
-        return parts[0] if len(parts) == 1 else self._id_sorted(np.concatenate(parts))
+        if len(tiers) == 1:
+            return self._idle_members(int(tiers[0]))
+        return self._id_sorted(np.concatenate([self._idle_members(int(t)) for t in tiers]))
 
     def idle_in(self, *tiers: Tier) -> np.ndarray:
         """Client ids of the given tiers holding no slot, in a deterministic (id) order."""

@@ -205,10 +205,10 @@ class Orchestrator(Dispatch):
             self._send_held(out)
 
     def _on_tier(self, ev: TierChanged, out: list[Command]) -> None:
-        if ev.client_id not in self.clients:
+        rec = self.clients.get(ev.client_id)
+        if rec is None:
             self._reject(ev.client_id, 0, Refusal.UNKNOWN_CLIENT, "tier change from an unknown client", out)
             return
-        rec = self.clients[ev.client_id]
         damped = self.admission.is_damped(ev.client_id)
         if ev.tier is not rec.reported_tier:
             flapping = self.admission.tier_changed(ev.client_id, self.now)

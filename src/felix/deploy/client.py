@@ -392,7 +392,7 @@ class ClientHost:
                     task=msg.task,
                     reason=f.error[: wire.MAX_STR],
                 )
-                self._publish_result(dev, wire.encode(fail))
+                self._publish_result(dev, msg.task, wire.encode(fail))
 
     def _with_model(self, dev: Device, payload: bytes, body: bytes) -> None:
         msg = self.protocol.complete(dev.cid, payload, body)
@@ -428,7 +428,7 @@ class ClientHost:
         if step.timer is not None:
             self._push(self._mono_at(step.timer.at), _DONE, dev.cid, step.timer.token)
         for held in step.released:
-            self._publish_result(dev, held.result)
+            self._publish_result(dev, held.task.task_id, held.result)
 
     def _env(self, dev: Device) -> dict[str, Any]:
         return {"run": self.opts.run_id, "msg_id": dev.ids.next(), "sent_at": time.time()}
@@ -506,7 +506,7 @@ class ClientHost:
                 task=task.task_id,
                 reason=f"{type(exc).__name__}: {exc}"[: wire.MAX_STR],
             )
-            self._publish_result(dev, wire.encode(fail))
+            self._publish_result(dev, task.task_id, wire.encode(fail))
             self._follow(dev, dev.fail(self.trace_time(), task))
             return
         spent = self._clock() - t0
@@ -561,7 +561,8 @@ class ClientHost:
             return self.trainer.train(task.weights, dev.data, dev.state, task.aux, gen)
         return self.trainer.probe(task.weights, dev.data)
 
-    def _publish_result(self, dev: Device, payload: bytes) -> None:
+    def _publish_result(self, dev: Device, task: int, payload: bytes) -> None:
+        log.info("client %d: task %d: result sent", dev.cid, task)  # before: a log without it was never sent
         self._publish(dev, Channel.RESULT, payload)
         dev.sent.append((self._clock(), payload))
 

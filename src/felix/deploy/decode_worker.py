@@ -4,10 +4,12 @@ The server's loop thread owns the orchestrator, and with it every inbound messag
 the sender's budgets, the wire format's checks, the protocol's and the orchestrator's. The wire
 format's checks (``felix.deploy.wire.parse``: sizes, the JSON header, every field's range, the
 arrays' layout) need no state, so with ``ServeOptions.decode_worker`` they run here instead, on a
-batch of messages while the loop applies the batch before it. What comes back is the checked
-header (``wire.Parsed``: plain values, cheap to pickle) or the refusal, with the time parsing
-took; the loop builds the message on its own copy of the bytes (array views, no copy), checks
-the rest and charges that time to the sender's cost budget. The sender's budgets are checked in
+batch of messages while the loop applies the batch before it. What comes back is, for a message
+that carries arrays (a result), the checked header (``wire.Parsed``: plain values, cheap to
+pickle), which the loop builds on its own copy of the bytes (array views, no copy); for one that
+carries none (a tier report, a registration), the message itself, built here (it unpickles in
+less time than its header and its building in the loop take); or the refusal; each with the
+time it took here. The loop checks the rest and charges that time to the sender's cost budget. The sender's budgets are checked in
 the loop before a message is sent here (a login in debt is refused unread, as without the
 worker), so the worker's time is bounded by the budgets too.
 
@@ -30,7 +32,7 @@ from typing import IO, Any
 from felix.core.refusals import Refusal
 from felix.deploy import wire
 
-Parsed = wire.Parsed | wire.MessageError
+Parsed = wire.Parsed | wire.Message | wire.MessageError
 
 
 class DecodeWorkerError(RuntimeError):
@@ -66,8 +68,8 @@ class DecodeWorker:
         self.in_flight = len(payloads)
 
     def collect(self) -> list[tuple[Parsed, float]]:
-        """The results of the batch in flight, in order: each parsed header or refusal, and the
-        CPU seconds its parsing took."""
+        """The results of the batch in flight, in order: each parsed header (a message with
+        arrays), message (one without) or refusal, and the CPU seconds it took."""
         if not self.in_flight:
             return []
         end = time.monotonic() + self.timeout_s
@@ -110,10 +112,19 @@ def _send(out: IO[bytes], obj: Any) -> None:
 
 
 def _result(r: Any) -> Parsed:
-    if isinstance(r, wire.Parsed):
-        return r
+    if not isinstance(r, tuple):
+        return r  # type: ignore[no-any-return]
     code, detail = r  # a MessageError does not pickle (its constructor takes two arguments)
     return wire.MessageError(Refusal(code), detail)
+
+
+def _decode(payload: bytes, max_bytes: int, max_header_bytes: int) -> Parsed:
+    """``wire.parse``; and ``wire.build`` too for a message that carries no arrays (no result
+    does without its header's values: its aux entries are the loop's to check)."""
+    parsed = wire.parse(payload, max_bytes, max_header_bytes)
+    if parsed.layout == () and parsed.mtype is not wire.MsgType.RESULT:
+        return wire.build(parsed, payload)
+    return parsed
 
 
 def _work(inp: IO[bytes], out_: IO[bytes], max_bytes: int, max_header_bytes: int) -> None:
@@ -126,7 +137,7 @@ def _work(inp: IO[bytes], out_: IO[bytes], max_bytes: int, max_header_bytes: int
         for payload in batch:
             t0 = time.thread_time()
             try:
-                r: Any = wire.parse(payload, max_bytes, max_header_bytes)
+                r: Any = _decode(payload, max_bytes, max_header_bytes)
             except wire.MessageError as exc:
                 r = (exc.code.value, exc.detail)
             except Exception as exc:  # noqa: BLE001 - no client message may end the worker

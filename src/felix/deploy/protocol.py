@@ -293,22 +293,39 @@ class ServerProtocol:
         self, source: Address, payload: bytes, parsed: wire.Parsed | wire.MessageError, now: float
     ) -> Received:
         """The rest of :meth:`receive` for an admitted message whose header ``wire.parse`` checked
-        (or refused: the error it raised)."""
+        (or refused: the error it raised): :meth:`build`, then :meth:`receive_built`."""
+        return self.receive_built(source, payload, self.build(parsed, payload), now)
+
+    def build(
+        self, parsed: wire.Parsed | wire.MessageError, payload: bytes
+    ) -> wire.Message | wire.MessageError:
+        """The message a checked header describes, on ``payload``'s bytes, with the aux entries
+        checked against the run's (``wire.build``), or the error that refuses it. It reads no
+        state of the protocol's, so the server builds a decode worker's batch in one pass."""
+        if isinstance(parsed, wire.MessageError):
+            return parsed
+        try:
+            return wire.build(parsed, payload, self.limits.aux_spec)
+        except wire.MessageError as exc:
+            return exc
+
+    def receive_built(
+        self, source: Address, payload: bytes, built: wire.Message | wire.MessageError, now: float
+    ) -> Received:
+        """The rest of :meth:`receive_parsed` for a message :meth:`build` made (or refused): the
+        checks that read the protocol's and the orchestrator's state, and the verdict."""
         kind, cid = source.channel, source.client
         lim = self.limits
-        try:
-            if isinstance(parsed, wire.MessageError):
-                raise parsed
-            msg = wire.build(parsed, payload, lim.aux_spec)
-        except wire.MessageError as exc:
+        if isinstance(built, wire.MessageError):
             return self.refuse(
-                exc.code,
+                built.code,
                 cid,
                 0,
-                f"transport: {exc.code.value}",
-                exc.detail,
+                f"transport: {built.code.value}",
+                built.detail,
                 wire_kind="control",
             )
+        msg = built
         wk = _wire_kind(msg)
         if msg.TYPE not in ALLOWED[kind]:
             return self.refuse(

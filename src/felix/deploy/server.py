@@ -57,7 +57,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -96,6 +96,7 @@ from felix.deploy.secagg_groups import NetworkGroups
 from felix.deploy.stash import Stash
 from felix.deploy.transport import Ack, Connected, Delivery, LinkOptions, ServerLinkArgs
 from felix.deploy.transport import resolve as resolve_transport
+from felix.engine.heap import gc_frozen
 from felix.engine.plan import plan_run
 from felix.engine.setup import build_server_side
 from felix.metrics.recorder import EvalRow
@@ -147,6 +148,40 @@ class ServeOptions:
     # task forgiven per download_forgive_s wall seconds). None turns it off.
     download_ratio: float | None = 1.0
     download_forgive_s: float = 600.0
+
+
+class _Clocks(NamedTuple):
+    """The loop's clocks as a batch of inbound messages is handled: config time (the events'),
+    the wall clock (``time.monotonic``: budgets, the inbox delay) and Unix time (the delivery
+    delay from the sender's stamp). A decode worker's batch reads them once, so a message's
+    delays are taken when its batch's turn began."""
+
+    now: float
+    wall: float
+    unix: float
+
+    @classmethod
+    def read(cls, srv: Server) -> _Clocks:
+        return cls(srv.now(), time.monotonic(), time.time())
+
+
+# What the intake decided before ``Server.handle_inbound``: refused at admission, a secure
+# aggregation's envelope, or the message built from the decode worker's header (or the error that
+# refuses it; any other exception building it is that message's internal error).
+Verdict = Refused | SecAggIn | wire.Message | Exception
+
+
+def _build(
+    protocol: ServerProtocol, parsed: wire.Parsed | wire.Message | wire.MessageError, payload: bytes
+) -> Verdict:
+    """``ServerProtocol.build`` (a message the decode worker built, or refused, as it is), with an
+    unexpected exception kept for its own message: one message's failure is not its batch's."""
+    if not isinstance(parsed, wire.Parsed):
+        return parsed
+    try:
+        return protocol.build(parsed, payload)
+    except Exception as exc:  # noqa: BLE001 - a client's message may raise anything; refused when handled
+        return exc
 
 
 def _is_secagg(item: Item) -> bool:
@@ -322,7 +357,8 @@ class Server:
             if self.opts.decode_worker:
                 self.decoder = DecodeWorker(self.max_bytes, self.protocol.header_bytes)
             self.link.start(fresh=not self.opts.resume, stop=self.stop_requested)
-            return self._serve()
+            with gc_frozen():  # the start-up's objects out of the collector's passes (felix.engine.heap)
+                return self._serve()
         except BaseException:
             self.inbox.close()
             self.link.close(timeout=1.0)
@@ -512,42 +548,57 @@ class Server:
         """With a decode worker: take the parsed results of the batch before, send this batch's
         admitted messages to the worker, and apply those results while it parses them (two cores);
         an empty batch only applies what is in flight. A message refused at admission (or on no
-        known address) is handled at once: it has no effect but its count."""
+        known address) is handled at once: it has no effect but its count.
+
+        The clocks are read once per batch (``_Clocks``), and the results are built in one pass
+        (``ServerProtocol.build`` reads no state) timed as a whole: each message's decode charge
+        is its parsing time in the worker plus its share, by that time, of the pass."""
         done = list(zip(self._parsing, decoder.collect(), strict=True))
         self._parsing = []
-        now, wall = self.now(), time.monotonic()
+        clocks = _Clocks.read(self)
         for m in batch:
             refused = (
-                self.protocol.admit(m.address, len(m.payload), now, wall) if m.address is not None else None
+                self.protocol.admit(m.address, len(m.payload), clocks.now, clocks.wall)
+                if m.address is not None
+                else None
             )
             if m.address is not None and m.address.channel is Channel.SECAGG and refused is None:
-                self.handle_inbound(m, self.protocol.receive_secagg(m.address, m.payload))
+                self.handle_inbound(m, self.protocol.receive_secagg(m.address, m.payload), clocks=clocks)
             elif m.address is None or refused is not None:
-                self.handle_inbound(m, refused)
+                self.handle_inbound(m, refused, clocks=clocks)
             else:
                 self._parsing.append(m)
         if self._parsing:
             decoder.submit([m.payload for m in self._parsing])
-        for m, (parsed, seconds) in done:
+        if not done:
+            return
+        spent = time.thread_time()
+        built = [_build(self.protocol, parsed, m.payload) for m, (parsed, _) in done]
+        spent = time.thread_time() - spent
+        parse_total = sum(seconds for _, (_, seconds) in done)
+        for (m, (_, seconds)), msg in zip(done, built, strict=True):
             if self.ctl.stop_reason is not None:
                 break  # the rest stays unacknowledged: the broker redelivers it to the next session
-            self.handle_inbound(m, parsed, seconds)
+            share = seconds / parse_total if parse_total > 0.0 else 1.0 / len(done)
+            self.handle_inbound(m, msg, seconds + spent * share, clocks)
 
     def handle_inbound(
         self,
         m: Delivery,
-        verdict: Refused | SecAggIn | wire.Parsed | wire.MessageError | None = None,
+        verdict: Verdict | None = None,
         parse_s: float = 0.0,
+        clocks: _Clocks | None = None,
     ) -> None:
         """Handle one inbound message; its acknowledgement waits (without its payload) for the next
         durable point, which comes early when the pending bound is reached. If handling raises, the
         message is rejected and acknowledged with the others (so the broker does not redeliver
         it): no client message stops the server. ``verdict``: the decode worker's (``parse_s``:
-        its parsing time), or the refusal at admission, when the message came through it."""
+        its parsing and building time, charged as it is), or the refusal at admission, when the
+        message came through it; ``clocks``: the batch's (None: read now)."""
         self._pending_acks.append((m.ack, len(m.payload)))
         self._pending_bytes += len(m.payload)
         try:
-            self._on_inbound(m, verdict, parse_s)
+            self._on_inbound(m, verdict, parse_s, clocks or _Clocks.read(self))
         except Exception as exc:  # noqa: BLE001 - any client message is hostile; the loop must survive it
             refused = self.protocol.refuse(
                 Refusal.INTERNAL,
@@ -563,32 +614,32 @@ class Server:
         ):
             self._checkpoint_due = True
 
-    def _on_inbound(
-        self,
-        m: Delivery,
-        verdict: Refused | SecAggIn | wire.Parsed | wire.MessageError | None,
-        parse_s: float,
-    ) -> None:
+    def _on_inbound(self, m: Delivery, verdict: Verdict | None, parse_s: float, clocks: _Clocks) -> None:
         """The protocol's verdict on one message, carried out: bytes counted, the delivery delay
         noted, a refusal logged, a new message's events handed to the orchestrator."""
-        wall = time.monotonic()
-        spent = time.thread_time()
+        wall = clocks.wall
         if m.address is None:
             got: Received = self.protocol.unaddressed(
                 f"transport: message on an unexpected topic {m.origin[:80]!r}"
             )
         elif isinstance(verdict, (Refused, SecAggIn)):
             got = verdict
+        elif isinstance(verdict, wire.MessageError) or (
+            verdict is not None and not isinstance(verdict, Exception)
+        ):  # built from the worker's header (or refused by it): its time is in ``parse_s``
+            got = self.protocol.receive_built(m.address, m.payload, verdict, clocks.now)
         elif verdict is not None:
-            got = self.protocol.receive_parsed(m.address, m.payload, verdict, self.now())
+            raise verdict  # building it raised: refused as an internal error, as if raised here
         else:
-            got = self.protocol.receive(m.address, m.payload, self.now(), wall)
+            spent = time.thread_time()
+            got = self.protocol.receive(m.address, m.payload, clocks.now, wall)
+            parse_s += time.thread_time() - spent
         sender = got.client if isinstance(got, (Refused, SecAggIn)) else getattr(got.msg, "client", -1)
-        self.protocol.charge_decode(sender, time.thread_time() - spent + parse_s, wall)
+        self.protocol.charge_decode(sender, parse_s, wall)
         if got.wire_kind is not None:
             self.ctl.count_wire("up", got.wire_kind, len(m.payload))
         if got.msg is not None:
-            self.latency.append(max(0.0, time.time() - got.msg.sent_at))
+            self.latency.append(max(0.0, clocks.unix - got.msg.sent_at))
             if m.received_at:
                 self.inbox_delay.append(wall - m.received_at)
         if isinstance(got, Refused):
@@ -659,7 +710,8 @@ class Server:
                     )
                 except wire.MessageError as exc:
                     parsed = exc
-                self.handle_inbound(item, parsed, time.thread_time() - spent)
+                built = _build(self.protocol, parsed, item.payload)
+                self.handle_inbound(item, built, time.thread_time() - spent)
 
     def _maybe_plan(self) -> None:
         """Note the data plan (``data_plan: lb | dafl``) when the orchestrator's data-plan policy has
@@ -678,6 +730,8 @@ class Server:
         commands; False if it was rejected. ``from_client``: the event is a client's message (its
         modelled bytes count), not one the server derived (a tick, a restart's lost task)."""
         commands = self.ctl.handle(event, from_client)
+        if not commands:  # most tier reports: nothing to carry out
+            return True
         rejected = any(isinstance(c, UpdateRejected) for c in commands)
         for cmd in commands:
             if isinstance(cmd, NewModelVersion):

@@ -35,13 +35,11 @@ than for a stack of them (a few ulps): there the company a task keeps can move t
 
 from __future__ import annotations
 
-import gc
 import heapq
 import logging
 import sys
 import time
-from collections.abc import Callable, Container, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -62,6 +60,7 @@ from felix.core.orchestrator import Orchestrator
 from felix.core.types import ClientUpdate, TaskKind
 from felix.engine.controller import RunController
 from felix.engine.device import DeviceRunner, DeviceTask, Step, TaskRules, task_seed
+from felix.engine.heap import gc_frozen
 from felix.privacy.local import LocalMechanism
 from felix.scenario.traces import DeviceTrace
 from felix.strategies.dataplans.plans import PlanClient
@@ -138,24 +137,6 @@ class SimOutcome:
     train_seconds: float  # wall seconds spent inside local training (for the overhead benchmark)
     trained_unused: int = 0  # tasks trained early in a cohort whose result was dropped (cancelled, retrained)
     probe_seconds: float = 0.0  # wall seconds spent computing eval tasks' results (the same benchmark)
-
-
-@contextmanager
-def _gc_frozen() -> Iterator[None]:
-    """The objects made before the event loop (the model, the data, torch's and numpy's modules:
-    some 350,000 on felix-cpu-100) kept out of the cyclic collector's reach during the loop, and
-    handed back after it.
-
-    The loop makes small objects by the thousand (events, tasks, updates), so the collector runs
-    often, and a pass over the oldest generation walks every tracked object: measured with
-    ``gc.callbacks`` over 300 aggregations of felix-cpu-100, 124 collections took 0.18 s, and 0.03 s
-    with the objects frozen. Reference counting still frees them as usual; only cycles among them
-    wait until the loop ends."""
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 class Simulation:
@@ -236,7 +217,7 @@ class Simulation:
             self._deliver(ClientRegistered(0.0, dev.cid, size, dev.tier, counts))
             self._schedule_tier(dev)
         try:
-            with _gc_frozen():
+            with gc_frozen():
                 self._loop()
         finally:
             if isinstance(self.cohort, _Closable):  # remote executors end their workers with the run
