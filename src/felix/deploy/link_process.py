@@ -180,6 +180,7 @@ class LinkProcess:
             _grow_pipe(fd)
         self._control = os.fdopen(control_r, "rb")
         self._write_lock = threading.Lock()
+        self._gone_lock = threading.Lock()
         self._closing = False
         self._failure: str | None = None
         self._last_heard = time.monotonic()
@@ -242,15 +243,19 @@ class LinkProcess:
             self._gone(exc)
 
     def _gone(self, exc: BaseException) -> None:
-        if self._closing or self._failure is not None:
-            return
+        with self._gone_lock:
+            if self._closing or self._failure is not None:
+                return
+            self._failure = self._why_gone(exc)
+        log.error("%s", self._failure)
+
+    def _why_gone(self, exc: BaseException) -> str:
         try:
             code = self.proc.wait(1.0)
         except subprocess.TimeoutExpired:
             code = None
         how = f"exit code {code}" if code is not None else f"its output ended: {type(exc).__name__}"
-        self._failure = f"the link process is gone ({how})"
-        log.error("%s", self._failure)
+        return f"the link process is gone ({how})"
 
     def _check(self) -> None:
         """Raise LinkError if the child is gone, failed or has been silent for ``timeout_s``."""
@@ -483,4 +488,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # The module's own classes, not ``__main__``'s: the frames pickle them by their module's name.
+    from felix.deploy.link_process import main as _main
+
+    _main()
