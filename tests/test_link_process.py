@@ -63,7 +63,7 @@ def test_a_full_inbox_longer_than_the_keepalive_costs_no_connection(tmp_path: Pa
         # Keep-alive 1 s: the broker drops a connection silent for 1.5 s.
         opts = _server_opts(broker, keepalive_s=1, connect_timeout_s=10)
         box = Inbox(1 << 20, 20)
-        link = _link(opts, box, buffer_messages=20)
+        link = _link(opts, box)
         link.start(fresh=True)
         wait_until(link.ready, 10, "the subscriptions")
         pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="client-0", protocol=mqtt.MQTTv5)

@@ -24,12 +24,12 @@ protocol) stays in the server. Exactly-once is unchanged: an acknowledgement rea
 only when the server calls ``ack`` (after its checkpoint), through the shard and connection that
 delivered the message (an older connection's acks are dropped there, as in one process).
 
-Back-pressure runs through: a full inbox blocks the reader thread here, the pipe fills, the
-child's writer thread blocks on it, the child's own small buffer (an ``Inbox``) fills, and the
-network threads wait in it, writing what is queued and a PINGREQ once per keep-alive meanwhile
-(``felix.deploy.blocked``), exactly as they do in the server's process; notices pass the bound, as
-in the server's inbox. The state goes on its own pipe, so a full data pipe delays neither the
-answer to ``start`` nor the heartbeat.
+Back-pressure runs through: a full inbox blocks the reader thread here, the pipe fills, and the
+child's network threads, which write their own frames (one per read pass, as ``MqttLink._flush``
+hands it over: no thread in between), wait on it, writing what is queued and a PINGREQ once per
+keep-alive meanwhile (``felix.deploy.blocked``), exactly as they do on a full inbox in the server's
+process; notices do not wait, as in the server's inbox (:class:`_Frames`). The state goes on its
+own pipe, so a full data pipe delays neither the answer to ``start`` nor the heartbeat.
 
 Nothing waits on the child without a bound: ``start`` within the connect timeouts, a command
 written within ``timeout_s``; a child that exits, or sends no heartbeat for ``timeout_s``, makes
@@ -54,8 +54,9 @@ import time
 from dataclasses import dataclass
 from typing import IO, Any
 
+from felix.deploy.blocked import serve_waiting_link
 from felix.deploy.channels import Address, Channel
-from felix.deploy.inbox import Inbox
+from felix.deploy.inbox import WAIT_SLICE_S
 from felix.deploy.link import Connected, LinkError
 from felix.deploy.transport import Ack, Delivery, Item, ServerLink, ServerLinkArgs, get
 
@@ -63,7 +64,6 @@ log = logging.getLogger("felix.deploy.link_process")
 
 _LEN = struct.Struct("<Q")
 HEARTBEAT_S = 0.5  # the child reports its state at least this often
-WRITE_BATCH = 4096  # items per frame at most
 _CHANNELS = {c.value: c for c in Channel}
 _PIPE_BYTES = 1 << 20  # each pipe's buffer, where the system allows (F_SETPIPE_SZ)
 
@@ -71,14 +71,12 @@ _PIPE_BYTES = 1 << 20  # each pipe's buffer, where the system allows (F_SETPIPE_
 @dataclass(frozen=True)
 class ChildOptions:
     """What the child is told on its stdin: the transport and its server link's arguments (less the
-    sinks), the bounds of its own buffer, and the server's log level."""
+    sinks), and the server's log level."""
 
     transport: str
     run_id: str
     options: Any
     receive_maximum: int | None
-    buffer_bytes: int
-    buffer_messages: int
     log_level: int
 
 
@@ -150,16 +148,13 @@ def _decode(rows: list[tuple[Any, ...]]) -> list[Item]:
 class LinkProcess:
     """A ``ServerLink`` whose transport link runs in a child process (see the module's docstring).
     ``timeout_s``: how long a command may wait for the child to take it, and how long the child
-    may stay silent, before the link counts as failed; ``buffer_bytes``/``buffer_messages``: the
-    child's own buffer between its network threads and the pipe."""
+    may stay silent, before the link counts as failed."""
 
     def __init__(
         self,
         transport: str,
         args: ServerLinkArgs,
         timeout_s: float = 30.0,
-        buffer_bytes: int = 4 << 20,
-        buffer_messages: int = 4096,
     ) -> None:
         get(transport)  # an unknown transport fails here, in the server, not in the child
         self.sink, self.batch_sink = args.sink, args.batch_sink
@@ -199,8 +194,6 @@ class LinkProcess:
             args.run_id,
             args.options,
             args.receive_maximum,
-            buffer_bytes,
-            buffer_messages,
             logging.getLogger().getEffectiveLevel(),
         )
         self._command(opts)
@@ -363,34 +356,108 @@ class LinkProcess:
 
 
 # ---------------------------------------------------------------------- the child
-class _Child:
-    """The child's side: the transport's server link, its buffer, and the threads that write the
-    buffer and the state to the server."""
+class _Frames:
+    """The child's stdout: each hand-over of a network thread written as one frame, by that
+    thread, so nothing stands between a read pass and the server's reader. A write that finds the
+    pipe full waits in slices (``WAIT_SLICE_S``), and each slice runs the waiting link's upkeep
+    (``felix.deploy.blocked``: what is queued and a PINGREQ when due), as a put into a full inbox
+    does in the server's process. A ``Connected`` notice never waits (paho's connect callback is
+    no place to): it goes out at once if the pipe takes it, else ahead of the next frame or the
+    next heartbeat, which keeps its order behind what its connection delivered before it (written
+    already) and ahead of what the connection delivers next."""
 
-    def __init__(self, opts: ChildOptions, data: IO[bytes], control: IO[bytes]) -> None:
-        self.box = Inbox(opts.buffer_bytes, opts.buffer_messages)
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        os.set_blocking(fd, False)
+        self._lock = threading.Lock()
+        self._notices: list[Connected] = []
+        self._notices_lock = threading.Lock()
+        self.broken = False  # the server's end is gone: what follows is dropped
+
+    def batch(self, items: list[Delivery]) -> bool:
+        return self._write(_encode(items))
+
+    def one(self, item: Item) -> None:
+        if isinstance(item, Connected):
+            with self._notices_lock:
+                self._notices.append(item)
+            if self._lock.acquire(blocking=False):
+                try:
+                    self._flush_notices()
+                finally:
+                    self._lock.release()
+        else:
+            self._write(_encode([item]))
+
+    def notices(self) -> None:
+        """Write the notices that did not go out at once (the heartbeat's thread, which may wait)."""
+        if self._notices:
+            self._write([])
+
+    def _flush_notices(self) -> None:
+        """The notices in one frame if the pipe takes all of it now (a write of at most PIPE_BUF
+        bytes to a pipe is whole or nothing), holding the lock."""
+        with self._notices_lock:
+            if not self._notices or self.broken:
+                return
+            data = _frame(_encode(self._notices))
+            if len(data) > select.PIPE_BUF:
+                return
+            try:
+                os.write(self.fd, data)
+            except BlockingIOError:
+                return
+            except OSError:
+                self.broken = True
+                return
+            self._notices = []
+
+    def _write(self, rows: list[tuple[Any, ...]]) -> bool:
+        while not self._lock.acquire(timeout=WAIT_SLICE_S):
+            serve_waiting_link()
+        try:
+            if self.broken:
+                return False
+            with self._notices_lock:
+                rows = _encode(self._notices) + rows
+                self._notices = []
+            data = memoryview(_frame(rows))
+            served = time.monotonic()
+            while data:
+                try:
+                    data = data[os.write(self.fd, data) :]
+                    continue
+                except BlockingIOError:
+                    select.select([], [self.fd], [], WAIT_SLICE_S)
+                except OSError:
+                    self.broken = True
+                    return False
+                if time.monotonic() - served >= WAIT_SLICE_S:
+                    serve_waiting_link()
+                    served = time.monotonic()
+            return True
+        finally:
+            self._lock.release()
+
+
+class _Child:
+    """The child's side: the transport's server link, writing to the server through
+    :class:`_Frames`, and a thread that reports its state (and writes late notices)."""
+
+    def __init__(self, opts: ChildOptions, data_fd: int, control: IO[bytes]) -> None:
+        self.frames = _Frames(data_fd)
         self.link: ServerLink = get(opts.transport).server_link(
-            ServerLinkArgs(opts.run_id, opts.options, opts.receive_maximum, self.box.put, self.box.put_many)
+            ServerLinkArgs(
+                opts.run_id, opts.options, opts.receive_maximum, self.frames.one, self.frames.batch
+            )
         )
-        self.data, self.control = data, control
+        self.control = control
         self.stop = threading.Event()  # close asked: a start in progress gives up
-        self.closed = threading.Event()  # the link is closed: the writer drains and ends
+        self.closed = threading.Event()  # the link is closed: the reporter ends
         self._control_lock = threading.Lock()
         self._starting: threading.Thread | None = None
-        self._writer = threading.Thread(target=self._write_items, name="felix-link-writer", daemon=True)
         self._reporter = threading.Thread(target=self._report, name="felix-link-state", daemon=True)
-        self._writer.start()
         self._reporter.start()
-
-    def _write_items(self) -> None:
-        try:
-            while not (self.closed.is_set() and not len(self.box)):
-                batch = self.box.get_batch(0.1, WRITE_BATCH)
-                if batch:
-                    self.data.write(_frame(_encode([item for _, item in batch])))
-                    self.data.flush()
-        except OSError:  # the server is gone; the command loop sees its stdin end
-            pass
 
     def _tell(self, kind: str, value: Any) -> None:
         with self._control_lock:
@@ -413,6 +480,7 @@ class _Child:
                 if s != last or time.monotonic() - sent >= HEARTBEAT_S:
                     self._tell("state", s)
                     last, sent = s, time.monotonic()
+                self.frames.notices()
                 self.closed.wait(0.05)
         except OSError:
             pass
@@ -452,16 +520,14 @@ class _Child:
         self.stop.set()
         if self._starting is not None:
             self._starting.join(timeout)
-        self.box.close()  # a network thread waiting for room must not hold the close
         self.link.close(timeout)
         self.closed.set()
-        self._writer.join(timeout)
 
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops this process, after its last acks
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    data = os.fdopen(os.dup(1), "wb")
+    data = os.dup(1)
     os.dup2(2, 1)  # anything printed by mistake goes to stderr, not into the frames
     control = os.fdopen(int(sys.argv[1]), "wb")
     commands = sys.stdin.buffer
@@ -479,11 +545,10 @@ def main() -> None:
         control.flush()
         os._exit(1)
     child.serve(commands)
-    for f in (data, control):
-        try:
-            f.close()
-        except OSError:
-            pass
+    try:
+        control.close()
+    except OSError:
+        pass
     os._exit(0)  # network threads left behind (a stuck close) must not hold the exit
 
 
