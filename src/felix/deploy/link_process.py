@@ -21,7 +21,8 @@ What crosses, between this process and its own child only (frames of a length an
 
 The child only frames what its transport received: every check (admission, the wire format, the
 protocol) stays in the server. Exactly-once is unchanged: an acknowledgement reaches the broker
-only when the server calls ``ack`` (after its checkpoint), through the shard and connection that
+only after the server called ``ack`` (after its checkpoint; sent to the child in batches, within
+``ACK_DELAY_S`` of a later call and before any close), through the shard and connection that
 delivered the message (an older connection's acks are dropped there, as in one process).
 
 Back-pressure runs through: a full inbox blocks the reader thread here, the pipe fills, and the
@@ -64,6 +65,10 @@ log = logging.getLogger("felix.deploy.link_process")
 
 _LEN = struct.Struct("<Q")
 HEARTBEAT_S = 0.5  # the child reports its state at least this often
+# Acknowledgements go to the child together: once this many wait, or the oldest waited this long
+# (checked whenever the server calls the link, which its loop does every turn), and before any close.
+ACK_BATCH = 1024
+ACK_DELAY_S = 0.02
 _CHANNELS = {c.value: c for c in Channel}
 _PIPE_BYTES = 1 << 20  # each pipe's buffer, where the system allows (F_SETPIPE_SZ)
 
@@ -180,6 +185,8 @@ class LinkProcess:
         self._failure: str | None = None
         self._last_heard = time.monotonic()
         self._started = threading.Event()
+        self._acks: list[tuple[int, int, int, int]] = []  # queued for the child (``ack``)
+        self._acks_since = 0.0
         self._start_error: str | None = None
         self._state = _State([], False, None)
         self._readers = [
@@ -331,6 +338,7 @@ class LinkProcess:
         """Whether deliveries are set up; LinkError if the transport refused them, or if the child
         is gone or silent (the server asks every turn)."""
         self._check()
+        self._flush_acks(force=False)
         s = self._state
         if s.refused is not None:
             raise LinkError(s.refused)
@@ -338,10 +346,24 @@ class LinkProcess:
 
     def send(self, channel: Channel, client: int | None, payload: bytes) -> None:
         self._command(("send", channel.value, client, payload))
+        self._flush_acks(force=False)
 
     def ack(self, acks: list[Ack]) -> None:
+        """Queue acknowledgements for the child: they leave with the next batch (``ACK_BATCH``,
+        ``ACK_DELAY_S``: one command, and one wake-up of the child, per batch rather than per
+        call of the loop), never before the server asked, and all of them before a close."""
         if acks:
-            self._command(("ack", [(a.token, a.qos, a.epoch, a.shard) for a in acks]))
+            if not self._acks:
+                self._acks_since = time.monotonic()
+            self._acks += [(a.token, a.qos, a.epoch, a.shard) for a in acks]
+        self._flush_acks(force=False)
+
+    def _flush_acks(self, force: bool) -> None:
+        if self._acks and (
+            force or len(self._acks) >= ACK_BATCH or time.monotonic() - self._acks_since >= ACK_DELAY_S
+        ):
+            acks, self._acks = self._acks, []
+            self._command(("ack", acks))
 
     def close(self, timeout: float = 5.0) -> None:
         """Ask the child to close its link (after the commands before, acknowledgements included)
@@ -350,6 +372,7 @@ class LinkProcess:
         self._closing = True  # the end of the child's output is expected from here on
         if answering:
             try:
+                self._flush_acks(force=True)
                 self._command(("close", timeout))
             except LinkError:
                 answering = False
