@@ -58,6 +58,14 @@ def test_a_start_without_a_broker_fails_as_in_one_process_within_the_connect_tim
     assert link.proc.poll() is not None, "a failed start leaves no process behind"
 
 
+def test_the_in_memory_transport_is_refused_in_one_line() -> None:
+    from felix.deploy.memory_transport import MemoryOptions
+
+    box = Inbox(1 << 20, 100)
+    with pytest.raises(ValueError, match="in-memory transport cannot run in a link process"):
+        LinkProcess("memory", ServerLinkArgs("t", MemoryOptions(), None, box.put, box.put_many))
+
+
 def test_a_full_inbox_longer_than_the_keepalive_costs_no_connection(tmp_path: Path) -> None:
     with MosquittoBroker(1, workdir=tmp_path / "broker") as broker:
         # Keep-alive 1 s: the broker drops a connection silent for 1.5 s.

@@ -162,6 +162,10 @@ class LinkProcess:
         timeout_s: float = 30.0,
     ) -> None:
         get(transport)  # an unknown transport fails here, in the server, not in the child
+        if transport == "memory":
+            raise ValueError(
+                "the in-memory transport cannot run in a link process: its broker is the server's process"
+            )
         self.sink, self.batch_sink = args.sink, args.batch_sink
         self.timeout_s = timeout_s
         self._connect_timeout_s = float(getattr(args.options, "connect_timeout_s", 20.0))
