@@ -320,20 +320,22 @@ class LinkProcess:
 
     def start(self, fresh: bool, stop: threading.Event | None = None) -> None:
         """Connect in the child: bounded by the transport's connect timeouts (a reset and a
-        connection per shard, in turn) and ``timeout_s`` more; a stop request ends the wait."""
-        self._command(("start", fresh))
-        end = time.monotonic() + 2 * self._shards * self._connect_timeout_s + self.timeout_s
-        while not self._started.wait(0.1):
-            if stop is not None and stop.is_set():
-                self.close(timeout=1.0)
-                raise LinkError("stopped while the link process connected")
-            if time.monotonic() > end:
-                self._failure = "the link process did not connect within its connect timeouts"
-            try:
+        connection per shard, in turn) and ``timeout_s`` more; a stop request ends the wait. A
+        child that could not start says why before it exits: that line is the error."""
+        try:
+            self._command(("start", fresh))
+            end = time.monotonic() + 2 * self._shards * self._connect_timeout_s + self.timeout_s
+            while not self._started.wait(0.1):
+                if stop is not None and stop.is_set():
+                    raise LinkError("stopped while the link process connected")
+                if time.monotonic() > end:
+                    self._failure = "the link process did not connect within its connect timeouts"
                 self._check()
-            except LinkError:
-                self.close(timeout=1.0)
-                raise
+        except LinkError:
+            self.close(timeout=1.0)
+            if self._start_error is not None:
+                raise LinkError(self._start_error) from None
+            raise
         if self._start_error is not None:
             self.close(timeout=1.0)
             raise LinkError(self._start_error)
@@ -434,9 +436,13 @@ class _Frames:
             self._write(_encode([item]))
 
     def notices(self) -> None:
-        """Write the notices that did not go out at once (the heartbeat's thread, which may wait)."""
-        if self._notices:
-            self._write([])
+        """Try again to write the notices that did not go out at once (the heartbeat's thread,
+        which must not wait: a full pipe would stop the heartbeat; the next frame takes them then)."""
+        if self._notices and self._lock.acquire(blocking=False):
+            try:
+                self._flush_notices()
+            finally:
+                self._lock.release()
 
     def _flush_notices(self) -> None:
         """The notices in one frame if the pipe takes all of it now (a write of at most PIPE_BUF
