@@ -170,6 +170,7 @@ class LinkProcess:
         self.timeout_s = timeout_s
         self._connect_timeout_s = float(getattr(args.options, "connect_timeout_s", 20.0))
         self._shards = max(1, len(getattr(args.options, "shards", ())))
+        self._describe = str(args.options.describe())
         control_r, control_w = os.pipe()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "felix.deploy.link_process", str(control_w)],
@@ -327,7 +328,7 @@ class LinkProcess:
             end = time.monotonic() + 2 * self._shards * self._connect_timeout_s + self.timeout_s
             while not self._started.wait(0.1):
                 if stop is not None and stop.is_set():
-                    raise LinkError("stopped while the link process connected")
+                    raise LinkError(f"stopped while waiting for the broker at {self._describe}")
                 if time.monotonic() > end:
                     self._failure = "the link process did not connect within its connect timeouts"
                 self._check()
