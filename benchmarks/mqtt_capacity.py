@@ -29,7 +29,9 @@ only ~28,000 connections to a broker port. The open-file limit is checked first
 (:func:`check_open_files`). ``--json`` runs the tier phase and prints one JSON line: ``registered``,
 ``offered_per_s``, ``handled_per_s``, ``delay_p50_ms``, ``delay_p95_ms``, ``server_rss_mb``,
 ``idle_share`` (the machine's idle share of all cores over the window), then the details (CPU by
-process and server thread, orchestrator time per message, open files) and the provenance::
+process and server thread, orchestrator time per message, open files) and the provenance.
+``--decode-worker`` and ``--link-process`` run the server as ``felix serve`` with those flags does
+(their processes' CPU is reported beside the server's)::
 
     python benchmarks/mqtt_capacity.py --clients 100000 --brokers 4 --rate 10000 --json
 """
@@ -65,6 +67,7 @@ from mqtt_loadgen import client_infos, save_infos
 
 from felix.deploy.client import MAX_CLIENTS_PER_PROCESS
 from felix.deploy.link import BrokerOptions
+from felix.deploy.link_process import LinkProcess
 from felix.deploy.server import ServeOptions, Server
 from felix.deploy.shards import shards_of
 from felix.deploy.topics import SERVER_USER
@@ -462,8 +465,8 @@ def check_open_files(n: int, brokers: int, loadgens: int) -> dict[str, Any]:
     return info
 
 
-def _rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
+def _rss_mb(pid: int | str = "self") -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
@@ -487,6 +490,7 @@ def run_phase(
     loadgens: int = 1,
     netns: bool = False,
     decode_worker: bool = False,
+    link_process: bool = False,
 ) -> dict[str, Any]:
     """One phase: ``brokers`` brokers (shards), the server in this process, and the clients (the
     emulate workers on one broker, or ``loadgens`` light load generators, in namespaces of their
@@ -520,6 +524,7 @@ def run_phase(
             run_id="cap",
             status_every_s=1e9,
             decode_worker=decode_worker,
+            link_process=link_process,
             checkpoint=work / f"ck-{tag}.safetensors" if checkpoint else None,
         )
         server = Server(cfg, opts)
@@ -579,6 +584,7 @@ def run_phase(
             cpu0 = _thread_cpu(os.getpid())
             broker_pids = [b._proc.pid if b._proc is not None else -1 for b in shards.brokers]
             others0 = (sum(_tree_cpu(pid) for pid in broker_pids), _clients_cpu(clients))
+            helpers0 = _helpers_cpu(server)
             machine0 = _machine_cpu()
             waits0 = waits.sample()
             time.sleep(window_s)
@@ -586,6 +592,7 @@ def run_phase(
             dt = time.monotonic() - t0
             cpu1 = _thread_cpu(os.getpid())
             others1 = (sum(_tree_cpu(pid) for pid in broker_pids), _clients_cpu(clients))
+            helpers1 = _helpers_cpu(server)
             machine1 = _machine_cpu()
             s1 = server.stats
             gen1 = gens.snapshot() if gens is not None else []
@@ -638,6 +645,7 @@ def run_phase(
                 "versions": float(server.orch.version),
                 "cpu": {
                     **{k.split("/")[0]: round(100 * v, 1) for v, k in busy[:3]},
+                    **{k: round(100 * (helpers1[k] - helpers0[k]) / dt, 1) for k in helpers1},
                     "broker": round(100 * (others1[0] - others0[0]) / dt, 1),
                     "clients": round(100 * (others1[1] - others0[1]) / dt, 1),
                 },
@@ -645,7 +653,8 @@ def run_phase(
             # The machine is shared: what the rest of it (other users' work) took in the window, in
             # % of one core, and how much of all cores stayed idle. A run starved of CPU by other
             # work shows it here rather than as a lower capacity of the server.
-            ours = sum(cpu1[k] - cpu0.get(k, 0.0) for k in cpu1) + sum(others1) - sum(others0)
+            helpers = sum(helpers1.values()) - sum(helpers0.values())
+            ours = sum(cpu1[k] - cpu0.get(k, 0.0) for k in cpu1) + sum(others1) - sum(others0) + helpers
             machine_busy = machine1[0] - machine0[0]
             out["machine"] = {
                 "cores": os.cpu_count(),
@@ -654,6 +663,17 @@ def run_phase(
             }
             out["server_cpu_us_per_msg"] = (
                 round(1e6 * sum(cpu1[k] - cpu0.get(k, 0.0) for k in cpu1) / (s1.tier_messages - tiers0), 1)
+                if s1.tier_messages > tiers0 and phase == "tiers"
+                else None
+            )
+            # The server's own processes: the decode worker and the link process, when they run.
+            out["server_and_helpers_cpu_us_per_msg"] = (
+                round(
+                    1e6
+                    * (sum(cpu1[k] - cpu0.get(k, 0.0) for k in cpu1) + helpers)
+                    / (s1.tier_messages - tiers0),
+                    1,
+                )
                 if s1.tier_messages > tiers0 and phase == "tiers"
                 else None
             )
@@ -666,6 +686,8 @@ def run_phase(
             )
             out["loop_waits"] = _LoopWaits.shares(waits0, waits1, dt)
             out["server_rss_mb"] = round(_rss_mb(), 1)
+            if isinstance(server.link, LinkProcess):
+                out["link_process_rss_mb"] = round(_rss_mb(server.link.proc.pid), 1)
             out["open_files"] = open_files
         finally:
             if gens is not None and sum(g.get("lost", 0) for g in gens.snapshot()):
@@ -698,17 +720,36 @@ def _settle(server: Server, limit_s: float) -> float:
     return round(time.monotonic() - t0, 1)
 
 
+def _helpers_cpu(server: Server) -> dict[str, float]:
+    """CPU seconds so far of the server's helper processes (the decode worker, the link process)."""
+    out: dict[str, float] = {}
+    if server.decoder is not None:
+        out["decode_worker"] = _tree_cpu(server.decoder._proc.pid)
+    if isinstance(server.link, LinkProcess):
+        out["link_process"] = _tree_cpu(server.link.proc.pid)
+    return out
+
+
 def _clients_cpu(clients: _Loadgens | subprocess.Popen[Any]) -> float:
     return clients.cpu() if isinstance(clients, _Loadgens) else _tree_cpu(clients.pid)
 
 
 def _server_threads(cpu0: dict[str, float], cpu1: dict[str, float], dt: float) -> dict[str, float]:
     """The server process's CPU over the window by kind of thread, in % of one core: the loop
-    (the orchestrator's thread), paho's network threads (one per broker shard), the rest."""
+    (the orchestrator's thread), paho's network threads (one per broker shard), with
+    ``--link-process`` the threads that read the link process's frames instead, the rest."""
     kinds: dict[str, float] = {}
     for key, v in cpu1.items():
         name = key.split("/")[0]
-        kind = "loop" if name == "felix-loop" else "network" if name.startswith("paho") else "other"
+        kind = (
+            "loop"
+            if name == "felix-loop"
+            else "network"
+            if name.startswith("paho")
+            else "link_readers"
+            if name.startswith("felix-link")
+            else "other"
+        )
         kinds[kind] = kinds.get(kind, 0.0) + 100 * (v - cpu0.get(key, 0.0)) / dt
     return {k: round(v, 1) for k, v in sorted(kinds.items())}
 
@@ -767,6 +808,11 @@ def main() -> int:
         "--decode-worker",
         action="store_true",
         help="the server parses in a worker process (felix serve --decode-worker)",
+    )
+    p.add_argument(
+        "--link-process",
+        action="store_true",
+        help="the server's broker links run in a process of their own (felix serve --link-process)",
     )
     p.add_argument(
         "--switch-interval",
@@ -892,6 +938,7 @@ def _common(args: argparse.Namespace) -> dict[str, Any]:
         "loadgens": args.loadgens or default_loadgens(max(args.clients)),
         "netns": light and args.netns,
         "decode_worker": args.decode_worker,
+        "link_process": args.link_process,
     }
 
 
@@ -925,6 +972,7 @@ def _json_line(args: argparse.Namespace, provenance: dict[str, Any]) -> int:
                 "window_s": args.window,
                 "switch_interval_s": sys.getswitchinterval(),
                 "decode_worker": args.decode_worker,
+                "link_process": args.link_process,
                 **{
                     k: v
                     for k, v in t.items()

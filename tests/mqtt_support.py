@@ -119,8 +119,14 @@ class Background(threading.Thread):
 
 
 def start_server(
-    cfg: Config, broker: MosquittoBroker, out: Path, time_scale: float, checkpoint: Path | None = None
+    cfg: Config,
+    broker: MosquittoBroker,
+    out: Path,
+    time_scale: float,
+    checkpoint: Path | None = None,
+    **serve: Any,
 ) -> tuple[Server, Background]:
+    """The server on ``broker`` in a thread of this process (``serve``: more ``ServeOptions``)."""
     opts = ServeOptions(
         broker_options(broker),
         run_id="t",
@@ -128,6 +134,7 @@ def start_server(
         checkpoint=checkpoint,
         time_scale=time_scale,
         status_every_s=1e9,
+        **serve,
     )
     server = Server(cfg, opts)
     thread = Background(server.run, "server")

@@ -1,7 +1,8 @@
 """End to end over a real Mosquitto on 127.0.0.1: a server and 24 clients under trace-driven churn
 train digits to the target, while four clients are killed mid-task (and restarted) and the broker
 is killed with SIGKILL (kill -9) and restarted once. Every accepted update must be applied exactly
-once."""
+once; with ``link_process`` the server's link runs in a process of its own
+(``felix.deploy.link_process``)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ KILLED = [20, 21, 22, 23]
 
 
 @pytest.mark.slow
-def test_churn_kills_and_broker_restart(tmp_path: Path) -> None:
+@pytest.mark.parametrize("link_process", [False, True], ids=["one-process", "link-process"])
+def test_churn_kills_and_broker_restart(tmp_path: Path, link_process: bool) -> None:
     cfg_path = write_config(tmp_path / "cfg.yaml")
     sets = {"orchestrator": {"agg_goal": 5, "concurrency": 10}}
     cfg = load_config(cfg_path, sets)
@@ -57,7 +59,9 @@ def test_churn_kills_and_broker_restart(tmp_path: Path) -> None:
         )
         doomed = spawn(["client", *common, "--ids", "20-23", "--t0", t0], tmp_path / "doomed.log")
         reborn = None
-        server, thread = start_server(cfg, broker, tmp_path / "out", SCALE, tmp_path / "ck.safetensors")
+        server, thread = start_server(
+            cfg, broker, tmp_path / "out", SCALE, tmp_path / "ck.safetensors", link_process=link_process
+        )
         try:
             clients = server.orch.clients
             wait_until(

@@ -1,6 +1,7 @@
 """A run over three Mosquitto brokers (``felix.deploy.shards``) of which one is killed (SIGKILL)
 and restarted mid-run: the other shards keep the run going, the killed shard's clients come back,
-and every accepted update is applied exactly once."""
+and every accepted update is applied exactly once; with ``link_process`` the server's links run
+in a process of their own (``felix.deploy.link_process``)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,10 @@ def _applied(path: Path) -> list[tuple[int, int]]:
 
 
 @pytest.mark.slow
-def test_a_killed_shard_takes_only_its_clients_away_and_nothing_is_applied_twice(tmp_path: Path) -> None:
+@pytest.mark.parametrize("link_process", [False, True], ids=["one-process", "link-process"])
+def test_a_killed_shard_takes_only_its_clients_away_and_nothing_is_applied_twice(
+    tmp_path: Path, link_process: bool
+) -> None:
     cfg_path = write_config(tmp_path / "cfg.yaml", run={"target_accuracy": 1.0, "max_time_s": 1e6})
     sets = ["--set", "orchestrator.agg_goal=5", "--set", "orchestrator.concurrency=10"]
     cfg = load_config(cfg_path, {"orchestrator": {"agg_goal": 5, "concurrency": 10}})
@@ -64,6 +68,7 @@ def test_a_killed_shard_takes_only_its_clients_away_and_nothing_is_applied_twice
             checkpoint=tmp_path / "ck.safetensors",
             time_scale=SCALE,
             status_every_s=1e9,
+            link_process=link_process,
         )
         server = Server(cfg, opts)
         thread = Background(server.run, "server")

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
+import pytest
 from broker import MosquittoBroker
 from mqtt_support import (
     Background,
@@ -37,7 +38,8 @@ pytestmark = needs_mosquitto
 T = Topics("t")
 
 
-def test_a_resume_after_a_hostile_backlog_serves(tmp_path: Path) -> None:
+@pytest.mark.parametrize("link_process", [False, True], ids=["one-process", "link-process"])
+def test_a_resume_after_a_hostile_backlog_serves(tmp_path: Path, link_process: bool) -> None:
     cfg = load_config(
         write_config(tmp_path / "cfg.yaml", partition={"num_clients": 4}),
         {"strategy": "fedbuff", "orchestrator": {"agg_goal": 1, "concurrency": 1}},
@@ -50,6 +52,7 @@ def test_a_resume_after_a_hostile_backlog_serves(tmp_path: Path) -> None:
             checkpoint=tmp_path / "ck.safetensors",
             max_inbox_bytes=16 << 20,  # the backlog is four times the inbox
             status_every_s=1e9,
+            link_process=link_process,
         )
         first = Server(cfg, opts)
         thread = Background(first.run, "first life")
@@ -82,9 +85,11 @@ def test_a_resume_after_a_hostile_backlog_serves(tmp_path: Path) -> None:
     assert summ["deployment"]["lives"] == 2
 
 
-def test_sigterm_is_honoured_while_the_broker_does_not_answer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("link_process", [False, True], ids=["one-process", "link-process"])
+def test_sigterm_is_honoured_while_the_broker_does_not_answer(tmp_path: Path, link_process: bool) -> None:
     """A broker that accepts the connection and never answers: ``felix serve`` waits for its
-    CONNACK, and SIGTERM ends that wait at once, with a clear message and a non-zero exit."""
+    CONNACK, and SIGTERM ends that wait at once, with a clear message and a non-zero exit (with
+    ``--link-process`` too: the child waits for the CONNACK, the server for the child)."""
     cfg = write_config(tmp_path / "cfg.yaml", partition={"num_clients": 4})
     silent = socket.create_server(("127.0.0.1", 0))
     port = silent.getsockname()[1]
@@ -102,7 +107,8 @@ def test_sigterm_is_honoured_while_the_broker_does_not_answer(tmp_path: Path) ->
     threading.Thread(target=accept, daemon=True).start()
     log = tmp_path / "serve.log"
     args = ["serve", str(cfg), "--broker", f"127.0.0.1:{port}", "--username", "felix-server"]
-    proc = spawn([*args, "--password", "x", "--out", str(tmp_path / "out")], log)
+    extra = ["--link-process"] if link_process else []
+    proc = spawn([*args, "--password", "x", "--out", str(tmp_path / "out"), *extra], log)
     try:
         assert accepted.wait(60), "felix serve never connected"
         proc.send_signal(signal.SIGTERM)

@@ -199,6 +199,7 @@ def _serve(args: argparse.Namespace) -> int:
         client_msg_burst=args.client_msg_burst,
         models=_model_hosting(args),
         decode_worker=args.decode_worker,
+        link_process=args.link_process,
         **({} if args.secagg_stage_s is None else {"secagg_stage_s": args.secagg_stage_s}),
         download_ratio=args.download_ratio or None,
     )
@@ -568,6 +569,12 @@ def add_parsers(subparsers: Any) -> None:
         "--decode-worker",
         action="store_true",
         help="parse inbound messages in a second process while the loop applies the ones before",
+    )
+    s.add_argument(
+        "--link-process",
+        action="store_true",
+        help="run the broker connections (paho's network threads, one per shard) in a process of their "
+        "own, out of the loop's interpreter; with --decode-worker, the setup for large populations",
     )
     s.add_argument(
         "--secagg-stage-s",

@@ -79,6 +79,7 @@ from felix.deploy.decode_worker import DecodeWorker
 from felix.deploy.download_budget import DownloadBudget
 from felix.deploy.inbox import Inbox, Item
 from felix.deploy.link import LinkError
+from felix.deploy.link_process import LinkProcess
 from felix.deploy.model_http import ModelServer
 from felix.deploy.model_store import ModelHosting, ModelStore
 from felix.deploy.protocol import (
@@ -94,7 +95,7 @@ from felix.deploy.protocol import (
 from felix.deploy.refusal_log import RefusalLog
 from felix.deploy.secagg_groups import NetworkGroups
 from felix.deploy.stash import Stash
-from felix.deploy.transport import Ack, Connected, Delivery, LinkOptions, ServerLinkArgs
+from felix.deploy.transport import Ack, Connected, Delivery, LinkOptions, ServerLink, ServerLinkArgs
 from felix.deploy.transport import resolve as resolve_transport
 from felix.engine.heap import gc_frozen
 from felix.engine.plan import plan_run
@@ -142,6 +143,7 @@ class ServeOptions:
     # Tasks name their model by hash, fetched over HTTP (felix.deploy.model_store; None: inside the task).
     models: ModelHosting | None = None
     decode_worker: bool = False  # parse inbound messages in a second process (felix.deploy.decode_worker)
+    link_process: bool = False  # the transport's link in a process of its own (felix.deploy.link_process)
     secagg_stage_s: float | None = None  # overrides secure_aggregation.stage_timeout_s (wall seconds)
     # Per-login download budget (felix.deploy.download_budget): what a login is sent and leaves
     # unanswered stays under download_ratio times the bytes it sent (plus one task and one largest
@@ -328,8 +330,10 @@ class Server:
         # checkpoint, which comes at the latest when max_pending_messages are pending.
         window = min(SERVER_RECEIVE_MAXIMUM, 2 * opts.max_pending_messages)
         # Acknowledged after handling, or after the checkpoint that holds the effect.
-        self.link = resolve_transport(opts.transport, opts.broker).server_link(
-            ServerLinkArgs(opts.run_id, opts.broker, window, self.inbox.put, self.inbox.put_many)
+        link_args = ServerLinkArgs(opts.run_id, opts.broker, window, self.inbox.put, self.inbox.put_many)
+        transport = resolve_transport(opts.transport, opts.broker)
+        self.link: ServerLink = (
+            LinkProcess(opts.transport, link_args) if opts.link_process else transport.server_link(link_args)
         )
         self._mono0 = time.monotonic()
 
@@ -382,7 +386,8 @@ class Server:
         )
         last_status = time.monotonic()
         while self.ctl.stop_reason is None:
-            if subscribed_by and (self.link.ready() or self._stop_before_subscribed(subscribed_by)):
+            ready = self.link.ready()  # every turn: it raises LinkError once the link failed for good
+            if subscribed_by and (ready or self._stop_before_subscribed(subscribed_by)):
                 subscribed_by = 0.0
             wake = self.orch.next_wakeup()
             now = self.now()

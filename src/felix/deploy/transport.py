@@ -101,7 +101,9 @@ class ServerLink(Protocol):
         May return before ``ready``: a resumed server drains its backlog meanwhile."""
 
     def ready(self) -> bool:
-        """Whether deliveries are set up (MQTT: the SUBACK); raises LinkError if refused."""
+        """Whether deliveries are set up (MQTT: the SUBACK); raises LinkError if refused, or once
+        the link failed for good (``felix.deploy.link_process``: its process gone). The server
+        asks every turn."""
         ...
 
     def send(self, channel: Channel, client: int | None, payload: bytes) -> None:
