@@ -366,7 +366,9 @@ def run_comparison(
             "runs": {v: {str(seed): o.summary for seed, o in per.items()} for v, per in by_variant.items()},
         }
     )
-    (out_dir / "comparison.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    # Compact: a tuning grid's file holds every run's summary twice over (``strategies`` and
+    # ``runs``), and indentation alone would take it past 2 MB; comparison.md is the readable table.
+    (out_dir / "comparison.json").write_text(json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n")
     (out_dir / "comparison.md").write_text(_markdown(comp, doc, stats, runs, by_variant, ref))
     plot_comparison(out_dir, curves, stats)
     plot_accuracy_vs_bytes(out_dir, curves, stats)
