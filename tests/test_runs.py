@@ -239,3 +239,43 @@ def test_every_command_takes_seeds_space_or_comma_separated(command):
     for form in (["0", "1", "2"], ["0,1,2"], ["0,1", "2"]):
         args = build_parser(command).parse_args([command, "--seeds", *form])
         assert parse_seeds(args.seeds) == [0, 1, 2], (command, form)
+
+
+class _FakeRay:
+    """Records the Ray calls a driver makes; no task ever finishes."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def cancel(self, ref: object, force: bool) -> None:
+        self.calls.append(("cancel", ref))
+
+    def wait(self, handles: list[object], num_returns: int, timeout: float) -> tuple[list, list]:
+        self.calls.append(("wait", timeout))
+        return [], handles
+
+
+def test_ray_interrupt_makes_no_ray_call_in_the_signal_handler_and_the_loop_cancels_again():
+    """Ctrl-C reaches the driver's handler possibly from within ``ray.wait``'s own signal checks:
+    the handler only flags, and each bounded ``wait`` of the driver's loop (re)cancels what is live,
+    so a cancel that reached a task as it started is sent again rather than lost."""
+    from felix.experiments.ray_backend import WAIT_S, RayTaskBackend
+
+    backend = RayTaskBackend.__new__(RayTaskBackend)  # no Ray instance: only the driver-side logic
+    fake = _FakeRay()
+    backend.ray = fake
+    backend._live = {"a", "b"}
+    backend._cancel = False
+    assert list(backend.wait(["a", "b"])) == [] and fake.calls == [("wait", WAIT_S)]
+    fake.calls.clear()
+    backend.interrupt()
+    assert fake.calls == []  # nothing from the signal handler
+    for _ in range(2):
+        assert list(backend.wait(["a", "b"])) == []
+    assert sorted(c for c in fake.calls if c[0] == "cancel") == [
+        ("cancel", "a"),
+        ("cancel", "a"),
+        ("cancel", "b"),
+        ("cancel", "b"),
+    ]
+    assert [c for c in fake.calls if c[0] == "wait"] == [("wait", WAIT_S)] * 2

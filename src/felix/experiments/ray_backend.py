@@ -19,6 +19,9 @@ from felix.config import ConfigError
 from felix.distributed.ray_runtime import Resources, session
 from felix.experiments.runs import RunCancelled, RunFunction, RunOutput, RunSpec, execute, warm_process
 
+#: Longest a ``wait`` blocks: how soon the driver's loop sees a Ctrl-C and cancels.
+WAIT_S = 1.0
+
 
 class RayTaskBackend:
     """Runs specs as Ray tasks with declared resources, on a local safe instance (``num_cpus`` CPUs,
@@ -41,6 +44,7 @@ class RayTaskBackend:
         self._task = self.ray.remote(fn)
         self._capacity = self.ray.cluster_resources()
         self._live: set[Any] = set()  # tasks sent and not yet returned by ``wait``
+        self._cancel = False  # the driver was interrupted: ``wait`` cancels what is live
         if address is None:
             warm = self.ray.remote(warm_process).options(num_cpus=1, max_retries=0, name="felix-warm-up")
             self.ray.get([warm.remote() for _ in range(min(64, int(self._capacity.get("CPU", 1))))])
@@ -66,15 +70,21 @@ class RayTaskBackend:
         return ref
 
     def interrupt(self) -> None:
-        """The driver was interrupted: cancel every task sent and not yet collected. ``ray.cancel``
-        (not forced) drops a queued task and raises ``KeyboardInterrupt`` in a running one, so its
-        worker stays usable; ``wait`` then reports each as :class:`RunCancelled`. Called again while
-        the driver stops, it only cancels what is still live (cancelling twice is harmless)."""
-        for ref in list(self._live):
-            self.ray.cancel(ref, force=False)
+        """The driver was interrupted: cancel every task sent and not yet collected. This runs inside
+        the driver's signal handler, which Python may call from within ``ray.wait``'s own signal
+        checks, so it makes no Ray call there: it only asks ``wait`` (the driver's loop) to cancel."""
+        self._cancel = True
 
     def wait(self, handles: list[Any]) -> Iterator[tuple[object, RunOutput | BaseException]]:
-        ready, _ = self.ray.wait(handles, num_returns=1)
+        """The next finished task, or nothing after ``WAIT_S`` so that the driver's loop comes back
+        to an interrupt in time. Once interrupted, every live task is cancelled on each call:
+        ``ray.cancel`` (not forced) drops a queued task and raises ``KeyboardInterrupt`` in a running
+        one, so its worker stays usable; a cancel that reached a task just as it started is sent
+        again (cancelling twice is harmless). Each is reported as :class:`RunCancelled`."""
+        if self._cancel:
+            for ref in list(self._live):
+                self.ray.cancel(ref, force=False)
+        ready, _ = self.ray.wait(handles, num_returns=1, timeout=WAIT_S)
         for ref in ready:
             self._live.discard(ref)
             try:

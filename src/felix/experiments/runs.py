@@ -166,8 +166,10 @@ class RunCancelled(Exception):
 
 
 class Backend(Protocol):
-    """Where runs execute. ``submit`` starts one; ``wait`` blocks until at least one started run
-    has finished and yields (handle, output or the error that ended it)."""
+    """Where runs execute. ``submit`` starts one; ``wait`` yields (handle, output or the error that
+    ended it) for the runs that have finished, blocking until at least one has or, for a backend
+    that must come back to the driver's loop to act on an interrupt, for a bounded time (then it
+    may yield nothing)."""
 
     def submit(self, spec: RunSpec) -> object: ...
 
