@@ -58,6 +58,30 @@ def test_workers_return_results_in_order_each_piece_on_one_thread() -> None:
         Workers(0)
 
 
+def test_the_dearest_pieces_are_taken_first_and_the_results_stay_in_order() -> None:
+    """Longest first: a job of unequal pieces ends with the small ones, so two workers finish close
+    together; on one worker the order of the calls shows it, ties kept in the items' order."""
+    workers = Workers(1)
+    taken: list[str] = []
+
+    def piece(worker: int, item: str) -> str:
+        taken.append(item)
+        return item.upper()
+
+    items = ["a", "b", "c", "d", "e"]
+    assert workers.map(piece, items, cost=[1, 30, 4, 30, 2]) == ["A", "B", "C", "D", "E"]
+    assert taken == ["b", "d", "c", "e", "a"]
+    with pytest.raises(ValueError, match="2 costs for 5 items"):
+        workers.map(piece, items, cost=[1, 2])
+
+    two = Workers(2)
+    try:
+        sizes = [1, 9, 2, 8, 3, 7, 30, 1]
+        assert two.map(lambda w, s: s * 10, sizes, cost=sizes) == [s * 10 for s in sizes]
+    finally:
+        two.close()
+
+
 class Dealt(Workers):
     """Two workers that take the pieces last first, the odd ones on worker 1, each piece on a thread
     of its own (grad mode and thread counts are per thread): a deal unlike one worker's order."""
@@ -67,7 +91,7 @@ class Dealt(Workers):
         self.n = 2
         self.taken: list[int] = []
 
-    def map(self, fn: Any, items: Any) -> list[Any]:
+    def map(self, fn: Any, items: Any, cost: Any = None) -> list[Any]:
         out: list[Any] = [None] * len(items)
 
         def one(i: int) -> None:

@@ -17,8 +17,9 @@ from felix.client.workers import Workers
 from felix.core.types import ClientUpdate
 
 # Tasks trained per group, per worker: the due task and the next ones due. Workers take a group's
-# tasks one at a time, so a group of a few per worker keeps them all busy until its end however
-# unequal the tasks; more would train further ahead (a task cancelled after it was trained is wasted).
+# tasks one at a time, the largest first (a task's cost is its client's samples), so a group of a
+# few per worker keeps them all busy until its end however unequal the tasks; more would train
+# further ahead (a task cancelled after it was trained is wasted).
 TASKS_PER_WORKER = 3
 
 
@@ -39,10 +40,14 @@ class TrainerPool:
         def one(w: int, t: CohortTask) -> ClientUpdate:
             return self.trainers[w].train(t.weights, t.data, t.state, t.aux_in, t.generator)
 
-        return self.workers.map(one, tasks)
+        return self.workers.map(one, tasks, cost=[len(t.data) for t in tasks])
 
     def probe(self, weights: list[np.ndarray], datas: list[ClientData]) -> list[ClientUpdate]:
-        return self.workers.map(lambda w, k: self.trainers[w].probe(weights[k], datas[k]), range(len(datas)))
+        return self.workers.map(
+            lambda w, k: self.trainers[w].probe(weights[k], datas[k]),
+            range(len(datas)),
+            cost=[len(d) for d in datas],
+        )
 
     def close(self) -> None:
         self.workers.close()
