@@ -38,6 +38,11 @@ reported as a second ratio, ``ratio_to_bare_with_eval`` = simulator wall / (bare
 evaluations), beside ``ratio_to_bare`` (training only), which stays as it is. A scenario that
 evaluates at every aggregation (felix-cifar10-cpu) does about as much evaluating as training.
 
+The bare loop's model is the run's architecture with torch's own ``nn.MaxPool2d`` in place of the
+built-in CNNs' pool (``felix.client.pooling``, the same bits through torch's channels-last
+kernel): the loop a user would write. ``--bare-fast-pool`` keeps felix's pool in the bare loop too,
+which separates that kernel's gain from the engine's (``bare_pool`` in the JSON says which).
+
 ``--busy N`` starts N processes that each keep a core busy (a Python loop) for the whole
 measurement and ends them after: the run under contention, as when a user runs other work beside
 it (``busy`` in the JSON). On two cores, ``--set run.threads=2 --bare-threads 1 --busy 1`` is the
@@ -69,6 +74,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from felix.client.pooling import MaxPool2d
 from felix.client.trainer import ClientData
 from felix.config import parse_set
 from felix.core.types import TaskKind
@@ -102,10 +108,18 @@ class BareLoop:
     last one (``evals``, ``probes``: the run appends to them) with :func:`bare_evaluate`, timed apart."""
 
     def __init__(
-        self, built: Built, repeats: int, threads: int | None = None, evaluate: bool = False
+        self,
+        built: Built,
+        repeats: int,
+        threads: int | None = None,
+        evaluate: bool = False,
+        fast_pool: bool = False,
     ) -> None:
         self.built, self.repeats, self.threads, self.evaluate = built, repeats, threads, evaluate
+        self.fast_pool = fast_pool
         self.model = copy.deepcopy(built.sim.trainer.model)  # the run's own models stay untouched
+        if not fast_pool:
+            plain_pools(self.model)
         self.wall_s = self.cpu_s = 0.0  # the sums of the chunks' best times
         self.eval_wall_s = self.eval_cpu_s = 0.0  # the same for the evaluations (evaluate)
         self.evals: list[np.ndarray] = []
@@ -162,7 +176,7 @@ def simulate(
     tasks: list[Task] = []
     bare = None
     if interleave > 0 or bare_loop_too:
-        bare = BareLoop(built, args.bare_repeats, args.bare_threads, args.bare_evaluate)
+        bare = BareLoop(built, args.bare_repeats, args.bare_threads, args.bare_evaluate, args.bare_fast_pool)
     if bare is not None and bare.evaluate:  # every eval task the run completes, for the bare loop to redo
         for dev in built.sim.devices:
             dev.complete = recording_probes(dev, bare.probes)  # type: ignore[method-assign]
@@ -212,6 +226,15 @@ def simulate(
     elif bare is not None:  # the whole bare loop now, as one chunk
         bare.chunk(tasks)
     return Simulated(built, out, tasks, eval_s[0], cpu_s, collector[1], int(collector[2]), bare)
+
+
+def plain_pools(model: torch.nn.Module) -> None:
+    """Put torch's own ``nn.MaxPool2d`` (same parameters) in place of felix's channels-last pool."""
+    for name, m in list(model.named_modules()):
+        if type(m) is MaxPool2d:
+            parent, _, attr = name.rpartition(".")
+            plain = torch.nn.MaxPool2d(m.kernel_size, m.stride, m.padding, m.dilation, ceil_mode=m.ceil_mode)
+            setattr(model.get_submodule(parent), attr, plain)
 
 
 def bare_loop(built: Built, tasks: list[Task], model: torch.nn.Module) -> tuple[float, float]:
@@ -385,6 +408,7 @@ def measure_round(
         "final_accuracy": built.recorder.rows[-1].accuracy,
         "bare_sequential_s": round(bare, 3),
         "bare_threads": loop.threads or torch.get_num_threads(),
+        "bare_pool": "felix" if loop.fast_pool else "torch",
         "interleave": args.interleave,
         "ratio_to_bare": round(wall / bare, 3) if bare else None,
         # Process CPU seconds: less sensitive than wall time to other load on a shared machine.
@@ -475,6 +499,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="torch threads for the bare loop (default: the run's run.threads); e.g. 1 to set a run "
         "on two threads against the bare loop on one",
+    )
+    ap.add_argument(
+        "--bare-fast-pool",
+        action="store_true",
+        help="the bare loop keeps felix's channels-last max pool (default: torch's nn.MaxPool2d)",
     )
     ap.add_argument(
         "--bare-evaluate",

@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from felix.client.pooling import MaxPool2d
+
 log = logging.getLogger("felix.cohort")
 
 Aux = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # per-sample losses [K, B], loss [K], statistic [K]
@@ -193,7 +195,12 @@ def _layers(chain: list[tuple[str, nn.Module]]) -> list[_Layer] | None:
                 )
             )
             grouped = True
-        elif type(m) is nn.MaxPool2d and grouped and not m.return_indices:
+        elif (
+            isinstance(m, nn.MaxPool2d)
+            and type(m) in (nn.MaxPool2d, MaxPool2d)
+            and grouped
+            and not m.return_indices
+        ):
             layers.append(
                 _Layer(
                     "pool",

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from felix.client.pooling import MaxPool2d
 from felix.config import ConfigError
 from felix.core.registry import CallShape, Registry
 
@@ -29,13 +30,13 @@ class FelixCifarCNN(nn.Module):
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, 64, 3),
             nn.ReLU(),
-            nn.MaxPool2d(2),
+            MaxPool2d(2),
             nn.Conv2d(64, 128, 3),
             nn.ReLU(),
-            nn.MaxPool2d(2),
+            MaxPool2d(2),
             nn.Conv2d(128, 256, 3),
             nn.ReLU(),
-            nn.MaxPool2d(2),
+            MaxPool2d(2),
         )
         self.classifier = nn.Sequential(
             nn.Flatten(),
@@ -62,10 +63,10 @@ class SmallCNN(nn.Module):
         self.features = nn.Sequential(
             nn.Conv2d(c, width, 3, padding=1),
             nn.ReLU(),
-            nn.MaxPool2d(2),
+            MaxPool2d(2),
             nn.Conv2d(width, 2 * width, 3, padding=1),
             nn.ReLU(),
-            nn.MaxPool2d(2),
+            MaxPool2d(2),
         )
         self.flatten = nn.Flatten()
         self.head = nn.Linear(2 * width * (h // 4) * (w // 4), num_classes)
@@ -105,13 +106,13 @@ class KwsCNN(nn.Module):
         self.features = nn.Sequential(
             nn.Conv2d(c, width, 3, padding=1),
             nn.ReLU(),
-            nn.MaxPool2d(2),
+            MaxPool2d(2),
             nn.Conv2d(width, 2 * width, 3, padding=1),
             nn.ReLU(),
-            nn.MaxPool2d(2),
+            MaxPool2d(2),
             nn.Conv2d(2 * width, 2 * width, 3, padding=1),
             nn.ReLU(),
-            nn.MaxPool2d(2),
+            MaxPool2d(2),
         )
         self.flatten = nn.Flatten()
         self.head = nn.Sequential(
