@@ -642,6 +642,7 @@ def test_engine_speed_interleaves_the_bare_loop_with_the_run(monkeypatch: pytest
         bare_repeats=1,
         bare_threads=1,
         bare_evaluate=False,
+        bare_fast_pool=False,
     )
     started = time.perf_counter()
     run = engine_speed.simulate(ns, 4, "4", interleave=1)
