@@ -64,6 +64,20 @@ def slow_run(spec: RunSpec) -> RunOutput:
     return fake_output(spec)
 
 
+def stubborn_run(spec: RunSpec) -> RunOutput:
+    """A run that swallows the polite cancel (KeyboardInterrupt), as a run whose cancel Ray lost
+    would go on: only killing its worker stops it."""
+    spec.out_dir.with_suffix(".started").write_text("1")
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if time.monotonic() >= deadline:
+                return fake_output(spec)
+            time.sleep(0.05)
+        except KeyboardInterrupt:
+            continue
+
+
 def _loopback(ip: str) -> bool:
     addr = ipaddress.ip_address(ip.split("%")[0])
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
@@ -272,3 +286,35 @@ def test_ctrl_c_cancels_the_runs_already_sent_to_workers(local_ray, tmp_path):
     ], lines
     # The queued run never started; the two that ran were stopped in their workers.
     assert sum(s.out_dir.with_suffix(".started").exists() for s in specs) == 2
+
+
+def test_a_run_that_does_not_stop_when_asked_has_its_worker_killed(local_ray, tmp_path, monkeypatch):
+    """The polite cancel is not enough for a run that goes on (as when Ray loses the cancel of a
+    task that was just starting): ``FORCE_AFTER_S`` later its worker is killed, and the run is
+    reported cancelled, not failed."""
+    from felix.experiments import ray_backend
+
+    monkeypatch.setattr(ray_backend, "FORCE_AFTER_S", 2.0)
+    specs = [tiny_spec(tmp_path, k) for k in ("a", "b")]
+    backend = RayTaskBackend(fn=stubborn_run)
+    lines: list[str] = []
+
+    def interrupt_once_both_run() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if all(s.out_dir.with_suffix(".started").exists() for s in specs):
+                break
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_both_run, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        out = run_all(specs, backend, log=lines.append)
+    finally:
+        backend.close()
+    assert time.monotonic() - t0 < 90, lines
+    assert not out.outputs and not out.failed, lines
+    assert sorted(line for line in lines if "cancelled" in line) == [
+        f"run {k} cancelled (interrupted)" for k in ("a", "b")
+    ], lines

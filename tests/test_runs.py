@@ -15,7 +15,15 @@ from felix.cli.seeds import parse_seeds
 from felix.config import ConfigError
 from felix.distributed.ray_runtime import Resources
 from felix.engine.setup import resolve_config
-from felix.experiments.runs import InlineBackend, ProcessBackend, RunOutput, RunSpec, execute, run_all
+from felix.experiments.runs import (
+    InlineBackend,
+    ProcessBackend,
+    RunCancelled,
+    RunOutput,
+    RunSpec,
+    execute,
+    run_all,
+)
 from felix.experiments.sweep import parse_grid, points
 
 TINY = {
@@ -242,23 +250,43 @@ def test_every_command_takes_seeds_space_or_comma_separated(command):
 
 
 class _FakeRay:
-    """Records the Ray calls a driver makes; no task ever finishes."""
+    """Records the Ray calls a driver makes; a task finishes only when ``ready`` names it, and then
+    ends in ``error`` (a stand-in for Ray's exceptions) if one is set."""
+
+    class exceptions:  # mirrors ``ray.exceptions``
+        class RayError(Exception):
+            pass
+
+        class TaskCancelledError(RayError):
+            pass
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, object]] = []
+        self.ready: list[object] = []
+        self.error: Exception | None = None
 
     def cancel(self, ref: object, force: bool) -> None:
-        self.calls.append(("cancel", ref))
+        self.calls.append(("force" if force else "cancel", ref))
 
     def wait(self, handles: list[object], num_returns: int, timeout: float) -> tuple[list, list]:
         self.calls.append(("wait", timeout))
-        return [], handles
+        return self.ready, [h for h in handles if h not in self.ready]
+
+    def get(self, ref: object) -> object:
+        if self.error is not None:
+            raise self.error
+        return ref
 
 
-def test_ray_interrupt_makes_no_ray_call_in_the_signal_handler_and_the_loop_cancels_again():
+def test_ray_interrupt_makes_no_ray_call_in_the_signal_handler_and_the_loop_cancels_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Ctrl-C reaches the driver's handler possibly from within ``ray.wait``'s own signal checks:
     the handler only flags, and each bounded ``wait`` of the driver's loop (re)cancels what is live,
-    so a cancel that reached a task as it started is sent again rather than lost."""
+    politely first and, ``FORCE_AFTER_S`` after the first cancel, by killing the workers (Ray can
+    lose a polite cancel that reaches a task as it starts); a task that then ends in an error
+    (its worker killed) is reported cancelled, not failed."""
+    from felix.experiments import ray_backend
     from felix.experiments.ray_backend import WAIT_S, RayTaskBackend
 
     backend = RayTaskBackend.__new__(RayTaskBackend)  # no Ray instance: only the driver-side logic
@@ -266,16 +294,24 @@ def test_ray_interrupt_makes_no_ray_call_in_the_signal_handler_and_the_loop_canc
     backend.ray = fake
     backend._live = {"a", "b"}
     backend._cancel = False
+    backend._cancelled_at = None
     assert list(backend.wait(["a", "b"])) == [] and fake.calls == [("wait", WAIT_S)]
     fake.calls.clear()
     backend.interrupt()
     assert fake.calls == []  # nothing from the signal handler
     for _ in range(2):
         assert list(backend.wait(["a", "b"])) == []
-    assert sorted(c for c in fake.calls if c[0] == "cancel") == [
-        ("cancel", "a"),
-        ("cancel", "a"),
-        ("cancel", "b"),
-        ("cancel", "b"),
-    ]
+    assert sorted(c for c in fake.calls if c[0] != "wait") == [("cancel", "a")] * 2 + [("cancel", "b")] * 2
     assert [c for c in fake.calls if c[0] == "wait"] == [("wait", WAIT_S)] * 2
+    fake.calls.clear()
+    monkeypatch.setattr(ray_backend, "FORCE_AFTER_S", 0.0)  # the grace has passed
+    fake.ready, fake.error = ["a"], fake.exceptions.RayError("worker killed")
+    (ref, out), *rest = list(backend.wait(["a", "b"]))
+    assert not rest and ref == "a" and isinstance(out, RunCancelled)
+    assert sorted(c for c in fake.calls if c[0] != "wait") == [("force", "a"), ("force", "b")]
+    assert backend._live == {"b"}
+    # Before any interrupt, an error is the run's failure, reported as such.
+    backend._cancel, backend._live = False, {"b"}
+    fake.ready, fake.error = ["b"], fake.exceptions.RayError("run raised")
+    (_, out), *_ = list(backend.wait(["b"]))
+    assert isinstance(out, fake.exceptions.RayError)

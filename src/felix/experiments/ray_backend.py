@@ -5,12 +5,14 @@ and returns its small output (summary and evaluation rows) to the driver, which 
 is written on the node that ran it. Ray's own retries are off (``max_retries=0``): ``felix.experiments.runs``
 retries a failed run once, whether its code raised or its worker or node died, and reports it after.
 A Ctrl-C or SIGTERM of the driver cancels every task it sent (``ray.cancel``): a queued one never
-starts, a running one is interrupted in its worker, and each is reported as cancelled.
+starts, a running one is interrupted in its worker (and its worker killed if it has not stopped
+``FORCE_AFTER_S`` later), and each is reported as cancelled.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -21,6 +23,9 @@ from felix.experiments.runs import RunCancelled, RunFunction, RunOutput, RunSpec
 
 #: Longest a ``wait`` blocks: how soon the driver's loop sees a Ctrl-C and cancels.
 WAIT_S = 1.0
+#: How long after the first (polite) cancel a task still running has its worker killed: Ray can
+#: lose a polite cancel that reaches a task as it starts, and re-sending it does not help.
+FORCE_AFTER_S = 10.0
 
 
 class RayTaskBackend:
@@ -45,6 +50,7 @@ class RayTaskBackend:
         self._capacity = self.ray.cluster_resources()
         self._live: set[Any] = set()  # tasks sent and not yet returned by ``wait``
         self._cancel = False  # the driver was interrupted: ``wait`` cancels what is live
+        self._cancelled_at: float | None = None  # when ``wait`` first cancelled (monotonic)
         if address is None:
             warm = self.ray.remote(warm_process).options(num_cpus=1, max_retries=0, name="felix-warm-up")
             self.ray.get([warm.remote() for _ in range(min(64, int(self._capacity.get("CPU", 1))))])
@@ -77,22 +83,26 @@ class RayTaskBackend:
 
     def wait(self, handles: list[Any]) -> Iterator[tuple[object, RunOutput | BaseException]]:
         """The next finished task, or nothing after ``WAIT_S`` so that the driver's loop comes back
-        to an interrupt in time. Once interrupted, every live task is cancelled on each call:
-        ``ray.cancel`` (not forced) drops a queued task and raises ``KeyboardInterrupt`` in a running
-        one, so its worker stays usable; a cancel that reached a task just as it started is sent
-        again (cancelling twice is harmless). Each is reported as :class:`RunCancelled`."""
+        to an interrupt in time. Once interrupted, every live task is cancelled on each call: first
+        politely (``ray.cancel`` not forced drops a queued task and raises ``KeyboardInterrupt`` in a
+        running one, whose run ends ``interrupted`` and whose worker stays usable), and from
+        ``FORCE_AFTER_S`` on by killing its worker. A task that ends in an error once the driver
+        was interrupted (cancelled, or its worker killed) is reported as :class:`RunCancelled`."""
         if self._cancel:
+            now = time.monotonic()
+            if self._cancelled_at is None:
+                self._cancelled_at = now
+            force = now - self._cancelled_at >= FORCE_AFTER_S
             for ref in list(self._live):
-                self.ray.cancel(ref, force=False)
+                self.ray.cancel(ref, force=force)
         ready, _ = self.ray.wait(handles, num_returns=1, timeout=WAIT_S)
         for ref in ready:
             self._live.discard(ref)
             try:
                 yield ref, self.ray.get(ref)
-            except self.ray.exceptions.TaskCancelledError:
-                yield ref, RunCancelled("cancelled by the interrupted driver")
-            except self.ray.exceptions.RayError as exc:  # task raised, worker crashed, node died
-                yield ref, exc
+            except self.ray.exceptions.RayError as exc:  # task raised, cancelled, worker crashed, node died
+                cancelled = self._cancel or isinstance(exc, self.ray.exceptions.TaskCancelledError)
+                yield ref, RunCancelled("cancelled by the interrupted driver") if cancelled else exc
 
     def close(self) -> None:
         self._stack.close()
