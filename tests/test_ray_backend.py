@@ -258,28 +258,36 @@ def test_compare_cli_on_ray(local_ray, tmp_path, capsys):
     assert (out / "oort" / "summary.json").exists() and "done 1/1" in capsys.readouterr().err
 
 
-def test_ctrl_c_cancels_the_runs_already_sent_to_workers(local_ray, tmp_path):
-    """Two runs running on the two CPUs and one queued: a SIGINT to the driver cancels all three
-    (ray.cancel), at once rather than after the two minutes the running ones would take."""
-    specs = [tiny_spec(tmp_path, k) for k in ("a", "b", "c")]
-    backend = RayTaskBackend(fn=slow_run)
+def interrupted_run_all(specs: list[RunSpec], fn, started: int) -> tuple[object, list[str], float]:
+    """``run_all`` of ``specs`` on a Ray backend running ``fn``, with a SIGINT to the driver (what
+    Ctrl-C sends; run_all catches it) once ``started`` runs have started (or after 60 s): the
+    outcome, the log lines and the seconds it took."""
+    backend = RayTaskBackend(fn=fn)
     lines: list[str] = []
 
-    def interrupt_once_two_run() -> None:
+    def interrupt_once_started() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if sum(s.out_dir.with_suffix(".started").exists() for s in specs) >= 2:
+            if sum(s.out_dir.with_suffix(".started").exists() for s in specs) >= started:
                 break
             time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends; run_all catches it
+        os.kill(os.getpid(), signal.SIGINT)
 
-    threading.Thread(target=interrupt_once_two_run, daemon=True).start()
+    threading.Thread(target=interrupt_once_started, daemon=True).start()
     t0 = time.monotonic()
     try:
         out = run_all(specs, backend, log=lines.append)
     finally:
         backend.close()
-    assert time.monotonic() - t0 < 90, lines
+    return out, lines, time.monotonic() - t0
+
+
+def test_ctrl_c_cancels_the_runs_already_sent_to_workers(local_ray, tmp_path):
+    """Two runs running on the two CPUs and one queued: a SIGINT to the driver cancels all three
+    (ray.cancel), at once rather than after the two minutes the running ones would take."""
+    specs = [tiny_spec(tmp_path, k) for k in ("a", "b", "c")]
+    out, lines, elapsed = interrupted_run_all(specs, slow_run, started=2)
+    assert elapsed < 90, lines
     assert not out.outputs and not out.failed, lines
     assert sorted(line for line in lines if "cancelled" in line) == [
         f"run {k} cancelled (interrupted)" for k in ("a", "b", "c")
@@ -296,24 +304,8 @@ def test_a_run_that_does_not_stop_when_asked_has_its_worker_killed(local_ray, tm
 
     monkeypatch.setattr(ray_backend, "FORCE_AFTER_S", 2.0)
     specs = [tiny_spec(tmp_path, k) for k in ("a", "b")]
-    backend = RayTaskBackend(fn=stubborn_run)
-    lines: list[str] = []
-
-    def interrupt_once_both_run() -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if all(s.out_dir.with_suffix(".started").exists() for s in specs):
-                break
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    threading.Thread(target=interrupt_once_both_run, daemon=True).start()
-    t0 = time.monotonic()
-    try:
-        out = run_all(specs, backend, log=lines.append)
-    finally:
-        backend.close()
-    assert time.monotonic() - t0 < 90, lines
+    out, lines, elapsed = interrupted_run_all(specs, stubborn_run, started=2)
+    assert elapsed < 90, lines
     assert not out.outputs and not out.failed, lines
     assert sorted(line for line in lines if "cancelled" in line) == [
         f"run {k} cancelled (interrupted)" for k in ("a", "b")
