@@ -118,6 +118,16 @@ class Background(threading.Thread):
         return self.value
 
 
+def wait_serving(
+    server: Server, timeout: float = 10.0, what: str = "the server to connect and subscribe"
+) -> None:
+    """Wait until the server's link is connected and the broker has confirmed its subscriptions.
+    The server does not wait for the SUBACK at start-up (a resumed server's backlog may come
+    first), so ``connected`` alone can hold before the broker has the subscription; a message a
+    test publishes in that gap has no subscriber and is dropped."""
+    wait_until(lambda: server.link.connected and server.link.ready(), timeout, what)
+
+
 def start_server(
     cfg: Config,
     broker: MosquittoBroker,

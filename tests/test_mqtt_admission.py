@@ -16,6 +16,7 @@ from mqtt_support import (
     one_torch_thread,  # noqa: F401  (a fixture)
     start_server,
     users,
+    wait_serving,
     wait_until,
     write_config,
 )
@@ -50,7 +51,7 @@ def test_a_tier_flip_flood_is_rate_limited_and_damped(tmp_path: Path) -> None:
             return {"run": "t", "msg_id": f"fl-{seq}", "sent_at": time.time()}
 
         try:
-            wait_until(lambda: server.link.connected, 10, "the server to connect")
+            wait_serving(server)
             reg = wire.Register(
                 **env(),
                 client=0,

@@ -29,6 +29,7 @@ from mqtt_support import (
     start_clients,
     start_server,
     users,
+    wait_serving,
     wait_until,
     write_config,
 )
@@ -61,7 +62,7 @@ def test_junk_flood_keeps_server_memory_flat(tmp_path: Path) -> None:
         raw.loop_start()
         tracemalloc.start()
         try:
-            wait_until(lambda: server.link.connected, 10, "the server to connect")
+            wait_serving(server)
             base = tracemalloc.get_traced_memory()[0]
             junk = b"FLXM" + bytes(1 << 20)
             for _ in range(n_junk):

@@ -19,6 +19,7 @@ from mqtt_support import (
     start_clients,
     start_server,
     users,
+    wait_serving,
     wait_until,
     write_config,
 )
@@ -59,7 +60,7 @@ def test_a_scrape_follows_the_running_server(tmp_path: Path) -> None:
         endpoint = MetricsEndpoint(server, "127.0.0.1", 0)
         host = None
         try:
-            wait_until(lambda: server.link.connected, 10, "the server to connect")
+            wait_serving(server)
             quiet = scrape(endpoint.port)
             assert one(quiet, "felix_clients_registered") == 0
             assert one(quiet, "felix_model_versions_total") == 0

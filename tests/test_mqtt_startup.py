@@ -26,6 +26,7 @@ from mqtt_support import (
     reap,
     spawn,
     users,
+    wait_serving,
     wait_until,
     write_config,
 )
@@ -57,7 +58,7 @@ def test_a_resume_after_a_hostile_backlog_serves(tmp_path: Path, link_process: b
         first = Server(cfg, opts)
         thread = Background(first.run, "first life")
         thread.start()
-        wait_until(lambda: first.link.connected, 20, "the first life to connect")
+        wait_serving(first, 20, "the first life to connect and subscribe")
         first.stop_requested.set()
         thread.result(30)
         raw = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="client-0", protocol=mqtt.MQTTv5)
