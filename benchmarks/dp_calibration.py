@@ -13,6 +13,11 @@ the family's buffer size and concurrency are arguments (the Fashion-MNIST family
     python benchmarks/dp_calibration.py --aggregations 127 --comparison dp-fmnist-90
     python benchmarks/dp_calibration.py --aggregations 127 --agg-goal 50 --concurrency 150 \
         --comparison dp-fsdd-mobiperf
+    python benchmarks/dp_calibration.py --aggregations 127 --agg-goal 50 --concurrency 150 \
+        --mechanism banded_mf --bands 16 --comparison dp-fsdd-mobiperf-banded
+
+``--mechanism banded_mf --bands B`` calibrates the banded factorisation instead of the tree (its
+sensitivity for B bands, the participations the separation allows, under the same cap).
 """
 
 from __future__ import annotations
@@ -49,11 +54,19 @@ def smallest(ok: Callable[[float], bool], lo: float = 0.01, hi: float = 1e4) -> 
     return b / 100
 
 
-def calibrate(epsilon: float, steps: int, delta: float, cap: int, reports: tuple[float, int] | None) -> float:
+def calibrate(
+    epsilon: float,
+    steps: int,
+    delta: float,
+    cap: int,
+    reports: tuple[float, int] | None,
+    mechanism: str = "dp_ftrl",
+    bands: int | None = None,
+) -> float:
     """The update noise multiplier at which ``steps`` aggregations stay within ``epsilon``."""
 
     def ok(sigma: float) -> bool:
-        acc = Accountant("dp_ftrl", sigma, delta, max_participations=cap, reports=reports)
+        acc = Accountant(mechanism, sigma, delta, max_participations=cap, reports=reports, bands=bands)
         return acc.epsilon_after(steps) <= epsilon
 
     return smallest(ok)
@@ -87,9 +100,12 @@ def variant_lines(a: argparse.Namespace) -> list[str]:
                     f", reports: {{noise_multiplier: {rs:g}, clip: {a.report_clip}, "
                     f"max_per_client: {a.reports_per_client}}}"
                 )
-            sigma = calibrate(eps, a.aggregations, a.delta, a.max_participations, reports)
+            sigma = calibrate(
+                eps, a.aggregations, a.delta, a.max_participations, reports, a.mechanism, a.bands
+            )
+            bands = "" if a.bands is None else f"bands: {a.bands}, "
             priv = (
-                f"privacy: {{mechanism: dp_ftrl, noise_multiplier: {sigma:g}, clip_norm: {a.clip}, "
+                f"privacy: {{mechanism: {a.mechanism}, {bands}noise_multiplier: {sigma:g}, clip_norm: {a.clip}, "
                 f"delta: {a.delta:g}, max_participations: {a.max_participations}, "
                 f"target_epsilon: {eps:g}{extra}}}"
             )
@@ -118,12 +134,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reports-share", type=float, default=0.25)
     ap.add_argument("--report-clip", type=float, default=10.0)
     ap.add_argument("--reports-per-client", type=int, default=20)
+    ap.add_argument("--mechanism", choices=("dp_ftrl", "banded_mf"), default="dp_ftrl")
+    ap.add_argument("--bands", type=int, help="banded_mf's bands (required with it)")
     ap.add_argument(
         "--comparison",
         help="a shipped dp-* comparison (e.g. dp-fsdd-mobiperf) whose variants block to rewrite; "
         "without it the lines are printed",
     )
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if (a.mechanism == "banded_mf") != (a.bands is not None):
+        ap.error("--bands goes with --mechanism banded_mf, and banded_mf needs --bands")
+    if a.bands is not None and a.bands < 1:
+        ap.error(f"--bands must be at least 1, not {a.bands}")
+    return a
 
 
 def main() -> None:

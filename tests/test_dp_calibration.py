@@ -24,7 +24,14 @@ def calib() -> ModuleType:
 
 @pytest.mark.parametrize(
     ("name", "family"),
-    [("dp-fmnist-90", []), ("dp-fsdd-mobiperf", ["--agg-goal", "50", "--concurrency", "150"])],
+    [
+        ("dp-fmnist-90", []),
+        ("dp-fsdd-mobiperf", ["--agg-goal", "50", "--concurrency", "150"]),
+        (
+            "dp-fsdd-mobiperf-banded",
+            ["--agg-goal", "50", "--concurrency", "150", "--mechanism", "banded_mf", "--bands", "16"],
+        ),
+    ],
 )
 def test_the_shipped_dp_comparisons_are_the_scripts_output(
     calib: ModuleType, name: str, family: list[str]
@@ -45,3 +52,19 @@ def test_the_rewrite_replaces_only_the_variants_block(calib: ModuleType) -> None
     assert new == 'name: x\nvariants:\n  "c": {strategy: felix}\nseeds: [0]\n'
     with pytest.raises(ValueError, match="exactly one top-level 'variants:' block"):
         calib.with_variants("name: x\nseeds: [0]\n", [])
+
+
+def test_banded_needs_its_bands_and_carries_less_noise(calib: ModuleType) -> None:
+    for argv in (
+        ["--mechanism", "banded_mf"],
+        ["--bands", "16"],
+        ["--mechanism", "banded_mf", "--bands", "0"],
+    ):
+        with pytest.raises(SystemExit):
+            calib.parse_args(["--aggregations", "127", *argv])
+    tree = calib.calibrate(8.0, 127, 1e-5, 5, None)
+    banded = calib.calibrate(8.0, 127, 1e-5, 5, None, "banded_mf", 16)
+    assert tree == 7.3  # the dp-* families' fedbuff rows at epsilon 8
+    assert 1.0 < banded < tree / 2  # 16 bands: a smaller multiplier, but above b = 1's
+    one_band = calib.calibrate(8.0, 127, 1e-5, 5, None, "banded_mf", 1)
+    assert one_band < banded
