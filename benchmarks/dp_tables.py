@@ -49,8 +49,11 @@ def main() -> None:
     for target in doc["targets"]:
         print(f"\nVirtual seconds to {target} (mean of the last {doc['target_window']} evaluations):\n")
         print("\n".join(time_table(g, doc["stats"], str(target)).markdown()))
+    ends = sorted({r["aggregations"] for seeds in doc["runs"].values() for r in seeds.values()})
+    at = f"{ends[0]}" if len(ends) == 1 else f"{ends[0]}-{ends[-1]}"
     print(
-        "\nfelix's last-evaluation accuracy minus the strategy's, paired by seed (mean [min..max]), all 127 aggregations:\n"
+        "\nfelix's last-evaluation accuracy minus the strategy's, paired by seed (mean [min..max]), "
+        f"at the runs' ends ({at} aggregations):\n"
     )
     print("\n".join(paired_table(g).markdown()))
 
