@@ -314,11 +314,14 @@ class _Loadgens:
         rate: float,
         answer: bool,
         netns: LoadgenNamespaces | None,
+        tick_ms: float = 20.0,
+        nice: int = 19,
     ) -> None:
         bounds = [(n * k) // count for k in range(count + 1)]
         self.procs: list[subprocess.Popen[str]] = []
         for k in range(count):
             cmd = [
+                *(["nice", "-n", str(nice)] if nice else []),
                 *(netns.prefix(k) if netns is not None else []),
                 sys.executable,
                 str(Path(__file__).with_name("mqtt_loadgen.py")),
@@ -342,6 +345,8 @@ class _Loadgens:
                 "--duration",
                 str(window_s + 900),
                 *(["--answer"] if answer else []),
+                "--tick-ms",
+                str(tick_ms),
             ]
             self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
         self.lines = [_LoadgenLines(proc) for proc in self.procs]
@@ -491,6 +496,8 @@ def run_phase(
     netns: bool = False,
     decode_worker: bool = False,
     link_process: bool = False,
+    loadgen_tick_ms: float = 20.0,
+    loadgen_nice: int = 19,
 ) -> dict[str, Any]:
     """One phase: ``brokers`` brokers (shards), the server in this process, and the clients (the
     emulate workers on one broker, or ``loadgens`` light load generators, in namespaces of their
@@ -548,6 +555,8 @@ def run_phase(
                 rate if phase == "tiers" else 0.0,
                 answer,
                 spaces,
+                loadgen_tick_ms,
+                loadgen_nice,
             )
             if light
             else _start_emulate(cfg_path, n, processes, shards.brokers[0], window_s)
@@ -706,15 +715,20 @@ def run_phase(
     return out
 
 
+# A backlog counts as drained when the median delivery delay is the goal's 50 ms: a looser bound
+# (0.5 s) started the window while the burst's last seconds still drained, its p95 the backlog's.
+SETTLED_DELAY_S = 0.05
+
+
 def _settle(server: Server, limit_s: float) -> float:
     """Wait for the registration burst's backlog to drain: until the last 200 messages' delivery
-    delay is under 0.5 s at the median (at least 2 s, at most ``limit_s``). How long it took; a
-    server that cannot keep up with the offered rate waits the whole limit."""
+    delay is under ``SETTLED_DELAY_S`` at the median (at least 2 s, at most ``limit_s``). How long
+    it took; a server that cannot keep up with the offered rate waits the whole limit."""
     t0 = time.monotonic()
     time.sleep(min(2.0, limit_s))
     while time.monotonic() - t0 < limit_s:
         recent = list(server.latency)[-200:]
-        if len(recent) >= 200 and float(np.median(recent)) < 0.5:
+        if len(recent) >= 200 and float(np.median(recent)) < SETTLED_DELAY_S:
             break
         time.sleep(1.0)
     return round(time.monotonic() - t0, 1)
@@ -813,6 +827,23 @@ def main() -> int:
         "--link-process",
         action="store_true",
         help="the server's broker links run in a process of their own (felix serve --link-process)",
+    )
+    p.add_argument(
+        "--loadgen-tick-ms",
+        type=float,
+        default=20.0,
+        help="light: each load generator sends each tick's messages together and wakes at most "
+        "once per tick (mqtt_loadgen.py --tick-ms)",
+    )
+    p.add_argument(
+        "--loadgen-nice",
+        type=int,
+        default=19,
+        choices=range(20),
+        metavar="0-19",
+        help="light: the load generators' niceness (default 19): these stand-ins for devices on "
+        "other machines yield the shared cores to the brokers and the server under test, and what "
+        "they manage to send is the offered rate reported",
     )
     p.add_argument(
         "--switch-interval",
@@ -939,6 +970,8 @@ def _common(args: argparse.Namespace) -> dict[str, Any]:
         "netns": light and args.netns,
         "decode_worker": args.decode_worker,
         "link_process": args.link_process,
+        "loadgen_tick_ms": args.loadgen_tick_ms,
+        "loadgen_nice": args.loadgen_nice,
     }
 
 
@@ -973,6 +1006,8 @@ def _json_line(args: argparse.Namespace, provenance: dict[str, Any]) -> int:
                 "switch_interval_s": sys.getswitchinterval(),
                 "decode_worker": args.decode_worker,
                 "link_process": args.link_process,
+                "loadgen_tick_ms": args.loadgen_tick_ms,
+                "loadgen_nice": args.loadgen_nice,
                 **{
                     k: v
                     for k, v in t.items()

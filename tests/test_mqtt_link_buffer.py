@@ -4,6 +4,7 @@ served from one ``recv`` per chunk, ``pending()`` says what is buffered, and end
 
 from __future__ import annotations
 
+import itertools
 import socket
 
 import pytest
@@ -52,3 +53,33 @@ def test_buffered_packet_peeks_at_whole_packets_only() -> None:
         assert buf.recv(5) == b"lo" and buf.pending() == 0
         a.sendall(b"\x30")
         assert buf.recv(1) == b"\x30" and buf.buffered_packet() is None  # an empty buffer
+
+
+def test_a_network_thread_reads_at_most_once_per_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read pass that follows the last one sooner than ``READ_INTERVAL_S`` sleeps out the rest
+    first (so what arrives meanwhile is taken in one pass); one after a pause reads at once."""
+    import time
+
+    import paho.mqtt.client as mqtt
+
+    from felix.deploy.link import READ_INTERVAL_S, _Client
+
+    starts: list[float] = []
+
+    def fake_read(self: mqtt.Client, max_packets: int = 1) -> mqtt.MQTTErrorCode:
+        starts.append(time.monotonic())
+        return mqtt.MQTT_ERR_SUCCESS
+
+    monkeypatch.setattr(mqtt.Client, "loop_read", fake_read)
+    c = _Client(mqtt.CallbackAPIVersion.VERSION2, client_id="t")
+    t0 = time.monotonic()
+    c.loop_read()
+    assert starts[0] - t0 < READ_INTERVAL_S  # the first read: at once
+    for _ in range(3):
+        c.loop_read()
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert min(gaps) >= READ_INTERVAL_S * 0.95, gaps
+    time.sleep(2 * READ_INTERVAL_S)
+    t1 = time.monotonic()
+    c.loop_read()
+    assert starts[-1] - t1 < READ_INTERVAL_S  # after a pause: at once

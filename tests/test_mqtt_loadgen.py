@@ -96,3 +96,31 @@ def test_loadgen_registers_reports_tiers_and_answers_tasks(tmp_path: Path) -> No
     transport = {k: v for k, v in server.stats.rejected_by_reason.items() if k.startswith("transport")}
     assert transport == {}, transport  # genuine messages: nothing refused at the transport level
     assert server.stats.registrations == n
+
+
+def test_coalescing_selector_returns_at_most_once_per_tick() -> None:
+    """The load generator's event loop wakes at most once per tick: a second wait sleeps out the
+    tick (and gathers what arrived meanwhile); a poll (timeout 0) never sleeps."""
+    import selectors
+    import socket
+    import time
+
+    sys.path.insert(0, str(LOADGEN.parent))
+    from mqtt_loadgen import CoalescingSelector
+
+    tick = 0.05
+    a, b = socket.socketpair()
+    with a, b, CoalescingSelector(tick) as sel:
+        sel.register(b, selectors.EVENT_READ)
+        a.send(b"x")
+        t0 = time.monotonic()
+        assert len(sel.select(1.0)) == 1 and time.monotonic() - t0 < tick  # the first: at once
+        t1 = time.monotonic()
+        assert len(sel.select(1.0)) == 1  # still readable, but only a tick after the last
+        assert time.monotonic() - t1 >= tick * 0.9
+        t2 = time.monotonic()
+        sel.select(0)
+        assert time.monotonic() - t2 < tick / 2  # a poll does not wait
+        b.recv(1)
+        t3 = time.monotonic()
+        assert sel.select(0.01) == [] and time.monotonic() - t3 < tick  # a timeout inside the tick holds

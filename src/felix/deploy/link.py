@@ -69,6 +69,12 @@ log = logging.getLogger("felix.deploy.link")
 READ_CHUNK = 65536  # bytes read from the socket at once by a link's network thread
 BUFFERED_PACKETS_PER_READ = 256  # packets handled per select() when they are already buffered
 FLUSH_BYTES = 1 << 20  # a read pass hands its messages over once they hold this many payload bytes
+# A network thread reads at most once per this interval: one woken sooner sleeps out the rest first
+# (``_Client.loop_read``), so that a busy link takes what arrived meanwhile in one read pass, and
+# an idle one reads at once. At 10,000 tier messages/s over six brokers, 5 ms cut the six network
+# threads from 33-37% of a core to 25-26% and the loop's waits for the interpreter lock from
+# 19% of its time to 11-12% (docs/deployment.md, "100,000 clients"), for at most 5 ms of delay.
+READ_INTERVAL_S = 0.005
 _PUBACK = struct.Struct("!BBH")
 
 
@@ -143,6 +149,7 @@ class _Client(mqtt.Client):
     of each read pass the intake hands everything received over at once (``MqttLink._flush``)."""
 
     intake: MqttLink | None = None
+    _last_read = 0.0
 
     def _create_socket(self) -> Any:
         sock = super()._create_socket()
@@ -153,6 +160,10 @@ class _Client(mqtt.Client):
         )
 
     def loop_read(self, max_packets: int = 1) -> mqtt.MQTTErrorCode:
+        nap = self._last_read + READ_INTERVAL_S - time.monotonic()
+        if nap > 0:
+            time.sleep(nap)
+        self._last_read = time.monotonic()
         try:
             rc = super().loop_read(max_packets)
             for _ in range(BUFFERED_PACKETS_PER_READ):
