@@ -595,6 +595,41 @@ def test_runtime_sweep_changes_only_the_runtimes_of_two_tuned_strategies() -> No
     assert 1.0 <= spreads["uni1-60"][0] < 5.0 and 55.0 < spreads["uni1-60"][1] <= 60.0
 
 
+def test_cifar10_cpu_retuned_verdict_takes_each_strategy_s_tuned_optimum() -> None:
+    """felix-retuned-cifar10-cpu runs each strategy at the lr that won its grid in the committed
+    felix-tune-cifar10-cpu results (the mean over the targets of the seed-mean time, a miss counted
+    as the tuning's max time), an optimum inside the grid, on seeds disjoint from the tuning's; the
+    runs are felix-tuned-cifar10-cpu's but for the lr."""
+    tune = load_comparison("felix-tune-cifar10-cpu")
+    verdict = load_comparison("felix-retuned-cifar10-cpu")
+    results = (
+        Path(__file__).resolve().parents[1]
+        / "docs/results/comparisons/felix-tune-cifar10-cpu/comparison.json"
+    )
+    stats = json.loads(results.read_text())["stats"]
+    cap = variant_config(tune, next(iter(tune.variants)), {}).run.max_time_s
+    assert set(tune.seeds).isdisjoint(verdict.seeds) and tune.targets == verdict.targets
+    for strategy in verdict.variants:
+        grid: dict[float, float] = {}
+        for name in tune.variants:
+            cfg = variant_config(tune, name, {})
+            if cfg.strategy != strategy:
+                continue
+            times = [stats[name][str(t)]["time_s"] for t in tune.targets]
+            grid[cfg.aggregator.server_lr] = sum(
+                ((v["mean"] or 0.0) * v["n"] + cap * (v["of"] - v["n"])) / v["of"] for v in times
+            ) / len(times)
+        best = min(grid, key=grid.__getitem__)
+        lrs = sorted(grid)
+        assert lrs[0] < best < lrs[-1], (strategy, grid)  # inside the grid, not at an end
+        chosen = variant_config(verdict, strategy, {}, 3, max(verdict.targets))
+        assert chosen.aggregator.server_lr == best, (strategy, grid)
+        earlier = variant_config(
+            load_comparison("felix-tuned-cifar10-cpu"), strategy, {}, 3, max(verdict.targets)
+        )
+        assert chosen.model_copy(update={"aggregator": earlier.aggregator}) == earlier
+
+
 def test_cifar10_cpu_comparison_is_the_mobiperf_verdict_on_cifar10() -> None:
     """felix-tuned-cifar10-cpu: felix-tuned-10seeds-mobiperf's four strategies at their tuned server
     lr, each its preset on felix-cifar10-cpu from 300 s into the trace, and nothing else changed."""
