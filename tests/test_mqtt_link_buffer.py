@@ -83,3 +83,74 @@ def test_a_network_thread_reads_at_most_once_per_interval(monkeypatch: pytest.Mo
     t1 = time.monotonic()
     c.loop_read()
     assert starts[-1] - t1 < READ_INTERVAL_S  # after a pause: at once
+
+
+def test_drained_says_whether_the_last_read_took_all_the_socket_had() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        b.setblocking(False)
+        buf = _ReadBuffered(b)
+        assert buf.drained  # nothing read yet: a first pass may wait
+        with pytest.raises(BlockingIOError):
+            buf.recv(1)
+        assert buf.drained
+        a.sendall(b"\x30\x05hello")
+        assert buf.recv(2) == b"\x30\x05" and buf.drained  # a short chunk: the socket is empty
+        big = bytes(3 * READ_CHUNK)
+        a.sendall(big)
+        assert buf.recv(5) == b"hello"  # from the buffer: no socket read
+        assert buf.recv(READ_CHUNK) == bytes(READ_CHUNK) and not buf.drained  # a body read in full
+        assert buf.recv(1) == b"\x00" and not buf.drained  # a full chunk: more may be waiting
+        rest = 2 * READ_CHUNK - 1
+        while rest:
+            rest -= len(buf.recv(rest))
+        assert not buf.drained  # a read that got all it asked for cannot tell ...
+        with pytest.raises(BlockingIOError):
+            buf.recv(1)
+        assert buf.drained  # ... the next one, finding nothing, does
+
+
+def test_a_pass_that_left_bytes_to_read_reads_on_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read interval applies only after a pass that emptied the socket: a link with a backlog,
+    or with a large body arriving (over TLS a record per read), reads on without waiting."""
+    import time
+
+    import paho.mqtt.client as mqtt
+
+    from felix.deploy.link import READ_INTERVAL_S, _Client
+
+    starts: list[float] = []
+
+    def fake_read(self: mqtt.Client, max_packets: int = 1) -> mqtt.MQTTErrorCode:
+        starts.append(time.monotonic())
+        return mqtt.MQTT_ERR_SUCCESS
+
+    class Tls:  # what paho asks of an ssl.SSLSocket
+        waiting = 0
+
+        def pending(self) -> int:
+            return self.waiting
+
+    monkeypatch.setattr(mqtt.Client, "loop_read", fake_read)
+    c = _Client(mqtt.CallbackAPIVersion.VERSION2, client_id="t")
+    a, b = socket.socketpair()
+    with a, b:
+        buffered = _ReadBuffered(b)
+        buffered.drained = False
+        tls = Tls()
+        tls.waiting = 100
+        cases: list[tuple[object, int]] = [(buffered, 0), (tls, 0), (Tls(), 0x30)]
+        for sock, command in cases:
+            c._sock = sock
+            c._in_packet["command"] = command
+            starts.clear()
+            for _ in range(4):
+                c.loop_read()
+            gaps = [y - x for x, y in itertools.pairwise(starts)]
+            assert max(gaps) < READ_INTERVAL_S / 2, (sock, command, gaps)
+        c._sock, c._in_packet["command"] = Tls(), 0  # a TLS socket with nothing left: it waits
+        starts.clear()
+        for _ in range(3):
+            c.loop_read()
+        assert min(y - x for x, y in itertools.pairwise(starts)) >= READ_INTERVAL_S * 0.95
+        c._sock = None

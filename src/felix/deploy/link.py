@@ -69,11 +69,13 @@ log = logging.getLogger("felix.deploy.link")
 READ_CHUNK = 65536  # bytes read from the socket at once by a link's network thread
 BUFFERED_PACKETS_PER_READ = 256  # packets handled per select() when they are already buffered
 FLUSH_BYTES = 1 << 20  # a read pass hands its messages over once they hold this many payload bytes
-# A network thread reads at most once per this interval: one woken sooner sleeps out the rest first
-# (``_Client.loop_read``), so that a busy link takes what arrived meanwhile in one read pass, and
-# an idle one reads at once. At 10,000 tier messages/s over six brokers, 5 ms cut the six network
-# threads from 33-37% of a core to 25-26% and the loop's waits for the interpreter lock from
-# 19% of its time to 11-12% (docs/deployment.md, "100,000 clients"), for at most 5 ms of delay.
+# A network thread whose last read pass emptied the socket reads at most once per this interval:
+# one woken sooner sleeps out the rest first (``_Client.loop_read``), so that a busy link takes what
+# arrived meanwhile in one read pass, and an idle one reads at once. A pass that left bytes to read
+# (a backlog, a body larger than a read chunk, TLS records) is followed at once. At 10,000 tier
+# messages/s over six brokers, 5 ms cut the six network threads from 33-37% of a core to 25-26%
+# and the loop's waits for the interpreter lock from 19% of its time to 11-12%
+# (docs/deployment.md, "100,000 clients"), for at most 5 ms of delay.
 READ_INTERVAL_S = 0.005
 _PUBACK = struct.Struct("!BBH")
 
@@ -93,18 +95,27 @@ class _ReadBuffered:
         self._sock = sock
         self._buf = b""
         self._pos = 0
+        # The last read from the socket took all it had (fewer bytes than asked, or none): until
+        # more arrives there is nothing to read, so the next read pass may wait (``_Client.loop_read``).
+        self.drained = True
 
     def recv(self, n: int) -> bytes:
         if self._pos >= len(self._buf):
             if n >= READ_CHUNK:  # a large body: straight into the caller's chunk
-                return self._sock.recv(n)
-            self._buf = self._sock.recv(READ_CHUNK)  # BlockingIOError when empty, b"" at EOF
+                return self._read(n)
+            self._buf = self._read(READ_CHUNK)
             self._pos = 0
         out = self._buf[self._pos : self._pos + n]
         self._pos += len(out)
         if self._pos >= len(self._buf):  # hold no consumed chunk (a process runs hundreds of links)
             self._buf, self._pos = b"", 0
         return out
+
+    def _read(self, n: int) -> bytes:
+        self.drained = True
+        data = self._sock.recv(n)  # BlockingIOError when empty, b"" at EOF
+        self.drained = len(data) < n
+        return data
 
     def pending(self) -> int:
         return len(self._buf) - self._pos
@@ -160,9 +171,10 @@ class _Client(mqtt.Client):
         )
 
     def loop_read(self, max_packets: int = 1) -> mqtt.MQTTErrorCode:
-        nap = self._last_read + READ_INTERVAL_S - time.monotonic()
-        if nap > 0:
-            time.sleep(nap)
+        if self._drained():
+            nap = self._last_read + READ_INTERVAL_S - time.monotonic()
+            if nap > 0:
+                time.sleep(nap)
         self._last_read = time.monotonic()
         try:
             rc = super().loop_read(max_packets)
@@ -176,6 +188,17 @@ class _Client(mqtt.Client):
         finally:
             if self.intake is not None:
                 self.intake._flush()
+
+    def _drained(self) -> bool:
+        """Whether the last read pass took all there was, so that the next may wait: a backlog, or
+        a stream of bodies larger than a chunk (each read straight from the socket, one per pass),
+        is read on at once. A TLS socket yields a record per read: one with decrypted bytes
+        waiting, or half-way through a packet, reads on too."""
+        sock = self._sock
+        if isinstance(sock, _ReadBuffered):
+            return sock.drained
+        pending = getattr(sock, "pending", None)  # an ssl.SSLSocket's decrypted bytes
+        return self._in_packet["command"] == 0 and not (pending is not None and pending())
 
     def _take_buffered_publishes(self, sock: _ReadBuffered) -> int:
         """Hand the intake every PUBLISH wholly in the read buffer, up to the first packet that is
