@@ -630,6 +630,44 @@ def test_cifar10_cpu_retuned_verdict_takes_each_strategy_s_tuned_optimum() -> No
         assert chosen.model_copy(update={"aggregator": earlier.aggregator}) == earlier
 
 
+def test_cifar10_cpu_adaptive_verdict_takes_each_strategy_s_tuned_adagrad_lr() -> None:
+    """felix-optim-cifar10-cpu runs OORT+Async* and felix-next under adagrad at the lr that won their
+    grid in the committed felix-optim-tune-cifar10-cpu results (the criterion as above), an optimum
+    inside the grid, with the tuning's optimiser parameters, on seeds disjoint from the tuning's; its
+    plain-step rows are felix-retuned-cifar10-cpu's runs, so that their results are shared."""
+    tune = load_comparison("felix-optim-tune-cifar10-cpu")
+    verdict = load_comparison("felix-optim-cifar10-cpu")
+    retuned = load_comparison("felix-retuned-cifar10-cpu")
+    results = (
+        Path(__file__).resolve().parents[1]
+        / "docs/results/comparisons/felix-optim-tune-cifar10-cpu/comparison.json"
+    )
+    stats = json.loads(results.read_text())["stats"]
+    cap = variant_config(tune, next(iter(tune.variants)), {}).run.max_time_s
+    assert set(tune.seeds).isdisjoint(verdict.seeds) and tune.targets == verdict.targets
+    target = max(verdict.targets)
+    adaptive = [v for v in verdict.variants if v.endswith("-adagrad")]
+    assert verdict.reference in adaptive and len(adaptive) == 2
+    for variant in adaptive:
+        chosen = variant_config(verdict, variant, {}, 3, target)
+        grid: dict[float, float] = {}
+        for name in tune.variants:
+            cfg = variant_config(tune, name, {}, 3, target)
+            if cfg.strategy != chosen.strategy or cfg.aggregator.server_optimizer != "adagrad":
+                continue
+            assert cfg.aggregator.server_optimizer_params == chosen.aggregator.server_optimizer_params
+            times = [stats[name][str(t)]["time_s"] for t in tune.targets]
+            grid[cfg.aggregator.server_lr] = sum(
+                ((v["mean"] or 0.0) * v["n"] + cap * (v["of"] - v["n"])) / v["of"] for v in times
+            ) / len(times)
+        best = min(grid, key=grid.__getitem__)
+        lrs = sorted(grid)
+        assert lrs[0] < best < lrs[-1], (variant, grid)  # inside the grid, not at an end
+        assert chosen.aggregator.server_lr == best, (variant, grid)
+    for variant in set(verdict.variants) - set(adaptive):
+        assert variant_config(verdict, variant, {}, 3, target) == variant_config(retuned, variant, {}, 3, target)
+
+
 def test_cifar10_cpu_comparison_is_the_mobiperf_verdict_on_cifar10() -> None:
     """felix-tuned-cifar10-cpu: felix-tuned-10seeds-mobiperf's four strategies at their tuned server
     lr, each its preset on felix-cifar10-cpu from 300 s into the trace, and nothing else changed."""
