@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from felix.cli import main
-from felix.config import ConfigError, deep_merge
+from felix.config import Config, ConfigError, deep_merge
 from felix.engine.setup import resolve_config
 from felix.experiments.compare import (
     expand_dotted,
@@ -595,34 +595,43 @@ def test_runtime_sweep_changes_only_the_runtimes_of_two_tuned_strategies() -> No
     assert 1.0 <= spreads["uni1-60"][0] < 5.0 and 55.0 < spreads["uni1-60"][1] <= 60.0
 
 
-def test_cifar10_cpu_retuned_verdict_takes_each_strategy_s_tuned_optimum() -> None:
-    """felix-retuned-cifar10-cpu runs each strategy at the lr that won its grid in the committed
-    felix-tune-cifar10-cpu results (the mean over the targets of the seed-mean time, a miss counted
-    as the tuning's max time), an optimum inside the grid, on seeds disjoint from the tuning's; the
-    runs are felix-tuned-cifar10-cpu's but for the lr."""
-    tune = load_comparison("felix-tune-cifar10-cpu")
-    verdict = load_comparison("felix-retuned-cifar10-cpu")
-    results = (
-        Path(__file__).resolve().parents[1]
-        / "docs/results/comparisons/felix-tune-cifar10-cpu/comparison.json"
-    )
+SERVER_STEP = {"server_optimizer", "server_optimizer_params"}  # the aggregator fields a step's kind is
+
+
+def _tuned_lr(tuning: str, like: Config, same: set[str]) -> tuple[float, dict[float, float]]:
+    """The server lr that won the grid in the committed results of the comparison ``tuning`` among
+    its variants of ``like``'s strategy whose aggregator fields ``same`` equal ``like``'s (the mean
+    over its targets of the seed-mean time, a miss counted as its max time), checked to lie inside
+    the grid; and the grid's criteria."""
+    tune = load_comparison(tuning)
+    results = Path(__file__).resolve().parents[1] / f"docs/results/comparisons/{tuning}/comparison.json"
     stats = json.loads(results.read_text())["stats"]
     cap = variant_config(tune, next(iter(tune.variants)), {}).run.max_time_s
-    assert set(tune.seeds).isdisjoint(verdict.seeds) and tune.targets == verdict.targets
-    for strategy in verdict.variants:
-        grid: dict[float, float] = {}
-        for name in tune.variants:
-            cfg = variant_config(tune, name, {})
-            if cfg.strategy != strategy:
-                continue
+    kind = like.aggregator.model_dump(include=same)
+    grid: dict[float, float] = {}
+    for name in tune.variants:
+        cfg = variant_config(tune, name, {}, 3, max(tune.targets))
+        if cfg.strategy == like.strategy and cfg.aggregator.model_dump(include=same) == kind:
             times = [stats[name][str(t)]["time_s"] for t in tune.targets]
             grid[cfg.aggregator.server_lr] = sum(
                 ((v["mean"] or 0.0) * v["n"] + cap * (v["of"] - v["n"])) / v["of"] for v in times
             ) / len(times)
-        best = min(grid, key=grid.__getitem__)
-        lrs = sorted(grid)
-        assert lrs[0] < best < lrs[-1], (strategy, grid)  # inside the grid, not at an end
+    best = min(grid, key=grid.__getitem__)
+    lrs = sorted(grid)
+    assert lrs[0] < best < lrs[-1], (tuning, grid)  # inside the grid, not at an end
+    return best, grid
+
+
+def test_cifar10_cpu_retuned_verdict_takes_each_strategy_s_tuned_optimum() -> None:
+    """felix-retuned-cifar10-cpu runs each strategy at the lr that won its grid in the committed
+    felix-tune-cifar10-cpu results, an optimum inside the grid, on seeds disjoint from the tuning's;
+    the runs are felix-tuned-cifar10-cpu's but for the lr."""
+    tune = load_comparison("felix-tune-cifar10-cpu")
+    verdict = load_comparison("felix-retuned-cifar10-cpu")
+    assert set(tune.seeds).isdisjoint(verdict.seeds) and tune.targets == verdict.targets
+    for strategy in verdict.variants:
         chosen = variant_config(verdict, strategy, {}, 3, max(verdict.targets))
+        best, grid = _tuned_lr("felix-tune-cifar10-cpu", chosen, set())
         assert chosen.aggregator.server_lr == best, (strategy, grid)
         earlier = variant_config(
             load_comparison("felix-tuned-cifar10-cpu"), strategy, {}, 3, max(verdict.targets)
@@ -632,40 +641,24 @@ def test_cifar10_cpu_retuned_verdict_takes_each_strategy_s_tuned_optimum() -> No
 
 def test_cifar10_cpu_adaptive_verdict_takes_each_strategy_s_tuned_adagrad_lr() -> None:
     """felix-optim-cifar10-cpu runs OORT+Async* and felix-next under adagrad at the lr that won their
-    grid in the committed felix-optim-tune-cifar10-cpu results (the criterion as above), an optimum
-    inside the grid, with the tuning's optimiser parameters, on seeds disjoint from the tuning's; its
-    plain-step rows are felix-retuned-cifar10-cpu's runs, so that their results are shared."""
+    grid in the committed felix-optim-tune-cifar10-cpu results, an optimum inside the grid, with the
+    tuning's optimiser parameters, on seeds disjoint from the tuning's; its plain-step rows are
+    felix-retuned-cifar10-cpu's runs, so that their results are shared."""
     tune = load_comparison("felix-optim-tune-cifar10-cpu")
     verdict = load_comparison("felix-optim-cifar10-cpu")
     retuned = load_comparison("felix-retuned-cifar10-cpu")
-    results = (
-        Path(__file__).resolve().parents[1]
-        / "docs/results/comparisons/felix-optim-tune-cifar10-cpu/comparison.json"
-    )
-    stats = json.loads(results.read_text())["stats"]
-    cap = variant_config(tune, next(iter(tune.variants)), {}).run.max_time_s
     assert set(tune.seeds).isdisjoint(verdict.seeds) and tune.targets == verdict.targets
     target = max(verdict.targets)
     adaptive = [v for v in verdict.variants if v.endswith("-adagrad")]
     assert verdict.reference in adaptive and len(adaptive) == 2
     for variant in adaptive:
         chosen = variant_config(verdict, variant, {}, 3, target)
-        grid: dict[float, float] = {}
-        for name in tune.variants:
-            cfg = variant_config(tune, name, {}, 3, target)
-            if cfg.strategy != chosen.strategy or cfg.aggregator.server_optimizer != "adagrad":
-                continue
-            assert cfg.aggregator.server_optimizer_params == chosen.aggregator.server_optimizer_params
-            times = [stats[name][str(t)]["time_s"] for t in tune.targets]
-            grid[cfg.aggregator.server_lr] = sum(
-                ((v["mean"] or 0.0) * v["n"] + cap * (v["of"] - v["n"])) / v["of"] for v in times
-            ) / len(times)
-        best = min(grid, key=grid.__getitem__)
-        lrs = sorted(grid)
-        assert lrs[0] < best < lrs[-1], (variant, grid)  # inside the grid, not at an end
+        best, grid = _tuned_lr("felix-optim-tune-cifar10-cpu", chosen, SERVER_STEP)
         assert chosen.aggregator.server_lr == best, (variant, grid)
     for variant in set(verdict.variants) - set(adaptive):
-        assert variant_config(verdict, variant, {}, 3, target) == variant_config(retuned, variant, {}, 3, target)
+        assert variant_config(verdict, variant, {}, 3, target) == variant_config(
+            retuned, variant, {}, 3, target
+        )
 
 
 def test_cifar10_cpu_comparison_is_the_mobiperf_verdict_on_cifar10() -> None:
