@@ -661,6 +661,23 @@ def test_cifar10_cpu_adaptive_verdict_takes_each_strategy_s_tuned_adagrad_lr() -
         )
 
 
+def test_cifar10_cpu_optimiser_tuning_reads_back_the_adagrad_rows_it_repeats() -> None:
+    """The CIFAR-10 tuning of adam, yogi and momentum repeats the adagrad rows of the earlier
+    CIFAR-10 tuning on the same seeds: each is the earlier file's variant of the same name, so that
+    ``felix compare`` reads its runs back rather than rerunning them."""
+    comp = load_comparison("felix-optim-tune-adam-yogi-momentum-cifar10-cpu")
+    adagrad = load_comparison("felix-optim-tune-cifar10-cpu")
+    assert adagrad.seeds == comp.seeds and adagrad.targets == comp.targets
+    target = max(comp.targets)
+    repeated = sorted(set(comp.variants) & set(adagrad.variants))
+    assert repeated == ["felix-next-adagrad-lr0.01", "oort-async*-adagrad-lr0.01"]
+    assert comp.reference in repeated
+    for variant in repeated:
+        assert variant_config(comp, variant, {}, 100, target) == variant_config(
+            adagrad, variant, {}, 100, target
+        )
+
+
 def test_cifar10_cpu_comparison_is_the_mobiperf_verdict_on_cifar10() -> None:
     """felix-tuned-cifar10-cpu: felix-tuned-10seeds-mobiperf's four strategies at their tuned server
     lr, each its preset on felix-cifar10-cpu from 300 s into the trace, and nothing else changed."""
