@@ -678,6 +678,27 @@ def test_cifar10_cpu_optimiser_tuning_reads_back_the_adagrad_rows_it_repeats() -
         )
 
 
+def test_cifar10_cpu_adagrad_is_each_strategy_s_best_tuned_server_optimiser() -> None:
+    """What the CIFAR-10 section of docs/felix.md states from the committed tunings: for OORT+Async*
+    and felix-next, adam, yogi and momentum, each at the lr that won its grid (inside the grid),
+    score worse than adagrad at its tuned lr; the same criterion as the tunings'."""
+    tuning = "felix-optim-tune-adam-yogi-momentum-cifar10-cpu"
+    comp = load_comparison(tuning)
+    target = max(comp.targets)
+    for strategy in ("oort-async*", "felix-next"):
+        adagrad = variant_config(comp, f"{strategy}-adagrad-lr0.01", {}, 3, target)
+        best, grid = _tuned_lr("felix-optim-tune-cifar10-cpu", adagrad, SERVER_STEP)
+        assert best == adagrad.aggregator.server_lr
+        for optimizer in ("adam", "yogi", "momentum"):
+            like = next(
+                variant_config(comp, v, {}, 3, target)
+                for v in comp.variants
+                if v.startswith(f"{strategy}-{optimizer}-")
+            )
+            _, other = _tuned_lr(tuning, like, SERVER_STEP)
+            assert min(other.values()) > grid[best], (strategy, optimizer, other, grid)
+
+
 def test_cifar10_cpu_comparison_is_the_mobiperf_verdict_on_cifar10() -> None:
     """felix-tuned-cifar10-cpu: felix-tuned-10seeds-mobiperf's four strategies at their tuned server
     lr, each its preset on felix-cifar10-cpu from 300 s into the trace, and nothing else changed."""
