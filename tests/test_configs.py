@@ -640,25 +640,57 @@ def test_cifar10_cpu_retuned_verdict_takes_each_strategy_s_tuned_optimum() -> No
 
 
 def test_cifar10_cpu_adaptive_verdict_takes_each_strategy_s_tuned_adagrad_lr() -> None:
-    """felix-optim-cifar10-cpu runs OORT+Async* and felix-next under adagrad at the lr that won their
-    grid in the committed felix-optim-tune-cifar10-cpu results, an optimum inside the grid, with the
-    tuning's optimiser parameters, on seeds disjoint from the tuning's; its plain-step rows are
+    """felix-optim-cifar10-cpu runs OORT+Async*, felix-next, felix and felix-authors under adagrad at
+    the lr that won their grid in the committed tunings (felix-optim-tune-cifar10-cpu for the first
+    two, felix-optim-tune-others-cifar10-cpu for the FeLiX pair), an optimum inside the grid, with
+    the tuning's optimiser parameters, on seeds disjoint from the tunings'; its plain-step rows are
     felix-retuned-cifar10-cpu's runs, so that their results are shared."""
-    tune = load_comparison("felix-optim-tune-cifar10-cpu")
     verdict = load_comparison("felix-optim-cifar10-cpu")
     retuned = load_comparison("felix-retuned-cifar10-cpu")
-    assert set(tune.seeds).isdisjoint(verdict.seeds) and tune.targets == verdict.targets
+    tuning = {
+        "oort-async*": "felix-optim-tune-cifar10-cpu",
+        "felix-next": "felix-optim-tune-cifar10-cpu",
+        "felix": "felix-optim-tune-others-cifar10-cpu",
+        "felix-authors": "felix-optim-tune-others-cifar10-cpu",
+    }
     target = max(verdict.targets)
     adaptive = [v for v in verdict.variants if v.endswith("-adagrad")]
-    assert verdict.reference in adaptive and len(adaptive) == 2
+    assert verdict.reference in adaptive and len(adaptive) == 4
     for variant in adaptive:
         chosen = variant_config(verdict, variant, {}, 3, target)
-        best, grid = _tuned_lr("felix-optim-tune-cifar10-cpu", chosen, SERVER_STEP)
+        tune = load_comparison(tuning[chosen.strategy])
+        assert set(tune.seeds).isdisjoint(verdict.seeds) and tune.targets == verdict.targets
+        best, grid = _tuned_lr(tuning[chosen.strategy], chosen, SERVER_STEP)
         assert chosen.aggregator.server_lr == best, (variant, grid)
     for variant in set(verdict.variants) - set(adaptive):
         assert variant_config(verdict, variant, {}, 3, target) == variant_config(
             retuned, variant, {}, 3, target
         )
+
+
+def test_cifar10_cpu_felix_next_takes_adagrad_over_its_tuned_plain_step() -> None:
+    """What docs/felix.md states from the committed CIFAR-10 tunings: felix-next's plain step has its
+    optimum inside its grid, and adagrad at its tuned lr scores better than that optimum; so do felix
+    and felix-authors against their tuned plain steps."""
+    others = "felix-optim-tune-others-cifar10-cpu"
+    comp = load_comparison(others)
+    target = max(comp.targets)
+    plain = variant_config(comp, "felix-next-lr1.2", {}, 3, target)
+    best, grid = _tuned_lr(others, plain, SERVER_STEP)
+    adagrad = variant_config(
+        load_comparison("felix-optim-tune-cifar10-cpu"), "felix-next-adagrad-lr0.01", {}, 3, target
+    )
+    _, adaptive = _tuned_lr("felix-optim-tune-cifar10-cpu", adagrad, SERVER_STEP)
+    assert min(adaptive.values()) < grid[best], (adaptive, grid)
+    for strategy, plain_variant in (("felix", "felix-lr0.6"), ("felix-authors", "felix-authors-lr1.2")):
+        like = variant_config(comp, f"{strategy}-adagrad-lr0.01", {}, 3, target)
+        _, adaptive = _tuned_lr(others, like, SERVER_STEP)
+        plain_best, plain_grid = _tuned_lr(
+            "felix-tune-cifar10-cpu",
+            variant_config(comp, plain_variant, {}, 3, target),
+            SERVER_STEP,
+        )
+        assert min(adaptive.values()) < plain_grid[plain_best], (strategy, adaptive, plain_grid)
 
 
 def test_cifar10_cpu_optimiser_tuning_reads_back_the_adagrad_rows_it_repeats() -> None:
@@ -676,6 +708,27 @@ def test_cifar10_cpu_optimiser_tuning_reads_back_the_adagrad_rows_it_repeats() -
         assert variant_config(comp, variant, {}, 100, target) == variant_config(
             adagrad, variant, {}, 100, target
         )
+
+
+def test_cifar10_cpu_felix_tuning_reads_back_the_rows_it_repeats() -> None:
+    """The CIFAR-10 tuning of adagrad for felix and felix-authors (and of felix-next's plain step)
+    repeats three rows of earlier CIFAR-10 tunings on the same seeds: the plain-step optima of felix
+    and felix-authors and OORT+Async*'s adagrad optimum, its reference. Each is the earlier file's
+    variant of the same name, so that ``felix compare`` reads its runs back."""
+    comp = load_comparison("felix-optim-tune-others-cifar10-cpu")
+    target = max(comp.targets)
+    for earlier_name, rows in (
+        ("felix-tune-cifar10-cpu", ["felix-authors-lr1.2", "felix-lr0.6"]),
+        ("felix-optim-tune-cifar10-cpu", ["oort-async*-adagrad-lr0.01"]),
+    ):
+        earlier = load_comparison(earlier_name)
+        assert earlier.seeds == comp.seeds and earlier.targets == comp.targets
+        assert sorted(set(comp.variants) & set(earlier.variants)) == rows
+        for variant in rows:
+            assert variant_config(comp, variant, {}, 100, target) == variant_config(
+                earlier, variant, {}, 100, target
+            )
+    assert comp.reference == "oort-async*-adagrad-lr0.01"
 
 
 def test_cifar10_cpu_adagrad_is_each_strategy_s_best_tuned_server_optimiser() -> None:
