@@ -3,6 +3,9 @@ OORT+Async* at the tuned lrs, on the reported seeds only."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from felix.engine.setup import resolve_config
@@ -74,3 +77,75 @@ def test_best_comparisons_hold_felix_next_and_tuned_oort_async_on_the_reported_s
 def test_the_tuning_uses_tuning_seeds_only() -> None:
     comp = load_comparison("felix-next-tune-90")
     assert all(100 <= s <= 109 for s in comp.seeds)
+
+
+TRACES = ["100", "90", "50", "mobiperf"]
+STRATEGIES = ("oort-async*", "felix-next")
+
+
+def _tau_lr_grid(trace: str, strategy: str) -> dict[tuple[float, float], float]:
+    """The tuning criterion per (tau, lr) of ``strategy`` in the committed results of
+    felix-optim-tune-tau-lr-<trace>: the mean over its targets of the seed-mean time to the target,
+    a miss counted as the run's max time."""
+    name = f"felix-optim-tune-tau-lr-{trace}"
+    tune = load_comparison(name)
+    results = Path(__file__).resolve().parents[1] / f"docs/results/comparisons/{name}/comparison.json"
+    stats = json.loads(results.read_text())["stats"]
+    grid: dict[tuple[float, float], float] = {}
+    for variant in tune.variants:
+        cfg = variant_config(tune, variant, {}, 100, max(tune.targets))
+        if cfg.strategy != strategy:
+            continue
+        agg = cfg.aggregator
+        assert agg.server_optimizer == "adagrad" and agg.server_optimizer_params["beta1"] == 0.0
+        cap = cfg.run.max_time_s
+        times = [stats[variant][str(t)]["time_s"] for t in tune.targets]
+        grid[(agg.server_optimizer_params["tau"], agg.server_lr)] = sum(
+            ((v["mean"] or 0.0) * v["n"] + cap * (v["of"] - v["n"])) / v["of"] for v in times
+        ) / len(times)
+    return grid
+
+
+def _inside(value: float, grid: list[float]) -> bool:
+    return min(grid) < value < max(grid)
+
+
+@pytest.mark.parametrize("trace", TRACES)
+def test_tau_lr_tuning_has_each_optimum_inside_its_grid(trace: str) -> None:
+    """felix-optim-tune-tau-lr-<trace> tunes adagrad's tau jointly with the server lr on the tuning
+    seeds: each strategy's best (tau, lr) has a smaller and a larger tau beside it, and a smaller and
+    a larger lr at its tau; and the best lr at the default tau 1e-3 is inside its grid as well."""
+    assert load_comparison(f"felix-optim-tune-tau-lr-{trace}").seeds == [100, 101, 102]
+    for strategy in STRATEGIES:
+        grid = _tau_lr_grid(trace, strategy)
+        tau = min(grid, key=grid.__getitem__)[0]
+        assert _inside(tau, [t for t, _ in grid]), (strategy, tau, grid)
+        for at in (tau, 1e-3):
+            row = {r: c for (t, r), c in grid.items() if t == at}
+            assert _inside(min(row, key=row.__getitem__), list(row)), (strategy, at, row)
+
+
+@pytest.mark.parametrize("trace", TRACES)
+def test_tau_lr_verdicts_take_the_tuned_step_on_the_reported_seeds(trace: str) -> None:
+    """felix-best-tau-lr-10seeds-<trace> runs OORT+Async* and felix-next at the (tau, lr) that won
+    the joint tuning, and felix-next (and OORT+Async*, where it moved) at the best lr at tau 1e-3,
+    the setting chosen before tau was tuned, on the reported seeds 0-9 only."""
+    comp = load_comparison(f"felix-best-tau-lr-10seeds-{trace}")
+    assert comp.seeds == list(range(10)) and comp.reference == "oort-async*"
+    assert comp.targets == [0.78, 0.8, 0.82]
+    for strategy in STRATEGIES:
+        grid = _tau_lr_grid(trace, strategy)
+        at_default = {k: c for k, c in grid.items() if k[0] == 1e-3}
+        for variant, want in (
+            (strategy, min(grid, key=grid.__getitem__)),
+            (f"{strategy}-tau1e-3", min(at_default, key=at_default.__getitem__)),
+        ):
+            if variant not in comp.variants:
+                assert strategy == "oort-async*" and want == min(grid, key=grid.__getitem__)
+                continue
+            agg = variant_config(comp, variant, {}).aggregator
+            assert (agg.server_optimizer, agg.server_optimizer_params) == (
+                "adagrad",
+                {"beta1": 0.0, "tau": want[0]},
+            )
+            assert agg.server_lr == want[1], (variant, want)
