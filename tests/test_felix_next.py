@@ -149,3 +149,19 @@ def test_tau_lr_verdicts_take_the_tuned_step_on_the_reported_seeds(trace: str) -
                 {"beta1": 0.0, "tau": want[0]},
             )
             assert agg.server_lr == want[1], (variant, want)
+
+
+@pytest.mark.parametrize("trace", TRACES)
+def test_tau_lr_verdict_is_short_of_the_goal_with_no_more_bytes(trace: str) -> None:
+    """What docs/felix.md states from the committed ten-seed results at the joint optima: felix-next
+    sends at most 1% more bytes than OORT+Async* to 0.80 (the same on 100%, fewer elsewhere), and is
+    less than 1.3x as fast (by the mean times) to 0.80 and to 0.82 on every trace; every seed
+    reaches every target."""
+    name = f"felix-best-tau-lr-10seeds-{trace}"
+    results = Path(__file__).resolve().parents[1] / f"docs/results/comparisons/{name}/comparison.json"
+    stats = json.loads(results.read_text())["stats"]
+    oort, nxt = stats["oort-async*"], stats["felix-next"]
+    assert all(v[t]["time_s"]["n"] == 10 for v in (oort, nxt) for t in ("0.78", "0.8", "0.82"))
+    assert nxt["0.8"]["bytes_total"]["mean"] < 1.01 * oort["0.8"]["bytes_total"]["mean"]
+    speedups = [oort[t]["time_s"]["mean"] / nxt[t]["time_s"]["mean"] for t in ("0.8", "0.82")]
+    assert max(speedups) < 1.3, speedups
