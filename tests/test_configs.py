@@ -25,6 +25,7 @@ from felix.experiments.compare import (
     parse_comparison,
     variant_config,
 )
+from felix.experiments.result_folder import read_folder, tuning_scores
 from felix.presets import (
     CONFIG_DIR,
     comparison_names,
@@ -596,6 +597,7 @@ def test_runtime_sweep_changes_only_the_runtimes_of_two_tuned_strategies() -> No
 
 
 SERVER_STEP = {"server_optimizer", "server_optimizer_params"}  # the aggregator fields a step's kind is
+COMMITTED_COMPARISONS = Path(__file__).resolve().parents[1] / "docs/results/comparisons"
 
 
 def _tuned_lr(tuning: str, like: Config, same: set[str]) -> tuple[float, dict[float, float]]:
@@ -604,18 +606,13 @@ def _tuned_lr(tuning: str, like: Config, same: set[str]) -> tuple[float, dict[fl
     over its targets of the seed-mean time, a miss counted as its max time), checked to lie inside
     the grid; and the grid's criteria."""
     tune = load_comparison(tuning)
-    results = Path(__file__).resolve().parents[1] / f"docs/results/comparisons/{tuning}/comparison.json"
-    stats = json.loads(results.read_text())["stats"]
-    cap = variant_config(tune, next(iter(tune.variants)), {}).run.max_time_s
+    scores = tuning_scores(read_folder(COMMITTED_COMPARISONS / tuning))
     kind = like.aggregator.model_dump(include=same)
     grid: dict[float, float] = {}
     for name in tune.variants:
         cfg = variant_config(tune, name, {}, 3, max(tune.targets))
         if cfg.strategy == like.strategy and cfg.aggregator.model_dump(include=same) == kind:
-            times = [stats[name][str(t)]["time_s"] for t in tune.targets]
-            grid[cfg.aggregator.server_lr] = sum(
-                ((v["mean"] or 0.0) * v["n"] + cap * (v["of"] - v["n"])) / v["of"] for v in times
-            ) / len(times)
+            grid[cfg.aggregator.server_lr] = scores[name].score
     best = min(grid, key=grid.__getitem__)
     lrs = sorted(grid)
     assert lrs[0] < best < lrs[-1], (tuning, grid)  # inside the grid, not at an end

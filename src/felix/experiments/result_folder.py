@@ -8,7 +8,7 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -171,10 +171,9 @@ _LR_VARIANT = re.compile(r"^(?P<family>.+)-lr(?P<lr>[0-9]+(?:\.[0-9]+)?)$")
 
 
 @dataclass(frozen=True)
-class GridPoint:
-    """One server learning rate of a tuning grid: the tuning criterion and what it is made of."""
+class TuningScore:
+    """One variant's tuning criterion and what it is made of."""
 
-    lr: float
     score: float  # mean over the targets of ``times``
     times: tuple[float, ...]  # per target: the seed-mean time, a seed that missed it counted at the cap
     missed: int  # (seed, target) pairs not reached
@@ -182,25 +181,30 @@ class GridPoint:
     bytes_last: float | None  # mean bytes to the highest target over the seeds that reached it
 
 
-def lr_grid(folder: Folder) -> dict[str, list[GridPoint]]:
-    """The tuning criterion of every variant named ``<family>-lr<value>`` (a server-lr grid, as in
-    ``felix-lr-tune-<trace>``), by family, lr ascending; families with one point are left out.
+@dataclass(frozen=True)
+class GridPoint(TuningScore):
+    """One server learning rate of a tuning grid: its variant's tuning criterion."""
+
+    lr: float
+
+
+def tuning_scores(folder: Folder) -> dict[str, TuningScore]:
+    """The tuning criterion of every variant whose runs' ``run.max_time_s`` the manifest records.
 
     The criterion is the mean over the targets of the seed-mean time to the target, where a seed that
-    never reached it counts as its run's ``run.max_time_s`` (from the manifest), so that a setting
-    that misses a target is ranked by how long it was given, not by the seeds that made it. It is
-    computed from the folder's statistics alone (mean over the seeds that reached the target, and
-    how many did), so a committed folder without its runs' evaluation tables still shows it."""
+    never reached it counts as its run's ``run.max_time_s``, so that a setting that misses a target
+    is ranked by how long it was given, not by the seeds that made it. It is computed from the
+    folder's statistics alone (mean over the seeds that reached the target, and how many did), so a
+    committed folder without its runs' evaluation tables still has it."""
     caps: dict[str, float] = {}
     for run in (folder.manifest.get("runs") or {}).values():
         if isinstance(run, dict) and isinstance(run.get("config"), dict):
             cap = (run["config"].get("run") or {}).get("max_time_s")
             if isinstance(cap, (int, float)):
                 caps.setdefault(str(run.get("variant")), float(cap))
-    out: dict[str, list[GridPoint]] = {}
+    out: dict[str, TuningScore] = {}
     for variant in folder.stats:
-        m = _LR_VARIANT.match(variant)
-        if m is None or variant not in caps:
+        if variant not in caps:
             continue
         cap, times, missed, runs = caps[variant], [], 0, 0
         for t in folder.targets:
@@ -211,18 +215,26 @@ def lr_grid(folder: Folder) -> dict[str, list[GridPoint]]:
             mean = float(s["mean"]) if n else 0.0
             times.append((mean * n + cap * (of - n)) / of)
             missed, runs = missed + of - n, runs + of
-        if len(times) != len(folder.targets):
-            continue
-        out.setdefault(m["family"], []).append(
-            GridPoint(
-                float(m["lr"]),
+        if len(times) == len(folder.targets):
+            out[variant] = TuningScore(
                 sum(times) / len(times),
                 tuple(times),
                 missed,
                 runs,
                 folder.mean(variant, folder.targets[-1], "bytes_total"),
             )
-        )
+    return out
+
+
+def lr_grid(folder: Folder) -> dict[str, list[GridPoint]]:
+    """The tuning criterion (``tuning_scores``) of every variant named ``<family>-lr<value>`` (a
+    server-lr grid, as in ``felix-lr-tune-<trace>``), by family, lr ascending; families with one
+    point are left out."""
+    out: dict[str, list[GridPoint]] = {}
+    for variant, score in tuning_scores(folder).items():
+        m = _LR_VARIANT.match(variant)
+        if m is not None:
+            out.setdefault(m["family"], []).append(GridPoint(**asdict(score), lr=float(m["lr"])))
     return {f: sorted(points, key=lambda p: p.lr) for f, points in out.items() if len(points) > 1}
 
 
