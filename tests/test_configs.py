@@ -637,9 +637,10 @@ def test_cifar10_cpu_retuned_verdict_takes_each_strategy_s_tuned_optimum() -> No
 
 
 def test_cifar10_cpu_adaptive_verdict_takes_each_strategy_s_tuned_adagrad_lr() -> None:
-    """felix-optim-cifar10-cpu runs OORT+Async*, felix-next, felix and felix-authors under adagrad at
-    the lr that won their grid in the committed tunings (felix-optim-tune-cifar10-cpu for the first
-    two, felix-optim-tune-others-cifar10-cpu for the FeLiX pair), an optimum inside the grid, with
+    """felix-optim-cifar10-cpu runs OORT+Async*, felix-next, felix, felix-authors and the equal-step
+    control under adagrad at the lr that won their grid in the committed tunings
+    (felix-optim-tune-cifar10-cpu for the first two, felix-optim-tune-others-cifar10-cpu for the
+    others), an optimum inside the grid, with
     the tuning's optimiser parameters, on seeds disjoint from the tunings'; its plain-step rows are
     felix-retuned-cifar10-cpu's runs, so that their results are shared."""
     verdict = load_comparison("felix-optim-cifar10-cpu")
@@ -649,10 +650,11 @@ def test_cifar10_cpu_adaptive_verdict_takes_each_strategy_s_tuned_adagrad_lr() -
         "felix-next": "felix-optim-tune-cifar10-cpu",
         "felix": "felix-optim-tune-others-cifar10-cpu",
         "felix-authors": "felix-optim-tune-others-cifar10-cpu",
+        "oort-async*-equal-step": "felix-optim-tune-others-cifar10-cpu",
     }
     target = max(verdict.targets)
     adaptive = [v for v in verdict.variants if v.endswith("-adagrad")]
-    assert verdict.reference in adaptive and len(adaptive) == 4
+    assert verdict.reference in adaptive and len(adaptive) == 5
     for variant in adaptive:
         chosen = variant_config(verdict, variant, {}, 3, target)
         tune = load_comparison(tuning[chosen.strategy])
@@ -667,8 +669,8 @@ def test_cifar10_cpu_adaptive_verdict_takes_each_strategy_s_tuned_adagrad_lr() -
 
 def test_cifar10_cpu_felix_next_takes_adagrad_over_its_tuned_plain_step() -> None:
     """What docs/felix.md states from the committed CIFAR-10 tunings: felix-next's plain step has its
-    optimum inside its grid, and adagrad at its tuned lr scores better than that optimum; so do felix
-    and felix-authors against their tuned plain steps."""
+    optimum inside its grid, and adagrad at its tuned lr scores better than that optimum; so do felix,
+    felix-authors and the equal-step control against their tuned plain steps."""
     others = "felix-optim-tune-others-cifar10-cpu"
     comp = load_comparison(others)
     target = max(comp.targets)
@@ -679,12 +681,17 @@ def test_cifar10_cpu_felix_next_takes_adagrad_over_its_tuned_plain_step() -> Non
     )
     _, adaptive = _tuned_lr("felix-optim-tune-cifar10-cpu", adagrad, SERVER_STEP)
     assert min(adaptive.values()) < grid[best], (adaptive, grid)
-    for strategy, plain_variant in (("felix", "felix-lr0.6"), ("felix-authors", "felix-authors-lr1.2")):
+    plain_tuning = load_comparison("felix-tune-cifar10-cpu")
+    for strategy, plain_variant in (
+        ("felix", "felix-lr0.6"),
+        ("felix-authors", "felix-authors-lr1.2"),
+        ("oort-async*-equal-step", "oort-async*-equal-step-lr1.2"),
+    ):
         like = variant_config(comp, f"{strategy}-adagrad-lr0.01", {}, 3, target)
         _, adaptive = _tuned_lr(others, like, SERVER_STEP)
         plain_best, plain_grid = _tuned_lr(
             "felix-tune-cifar10-cpu",
-            variant_config(comp, plain_variant, {}, 3, target),
+            variant_config(plain_tuning, plain_variant, {}, 3, target),
             SERVER_STEP,
         )
         assert min(adaptive.values()) < plain_grid[plain_best], (strategy, adaptive, plain_grid)
