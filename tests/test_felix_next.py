@@ -184,7 +184,8 @@ def test_server_momentum_stays_off_at_the_joint_tau(trace: str) -> None:
     for variant in comp.variants:
         cfg = variant_config(comp, variant, {}, 100, max(comp.targets))
         params = cfg.aggregator.server_optimizer_params
-        grids.setdefault((cfg.strategy, params["beta1"]), {})[cfg.aggregator.server_lr] = scores[variant].score
+        grid = grids.setdefault((cfg.strategy, params["beta1"]), {})
+        grid[cfg.aggregator.server_lr] = scores[variant].score
         if params["beta1"] == 0.0:
             assert variant_config(joint, variant, {}, 100, max(comp.targets)) == cfg
             assert (params["tau"], cfg.aggregator.server_lr) in _tau_lr_grid(trace, cfg.strategy)
