@@ -641,9 +641,9 @@ def test_cifar10_cpu_adaptive_verdict_takes_each_strategy_s_tuned_adagrad_lr() -
     """felix-optim-cifar10-cpu runs OORT+Async*, felix-next, felix, felix-authors and the equal-step
     control under adagrad at the lr that won their grid in the committed tunings
     (felix-optim-tune-cifar10-cpu for the first two, felix-optim-tune-others-cifar10-cpu for the
-    others), an optimum inside the grid, with
-    the tuning's optimiser parameters, on seeds disjoint from the tunings'; its plain-step rows are
-    felix-retuned-cifar10-cpu's runs, so that their results are shared."""
+    others), an optimum inside the grid, with the tuning's optimiser parameters, on seeds disjoint
+    from the tunings'; its plain-step rows are felix-retuned-cifar10-cpu's runs, so that their
+    results are shared."""
     verdict = load_comparison("felix-optim-cifar10-cpu")
     retuned = load_comparison("felix-retuned-cifar10-cpu")
     tuning = {
