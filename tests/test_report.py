@@ -106,6 +106,51 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFi
     (bad / "comparison.json").write_text("{")
     with pytest.raises(ConfigError, match="unreadable result file"):
         read_folder(bad)
+    # A hand-edited file: one wrong entry deep inside 'stats' is named in a one-line error, from
+    # the command line too, not a traceback from inside a table.
+    good = json.loads((folder(tmp_path, "good") / "comparison.json").read_text())
+    edits: list[tuple[str, object, str]] = [
+        ("n", "x", r"stats\['felix'\]\['0.8'\]\['time_s'\]\['n'\] is 'x', not a count"),
+        ("of", -1, "not a count"),
+        ("n", True, "not a count"),
+        ("mean", "fast", "not a number or null"),
+        ("std", [1], "not a number or null"),
+    ]
+    for key, value, message in edits:
+        doc = json.loads(json.dumps(good))
+        doc["stats"]["felix"]["0.8"]["time_s"][key] = value
+        (bad / "comparison.json").write_text(json.dumps(doc))
+        with pytest.raises(ConfigError, match=message):
+            read_folder(bad)
+    for where, value, message in [
+        ("metrics", {"0.8": [1, 2]}, r"\['0.8'\] is not an object of metrics"),
+        ("targets", {"0.8": {"time_s": 3}}, r"\['time_s'\] is not an object"),
+        ("variant", 7, "is not an object of targets"),
+    ]:
+        doc = json.loads(json.dumps(good))
+        doc["stats"]["felix"] = value if where != "variant" else 7
+        (bad / "comparison.json").write_text(json.dumps(doc))
+        with pytest.raises(ConfigError, match=message):
+            read_folder(bad)
+    for key, value, message in [
+        ("targets", ["a"], "'targets' is not a list of numbers"),
+        ("seeds", [0.5], "'seeds'"),
+    ]:
+        (bad / "comparison.json").write_text(json.dumps({**good, key: value}))
+        with pytest.raises(ConfigError, match=message):
+            read_folder(bad)
+    doc = json.loads(json.dumps(good))
+    doc["stats"]["felix"]["0.8"]["time_s"]["n"] = "x"
+    (bad / "comparison.json").write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert main(["report", str(bad), "--out", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert "not a count" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    # The committed comparison folders all pass the check.
+    committed = Path(__file__).resolve().parents[1] / "docs" / "results" / "comparisons"
+    for d in sorted(committed.iterdir()) if committed.is_dir() else []:
+        if (d / "comparison.json").is_file():
+            read_folder(d)
     cat = tmp_path / "c.yaml"
     cat.write_text(
         "experiments:\n  - {match: [x], title: t, claims: [{kind: speed, subject: a, baseline: b, source: s}]}\n"

@@ -94,18 +94,55 @@ def read_folder(path: Path) -> Folder:
         raise ConfigError(f"{path}: unreadable result file ({exc})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("stats"), dict) or not doc.get("targets"):
         raise ConfigError(f"{cj}: not a comparison result (no 'stats' or 'targets')")
+    targets, seeds = doc["targets"], doc.get("seeds") or []
+    if not isinstance(targets, list) or not all(_is_number(t) for t in targets):
+        raise ConfigError(f"{cj}: 'targets' is not a list of numbers")
+    if not isinstance(seeds, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+        raise ConfigError(f"{cj}: 'seeds' is not a list of integers")
+    _check_stats(doc["stats"], cj)
     return Folder(
         path=path,
         name=str(doc.get("name") or path.name),
         description=str(doc.get("description") or ""),
         reference=str(doc.get("reference") or ""),
-        targets=[float(t) for t in doc["targets"]],
-        seeds=[int(s) for s in doc.get("seeds") or []],
+        targets=[float(t) for t in targets],
+        seeds=list(seeds),
         stats=doc["stats"],
         manifest=manifest if isinstance(manifest, dict) else {},
         runs=runs if isinstance(runs := doc.get("runs"), dict) else {},
         target_window=window if isinstance(window := doc.get("target_window"), int) else None,
     )
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_stats(stats: dict[str, Any], cj: Path) -> None:
+    """``stats`` as ``felix compare`` writes it, variant -> target -> metric -> spread, each spread
+    with integer ``n`` / ``of`` and numbers (or null, where no seed reached the target) for the
+    rest, so that a hand-edited file stops the report with the one entry at fault, not deep inside
+    a table."""
+    for variant, per_target in stats.items():
+        if not isinstance(per_target, dict):
+            raise ConfigError(f"{cj}: stats[{variant!r}] is not an object of targets")
+        for target, metrics in per_target.items():
+            if not isinstance(metrics, dict):
+                raise ConfigError(f"{cj}: stats[{variant!r}][{target!r}] is not an object of metrics")
+            for metric, spread in metrics.items():
+                where = f"stats[{variant!r}][{target!r}][{metric!r}]"
+                if not isinstance(spread, dict):
+                    raise ConfigError(f"{cj}: {where} is not an object")
+                for key, value in spread.items():
+                    whole = key in ("n", "of")
+                    ok = (
+                        isinstance(value, int) and not isinstance(value, bool) and value >= 0
+                        if whole
+                        else value is None or _is_number(value)
+                    )
+                    if not ok:
+                        kind = "a count" if whole else "a number or null"
+                        raise ConfigError(f"{cj}: {where}[{key!r}] is {value!r}, not {kind}")
 
 
 @dataclass(frozen=True)
