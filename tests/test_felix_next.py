@@ -84,6 +84,12 @@ COMMITTED_COMPARISONS = Path(__file__).resolve().parents[1] / "docs/results/comp
 STRATEGIES = ("oort-async*", "felix-next")
 
 
+#: Every strategy whose adagrad tau is tuned jointly with its lr at beta1 0: the verdict pair,
+#: both other FeLiX variants, and the equal-step control (OORT+Async* with FedBuff's weights over
+#: their sum), which separates the buffer's normalisation from FeLiX's own mechanisms.
+JOINT_TUNED = (*STRATEGIES, "felix-authors", "felix", "oort-async*-equal-step")
+
+
 def _tau_lr_grid(trace: str, strategy: str) -> dict[tuple[float, float], float]:
     """The tuning criterion (``tuning_scores``) per (tau, lr) of ``strategy`` in the committed
     results of felix-optim-tune-tau-lr-<trace>."""
@@ -110,12 +116,20 @@ def test_tau_lr_tuning_has_each_optimum_inside_its_grid(trace: str) -> None:
     """felix-optim-tune-tau-lr-<trace> tunes adagrad's tau jointly with the server lr on the tuning
     seeds: each strategy's best (tau, lr) has a smaller and a larger tau beside it, and a smaller and
     a larger lr at its tau; and the best lr at the default tau 1e-3 is inside its grid as well. The
-    verdict pair and felix-authors alike."""
+    verdict pair, the other FeLiX variants and the equal-step control alike."""
     assert load_comparison(f"felix-optim-tune-tau-lr-{trace}").seeds == [100, 101, 102]
-    for strategy in (*STRATEGIES, "felix-authors"):
+    for strategy in JOINT_TUNED:
         grid = _tau_lr_grid(trace, strategy)
         tau = min(grid, key=grid.__getitem__)[0]
-        assert _inside(tau, [t for t, _ in grid]), (strategy, tau, grid)
+        taus = sorted({t for t, _ in grid})
+        if (trace, strategy) == ("100", "oort-async*-equal-step"):
+            # Its best tau kept falling to the grid's lower end (1e-8), each 10x step by a few
+            # percent: there tau is negligible beside adagrad's accumulated squares, and the
+            # criterion of the five smallest taus is flat to within 10%.
+            best = [min(c for (t, _), c in grid.items() if t == at) for at in taus[:5]]
+            assert tau == taus[0] == 1e-8 and max(best) < 1.1 * min(best), best
+        else:
+            assert _inside(tau, taus), (strategy, tau, grid)
         for at in (tau, 1e-3):
             row = {r: c for (t, r), c in grid.items() if t == at}
             assert _inside(min(row, key=row.__getitem__), list(row)), (strategy, at, row)
@@ -123,20 +137,21 @@ def test_tau_lr_tuning_has_each_optimum_inside_its_grid(trace: str) -> None:
 
 @pytest.mark.parametrize("trace", TRACES)
 def test_tau_lr_verdicts_take_the_tuned_step_on_the_reported_seeds(trace: str) -> None:
-    """felix-best-tau-lr-10seeds-<trace> runs OORT+Async*, felix-next and felix-authors at the (tau,
-    lr) that won the joint tuning, and felix-next (and OORT+Async*, where it moved) at the best lr at
-    tau 1e-3, the setting chosen before tau was tuned, on the reported seeds 0-9 only."""
+    """felix-best-tau-lr-10seeds-<trace> runs every jointly tuned strategy at the (tau, lr) that won
+    its tuning, and felix-next (and OORT+Async*, where it moved) at the best lr at tau 1e-3, the
+    setting chosen before tau was tuned, on the reported seeds 0-9 only."""
     comp = load_comparison(f"felix-best-tau-lr-10seeds-{trace}")
     assert comp.seeds == list(range(10)) and comp.reference == "oort-async*"
     assert comp.targets == [0.78, 0.8, 0.82]
-    grid = _tau_lr_grid(trace, "felix-authors")
-    agg = variant_config(comp, "felix-authors", {}).aggregator
-    tau, lr = min(grid, key=grid.__getitem__)
-    assert (agg.server_optimizer, agg.server_optimizer_params, agg.server_lr) == (
-        "adagrad",
-        {"beta1": 0.0, "tau": tau},
-        lr,
-    )
+    for strategy in JOINT_TUNED[len(STRATEGIES) :]:
+        grid = _tau_lr_grid(trace, strategy)
+        agg = variant_config(comp, strategy, {}).aggregator
+        tau, lr = min(grid, key=grid.__getitem__)
+        assert (agg.server_optimizer, agg.server_optimizer_params, agg.server_lr) == (
+            "adagrad",
+            {"beta1": 0.0, "tau": tau},
+            lr,
+        ), strategy
     for strategy in STRATEGIES:
         grid = _tau_lr_grid(trace, strategy)
         at_default = {k: c for k, c in grid.items() if k[0] == 1e-3}
@@ -173,14 +188,15 @@ def test_tau_lr_verdict_is_short_of_the_goal_with_no_more_bytes(trace: str) -> N
 def test_server_momentum_stays_off_at_the_joint_tau(trace: str) -> None:
     """felix-optim-tune-beta1-tau-<trace> tunes adagrad's beta1 at each strategy's joint (tau, lr)
     optimum: beta1 0.5, with its own lr grid (its optimum inside it), scores at least 2% worse than
-    beta1 0 for every strategy on every trace, as at tau 1e-3, but for felix-next on MobiPerf, where
-    the two tie to within 0.1% and the ten-seed verdict runs both. Its beta1 0 rows are the joint
+    beta1 0 for every strategy on every trace, as at tau 1e-3, but for felix-next on MobiPerf (a tie
+    to within 0.1%) and the equal-step control on "50%" and MobiPerf (0.5 ahead by 2% and 8%); there
+    the ten-seed verdict runs beta1 0.5 as well, at its own best lr. Its beta1 0 rows are the joint
     tuning's variants of the same names, so that ``felix compare`` reads their runs back."""
     name = f"felix-optim-tune-beta1-tau-{trace}"
     comp, joint = load_comparison(name), load_comparison(f"felix-optim-tune-tau-lr-{trace}")
     assert comp.seeds == joint.seeds == [100, 101, 102] and comp.targets == joint.targets
     scores = tuning_scores(read_folder(COMMITTED_COMPARISONS / name))
-    joint_grids = {s: _tau_lr_grid(trace, s) for s in (*STRATEGIES, "felix-authors")}
+    joint_grids = {s: _tau_lr_grid(trace, s) for s in JOINT_TUNED}
     grids: dict[tuple[str, float], dict[float, float]] = {}
     for variant in comp.variants:
         cfg = variant_config(comp, variant, {}, 100, max(comp.targets))
@@ -192,18 +208,23 @@ def test_server_momentum_stays_off_at_the_joint_tau(trace: str) -> None:
             assert (params["tau"], cfg.aggregator.server_lr) in joint_grids[cfg.strategy]
     strategies = {s for s, _ in grids}
     assert strategies == set(joint_grids)
+    verdict = load_comparison(f"felix-best-tau-lr-10seeds-{trace}")
+    not_worse = set()
     for strategy in strategies:
         off, on = grids[(strategy, 0.0)], grids[(strategy, 0.5)]
         assert min(off.values()) == min(joint_grids[strategy].values())
         assert _inside(min(on, key=on.__getitem__), list(on)), (strategy, on)
         ratio = min(on.values()) / min(off.values())
-        if (trace, strategy) == ("mobiperf", "felix-next"):
-            assert abs(ratio - 1) < 1e-3, ratio
-            verdict = load_comparison(f"felix-best-tau-lr-10seeds-{trace}")
-            tied = variant_config(verdict, "felix-next-beta1-0.5", {}).aggregator
-            best = variant_config(verdict, "felix-next", {}).aggregator
-            assert tied == best.model_copy(
-                update={"server_optimizer_params": {**best.server_optimizer_params, "beta1": 0.5}}
-            )
-        else:
-            assert ratio > 1.02, (strategy, ratio)
+        if ratio > 1.02:
+            continue
+        not_worse.add(strategy)
+        best = variant_config(verdict, strategy, {}).aggregator
+        with_momentum = variant_config(verdict, f"{strategy}-beta1-0.5", {}).aggregator
+        assert with_momentum == best.model_copy(
+            update={
+                "server_optimizer_params": {**best.server_optimizer_params, "beta1": 0.5},
+                "server_lr": min(on, key=on.__getitem__),
+            }
+        ), strategy
+    expected = {"mobiperf": {"felix-next", "oort-async*-equal-step"}, "50": {"oort-async*-equal-step"}}
+    assert not_worse == expected.get(trace, set())
