@@ -122,16 +122,20 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFi
         (bad / "comparison.json").write_text(json.dumps(doc))
         with pytest.raises(ConfigError, match=message):
             read_folder(bad)
-    for where, value, message in [
-        ("metrics", {"0.8": [1, 2]}, r"\['0.8'\] is not an object of metrics"),
-        ("targets", {"0.8": {"time_s": 3}}, r"\['time_s'\] is not an object"),
-        ("variant", 7, "is not an object of targets"),
+    for value, message in [
+        ({"0.8": [1, 2]}, r"\['0.8'\] is not an object of metrics"),
+        ({"0.8": {"time_s": 3}}, r"\['time_s'\] is not an object"),
+        (7, "is not an object of targets"),
+        ({"0.8": {"time_s": {"n": 4, "of": 3}}}, "counts more seeds reaching it than it ran"),
     ]:
         doc = json.loads(json.dumps(good))
-        doc["stats"]["felix"] = value if where != "variant" else 7
+        doc["stats"]["felix"] = value
         (bad / "comparison.json").write_text(json.dumps(doc))
         with pytest.raises(ConfigError, match=message):
             read_folder(bad)
+    (bad / "comparison.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ConfigError, match="unreadable result file"):
+        read_folder(bad)
     for key, value, message in [
         ("targets", ["a"], "'targets' is not a list of numbers"),
         ("seeds", [0.5], "'seeds'"),

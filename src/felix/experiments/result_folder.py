@@ -90,14 +90,14 @@ def read_folder(path: Path) -> Folder:
         manifest = (
             json.loads((path / "manifest.json").read_text()) if (path / "manifest.json").is_file() else {}
         )
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ConfigError(f"{path}: unreadable result file ({exc})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("stats"), dict) or not doc.get("targets"):
         raise ConfigError(f"{cj}: not a comparison result (no 'stats' or 'targets')")
     targets, seeds = doc["targets"], doc.get("seeds") or []
     if not isinstance(targets, list) or not all(_is_number(t) for t in targets):
         raise ConfigError(f"{cj}: 'targets' is not a list of numbers")
-    if not isinstance(seeds, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+    if not isinstance(seeds, list) or not all(_is_count(s) for s in seeds):
         raise ConfigError(f"{cj}: 'seeds' is not a list of integers")
     _check_stats(doc["stats"], cj)
     return Folder(
@@ -118,9 +118,13 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _check_stats(stats: dict[str, Any], cj: Path) -> None:
     """``stats`` as ``felix compare`` writes it, variant -> target -> metric -> spread, each spread
-    with integer ``n`` / ``of`` and numbers (or null, where no seed reached the target) for the
+    with counts ``n`` <= ``of`` and numbers (or null, where no seed reached the target) for the
     rest, so that a hand-edited file stops the report with the one entry at fault, not deep inside
     a table."""
     for variant, per_target in stats.items():
@@ -135,14 +139,11 @@ def _check_stats(stats: dict[str, Any], cj: Path) -> None:
                     raise ConfigError(f"{cj}: {where} is not an object")
                 for key, value in spread.items():
                     whole = key in ("n", "of")
-                    ok = (
-                        isinstance(value, int) and not isinstance(value, bool) and value >= 0
-                        if whole
-                        else value is None or _is_number(value)
-                    )
-                    if not ok:
+                    if not (_is_count(value) if whole else value is None or _is_number(value)):
                         kind = "a count" if whole else "a number or null"
                         raise ConfigError(f"{cj}: {where}[{key!r}] is {value!r}, not {kind}")
+                if spread.get("n", 0) > spread.get("of", spread.get("n", 0)):
+                    raise ConfigError(f"{cj}: {where} counts more seeds reaching it than it ran")
 
 
 @dataclass(frozen=True)
