@@ -68,8 +68,9 @@ def test_the_in_memory_transport_is_refused_in_one_line() -> None:
 
 def test_a_full_inbox_longer_than_the_keepalive_costs_no_connection(tmp_path: Path) -> None:
     with MosquittoBroker(1, workdir=tmp_path / "broker") as broker:
-        # Keep-alive 1 s: the broker drops a connection silent for 1.5 s.
-        opts = _server_opts(broker, keepalive_s=1, connect_timeout_s=10)
+        # Keep-alive 2 s: the broker drops a connection silent for 3 s, so the 8 s below are more
+        # than twice that.
+        opts = _server_opts(broker, keepalive_s=2, connect_timeout_s=10)
         box = Inbox(1 << 20, 20)
         link = _link(opts, box, timeout_s=3.0)
         link.start(fresh=True)

@@ -10,6 +10,7 @@ redelivery) and then hand over every message once.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from pathlib import Path
@@ -53,13 +54,15 @@ def test_a_put_waiting_for_room_runs_its_links_upkeep() -> None:
 def test_a_full_inbox_does_not_cost_the_link_its_connection(tmp_path: Path) -> None:
     with MosquittoBroker(1, workdir=tmp_path / "broker") as broker:
         u = users(broker)
-        # Keep-alive 1 s: the broker drops a connection silent for 1.5 s.
+        # Keep-alive 2 s: the broker drops a connection silent for 3 s (counted in whole seconds:
+        # a keep-alive of 1 s leaves a connection that is served on time too little margin on a
+        # loaded machine), so the 8 s below are more than twice that.
         opts = BrokerOptions(
             "127.0.0.1",
             broker.port,
             SERVER_USER,
             u[SERVER_USER],
-            keepalive_s=1,
+            keepalive_s=2,
             connect_timeout_s=10,
             receive_maximum=1000,
         )
@@ -91,10 +94,38 @@ def test_a_full_inbox_does_not_cost_the_link_its_connection(tmp_path: Path) -> N
                     break
             time.sleep(2.0)  # a connection the broker dropped is found dead once its bytes are read
             got += [m for _, m in box.get_batch(0.5, 1000) if isinstance(m, Inbound)]
-            assert link.connected and link.epoch == 1, "the link reconnected while its inbox was full"
+            assert link.connected and link.epoch == 1, (
+                f"the link reconnected while its inbox was full; the broker's log:\n{broker._log_tail()}"
+            )
             assert [m.payload[:5] for m in got] == [b"m%04d" % i for i in range(N)]  # each once, in order
             assert link.upkeeps >= 10
         finally:
             pub.disconnect()
             pub.loop_stop()
             link.close()
+
+
+@pytest.mark.parametrize(("quiet_s", "pings"), [(0.9, 0), (1.1, 1), (2.5, 1)])
+def test_a_waiting_links_upkeep_pings_every_half_keepalive(quiet_s: float, pings: int) -> None:
+    """A blocked link pings once half its keep-alive (2 s) has passed without a packet out, not
+    at the full keep-alive as paho does, and then counts the ping as the last packet out."""
+    link = MqttLink(
+        "srv", BrokerOptions("127.0.0.1", 1, SERVER_USER, "pw", keepalive_s=2), [], lambda m: None
+    )
+    c = link._client
+    a, b = socket.socketpair()
+    sent: list[float] = []
+    try:
+        c._sock = a
+        c._keepalive = 2
+        c._last_msg_out = mqtt.time_func() - quiet_s
+        c._send_pingreq = lambda: sent.append(mqtt.time_func()) or mqtt.MQTT_ERR_SUCCESS  # type: ignore[method-assign]
+        c._check_keepalive = lambda: None  # type: ignore[method-assign]
+        c.loop_write = lambda: mqtt.MQTT_ERR_SUCCESS  # type: ignore[method-assign]
+        link._upkeep()
+        assert len(sent) == pings and link.upkeeps == 1
+        assert (mqtt.time_func() - c._last_msg_out < 0.5) == bool(pings)
+    finally:
+        c._sock = None
+        a.close()
+        b.close()

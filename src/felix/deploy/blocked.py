@@ -9,7 +9,7 @@ overload (a full inbox for tens of seconds) the server's links reconnected again
 time taking a redelivery of everything unacknowledged. Here a link registers, for the length of a
 hand-over, what its thread must keep doing (``keeping_alive``); the inbox, while it makes that
 thread wait, calls it every slice of its wait (``serve_waiting_link``), on that same thread and
-outside its lock: the link then writes what is queued (acknowledgements, a PINGREQ once per
+outside its lock: the link then writes what is queued (acknowledgements, a PINGREQ every half
 keep-alive) but reads nothing, so the bound still holds.
 """
 

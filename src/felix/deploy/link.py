@@ -32,7 +32,7 @@ retries silently; ``_tls_problem`` then repeats the handshake to say why).
 
 Keep-alive under back-pressure: a read pass handed to an owner whose inbox is full makes the
 network thread wait (that is the back-pressure), and while it waits the inbox has it write what
-is queued and a PINGREQ once per keep-alive (``felix.deploy.blocked``, ``MqttLink._upkeep``);
+is queued and a PINGREQ every half keep-alive (``felix.deploy.blocked``, ``MqttLink._upkeep``);
 bytes waiting unread in the socket count as the broker's sign of life. So the keep-alive does
 not depend on the inbox: an owner that is behind for minutes keeps its connections, instead of
 having the broker drop them and redeliver everything unacknowledged on each reconnect.
@@ -763,16 +763,25 @@ class MqttLink:
 
     def _upkeep(self) -> None:
         """The network thread waits for room in its owner's inbox: write what is queued (the
-        owner's acknowledgements) and a PINGREQ when one is due, reading nothing. Unread bytes in
-        the socket show the broker alive, so paho's own keep-alive does not give up on it."""
+        owner's acknowledgements) and a PINGREQ every half keep-alive, reading nothing. Unread
+        bytes in the socket show the broker alive, so paho's own keep-alive does not give up on it.
+
+        Why half: the broker drops a connection silent for 1.5 keep-alives, counted in whole
+        seconds, and a server whose inbox is full is a loaded one whose thread may run late; a
+        PINGREQ at each full keep-alive (paho's own rule) leaves too little of that margin."""
         c = self._client
         sock = c._sock
         if sock is None:
             return
-        if _unread(sock):
+        now = mqtt.time_func()
+        with c._msgtime_mutex:
+            if _unread(sock):
+                c._last_bytes_received = now
+            ping = c._keepalive > 0 and now - c._last_msg_out >= c._keepalive / 2
+        if ping and c._send_pingreq() == mqtt.MQTT_ERR_SUCCESS:
             with c._msgtime_mutex:
-                c._last_bytes_received = mqtt.time_func()
-        c._check_keepalive()
+                c._last_msg_out = now
+        c._check_keepalive()  # and paho's own check: a broker silent for a keep-alive is gone
         c.loop_write()
         self.upkeeps += 1
 
