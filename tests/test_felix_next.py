@@ -234,6 +234,16 @@ def test_server_momentum_stays_off_at_the_joint_tau(trace: str) -> None:
 #: the ten-seed verdict's variant that runs it on the reported seeds. Each strategy keeps the tau its
 #: joint tuning chose on seeds 100-102; OORT+Async* keeps its whole setting.
 TEN_SEED_CHOICE = {
+    "100": {
+        "oort-async*": ((1e-5, 0.0, 0.01), "oort-async*-lr0.01"),
+        "oort-async*-equal-step": ((1e-8, 0.0, 0.01), "oort-async*-equal-step-lr0.01"),
+        "felix-next": ((1e-5, 0.0, 0.005), "felix-next"),
+    },
+    "90": {
+        "oort-async*": ((1e-5, 0.0, 0.005), "oort-async*"),
+        "oort-async*-equal-step": ((1e-5, 0.0, 0.01), "oort-async*-equal-step-lr0.01"),
+        "felix-next": ((1e-6, 0.0, 0.01), "felix-next"),
+    },
     "50": {
         "oort-async*": ((1e-5, 0.0, 0.01), "oort-async*"),
         "oort-async*-equal-step": ((1e-4, 0.0, 0.01), "oort-async*-equal-step"),
@@ -249,13 +259,13 @@ TEN_SEED_CHOICE = {
 
 @pytest.mark.parametrize("trace", list(TEN_SEED_CHOICE))
 def test_beta1_and_lr_settled_on_ten_tuning_seeds(trace: str) -> None:
-    """Where three tuning seeds left the control's beta1 inside seed noise ("50%", MobiPerf),
-    felix-optim-tune-beta1-10seeds-<trace> tunes beta1 and the lr on all ten for the control,
-    felix-next and OORT+Async*: each (strategy, beta1) lr optimum inside its grid, the choice run on
-    the reported seeds by the verdict file, and its rows the same configurations as the three-seed
-    tuning's rows of the same names (so that ``felix compare`` reads those runs back). At those
-    choices felix-next is still short of 1.3x OORT+Async*'s speed to 0.80 (by the mean times), with
-    fewer bytes."""
+    """Three tuning seeds choose beta1 and the lr within seed noise (the control's beta1 on "50%"
+    and MobiPerf flipped the ablation), so felix-optim-tune-beta1-10seeds-<trace> tunes both on all
+    ten for the control, felix-next and OORT+Async*: each (strategy, beta1) lr optimum inside its
+    grid, the choice run on the reported seeds by the verdict file, and its rows the same
+    configurations as the three-seed tuning's rows of the same names (so that ``felix compare``
+    reads those runs back). At those choices felix-next is still short of 1.3x OORT+Async*'s speed
+    to 0.80 (by the mean times), with at most 1% more bytes."""
     name = f"felix-optim-tune-beta1-10seeds-{trace}"
     comp = load_comparison(name)
     assert comp.seeds == list(range(100, 110))
@@ -286,7 +296,8 @@ def test_beta1_and_lr_settled_on_ten_tuning_seeds(trace: str) -> None:
         agg = variant_config(verdict, row, {}).aggregator
         assert (agg.server_optimizer_params, agg.server_lr) == ({"beta1": beta1, "tau": tau}, lr), row
     stats = read_folder(COMMITTED_COMPARISONS / f"felix-best-tau-lr-10seeds-{trace}").stats
-    oort, nxt = stats["oort-async*"]["0.8"], stats[TEN_SEED_CHOICE[trace]["felix-next"][1]]["0.8"]
+    choice = TEN_SEED_CHOICE[trace]
+    oort, nxt = (stats[choice[s][1]]["0.8"] for s in ("oort-async*", "felix-next"))
     assert oort["time_s"]["n"] == nxt["time_s"]["n"] == 10
-    assert 1.0 < oort["time_s"]["mean"] / nxt["time_s"]["mean"] < 1.3
-    assert nxt["bytes_total"]["mean"] < oort["bytes_total"]["mean"]
+    assert oort["time_s"]["mean"] / nxt["time_s"]["mean"] < 1.3
+    assert nxt["bytes_total"]["mean"] < 1.01 * oort["bytes_total"]["mean"]
